@@ -1,0 +1,73 @@
+"""Run a function on N real processes joined by a gloo process group (CPU).
+
+Every multi-rank test goes through `run_distributed`: it spawns one process per rank, initialises
+torch.distributed over gloo on a free localhost port, calls ``fn(*args)`` on each rank and returns the
+per-rank results in rank order, or raises the first rank failure with that rank's traceback.
+"""
+import os
+import socket
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, kwargs, queue):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    try:
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(*args, **kwargs)
+        queue.put((rank, True, result))
+    except BaseException:  # report every failure, including assertion errors, to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        except Exception:
+            pass
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def run_distributed(fn, world_size, *args, timeout=300, **kwargs):
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the list of results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, queue), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results, errors = [None] * world_size, []
+    try:
+        for _ in range(world_size):
+            rank, ok, payload = queue.get(timeout=timeout)
+            if ok:
+                results[rank] = payload
+            else:
+                errors.append((rank, payload))
+                break  # one failure is enough; the others may hang in collectives
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else timeout)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        rank, tb = errors[0]
+        raise RuntimeError(f"rank {rank} failed:\n{tb}")
+    return results
