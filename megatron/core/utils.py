@@ -1,0 +1,112 @@
+"""Small helpers shared across megatron.core: devices, tensor utilities, model unwrapping."""
+import os
+from functools import reduce
+import operator
+from typing import Any, List, Optional
+
+import torch
+
+
+def get_current_device_type() -> str:
+    """'cuda' when a GPU is visible, else 'cpu'."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def get_device(local_rank: Optional[int] = None) -> torch.device:
+    """``cuda:LOCAL_RANK`` when CUDA is available, else CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+    return torch.device(f"cuda:{local_rank}")
+
+
+def divide(numerator: int, denominator: int) -> int:
+    """Exact integer division; raises if ``denominator`` does not divide ``numerator``."""
+    if numerator % denominator != 0:
+        raise ValueError(f"{numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+def ensure_divisibility(numerator: int, denominator: int) -> None:
+    if numerator % denominator != 0:
+        raise ValueError(f"{numerator} is not divisible by {denominator}")
+
+
+def prod(values) -> int:
+    return reduce(operator.mul, values, 1)
+
+
+def get_attr_wrapped_model(model, attr: str, allow_none: bool = True, return_model_obj: bool = False):
+    """Walk ``.module`` wrappers (DDP, Float16Module) until one has ``attr``."""
+    if isinstance(model, list):
+        raise TypeError("get_attr_wrapped_model expects a single model chunk, not a list")
+    while not hasattr(model, attr):
+        if not hasattr(model, "module"):
+            raise RuntimeError(f"no wrapped module has attribute '{attr}'")
+        model = model.module
+    if return_model_obj:
+        return model
+    value = getattr(model, attr)
+    if value is None and not allow_none:
+        raise RuntimeError(f"attribute '{attr}' is None")
+    return value
+
+
+def get_model_config(model):
+    """The TransformerConfig of a (possibly wrapped) model chunk."""
+    return get_attr_wrapped_model(model, "config", allow_none=False)
+
+
+def unwrap_model(model, module_instances: Any = None):
+    """Strip wrapper modules (anything exposing ``.module``) from a model or list of models."""
+    models = model if isinstance(model, list) else [model]
+    out = []
+    for m in models:
+        while hasattr(m, "module") and (module_instances is None or isinstance(m, module_instances)):
+            m = m.module
+        out.append(m)
+    return out if isinstance(model, list) else out[0]
+
+
+def make_viewless_tensor(inp: torch.Tensor, requires_grad: bool, keep_graph: bool) -> torch.Tensor:
+    """A tensor that is not a view, so its storage can be freed after a pipeline send."""
+    if inp._base is None:
+        return inp
+    if keep_graph:
+        return inp.clone() if not requires_grad else inp.view_as(inp).clone()
+    out = torch.empty((1,), dtype=inp.dtype, device=inp.device, requires_grad=requires_grad)
+    out.data = inp.data
+    return out
+
+
+def init_method_normal(sigma: float):
+    """N(0, sigma) initializer."""
+    def init_(tensor):
+        return torch.nn.init.normal_(tensor, mean=0.0, std=sigma)
+    return init_
+
+
+def scaled_init_method_normal(sigma: float, num_layers: int, multiplier: float = 2.0):
+    """N(0, sigma / sqrt(multiplier * num_layers)) for output projections of residual branches."""
+    std = sigma / (multiplier * num_layers) ** 0.5
+    return init_method_normal(std)
+
+
+def is_torch_min_version(version: str) -> bool:
+    from packaging.version import Version
+    return Version(torch.__version__.split("+")[0]) >= Version(version)
+
+
+def print_rank_0(message: str) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(message, flush=True)
+
+
+def log_single_rank(logger, *args, rank: int = 0, **kwargs) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == rank:
+        logger.log(*args, **kwargs)
+
+
+def get_tensor_list(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    return [t for t in tensors if t is not None]
