@@ -1,0 +1,9 @@
+"""Layout-independent checkpoints: sharded state dicts saved and loaded through torch.distributed.checkpoint."""
+from .core import CheckpointingException, check_is_distributed_checkpoint
+from .mapping import ShardedObject, ShardedStateDict, ShardedTensor
+from .serialization import load, load_common_state_dict, load_tensors_metadata, save
+from .strategies.async_utils import AsyncCallsQueue, AsyncRequest
+
+__all__ = ["ShardedTensor", "ShardedObject", "ShardedStateDict", "save", "load", "load_common_state_dict",
+           "load_tensors_metadata", "check_is_distributed_checkpoint", "CheckpointingException",
+           "AsyncCallsQueue", "AsyncRequest"]

@@ -1,0 +1,203 @@
+"""`save` and `load` of sharded state dicts (Megatron Core's `dist_checkpointing` entry points).
+
+A checkpoint directory holds DCP files (`__{rank}_{k}.distcp`, `.metadata`), the non-sharded ("common")
+state in `common.pt` (written by rank 0), and `metadata.json`, written last.
+"""
+import logging
+import os
+from typing import Any, Dict, Optional
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException as DCPException
+
+from . import dict_utils
+from .core import CONFIG_FNAME, CheckpointingException, maybe_load_config, save_config
+from .mapping import ShardedObject, ShardedStateDict, ShardedTensor
+from .strategies import torch as torch_strategy
+from .strategies.async_utils import AsyncRequest
+
+logger = logging.getLogger(__name__)
+COMMON_FNAME = "common.pt"
+_RAISE_ON_MISSING = ("assume_ok_unexpected", "raise_unexpected", "raise_all", "log_unexpected",
+                     "return_unexpected", "return_all")
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _barrier(group=None) -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier(group=group)
+
+
+def _to_cpu(t: torch.Tensor) -> torch.Tensor:
+    """Host copy detached from later in-place updates (async saves write it while training goes on)."""
+    return t.detach().to("cpu", copy=True)
+
+
+def _prepare(sharded_state_dict: ShardedStateDict, copy_to_cpu: bool):
+    common, sharded = dict_utils.split_common(sharded_state_dict)
+    tensors = [v for _, v in sharded if isinstance(v, ShardedTensor) and v.is_main_replica()]
+    objects = [v for _, v in sharded if isinstance(v, ShardedObject) and v.is_main_replica()]
+    for sh in tensors:
+        if sh.data is None:
+            raise CheckpointingException(f"ShardedTensor {sh.key} has no data to save")
+    data = [_to_cpu(sh.data) if copy_to_cpu else sh.data.detach() for sh in tensors]
+    shards = torch_strategy.tensor_shards(tensors, data)
+    return common, shards, torch_strategy.object_shards(objects)
+
+
+def _write_common(checkpoint_dir: str, common: Dict[str, Any]) -> None:
+    if _rank() != 0:
+        return
+    path = os.path.join(checkpoint_dir, COMMON_FNAME)
+    torch.save(common, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_strategy=None,
+         common_strategy=None, validate_access_integrity: bool = True, async_sharded_save: bool = False,
+         process_group=None, **kwargs) -> Optional[AsyncRequest]:
+    """Save ``sharded_state_dict`` into ``checkpoint_dir`` (collective over all ranks).
+
+    Only main replicas (``replica_id == 0``) are written. With ``async_sharded_save`` tensors are copied to
+    host memory now and an `AsyncRequest` is returned whose function writes them (run it with an
+    `AsyncCallsQueue`); `metadata.json` is written by its finalize step.
+    """
+    if sharded_strategy not in (None, "torch_dist") and not isinstance(sharded_strategy, tuple):
+        raise ValueError(f"sharded_strategy {sharded_strategy!r} is not supported; use None or 'torch_dist'")
+    if _rank() == 0:
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        if os.path.exists(os.path.join(checkpoint_dir, CONFIG_FNAME)):
+            raise CheckpointingException(f"{checkpoint_dir} already holds a checkpoint; save into an empty directory")
+    _barrier(process_group)
+    common, shards, objects = _prepare(sharded_state_dict, copy_to_cpu=async_sharded_save)
+    _write_common(checkpoint_dir, common)
+
+    def write(group=process_group):
+        torch_strategy.dcp_write(checkpoint_dir, shards, objects, process_group=group)
+
+    def finalize():
+        if _rank() == 0:
+            save_config(checkpoint_dir)
+
+    if async_sharded_save:
+        return AsyncRequest(write, finalize_fns=[finalize], description=checkpoint_dir)
+    write()
+    finalize()
+    _barrier(process_group)
+    return None
+
+
+def load_common_state_dict(checkpoint_dir: str) -> Dict[str, Any]:
+    """The non-sharded part of a checkpoint (args, iteration, scheduler state...), read on any rank."""
+    if maybe_load_config(checkpoint_dir) is None:
+        raise CheckpointingException(
+            f"{checkpoint_dir} is not a complete torch_dist checkpoint (no {CONFIG_FNAME})")
+    path = os.path.join(checkpoint_dir, COMMON_FNAME)
+    if os.path.isfile(path):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as e:
+            raise CheckpointingException(f"corrupted checkpoint file {path}: {type(e).__name__}: {e}") from e
+    # Newer Megatron checkpoints keep the common state as a DCP object.
+    objs = _guarded_read(checkpoint_dir, {}, ["common_state"], no_dist=True)
+    return objs["common_state"]
+
+
+def load_tensors_metadata(checkpoint_dir: str) -> Dict[str, Any]:
+    """``{key: (global_shape, dtype)}`` for every tensor in the checkpoint, without reading data."""
+    md = _read_dcp_metadata(checkpoint_dir)
+    out = {}
+    for k, v in md.state_dict_metadata.items():
+        if hasattr(v, "size"):
+            out[k] = (tuple(v.size), v.properties.dtype)
+    return out
+
+
+def _read_dcp_metadata(checkpoint_dir: str):
+    try:
+        return torch_strategy.read_metadata(checkpoint_dir)
+    except Exception as e:
+        raise CheckpointingException(
+            f"corrupted or missing checkpoint file {os.path.join(checkpoint_dir, '.metadata')}: "
+            f"{type(e).__name__}: {e}") from e
+
+
+def _truncated_files(checkpoint_dir: str):
+    """Files shorter than the byte ranges DCP's metadata records for them."""
+    try:
+        md = torch_strategy.read_metadata(checkpoint_dir)
+    except Exception:
+        return []
+    need = {}
+    for info in (md.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    bad = []
+    for rel, n in sorted(need.items()):
+        p = os.path.join(checkpoint_dir, rel)
+        if not os.path.isfile(p) or os.path.getsize(p) < n:
+            bad.append(p)
+    return bad
+
+
+def _guarded_read(checkpoint_dir, shards, object_keys, **kwargs):
+    _read_dcp_metadata(checkpoint_dir)
+    try:
+        return torch_strategy.dcp_read(checkpoint_dir, shards, object_keys, **kwargs)
+    except CheckpointingException:
+        raise
+    except (Exception, DCPException) as e:  # DCP's exception derives from BaseException
+        inner = getattr(e, "failures", None)
+        if isinstance(inner, dict):
+            for failure in inner.values():
+                if isinstance(failure, CheckpointingException):
+                    raise failure from e
+                if isinstance(failure, tuple) and failure and isinstance(failure[0], CheckpointingException):
+                    raise failure[0] from e
+        bad = _truncated_files(checkpoint_dir)
+        where = f"truncated or missing file(s) {', '.join(bad)}" if bad else f"{type(e).__name__}"
+        raise CheckpointingException(f"failed to read checkpoint {checkpoint_dir}: {where}") from e
+
+
+def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_strategy=None,
+         common_strategy=None, validate_access_integrity: bool = True, strict: str = "assume_ok_unexpected",
+         process_group=None) -> Dict[str, Any]:
+    """Load the tensors and objects described by ``sharded_state_dict`` (collective over all ranks).
+
+    Returns the checkpoint's common state merged with the loaded values, in the structure of
+    ``sharded_state_dict`` (ready for ``model.load_state_dict``). Each rank reads the slices its
+    ShardedTensors ask for, so the saving layout may differ from the loading one.
+    """
+    strict = getattr(strict, "value", strict)
+    common = load_common_state_dict(checkpoint_dir)
+    _, sharded = dict_utils.split_common(sharded_state_dict)
+    md_keys = set(load_tensors_metadata(checkpoint_dir)) if strict not in _RAISE_ON_MISSING else None
+    tensors, paths, objects = [], [], []
+    result = {}
+    for path, sh in sharded:
+        if md_keys is not None and sh.key not in md_keys and isinstance(sh, ShardedTensor):
+            if strict == "log_all":
+                logger.warning("checkpoint %s has no tensor %s; keeping its current value", checkpoint_dir, sh.key)
+            dict_utils.set_path(result, path, sh.data)
+            continue
+        (tensors if isinstance(sh, ShardedTensor) else objects).append((path, sh))
+    bufs = [_empty_like_shard(sh) for _, sh in tensors]
+    shards = torch_strategy.tensor_shards([sh for _, sh in tensors], bufs)
+    allow = [sh.key for _, sh in tensors if sh.allow_shape_mismatch]
+    objs = _guarded_read(checkpoint_dir, shards, sorted({o.unique_key for _, o in objects}),
+                         process_group=process_group, allow_shape_mismatch=allow)
+    merged = common if isinstance(common, dict) else {}
+    for (path, _), buf in zip(tensors, bufs):
+        dict_utils.set_path(merged, path, buf)
+    for path, o in objects:
+        dict_utils.set_path(merged, path, objs[o.unique_key])
+    for path, value in dict_utils.iter_leaves(result):
+        dict_utils.set_path(merged, path, value)
+    return merged
+
+
+def _empty_like_shard(sh: ShardedTensor) -> torch.Tensor:
+    device = sh.data.device if sh.data is not None else "cpu"
+    return torch.empty(sh.local_shape, dtype=sh.dtype, device=device)

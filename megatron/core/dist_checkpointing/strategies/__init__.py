@@ -1,0 +1,1 @@
+"""Storage strategies behind `dist_checkpointing.save/load` (torch.distributed.checkpoint)."""

@@ -1,0 +1,149 @@
+"""ShardedTensors <-> torch.distributed.checkpoint (DCP) files.
+
+Every shard is written as a chunk of its global tensor (key, global shape, offset), so DCP's metadata
+describes global tensors independent of the layout that wrote them. Loading asks DCP for the chunk the
+current layout needs; DCP reads the overlapping parts of whichever saved chunks cover it.
+"""
+import io
+from typing import Dict, List, Tuple
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint import save as dcp_save
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
+                                                   MetadataIndex, TensorProperties)
+from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData, WriteItem,
+                                                  WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import (_create_read_item_for_byteio,
+                                                          create_read_items_for_chunk_list)
+
+from ..core import CheckpointingException
+from ..mapping import ShardedObject, ShardedTensor
+
+# fqn -> [(global offset, local tensor with prepended axes, global shape)]
+Shards = Dict[str, List[Tuple[Tuple[int, ...], torch.Tensor, Tuple[int, ...]]]]
+
+
+def _expanded(sh: ShardedTensor, tensor: torch.Tensor) -> torch.Tensor:
+    """View ``tensor`` with the ``prepend_axis_num`` leading global axes of size 1."""
+    return tensor.reshape((1,) * sh.prepend_axis_num + tuple(tensor.shape))
+
+
+def tensor_shards(sharded: List[ShardedTensor], tensors: List[torch.Tensor]) -> Shards:
+    out: Shards = {}
+    for sh, t in zip(sharded, tensors):
+        t = _expanded(sh, t)
+        if len(sh.global_offset) != t.dim():
+            raise CheckpointingException(
+                f"ShardedTensor {sh.key}: global offset {sh.global_offset} does not match local shape {tuple(t.shape)}")
+        chunks = out.setdefault(sh.key, [])
+        if any(off == tuple(sh.global_offset) for off, _, _ in chunks):
+            raise CheckpointingException(f"ShardedTensor {sh.key} at offset {sh.global_offset} given twice on one rank")
+        chunks.append((tuple(sh.global_offset), t, tuple(sh.global_shape)))
+    return out
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """Writes each local shard as a chunk of its global tensor; objects as bytes."""
+
+    def __init__(self, shards: Shards):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.shards = shards
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for fqn, chunks in self.shards.items():
+            for offset, t, global_shape in chunks:
+                items.append(WriteItem(
+                    index=MetadataIndex(fqn, torch.Size(offset)), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=torch.Size(offset), sizes=t.size()),
+                        properties=TensorProperties.create_from_tensor(t), size=torch.Size(global_shape))))
+        for fqn in self.state_dict:
+            items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex):
+        if index.fqn in self.shards:
+            for offset, t, _ in self.shards[index.fqn]:
+                if torch.Size(offset) == index.offset:
+                    return t
+        return self.state_dict[index.fqn]
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """Reads the chunk each local ShardedTensor asks for, from whatever saved chunks overlap it."""
+
+    def __init__(self, shards: Shards, object_keys: List[str], checkpoint_dir: str, allow_shape_mismatch=()):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
+        self.shards, self.object_keys, self.checkpoint_dir = shards, object_keys, checkpoint_dir
+        self.allow_shape_mismatch = set(allow_shape_mismatch)
+        self.loaded_objects = {}
+
+    def create_local_plan(self) -> LoadPlan:
+        md = self.metadata.state_dict_metadata
+        items = []
+        for fqn, chunks in self.shards.items():
+            if fqn not in md:
+                raise CheckpointingException(f"checkpoint {self.checkpoint_dir} has no tensor '{fqn}'")
+            saved = md[fqn]
+            if isinstance(saved, BytesStorageMetadata):
+                raise CheckpointingException(f"checkpoint {self.checkpoint_dir}: '{fqn}' is an object, not a tensor")
+            for offset, t, global_shape in chunks:
+                if tuple(saved.size) != tuple(global_shape) and fqn not in self.allow_shape_mismatch:
+                    raise CheckpointingException(
+                        f"checkpoint {self.checkpoint_dir}: '{fqn}' has global shape {tuple(saved.size)}, "
+                        f"the model expects {tuple(global_shape)}")
+            local = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.size()) for o, t, _ in chunks]
+            items.extend(create_read_items_for_chunk_list(fqn, saved, local))
+        for fqn in self.object_keys:
+            if fqn not in md:
+                raise CheckpointingException(f"checkpoint {self.checkpoint_dir} has no object '{fqn}'")
+            idx = MetadataIndex(fqn)
+            items.append(_create_read_item_for_byteio(idx, 0, idx, 0, 0))
+        return LoadPlan(items)
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        self.loaded_objects[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        chunks = self.shards[index.fqn]
+        if index.index is not None and index.index < len(chunks) and torch.Size(chunks[index.index][0]) == index.offset:
+            return chunks[index.index][1]
+        for offset, t, _ in chunks:
+            if torch.Size(offset) == index.offset:
+                return t
+        raise KeyError(index)
+
+
+def dcp_write(checkpoint_dir: str, shards: Shards, objects: Dict[str, object], process_group=None) -> None:
+    """Write ``shards`` and ``objects`` (already deduplicated by replica) into ``checkpoint_dir``."""
+    writer = FileSystemWriter(checkpoint_dir, single_file_per_rank=True, thread_count=1)
+    no_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    dcp_save(dict(objects), storage_writer=writer, planner=_SavePlanner(shards),
+             process_group=process_group, no_dist=no_dist)
+
+
+def dcp_read(checkpoint_dir: str, shards: Shards, object_keys: List[str], process_group=None,
+             allow_shape_mismatch=(), no_dist=None) -> Dict[str, object]:
+    """Fill the tensors in ``shards`` in place from ``checkpoint_dir``; return the requested objects."""
+    planner = _LoadPlanner(shards, object_keys, checkpoint_dir, allow_shape_mismatch)
+    if no_dist is None:
+        no_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    placeholder = {k: None for k in object_keys}
+    placeholder.update({k: v[0][1] for k, v in shards.items()})
+    dcp_load(placeholder, storage_reader=FileSystemReader(checkpoint_dir), planner=planner,
+             process_group=process_group, no_dist=no_dist)
+    return planner.loaded_objects
+
+
+def read_metadata(checkpoint_dir: str):
+    """DCP global metadata (``.metadata``): keys, global shapes, dtypes and file locations."""
+    return FileSystemReader(checkpoint_dir).read_metadata()
+
+
+def object_shards(objects: List[ShardedObject]) -> Dict[str, object]:
+    return {o.unique_key: o.data for o in objects}
