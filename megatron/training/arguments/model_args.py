@@ -1,0 +1,111 @@
+"""Flags that describe the network, its initialization and its numeric precision (Megatron names/defaults)."""
+
+
+def add_network_size_args(parser):
+    g = parser.add_argument_group(title="network size")
+    g.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
+    g.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="MLP hidden size; default 4*hidden (SwiGLU: 8/3*hidden rounded down to a multiple of 64).")
+    g.add_argument("--num-attention-heads", type=int, default=None, help="Number of attention heads.")
+    g.add_argument("--kv-channels", type=int, default=None, help="Per-head dim; default hidden/heads.")
+    g.add_argument("--group-query-attention", action="store_true", help="Use grouped-query attention.")
+    g.add_argument("--num-query-groups", type=int, default=1, help="KV groups (with --group-query-attention).")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="Maximum sequence length (size of the learned position table / RoPE range).")
+    g.add_argument("--position-embedding-type", type=str, default="learned_absolute",
+                   choices=["learned_absolute", "rope", "none"], help="Position embedding type.")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="Deprecated alias of --position-embedding-type rope.")
+    g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                   help="Disable position embeddings (deprecated; use --position-embedding-type none).")
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE theta.")
+    g.add_argument("--rotary-percent", type=float, default=1.0, help="Fraction of the head dim rotated.")
+    g.add_argument("--rotary-interleaved", action="store_true", help="Rotate interleaved pairs, not halves.")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
+                   help="Linear RoPE sequence-length interpolation factor.")
+    g.add_argument("--use-rope-scaling", action="store_true", help="Llama-3.x RoPE frequency scaling.")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="RoPE scaling factor.")
+    g.add_argument("--no-rope-fusion", action="store_false", dest="apply_rope_fusion",
+                   help="Disable the fused RoPE kernel.")
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
+                   help="Normalization layer.")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the normalization layers.")
+    g.add_argument("--apply-layernorm-1p", action="store_true", help="Zero-centred gamma: weight + 1.")
+    g.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
+                   help="Residual taken after the layernorm (original BERT order).")
+    g.add_argument("--openai-gelu", action="store_true", help="Tanh-approximated GeLU.")
+    g.add_argument("--squared-relu", action="store_true", help="Squared ReLU activation.")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU activation (gated SiLU).")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="Separate output layer weights instead of reusing the word embedding.")
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
+                   help="Remove biases from all linear layers.")
+    g.add_argument("--add-qkv-bias", action="store_true", help="Bias on the QKV projection only.")
+    g.add_argument("--qk-layernorm", action="store_true", help="Normalize queries and keys per head.")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="Pad the vocabulary to a multiple of this times the TP size.")
+    g.add_argument("--transformer-impl", default="transformer_engine",
+                   choices=["local", "transformer_engine"],
+                   help="Layer implementation; both build our local (torch) layers.")
+    g.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "flash", "fused", "unfused", "local"],
+                   help="Core attention backend; all run through torch SDPA, which picks its kernel.")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="Request flash attention (torch SDPA's flash kernel where available).")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true", help="Run the softmax in fp32.")
+    g.add_argument("--apply-query-key-layer-scaling", action="store_true",
+                   help="Scale Q*K^T by 1/layer-number (fp16 stability).")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Selective activation recompute (shorthand for --recompute-granularity selective).")
+    g.add_argument("--recompute-granularity", type=str, default=None, choices=["full", "selective"],
+                   help="Activation recompute granularity.")
+    g.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"],
+                   help="Full recompute method.")
+    g.add_argument("--recompute-num-layers", type=int, default=None, help="Layers per recompute unit.")
+    return parser
+
+
+def add_regularization_args(parser):
+    g = parser.add_argument_group(title="regularization")
+    g.add_argument("--attention-dropout", type=float, default=0.1, help="Dropout after the attention softmax.")
+    g.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout on the residual branches.")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="Decoupled weight decay.")
+    g.add_argument("--start-weight-decay", type=float, default=None, help="Weight decay at the start.")
+    g.add_argument("--end-weight-decay", type=float, default=None, help="Weight decay at the end.")
+    g.add_argument("--weight-decay-incr-style", type=str, default="constant",
+                   choices=["constant", "linear", "cosine"], help="Weight decay schedule.")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="Global L2 gradient clip (0 disables).")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
+    g.add_argument("--adam-eps", type=float, default=1e-08, help="Adam epsilon.")
+    g.add_argument("--sgd-momentum", type=float, default=0.9, help="SGD momentum.")
+    return parser
+
+
+def add_initialization_args(parser):
+    g = parser.add_argument_group(title="initialization")
+    g.add_argument("--seed", type=int, default=1234, help="Random seed (python, numpy, torch, data).")
+    g.add_argument("--data-parallel-random-init", action="store_true",
+                   help="Different initial weights on each data-parallel rank.")
+    g.add_argument("--init-method-std", type=float, default=0.02,
+                   help="Std of the normal init; output projections use std/sqrt(2*num_layers).")
+    g.add_argument("--init-method-xavier-uniform", action="store_true", help="Xavier-uniform init.")
+    return parser
+
+
+def add_mixed_precision_args(parser):
+    g = parser.add_argument_group(title="mixed precision")
+    g.add_argument("--fp16", action="store_true", help="fp16 params and compute, fp32 main weights.")
+    g.add_argument("--bf16", action="store_true", help="bf16 params and compute, fp32 main weights.")
+    g.add_argument("--loss-scale", type=float, default=None, help="Static loss scale (default: dynamic).")
+    g.add_argument("--initial-loss-scale", type=float, default=2 ** 32, help="Initial dynamic loss scale.")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="Minimum dynamic loss scale.")
+    g.add_argument("--loss-scale-window", type=float, default=1000, help="Clean steps before scaling up.")
+    g.add_argument("--hysteresis", type=int, default=2, help="Overflows tolerated before scaling down.")
+    g.add_argument("--fp32-residual-connection", action="store_true", help="Keep the residual stream in fp32.")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="Accumulate and all-reduce gradients in fp32 (on automatically with bf16).")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true", help="Reduce gradients in bf16.")
+    g.add_argument("--fp16-lm-cross-entropy", action="store_true", help="Cross entropy in fp16.")
+    return parser

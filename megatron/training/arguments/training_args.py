@@ -1,0 +1,127 @@
+"""Flags for the training loop, learning-rate schedule, checkpointing, evaluation and logging."""
+
+
+def add_training_args(parser):
+    g = parser.add_argument_group(title="training")
+    g.add_argument("--micro-batch-size", type=int, default=None, help="Samples per micro-batch per rank.")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="Samples per optimizer step; default micro-batch-size x data-parallel size.")
+    g.add_argument("--rampup-batch-size", nargs="*", default=None,
+                   help="<start batch size> <increment> <ramp-up samples>: linear global-batch rampup.")
+    g.add_argument("--decrease-batch-size-if-needed", action="store_true",
+                   help="Round the global batch down to a multiple of micro-batch x DP.")
+    g.add_argument("--train-iters", type=int, default=None, help="Iterations to train.")
+    g.add_argument("--train-samples", type=int, default=None, help="Samples to train (sample-based run).")
+    g.add_argument("--exit-interval", type=int, default=None, help="Exit when iteration % N == 0.")
+    g.add_argument("--exit-duration-in-mins", type=int, default=None, help="Exit after N minutes of training.")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="On --exit-signal, finish the step, save (with --save) and exit 0.")
+    g.add_argument("--exit-signal", type=str, default="SIGTERM", help="Signal name for --exit-signal-handler.")
+    g.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"], help="Optimizer.")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Shard optimizer state across data-parallel ranks.")
+    g.add_argument("--overlap-grad-reduce", action="store_true", help="Overlap DP grad reduce with backward.")
+    g.add_argument("--overlap-param-gather", action="store_true", help="Overlap param all-gather with forward.")
+    g.add_argument("--ddp-bucket-size", type=int, default=None, help="DDP bucket size in parameters.")
+    g.add_argument("--ddp-average-in-collective", action="store_true",
+                   help="Average gradients inside the collective instead of pre-scaling.")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="Normalise gradients by the global non-padded token count.")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                   dest="check_for_nan_in_loss_and_grad", help="Skip NaN/Inf checks on loss and gradients.")
+    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
+                   help="Release cached device memory: 1 after each step, 2 also after evaluation.")
+    g.add_argument("--skip-train", action="store_true", help="Only evaluate (no training).")
+    g.add_argument("--no-masked-softmax-fusion", action="store_false", dest="masked_softmax_fusion",
+                   help="Disable fused masked softmax.")
+    g.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
+                   help="Disable fused bias+GeLU.")
+    g.add_argument("--no-bias-swiglu-fusion", action="store_false", dest="bias_swiglu_fusion",
+                   help="Disable fused bias+SwiGLU.")
+    g.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion",
+                   help="Disable fused bias+dropout.")
+    g.add_argument("--no-persist-layer-norm", action="store_true", help="Disable the persistent layernorm kernel.")
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_false",
+                   dest="gradient_accumulation_fusion", help="Disable fused weight-gradient accumulation.")
+    return parser
+
+
+def add_learning_rate_args(parser):
+    g = parser.add_argument_group(title="learning rate")
+    g.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
+    g.add_argument("--min-lr", type=float, default=0.0, help="Floor learning rate.")
+    g.add_argument("--lr-decay-style", type=str, default="linear",
+                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"], help="LR decay.")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="Decay horizon in iterations.")
+    g.add_argument("--lr-decay-samples", type=int, default=None, help="Decay horizon in samples.")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None, help="Warmup as a fraction of decay.")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="Warmup iterations.")
+    g.add_argument("--lr-warmup-samples", type=int, default=0, help="Warmup samples.")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="LR at the start of warmup.")
+    g.add_argument("--lr-wsd-decay-style", type=str, default="exponential",
+                   choices=["exponential", "linear", "cosine", "minus_sqrt"], help="WSD anneal shape.")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD anneal iterations.")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None, help="WSD anneal samples.")
+    g.add_argument("--override-opt-param-scheduler", action="store_true",
+                   help="Use the command-line scheduler values, not the checkpoint's.")
+    g.add_argument("--use-checkpoint-opt-param-scheduler", action="store_true",
+                   help="Use the checkpoint's scheduler values.")
+    g.add_argument("--decoupled-lr", type=float, default=None, help="Separate LR for embedding/output.")
+    g.add_argument("--decoupled-min-lr", type=float, default=None, help="Separate min LR for embedding/output.")
+    return parser
+
+
+def add_checkpointing_args(parser):
+    g = parser.add_argument_group(title="checkpointing")
+    g.add_argument("--save", type=str, default=None, help="Checkpoint save directory.")
+    g.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None,
+                   help="Iterations between checkpoint saves.")
+    g.add_argument("--no-save-optim", action="store_true", default=None, help="Do not save optimizer state.")
+    g.add_argument("--no-save-rng", action="store_true", default=None, help="Do not save RNG state.")
+    g.add_argument("--load", type=str, default=None, help="Checkpoint directory to resume from.")
+    g.add_argument("--no-load-optim", action="store_true", default=None, help="Do not load optimizer state.")
+    g.add_argument("--no-load-rng", action="store_true", default=None, help="Do not load RNG state.")
+    g.add_argument("--finetune", action="store_true", help="Load weights only and reset the iteration to 0.")
+    g.add_argument("--pretrained-checkpoint", type=str, default=None, help="Fallback load dir for --finetune.")
+    g.add_argument("--ckpt-step", type=int, default=None, help="Iteration to load instead of the latest.")
+    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch", "torch_dist"],
+                   help="Checkpoint format.")
+    g.add_argument("--auto-detect-ckpt-format", action="store_true", help="Detect the format when loading.")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="Fail if --load has no checkpoint instead of starting from scratch.")
+    return parser
+
+
+def add_validation_args(parser):
+    g = parser.add_argument_group(title="validation")
+    g.add_argument("--eval-iters", type=int, default=100, help="Global batches per evaluation.")
+    g.add_argument("--eval-interval", type=int, default=None, help="Iterations between evaluations.")
+    return parser
+
+
+def add_logging_args(parser):
+    g = parser.add_argument_group(title="logging")
+    g.add_argument("--log-interval", type=int, default=100, help="Iterations between log lines.")
+    g.add_argument("--log-params-norm", action="store_true", help="Log the parameter L2 norm.")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true", help="Log zero gradient entries.")
+    g.add_argument("--log-throughput", action="store_true", help="Log TFLOP/s per GPU.")
+    g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2], help="Timer detail level.")
+    g.add_argument("--timing-log-option", type=str, default="minmax", choices=["max", "minmax", "all"],
+                   help="How timers are reduced across ranks.")
+    g.add_argument("--barrier-with-L1-time", action="store_true", default=True,
+                   help="Barrier before level-1 timers (kept for compatibility; on by default).")
+    g.add_argument("--tensorboard-dir", type=str, default=None, help="TensorBoard log directory.")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1, help="Iterations between TB writes.")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000, help="TB writer queue size.")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true", help="Write timers to TB.")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false",
+                   dest="log_loss_scale_to_tensorboard", help="Do not write the loss scale to TB.")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true", help="Write validation PPL to TB.")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true", help="Write memory use to TB.")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true", help="Write world size to TB.")
+    g.add_argument("--wandb-project", type=str, default="", help="W&B project (enables W&B).")
+    g.add_argument("--wandb-exp-name", type=str, default="", help="W&B run name.")
+    g.add_argument("--wandb-save-dir", type=str, default="", help="W&B local directory.")
+    g.add_argument("--wandb-entity", type=str, default="", help="W&B entity.")
+    g.add_argument("--logging-level", type=int, default=None, help="Python logging level.")
+    return parser

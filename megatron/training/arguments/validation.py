@@ -1,0 +1,331 @@
+"""validate_args: derive defaults and reject bad configurations with one line naming the flag and the fix."""
+import os
+import signal
+import warnings
+
+import torch
+
+from .unsupported import unsupported_flag_used
+
+
+class ArgumentError(ValueError):
+    """A user configuration error; the entry point prints `error: <message>` and exits with code 2."""
+
+
+def _require(cond, message):
+    if not cond:
+        raise ArgumentError(message)
+
+
+def _warn(args, message):
+    if args.rank == 0:
+        warnings.warn(message)
+
+
+def validate_args(args, defaults=None):
+    """Check flags, fill derived values (data-parallel size, dtype, ffn size...) and return args."""
+    defaults = defaults or {}
+    hit = unsupported_flag_used(args)
+    if hit is not None:
+        raise ArgumentError(f"{hit[0]} is not supported yet: {hit[1]}")
+    _apply_defaults(args, defaults)
+    _validate_parallel(args)
+    _validate_batch(args)
+    _validate_model(args)
+    _validate_precision(args)
+    _validate_run_length(args)
+    _validate_checkpointing(args)
+    _validate_data(args)
+    _validate_tokenizer(args)
+    _validate_misc(args)
+    return args
+
+
+def _apply_defaults(args, defaults):
+    """Entry-point defaults apply only to flags the user left unset (None)."""
+    for key, value in defaults.items():
+        current = getattr(args, key, None)
+        if current is None:
+            setattr(args, key, value)
+        elif current != value and args.rank == 0:
+            print(f"WARNING: overriding default arguments for {key}:{value} with {key}:{current}", flush=True)
+
+
+def _validate_parallel(args):
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                        ("--context-parallel-size", cp), ("--expert-model-parallel-size",
+                                                          args.expert_model_parallel_size)):
+        _require(value >= 1, f"{flag} ({value}) must be >= 1")
+    _require(cp == 1, f"--context-parallel-size ({cp}) > 1 is not supported yet; use 1")
+    _require(args.expert_model_parallel_size == 1,
+             f"--expert-model-parallel-size ({args.expert_model_parallel_size}) > 1 is not supported yet "
+             "(no MoE); use 1")
+    model_parallel = tp * pp * cp
+    _require(args.world_size % model_parallel == 0,
+             f"world size ({args.world_size}) must be divisible by --tensor-model-parallel-size ({tp}) x "
+             f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp})")
+    args.data_parallel_size = args.world_size // model_parallel
+    if args.rank == 0:
+        print(f"using world size: {args.world_size}, data-parallel size: {args.data_parallel_size}, "
+              f"context-parallel size: {cp}, hierarchical context-parallel sizes: None, "
+              f"tensor-model-parallel size: {tp}, pipeline-model-parallel size: {pp}", flush=True)
+    if args.sequence_parallel and tp == 1:
+        _warn(args, "disabling --sequence-parallel since --tensor-model-parallel-size is 1")
+        args.sequence_parallel = False
+    _validate_virtual_pipeline(args)
+    if args.overlap_param_gather:
+        _require(args.use_distributed_optimizer and args.overlap_grad_reduce,
+                 "--overlap-param-gather requires --use-distributed-optimizer and --overlap-grad-reduce")
+    if not torch.cuda.is_available() and args.distributed_backend == "nccl":
+        args.distributed_backend = "gloo"  # NCCL needs CUDA; gloo is the CPU backend
+
+
+def _validate_virtual_pipeline(args):
+    pp = args.pipeline_model_parallel_size
+    per_stage, per_rank = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
+    _require(per_stage is None or per_rank is None,
+             "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank are "
+             "mutually exclusive; pass one")
+    args.virtual_pipeline_model_parallel_size = None
+    if per_stage is None and per_rank is None:
+        args.overlap_p2p_comm = False
+        return
+    _require(pp > 1, "interleaved pipelining (virtual stages) needs --pipeline-model-parallel-size > 1")
+    if per_stage is not None:
+        _require(args.num_layers is not None and (args.num_layers // pp) % per_stage == 0,
+                 f"--num-layers per pipeline stage ({(args.num_layers or 0) // pp}) must be divisible by "
+                 f"--num-layers-per-virtual-pipeline-stage ({per_stage})")
+        args.virtual_pipeline_model_parallel_size = (args.num_layers // pp) // per_stage
+    else:
+        args.virtual_pipeline_model_parallel_size = per_rank
+    if args.virtual_pipeline_model_parallel_size == 1:
+        args.virtual_pipeline_model_parallel_size = None
+
+
+def _validate_batch(args):
+    _require(args.micro_batch_size is not None and args.micro_batch_size > 0,
+             "--micro-batch-size is required and must be > 0")
+    mbs, dp = args.micro_batch_size, args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = mbs * dp
+        if args.rank == 0:
+            print(f"setting global batch size to {args.global_batch_size}", flush=True)
+    _require(args.global_batch_size > 0, f"--global-batch-size ({args.global_batch_size}) must be > 0")
+    if args.rampup_batch_size is not None:
+        _require(len(args.rampup_batch_size) == 3,
+                 "--rampup-batch-size expects 3 values: <start batch size> <increment> <ramp-up samples>")
+        try:
+            start, incr, samples = (int(v) for v in args.rampup_batch_size)
+        except ValueError:
+            raise ArgumentError("--rampup-batch-size values must be integers") from None
+        _require(start > 0 and incr > 0 and samples >= 0,
+                 "--rampup-batch-size: start and increment must be > 0, ramp-up samples >= 0")
+        _require(args.global_batch_size >= start and (args.global_batch_size - start) % incr == 0,
+                 f"--rampup-batch-size: --global-batch-size ({args.global_batch_size}) minus the start batch "
+                 f"size ({start}) must be a non-negative multiple of the increment ({incr})")
+        _require(args.train_samples is not None,
+                 "--rampup-batch-size requires --train-samples (the run length in samples), not --train-iters")
+        _require(start % (mbs * dp) == 0 and incr % (mbs * dp) == 0 or args.decrease_batch_size_if_needed,
+                 f"--rampup-batch-size start ({start}) and increment ({incr}) must be divisible by "
+                 f"--micro-batch-size ({mbs}) x data-parallel size ({dp})")
+    elif not args.decrease_batch_size_if_needed:
+        _require(args.global_batch_size % (mbs * dp) == 0,
+                 f"--global-batch-size ({args.global_batch_size}) must be divisible by --micro-batch-size "
+                 f"({mbs}) x data-parallel size ({dp})")
+
+
+def _validate_model(args):
+    for flag, name in (("--num-layers", "num_layers"), ("--hidden-size", "hidden_size"),
+                       ("--num-attention-heads", "num_attention_heads"),
+                       ("--max-position-embeddings", "max_position_embeddings")):
+        value = getattr(args, name)
+        _require(value is not None and value > 0, f"{flag} is required and must be > 0")
+    if args.seq_length is None:
+        args.seq_length = args.encoder_seq_length
+    _require(args.seq_length is not None and args.seq_length > 0, "--seq-length is required and must be > 0")
+    args.encoder_seq_length = args.seq_length
+    _require(args.max_position_embeddings >= args.seq_length,
+             f"--max-position-embeddings ({args.max_position_embeddings}) must be >= --seq-length "
+             f"({args.seq_length})")
+    pp = args.pipeline_model_parallel_size
+    _require(args.num_layers % pp == 0,
+             f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})")
+    _validate_heads(args)
+    if args.ffn_hidden_size is None:
+        if args.swiglu:
+            # 2/3 of 4h keeps the parameter count of a 4h GeLU MLP; rounded down to a multiple of 64.
+            args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+    _validate_positions(args)
+    _require(sum([args.swiglu, args.squared_relu, args.openai_gelu]) <= 1,
+             "--swiglu, --squared-relu and --openai-gelu are mutually exclusive; pass one")
+    if args.add_bias_linear:
+        args.add_qkv_bias = True
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    if args.recompute_granularity == "selective":
+        _require(args.recompute_method is None,
+                 "--recompute-method is only valid with --recompute-granularity full")
+    _require(args.make_vocab_size_divisible_by > 0, "--make-vocab-size-divisible-by must be > 0")
+    for flag, p in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
+        _require(0.0 <= p < 1.0, f"{flag} ({p}) must be in [0, 1)")
+
+
+def _validate_heads(args):
+    heads, tp, h = args.num_attention_heads, args.tensor_model_parallel_size, args.hidden_size
+    if args.kv_channels is None:
+        _require(h % heads == 0,
+                 f"--hidden-size ({h}) must be divisible by --num-attention-heads ({heads}), or pass --kv-channels")
+        args.kv_channels = h // heads
+    _require(heads % tp == 0,
+             f"--num-attention-heads ({heads}) must be divisible by --tensor-model-parallel-size ({tp})")
+    if not args.group_query_attention:
+        args.num_query_groups = heads
+    groups = args.num_query_groups
+    _require(groups > 0 and heads % groups == 0,
+             f"--num-attention-heads ({heads}) must be divisible by --num-query-groups ({groups})")
+    _require(groups % tp == 0,
+             f"--num-query-groups ({groups}) must be divisible by --tensor-model-parallel-size ({tp})")
+
+
+def _validate_positions(args):
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if not args.add_position_embedding and args.position_embedding_type != "rope":
+        _require(args.position_embedding_type in ("learned_absolute", "none"),
+                 "--no-position-embedding conflicts with --position-embedding-type")
+        args.position_embedding_type = "none"
+    _require(0.0 < args.rotary_percent <= 1.0, f"--rotary-percent ({args.rotary_percent}) must be in (0, 1]")
+
+
+def _validate_precision(args):
+    _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are mutually exclusive; pass one")
+    args.params_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
+    if args.fp16 and args.loss_scale is None:
+        args.check_for_nan_in_loss_and_grad = False  # the dynamic scaler skips inf/nan steps instead
+    if args.bf16 and not args.grad_reduce_in_bf16:
+        args.accumulate_allreduce_grads_in_fp32 = True
+    _require(not args.fp16_lm_cross_entropy or args.fp16, "--fp16-lm-cross-entropy requires --fp16")
+    _require(not args.fp32_residual_connection or args.fp16 or args.bf16,
+             "--fp32-residual-connection requires --fp16 or --bf16")
+
+
+def _validate_run_length(args):
+    if args.skip_train:
+        if args.train_iters is None and args.train_samples is None:
+            args.train_iters = 0
+    _require(not (args.train_iters is not None and args.train_samples is not None),
+             "--train-iters and --train-samples are mutually exclusive; pass one")
+    _require(args.train_iters is not None or args.train_samples is not None,
+             "pass --train-iters or --train-samples to set the run length")
+    if args.train_iters is not None:
+        for flag, name in (("--lr-decay-samples", "lr_decay_samples"), ("--lr-wsd-decay-samples",
+                                                                          "lr_wsd_decay_samples")):
+            _require(getattr(args, name) is None, f"{flag} needs a sample-based run (--train-samples)")
+        _require(args.lr_warmup_samples == 0, "--lr-warmup-samples needs a sample-based run (--train-samples)")
+        _require(args.lr_warmup_fraction is None or args.lr_warmup_iters == 0,
+                 "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive; pass one")
+    else:
+        for flag, name in (("--lr-decay-iters", "lr_decay_iters"), ("--lr-wsd-decay-iters", "lr_wsd_decay_iters")):
+            _require(getattr(args, name) is None, f"{flag} needs an iteration-based run (--train-iters)")
+        _require(args.lr_warmup_iters == 0, "--lr-warmup-iters needs an iteration-based run (--train-iters)")
+        _require(args.lr_warmup_fraction is None or args.lr_warmup_samples == 0,
+                 "--lr-warmup-fraction and --lr-warmup-samples are mutually exclusive; pass one")
+    if not args.skip_train:
+        _require(args.lr is not None, "--lr is required for training")
+    if args.lr is not None:
+        _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
+    if args.lr_decay_style == "WSD":
+        _require(args.lr_wsd_decay_iters is not None or args.lr_wsd_decay_samples is not None,
+                 "--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples)")
+    _require(args.log_interval > 0, f"--log-interval ({args.log_interval}) must be > 0")
+    _require(args.eval_interval is None or args.eval_interval > 0, "--eval-interval must be > 0")
+    _require(args.eval_iters >= 0, "--eval-iters must be >= 0")
+    for flag, value in (("--exit-interval", args.exit_interval), ("--exit-duration-in-mins",
+                                                                   args.exit_duration_in_mins)):
+        _require(value is None or value > 0, f"{flag} ({value}) must be > 0")
+
+
+def _validate_checkpointing(args):
+    if args.save is not None:
+        _require(args.save_interval is not None and args.save_interval > 0,
+                 "--save requires --save-interval > 0")
+    if args.skip_train and args.no_load_optim is None:
+        args.no_load_optim = True
+    for name in ("no_save_optim", "no_save_rng", "no_load_optim", "no_load_rng"):
+        if getattr(args, name) is None:
+            setattr(args, name, False)
+
+
+def _validate_data(args):
+    sources = [args.mock_data, bool(args.data_path) or args.data_args_path is not None,
+               bool(args.train_data_path or args.valid_data_path or args.test_data_path)
+               or args.per_split_data_args_path is not None]
+    _require(sum(sources) <= 1, "pass only one data source: --mock-data, --data-path, or "
+                                "--train-data-path/--valid-data-path/--test-data-path")
+    _require(sum(sources) == 1, "no training data: pass --data-path PREFIX (a .bin/.idx pair), the per-split "
+                                "--train-data-path/--valid-data-path/--test-data-path, or --mock-data")
+    _require(not (args.data_path and args.data_args_path), "--data-path and --data-args-path are exclusive")
+    if args.data_args_path is not None:
+        _require(os.path.isfile(args.data_args_path), f"--data-args-path file not found: {args.data_args_path}")
+        with open(args.data_args_path) as f:
+            args.data_path = f.read().split()
+    for flag, blend in (("--data-path", args.data_path), ("--train-data-path", args.train_data_path),
+                        ("--valid-data-path", args.valid_data_path), ("--test-data-path", args.test_data_path)):
+        for prefix in blend_prefixes(blend or []):
+            for ext in (".bin", ".idx"):
+                _require(os.path.isfile(prefix + ext),
+                         f"{flag}: dataset file {prefix + ext} not found (pass the prefix of a .bin/.idx pair "
+                         "written by tools/preprocess_data.py)")
+    if args.data_path and args.split is None:
+        args.split = "969, 30, 1"
+        _warn(args, "--split not given with --data-path; using 969, 30, 1")
+    if args.dataloader_type is None:
+        args.dataloader_type = "single"
+    _require(args.num_workers >= 0, "--num-workers must be >= 0")
+
+
+def blend_prefixes(blend):
+    """Dataset prefixes of a blend list: 'p1 p2' or 'w1 p1 w2 p2'."""
+    if len(blend) % 2 == 0 and blend:
+        try:
+            [float(w) for w in blend[0::2]]
+            return list(blend[1::2])
+        except ValueError:
+            pass
+    return list(blend)
+
+
+_TOKENIZER_FILES = {
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "BertWordPieceLowerCase": ("vocab_file",), "BertWordPieceCase": ("vocab_file",),
+    "SentencePieceTokenizer": ("tokenizer_model",), "GPTSentencePieceTokenizer": ("tokenizer_model",),
+    "Llama2Tokenizer": ("tokenizer_model",), "TikTokenizer": ("tokenizer_model",),
+    "HuggingFaceTokenizer": ("tokenizer_model",), "MultimodalTokenizer": ("tokenizer_model",),
+}
+
+
+def _validate_tokenizer(args):
+    _require(args.tokenizer_type is not None, "--tokenizer-type is required (e.g. GPT2BPETokenizer, NullTokenizer)")
+    if args.tokenizer_type == "NullTokenizer":
+        _require(args.vocab_size is not None and args.vocab_size > 0,
+                 "--tokenizer-type NullTokenizer requires --vocab-size")
+        return
+    for name in _TOKENIZER_FILES.get(args.tokenizer_type, ()):
+        path, flag = getattr(args, name), "--" + name.replace("_", "-")
+        _require(path is not None, f"--tokenizer-type {args.tokenizer_type} requires {flag}")
+        if args.tokenizer_type == "HuggingFaceTokenizer" and not os.path.exists(path):
+            continue  # may be a hub model id
+        _require(os.path.exists(path), f"{flag}: file not found: {path}")
+
+
+def _validate_misc(args):
+    _require(hasattr(signal, args.exit_signal) and args.exit_signal.startswith("SIG"),
+             f"--exit-signal ({args.exit_signal}) is not a signal name; use e.g. SIGTERM or SIGUSR1")
+    if args.wandb_project and args.rank == args.world_size - 1:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ArgumentError("--wandb-project needs the wandb package: pip install wandb") from None

@@ -1,0 +1,150 @@
+"""Process-wide singletons of the training application: args, timers, tokenizer, writers.
+
+Only `megatron/training` uses these; `megatron/core` receives configs and process groups instead.
+"""
+import os
+
+from megatron.core import num_microbatches_calculator as mbc
+from megatron.core.timers import Timers
+
+_GLOBAL_ARGS = None
+_GLOBAL_TOKENIZER = None
+_GLOBAL_TENSORBOARD_WRITER = None
+_GLOBAL_WANDB_WRITER = None
+_GLOBAL_TIMERS = None
+_GLOBAL_SIGNAL_HANDLER = None
+
+
+def _ensure(var, name):
+    assert var is not None, f"{name} is not initialized"
+    return var
+
+
+def get_args():
+    return _ensure(_GLOBAL_ARGS, "args")
+
+
+def set_args(args):
+    global _GLOBAL_ARGS
+    _GLOBAL_ARGS = args
+
+
+def get_timers():
+    return _ensure(_GLOBAL_TIMERS, "timers")
+
+
+def get_tokenizer():
+    return _ensure(_GLOBAL_TOKENIZER, "tokenizer")
+
+
+def get_tensorboard_writer():
+    """TensorBoard SummaryWriter on the last rank with --tensorboard-dir, else None."""
+    return _GLOBAL_TENSORBOARD_WRITER
+
+
+def get_wandb_writer():
+    """The `wandb` module (after wandb.init) on the last rank with --wandb-project, else None."""
+    return _GLOBAL_WANDB_WRITER
+
+
+def get_signal_handler():
+    return _GLOBAL_SIGNAL_HANDLER
+
+
+def get_num_microbatches():
+    return mbc.get_num_microbatches()
+
+
+def get_current_global_batch_size():
+    return mbc.get_current_global_batch_size()
+
+
+def update_num_microbatches(consumed_samples, consistency_check=True):
+    mbc.update_num_microbatches(consumed_samples, consistency_check)
+
+
+def set_global_variables(args, build_tokenizer=True):
+    """Create every singleton from validated args (idempotent per process: old ones are replaced)."""
+    global _GLOBAL_TIMERS
+    set_args(args)
+    mbc.unset_num_microbatches_calculator()
+    mbc.init_num_microbatches_calculator(
+        args.rank, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size,
+        args.data_parallel_size, args.decrease_batch_size_if_needed)
+    if build_tokenizer:
+        _build_tokenizer(args)
+    _GLOBAL_TIMERS = Timers(args.timing_log_level, args.timing_log_option)
+    _set_tensorboard_writer(args)
+    _set_wandb_writer(args)
+    if args.exit_signal_handler:
+        _set_signal_handler(args.exit_signal)
+
+
+def _build_tokenizer(args):
+    global _GLOBAL_TOKENIZER
+    from megatron.training.tokenizer import build_tokenizer
+    _GLOBAL_TOKENIZER = build_tokenizer(args)
+    if getattr(args, "padded_vocab_size", None) is None:
+        args.padded_vocab_size = vocab_size_with_padding(_GLOBAL_TOKENIZER.vocab_size, args)
+    return _GLOBAL_TOKENIZER
+
+
+def vocab_size_with_padding(orig_vocab_size, args, logging_enabled=True):
+    """Pad the vocab to a multiple of make_vocab_size_divisible_by x TP (keeps TP shards equal)."""
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    padded = ((orig_vocab_size + multiple - 1) // multiple) * multiple
+    if logging_enabled and args.rank == 0:
+        print(f" > padded vocab (size: {orig_vocab_size}) with {padded - orig_vocab_size} dummy tokens "
+              f"(new size: {padded})", flush=True)
+    return padded
+
+
+def _set_tensorboard_writer(args):
+    global _GLOBAL_TENSORBOARD_WRITER
+    _GLOBAL_TENSORBOARD_WRITER = None
+    if args.tensorboard_dir and args.rank == args.world_size - 1:
+        from torch.utils.tensorboard import SummaryWriter
+        print("> setting tensorboard ...", flush=True)
+        _GLOBAL_TENSORBOARD_WRITER = SummaryWriter(log_dir=args.tensorboard_dir,
+                                                   max_queue=args.tensorboard_queue_size)
+
+
+def _set_wandb_writer(args):
+    """W&B run on the last rank; WANDB_MODE=offline keeps it local."""
+    global _GLOBAL_WANDB_WRITER
+    _GLOBAL_WANDB_WRITER = None
+    if not args.wandb_project or args.rank != args.world_size - 1:
+        return
+    import wandb
+    save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
+    if save_dir:
+        os.makedirs(save_dir, exist_ok=True)
+    wandb.init(project=args.wandb_project, name=args.wandb_exp_name or None, dir=save_dir,
+               entity=args.wandb_entity or None, config=_wandb_config(args))
+    _GLOBAL_WANDB_WRITER = wandb
+
+
+def _wandb_config(args):
+    return {k: (v if isinstance(v, (int, float, str, bool, type(None), list)) else str(v))
+            for k, v in vars(args).items()}
+
+
+def _set_signal_handler(signal_name):
+    global _GLOBAL_SIGNAL_HANDLER
+    from megatron.training.exit import DistributedSignalHandler
+    _GLOBAL_SIGNAL_HANDLER = DistributedSignalHandler(signal_name).__enter__()
+
+
+def destroy_global_vars():
+    """Forget every singleton (tests run several trainings in one process)."""
+    global _GLOBAL_ARGS, _GLOBAL_TOKENIZER, _GLOBAL_TENSORBOARD_WRITER, _GLOBAL_WANDB_WRITER
+    global _GLOBAL_TIMERS, _GLOBAL_SIGNAL_HANDLER
+    if _GLOBAL_TENSORBOARD_WRITER is not None:
+        _GLOBAL_TENSORBOARD_WRITER.close()
+    if _GLOBAL_WANDB_WRITER is not None:
+        _GLOBAL_WANDB_WRITER.finish()
+    if _GLOBAL_SIGNAL_HANDLER is not None:
+        _GLOBAL_SIGNAL_HANDLER.release()
+    _GLOBAL_ARGS = _GLOBAL_TOKENIZER = _GLOBAL_TENSORBOARD_WRITER = _GLOBAL_WANDB_WRITER = None
+    _GLOBAL_TIMERS = _GLOBAL_SIGNAL_HANDLER = None
+    mbc.unset_num_microbatches_calculator()

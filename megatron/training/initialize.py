@@ -1,0 +1,155 @@
+"""initialize_megatron: flags, launcher environment (torchrun / SLURM / single process), device,
+process groups, seeds, dataset helpers and writers."""
+import datetime
+import os
+import random
+import re
+import sys
+
+import numpy as np
+import torch
+
+from megatron.core import parallel_state
+from megatron.training.arguments import ArgumentError, parse_args, print_args, validate_args
+from megatron.training.global_vars import get_args, set_global_variables
+from megatron.training.utils import print_rank_0
+
+DEFAULT_MASTER_PORT = 29500
+
+
+def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unknown_args=False,
+                        allow_no_cuda=True, skip_mpu_initialization=False, parsed_args=None):
+    """Parse + validate flags, set up torch.distributed and model-parallel groups, seed RNGs.
+
+    A configuration error prints `error: <one line>` on rank 0 and exits with code 2.
+    """
+    setup_launcher_env()
+    try:
+        args = parsed_args if parsed_args is not None else parse_args(extra_args_provider, ignore_unknown_args)
+        validate_args(args, args_defaults)
+        if args.rank == 0:
+            print_args("arguments", args)
+        set_global_variables(args)
+    except (ArgumentError, NotImplementedError) as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    if args.logging_level is not None:
+        import logging
+        logging.getLogger().setLevel(args.logging_level)
+    _initialize_distributed(args)
+    if not skip_mpu_initialization:
+        _initialize_model_parallel(args)
+        _set_random_seed(args.seed, args.data_parallel_random_init)
+    _compile_dataset_helpers()
+    return None
+
+
+def setup_launcher_env():
+    """Fill RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT from SLURM when torchrun did not set them."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        os.environ.setdefault("LOCAL_RANK", "0")
+        return
+    if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
+        os.environ["RANK"] = os.environ["SLURM_PROCID"]
+        os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+        os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+        nodelist = os.environ.get("SLURM_JOB_NODELIST", os.environ.get("SLURM_NODELIST", ""))
+        if "MASTER_ADDR" not in os.environ:
+            os.environ["MASTER_ADDR"] = first_host(nodelist) if nodelist else "127.0.0.1"
+        os.environ.setdefault("MASTER_PORT", str(DEFAULT_MASTER_PORT))
+        return
+    # One plain process: still a 1-rank process group, so every code path is the same.
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def first_host(nodelist):
+    """First hostname of a SLURM node list: 'node[01-04,07],gpu5' -> 'node01'."""
+    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if m is None:
+        raise ValueError(f"cannot parse SLURM node list '{nodelist}'")
+    prefix, ranges = m.group(1), m.group(3)
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _free_port():
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _initialize_distributed(args):
+    """Device cuda:LOCAL_RANK (or CPU) and the default process group (NCCL on CUDA, gloo on CPU)."""
+    args.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(args.local_rank % torch.cuda.device_count())
+    if torch.distributed.is_initialized():
+        if args.rank == 0:
+            print("torch distributed is already initialized, skipping initialization ...", flush=True)
+        args.rank, args.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        return
+    if args.rank == 0:
+        print("> initializing torch distributed ...", flush=True)
+    kwargs = dict(backend=args.distributed_backend, world_size=args.world_size, rank=args.rank,
+                  timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+    if torch.cuda.is_available() and args.distributed_backend == "nccl":
+        kwargs["device_id"] = torch.device(f"cuda:{torch.cuda.current_device()}")
+    torch.distributed.init_process_group(**kwargs)
+
+
+def _initialize_model_parallel(args):
+    if parallel_state.model_parallel_is_initialized():
+        print_rank_0("model parallel is already initialized")
+        return
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+        order="tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp",
+    )
+    if args.rank == 0:
+        print(f"> initialized tensor model parallel with size {parallel_state.get_tensor_model_parallel_world_size()}")
+        print(f"> initialized pipeline model parallel with size "
+              f"{parallel_state.get_pipeline_model_parallel_world_size()}", flush=True)
+
+
+def _set_random_seed(seed, data_parallel_random_init=False):
+    """python/numpy/torch seeded with seed + 100*pp_rank (+10*dp_rank); the RNG tracker adds TP states."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    if seed is None or seed <= 0:
+        raise ValueError(f"--seed ({seed}) must be a positive integer")
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    if data_parallel_random_init:
+        seed = seed + 10 * parallel_state.get_data_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def _compile_dataset_helpers():
+    """Build the C++ dataset index helpers on rank 0 if missing, then let everyone proceed."""
+    try:
+        from megatron.core.datasets.utils import compile_helpers
+    except ImportError:
+        return
+    if torch.distributed.get_rank() == 0:
+        compile_helpers()
+    torch.distributed.barrier()
+
+
+def write_args_to_tensorboard():
+    from megatron.training.global_vars import get_tensorboard_writer
+    args, writer = get_args(), get_tensorboard_writer()
+    if writer is not None:
+        for arg in vars(args):
+            writer.add_text(arg, str(getattr(args, arg)), global_step=args.iteration)

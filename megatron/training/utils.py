@@ -1,0 +1,76 @@
+"""Rank-aware printing and small helpers for the training application."""
+import torch
+
+from megatron.core.utils import unwrap_model  # noqa: F401  (re-exported, Megatron's location)
+
+
+def _dist():
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def get_rank_safe():
+    return torch.distributed.get_rank() if _dist() else 0
+
+
+def get_world_size_safe():
+    return torch.distributed.get_world_size() if _dist() else 1
+
+
+def is_last_rank():
+    return get_rank_safe() == get_world_size_safe() - 1
+
+
+def print_rank_0(message):
+    """Print once, from global rank 0."""
+    if get_rank_safe() == 0:
+        print(message, flush=True)
+
+
+def print_rank_last(message):
+    """Print once, from the last rank (it owns the loss on the last pipeline stage)."""
+    if is_last_rank():
+        print(message, flush=True)
+
+
+def average_losses_across_data_parallel_group(losses):
+    """Mean of scalar losses over the data-parallel group (legacy 2-tuple loss functions)."""
+    from megatron.core import parallel_state
+    averaged = torch.cat([loss.clone().detach().view(1) for loss in losses])
+    if _dist():
+        torch.distributed.all_reduce(averaged, group=parallel_state.get_data_parallel_group())
+        averaged = averaged / torch.distributed.get_world_size(group=parallel_state.get_data_parallel_group())
+    return averaged
+
+
+def report_memory(name):
+    """One-line device memory report in MB (CUDA only; a note on CPU)."""
+    if not torch.cuda.is_available():
+        return f"{name} memory (MB) | not tracked on CPU"
+    mb = 1024.0 * 1024.0
+    return (f"{name} memory (MB) | allocated: {torch.cuda.memory_allocated() / mb} | "
+            f"max allocated: {torch.cuda.max_memory_allocated() / mb} | "
+            f"reserved: {torch.cuda.memory_reserved() / mb} | "
+            f"max reserved: {torch.cuda.max_memory_reserved() / mb}")
+
+
+def calc_params_l2_norm(model):
+    """L2 norm of all parameters; TP-sharded params summed over TP, replicated ones counted once."""
+    from megatron.core import parallel_state
+    chunks = model if isinstance(model, list) else [model]
+    sharded, replicated = 0.0, 0.0
+    device = None
+    for chunk in chunks:
+        for p in chunk.parameters():
+            device = p.device
+            sq = p.detach().float().pow(2).sum()
+            if getattr(p, "tensor_model_parallel", False):
+                sharded = sharded + sq
+            else:
+                replicated = replicated + sq
+    sharded_t = torch.as_tensor(sharded, dtype=torch.float, device=device)
+    if _dist() and parallel_state.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(sharded_t, group=parallel_state.get_tensor_model_parallel_group())
+    total = sharded_t + torch.as_tensor(replicated, dtype=torch.float, device=device)
+    if _dist() and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+    return total.sqrt().item()
