@@ -1,0 +1,86 @@
+"""Multi-rank dist_checkpointing: replicated shards written once, resharding between TP sizes, async."""
+import os
+
+import torch
+
+from megatron.core import dist_checkpointing as dc
+from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+from tests.parallel.dist_utils import run_distributed
+
+FULL_W = torch.arange(48, dtype=torch.float32).reshape(8, 6)  # column-parallel: split dim 0
+FULL_P = torch.arange(24, dtype=torch.float32).reshape(4, 6) * -1  # row-parallel: split dim 1
+BIAS = torch.linspace(0, 1, 6)
+
+
+def _sd(rank, size, zeros=False):
+    f = (lambda t: torch.zeros_like(t)) if zeros else (lambda t: t.clone())
+    return {
+        "qkv": ShardedTensor.from_rank_offsets("qkv", f(FULL_W.chunk(size, 0)[rank]), (0, rank, size)),
+        "proj": ShardedTensor.from_rank_offsets("proj", f(FULL_P.chunk(size, 1)[rank]), (1, rank, size)),
+        "bias": ShardedTensor.from_rank_offsets("bias", f(BIAS), replica_id=rank),
+        "rng": ShardedObject("rng", f"state-{rank}", (size,), (rank,)),
+        "iteration": 3,
+    }
+
+
+def _save(ckpt, async_save):
+    rank, size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    sd = _sd(rank, size)
+    if async_save:
+        q = dc.AsyncCallsQueue()
+        q.schedule_async_request(dc.save(sd, ckpt, async_sharded_save=True))
+        for v in sd.values():  # training goes on and updates params in place
+            if isinstance(v, ShardedTensor):
+                v.data.add_(100.0)
+        q.maybe_finalize_async_calls(blocking=True)
+    else:
+        dc.save(sd, ckpt)
+    return sorted(os.listdir(ckpt))
+
+
+def _load(ckpt):
+    rank, size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    sd = _sd(rank, size, zeros=True)
+    del sd["rng"]
+    out = dc.load(sd, ckpt)
+    return {k: v for k, v in out.items()}
+
+
+def _check(out, rank, size):
+    assert torch.equal(out["qkv"], FULL_W.chunk(size, 0)[rank])
+    assert torch.equal(out["proj"], FULL_P.chunk(size, 1)[rank])
+    assert torch.equal(out["bias"], BIAS) and out["iteration"] == 3
+
+
+def test_tp2_save_loads_at_tp1_and_tp2(tmp_path):
+    ckpt = str(tmp_path / "c")
+    files = run_distributed(_save, 2, ckpt, False)[0]
+    assert "__0_0.distcp" in files and "__1_0.distcp" in files and "metadata.json" in files
+    _check(dc.load(_sd(0, 1, zeros=True) | {"rng": ShardedObject("rng", None, (2,), (1,))}, ckpt), 0, 1)
+    assert dc.load({"rng": ShardedObject("rng", None, (2,), (1,))}, ckpt)["rng"] == "state-1"
+    for r, out in enumerate(run_distributed(_load, 2, ckpt)):
+        _check(out, r, 2)
+
+
+def test_tp1_async_save_loads_at_tp2(tmp_path):
+    ckpt = str(tmp_path / "c")
+    sd = _sd(0, 1)
+    q = dc.AsyncCallsQueue()
+    q.schedule_async_request(dc.save(sd, ckpt, async_sharded_save=True))
+    q.close()
+    for r, out in enumerate(run_distributed(_load, 2, ckpt)):
+        _check(out, r, 2)
+
+
+def test_async_two_ranks_equals_sync(tmp_path):
+    a, s = str(tmp_path / "a"), str(tmp_path / "s")
+    run_distributed(_save, 2, a, True)
+    run_distributed(_save, 2, s, False)
+    meta_a, meta_s = dc.load_tensors_metadata(a), dc.load_tensors_metadata(s)
+    assert meta_a == meta_s
+    tgt = _sd(0, 1, zeros=True)
+    del tgt["rng"]
+    la, ls = dc.load(tgt, a), dc.load(tgt, s)
+    for k in ("qkv", "proj", "bias"):
+        assert torch.equal(la[k], ls[k])
+    _check(la, 0, 1)
