@@ -1,0 +1,338 @@
+"""Forward/backward schedules over micro-batches: no pipelining, 1F1B, and interleaved 1F1B.
+
+The schedule owns micro-batching and stage-to-stage communication; the model and the training loop
+plug in through ``forward_step_func(data_iterator, model) -> (output_tensor, loss_func)`` and the
+hooks on the model config (``no_sync_func``, ``finalize_model_grads_func``, ``grad_scale_func``,
+``grad_sync_func``, ``param_sync_func``, ``timers``).
+"""
+import contextlib
+from collections import deque
+from functools import lru_cache
+from typing import Callable, Iterator, List, Optional, Union
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.p2p_communication import (
+    P2PCommunicator, default_communicator, get_tensor_shape)
+from megatron.core.pipeline_parallel.utils import (
+    current_device, custom_backward, deallocate_output_tensor, incoming, make_plan)
+from megatron.core.utils import get_attr_wrapped_model, get_model_config
+
+
+def get_forward_backward_func():
+    """The schedule for the registered layout: PP=1, PP>1, or PP>1 with virtual stages."""
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        if parallel_state.get_virtual_pipeline_model_parallel_world_size() is not None:
+            return forward_backward_pipelining_with_interleaving
+        return forward_backward_pipelining_without_interleaving
+    return forward_backward_no_pipelining
+
+
+# ---- shared helpers --------------------------------------------------------------------------------
+
+class _NullTimer:
+    def start(self, barrier=False):
+        pass
+
+    def stop(self, barrier=False):
+        pass
+
+
+def _timer(config, name, log_level=2):
+    timers = getattr(config, "timers", None)
+    return timers(name, log_level=log_level) if timers is not None else _NullTimer()
+
+
+def _as_list(x) -> list:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+class _RunState:
+    """What one call of a schedule accumulates: loss dicts and the token count."""
+
+    def __init__(self, config, num_microbatches, forward_only, collect_non_loss_data):
+        self.config = config
+        self.num_microbatches = num_microbatches
+        self.forward_only = forward_only
+        self.collect_non_loss_data = collect_non_loss_data
+        self.forward_data_store = []
+        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=current_device())
+
+
+def forward_step(forward_step_func: Callable, data_iterator, model, input_tensor, state: _RunState,
+                 is_last_stage: bool) -> torch.Tensor:
+    """Run one micro-batch through one model chunk; on the last stage turn the output into the
+    (scaled) loss that backward starts from, and record its loss dict."""
+    config = state.config
+    timer = _timer(config, "forward-compute")
+    timer.start()
+    get_attr_wrapped_model(model, "set_input_tensor")(input_tensor)
+    autocast = contextlib.nullcontext()
+    if getattr(config, "enable_autocast", False):
+        autocast = torch.autocast(current_device().type, dtype=config.autocast_dtype)
+    with autocast:
+        output_tensor, loss_func = forward_step_func(data_iterator, model)
+    if is_last_stage:
+        output_tensor = _apply_loss(loss_func, output_tensor, state)
+    timer.stop()
+    return output_tensor
+
+
+def _apply_loss(loss_func, output_tensor, state: _RunState) -> torch.Tensor:
+    config = state.config
+    if state.collect_non_loss_data and state.forward_only:
+        state.forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
+        return output_tensor
+    outputs = loss_func(output_tensor)
+    if len(outputs) == 3:  # (loss_sum, num_tokens, reduced dict): token-weighted loss
+        loss, num_tokens, loss_reduced = outputs
+        state.total_num_tokens += torch.as_tensor(num_tokens, device=state.total_num_tokens.device,
+                                                  dtype=state.total_num_tokens.dtype)
+        if not getattr(config, "calculate_per_token_loss", False):
+            loss = loss / num_tokens / state.num_microbatches
+    elif len(outputs) == 2:  # legacy (loss, dict): loss already averaged over the micro-batch
+        loss, loss_reduced = outputs
+        loss = loss * getattr(config, "context_parallel_size", 1) / state.num_microbatches
+    else:
+        raise ValueError("loss_func must return (loss_sum, num_tokens, dict) or (loss, dict), "
+                         f"got a {len(outputs)}-tuple")
+    state.forward_data_store.append(loss_reduced)
+    return loss
+
+
+def backward_step(input_tensor, output_tensor, output_tensor_grad, config) -> Optional[torch.Tensor]:
+    """Backpropagate one micro-batch through one chunk; return the grad of its input (or None)."""
+    timer = _timer(config, "backward-compute")
+    timer.start()
+    if input_tensor is not None:
+        input_tensor.retain_grad()
+    if output_tensor_grad is None and getattr(config, "grad_scale_func", None) is not None:
+        output_tensor = config.grad_scale_func(output_tensor)  # fp16 loss scaling on the loss
+    if getattr(config, "deallocate_pipeline_outputs", False):
+        custom_backward(output_tensor, output_tensor_grad)
+    else:
+        torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
+    timer.stop()
+    return None if input_tensor is None else input_tensor.grad
+
+
+class _GradSync:
+    """Keeps data-parallel grad reduction off until each chunk's last micro-batch backward."""
+
+    def __init__(self, config, model_chunks):
+        funcs = getattr(config, "no_sync_func", None)
+        if funcs is None:
+            funcs = [getattr(m, "no_sync", contextlib.nullcontext) for m in model_chunks]
+        self.no_sync = _as_list(funcs)
+        self.grad_sync = getattr(config, "grad_sync_func", None)
+        self.chunks = model_chunks
+        self.contexts = {}
+
+    def disable_all(self):
+        for chunk, func in enumerate(self.no_sync):
+            self.contexts[chunk] = func()
+            self.contexts[chunk].__enter__()
+
+    def enable(self, chunk: int):
+        """Re-enable sync before ``chunk``'s last backward (one no_sync_func covers all chunks)."""
+        key = chunk if len(self.no_sync) > 1 else 0
+        ctx = self.contexts.pop(key, None)
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
+    def chunk_done(self, chunk: int):
+        if self.grad_sync is not None:
+            funcs = _as_list(self.grad_sync)
+            funcs[chunk if len(funcs) > 1 else 0](self.chunks[chunk].parameters())
+
+    def finish(self):
+        for key in list(self.contexts):
+            self.enable(key)
+
+
+def _finish(config, model_chunks, state: _RunState, timer):
+    timer.stop()
+    if not state.forward_only and getattr(config, "finalize_model_grads_func", None) is not None:
+        per_token = getattr(config, "calculate_per_token_loss", False)
+        config.finalize_model_grads_func(model_chunks, state.total_num_tokens if per_token else None)
+    return state.forward_data_store
+
+
+def _check_common(model, data_iterator, decoder_seq_length, adjust_tensor_shapes_fn=None):
+    models, iterators = _as_list(model), _as_list(data_iterator)
+    if len(iterators) == 1 and len(models) > 1:
+        iterators = iterators * len(models)
+    if len(iterators) != len(models):
+        raise ValueError(f"data_iterator: got {len(iterators)} iterators for {len(models)} model "
+                         "chunks; pass one per virtual pipeline stage")
+    return models, iterators
+
+
+# ---- no pipelining ---------------------------------------------------------------------------------
+
+def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[Iterator, List],
+                                   model, num_microbatches: int, seq_length: int = None,
+                                   micro_batch_size: int = None, decoder_seq_length: int = None,
+                                   forward_only: bool = False, collect_non_loss_data: bool = False,
+                                   first_val_step: bool = None, adjust_tensor_shapes_fn=None,
+                                   p2p_communicator=None):
+    """Gradient accumulation over micro-batches on a single stage (PP=1).
+
+    ``first_val_step`` only matters for FP8 weight caching, which this build does not have.
+    """
+    models, iterators = _check_common(model, data_iterator, decoder_seq_length)
+    if len(models) != 1:
+        raise ValueError("forward_backward_no_pipelining takes one model chunk; set "
+                         "--num-layers-per-virtual-pipeline-stage only with PP > 1")
+    model, data_iterator = models[0], iterators[0]
+    config = get_model_config(model)
+    timer = _timer(config, "forward-backward", log_level=1)
+    timer.start()
+    state = _RunState(config, num_microbatches, forward_only, collect_non_loss_data)
+    sync = _GradSync(config, models)
+    sync.disable_all()
+    for i in range(num_microbatches):
+        if i == num_microbatches - 1:
+            sync.enable(0)  # the last micro-batch's backward launches the grad reduction
+        output = forward_step(forward_step_func, data_iterator, model, None, state, True)
+        if not forward_only:
+            backward_step(None, output, None, config)
+    sync.finish()
+    if not forward_only:
+        sync.chunk_done(0)
+    return _finish(config, models, state, timer)
+
+
+# ---- 1F1B ------------------------------------------------------------------------------------------
+
+def forward_backward_pipelining_without_interleaving(
+        *, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
+        micro_batch_size: int, decoder_seq_length: int = None, forward_only: bool = False,
+        collect_non_loss_data: bool = False, first_val_step: bool = None,
+        adjust_tensor_shapes_fn=None, p2p_communicator: Optional[P2PCommunicator] = None):
+    """1F1B: (PP - rank - 1) warm-up forwards, then one forward + one backward per micro-batch
+    in steady state, then the remaining backwards. At most PP micro-batches are in flight."""
+    models, iterators = _check_common(model, data_iterator, decoder_seq_length)
+    if len(models) != 1:
+        raise ValueError("non-interleaved pipeline takes one model chunk per rank; use "
+                         "forward_backward_pipelining_with_interleaving for virtual stages")
+    model, data_iterator = models[0], iterators[0]
+    config = get_model_config(model)
+    comm = p2p_communicator or default_communicator(config)
+    shape = get_tensor_shape(config, seq_length, micro_batch_size)
+    recv_shape, send_shape = shape, shape
+    if adjust_tensor_shapes_fn is not None:
+        recv_shape, send_shape = _adjusted_shapes(adjust_tensor_shapes_fn, shape)
+    timer = _timer(config, "forward-backward", log_level=1)
+    timer.start()
+    state = _RunState(config, num_microbatches, forward_only, collect_non_loss_data)
+    sync = _GradSync(config, models)
+    sync.disable_all()
+    dealloc = getattr(config, "deallocate_pipeline_outputs", False)
+    last = comm.is_last_stage
+
+    num_warmup = min(comm.world_size - comm.rank - 1, num_microbatches)
+    num_steady = num_microbatches - num_warmup
+    in_flight = deque()  # (input, output) of micro-batches waiting for their backward
+
+    def one_backward(output_grad, is_last_backward):
+        inp, out = in_flight.popleft()
+        if is_last_backward:
+            sync.enable(0)
+        return backward_step(inp, out, output_grad, config)
+
+    for _ in range(num_warmup):
+        inp = comm.recv_forward(recv_shape)
+        out = forward_step(forward_step_func, data_iterator, model, inp, state, last)
+        comm.send_forward(out, send_shape)
+        if not forward_only:
+            deallocate_output_tensor(out, dealloc and not last)
+            in_flight.append((inp, out))
+
+    inp = comm.recv_forward(recv_shape) if num_steady > 0 else None
+    for i in range(num_steady):
+        final = i == num_steady - 1
+        out = forward_step(forward_step_func, data_iterator, model, inp, state, last)
+        if forward_only:
+            comm.send_forward(out, send_shape)
+            inp = None if final else comm.recv_forward(recv_shape)
+            continue
+        out_grad = comm.send_forward_recv_backward(out, send_shape)
+        deallocate_output_tensor(out, dealloc and not last)
+        in_flight.append((inp, out))
+        in_grad = one_backward(out_grad, final and num_warmup == 0)
+        if final:
+            inp = None
+            comm.send_backward(in_grad, recv_shape)
+        else:
+            inp = comm.send_backward_recv_forward(in_grad, recv_shape)
+
+    if not forward_only:
+        for i in range(num_warmup):
+            out_grad = comm.recv_backward(send_shape)
+            in_grad = one_backward(out_grad, i == num_warmup - 1)
+            comm.send_backward(in_grad, recv_shape)
+        sync.finish()
+        sync.chunk_done(0)
+    else:
+        sync.finish()
+    return _finish(config, models, state, timer)
+
+
+def _adjusted_shapes(adjust_tensor_shapes_fn, shape):
+    recv, send = adjust_tensor_shapes_fn([shape], [shape])
+    if len(recv) != 1 or len(send) != 1:
+        raise NotImplementedError("adjust_tensor_shapes_fn: only one tensor per stage boundary "
+                                  "is supported")
+    return tuple(recv[0]), tuple(send[0])
+
+
+# ---- interleaved 1F1B ------------------------------------------------------------------------------
+
+def check_interleaved_microbatches(num_microbatches: int, pp_size: int, group_size: int) -> None:
+    """Reject micro-batch counts the interleaved schedule cannot run, with the fix."""
+    if group_size < pp_size:
+        raise ValueError(f"--microbatch-group-size-per-virtual-pipeline-stage ({group_size}) must be "
+                         f"at least the pipeline size ({pp_size})")
+    if num_microbatches < group_size or num_microbatches % group_size:
+        raise ValueError(
+            f"interleaved schedule needs num_microbatches ({num_microbatches}) to be a multiple of "
+            f"the micro-batch group size ({group_size}, default the pipeline size {pp_size}): "
+            "raise --global-batch-size to a multiple of micro-batch size x data-parallel size x "
+            f"{group_size}, or drop virtual pipeline stages")
+
+
+@lru_cache(maxsize=64)
+def _plan(pp_size, rank, num_microbatches, num_chunks, group_size, forward_only):
+    return make_plan(pp_size, rank, num_microbatches, num_chunks, group_size, forward_only)
+
+
+def forward_backward_pipelining_with_interleaving(
+        *, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
+        micro_batch_size: int, decoder_seq_length: int = None, forward_only: bool = False,
+        collect_non_loss_data: bool = False, first_val_step: bool = None,
+        adjust_tensor_shapes_fn=None, p2p_communicator: Optional[P2PCommunicator] = None):
+    """Interleaved 1F1B over virtual stages (``model`` is a list of chunks; chunk c on PP rank r
+    is virtual stage c * PP + r). Warm-up = 2 * (PP - rank - 1) + (chunks - 1) * group_size forwards,
+    groups of ``microbatch_group_size_per_vp_stage`` micro-batches go through each chunk in turn."""
+    from megatron.core.pipeline_parallel.interleaved import run_interleaved
+
+    models, iterators = _check_common(model, data_iterator, decoder_seq_length)
+    if adjust_tensor_shapes_fn is not None:
+        raise NotImplementedError("adjust_tensor_shapes_fn is not supported by the interleaved "
+                                  "schedule")
+    config = get_model_config(models[0])
+    if getattr(config, "overlap_p2p_comm", False):
+        raise NotImplementedError("--overlap-p2p-communication is not supported; drop the flag")
+    comm = p2p_communicator or default_communicator(config)
+    group_size = getattr(config, "microbatch_group_size_per_vp_stage", None) or comm.world_size
+    check_interleaved_microbatches(num_microbatches, comm.world_size, group_size)
+    timer = _timer(config, "forward-backward", log_level=1)
+    timer.start()
+    state = _RunState(config, num_microbatches, forward_only, collect_non_loss_data)
+    plan_of = lambda r: _plan(comm.world_size, r, num_microbatches, len(models), group_size,  # noqa: E731
+                              forward_only)
+    run_interleaved(forward_step_func, iterators, models, comm, plan_of, state,
+                    get_tensor_shape(config, seq_length, micro_batch_size))
+    return _finish(config, models, state, timer)
