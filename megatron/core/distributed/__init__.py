@@ -1,0 +1,6 @@
+"""Data parallelism: DDP with contiguous bucketed grad buffers, grad finalization, torch FSDP2."""
+from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+__all__ = ["DistributedDataParallel", "DistributedDataParallelConfig", "finalize_model_grads"]

@@ -1,0 +1,175 @@
+"""Data-parallel wrapper with contiguous grad buffers and bucketed, optionally overlapped reduction."""
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wraps `module`: every param gets `.main_grad` (a view into a flat per-dtype buffer); backward
+    hooks accumulate `param.grad` into it and, with `overlap_grad_reduce`, launch each bucket's
+    collective as soon as the bucket's last grad is in. Grads end up averaged over the DP x CP group."""
+
+    def __init__(self, config, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
+                 disable_bucketing: bool = False):
+        super().__init__()
+        self.config = config
+        self.ddp_config = ddp_config
+        self.module = module
+
+        dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        dp_size = dist.get_world_size(group=dp_group)
+        bucket_size = ddp_config.bucket_size
+        if bucket_size is None:
+            bucket_size = max(40_000_000, 1_000_000 * dp_size)
+        if not ddp_config.overlap_grad_reduce or disable_bucketing:
+            bucket_size = None  # one bucket per buffer: the collective runs once, after backward
+        self.bucket_size = bucket_size
+
+        # Per-token loss: grads are summed over DP and divided later by the global token count.
+        per_token = getattr(config, "calculate_per_token_loss", False)
+        dense_scale = 1.0 if (per_token or ddp_config.average_in_collective) else 1.0 / dp_size
+
+        param_to_name = {p: n for n, p in module.named_parameters()}
+        dense, expert = [], []
+        for param in module.parameters():
+            if param.requires_grad:
+                (dense if getattr(param, "allreduce", True) else expert).append(param)
+        self.buffers = self._make_buffers(dense, dp_group, dense_scale, param_to_name)
+        self.expert_parallel_buffers = []
+        if expert:
+            edp_group = parallel_state.get_expert_data_parallel_group()
+            edp_size = dist.get_world_size(group=edp_group)
+            expert_scale = 1.0 if (per_token or ddp_config.average_in_collective) else 1.0 / edp_size
+            self.expert_parallel_buffers = self._make_buffers(expert, edp_group, expert_scale, param_to_name)
+
+        self.param_to_bucket = {}
+        for buffer in self.buffers + self.expert_parallel_buffers:
+            self.param_to_bucket.update(buffer.param_to_bucket)
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_hook)
+                            for p in self.param_to_bucket]
+        self._forward_pre_hooks = {}
+        if ddp_config.overlap_param_gather:
+            self.enable_forward_pre_hook()
+
+    def _make_buffers(self, params, group, scaling, param_to_name):
+        by_dtype = {}
+        for param in params:
+            grad_dtype = torch.float32 if self.ddp_config.grad_reduce_in_fp32 else param.dtype
+            by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+        return [_ParamAndGradBuffer(self.ddp_config, param_dtype, grad_dtype, ps, group, self.bucket_size,
+                                    param_to_name, scaling)
+                for (param_dtype, grad_dtype), ps in by_dtype.items()]
+
+    def _all_buckets(self):
+        for buffer in self.buffers + self.expert_parallel_buffers:
+            yield from buffer.buckets
+
+    def _grad_hook(self, param):
+        """Move `param.grad` into `main_grad` (freeing it) and report the grad ready to its bucket."""
+        if param.grad is not None:
+            if not getattr(param, "grad_added_to_main_grad", False):
+                param.main_grad.add_(param.grad.data)
+            param.grad = None
+        if self.ddp_config.overlap_grad_reduce:
+            self.param_to_bucket[param].register_grad_ready(param)
+
+    def forward(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
+
+    # -- gradient synchronization ----------------------------------------------------------------
+    @contextmanager
+    def no_sync(self):
+        """Accumulate grads locally (no collective) inside this context: all but the last microbatch."""
+        for bucket in self._all_buckets():
+            bucket.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            for bucket in self._all_buckets():
+                bucket.is_last_microbatch = True
+
+    def start_grad_sync(self, *unused):
+        """Launch every bucket's collective that has not been launched yet."""
+        for bucket in self._all_buckets():
+            if bucket.grad_reduce_handle is None:
+                bucket.start_grad_sync()
+
+    def finish_grad_sync(self):
+        """Complete the DP reduction of all grads (launching what overlap did not launch)."""
+        for bucket in self._all_buckets():
+            bucket.finish_grad_sync()
+
+    def scale_gradients(self, scaling_factor: float):
+        for buffer in self.buffers + self.expert_parallel_buffers:
+            buffer.scale_gradients(scaling_factor)
+
+    def zero_grad_buffer(self):
+        """Zero all main grads; call at the start of every iteration."""
+        for param in self.param_to_bucket:
+            param.grad_added_to_main_grad = False
+        for buffer in self.buffers + self.expert_parallel_buffers:
+            buffer.reset()
+
+    def broadcast_params(self):
+        """Copy DP rank 0's params to the other DP ranks (identical start on every replica)."""
+        for param in self.module.parameters():
+            expert = not getattr(param, "allreduce", True)
+            group = (parallel_state.get_expert_data_parallel_group() if expert
+                     else parallel_state.get_data_parallel_group(with_context_parallel=True))
+            dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
+
+    # -- parameter all-gather (distributed optimizer) -------------------------------------------
+    def start_param_sync(self, *unused, force_sync: bool = False):
+        """All-gather updated param shards; async (waited on in forward pre-hooks) with overlap_param_gather."""
+        async_op = self.ddp_config.overlap_param_gather and not force_sync
+        for bucket in self._all_buckets():
+            bucket.finish_param_sync()
+            bucket.start_param_sync(async_op=async_op)
+        if not async_op:
+            for bucket in self._all_buckets():
+                bucket.finish_param_sync()
+
+    def finish_param_sync(self):
+        for bucket in self._all_buckets():
+            bucket.finish_param_sync()
+
+    def enable_forward_pre_hook(self):
+        """Before each submodule runs, wait for the all-gathers of the buckets holding its params."""
+        assert not self._forward_pre_hooks, "forward pre-hooks already enabled"
+        for module in self.module.modules():
+            own = [p for p in module.parameters(recurse=False) if p in self.param_to_bucket]
+            if own:
+                self._forward_pre_hooks[module] = module.register_forward_pre_hook(self._make_pre_hook(own))
+
+    def disable_forward_pre_hook(self, param_sync: bool = True):
+        for handle in self._forward_pre_hooks.values():
+            handle.remove()
+        self._forward_pre_hooks = {}
+        if param_sync:
+            self.finish_param_sync()
+
+    def _make_pre_hook(self, params):
+        buckets = {id(self.param_to_bucket[p]): self.param_to_bucket[p] for p in params}
+
+        def hook(module, args):
+            for bucket in buckets.values():
+                bucket.finish_param_sync()
+        return hook
+
+    # -- checkpointing passes through to the wrapped module -----------------------------------
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    def sharded_state_dict(self, prefix: str = "", *args, **kwargs):
+        return self.module.sharded_state_dict(prefix, *args, **kwargs)
+
+    def set_input_tensor(self, input_tensor):
+        return self.module.set_input_tensor(input_tensor)

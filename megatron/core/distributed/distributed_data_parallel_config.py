@@ -1,0 +1,60 @@
+"""Configuration of the data-parallel engine (Megatron Core's `DistributedDataParallelConfig`)."""
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class DistributedDataParallelConfig:
+    grad_reduce_in_fp32: bool = False
+    """Keep `main_grad` buffers and the gradient collectives in fp32 (bf16/fp16 models)."""
+
+    overlap_grad_reduce: bool = False
+    """Launch each bucket's collective from the backward hooks as soon as the bucket is complete."""
+
+    overlap_param_gather: bool = False
+    """With the distributed optimizer: all-gather updated params asynchronously, waited on in forward pre-hooks."""
+
+    align_param_gather: bool = False
+    """Accepted for Megatron compatibility; bucket all-gathers are always dispatched in bucket order here."""
+
+    use_distributed_optimizer: bool = False
+    """Reduce-scatter grads (each DP rank owns 1/DP of each bucket) instead of all-reducing them."""
+
+    num_distributed_optimizer_instances: int = 1
+    """Partial distributed-optimizer replicas (HSDP-like); only 1 is supported."""
+
+    check_for_nan_in_grad: bool = False
+    """Raise before communication if a bucket holds a NaN/Inf gradient."""
+
+    check_for_large_grads: bool = False
+    """Accepted for Megatron compatibility; only `True` is rejected (not implemented)."""
+
+    bucket_size: Optional[int] = None
+    """Params per bucket; None = max(40M, 1M * DP) when overlapping the grad reduce, else one bucket."""
+
+    pad_buckets_for_high_nccl_busbw: bool = False
+    """Accepted for Megatron compatibility; buckets are padded only to a multiple of the DP size."""
+
+    average_in_collective: bool = False
+    """Average in the collective (ReduceOp.AVG) instead of pre-scaling grads by 1/DP."""
+
+    fp8_param_gather: bool = False
+    """FP8 params are not supported; only `False` is accepted."""
+
+    use_custom_fsdp: bool = False
+    """Megatron FSDP is not supported (use torch FSDP2: `--use-torch-fsdp2`)."""
+
+    def __post_init__(self):
+        if self.num_distributed_optimizer_instances != 1:
+            raise NotImplementedError(
+                "--num-distributed-optimizer-instances > 1 is not supported; use 1 (the default)")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("--overlap-param-gather requires --use-distributed-optimizer")
+        if self.check_for_large_grads:
+            raise NotImplementedError("--check-for-large-grads is not supported; drop the flag")
+        if self.fp8_param_gather:
+            raise NotImplementedError("--fp8-param-gather is not supported; drop the flag")
+        if self.use_custom_fsdp:
+            raise NotImplementedError("--use-megatron-fsdp is not supported; use --use-torch-fsdp2")
+        if self.bucket_size is not None and self.bucket_size <= 0:
+            raise ValueError("--ddp-bucket-size must be a positive number of parameters")

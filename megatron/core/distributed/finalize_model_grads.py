@@ -1,0 +1,106 @@
+"""Everything that must happen to the grads between the last backward and the optimizer step."""
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+
+def _unwrap(model_chunk):
+    while hasattr(model_chunk, "module"):
+        model_chunk = model_chunk.module
+    return model_chunk
+
+
+def _grad_of(param):
+    return param.main_grad if hasattr(param, "main_grad") else param.grad
+
+
+def _timer(config, name):
+    timers = getattr(config, "timers", None)
+    if timers is None:
+        return None
+    return timers(name, log_level=1)
+
+
+def _start(config, name):
+    timer = _timer(config, name)
+    if timer is not None:
+        timer.start(barrier=getattr(config, "barrier_with_L1_time", False))
+
+
+def _stop(config, name):
+    timer = _timer(config, name)
+    if timer is not None:
+        timer.stop()
+
+
+def _allreduce_grads_coalesced(grads, group):
+    """One all-reduce for many grads: flatten, reduce, copy back."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _allreduce_layernorm_grads(model: List[torch.nn.Module], config):
+    """Sequence parallelism leaves partial grads on TP-replicated params (norms, row-parallel bias)."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    if not (getattr(config, "sequence_parallel", False) or getattr(config, "qk_layernorm", False)):
+        return
+    # q/k layernorm weights act on TP-split heads yet are replicated: their grads differ per TP rank.
+    grads = [_grad_of(p) for chunk in model for name, p in chunk.named_parameters()
+             if p.requires_grad and _grad_of(p) is not None
+             and (getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name)]
+    _allreduce_grads_coalesced(grads, parallel_state.get_tensor_model_parallel_group())
+
+
+def _allreduce_embedding_grads(model: List[torch.nn.Module], config):
+    """Tied word embeddings live on the first and last PP stage: sum their grads over both."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return
+    if not parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
+        return
+    grads = []
+    for chunk in model:
+        for param in chunk.parameters():
+            if param.requires_grad and getattr(param, "shared_embedding", False):
+                grad = _grad_of(param)
+                if grad is not None and not any(grad is g for g in grads):
+                    grads.append(grad)
+    _allreduce_grads_coalesced(grads, parallel_state.get_embedding_group())
+
+
+def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torch.Tensor] = None):
+    """Finish DP grad sync, reduce SP-replicated and tied-embedding grads, and (per-token loss)
+    divide every grad by the global number of tokens."""
+    config = getattr(_unwrap(model[0]), "config", None) or getattr(model[0], "config", None)
+
+    _start(config, "all-grads-sync")
+    for chunk in model:
+        chunk.finish_grad_sync()
+    _stop(config, "all-grads-sync")
+
+    _start(config, "layernorm-grads-all-reduce")
+    _allreduce_layernorm_grads(model, config)
+    _stop(config, "layernorm-grads-all-reduce")
+
+    _start(config, "embedding-grads-all-reduce")
+    _allreduce_embedding_grads(model, config)
+    _stop(config, "embedding-grads-all-reduce")
+
+    if num_tokens is not None:
+        # Only the last stage counted tokens: share its count along the pipeline, then sum over DP x CP.
+        dist.broadcast(num_tokens, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                       group=parallel_state.get_pipeline_model_parallel_group())
+        dist.all_reduce(num_tokens, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        if num_tokens.item() > 0:
+            scaling = 1.0 / num_tokens.item()
+            for chunk in model:
+                chunk.scale_gradients(scaling)

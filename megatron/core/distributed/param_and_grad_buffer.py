@@ -1,0 +1,195 @@
+"""Contiguous param/grad buffers split into buckets, and each bucket's DP collectives.
+
+All params of one (param dtype, grad dtype) pair live in one flat grad buffer (and, with the
+distributed optimizer, one flat param buffer); `param.main_grad` is a view into it. The buffer is cut
+into buckets (in reverse parameter order, roughly the order backward produces grads) that are reduced
+with one collective each: all-reduce, or reduce-scatter when the distributed optimizer owns 1/DP of
+every bucket. With the distributed optimizer the updated params come back with one all-gather per bucket.
+"""
+import math
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def _is_gloo(group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+class _ParamAndGradBucket:
+    """A contiguous slice of a buffer holding `params`; owns that slice's DP collectives."""
+
+    def __init__(self, params, param_data, grad_data, offset, numel_unpadded, bucket_id,
+                 data_parallel_group, ddp_config, gradient_scaling_factor, param_to_name):
+        self.params = params
+        self.param_data = param_data  # flat view (distributed optimizer only), else None
+        self.grad_data = grad_data  # flat view
+        self.offset = offset  # start of this bucket in the buffer
+        self.numel_unpadded = numel_unpadded
+        self.bucket_id = bucket_id
+        self.group = data_parallel_group
+        self.ddp_config = ddp_config
+        self.gradient_scaling_factor = gradient_scaling_factor
+        self.param_to_name = param_to_name
+        self.dp_size = dist.get_world_size(group=data_parallel_group)
+        self.dp_rank = dist.get_rank(group=data_parallel_group)
+        self.is_last_microbatch = True
+        self.grad_reduce_handle = None
+        self.param_gather_handle = None
+        self._gather_input = None
+        self._reduce_output = None
+        self.params_with_grad = set()
+
+    # -- shards (distributed optimizer) --------------------------------------------------------
+    def shard_range(self, rank=None):
+        """[start, end) of DP rank `rank`'s shard, relative to the bucket start."""
+        rank = self.dp_rank if rank is None else rank
+        shard = self.grad_data.numel() // self.dp_size
+        return rank * shard, (rank + 1) * shard
+
+    def local_grad_shard(self):
+        start, end = self.shard_range()
+        return self.grad_data[start:end]
+
+    def local_param_shard(self):
+        start, end = self.shard_range()
+        return self.param_data[start:end]
+
+    # -- gradient reduction --------------------------------------------------------------------
+    def reset(self):
+        self.params_with_grad = set()
+        self.is_last_microbatch = True
+
+    def check_for_nan(self):
+        norm = self.grad_data.float().norm(p=2)
+        if not torch.isfinite(norm):
+            names = [self.param_to_name.get(p, "?") for p in self.params]
+            raise RuntimeError(
+                f"Rank {dist.get_rank()}: found NaN or Inf in local grad norm ({norm.item()}) of bucket "
+                f"#{self.bucket_id} before data-parallel communication; params: {', '.join(names)}")
+
+    def start_grad_sync(self):
+        """Launch this bucket's reduction (async when overlapping the grad reduce)."""
+        assert self.grad_reduce_handle is None, "grad sync already started for this bucket"
+        if self.ddp_config.check_for_nan_in_grad:
+            self.check_for_nan()
+        op = dist.ReduceOp.SUM
+        if self.ddp_config.average_in_collective:
+            op = dist.ReduceOp.AVG
+        elif self.gradient_scaling_factor != 1.0:
+            self.grad_data.mul_(self.gradient_scaling_factor)
+        async_op = self.ddp_config.overlap_grad_reduce
+        if self.ddp_config.use_distributed_optimizer:
+            shard = self.local_grad_shard()
+            # NCCL reduces in place into this rank's shard; gloo gets a separate output, copied back.
+            self._reduce_output = torch.empty_like(shard) if _is_gloo(self.group) else shard
+            handle = dist.reduce_scatter_single(self._reduce_output, self.grad_data, op=op,
+                                                group=self.group, async_op=async_op)
+        else:
+            handle = dist.all_reduce(self.grad_data, op=op, group=self.group, async_op=async_op)
+        self.grad_reduce_handle = handle if async_op else _DoneHandle()
+
+    def finish_grad_sync(self):
+        """Wait for the reduction (starting it now if the hooks never did, e.g. unused params)."""
+        if self.grad_reduce_handle is None:
+            self.start_grad_sync()
+        self.grad_reduce_handle.wait()
+        self.grad_reduce_handle = None
+        if self._reduce_output is not None:
+            shard = self.local_grad_shard()
+            if self._reduce_output is not shard:
+                shard.copy_(self._reduce_output)
+            self._reduce_output = None
+
+    def register_grad_ready(self, param):
+        """Called by the backward hook; launches the bucket's collective when its last grad is in."""
+        assert self.ddp_config.overlap_grad_reduce
+        if not self.is_last_microbatch:
+            return
+        assert param not in self.params_with_grad, "param's grad reported ready twice in one backward"
+        self.params_with_grad.add(param)
+        if len(self.params_with_grad) == len(self.params):
+            self.start_grad_sync()
+
+    # -- parameter all-gather (distributed optimizer) -------------------------------------------
+    def start_param_sync(self, async_op: bool):
+        assert self.param_gather_handle is None, "param all-gather already in flight"
+        shard = self.local_param_shard()
+        # NCCL gathers in place (input aliases this rank's slice of the output); gloo gets a copy.
+        self._gather_input = shard.clone() if _is_gloo(self.group) else shard
+        handle = dist.all_gather_single(self.param_data, self._gather_input, group=self.group,
+                                        async_op=async_op)
+        self.param_gather_handle = handle if async_op else _DoneHandle()
+
+    def finish_param_sync(self):
+        if self.param_gather_handle is not None:
+            self.param_gather_handle.wait()
+            self.param_gather_handle = None
+            self._gather_input = None
+
+
+class _DoneHandle:
+    def wait(self):
+        return None
+
+
+class _ParamAndGradBuffer:
+    """One flat grad buffer (and param buffer with the distributed optimizer) for params of one dtype."""
+
+    def __init__(self, ddp_config, param_dtype, grad_dtype, params: List[torch.nn.Parameter],
+                 data_parallel_group, bucket_size: Optional[int], param_to_name: Dict,
+                 gradient_scaling_factor: float):
+        self.ddp_config = ddp_config
+        self.param_dtype, self.grad_dtype = param_dtype, grad_dtype
+        self.params = list(params)
+        self.data_parallel_group = data_parallel_group
+        self.dp_size = dist.get_world_size(group=data_parallel_group)
+        device = self.params[0].device
+        pad = self.dp_size * 64 if ddp_config.use_distributed_optimizer else 1
+
+        # Layout: params in reverse order; a bucket closes once it holds >= bucket_size elements.
+        self.param_index_map = {}  # param -> (start, end, bucket_id)
+        bucket_spans, bucket_params, cursor, bucket_start = [], [[]], 0, 0
+        ordered = self.params[::-1]
+        for i, param in enumerate(ordered):
+            self.param_index_map[param] = (cursor, cursor + param.numel(), len(bucket_spans))
+            cursor += param.numel()
+            bucket_params[-1].append(param)
+            is_last = i == len(ordered) - 1
+            if is_last or (bucket_size is not None and cursor - bucket_start >= bucket_size):
+                padded_end = bucket_start + math.ceil((cursor - bucket_start) / pad) * pad
+                bucket_spans.append((bucket_start, cursor, padded_end))
+                cursor = bucket_start = padded_end
+                if not is_last:
+                    bucket_params.append([])
+        self.numel = cursor
+
+        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        self.param_data = None
+        if ddp_config.use_distributed_optimizer:
+            self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
+        for param, (start, end, _) in self.param_index_map.items():
+            if self.param_data is not None:
+                # Params become views into the flat buffer so that one all-gather refreshes a bucket.
+                view = self.param_data[start:end].view(param.shape)
+                view.copy_(param.data)
+                param.data = view
+            param.main_grad = self.grad_data[start:end].view(param.shape)
+
+        self.buckets = []
+        for bucket_id, ((start, end_unpadded, end), params_) in enumerate(zip(bucket_spans, bucket_params)):
+            self.buckets.append(_ParamAndGradBucket(
+                params_, None if self.param_data is None else self.param_data[start:end],
+                self.grad_data[start:end], start, end_unpadded - start, bucket_id,
+                data_parallel_group, ddp_config, gradient_scaling_factor, param_to_name))
+        self.param_to_bucket = {p: self.buckets[b] for p, (_, _, b) in self.param_index_map.items()}
+
+    def scale_gradients(self, scaling_factor: float):
+        self.grad_data.mul_(scaling_factor)
+
+    def reset(self):
+        """Zero the grad buffer and forget which grads arrived (start of an iteration)."""
+        self.grad_data.zero_()
+        for bucket in self.buckets:
+            bucket.reset()

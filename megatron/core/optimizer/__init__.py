@@ -1,0 +1,101 @@
+"""Optimizers: param groups, mixed precision with fp32 main params, loss scaling, clipping, and the
+distributed (sharded-state) optimizer. Entry point: `get_megatron_optimizer`."""
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from megatron.core.optimizer.clip_grads import clip_grad_norm_fp32, count_zeros_fp32, get_grad_norm_fp32
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
+from megatron.core.optimizer.optimizer import (
+    Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer)
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+
+def _is_embedding_or_output(name: str, param) -> bool:
+    if getattr(param, "is_embedding_or_output_parameter", False) or getattr(param, "shared_embedding", False):
+        return True
+    return name.endswith("word_embeddings.weight") or name.endswith("output_layer.weight")
+
+
+def _get_param_groups(model_chunks, config: OptimizerConfig, no_weight_decay_cond, scale_lr_cond,
+                      lr_mult: float) -> List[Dict]:
+    """Group params by (wd_mult, lr_mult, expert, decoupled LR); each group carries its own
+    max_lr/min_lr/wd_mult/lr_mult for the LR scheduler. Biases and 1-D params get no weight decay."""
+    groups: Dict[tuple, List] = {}
+    seen = set()
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            if no_weight_decay_cond is not None:
+                no_wd = no_weight_decay_cond(name, param)
+            else:
+                no_wd = name.endswith(".bias") or param.dim() == 1
+            scale_lr = scale_lr_cond(name, param) if scale_lr_cond is not None else False
+            wd_mult = 0.0 if no_wd else 1.0
+            group_lr_mult = lr_mult if scale_lr else 1.0
+            expert = not getattr(param, "allreduce", True)
+            decoupled = config.decoupled_lr is not None and _is_embedding_or_output(name, param)
+            groups.setdefault((wd_mult, group_lr_mult, expert, decoupled), []).append(param)
+    out = []
+    for (wd_mult, group_lr_mult, expert, decoupled), params in groups.items():
+        max_lr = config.decoupled_lr if decoupled else config.lr
+        min_lr = config.min_lr
+        if decoupled and config.decoupled_min_lr is not None:
+            min_lr = config.decoupled_min_lr
+        out.append({"params": params, "wd_mult": wd_mult, "lr_mult": group_lr_mult,
+                    "is_expert_parallel": expert, "is_decoupled_lr": decoupled,
+                    "max_lr": max_lr, "min_lr": min_lr if min_lr is not None else 0.0,
+                    "lr": (max_lr or 0.0) * group_lr_mult, "weight_decay": config.weight_decay * wd_mult})
+    return out
+
+
+def _inner_optimizer(config: OptimizerConfig, param_groups):
+    lr = config.lr if config.lr is not None else 0.0
+    on_cuda = all(p.is_cuda for g in param_groups for p in g["params"])
+    if config.optimizer == "adam":
+        # AdamW semantics (decoupled weight decay), as Megatron's fused Adam with adam_w_mode.
+        kwargs = {"fused": True} if on_cuda else {"foreach": False}
+        return torch.optim.AdamW(param_groups, lr=lr, weight_decay=config.weight_decay,
+                                 betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, **kwargs)
+    kwargs = {"foreach": True} if on_cuda else {"foreach": False}
+    return torch.optim.SGD(param_groups, lr=lr, weight_decay=config.weight_decay,
+                           momentum=config.sgd_momentum, **kwargs)
+
+
+def _grad_scaler(config: OptimizerConfig) -> Optional[MegatronGradScaler]:
+    if config.loss_scale is not None:
+        return ConstantGradScaler(config.loss_scale)
+    if config.fp16:
+        return DynamicGradScaler(initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
+                                 growth_factor=2.0, backoff_factor=0.5,
+                                 growth_interval=int(config.loss_scale_window), hysteresis=config.hysteresis)
+    return None
+
+
+def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.Module],
+                           no_weight_decay_cond: Optional[Callable] = None,
+                           scale_lr_cond: Optional[Callable] = None, lr_mult: float = 1.0,
+                           **unused) -> MegatronOptimizer:
+    """Build the optimizer for `model_chunks` (DDP-wrapped for the distributed optimizer)."""
+    if config.lr is None:
+        raise ValueError("OptimizerConfig.lr (--lr) must be set")
+    if not isinstance(model_chunks, (list, tuple)):
+        model_chunks = [model_chunks]
+    param_groups = _get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
+    inner = _inner_optimizer(config, param_groups)
+    scaler = _grad_scaler(config)
+    if config.use_distributed_optimizer:
+        return DistributedOptimizer(inner, config, scaler, list(model_chunks))
+    if config.fp16 or config.bf16 or any(p.dtype != torch.float32 for g in param_groups for p in g["params"]):
+        return Float16OptimizerWithFloat16Params(inner, config, scaler)
+    return FP32Optimizer(inner, config, scaler)
+
+
+__all__ = [
+    "OptimizerConfig", "get_megatron_optimizer", "MegatronOptimizer", "FP32Optimizer",
+    "Float16OptimizerWithFloat16Params", "DistributedOptimizer", "ConstantGradScaler", "DynamicGradScaler",
+    "MegatronGradScaler", "clip_grad_norm_fp32", "count_zeros_fp32", "get_grad_norm_fp32",
+]

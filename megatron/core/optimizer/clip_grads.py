@@ -1,0 +1,95 @@
+"""Global gradient norm, clipping and zero counting over the model-parallel (and DP-shard) groups.
+
+Each distinct gradient element must be counted exactly once across the ranks a reduction spans:
+params replicated across TP (norms, biases of row-parallel layers) count only on TP rank 0, and a
+tied output weight that duplicates the word embedding counts only on the first pipeline stage.
+"""
+import math
+from typing import Iterable, List, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+
+def param_is_not_tensor_parallel_duplicate(param) -> bool:
+    return getattr(param, "tensor_model_parallel", False) or (
+        parallel_state.get_tensor_model_parallel_rank() == 0)
+
+
+def param_is_not_shared(param) -> bool:
+    """A `shared` param (tied embedding/output weight) counts once: on the first pipeline stage."""
+    return not getattr(param, "shared", False) or parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+
+
+def param_counts_for_grad_stats(param) -> bool:
+    return param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param)
+
+
+def _groups(group) -> List:
+    if group is None:
+        return []
+    return list(group) if isinstance(group, (list, tuple)) else [group]
+
+
+def _all_reduce(tensor, groups, op=dist.ReduceOp.SUM):
+    for group in groups:
+        if dist.get_world_size(group=group) > 1:
+            dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def get_grad_norm_fp32(grads_for_norm: Sequence[torch.Tensor], norm_type: Union[int, float] = 2,
+                       grad_stats_parallel_group=None) -> float:
+    """Norm of the concatenation of `grads_for_norm` across every rank of the given group(s)."""
+    norm_type = float(norm_type)
+    groups = _groups(grad_stats_parallel_group)
+    device = grads_for_norm[0].device if grads_for_norm else _default_device()
+    if norm_type == math.inf:
+        local = max((g.detach().abs().max().float() for g in grads_for_norm if g.numel()),
+                    default=torch.zeros((), device=device))
+        total = _all_reduce(torch.as_tensor(local, dtype=torch.float32, device=device).reshape(1),
+                            groups, dist.ReduceOp.MAX)
+        return total.item()
+    total = torch.zeros(1, dtype=torch.float32, device=device)
+    for g in grads_for_norm:
+        total += torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type
+    _all_reduce(total, groups)
+    return total.item() ** (1.0 / norm_type)
+
+
+def clip_grad_by_total_norm_fp32(grads: Iterable[torch.Tensor], max_norm: float, total_norm: float):
+    """Scale grads in place by max_norm / (total_norm + 1e-6) when that is below 1."""
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for g in grads:
+            g.detach().mul_(clip_coeff)
+
+
+def clip_grad_norm_fp32(parameters, max_norm: float, norm_type: Union[int, float] = 2,
+                        grad_stats_parallel_group=None) -> float:
+    """Clip `.grad` of `parameters` to a global norm `max_norm`; return the norm before clipping."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    params = [p for p in parameters if p.grad is not None]
+    grads_for_norm = [p.grad for p in params if param_counts_for_grad_stats(p)]
+    total = get_grad_norm_fp32(grads_for_norm, norm_type, grad_stats_parallel_group)
+    if max_norm > 0:
+        clip_grad_by_total_norm_fp32([p.grad for p in params], max_norm, total)
+    return total
+
+
+def count_zeros_fp32(grads_for_count: Sequence[torch.Tensor], grad_stats_parallel_group=None) -> float:
+    """Number of exactly-zero grad elements across the given group(s) (`--log-num-zeros-in-grad`)."""
+    device = grads_for_count[0].device if grads_for_count else _default_device()
+    total = torch.zeros(1, dtype=torch.float32, device=device)
+    for g in grads_for_count:
+        total += g.numel() - torch.count_nonzero(g)
+    return _all_reduce(total, _groups(grad_stats_parallel_group)).item()
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,140 @@
+"""ZeRO-1-style distributed optimizer: each DP rank updates only its 1/DP range of every DDP bucket.
+
+DDP reduce-scatters each bucket's grads, so this rank holds the reduced grads of its own range.
+The fp32 main params and the optimizer state exist only for that range; after the local step the
+updated bf16/fp16/fp32 model params are all-gathered bucket by bucket (asynchronously, waited on by
+forward pre-hooks, with `overlap_param_gather`).
+"""
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.optimizer.optimizer import MegatronOptimizer, _model_grad, copy_tensor_model_parallel_attributes
+
+
+class DistributedOptimizer(MegatronOptimizer):
+    def __init__(self, optimizer, config, grad_scaler, model_chunks: List[torch.nn.Module]):
+        super().__init__(optimizer, config, grad_scaler)
+        self.model_chunks = model_chunks
+        self.param_to_buffer_bucket = {}
+        for chunk in model_chunks:
+            if not hasattr(chunk, "buffers") or not chunk.ddp_config.use_distributed_optimizer:
+                raise ValueError("--use-distributed-optimizer needs the model wrapped in DistributedDataParallel "
+                                 "built with use_distributed_optimizer=True")
+            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                for param, (start, end, bucket_id) in buffer.param_index_map.items():
+                    self.param_to_buffer_bucket[param] = (buffer, buffer.buckets[bucket_id], start, end)
+        # main param shard -> (model param, start, end) with [start, end) into model_param.view(-1)
+        self.shard_ranges: Dict[torch.Tensor, tuple] = {}
+        for group in self.optimizer.param_groups:
+            mains = []
+            for param in group["params"]:
+                main = self._make_main_shard(param)
+                if main is not None:
+                    mains.append(main)
+            group["params"] = mains
+
+    def _make_main_shard(self, param):
+        buffer, bucket, start, end = self.param_to_buffer_bucket[param]
+        shard_start, shard_end = bucket.shard_range()
+        shard_start, shard_end = bucket.offset + shard_start, bucket.offset + shard_end
+        lo, hi = max(start, shard_start), min(end, shard_end)
+        if lo >= hi:
+            return None
+        local = param.detach().view(-1)[lo - start:hi - start]
+        # fp32 model params are updated in place (the shard view aliases the param buffer).
+        main = local if param.dtype == torch.float32 else local.clone().float()
+        copy_tensor_model_parallel_attributes(main, param)
+        self.main_to_model[main] = param
+        self.shard_ranges[main] = (param, lo - start, hi - start)
+        return main
+
+    def get_grad_stats_parallel_group(self):
+        # Grads are sharded over DP x CP as well: statistics need that group too.
+        return [parallel_state.get_model_parallel_group(),
+                parallel_state.get_data_parallel_group(with_context_parallel=True)]
+
+    def _copy_model_grads_to_main_grads(self):
+        for main, (model, lo, hi) in self.shard_ranges.items():
+            grad = _model_grad(model)
+            main.grad = None if grad is None else grad.view(-1)[lo:hi].float()
+
+    def _copy_main_params_to_model_params(self):
+        for main, (model, lo, hi) in self.shard_ranges.items():
+            target = model.detach().view(-1)[lo:hi]
+            if target.data_ptr() != main.data_ptr():
+                target.copy_(main.detach())
+
+    def _after_step(self):
+        with self._timed("params-all-gather"):
+            for chunk in self.model_chunks:
+                chunk.start_param_sync()
+
+    def reload_model_params(self):
+        for main, (model, lo, hi) in self.shard_ranges.items():
+            source = model.detach().view(-1)[lo:hi]
+            if source.data_ptr() != main.data_ptr():
+                main.detach().copy_(source)
+
+    # -- checkpointing: gather each param's full (TP-local) state across DP, scatter on load ----
+    def param_state_for_save(self):
+        from megatron.core.optimizer import optimizer_state
+
+        optimizer_state.init_state(self)
+        keys = sorted({k for main in self.shard_ranges for k in self.optimizer.state[main] if k != "step"})
+        if any(p.dtype != torch.float32 for p in self.param_to_buffer_bucket):
+            keys.append("fp32_param")
+        keys = _agree_on_keys(keys)
+        out = {param: {} for param in self.param_to_buffer_bucket}
+        for bucket, params in self._bucket_params().items():
+            for key in keys:
+                full = self._gather_bucket_state(bucket, key)  # [bucket numel], fp32
+                for param in params:
+                    _, _, start, end = self.param_to_buffer_bucket[param]
+                    out[param][key] = full[start - bucket.offset:end - bucket.offset].view(param.shape).clone()
+        return out
+
+    def _bucket_params(self):
+        buckets = {}
+        for param, (_, bucket, _, _) in self.param_to_buffer_bucket.items():
+            buckets.setdefault(bucket, []).append(param)
+        return buckets
+
+    def _local_state(self, main, key):
+        return main.detach() if key == "fp32_param" else self.optimizer.state[main][key]
+
+    def _gather_bucket_state(self, bucket, key):
+        shard_lo, shard_hi = bucket.shard_range()
+        local = torch.zeros(shard_hi - shard_lo, dtype=torch.float32, device=bucket.grad_data.device)
+        for main, (param, lo, hi) in self.shard_ranges.items():
+            _, b, start, _ = self.param_to_buffer_bucket[param]
+            if b is bucket:
+                begin = start + lo - bucket.offset - shard_lo
+                local[begin:begin + hi - lo].copy_(self._local_state(main, key).view(-1))
+        full = torch.empty(bucket.grad_data.numel(), dtype=torch.float32, device=local.device)
+        dist.all_gather_single(full, local, group=bucket.group)
+        return full
+
+    def set_param_state_from_load(self, model_param_state):
+        from megatron.core.optimizer import optimizer_state
+
+        optimizer_state.init_state(self)
+        for main, (param, lo, hi) in self.shard_ranges.items():
+            for key, value in model_param_state.get(param, {}).items():
+                piece = value.reshape(-1)[lo:hi].to(main.device)
+                if key == "fp32_param":
+                    main.detach().copy_(piece)
+                elif key in self.optimizer.state[main]:
+                    self.optimizer.state[main][key].copy_(piece)
+        self._copy_main_params_to_model_params()
+        for chunk in self.model_chunks:
+            chunk.start_param_sync(force_sync=True)
+
+
+def _agree_on_keys(keys):
+    """Every DP rank must gather the same state keys, even a rank whose shard is empty."""
+    objs = [None] * dist.get_world_size()
+    dist.all_gather_object(objs, keys)
+    return sorted(set().union(*[set(o) for o in objs]))

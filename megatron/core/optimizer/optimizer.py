@@ -1,0 +1,265 @@
+"""Megatron optimizer wrappers: fp32 main params/grads around a torch optimizer.
+
+`step()` = copy model grads (`main_grad`) to the main params' `.grad` -> unscale and check for
+inf/nan (fp16; the decision is all-reduced so every rank skips together) -> global norm and clip ->
+count zeros -> inner step -> copy main params back to the model params. Returns
+`(update_successful, grad_norm, num_zeros_in_grad)`.
+"""
+from contextlib import contextmanager
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.optimizer import optimizer_state
+from megatron.core.optimizer.clip_grads import (
+    clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32, param_counts_for_grad_stats)
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+
+def _model_grad(param):
+    return param.main_grad if hasattr(param, "main_grad") else param.grad
+
+
+def copy_tensor_model_parallel_attributes(dst, src):
+    for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "shared", "sequence_parallel"):
+        if hasattr(src, attr):
+            setattr(dst, attr, getattr(src, attr))
+
+
+class MegatronOptimizer:
+    """Owns a torch optimizer whose param groups hold *main* params (fp32), each mapped to a model
+    param (`self.main_to_model`). Subclasses decide how main params relate to model params."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, grad_scaler=None):
+        self.optimizer = optimizer
+        self.config = config
+        self.grad_scaler = grad_scaler
+        self.main_to_model: Dict[torch.Tensor, torch.nn.Parameter] = {}
+
+    # -- plumbing ------------------------------------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def get_parameters(self) -> List[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def model_params(self) -> List[torch.nn.Parameter]:
+        return list(dict.fromkeys(self.main_to_model.values()))
+
+    def get_grad_stats_parallel_group(self):
+        """Groups to sum grad statistics over: model parallel (TP x PP); DP grads are replicas."""
+        return [parallel_state.get_model_parallel_group()]
+
+    def _timer(self, name):
+        timers = self.config.timers
+        return None if timers is None else timers(name, log_level=1)
+
+    @contextmanager
+    def _timed(self, name):
+        timer = self._timer(name)
+        if timer is not None:
+            timer.start(barrier=self.config.barrier_with_L1_time)
+        try:
+            yield
+        finally:
+            if timer is not None:
+                timer.stop()
+
+    # -- loss scaling --------------------------------------------------------------------------
+    def get_loss_scale(self) -> torch.Tensor:
+        if self.grad_scaler is None:
+            return torch.tensor(1.0)
+        return self.grad_scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.get_loss_scale().to(loss.device)
+
+    # -- grad statistics -----------------------------------------------------------------------
+    def _main_grads_for_stats(self) -> List[torch.Tensor]:
+        return [p.grad for p in self.get_parameters()
+                if p.grad is not None and param_counts_for_grad_stats(self.main_to_model[p])]
+
+    def get_grad_norm(self) -> float:
+        return get_grad_norm_fp32(self._main_grads_for_stats(),
+                                  grad_stats_parallel_group=self.get_grad_stats_parallel_group())
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        grad_norm = self.get_grad_norm()
+        if clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32([p.grad for p in self.get_parameters() if p.grad is not None],
+                                         clip_grad, grad_norm)
+        return grad_norm
+
+    def count_zeros(self) -> float:
+        return count_zeros_fp32(self._main_grads_for_stats(), self.get_grad_stats_parallel_group())
+
+    def _unscale_and_check_for_inf(self) -> bool:
+        """Unscale main grads by 1/loss_scale; True if any rank of the stats groups saw inf/nan."""
+        inv_scale = self.grad_scaler.inv_scale
+        found = torch.zeros(1, dtype=torch.float32)
+        grads = [p.grad for p in self.get_parameters() if p.grad is not None]
+        for g in grads:
+            g.mul_(inv_scale.to(g.device))
+            if not torch.isfinite(g).all():
+                found.fill_(1.0)
+        device = grads[0].device if grads else found.device
+        if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+            if device.type == "cpu" and dist.get_backend() == "nccl":
+                device = torch.device("cuda", torch.cuda.current_device())
+            found = found.to(device)
+            for group in self.get_grad_stats_parallel_group():
+                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        return bool(found.item() > 0)
+
+    # -- the step ------------------------------------------------------------------------------
+    def _copy_model_grads_to_main_grads(self):
+        raise NotImplementedError
+
+    def _copy_main_params_to_model_params(self):
+        raise NotImplementedError
+
+    def _after_step(self):
+        """Hook for subclasses (the distributed optimizer all-gathers params here)."""
+
+    @torch.no_grad()
+    def step(self) -> Tuple[bool, Optional[float], Optional[float]]:
+        with self._timed("optimizer-copy-to-main-grad"):
+            self._copy_model_grads_to_main_grads()
+        if self.grad_scaler is not None:
+            with self._timed("optimizer-unscale-and-check-inf"):
+                found_inf = self._unscale_and_check_for_inf()
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return False, None, None
+        with self._timed("optimizer-clip-main-grad"):
+            grad_norm = self.clip_grad_norm(self.config.clip_grad)
+        num_zeros = None
+        if self.config.log_num_zeros_in_grad:
+            with self._timed("optimizer-count-zeros"):
+                num_zeros = self.count_zeros()
+        with self._timed("optimizer-inner-step"):
+            self.optimizer.step()
+        with self._timed("optimizer-copy-main-to-model-params"):
+            self._copy_main_params_to_model_params()
+        self._after_step()
+        return True, grad_norm, num_zeros
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Drop model `.grad`s and main grads (DDP's `zero_grad_buffer` zeroes `main_grad`)."""
+        for param in self.model_params():
+            param.grad = None
+        for param in self.get_parameters():
+            param.grad = None
+
+    def reload_model_params(self):
+        """Refresh main params from the model params (after loading a model checkpoint)."""
+        raise NotImplementedError
+
+    # -- checkpointing -------------------------------------------------------------------------
+    def state_dict(self) -> Dict:
+        sd = {"optimizer": self.optimizer.state_dict()}
+        if self.grad_scaler is not None:
+            sd["grad_scaler"] = self.grad_scaler.state_dict()
+        sd.update(self._extra_state_dict())
+        return sd
+
+    def _extra_state_dict(self) -> Dict:
+        return {}
+
+    def load_state_dict(self, state_dict: Dict):
+        if state_dict.get("param_state_sharding_type") is not None:
+            optimizer_state.load_sharded(self, state_dict)
+            return
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.grad_scaler is not None and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        self._load_extra_state_dict(state_dict)
+
+    def _load_extra_state_dict(self, state_dict: Dict):
+        pass
+
+    def sharded_state_dict(self, model_sharded_state_dict: Dict, is_loading: bool = False) -> Dict:
+        """Optimizer state under the model params' global keys, shapes and offsets (reshardable)."""
+        return optimizer_state.sharded_state_dict(self, model_sharded_state_dict, is_loading)
+
+    # Per-model-param full state (the model param's local TP shard shape); overridden by DistOpt.
+    def param_state_for_save(self) -> Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]:
+        optimizer_state.init_state(self)
+        out = {}
+        for main, model in self.main_to_model.items():
+            state = {k: v for k, v in self.optimizer.state[main].items() if k != "step"}
+            if main is not model:
+                state["fp32_param"] = main.detach()
+            out[model] = state
+        return out
+
+    def set_param_state_from_load(self, model_param_state: Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]):
+        optimizer_state.init_state(self)
+        for main, model in self.main_to_model.items():
+            loaded = model_param_state.get(model)
+            if loaded is None:
+                continue
+            for key, value in loaded.items():
+                if key == "fp32_param":
+                    main.detach().copy_(value.view_as(main))
+                elif key in self.optimizer.state[main]:
+                    self.optimizer.state[main][key].copy_(value.view_as(main))
+        self._copy_main_params_to_model_params()
+
+
+class Float16OptimizerWithFloat16Params(MegatronOptimizer):
+    """bf16/fp16 model params with fp32 main copies (fp32 model params are their own main params)."""
+
+    def __init__(self, optimizer, config, grad_scaler=None):
+        super().__init__(optimizer, config, grad_scaler)
+        for group in self.optimizer.param_groups:
+            mains = []
+            for param in group["params"]:
+                if param.dtype in (torch.float16, torch.bfloat16):
+                    main = param.detach().clone().float()
+                    copy_tensor_model_parallel_attributes(main, param)
+                    param.main_param = main
+                else:
+                    main = param
+                self.main_to_model[main] = param
+                mains.append(main)
+            group["params"] = mains
+
+    def _copy_model_grads_to_main_grads(self):
+        for main, model in self.main_to_model.items():
+            grad = _model_grad(model)
+            if grad is None:
+                main.grad = None
+            elif main is model:
+                main.grad = grad if grad.dtype == torch.float32 else grad.float()
+            else:
+                main.grad = grad.float()
+
+    def _copy_main_params_to_model_params(self):
+        for main, model in self.main_to_model.items():
+            if main is not model:
+                model.data.copy_(main.data)
+
+    def reload_model_params(self):
+        for main, model in self.main_to_model.items():
+            if main is not model:
+                main.data.copy_(model.data)
+
+
+class FP32Optimizer(Float16OptimizerWithFloat16Params):
+    """fp32 model: main params are the model params themselves; no loss scaling."""
+
+    def __init__(self, optimizer, config, grad_scaler=None):
+        super().__init__(optimizer, config, grad_scaler)
+        assert all(m is p for m, p in self.main_to_model.items()), "FP32Optimizer got non-fp32 params"

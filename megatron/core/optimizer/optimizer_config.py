@@ -1,0 +1,58 @@
+"""Configuration of the optimizer (Megatron Core's `OptimizerConfig`)."""
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass
+class OptimizerConfig:
+    optimizer: str = "adam"
+    """'adam' (AdamW: decoupled weight decay) or 'sgd'."""
+
+    lr: Optional[float] = None
+    min_lr: Optional[float] = None
+    decoupled_lr: Optional[float] = None
+    """Separate LR for the embedding and output-layer params (None: same as the others)."""
+    decoupled_min_lr: Optional[float] = None
+    weight_decay: float = 0.01
+
+    fp16: bool = False
+    bf16: bool = False
+    params_dtype: torch.dtype = torch.float32
+
+    loss_scale: Optional[float] = None
+    """Static loss scale; None with fp16 means dynamic scaling."""
+    initial_loss_scale: float = 2 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: float = 1000
+    hysteresis: int = 2
+
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-08
+    sgd_momentum: float = 0.9
+
+    use_distributed_optimizer: bool = False
+    overlap_param_gather: bool = False
+    overlap_param_gather_with_optimizer_step: bool = False
+
+    clip_grad: float = 1.0
+    """Global L2 norm clip (0 disables clipping; the norm is still computed and returned)."""
+    log_num_zeros_in_grad: bool = False
+
+    barrier_with_L1_time: bool = False
+    timers: Optional[Callable] = None
+
+    def __post_init__(self):
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"--optimizer {self.optimizer} is not supported; use adam or sgd")
+        if self.fp16 and self.bf16:
+            raise ValueError("--fp16 and --bf16 are mutually exclusive; pick one")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("--overlap-param-gather requires --use-distributed-optimizer")
+        if self.overlap_param_gather_with_optimizer_step:
+            raise NotImplementedError(
+                "--overlap-param-gather-with-optimizer-step is not supported; use --overlap-param-gather")
+        if self.clip_grad < 0:
+            raise ValueError("--clip-grad must be >= 0 (0 disables clipping)")
