@@ -1,0 +1,1 @@
+from megatron.training.tokenizer.tokenizer import build_tokenizer  # noqa: F401
