@@ -69,12 +69,26 @@ def unwrap_model(model, module_instances: Any = None):
     return out if isinstance(model, list) else out[0]
 
 
+class _MakeViewlessTensor(torch.autograd.Function):
+    """Identity whose output owns no ``_base``, keeping the autograd graph."""
+
+    @staticmethod
+    def forward(ctx, inp, requires_grad):
+        out = torch.empty((1,), dtype=inp.dtype, device=inp.device, requires_grad=requires_grad)
+        out.data = inp.data
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output, None
+
+
 def make_viewless_tensor(inp: torch.Tensor, requires_grad: bool, keep_graph: bool) -> torch.Tensor:
-    """A tensor that is not a view, so its storage can be freed after a pipeline send."""
+    """A tensor that is not a view, so a pipeline stage can free its output storage after sending it."""
     if inp._base is None:
         return inp
     if keep_graph:
-        return inp.clone() if not requires_grad else inp.view_as(inp).clone()
+        return _MakeViewlessTensor.apply(inp, requires_grad)
     out = torch.empty((1,), dtype=inp.dtype, device=inp.device, requires_grad=requires_grad)
     out.data = inp.data
     return out

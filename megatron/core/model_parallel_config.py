@@ -1,0 +1,70 @@
+"""Parallelism and precision settings shared by every Megatron Core module."""
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass
+class ModelParallelConfig:
+    """Degrees of parallelism, dtypes and the training-loop hooks the schedules call."""
+
+    # Model parallelism
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    sequence_parallel: bool = False
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
+
+    # Initialization
+    perform_initialization: bool = True
+    use_cpu_initialization: bool = False
+    seed: int = 1234  # drives layout-independent parameter init
+
+    # Precision
+    fp16: bool = False
+    bf16: bool = False
+    params_dtype: torch.dtype = torch.float32
+    timers: Optional[Callable] = None
+
+    # Training-loop hooks read by the schedules
+    finalize_model_grads_func: Optional[Callable] = None
+    grad_scale_func: Optional[Callable] = None
+    no_sync_func: Optional[Callable] = None
+    grad_sync_func: Optional[Callable] = None
+    param_sync_func: Optional[Callable] = None
+
+    # Pipeline
+    pipeline_dtype: Optional[torch.dtype] = None
+    variable_seq_lengths: bool = False
+    deallocate_pipeline_outputs: bool = False
+    batch_p2p_comm: bool = True
+    overlap_p2p_comm: bool = False
+    microbatch_group_size_per_vp_stage: Optional[int] = None
+
+    # Performance
+    gradient_accumulation_fusion: bool = False
+    barrier_with_L1_time: bool = True
+    async_tensor_model_parallel_allreduce: bool = False
+    tp_comm_overlap: bool = False
+
+    def __post_init__(self):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                     "expert_model_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.fp16 and self.bf16:
+            raise ValueError("fp16 and bf16 are exclusive: set only one of --fp16 / --bf16")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            # Megatron silently turns SP off at TP=1; SP over one rank is the identity.
+            self.sequence_parallel = False
+        if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
+            self.pipeline_dtype = self.params_dtype
+        if self.expert_tensor_parallel_size is None:
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+        if self.microbatch_group_size_per_vp_stage is None:
+            self.microbatch_group_size_per_vp_stage = self.pipeline_model_parallel_size
+        if self.tp_comm_overlap:
+            raise NotImplementedError("--tp-comm-overlap is not supported; drop the flag")

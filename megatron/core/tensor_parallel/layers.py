@@ -1,0 +1,248 @@
+"""Tensor-parallel linear and embedding layers; all TP communication of the model lives here."""
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+from megatron.core.tensor_parallel.utils import VocabUtility
+from megatron.core.utils import divide, get_device
+
+_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
+
+
+def param_is_not_tensor_parallel_duplicate(param) -> bool:
+    """True for TP-split params and, for replicated ones, on TP rank 0 only (count each once)."""
+    return getattr(param, "tensor_model_parallel", False) or parallel_state.get_tensor_model_parallel_rank() == 0
+
+
+def set_tensor_model_parallel_attributes(tensor, is_parallel: bool, dim: int, stride: int) -> None:
+    """Record how ``tensor`` is split over TP: ``dim`` and ``stride`` (stride > 1: the global tensor is
+    ``stride`` interleaved blocks along ``dim``, each split across TP, e.g. SwiGLU's [gate; up])."""
+    for attr in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
+        assert not hasattr(tensor, attr), f"{attr} already set"
+    tensor.tensor_model_parallel = is_parallel
+    tensor.partition_dim = dim
+    tensor.partition_stride = stride
+
+
+def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor) -> None:
+    for attr, value in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS.items():
+        if not hasattr(tensor, attr):
+            setattr(tensor, attr, value)
+
+
+def copy_tensor_model_parallel_attributes(destination_tensor, source_tensor) -> None:
+    for attr in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
+        if hasattr(source_tensor, attr):
+            setattr(destination_tensor, attr, getattr(source_tensor, attr))
+
+
+def _param_device(config):
+    return torch.device("cpu") if config.use_cpu_initialization else get_device()
+
+
+def _make_param(shape, config, init_fn, is_expert=False) -> torch.nn.Parameter:
+    """Allocate a parameter, fill it with ``init_fn`` under the TP RNG state, and remember ``init_fn``
+    so layout-independent initialization can redo it on the global tensor."""
+    p = torch.nn.Parameter(torch.empty(*shape, dtype=config.params_dtype, device=_param_device(config)))
+    if config.perform_initialization:
+        name = get_expert_parallel_rng_tracker_name() if is_expert else "model-parallel-rng"
+        with get_cuda_rng_tracker().fork(name):
+            init_fn(p.data)
+    p.init_fn = init_fn
+    p.allreduce = not is_expert
+    return p
+
+
+class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
+    """Y = X W^T + b. With ``gradient_accumulation_fusion`` the weight gradient is added straight into
+    ``weight.main_grad`` (the DDP buffer) instead of ``weight.grad``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, gradient_accumulation_fusion):
+        ctx.save_for_backward(x, weight)
+        ctx.use_bias = bias is not None
+        ctx.fusion = gradient_accumulation_fusion
+        out = torch.matmul(x, weight.t())
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight)
+        g2d = grad_output.reshape(-1, grad_output.shape[-1])  # [s*b, out]
+        x2d = x.reshape(-1, x.shape[-1])  # [s*b, in]
+        grad_bias = g2d.sum(dim=0) if ctx.use_bias else None
+        if ctx.fusion and hasattr(weight, "main_grad"):
+            weight.main_grad.add_(g2d.t().to(weight.main_grad.dtype) @ x2d.to(weight.main_grad.dtype))
+            grad_weight = None
+            if hasattr(weight, "grad_added_to_main_grad"):
+                # Autograd must still see a gradient so DDP's per-param hooks fire; the hook skips it.
+                grad_weight = torch.zeros_like(weight)
+                weight.grad_added_to_main_grad = True
+        else:
+            grad_weight = g2d.t() @ x2d
+        return grad_input, grad_weight, grad_bias, None
+
+
+def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradient_accumulation_fusion=False,
+                                                      **unused_overlap_options):
+    return LinearWithGradAccumulationAndAsyncCommunication.apply(input, weight, bias, gradient_accumulation_fusion)
+
+
+def _check_unsupported(embedding_activation_buffer, grad_output_buffer, keep_master_weight_for_test):
+    if embedding_activation_buffer is not None or grad_output_buffer is not None:
+        raise NotImplementedError("--defer-embedding-wgrad-compute is not supported; drop the flag")
+    if keep_master_weight_for_test:
+        raise NotImplementedError("keep_master_weight_for_test is not supported")
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """Y = XA + b with A split by columns, A = [A_1, ..., A_p]: rank i computes Y_i = X A_i + b_i.
+
+    Input is full (or sequence-split under SP, then all-gathered); output is split on the last dim
+    unless ``gather_output``. Returns ``(output, bias)``; bias is returned unapplied with ``skip_bias_add``.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config, init_method: Callable, bias: bool = True,
+                 gather_output: bool = False, stride: int = 1, keep_master_weight_for_test: bool = False,
+                 skip_bias_add: bool = False, skip_weight_param_allocation: bool = False,
+                 embedding_activation_buffer=None, grad_output_buffer=None, is_expert: bool = False,
+                 tp_comm_buffer_name: Optional[str] = None, disable_grad_reduce: bool = False, tp_group=None):
+        super().__init__()
+        _check_unsupported(embedding_activation_buffer, grad_output_buffer, keep_master_weight_for_test)
+        self.config, self.is_expert = config, is_expert
+        self.input_size, self.output_size = input_size, output_size
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        self.disable_grad_reduce = disable_grad_reduce
+        self.sequence_parallel = config.sequence_parallel and not is_expert
+        self.tp_group = tp_group if tp_group is not None else (
+            parallel_state.get_expert_tensor_parallel_group() if is_expert
+            else parallel_state.get_tensor_model_parallel_group())
+        tp = 1 if self.tp_group is None else torch.distributed.get_world_size(self.tp_group)
+        self.output_size_per_partition = divide(output_size, tp)
+        if skip_weight_param_allocation:
+            self.weight = None
+        else:
+            self.weight = _make_param((self.output_size_per_partition, input_size), config, init_method, is_expert)
+            set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+        if bias:
+            self.bias = _make_param((self.output_size_per_partition,), config, torch.nn.init.zeros_, is_expert)
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                runtime_gather_output: Optional[bool] = None):
+        if weight is None:
+            if self.weight is None:
+                raise RuntimeError("ColumnParallelLinear built with skip_weight_param_allocation needs a weight")
+            weight = self.weight
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(input_, group=self.tp_group)  # [s, b, h]
+        elif self.disable_grad_reduce:
+            x = input_
+        else:
+            x = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        bias = None if self.skip_bias_add else self.bias
+        out = linear_with_grad_accumulation_and_async_allreduce(
+            x, weight, bias, self.config.gradient_accumulation_fusion)  # [s, b, out/tp]
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather:
+            out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
+        return out, (self.bias if self.skip_bias_add else None)
+
+
+class RowParallelLinear(torch.nn.Module):
+    """Y = XA + b with A split by rows and X by columns: Y = sum_i X_i A_i, then + b.
+
+    The sum is an all-reduce over TP (a reduce-scatter along the sequence under SP); the bias is added
+    once, after the reduction. Returns ``(output, bias)``.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config, init_method: Callable, bias: bool = True,
+                 input_is_parallel: bool = False, skip_bias_add: bool = False, stride: int = 1,
+                 keep_master_weight_for_test: bool = False, is_expert: bool = False,
+                 tp_comm_buffer_name: Optional[str] = None, tp_group=None):
+        super().__init__()
+        _check_unsupported(None, None, keep_master_weight_for_test)
+        self.config, self.is_expert = config, is_expert
+        self.input_size, self.output_size = input_size, output_size
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        self.sequence_parallel = config.sequence_parallel and not is_expert
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear with --sequence-parallel needs input_is_parallel=True")
+        self.tp_group = tp_group if tp_group is not None else (
+            parallel_state.get_expert_tensor_parallel_group() if is_expert
+            else parallel_state.get_tensor_model_parallel_group())
+        tp = 1 if self.tp_group is None else torch.distributed.get_world_size(self.tp_group)
+        self.input_size_per_partition = divide(input_size, tp)
+        self.weight = _make_param((output_size, self.input_size_per_partition), config, init_method, is_expert)
+        set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
+        if bias:
+            self.bias = _make_param((output_size,), config, torch.nn.init.zeros_, is_expert)
+            set_defaults_if_not_set_tensor_model_parallel_attributes(self.bias)
+            # Under SP each rank's bias grad covers only its sequence chunk: sum over TP.
+            self.bias.sequence_parallel = self.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor):
+        x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_, self.tp_group)
+        partial = linear_with_grad_accumulation_and_async_allreduce(
+            x, self.weight, None, self.config.gradient_accumulation_fusion)  # [s, b, h], partial sum
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sequence_parallel_region(partial, group=self.tp_group)  # [s/tp, b, h]
+        else:
+            out = reduce_from_tensor_model_parallel_region(partial, group=self.tp_group)
+        if self.skip_bias_add:
+            return out, self.bias
+        return (out + self.bias if self.bias is not None else out), None
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Embedding with the vocabulary split across TP: each rank looks up the ids it owns, zeroes the
+    rest, and the partial rows are summed over TP (reduce-scattered along the sequence with
+    ``reduce_scatter_embeddings``, which also returns ``[s/tp, b, h]`` instead of ``[b, s, h]``)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method: Callable, config,
+                 reduce_scatter_embeddings: bool = False, tp_group=None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
+        self.tp_group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
+        tp = 1 if self.tp_group is None else torch.distributed.get_world_size(self.tp_group)
+        rank = 0 if self.tp_group is None else torch.distributed.get_rank(self.tp_group)
+        if num_embeddings % tp != 0:
+            raise ValueError(f"vocab size {num_embeddings} is not divisible by the TP size {tp}; pad it with "
+                             "--make-vocab-size-divisible-by")
+        self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_global_vocab_size(
+            num_embeddings, rank, tp)
+        self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
+        self.weight = _make_param((self.num_embeddings_per_partition, embedding_dim), config, init_method)
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        self._tp = tp
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        if self._tp > 1:
+            outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+            ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
+        else:
+            ids = input_
+        out = F.embedding(ids, self.weight)  # [b, s, h]
+        if self._tp > 1:
+            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.reduce_scatter_embeddings:
+            out = out.transpose(0, 1).contiguous()  # [s, b, h]
+            return reduce_scatter_to_sequence_parallel_region(out, group=self.tp_group)  # [s/tp, b, h]
+        return reduce_from_tensor_model_parallel_region(out, group=self.tp_group)

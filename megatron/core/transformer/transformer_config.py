@@ -1,0 +1,159 @@
+"""TransformerConfig: architecture fields with Megatron's names, validated at construction."""
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.utils import init_method_normal, scaled_init_method_normal
+
+
+@dataclass
+class TransformerConfig(ModelParallelConfig):
+    """Architecture of a transformer stack (plus the parallel settings it inherits)."""
+
+    num_layers: int = 0
+    hidden_size: int = 0
+    num_attention_heads: int = 0
+    num_query_groups: Optional[int] = None
+    ffn_hidden_size: Optional[int] = None
+    kv_channels: Optional[int] = None
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    fp32_residual_connection: bool = False
+    apply_residual_connection_post_layernorm: bool = False
+    layernorm_epsilon: float = 1e-5
+    layernorm_zero_centered_gamma: bool = False
+    normalization: str = "LayerNorm"
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    gated_linear_unit: bool = False
+    activation_func: Callable = F.gelu
+    activation_func_fp8_input_store: bool = False
+    qk_layernorm: bool = False
+    test_mode: bool = False
+    calculate_per_token_loss: bool = False
+    window_size: Optional[Tuple[int, int]] = None
+    rotary_interleaved: bool = False
+
+    # Pipeline layer split
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+
+    # Initialization
+    init_method: Optional[Callable] = None
+    output_layer_init_method: Optional[Callable] = None
+    init_method_std: float = 0.02
+
+    # Mixed precision / fusions
+    apply_query_key_layer_scaling: bool = False
+    attention_softmax_in_fp32: bool = True
+    bias_activation_fusion: bool = False
+    masked_softmax_fusion: bool = False
+    persist_layer_norm: bool = False
+    memory_efficient_layer_norm: bool = False
+    bias_dropout_fusion: bool = False
+    apply_rope_fusion: bool = False
+    attention_backend: str = "auto"
+
+    # Activation recompute
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+    recompute_modules: Optional[List[str]] = None
+    distribute_saved_activations: Optional[bool] = None
+
+    # MoE / FP8 (not supported yet)
+    num_moe_experts: Optional[int] = None
+    fp8: Optional[str] = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._check_shapes()
+        self._check_features()
+        self._check_recompute()
+        self._check_pipeline_split()
+        if self.init_method is None:
+            self.init_method = init_method_normal(self.init_method_std)
+        if self.output_layer_init_method is None:
+            self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, self.num_layers)
+
+    def _check_shapes(self):
+        for name in ("num_layers", "hidden_size", "num_attention_heads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TransformerConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                                 f"({self.num_attention_heads}) unless kv_channels is set")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.num_attention_heads % self.num_query_groups != 0:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                             f"num_query_groups ({self.num_query_groups})")
+        tp = self.tensor_model_parallel_size
+        if self.num_attention_heads % tp != 0:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                             f"tensor_model_parallel_size ({tp})")
+        if self.num_query_groups % tp != 0:
+            raise ValueError(f"num_query_groups ({self.num_query_groups}) must be divisible by "
+                             f"tensor_model_parallel_size ({tp})")
+        if self.ffn_hidden_size % tp != 0:
+            raise ValueError(f"ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by "
+                             f"tensor_model_parallel_size ({tp})")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got '{self.normalization}'")
+
+    def _check_features(self):
+        if self.num_moe_experts is not None:
+            raise NotImplementedError("--num-experts (num_moe_experts) is not supported yet; drop the flag")
+        if self.fp8 is not None:
+            raise NotImplementedError("--fp8-format (fp8) is not supported yet; drop the flag")
+        if self.context_parallel_size != 1:
+            raise NotImplementedError("--context-parallel-size > 1 is not supported by the model yet")
+        if self.window_size is not None:
+            raise NotImplementedError("--window-size (sliding window attention) is not supported yet")
+        if self.attention_backend not in ("auto", "local", "flash", "fused", "unfused"):
+            raise ValueError(f"attention_backend '{self.attention_backend}' unknown; use auto, local, "
+                             "flash, fused or unfused")
+        if self.apply_query_key_layer_scaling:
+            # Scaling Q.K by 1/layer_number and the softmax back up is a pure fp16 overflow guard.
+            self.attention_softmax_in_fp32 = True
+        if self.activation_func_fp8_input_store:
+            raise NotImplementedError("--activation-func-fp8-input-store needs FP8 support; drop the flag")
+
+    def _check_recompute(self):
+        g = self.recompute_granularity
+        if g not in (None, "full", "selective"):
+            raise ValueError(f"recompute_granularity must be None, 'full' or 'selective', got '{g}'")
+        if g == "full":
+            if self.recompute_method not in ("uniform", "block"):
+                raise ValueError("--recompute-granularity full needs --recompute-method uniform or block")
+            if not self.recompute_num_layers:
+                raise ValueError("--recompute-granularity full needs --recompute-num-layers >= 1")
+        elif self.recompute_method is not None:
+            raise ValueError("--recompute-method needs --recompute-granularity full")
+        if g == "selective":
+            if self.recompute_modules is None:
+                self.recompute_modules = ["core_attn"]
+            bad = set(self.recompute_modules) - {"core_attn", "mlp", "layernorm"}
+            if bad:
+                raise NotImplementedError(f"--recompute-modules {sorted(bad)} not supported; use core_attn, "
+                                          "mlp, layernorm")
+        if self.distribute_saved_activations and self.sequence_parallel:
+            raise ValueError("--distribute-saved-activations cannot be used with --sequence-parallel")
+
+    def _check_pipeline_split(self):
+        uneven = (self.num_layers_in_first_pipeline_stage is not None
+                  or self.num_layers_in_last_pipeline_stage is not None)
+        if uneven and (self.account_for_embedding_in_pipeline_split or self.account_for_loss_in_pipeline_split):
+            raise ValueError("--decoder-first/last-pipeline-num-layers cannot be combined with "
+                             "--account-for-embedding/loss-in-pipeline-split")
+        if self.pipeline_model_parallel_size == 1 and uneven:
+            raise ValueError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
