@@ -30,6 +30,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
         if args.rank == 0:
             print_args("arguments", args)
         set_global_variables(args)
+        update_train_iters(args)
     except (ArgumentError, NotImplementedError) as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -43,6 +44,25 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
         _set_random_seed(args.seed, args.data_parallel_random_init)
     _compile_dataset_helpers()
     return None
+
+
+def update_train_iters(args):
+    """For sample-based runs: the iteration count that consumes --train-samples (walks the rampup)."""
+    from megatron.core import num_microbatches_calculator as mbc
+    if args.train_samples is None:
+        return
+    if args.rampup_batch_size is None:
+        args.train_iters = args.train_samples // args.global_batch_size
+        return
+    iterations, consumed = 0, 0
+    while consumed <= int(args.rampup_batch_size[2]) and consumed <= args.train_samples:
+        mbc.update_num_microbatches(consumed, consistency_check=False)
+        consumed += mbc.get_current_global_batch_size()
+        iterations += 1
+    mbc.update_num_microbatches(0, consistency_check=False)
+    iterations += max(0, args.train_samples - consumed) // args.global_batch_size
+    args.train_iters = iterations
+    print_rank_0(f"setting training iterations to {args.train_iters}")
 
 
 def setup_launcher_env():

@@ -322,6 +322,8 @@ def _validate_tokenizer(args):
 
 
 def _validate_misc(args):
+    args.consumed_train_samples, args.skipped_train_samples, args.consumed_valid_samples = 0, 0, 0
+    args.iteration, args.num_floating_point_operations_so_far = 0, 0
     _require(hasattr(signal, args.exit_signal) and args.exit_signal.startswith("SIG"),
              f"--exit-signal ({args.exit_signal}) is not a signal name; use e.g. SIGTERM or SIGUSR1")
     if args.wandb_project and args.rank == args.world_size - 1:

@@ -1,0 +1,77 @@
+"""Dataset sizes from the run length, datasets from the provider, loaders and iterators."""
+import torch
+
+from megatron.core import parallel_state
+from megatron.training.global_vars import get_args
+from megatron.training.utils import print_rank_0
+
+
+def train_valid_test_num_samples():
+    """(train, valid, test) sample counts, as Megatron computes them."""
+    args = get_args()
+    train = args.train_samples if args.train_samples is not None else args.train_iters * args.global_batch_size
+    evals = args.eval_iters
+    if args.eval_interval and not args.skip_train:
+        evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters
+    return train, evals * args.global_batch_size, args.eval_iters * args.global_batch_size
+
+
+def _cyclic_iter(loader):
+    while True:
+        for batch in loader:
+            yield batch
+
+
+def _iterator(loader, cyclic):
+    if loader is None:
+        return None
+    return iter(_cyclic_iter(loader)) if cyclic else iter(loader)
+
+
+def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provider):
+    """Iterators on ranks that read data (TP rank 0, or all ranks for `is_distributed` providers)."""
+    from megatron.training.datasets.data_samplers import build_pretraining_data_loader
+    args = get_args()
+    print_rank_0("> building train, validation, and test datasets ...")
+    if args.iteration > 0 and args.consumed_train_samples == 0:
+        args.consumed_train_samples = args.iteration * args.global_batch_size
+    if args.iteration > 0 and args.consumed_valid_samples == 0 and args.eval_interval:
+        args.consumed_valid_samples = ((args.iteration // args.eval_interval) * args.eval_iters
+                                       * args.global_batch_size)
+    sizes = train_valid_test_num_samples()
+    print_rank_0(" > datasets target sizes (minimum size):")
+    print_rank_0("    train:      {}".format(sizes[0]))
+    print_rank_0("    validation: {}".format(sizes[1]))
+    print_rank_0("    test:       {}".format(sizes[2]))
+    reads = (getattr(build_train_valid_test_datasets_provider, "is_distributed", False)
+             or parallel_state.get_tensor_model_parallel_rank() == 0)
+    loaders = (None, None, None)
+    if reads:
+        train_ds, valid_ds, test_ds = build_train_valid_test_datasets_provider(list(sizes))
+        loaders = (build_pretraining_data_loader(train_ds, args.consumed_train_samples),
+                   build_pretraining_data_loader(valid_ds, args.consumed_valid_samples),
+                   build_pretraining_data_loader(test_ds, 0))
+    flags = torch.tensor([int(l is not None) for l in loaders], dtype=torch.long,
+                         device="cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    args.do_train, args.do_valid, args.do_test = (bool(f) and args.train_iters > 0 if i == 0 else bool(f)
+                                                  for i, f in enumerate(flags.tolist()))
+    cyclic = args.dataloader_type == "cyclic"
+    train_it = _iterator(loaders[0], cyclic)
+    valid_it = _iterator(loaders[1], True)  # validation passes may revisit the set
+    test_it = _iterator(loaders[2], True)
+    # Ranks that do not read (TP > 0) still need a non-None marker for evaluation control flow.
+    if not reads:
+        valid_it = valid_it if not args.do_valid else _NoData()
+        test_it = test_it if not args.do_test else _NoData()
+    return train_it, valid_it, test_it
+
+
+class _NoData:
+    """Iterator stand-in on ranks that receive batches by broadcast (get_batch ignores it)."""
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return None

@@ -1,0 +1,148 @@
+"""The per-iteration training log line (COMPAT.md 3.1), timers report, TensorBoard/W&B scalars."""
+from datetime import datetime
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.training.flops import num_floating_point_operations
+from megatron.training.global_vars import get_args, get_tensorboard_writer, get_timers, get_wandb_writer
+from megatron.training.theoretical_memory_usage import report_theoretical_memory
+from megatron.training.utils import print_rank_last, report_memory
+
+ADVANCED = "advanced iterations"
+SKIPPED = "skipped iterations"
+NAN = "nan iterations"
+_COUNTERS = (ADVANCED, SKIPPED, NAN)
+
+# Timers printed at each log interval (levels filter which exist).
+TIMERS_TO_LOG = [
+    "forward-backward", "forward-compute", "backward-compute", "batch-generator", "forward-recv",
+    "forward-send", "backward-recv", "backward-send", "forward-send-forward-recv", "forward-send-backward-recv",
+    "backward-send-forward-recv", "backward-send-backward-recv", "forward-backward-send-forward-backward-recv",
+    "layernorm-grads-all-reduce", "embedding-grads-all-reduce", "all-grads-sync", "params-all-gather",
+    "optimizer-copy-to-main-grad", "optimizer-unscale-and-check-inf", "optimizer-clip-main-grad",
+    "optimizer-count-zeros", "optimizer-inner-step", "optimizer-copy-main-to-model-params", "optimizer",
+]
+
+
+def accumulate(total_loss_dict, loss_dict, skipped_iter):
+    """Add this iteration's losses to the window; count skipped and NaN iterations."""
+    for key in _COUNTERS:
+        total_loss_dict.setdefault(key, 0)
+    total_loss_dict[ADVANCED] += 0 if skipped_iter else 1
+    total_loss_dict[SKIPPED] += skipped_iter
+    got_nan = False
+    for key, value in loss_dict.items():
+        if not skipped_iter:
+            total_loss_dict[key] = total_loss_dict.get(key, torch.tensor(0.0)) + value.detach().float().cpu()
+        else:
+            v = float(value.float().sum().item())
+            got_nan = got_nan or v != v or v in (float("inf"), float("-inf"))
+    total_loss_dict[NAN] += int(got_nan)
+
+
+def format_log_line(args, iteration, elapsed_per_iter, learning_rate, batch_size, total_loss_dict, loss_scale,
+                    grad_norm, num_zeros, params_norm, throughput=None):
+    """Megatron's line: fields in order, each followed by ' |'."""
+    s = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}]"
+    s += " iteration {:8d}/{:8d} |".format(iteration, args.train_iters)
+    s += " consumed samples: {:12d} |".format(args.consumed_train_samples)
+    if getattr(args, "skipped_train_samples", 0) > 0:
+        s += " skipped samples: {:12d} |".format(args.skipped_train_samples)
+    s += " elapsed time per iteration (ms): {:.1f} |".format(elapsed_per_iter * 1000.0)
+    if throughput is not None:
+        s += f" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |"
+    s += f" learning rate: {learning_rate:.6E} |"
+    s += " global batch size: {:5d} |".format(batch_size)
+    advanced = max(1, total_loss_dict.get(ADVANCED, 0))
+    for key, value in total_loss_dict.items():
+        if key in _COUNTERS:
+            continue
+        avg = float(value) / float(advanced)
+        if avg > 0.0:
+            s += " {}: {:.6E} |".format(key, avg)
+    s += " loss scale: {:.1f} |".format(loss_scale)
+    if grad_norm is not None:
+        s += " grad norm: {:.3f} |".format(grad_norm)
+    if num_zeros is not None:
+        s += " num zeros: {} |".format(int(num_zeros))
+    if params_norm is not None:
+        s += " params norm: {:.3f} |".format(params_norm)
+    s += " number of skipped iterations: {:3d} |".format(total_loss_dict.get(SKIPPED, 0))
+    s += " number of nan iterations: {:3d} |".format(total_loss_dict.get(NAN, 0))
+    return s
+
+
+def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
+                 skipped_iter, grad_norm, params_norm, num_zeros_in_grad):
+    """Accumulate, and at log points print the line (last rank), timers and memory. Returns report flag."""
+    args, timers = get_args(), get_timers()
+    accumulate(total_loss_dict, loss_dict, skipped_iter)
+    batch_size = args.micro_batch_size * args.data_parallel_size * _num_microbatches()
+    _write_scalars(args, iteration, learning_rate, batch_size, loss_dict, loss_scale, grad_norm,
+                   num_zeros_in_grad, params_norm)
+    if not (iteration % args.log_interval == 0 or iteration == 1):
+        return report_memory_flag
+    elapsed = timers("interval-time").elapsed(barrier=True)
+    window = max(1, total_loss_dict[ADVANCED] + total_loss_dict[SKIPPED])
+    per_iter = elapsed / window
+    throughput = None
+    if args.log_throughput:
+        flops = num_floating_point_operations(args, batch_size)
+        throughput = flops / (per_iter * 1e12 * args.world_size)
+    writer = get_tensorboard_writer()
+    if writer is not None:
+        writer.add_scalar("iteration-time", per_iter, iteration)
+        if throughput is not None:
+            writer.add_scalar("throughput", throughput, iteration)
+    wandb = get_wandb_writer()
+    if wandb is not None:
+        wandb.log({"iteration-time": per_iter}, step=iteration)
+    print_rank_last(format_log_line(args, iteration, per_iter, learning_rate, batch_size, total_loss_dict,
+                                    loss_scale, grad_norm, num_zeros_in_grad, params_norm, throughput))
+    for key in list(total_loss_dict):
+        total_loss_dict[key] = 0 if key in _COUNTERS else torch.tensor(0.0)
+    if report_memory_flag:
+        if torch.distributed.get_rank() == 0:
+            report_theoretical_memory(args)
+        if parallel_state.get_data_parallel_rank() == 0 and torch.cuda.is_available():
+            print(f"[Rank {torch.distributed.get_rank()}] (after {iteration} iterations) "
+                  + report_memory("").strip(), flush=True)
+        report_memory_flag = False
+    timers.log(TIMERS_TO_LOG, normalizer=window)
+    return report_memory_flag
+
+
+def _num_microbatches():
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    return get_num_microbatches()
+
+
+def _write_scalars(args, iteration, learning_rate, batch_size, loss_dict, loss_scale, grad_norm, num_zeros,
+                   params_norm):
+    """TensorBoard (Megatron's names, each also '... vs samples') and W&B, every --tensorboard-log-interval."""
+    writer, wandb = get_tensorboard_writer(), get_wandb_writer()
+    if (writer is None and wandb is None) or iteration % args.tensorboard_log_interval != 0:
+        return
+    samples = args.consumed_train_samples
+    scalars = {"learning-rate": learning_rate, "batch-size": batch_size}
+    scalars.update({k: float(v) for k, v in loss_dict.items()})
+    if args.log_loss_scale_to_tensorboard:
+        scalars["loss-scale"] = loss_scale
+    if args.log_world_size_to_tensorboard:
+        scalars["world-size"] = args.world_size
+    for name, value in (("grad-norm", grad_norm), ("num-zeros", num_zeros), ("params-norm", params_norm)):
+        if value is not None:
+            scalars[name] = float(value)
+    if args.log_memory_to_tensorboard and torch.cuda.is_available():
+        scalars["mem-reserved-bytes"] = torch.cuda.memory_reserved()
+        scalars["mem-allocated-bytes"] = torch.cuda.memory_allocated()
+        scalars["mem-max-allocated-bytes"] = torch.cuda.max_memory_allocated()
+    if writer is not None:
+        for name, value in scalars.items():
+            writer.add_scalar(name, value, iteration)
+            writer.add_scalar(f"{name} vs samples", value, samples)
+        if args.log_timers_to_tensorboard:
+            get_timers().write(TIMERS_TO_LOG, writer, iteration, normalizer=1.0)
+    if wandb is not None:
+        wandb.log({**scalars, "samples": samples}, step=iteration)

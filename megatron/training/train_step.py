@@ -1,0 +1,50 @@
+"""One optimizer step over a global batch, and reduction of the per-microbatch loss dicts."""
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.num_microbatches_calculator import get_num_microbatches
+from megatron.training.global_vars import get_args
+
+
+def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config):
+    """Forward/backward over all microbatches, optimizer step, scheduler step on success.
+
+    Returns (loss_dict, skipped_iter, grad_norm, num_zeros_in_grad); loss_dict is empty off the last stage.
+    """
+    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+    args = get_args()
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    forward_backward_func = get_forward_backward_func()
+    losses_reduced = forward_backward_func(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+        num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, decoder_seq_length=None, forward_only=False)
+    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+    if update_successful:
+        increment = get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
+        opt_param_scheduler.step(increment=increment)
+    skipped_iter = 0 if update_successful else 1
+    if args.empty_unused_memory_level >= 1 and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return reduce_loss_dicts(losses_reduced), skipped_iter, grad_norm, num_zeros_in_grad
+    return {}, skipped_iter, grad_norm, num_zeros_in_grad
+
+
+def reduce_loss_dicts(loss_dicts):
+    """{key: loss} over a global batch: token-weighted (sum/count all-reduced over DP) or mean (legacy)."""
+    out = {}
+    if not loss_dicts:
+        return out
+    for key in loss_dicts[0]:
+        values = [torch.as_tensor(d[key]).detach().float().view(-1) for d in loss_dicts]
+        if values[0].numel() == 2:
+            total = torch.vstack(values).sum(dim=0)  # [sum, count]
+            torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group(
+                with_context_parallel=True))
+            out[key] = total[0] / total[1]
+        else:
+            out[key] = torch.cat(values).mean()
+    return out

@@ -1,0 +1,193 @@
+"""pretrain(): initialize, build model/optimizer/data, run the training loop, evaluate, exit cleanly."""
+import time
+from datetime import datetime
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.enums import ModelType
+from megatron.core.num_microbatches_calculator import (get_current_global_batch_size, get_num_microbatches,
+                                                       update_num_microbatches)
+from megatron.core.utils import get_model_config
+from megatron.training.data_iterators import build_train_valid_test_data_iterators
+from megatron.training.evaluate import evaluate_and_print_results
+from megatron.training.exit import duration_exceeded
+from megatron.training.global_vars import get_args, get_signal_handler, get_timers
+from megatron.training.initialize import initialize_megatron
+from megatron.training.log_line import training_log
+from megatron.training.model_setup import get_model, print_startup_banner, setup_model_and_optimizer  # noqa: F401
+from megatron.training.train_step import train_step
+from megatron.training.utils import calc_params_l2_norm, print_rank_0
+
+_TRAIN_START_TIME = time.time()
+
+
+def print_datetime(string):
+    """Milestone line on rank 0, after a barrier so it marks when every rank got there."""
+    torch.distributed.barrier()
+    print_rank_0(f"[{string}] datetime: {datetime.now().strftime('%Y-%m-%d %H:%M:%S')} ")
+
+
+def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+             process_non_loss_data_func=None, extra_args_provider=None, args_defaults={},
+             get_embedding_ranks=None, get_position_embedding_ranks=None, non_loss_data_func=None):
+    """Megatron's classic entry: everything from flags to the final test evaluation."""
+    if get_embedding_ranks is not None or get_position_embedding_ranks is not None:
+        raise NotImplementedError("pretrain(get_embedding_ranks=...) is not supported; use the default ranks")
+    start = time.time()
+    initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=args_defaults)
+    args, timers = get_args(), get_timers()
+    _report_init_time(start)
+    print_datetime("after megatron is initialized")
+
+    timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
+    model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type)
+    timers("model-and-optimizer-setup").stop()
+    print_startup_banner(model)
+    print_datetime("after model, optimizer, and learning rate scheduler are built")
+    config = get_model_config(model[0])
+
+    timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
+    train_it, valid_it, test_it = _data_iterators(train_valid_test_dataset_provider, model)
+    timers("train/valid/test-data-iterators-setup").stop()
+    print_datetime("after dataloaders are built")
+    print_rank_0("done with setup ...")
+    timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"], barrier=True)
+
+    iteration, should_exit = args.iteration, False
+    if not args.skip_train and args.train_iters > 0:
+        print_rank_0("training ...")
+        print_datetime("before the start of training step")
+        iteration, should_exit = train(forward_step_func, model, optimizer, opt_param_scheduler, train_it,
+                                       valid_it, process_non_loss_data_func, config)
+        print_datetime("after training is done")
+        if not should_exit and args.save and iteration != 0 and iteration % args.save_interval != 0:
+            _save(iteration, model, optimizer, opt_param_scheduler)
+    else:
+        print_rank_0("skipping training (--skip-train) ...")
+    if should_exit:
+        return
+    if valid_it is not None and args.eval_iters > 0:
+        evaluate_and_print_results(f"iteration {iteration} on validation set", forward_step_func, valid_it,
+                                   model, iteration, process_non_loss_data_func, config, write_to_tensorboard=False)
+    if test_it is not None and args.eval_iters > 0:
+        evaluate_and_print_results(f"iteration {iteration} on test set", forward_step_func, test_it, model,
+                                   iteration, process_non_loss_data_func, config, write_to_tensorboard=False)
+
+
+def _report_init_time(start):
+    t = torch.tensor([start], dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    print_rank_0("time to initialize megatron (seconds): {:.3f}".format(time.time() - t.item()))
+
+
+def _data_iterators(provider, model):
+    args = get_args()
+    if args.virtual_pipeline_model_parallel_size is None:
+        return build_train_valid_test_data_iterators(provider)
+    # One iterator per model chunk: the first chunk reads tokens, the last reads labels.
+    per_chunk = [build_train_valid_test_data_iterators(provider) for _ in model]
+    return tuple([its[i] for its in per_chunk] for i in range(3))
+
+
+def _save(iteration, model, optimizer, opt_param_scheduler):
+    from megatron.training.checkpointing import save_checkpoint
+    args, timers = get_args(), get_timers()
+    timers("save-checkpoint", log_level=0).start(barrier=True)
+    save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far)
+    timers("save-checkpoint").stop(barrier=True)
+    timers.log(["save-checkpoint"])
+
+
+def _setup_config(config, model, optimizer):
+    """Hooks the schedule reads from the model config: loss scaling, grad sync, timers."""
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import finalize_model_grads
+    args = get_args()
+    config.grad_scale_func = optimizer.scale_loss
+    config.timers = get_timers()
+    if isinstance(model[0], DDP) and args.overlap_grad_reduce:
+        no_sync = [chunk.no_sync for chunk in model]
+        config.no_sync_func = no_sync[0] if len(model) == 1 else no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+
+
+def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, valid_data_iterator,
+          process_non_loss_data_func, config):
+    """The loop; returns (last iteration, should_exit) where should_exit means an exit condition fired."""
+    from megatron.training.flops import num_floating_point_operations
+    args, timers = get_args(), get_timers()
+    for chunk in model:
+        chunk.train()
+    _setup_config(config, model, optimizer)
+    total_loss_dict, report_memory_flag = {}, True
+    iteration = args.iteration
+    timers("interval-time", log_level=0).start(barrier=True)
+    while iteration < args.train_iters:
+        update_num_microbatches(args.consumed_train_samples, consistency_check=True)
+        loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
+            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config)
+        iteration += 1
+        args.iteration = iteration
+        batch_size = args.micro_batch_size * args.data_parallel_size * get_num_microbatches()
+        args.consumed_train_samples += batch_size
+        args.num_floating_point_operations_so_far += num_floating_point_operations(args, batch_size)
+        params_norm = calc_params_l2_norm(model) if args.log_params_norm else None
+        report_memory_flag = training_log(
+            loss_dict, total_loss_dict, _learning_rate(optimizer), iteration,
+            optimizer.get_loss_scale().item(), report_memory_flag, skipped_iter, _scalar(grad_norm),
+            params_norm, num_zeros if args.log_num_zeros_in_grad else None)
+        if args.eval_interval and iteration % args.eval_interval == 0 and valid_data_iterator is not None \
+                and args.eval_iters > 0:
+            timers("interval-time").stop()
+            evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model,
+                                       iteration, process_non_loss_data_func, config)
+            timers("interval-time").start()
+        if _checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration):
+            return iteration, True
+    return iteration, False
+
+
+def _learning_rate(optimizer):
+    lr = None
+    for group in optimizer.param_groups:
+        if len(group["params"]) == 0:
+            continue
+        if group.get("is_decoupled_lr", False):
+            continue
+        lr = group["lr"]
+    return lr if lr is not None else 0.0
+
+
+def _scalar(value):
+    if value is None:
+        return None
+    return float(value.item()) if torch.is_tensor(value) else float(value)
+
+
+def _checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration):
+    """Save at --save-interval; exit on signal, duration or interval (saving first when --save)."""
+    args = get_args()
+    saved = False
+    handler = get_signal_handler()
+    if args.exit_signal_handler and handler is not None and handler.signals_received():
+        if args.save:
+            _save(iteration, model, optimizer, opt_param_scheduler)
+        print_datetime(f"exiting program after receiving {args.exit_signal}.")
+        return True
+    if args.save and args.save_interval and iteration % args.save_interval == 0:
+        _save(iteration, model, optimizer, opt_param_scheduler)
+        saved = True
+    if args.exit_duration_in_mins:
+        done, minutes = duration_exceeded(_TRAIN_START_TIME, args.exit_duration_in_mins)
+        if done:
+            if args.save and not saved:
+                _save(iteration, model, optimizer, opt_param_scheduler)
+            print_datetime(f"exiting program after {minutes} minutes")
+            return True
+    if args.exit_interval and iteration % args.exit_interval == 0:
+        if args.save and not saved:
+            _save(iteration, model, optimizer, opt_param_scheduler)
+        print_datetime(f"exiting program at iteration {iteration}")
+        return True
+    return False
