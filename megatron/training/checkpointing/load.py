@@ -1,0 +1,172 @@
+"""load_checkpoint: find the checkpoint, check it fits this run, restore model/optimizer/scheduler/RNG."""
+import os
+import sys
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import CheckpointingException
+from megatron.training.global_vars import get_args, update_num_microbatches
+from megatron.training.utils import print_rank_0
+
+from . import paths, state
+
+# (args field, flag) that must match between the checkpoint and this run (COMPAT 6.3).
+ARCH_ARGS = [("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
+             ("num_attention_heads", "--num-attention-heads"),
+             ("add_position_embedding", "--no-position-embedding"),
+             ("make_vocab_size_divisible_by", "--make-vocab-size-divisible-by"),
+             ("tokenizer_type", "--tokenizer-type")]
+LEGACY_ARGS = [("padded_vocab_size", "the padded vocab size"),
+               ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+               ("pipeline_model_parallel_size", "--pipeline-model-parallel-size")]
+
+
+def _find(load_dir: str, args) -> Optional[Tuple[int, bool]]:
+    """(iteration, release) to load, or None when ``load_dir`` has no checkpoint."""
+    if args.ckpt_step is not None:
+        return args.ckpt_step, False
+    tracker = paths.get_checkpoint_tracker_filename(load_dir)
+    if not os.path.isfile(tracker):
+        return None
+    return paths.read_metadata(tracker)
+
+
+def check_checkpoint_args(ckpt_args, args, ckpt_format: str, checkpoint_dir: str) -> None:
+    """Raise one line naming every architecture flag that differs from the checkpoint's."""
+    checks = ARCH_ARGS + (LEGACY_ARGS if ckpt_format == "torch" else [])
+    if getattr(args, "vocab_file", None):
+        checks = checks + [("max_position_embeddings", "--max-position-embeddings")]
+    diffs = []
+    for name, flag in checks:
+        saved, current = getattr(ckpt_args, name, None), getattr(args, name, None)
+        if saved is not None and current is not None and saved != current:
+            diffs.append(f"{flag}: checkpoint {saved}, this run {current}")
+    if diffs:
+        raise ValueError(f"checkpoint {checkpoint_dir} does not match this run ({'; '.join(diffs)}); "
+                         f"pass the checkpoint's values or use --finetune / --use-checkpoint-args")
+
+
+def _read_legacy(path: str) -> Dict[str, Any]:
+    if not os.path.isfile(path):
+        raise CheckpointingException(f"checkpoint file {path} is missing (saved under another TP/PP layout? "
+                                     f"convert it with tools/checkpoint/convert.py)")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise CheckpointingException(f"corrupted checkpoint file {path}: {type(e).__name__}: {e}") from e
+
+
+def _detect(checkpoint_dir: str, args) -> str:
+    found = paths.detect_format(checkpoint_dir)
+    if found is None:
+        raise CheckpointingException(f"{checkpoint_dir} holds no complete checkpoint (no metadata.json, no mp_rank_*)")
+    if found != args.ckpt_format and not args.auto_detect_ckpt_format:
+        raise ValueError(f"checkpoint {checkpoint_dir} is in {found} format; pass --ckpt-format {found} "
+                         f"or --auto-detect-ckpt-format")
+    return found
+
+
+def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: bool = True,
+                    checkpointing_context=None, skip_load_to_model_and_opt: bool = False):
+    """Restore the latest (or ``--ckpt-step``) checkpoint; returns (iteration, FLOPs so far).
+    Also restores ``args.consumed_train_samples`` / ``consumed_valid_samples``."""
+    args = get_args()
+    model = model if isinstance(model, list) else [model]
+    load_dir = getattr(args, load_arg)
+    finetune = args.finetune
+    found = _find(load_dir, args) if load_dir else None
+    if found is None and getattr(args, "pretrained_checkpoint", None) and load_arg == "load":
+        load_dir, finetune = args.pretrained_checkpoint, True
+        found = _find(load_dir, args)
+    if found is None:
+        where = paths.get_checkpoint_tracker_filename(load_dir) if load_dir else "(no --load)"
+        if args.exit_on_missing_checkpoint:
+            print_rank_0(f">> '--exit-on-missing-checkpoint' set ... exiting. (no checkpoint tracker {where})")
+            sys.exit(1)
+        if load_dir:
+            print_rank_0(f"WARNING: could not find the metadata file {where}\n"
+                         f"    will not load any checkpoints and will start from random")
+        return 0, 0
+    iteration, release = found
+    checkpoint_dir = paths.get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
+    if args.ckpt_step is not None and not os.path.isdir(checkpoint_dir):
+        raise ValueError(f"--ckpt-step {iteration}: {checkpoint_dir} does not exist")
+    fmt = _detect(checkpoint_dir, args)
+    print_rank_0(f" loading checkpoint from {load_dir} at iteration {iteration}")
+    skip_state = finetune or release
+    ckpt = _load_state(fmt, checkpoint_dir, load_dir, iteration, release, model, optimizer, args, skip_state)
+    ckpt_args = ckpt.get("args")
+    if not skip_state and ckpt_args is not None:
+        check_checkpoint_args(ckpt_args, args, fmt, checkpoint_dir)
+    if not skip_load_to_model_and_opt:
+        _restore_model(ckpt, model, strict)
+    if not skip_state:
+        _restore_training_state(ckpt, optimizer, opt_param_scheduler, args)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    lay = state.layout()
+    print_rank_0(f"  successfully loaded checkpoint from {load_dir} [ t {lay['tp'] + 1}/{lay['tp_size']}, "
+                 f"p {lay['pp'] + 1}/{lay['pp_size']} ] at iteration {0 if skip_state else iteration}")
+    if skip_state:
+        return 0, 0
+    return ckpt.get("iteration", iteration), ckpt.get("num_floating_point_operations_so_far", 0)
+
+
+def _load_state(fmt, checkpoint_dir, load_dir, iteration, release, model, optimizer, args, skip_state):
+    if fmt == "torch":
+        return _read_legacy(paths.get_checkpoint_name(load_dir, iteration, release))
+    common = dist_checkpointing.load_common_state_dict(checkpoint_dir)
+    ckpt_args = common.get("args")
+    if not skip_state and ckpt_args is not None:
+        check_checkpoint_args(ckpt_args, args, fmt, checkpoint_dir)
+    load_optim = (not skip_state and not args.no_load_optim and optimizer is not None
+                  and not getattr(ckpt_args, "no_save_optim", False))
+    load_rng = not skip_state and not args.no_load_rng and not getattr(ckpt_args, "no_save_rng", False)
+    lay = state.layout()
+    if load_rng and ckpt_args is not None and (
+            getattr(ckpt_args, "tensor_model_parallel_size", 1) != lay["tp_size"]
+            or getattr(ckpt_args, "pipeline_model_parallel_size", 1) != lay["pp_size"]):
+        print_rank_0("WARNING: the checkpoint's TP/PP layout differs from this run; RNG state is not loaded")
+        load_rng = False
+    sd = state.generate_state_dict(args, model, optimizer, None, state.get_rng_state(), 0, 0, sharded=True,
+                                   is_loading=True, save_optim=load_optim, save_rng=load_rng)
+    for k in ("args", "checkpoint_version", "iteration", "num_floating_point_operations_so_far"):
+        sd.pop(k, None)
+    strict = getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected")
+    loaded = dist_checkpointing.load(sd, checkpoint_dir, strict=strict)
+    if not load_optim:
+        loaded.pop("optimizer", None)
+        if skip_state:
+            loaded.pop("opt_param_scheduler", None)
+    if not load_rng:
+        loaded.pop("rng_state", None)
+    return loaded
+
+
+def _restore_model(ckpt, model, strict: bool) -> None:
+    from megatron.core.utils import unwrap_model
+    for i, chunk in enumerate(model):
+        key = "model" if len(model) == 1 else f"model{i}"
+        if key not in ckpt:
+            raise CheckpointingException(f"checkpoint has no '{key}' state (saved with another "
+                                         f"--num-layers-per-virtual-pipeline-stage?)")
+        unwrap_model(chunk).load_state_dict(ckpt[key], strict=strict)
+
+
+def _restore_training_state(ckpt, optimizer, opt_param_scheduler, args) -> None:
+    ckpt_args = ckpt.get("args")
+    if ckpt_args is not None:
+        args.consumed_train_samples = getattr(ckpt_args, "consumed_train_samples", 0)
+        args.consumed_valid_samples = getattr(ckpt_args, "consumed_valid_samples", 0)
+        from megatron.core import num_microbatches_calculator as mbc
+        if mbc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:  # unset in library-style use
+            update_num_microbatches(consumed_samples=args.consumed_train_samples, consistency_check=False)
+    if optimizer is not None and not args.no_load_optim and "optimizer" in ckpt:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if opt_param_scheduler is not None and "opt_param_scheduler" in ckpt:
+            opt_param_scheduler.load_state_dict(ckpt["opt_param_scheduler"])
+    if not args.no_load_rng and ckpt.get("rng_state") is not None:
+        rng = ckpt["rng_state"]
+        state.set_rng_state(rng[0] if isinstance(rng, list) else rng)

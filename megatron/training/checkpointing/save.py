@@ -1,0 +1,108 @@
+"""save_checkpoint: write to a staging directory, agree on success, then publish and point the tracker.
+
+Order on disk: data files -> `metadata.json` (torch_dist) -> barrier -> rename `iter_N.tmp` to `iter_N`
+-> tracker (atomic rename). A process killed at any point leaves the previous checkpoint and tracker intact.
+"""
+import os
+import shutil
+import time
+
+import torch
+
+from megatron.core import dist_checkpointing
+from megatron.training import async_utils
+from megatron.training.global_vars import get_args
+from megatron.training.utils import print_rank_0
+
+from . import paths, state
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                    checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None,
+                    pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False,
+                    train_data_iterator=None, preprocess_common_state_dict_fn=None):
+    """Save model, optimizer, scheduler, RNG and counters of ``iteration`` under ``args.save``."""
+    args = get_args()
+    if non_persistent_ckpt:
+        raise NotImplementedError("non-persistent checkpoints (--non-persistent-save-interval) are not supported")
+    model = model if isinstance(model, list) else [model]
+    fmt = args.ckpt_format
+    if getattr(args, "async_save", False) and fmt != "torch_dist":
+        raise NotImplementedError(f"--async-save needs --ckpt-format torch_dist (got {fmt})")
+    save_dir = args.save
+    print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {save_dir} in {fmt} format")
+    start = time.time()
+    final_dir = paths.get_checkpoint_name(save_dir, iteration, return_base_dir=True)
+    tmp_dir = paths.staging_dir(final_dir)
+    if _rank() == 0:
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # leftover of a killed save
+        os.makedirs(tmp_dir)
+    _barrier()
+    paths.fault_point("staging_created")
+    rng = state.get_rng_state() if not args.no_save_rng else None
+    sd = state.generate_state_dict(args, model, optimizer, opt_param_scheduler, rng, iteration,
+                                   num_floating_point_operations_so_far, sharded=fmt == "torch_dist",
+                                   save_optim=not args.no_save_optim, save_rng=not args.no_save_rng)
+    if preprocess_common_state_dict_fn is not None and fmt == "torch_dist":
+        sd = preprocess_common_state_dict_fn(sd)
+    finalize = _finalize_fn(save_dir, iteration, tmp_dir, final_dir, start)
+    if fmt == "torch_dist":
+        request = dist_checkpointing.save(sd, tmp_dir, async_sharded_save=True)
+        request.finalize_fns.insert(0, lambda: paths.fault_point("data_written"))
+        request.finalize_fns.append(finalize)
+        if getattr(args, "async_save", False):
+            async_utils.schedule_async_save(request)
+            print_rank_0(f"  scheduled an async checkpoint save at iteration {iteration:7d} "
+                         f"(blocked {time.time() - start:.3f}s)")
+            return
+        request.async_fn(group=None)
+        for fn in request.finalize_fns:
+            fn()
+    elif fmt == "torch":
+        _save_legacy(sd, tmp_dir, save_dir, iteration, args)
+        paths.fault_point("data_written")
+        finalize()
+    else:
+        raise ValueError(f"--ckpt-format {fmt} is not supported; use torch_dist or torch")
+
+
+def _save_legacy(sd, tmp_dir, save_dir, iteration, args) -> None:
+    """One pickled file per model-parallel rank, written by data-parallel rank 0."""
+    if getattr(args, "use_distributed_optimizer", False) and not args.no_save_optim:
+        raise NotImplementedError("--ckpt-format torch with --use-distributed-optimizer is not supported; "
+                                  "use --ckpt-format torch_dist")
+    if state.layout()["dp"] != 0:
+        return
+    final_name = paths.get_checkpoint_name(save_dir, iteration)
+    name = os.path.join(tmp_dir, os.path.relpath(final_name, paths.get_checkpoint_name(
+        save_dir, iteration, return_base_dir=True)))
+    os.makedirs(os.path.dirname(name), exist_ok=True)
+    torch.save(sd, name + ".tmp")
+    os.replace(name + ".tmp", name)
+
+
+def _finalize_fn(save_dir, iteration, tmp_dir, final_dir, start):
+    """Runs on every rank once all ranks wrote their part: publish, update the tracker, report."""
+    def finalize():
+        _barrier()
+        if _rank() == 0:
+            paths.fault_point("before_publish")
+            paths.publish_dir(tmp_dir, final_dir)
+            paths.fault_point("published")
+            paths.write_tracker(save_dir, iteration)
+            paths.apply_retention(save_dir, iteration, getattr(get_args(), "save_retain_interval", None))
+        _barrier()
+        lay = state.layout()
+        print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {save_dir} "
+                     f"[ t {lay['tp'] + 1}/{lay['tp_size']}, p {lay['pp'] + 1}/{lay['pp_size']} ] "
+                     f"({time.time() - start:.2f}s)")
+    return finalize
