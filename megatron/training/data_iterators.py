@@ -60,14 +60,15 @@ def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provid
     train_it = _iterator(loaders[0], cyclic)
     valid_it = _iterator(loaders[1], True)  # validation passes may revisit the set
     test_it = _iterator(loaders[2], True)
-    # Ranks that do not read (TP > 0) still need a non-None marker for evaluation control flow.
-    if not reads:
-        valid_it = valid_it if not args.do_valid else _NoData()
-        test_it = test_it if not args.do_test else _NoData()
+    # Ranks that get batches by broadcast (TP > 0, middle PP stages) still run the evaluation schedule.
+    if valid_it is None and args.do_valid:
+        valid_it = _BroadcastFed()
+    if test_it is None and args.do_test:
+        test_it = _BroadcastFed()
     return train_it, valid_it, test_it
 
 
-class _NoData:
+class _BroadcastFed:
     """Iterator stand-in on ranks that receive batches by broadcast (get_batch ignores it)."""
 
     def __iter__(self):

@@ -84,19 +84,7 @@ def _build_tokenizer(args):
     global _GLOBAL_TOKENIZER
     from megatron.training.tokenizer import build_tokenizer
     _GLOBAL_TOKENIZER = build_tokenizer(args)
-    if getattr(args, "padded_vocab_size", None) is None:
-        args.padded_vocab_size = vocab_size_with_padding(_GLOBAL_TOKENIZER.vocab_size, args)
     return _GLOBAL_TOKENIZER
-
-
-def vocab_size_with_padding(orig_vocab_size, args, logging_enabled=True):
-    """Pad the vocab to a multiple of make_vocab_size_divisible_by x TP (keeps TP shards equal)."""
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    padded = ((orig_vocab_size + multiple - 1) // multiple) * multiple
-    if logging_enabled and args.rank == 0:
-        print(f" > padded vocab (size: {orig_vocab_size}) with {padded - orig_vocab_size} dummy tokens "
-              f"(new size: {padded})", flush=True)
-    return padded
 
 
 def _set_tensorboard_writer(args):

@@ -1,0 +1,120 @@
+"""Pretrain a GPT: `torchrun --nproc-per-node N pretrain_gpt.py <Megatron flags>` (or srun / plain python)."""
+from functools import partial
+
+import torch
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.enums import ModelType
+from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
+from megatron.training.arguments import core_transformer_config_from_args
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None):
+    """GPTModel built from the flags, with the local (torch) layer spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    args = get_args()
+    print_rank_0("building GPT model ...")
+    config = core_transformer_config_from_args(args)
+    layer_spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    return GPTModel(
+        config=config, transformer_layer_spec=layer_spec, vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling, vp_stage=vp_stage)
+
+
+_INT_KEYS = ["tokens", "labels", "position_ids"]
+
+
+def get_batch(data_iterator, vp_stage=None):
+    """TP rank 0 reads a micro-batch and broadcasts it to its TP group; middle PP stages need nothing."""
+    first = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    if not first and not last:
+        return None, None, None, None, None
+    data = next(data_iterator) if parallel_state.get_tensor_model_parallel_rank() == 0 else None
+    has_mask = torch.tensor([int(data is not None and "attention_mask" in data)], dtype=torch.long)
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        has_mask = tensor_parallel.broadcast_data(["m"], {"m": has_mask}, torch.long)["m"]
+    ints = tensor_parallel.broadcast_data(_INT_KEYS, data, torch.int64)
+    loss_mask = tensor_parallel.broadcast_data(["loss_mask"], data, torch.float32)["loss_mask"]
+    attention_mask = None
+    if int(has_mask.item()):
+        attention_mask = tensor_parallel.broadcast_data(["attention_mask"], data, torch.bool)["attention_mask"]
+    return ints["tokens"], ints["labels"], loss_mask, attention_mask, ints["position_ids"]
+
+
+def loss_func(loss_mask, output_tensor):
+    """(sum of masked token losses, token count, {'lm loss': [sum, count]}) — token-weighted reporting."""
+    args = get_args()
+    losses = output_tensor.view(-1).float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    if args.check_for_nan_in_loss_and_grad and not torch.isfinite(loss).item():
+        raise RuntimeError(f"rank {torch.distributed.get_rank()}: loss is {loss.item()} (NaN/Inf) on device "
+                           f"{loss.device}; lower --lr or use --bf16, or pass --no-check-for-nan-in-loss-and-grad")
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    reporting = torch.cat([loss.clone().detach().view(1), num_tokens.float().view(1)])
+    return loss, num_tokens, {"lm loss": reporting}
+
+
+def forward_step(data_iterator, model):
+    """One micro-batch forward; returns the per-token loss and the function that reduces it."""
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    vp_stage = getattr(_unwrap(model), "vp_stage", None)
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
+    timers("batch-generator").stop()
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    return output_tensor, partial(loss_func, loss_mask)
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def is_dataset_built_on_rank(vp_stage=None):
+    return ((parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage())
+            and parallel_state.get_tensor_model_parallel_rank() == 0)
+
+
+def core_gpt_dataset_config_from_args(args):
+    return GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=get_blend_from_list(args.data_path),
+        blend_per_split=[get_blend_from_list(args.train_data_path), get_blend_from_list(args.valid_data_path),
+                         get_blend_from_list(args.test_data_path)],
+        split=args.split, num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files, tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus)
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """GPT train/valid/test datasets (MockGPTDataset with --mock-data)."""
+    args = get_args()
+    config = core_gpt_dataset_config_from_args(args)
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    print_rank_0("> building train, validation, and test datasets for GPT ...")
+    train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
+        dataset_type, train_val_test_num_samples, partial(is_dataset_built_on_rank, vp_stage=vp_stage),
+        config).build()
+    print_rank_0("> finished creating GPT datasets ...")
+    return train_ds, valid_ds, test_ds
+
+
+# Every rank calls the provider; the builder decides which ranks actually build.
+train_valid_test_datasets_provider.is_distributed = True
+
+
+if __name__ == "__main__":
+    pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+             args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
