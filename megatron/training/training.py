@@ -63,6 +63,8 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
         print_datetime("after training is done")
         if not should_exit and args.save and iteration != 0 and iteration % args.save_interval != 0:
             _save(iteration, model, optimizer, opt_param_scheduler)
+        if args.async_save:
+            _finalize_async_saves(blocking=True, terminate=True)
     else:
         print_rank_0("skipping training (--skip-train) ...")
     if should_exit:
@@ -143,9 +145,17 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model,
                                        iteration, process_non_loss_data_func, config)
             timers("interval-time").start()
+        if args.async_save:
+            _finalize_async_saves(blocking=False)
         if _checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration):
             return iteration, True
     return iteration, False
+
+
+def _finalize_async_saves(blocking, terminate=False):
+    """Publish background checkpoint saves that finished (all of them when blocking)."""
+    from megatron.training.async_utils import maybe_finalize_async_save
+    maybe_finalize_async_save(blocking=blocking, terminate=terminate)
 
 
 def _learning_rate(optimizer):

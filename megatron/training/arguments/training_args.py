@@ -87,6 +87,8 @@ def add_checkpointing_args(parser):
     g.add_argument("--ckpt-format", default="torch_dist", choices=["torch", "torch_dist"],
                    help="Checkpoint format.")
     g.add_argument("--auto-detect-ckpt-format", action="store_true", help="Detect the format when loading.")
+    g.add_argument("--async-save", action="store_true",
+                   help="Write torch_dist checkpoints in the background; training continues.")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="Fail if --load has no checkpoint instead of starting from scratch.")
     return parser

@@ -34,7 +34,6 @@ UNSUPPORTED_FLAGS = {
     "--log-energy": (dict(action="store_true"), "energy monitoring is not supported"),
     "--log-straggler": (dict(action="store_true"), "straggler detection is not supported"),
     "--manual-gc": (dict(action="store_true"), "manual GC is not supported"),
-    "--async-save": (dict(action="store_true"), "asynchronous checkpoint save is not built yet"),
     "--cpu-offloading-num-layers": (dict(type=int), "activation offloading is not supported"),
     "--fim-data": (dict(action="store_true"), "fill-in-the-middle data is not supported"),
     "--sft": (dict(action="store_true"), "SFT data is not supported"),
