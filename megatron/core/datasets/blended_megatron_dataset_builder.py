@@ -45,8 +45,10 @@ class BlendedMegatronDatasetBuilder:
             for split in Split:
                 if self.config.blend_per_split is not None and any(self.config.blend_per_split):
                     blend = self.config.blend_per_split[split.value]
-                else:
+                elif self.config.split_matrix[split.value] is not None:
                     blend = self.config.blend
+                else:
+                    continue  # this split is empty: no size needed
                 if blend is not None and self.sizes[split.value] is None and blend[1] is not None:
                     raise ValueError(f"{split.name} split: weighted blends need a sample count; "
                                      "pass unweighted prefixes or set the schedule (--train-iters/--eval-iters)")
