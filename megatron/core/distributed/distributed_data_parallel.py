@@ -52,7 +52,7 @@ class DistributedDataParallel(torch.nn.Module):
             self.param_to_bucket.update(buffer.param_to_bucket)
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_hook)
                             for p in self.param_to_bucket]
-        self._forward_pre_hooks = {}
+        self._param_gather_hooks = {}
         if ddp_config.overlap_param_gather:
             self.enable_forward_pre_hook()
 
@@ -140,16 +140,16 @@ class DistributedDataParallel(torch.nn.Module):
 
     def enable_forward_pre_hook(self):
         """Before each submodule runs, wait for the all-gathers of the buckets holding its params."""
-        assert not self._forward_pre_hooks, "forward pre-hooks already enabled"
+        assert not self._param_gather_hooks, "forward pre-hooks already enabled"
         for module in self.module.modules():
             own = [p for p in module.parameters(recurse=False) if p in self.param_to_bucket]
             if own:
-                self._forward_pre_hooks[module] = module.register_forward_pre_hook(self._make_pre_hook(own))
+                self._param_gather_hooks[module] = module.register_forward_pre_hook(self._make_pre_hook(own))
 
     def disable_forward_pre_hook(self, param_sync: bool = True):
-        for handle in self._forward_pre_hooks.values():
+        for handle in self._param_gather_hooks.values():
             handle.remove()
-        self._forward_pre_hooks = {}
+        self._param_gather_hooks = {}
         if param_sync:
             self.finish_param_sync()
 
