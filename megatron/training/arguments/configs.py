@@ -27,6 +27,7 @@ def core_transformer_config_from_args(args, config_class=None):
     overrides = dict(
         persist_layer_norm=not args.no_persist_layer_norm,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        layernorm_epsilon=args.norm_epsilon,
         deallocate_pipeline_outputs=True,
         pipeline_dtype=args.params_dtype,
         batch_p2p_comm=not args.overlap_p2p_comm,
