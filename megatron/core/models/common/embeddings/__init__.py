@@ -1,0 +1,3 @@
+from .language_model_embedding import LanguageModelEmbedding
+from .rope_utils import apply_rotary_pos_emb
+from .rotary_pos_embedding import RotaryEmbedding

@@ -1,0 +1,49 @@
+"""Rotary position embedding frequencies (RoPE)."""
+from typing import Optional
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.utils import get_device
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """theta_i = base^(-2i/d) over the first ``rotary_percent`` of each head's channels."""
+
+    def __init__(self, kv_channels: int, rotary_percent: float, rotary_interleaved: bool = False,
+                 seq_len_interpolation_factor: Optional[float] = None, rotary_base: int = 10000,
+                 rope_scaling: bool = False, rope_scaling_factor: float = 8.0, use_cpu_initialization: bool = False,
+                 cp_group=None):
+        super().__init__()
+        if rope_scaling:
+            raise NotImplementedError("--use-rope-scaling is not supported yet; drop the flag")
+        dim = int(kv_channels * rotary_percent)
+        if dim % 2 != 0:
+            raise ValueError(f"kv_channels * rotary_percent = {dim} must be even")
+        self.rotary_interleaved = rotary_interleaved
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        device = torch.device("cpu") if use_cpu_initialization else get_device()
+        inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False) -> torch.Tensor:
+        seq = torch.arange(max_seq_len, device=self.inv_freq.device, dtype=torch.float32) + offset
+        if self.seq_len_interpolation_factor is not None:
+            seq = seq / self.seq_len_interpolation_factor
+        freqs = torch.outer(seq, self.inv_freq)  # [s, d/2]
+        if self.rotary_interleaved:
+            emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)  # [s, d]: f0 f0 f1 f1 ...
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)  # [s, d]: f0 f1 ... f0 f1 ...
+        return emb[:, None, None, :]  # [s, 1, 1, d]
+
+    def get_rotary_seq_len(self, inference_context, transformer, transformer_input, transformer_config,
+                           packed_seq_params=None) -> int:
+        """Full sequence length seen by attention (undoing the SP split of the block input)."""
+        if transformer is not None and transformer.input_tensor is not None:
+            seq_len = transformer.input_tensor.size(0)
+        else:
+            seq_len = transformer_input.size(0)
+        if transformer_config.sequence_parallel:
+            seq_len *= parallel_state.get_tensor_model_parallel_world_size()
+        return seq_len

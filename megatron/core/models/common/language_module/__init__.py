@@ -1,0 +1,1 @@
+from .language_module import LanguageModule

@@ -1,0 +1,56 @@
+"""Layer specs for GPT: which classes make up a transformer layer (local torch implementation)."""
+from typing import Optional
+
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_bias_dropout_add,
+)
+
+LNImpl = WrappedTorchNorm
+
+
+def get_mlp_module_spec(use_te: bool = False, num_experts: Optional[int] = None,
+                        moe_grouped_gemm: bool = False, **kwargs) -> ModuleSpec:
+    if num_experts is not None:
+        raise NotImplementedError("--num-experts (MoE layers) is not supported yet; drop the flag")
+    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                           linear_fc2=RowParallelLinear))
+
+
+def get_gpt_layer_local_spec(num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
+                             qk_layernorm: bool = False, multi_latent_attention: bool = False,
+                             fp8: Optional[str] = None, moe_use_legacy_grouped_gemm: bool = False,
+                             normalization: Optional[str] = None, qk_l2_norm: bool = False,
+                             use_kitchen: bool = False, **kwargs) -> ModuleSpec:
+    """Pre-norm GPT layer on plain torch + our TP layers (Megatron's 'local' spec)."""
+    if multi_latent_attention:
+        raise NotImplementedError("--multi-latent-attention is not supported yet; drop the flag")
+    if qk_l2_norm or use_kitchen or fp8:
+        raise NotImplementedError("qk_l2_norm / kitchen / fp8 layer specs are not supported")
+    qk_norm = LNImpl if qk_layernorm else IdentityOp
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=LNImpl,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention,
+                    linear_proj=RowParallelLinear, q_layernorm=qk_norm if qk_layernorm else None,
+                    k_layernorm=qk_norm if qk_layernorm else None)),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=LNImpl,
+            mlp=get_mlp_module_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )

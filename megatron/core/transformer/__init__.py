@@ -1,0 +1,3 @@
+from .module import MegatronModule
+from .spec_utils import ModuleSpec, build_module
+from .transformer_config import TransformerConfig

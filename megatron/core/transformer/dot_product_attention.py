@@ -1,0 +1,51 @@
+"""softmax(Q K^T / sqrt(d) + mask) V for the local heads, through torch's scaled_dot_product_attention."""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+
+class DotProductAttention(MegatronModule):
+    """Core attention on ``[s, b, np, hn]`` queries and ``[s, b, ng, hn]`` keys/values (GQA: ng <= np).
+
+    The mask is boolean with True = masked (Megatron's convention). A causal layer with no mask uses
+    SDPA's ``is_causal`` path (flash / memory-efficient kernels); an explicit mask is passed as is.
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None, **kwargs):
+        super().__init__(config)
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.num_heads_per_partition = config.num_attention_heads // tp
+        self.num_groups_per_partition = config.num_query_groups // tp
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("packed sequences / attention bias are not supported by local attention")
+        mask_type = attn_mask_type or self.attn_mask_type
+        sq, b, np_, hn = query.shape
+        # [s, b, n, hn] -> [b, n, s, hn]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if k.size(1) != q.size(1):
+            rep = q.size(1) // k.size(1)
+            k = k.repeat_interleave(rep, dim=1)  # [b, np, sk, hn]
+            v = v.repeat_interleave(rep, dim=1)
+        is_causal = attention_mask is None and mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        attn_mask = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
+        dropout_p = self.dropout_p if self.training else 0.0
+        # Heads are split over TP, so each rank needs its own dropout stream.
+        with get_cuda_rng_tracker().fork():
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                 is_causal=is_causal, scale=self.softmax_scale)
+        return ctx.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [s, b, np * hn]

@@ -1,0 +1,93 @@
+"""Layout-independent parameter initialization.
+
+A parameter's values depend only on (config.seed, its global name): the name it has in a TP=PP=1
+model. For each parameter we seed a generator from a hash of (seed, name), fill the full global
+tensor with the parameter's ``init_fn`` and copy out this rank's TP slice. The slice follows
+``partition_dim`` and ``partition_stride`` (stride k: k interleaved blocks, each split over TP, as
+SwiGLU's [gate; up]); the fused QKV needs nothing special since TP splits whole query groups.
+"""
+import hashlib
+import re
+from typing import Dict
+
+import torch
+
+from megatron.core import parallel_state
+
+_LAYER_RE = re.compile(r"^(.*?\blayers\.)(\d+)(\..*)$")
+
+
+def global_param_names(model: torch.nn.Module, keep_vars: bool = True) -> Dict[str, str]:
+    """{local state-dict name: global (TP=PP=1) name}. Layer indices become ``layer_number - 1``;
+    an output layer tied to the embedding maps to ``embedding.word_embeddings.weight``."""
+    layer_numbers = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "layer_number") and _LAYER_RE.match(name + "."):
+            layer_numbers[name] = module.layer_number
+    out = {}
+    for local in model.state_dict(keep_vars=keep_vars):
+        name = local
+        m = _LAYER_RE.match(local)
+        if m:
+            layer_path = m.group(1) + m.group(2)
+            if layer_path in layer_numbers:
+                name = f"{m.group(1)}{layer_numbers[layer_path] - 1}{m.group(3)}"
+        out[local] = name
+    if getattr(model, "share_embeddings_and_output_weights", False) and "output_layer.weight" in out:
+        out["output_layer.weight"] = "embedding.word_embeddings.weight"
+    return out
+
+
+def _name_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def tp_rank_and_size(param):
+    """TP coordinates of a parameter (expert params live on the expert-TP group)."""
+    if getattr(param, "allreduce", True):
+        return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    return parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size()
+
+
+def local_slice(full: torch.Tensor, param) -> torch.Tensor:
+    """This rank's part of the global tensor ``full`` for ``param``."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    rank, size = tp_rank_and_size(param)
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    blocks = full.chunk(stride * size, dim=dim)  # stride groups of `size` blocks each
+    return torch.cat([blocks[s * size + rank] for s in range(stride)], dim=dim)
+
+
+def global_shape(param):
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= tp_rank_and_size(param)[1]
+    return shape
+
+
+def _generation_device(param, config):
+    if config.use_cpu_initialization or param.device.type == "cpu":
+        return torch.device("cpu")
+    return param.device  # same values on every layout of this device type
+
+
+@torch.no_grad()
+def initialize_parameters(model: torch.nn.Module, seed=None) -> None:
+    """Fill every parameter of ``model`` from (seed, global name), independently of the parallel layout."""
+    config = model.config
+    seed = config.seed if seed is None else seed
+    names = global_param_names(model)
+    params = dict(model.named_parameters())
+    for local, param in params.items():
+        init_fn = getattr(param, "init_fn", None)
+        if init_fn is None:
+            raise RuntimeError(f"parameter '{local}' has no init_fn; every module must record one")
+        device = _generation_device(param, config)
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(_name_seed(seed, names[local]))
+            full = torch.empty(global_shape(param), dtype=param.dtype, device=device)
+            init_fn(full)
+        param.copy_(local_slice(full, param))

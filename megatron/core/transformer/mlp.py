@@ -1,0 +1,54 @@
+"""Feed-forward block: fc1 (column-parallel) -> activation (GeLU / SwiGLU / squared-ReLU) -> fc2 (row-parallel)."""
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+
+@dataclass
+class MLPSubmodules:
+    linear_fc1: Union[ModuleSpec, type] = None
+    linear_fc2: Union[ModuleSpec, type] = None
+
+
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    return torch.pow(F.relu(x), 2)
+
+
+class MLP(MegatronModule):
+    """h -> f -> h. With ``gated_linear_unit`` fc1 emits [gate; up] (2f) and the hidden is act(gate) * up.
+
+    fc1's weight is marked ``partition_stride=2`` under GLU: the TP=1 tensor is [gate; up] and each
+    rank holds [gate_r; up_r], the r-th slice of each half.
+    """
+
+    def __init__(self, config, submodules: MLPSubmodules, is_expert: bool = False,
+                 input_size: Optional[int] = None, ffn_hidden_size: Optional[int] = None, tp_group=None, **kwargs):
+        super().__init__(config)
+        self.input_size = input_size or config.hidden_size
+        ffn = ffn_hidden_size or config.ffn_hidden_size
+        glu = config.gated_linear_unit
+        self.activation_func = config.activation_func
+        self.linear_fc1 = build_module(
+            submodules.linear_fc1, self.input_size, 2 * ffn if glu else ffn, config=config,
+            init_method=config.init_method, gather_output=False, bias=config.add_bias_linear,
+            skip_bias_add=True, is_expert=is_expert, tp_comm_buffer_name="fc1", stride=2 if glu else 1)
+        self.linear_fc2 = build_module(
+            submodules.linear_fc2, ffn, config.hidden_size, config=config,
+            init_method=config.output_layer_init_method, bias=config.add_bias_linear, input_is_parallel=True,
+            skip_bias_add=True, is_expert=is_expert, tp_comm_buffer_name="fc2")
+
+    def forward(self, hidden_states, per_token_scale=None):
+        h, bias = self.linear_fc1(hidden_states)  # [s, b, (2)f/tp]
+        if bias is not None:
+            h = h + bias
+        if self.config.gated_linear_unit:
+            gate, up = torch.chunk(h, 2, dim=-1)  # [s, b, f/tp] each
+            h = self.activation_func(gate) * up
+        else:
+            h = self.activation_func(h)
+        return self.linear_fc2(h)  # (output, bias)

@@ -1,0 +1,43 @@
+"""Describe a model's parameters and persistent buffers as ShardedTensors under global names.
+
+Dict keys are the local state-dict keys (so a loaded dict feeds ``model.load_state_dict``);
+``ShardedTensor.key`` is the global TP=PP=1 name, so checkpoints reshard across layouts.
+replica_id = (TP replica, PP replica, DP rank): exactly one rank has all zeros for each shard.
+"""
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.transformer.initialize import global_param_names, tp_rank_and_size
+
+
+def _sharded_tensor(key: str, tensor: torch.Tensor, pp_replica: int, dp_rank: int) -> ShardedTensor:
+    if not getattr(tensor, "tensor_model_parallel", False):
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        return ShardedTensor.from_rank_offsets(key, tensor.detach(), replica_id=(tp_rank, pp_replica, dp_rank))
+    rank, size = tp_rank_and_size(tensor)
+    dim, stride = tensor.partition_dim, getattr(tensor, "partition_stride", 1)
+    data = tensor.detach()
+    if stride > 1:
+        # [stride * n/tp, ...] -> [stride, n/tp, ...]: the global tensor is [stride, n, ...]
+        shape = list(data.shape)
+        data = data.reshape(shape[:dim] + [stride, shape[dim] // stride] + shape[dim + 1:])
+        dim += 1
+    return ShardedTensor.from_rank_offsets(key, data, (dim, rank, size), replica_id=(0, pp_replica, dp_rank))
+
+
+def build_sharded_state_dict(model: torch.nn.Module, prefix: str = ""):
+    names = global_param_names(model)
+    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    tied_output = getattr(model, "share_embeddings_and_output_weights", False)
+    out = {}
+    for local, tensor in model.state_dict(keep_vars=True).items():
+        if tensor is None:
+            continue
+        pp_replica = 0
+        if tied_output and local == "output_layer.weight":
+            if getattr(model, "pre_process", True):
+                continue  # the embedding on this rank is the same tensor and is saved once
+            pp_replica = 1  # a copy of the first stage's embedding: never written from here
+        out[prefix + local] = _sharded_tensor(prefix + names[local], tensor, pp_replica, dp_rank)
+    return out

@@ -1,0 +1,104 @@
+"""One pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(.)), with bias-dropout-add."""
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+from megatron.core.tensor_parallel.random import checkpoint
+from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+
+def _bias_dropout_add(x_with_bias, residual, prob: float, training: bool):
+    """residual + dropout(x + bias)."""
+    x, bias = x_with_bias
+    if bias is not None:
+        x = x + bias
+    return residual + torch.nn.functional.dropout(x, p=prob, training=training)
+
+
+def get_bias_dropout_add(training: bool, fused: bool):
+    """Megatron's bda factory; the plain version serves both (torch.compile may fuse it)."""
+    def bda(x_with_bias, residual, prob):
+        return _bias_dropout_add(x_with_bias, residual, prob, training)
+    return bda
+
+
+@dataclass
+class TransformerLayerSubmodules:
+    input_layernorm: Union[ModuleSpec, type] = IdentityOp
+    self_attention: Union[ModuleSpec, type] = IdentityOp
+    self_attn_bda: Union[ModuleSpec, type] = IdentityFuncOp
+    pre_cross_attn_layernorm: Union[ModuleSpec, type] = IdentityOp
+    cross_attention: Union[ModuleSpec, type] = IdentityOp
+    cross_attn_bda: Union[ModuleSpec, type] = IdentityFuncOp
+    pre_mlp_layernorm: Union[ModuleSpec, type] = IdentityOp
+    mlp: Union[ModuleSpec, type] = IdentityOp
+    mlp_bda: Union[ModuleSpec, type] = IdentityFuncOp
+    sharded_state_dict_keys_map: dict = field(default_factory=dict)
+
+
+class TransformerLayer(MegatronModule):
+    """``layer_number`` is 1-based and global (across pipeline stages)."""
+
+    def __init__(self, config, submodules: TransformerLayerSubmodules, layer_number: int = 1,
+                 hidden_dropout: Optional[float] = None, pg_collection=None, vp_stage: Optional[int] = None,
+                 **kwargs):
+        super().__init__(config)
+        if submodules.cross_attention is not IdentityOp:
+            raise NotImplementedError("cross attention layers are not supported yet")
+        self.submodules_config = submodules
+        self.layer_number = layer_number
+        self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
+        eps = config.layernorm_epsilon
+        self.input_layernorm = build_module(submodules.input_layernorm, config=config,
+                                            hidden_size=config.hidden_size, eps=eps)
+        self.self_attention = build_module(submodules.self_attention, config=config, layer_number=layer_number)
+        self.self_attn_bda = build_module(submodules.self_attn_bda)
+        self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config=config,
+                                              hidden_size=config.hidden_size, eps=eps)
+        self.mlp = build_module(submodules.mlp, config=config)
+        self.mlp_bda = build_module(submodules.mlp_bda)
+        self.recompute_norm = (config.recompute_granularity == "selective"
+                               and "layernorm" in (config.recompute_modules or []))
+        self.recompute_mlp = (config.recompute_granularity == "selective"
+                              and "mlp" in (config.recompute_modules or []))
+
+    def _bda(self, bda_module):
+        if isinstance(bda_module, IdentityFuncOp) or not callable(bda_module):
+            return bda_module
+        return bda_module(self.training, self.config.bias_dropout_fusion)
+
+    def _norm(self, norm, x):
+        if self.recompute_norm and self.training and not isinstance(norm, IdentityOp):
+            return checkpoint(norm, False, x)
+        return norm(x)
+
+    def _mlp_with_bias(self, x):
+        out, bias = self.mlp(x)
+        return out if bias is None else out + bias
+
+    def forward(self, hidden_states, attention_mask=None, context=None, context_mask=None, rotary_pos_emb=None,
+                rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None, inference_context=None,
+                packed_seq_params=None, sequence_len_offset=None, **kwargs):
+        # hidden_states: [s, b, h] (s/tp under sequence parallelism)
+        residual = hidden_states
+        x = self._norm(self.input_layernorm, hidden_states)
+        attn_out = self.self_attention(x, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                       attention_bias=attention_bias, inference_context=inference_context,
+                                       packed_seq_params=packed_seq_params)
+        if self.config.apply_residual_connection_post_layernorm:
+            residual = x
+        hidden_states = self._bda(self.self_attn_bda)(attn_out, residual, self.hidden_dropout)
+
+        residual = hidden_states
+        x = self._norm(self.pre_mlp_layernorm, hidden_states)
+        if self.recompute_mlp and self.training:
+            mlp_out = (checkpoint(self._mlp_with_bias, False, x), None)
+        else:
+            mlp_out = self.mlp(x)
+        if self.config.apply_residual_connection_post_layernorm:
+            residual = x
+        hidden_states = self._bda(self.mlp_bda)(mlp_out, residual, self.hidden_dropout)
+        return hidden_states, context
