@@ -128,11 +128,26 @@ def _run(pp, chunks, n_mb, forward_only=False, dealloc=False):
     return config.timers.names
 
 
+def _too_few_microbatches():
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2,
+                                             virtual_pipeline_model_parallel_size=2)
+    config = ToyConfig(pipeline_model_parallel_size=2)
+    model = [ToyStage(config, [0], True), ToyStage(config, [1], False)]
+    try:
+        get_forward_backward_func()(
+            forward_step_func=forward_step_func, data_iterator=iter(_batches(1)), model=model,
+            num_microbatches=1, seq_length=S, micro_batch_size=B)
+    except ValueError as e:
+        assert "num_microbatches (1)" in str(e) and "--global-batch-size" in str(e), e
+        return set()
+    raise AssertionError("interleaved schedule accepted 1 micro-batch on 2 stages")
+
+
 def _run_cases(cases):
     """Several schedule runs in one set of processes (spawning ranks dominates the cost)."""
     names = set()
     for case in cases:
-        names |= _run(*case)
+        names |= _too_few_microbatches() if case == "too_few" else _run(*case)
         parallel_state.destroy_model_parallel()
     return names
 
@@ -140,7 +155,7 @@ def _run_cases(cases):
 def test_two_stage_layouts():
     # (pp, chunks, micro-batches, forward_only, deallocate_pipeline_outputs); pp=1 runs as DP=2
     cases = [(2, 1, 4), (2, 2, 4), (2, 1, 3, True), (2, 1, 3, False, True), (2, 2, 2, False, True),
-             (2, 2, 4, True), (1, 1, 3), (1, 1, 2, True)]
+             (2, 2, 4, True), (1, 1, 3), (1, 1, 2, True), "too_few"]
     names = set().union(*run_distributed(_run_cases, 2, cases))
     assert {"forward-backward", "forward-compute", "backward-compute", "forward-send-backward-recv",
             "backward-send-forward-recv", "forward-backward-send-forward-backward-recv",
