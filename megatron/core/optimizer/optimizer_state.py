@@ -65,7 +65,9 @@ def _param_to_sharded_tensor(model_sharded_state_dict: Dict, params):
 
     def visit(value):
         if isinstance(value, ShardedTensor) and value.data is not None:
-            p = by_id.get(id(value.data)) or by_storage.get((value.data.data_ptr(), tuple(value.data.shape)))
+            p = by_id.get(id(value.data))
+            if p is None:
+                p = by_storage.get((value.data.data_ptr(), tuple(value.data.shape)))
             if p is not None and p not in found:
                 found[p] = value
         elif isinstance(value, dict):
