@@ -53,12 +53,15 @@ def reference_run():
 
 
 def _train(ddp_kwargs, num_microbatches=2, inject_inf_rank=None, fp16=False):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel, DistributedDataParallelConfig, TorchFullyShardedDataParallel, finalize_model_grads)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    ddp_kwargs = dict(ddp_kwargs)
+    wrapper = TorchFullyShardedDataParallel if ddp_kwargs.pop("fsdp2", False) else DistributedDataParallel
     ddp_config = DistributedDataParallelConfig(**ddp_kwargs)
-    model = DistributedDataParallel(None, ddp_config, TinyNet())
+    model = wrapper(None, ddp_config, TinyNet())
     model.broadcast_params()
     opt_config = OptimizerConfig(lr=LR, weight_decay=0.1, clip_grad=CLIP, fp16=fp16, hysteresis=1,
                                  initial_loss_scale=2.0 ** 8 if fp16 else 2.0 ** 32,
@@ -94,9 +97,10 @@ def _train(ddp_kwargs, num_microbatches=2, inject_inf_rank=None, fp16=False):
         skipped.append(not ok)
     state_numel = sum(t.numel() for s in opt.optimizer.state.values() for t in s.values() if t.dim() > 0)
     model.finish_param_sync()
-    params = [p.detach().clone() for p in model.module.parameters()]
+    params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in model.module.parameters()]
+    num_buckets = len(list(model._all_buckets())) if hasattr(model, "_all_buckets") else 0
     return {"losses": losses, "norms": norms, "skipped": skipped, "state_numel": state_numel,
-            "params": params, "loss_scale": opt.get_loss_scale().item(), "num_buckets": len(list(model._all_buckets()))}
+            "params": params, "loss_scale": opt.get_loss_scale().item(), "num_buckets": num_buckets}
 
 
 CONFIGS = {
@@ -106,6 +110,7 @@ CONFIGS = {
     "distopt": {"use_distributed_optimizer": True},
     "distopt_overlap": {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
                         "overlap_param_gather": True, "bucket_size": 100},
+    "fsdp2": {"fsdp2": True},
 }
 
 

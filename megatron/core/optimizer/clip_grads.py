@@ -47,6 +47,7 @@ def get_grad_norm_fp32(grads_for_norm: Sequence[torch.Tensor], norm_type: Union[
     groups = _groups(grad_stats_parallel_group)
     device = grads_for_norm[0].device if grads_for_norm else _default_device()
     if norm_type == math.inf:
+        grads_for_norm = [g.to_local() if hasattr(g, "to_local") else g for g in grads_for_norm]
         local = max((g.detach().abs().max().float() for g in grads_for_norm if g.numel()),
                     default=torch.zeros((), device=device))
         total = _all_reduce(torch.as_tensor(local, dtype=torch.float32, device=device).reshape(1),
@@ -54,6 +55,7 @@ def get_grad_norm_fp32(grads_for_norm: Sequence[torch.Tensor], norm_type: Union[
         return total.item()
     total = torch.zeros(1, dtype=torch.float32, device=device)
     for g in grads_for_norm:
+        g = g.to_local() if hasattr(g, "to_local") else g  # FSDP2: local shard of a DTensor
         total += torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type
     _all_reduce(total, groups)
     return total.item() ** (1.0 / norm_type)
@@ -85,6 +87,7 @@ def count_zeros_fp32(grads_for_count: Sequence[torch.Tensor], grad_stats_paralle
     device = grads_for_count[0].device if grads_for_count else _default_device()
     total = torch.zeros(1, dtype=torch.float32, device=device)
     for g in grads_for_count:
+        g = g.to_local() if hasattr(g, "to_local") else g
         total += g.numel() - torch.count_nonzero(g)
     return _all_reduce(total, _groups(grad_stats_parallel_group)).item()
 

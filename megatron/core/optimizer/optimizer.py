@@ -58,8 +58,12 @@ class MegatronOptimizer:
         return list(dict.fromkeys(self.main_to_model.values()))
 
     def get_grad_stats_parallel_group(self):
-        """Groups to sum grad statistics over: model parallel (TP x PP); DP grads are replicas."""
-        return [parallel_state.get_model_parallel_group()]
+        """Groups to sum grad statistics over: model parallel (TP x PP); DP grads are replicas,
+        except under FSDP2 where each DP rank holds a shard (DTensor params)."""
+        groups = [parallel_state.get_model_parallel_group()]
+        if any(hasattr(p, "to_local") for p in self.main_to_model.values()):
+            groups.append(parallel_state.get_data_parallel_group(with_context_parallel=True))
+        return groups
 
     def _timer(self, name):
         timers = self.config.timers
@@ -111,7 +115,7 @@ class MegatronOptimizer:
         grads = [p.grad for p in self.get_parameters() if p.grad is not None]
         for g in grads:
             g.mul_(inv_scale.to(g.device))
-            if not torch.isfinite(g).all():
+            if not torch.isfinite(g.to_local() if hasattr(g, "to_local") else g).all():
                 found.fill_(1.0)
         device = grads[0].device if grads else found.device
         if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
