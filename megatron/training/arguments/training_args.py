@@ -91,6 +91,8 @@ def add_checkpointing_args(parser):
                    help="Write torch_dist checkpoints in the background; training continues.")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="Fail if --load has no checkpoint instead of starting from scratch.")
+    g.add_argument("--save-retain-interval", type=int, default=None,
+                   help="Keep only saves whose iteration is a multiple of N (plus the latest).")
     return parser
 
 
