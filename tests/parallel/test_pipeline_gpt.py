@@ -8,11 +8,11 @@ import functools
 
 import torch
 
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from tests.parallel.dist_utils import run_distributed
 
-SEQ, MBS, VOCAB, NUM_MB, ITERS, LAYERS = 16, 2, 64, 4, 10, 8
+SEQ, MBS, VOCAB, GBS, ITERS, LAYERS = 16, 2, 64, 8, 10, 8
 
 
 def _config(tp=1, pp=1, vp=None, sp=False, first=None, last=None):
@@ -45,8 +45,8 @@ def _global_batch(iteration, split):
     """Micro-batches of this DP rank for one iteration (the global batch is layout-independent)."""
     g = torch.Generator().manual_seed(1000 * split + iteration)
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-    tokens = torch.randint(0, VOCAB, (NUM_MB * MBS * dp, SEQ + 1), generator=g)
-    mine = tokens.view(NUM_MB, dp, MBS, SEQ + 1)[:, dp_rank]  # [mb, b, s+1]
+    tokens = torch.randint(0, VOCAB, (GBS, SEQ + 1), generator=g)
+    mine = tokens.view(GBS // (MBS * dp), dp, MBS, SEQ + 1)[:, dp_rank]  # [mb, b, s+1]
     return [{"tokens": t[:, :-1], "labels": t[:, 1:]} for t in mine]
 
 
@@ -96,24 +96,26 @@ def _train(layout):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                              pipeline_model_parallel_size=pp,
                                              virtual_pipeline_model_parallel_size=vp)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
     config = _config(tp, pp, vp, layout.get("sp", False), layout.get("first"), layout.get("last"))
     chunks = _build(config, vp)
     opt = torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=1e-3)
     schedule = get_forward_backward_func()
+    num_mb = GBS // (MBS * parallel_state.get_data_parallel_world_size())
     losses = []
     for it in range(ITERS):
         opt.zero_grad(set_to_none=False)
         batches = _global_batch(it, 0)
         dicts = schedule(forward_step_func=forward_step_func,
                          data_iterator=[iter(batches) for _ in chunks], model=chunks,
-                         num_microbatches=NUM_MB, seq_length=SEQ, micro_batch_size=MBS)
+                         num_microbatches=num_mb, seq_length=SEQ, micro_batch_size=MBS)
         _reduce_grads(chunks)
         opt.step()
         losses.append(_mean_loss(dicts))
     with torch.no_grad():
         val = schedule(forward_step_func=forward_step_func, model=chunks, forward_only=True,
                        data_iterator=[iter(_global_batch(0, 1)) for _ in chunks],
-                       num_microbatches=NUM_MB, seq_length=SEQ, micro_batch_size=MBS)
+                       num_microbatches=num_mb, seq_length=SEQ, micro_batch_size=MBS)
     losses.append(_mean_loss(val))
     tied = [c.shared_embedding_or_output_weight().detach().clone() for c in chunks
             if c.pre_process or c.post_process]
@@ -135,7 +137,8 @@ def _check(results_by_rank, reference):
         reported = [r["losses"] for r in per_rank if r["losses"][0] is not None]
         assert reported, "no rank reported a loss"
         for losses in reported:
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=0)
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5,
+                                       atol=0, msg=lambda m: f"layout {layout_idx}: {m}")
         by_tp = {}
         for r in per_rank:
             for w in r["tied"]:
@@ -159,5 +162,5 @@ def test_two_rank_pipelines():
 def test_four_rank_pipelines():
     reference = _reference()
     layouts = [{"pp": 4}, {"pp": 4, "first": 1, "last": 1}, {"tp": 2, "pp": 2, "sp": True},
-               {"pp": 2}, {"pp": 2, "vp": 2}]  # the last two run as PP=2 x DP=2
+               {"pp": 2, "vp": 2}]  # the last runs as PP=2 (2 virtual stages) x DP=2
     _check(run_distributed(_train_layouts, 4, layouts), reference)
