@@ -113,3 +113,9 @@ def test_entry_point_error_is_one_line_and_nonzero():
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1] == (
         "error: --global-batch-size (3) must be divisible by --micro-batch-size (2) x data-parallel size (1)")
+
+
+def test_help_renders(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv=["--help"])
+    assert e.value.code == 0 and "--global-batch-size" in capsys.readouterr().out

@@ -12,7 +12,7 @@ def add_training_args(parser):
                    help="Round the global batch down to a multiple of micro-batch x DP.")
     g.add_argument("--train-iters", type=int, default=None, help="Iterations to train.")
     g.add_argument("--train-samples", type=int, default=None, help="Samples to train (sample-based run).")
-    g.add_argument("--exit-interval", type=int, default=None, help="Exit when iteration % N == 0.")
+    g.add_argument("--exit-interval", type=int, default=None, help="Exit when iteration %% N == 0.")
     g.add_argument("--exit-duration-in-mins", type=int, default=None, help="Exit after N minutes of training.")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="On --exit-signal, finish the step, save (with --save) and exit 0.")
