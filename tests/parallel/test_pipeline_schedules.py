@@ -135,7 +135,7 @@ def _too_few_microbatches():
     model = [ToyStage(config, [0], True), ToyStage(config, [1], False)]
     try:
         get_forward_backward_func()(
-            forward_step_func=forward_step_func, data_iterator=iter(_batches(1)), model=model,
+            forward_step_func=forward_step_func, data_iterator=[iter(_batches(1))] * 2, model=model,
             num_microbatches=1, seq_length=S, micro_batch_size=B)
     except ValueError as e:
         assert "num_microbatches (1)" in str(e) and "--global-batch-size" in str(e), e

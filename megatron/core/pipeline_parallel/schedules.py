@@ -16,7 +16,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.p2p_communication import (
     P2PCommunicator, default_communicator, get_tensor_shape)
 from megatron.core.pipeline_parallel.utils import (
-    current_device, custom_backward, deallocate_output_tensor, incoming, make_plan)
+    current_device, custom_backward, deallocate_output_tensor, make_plan)
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 
@@ -159,13 +159,14 @@ def _finish(config, model_chunks, state: _RunState, timer):
     return state.forward_data_store
 
 
-def _check_common(model, data_iterator, decoder_seq_length, adjust_tensor_shapes_fn=None):
+def _check_common(model, data_iterator):
+    """Model chunks and one data iterator per chunk (None, as on middle stages, is shared)."""
     models, iterators = _as_list(model), _as_list(data_iterator)
-    if len(iterators) == 1 and len(models) > 1:
+    if len(iterators) == 1 and len(models) > 1 and iterators[0] is None:
         iterators = iterators * len(models)
     if len(iterators) != len(models):
         raise ValueError(f"data_iterator: got {len(iterators)} iterators for {len(models)} model "
-                         "chunks; pass one per virtual pipeline stage")
+                         "chunks; pass a list with one iterator per virtual pipeline stage")
     return models, iterators
 
 
@@ -181,7 +182,7 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[It
 
     ``first_val_step`` only matters for FP8 weight caching, which this build does not have.
     """
-    models, iterators = _check_common(model, data_iterator, decoder_seq_length)
+    models, iterators = _check_common(model, data_iterator)
     if len(models) != 1:
         raise ValueError("forward_backward_no_pipelining takes one model chunk; set "
                          "--num-layers-per-virtual-pipeline-stage only with PP > 1")
@@ -213,7 +214,7 @@ def forward_backward_pipelining_without_interleaving(
         adjust_tensor_shapes_fn=None, p2p_communicator: Optional[P2PCommunicator] = None):
     """1F1B: (PP - rank - 1) warm-up forwards, then one forward + one backward per micro-batch
     in steady state, then the remaining backwards. At most PP micro-batches are in flight."""
-    models, iterators = _check_common(model, data_iterator, decoder_seq_length)
+    models, iterators = _check_common(model, data_iterator)
     if len(models) != 1:
         raise ValueError("non-interleaved pipeline takes one model chunk per rank; use "
                          "forward_backward_pipelining_with_interleaving for virtual stages")
@@ -318,7 +319,7 @@ def forward_backward_pipelining_with_interleaving(
     groups of ``microbatch_group_size_per_vp_stage`` micro-batches go through each chunk in turn."""
     from megatron.core.pipeline_parallel.interleaved import run_interleaved
 
-    models, iterators = _check_common(model, data_iterator, decoder_seq_length)
+    models, iterators = _check_common(model, data_iterator)
     if adjust_tensor_shapes_fn is not None:
         raise NotImplementedError("adjust_tensor_shapes_fn is not supported by the interleaved "
                                   "schedule")
