@@ -2,6 +2,7 @@
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.utils import get_device
 from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0
 
@@ -51,8 +52,7 @@ def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provid
         loaders = (build_pretraining_data_loader(train_ds, args.consumed_train_samples),
                    build_pretraining_data_loader(valid_ds, args.consumed_valid_samples),
                    build_pretraining_data_loader(test_ds, 0))
-    flags = torch.tensor([int(l is not None) for l in loaders], dtype=torch.long,
-                         device="cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
+    flags = torch.tensor([int(l is not None) for l in loaders], dtype=torch.long, device=get_device())
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
     args.do_train, args.do_valid, args.do_test = (bool(f) and args.train_iters > 0 if i == 0 else bool(f)
                                                   for i, f in enumerate(flags.tolist()))

@@ -8,7 +8,7 @@ from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.num_microbatches_calculator import (get_current_global_batch_size, get_num_microbatches,
                                                        update_num_microbatches)
-from megatron.core.utils import get_model_config
+from megatron.core.utils import get_device, get_model_config
 from megatron.training.data_iterators import build_train_valid_test_data_iterators
 from megatron.training.evaluate import evaluate_and_print_results
 from megatron.training.exit import duration_exceeded
@@ -78,7 +78,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
 
 
 def _report_init_time(start):
-    t = torch.tensor([start], dtype=torch.float64)
+    t = torch.tensor([start], dtype=torch.float64, device=get_device())
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
     print_rank_0("time to initialize megatron (seconds): {:.3f}".format(time.time() - t.item()))
 
