@@ -42,9 +42,12 @@ def build_pretraining_data_loader(dataset, consumed_samples, args=None):
     else:
         raise ValueError(f"--dataloader-type {dataloader_type}: choose single, cyclic or external")
     num_workers = getattr(args, "num_workers", 2)
+    # Its own generator: iterating a DataLoader draws a base seed, which must not advance the global torch
+    # RNG (dropout on CPU), or resuming from a checkpoint would shift the random stream.
+    generator = torch.Generator().manual_seed(getattr(args, "seed", 1234) or 0)
     return torch.utils.data.DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers,
                                        pin_memory=torch.cuda.is_available(),
-                                       persistent_workers=num_workers > 0)
+                                       persistent_workers=num_workers > 0, generator=generator)
 
 
 class MegatronPretrainingSampler:
