@@ -1,4 +1,5 @@
 """Tensor-parallel linear and embedding layers; all TP communication of the model lives here."""
+import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -56,8 +57,11 @@ def _make_param(shape, config, init_fn, is_expert=False) -> torch.nn.Parameter:
     so layout-independent initialization can redo it on the global tensor."""
     p = torch.nn.Parameter(torch.empty(*shape, dtype=config.params_dtype, device=_param_device(config)))
     if config.perform_initialization:
+        # Models overwrite this with layout-independent values (transformer/initialize.py); a standalone
+        # layer uses the TP RNG stream when seeded, else the default generator.
         name = get_expert_parallel_rng_tracker_name() if is_expert else "model-parallel-rng"
-        with get_cuda_rng_tracker().fork(name):
+        tracker = get_cuda_rng_tracker()
+        with tracker.fork(name) if name in tracker.get_states() else contextlib.nullcontext():
             init_fn(p.data)
     p.init_fn = init_fn
     p.allreduce = not is_expert
