@@ -20,7 +20,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
     print_rank_0("building GPT model ...")
     config = core_transformer_config_from_args(args)
     layer_spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
-    return GPTModel(
+    model = GPTModel(
         config=config, transformer_layer_spec=layer_spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
@@ -29,6 +29,14 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
         rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor,
         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor, vp_stage=vp_stage)
+    if args.torch_compile:
+        from megatron.core.fusions.compile import compile_available, compile_transformer_layers
+        if compile_available():
+            n = compile_transformer_layers(model)
+            print_rank_0(f"> torch.compile: {n} transformer layers compiled (first iterations include compile)")
+        else:
+            print_rank_0("> --torch-compile: no CUDA + Triton here; layers run eagerly")
+    return model
 
 
 _INT_KEYS = ["tokens", "labels", "position_ids"]

@@ -1,4 +1,5 @@
-"""Estimate of weight + optimizer memory on the most loaded rank (Megatron's "Theoretical memory" line)."""
+"""Memory estimate on the most loaded rank (Megatron's "Theoretical memory" line) and the fuller
+--dry-run style estimate (weights, optimizer, activations, logits, FLOPs) printed by tools/benchmark.py."""
 
 NUM_BYTES_IN_MEGABYTE = 1024 * 1024
 
@@ -25,6 +26,63 @@ def compute_weight_and_optimizer_memory(args, verbose=False):
     return first_stage * bytes_per_param
 
 
+def compute_activation_memory(args):
+    """Bytes of activations saved for backward by one micro-batch on the first stage (16-bit activations).
+
+    Per layer and token, what our layers keep: both norm inputs and outputs (4h), Q/K/V (d_q + 2 d_kv),
+    the attention output twice (SDPA's output and the projection input, 2 d_q; flash kernels keep no
+    s x s scores), and the MLP hidden: fc1 output + activation output (2f), or for SwiGLU fc1's [gate; up],
+    silu(gate) and the product (4f). For GPT with f = 4h this is Megatron's 34*s*b*h bytes.
+    Full recompute keeps only each layer's input (plus one layer's set while recomputing).
+    """
+    h, L = args.hidden_size, args.num_layers
+    heads = args.num_attention_heads
+    kv = args.kv_channels or h // heads
+    groups = args.num_query_groups if args.group_query_attention else heads
+    ffn = args.ffn_hidden_size or 4 * h
+    d_q, d_kv = kv * heads, kv * groups
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    tokens = args.seq_length * args.micro_batch_size
+    per_layer = 2 * tokens * (4 * h + (d_q + 2 * d_kv) / tp + 2 * d_q / tp + (4 if args.swiglu else 2) * ffn / tp)
+    layers = L / pp
+    granularity = getattr(args, "recompute_granularity", None)
+    if granularity == "full":
+        return layers * 2 * tokens * h + per_layer
+    if granularity == "selective" and "mlp" in (getattr(args, "recompute_modules", None) or []):
+        per_layer -= 2 * tokens * (4 if args.swiglu else 2) * ffn / tp
+    # Micro-batches in flight on the first stage under 1F1B: pp of them (one when pp == 1).
+    return layers * per_layer * min(pp, getattr(args, "num_microbatches", pp) or pp)
+
+
+def compute_logits_memory(args):
+    """Peak bytes of the output layer + loss for one micro-batch: 16-bit logits and their 16-bit grad,
+    plus with the eager loss the fp32 copies (upcast, shifted logits, softmax, fp32 grad)."""
+    vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size or 0
+    n = args.seq_length * args.micro_batch_size * vocab / args.tensor_model_parallel_size
+    fused = getattr(args, "cross_entropy_loss_fusion", False)
+    return n * (2 + 2) + (0 if fused else n * 4 * 3)
+
+
+def estimate_memory_and_flops(args):
+    """Dict of byte counts (weights_and_optimizer, activations, logits, total) and flops_per_iteration."""
+    from megatron.training.flops import num_floating_point_operations
+    est = {"weights_and_optimizer": compute_weight_and_optimizer_memory(args),
+           "activations": compute_activation_memory(args), "logits": compute_logits_memory(args)}
+    est["total"] = sum(est.values())
+    est["flops_per_iteration"] = num_floating_point_operations(args, args.global_batch_size)
+    return est
+
+
+def print_estimate(est):
+    gib = 1024 ** 3
+    print(f"Estimate (most loaded rank): weights+grads+optimizer {est['weights_and_optimizer'] / gib:.2f} GiB, "
+          f"activations {est['activations'] / gib:.2f} GiB, logits+loss {est['logits'] / gib:.2f} GiB, "
+          f"total {est['total'] / gib:.2f} GiB; {est['flops_per_iteration'] / 1e12:.1f} TFLOP per iteration",
+          flush=True)
+
+
 def report_theoretical_memory(args, num_microbatches=None, verbose=False):
     weight_and_optimizer = compute_weight_and_optimizer_memory(args, verbose) / NUM_BYTES_IN_MEGABYTE
-    print(f"Theoretical memory footprints: weight and optimizer={weight_and_optimizer:.2f} MB", flush=True)
+    activation = (compute_activation_memory(args) + compute_logits_memory(args)) / NUM_BYTES_IN_MEGABYTE
+    print(f"Theoretical memory footprints: weight and optimizer={weight_and_optimizer:.2f} MB, "
+          f"activation={activation:.2f} MB, total={weight_and_optimizer + activation:.2f} MB", flush=True)

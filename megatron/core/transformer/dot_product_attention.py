@@ -1,4 +1,5 @@
 """softmax(Q K^T / sqrt(d) + mask) V for the local heads, through torch's scaled_dot_product_attention."""
+from contextlib import nullcontext
 from typing import Optional
 
 import torch
@@ -8,6 +9,30 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+# --attention-backend -> SDPA kernels, in priority order (CUDA only; CPU keeps torch's choice).
+# flash: FlashAttention-2; fused: cuDNN's fused attention, then the memory-efficient kernel;
+# unfused: the math path (explicit softmax); auto/local: cuDNN, then flash, then the others.
+_SDPA_BACKENDS = {
+    "flash": ("FLASH_ATTENTION",),
+    "fused": ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION"),
+    "unfused": ("MATH",),
+    "auto": ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"),
+    "local": ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"),
+}
+
+
+def sdpa_backends(attention_backend: str):
+    """The ``torch.nn.attention.SDPBackend`` list for a Megatron ``--attention-backend`` value."""
+    from torch.nn.attention import SDPBackend
+    return [getattr(SDPBackend, name) for name in _SDPA_BACKENDS[str(attention_backend)]]
+
+
+def _sdpa_context(backends, device):
+    if device.type != "cuda" or backends is None:
+        return nullcontext()
+    from torch.nn.attention import sdpa_kernel
+    return sdpa_kernel(backends, set_priority=True)
 
 
 class DotProductAttention(MegatronModule):
@@ -28,6 +53,8 @@ class DotProductAttention(MegatronModule):
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.num_heads_per_partition = config.num_attention_heads // tp
         self.num_groups_per_partition = config.num_query_groups // tp
+        backend = getattr(config.attention_backend, "name", config.attention_backend)
+        self.sdpa_backends = sdpa_backends(backend)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -44,8 +71,12 @@ class DotProductAttention(MegatronModule):
         is_causal = attention_mask is None and mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         attn_mask = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
         dropout_p = self.dropout_p if self.training else 0.0
-        # Heads are split over TP, so each rank needs its own dropout stream.
-        with get_cuda_rng_tracker().fork():
+        # Heads are split over TP, so each rank needs its own dropout stream (no stream without dropout:
+        # forking the RNG state would also break a compiled layer's graph for nothing).
+        rng = get_cuda_rng_tracker().fork() if dropout_p > 0 else nullcontext()
+        # An explicit mask (reset attention, padding) leaves the kernel choice to torch: flash takes none.
+        backends = self.sdpa_backends if attn_mask is None else None
+        with rng, _sdpa_context(backends, q.device):
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                                  is_causal=is_causal, scale=self.softmax_scale)
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [s, b, np * hn]

@@ -58,6 +58,7 @@ class TransformerConfig(ModelParallelConfig):
     bias_dropout_fusion: bool = False
     apply_rope_fusion: bool = False
     attention_backend: str = "auto"
+    cross_entropy_loss_fusion: bool = False
 
     # Activation recompute
     recompute_granularity: Optional[str] = None

@@ -63,6 +63,13 @@ def add_network_size_args(parser):
     g.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"],
                    help="Full recompute method.")
     g.add_argument("--recompute-num-layers", type=int, default=None, help="Layers per recompute unit.")
+    g.add_argument("--recompute-modules", nargs="*", type=str, default=None,
+                   help="Submodules recomputed under --recompute-granularity selective: core_attn (default), "
+                        "mlp, layernorm.")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="Chunked cross entropy on 16-bit logits (no fp32 [s, b, vocab] copies).")
+    g.add_argument("--torch-compile", action="store_true",
+                   help="torch.compile each transformer layer (CUDA with Triton; eager elsewhere).")
     return parser
 
 

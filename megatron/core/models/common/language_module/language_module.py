@@ -9,6 +9,10 @@ class LanguageModule(MegatronModule):
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Per-token loss [b, s] in fp32 from logits [s, b, V/tp] and labels [b, s]."""
         labels = labels.transpose(0, 1).contiguous()  # [s, b]
+        if getattr(self.config, "cross_entropy_loss_fusion", False):
+            from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+            loss = fused_vocab_parallel_cross_entropy(logits, labels)  # [s, b], no fp32 copy of logits
+            return loss.transpose(0, 1).contiguous()  # [b, s]
         if not self.fp16_lm_cross_entropy:
             logits = logits.float()
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)  # [s, b]

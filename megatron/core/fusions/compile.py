@@ -1,0 +1,58 @@
+"""torch.compile helpers: compile each transformer layer (one graph reused by every layer) and small
+element-wise functions, only where a GPU compiler backend is available."""
+import functools
+import os
+
+import torch
+
+
+def compile_available() -> bool:
+    """Inductor needs Triton on CUDA; CPU runs stay eager (a C++ compile per test would dwarf the tests)."""
+    if os.environ.get("MEGATRON_DISABLE_COMPILE", "0") == "1":
+        return False
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def maybe_compile(fn=None, **compile_kwargs):
+    """Decorator: ``torch.compile(fn)`` built lazily on first CUDA call; eager on CPU tensors."""
+    def wrap(f):
+        compiled = None
+
+        @functools.wraps(f)
+        def inner(*args, **kwargs):
+            nonlocal compiled
+            first = next((a for a in args if torch.is_tensor(a)), None)
+            if first is None or not first.is_cuda or not compile_available():
+                return f(*args, **kwargs)
+            if compiled is None:
+                compiled = torch.compile(f, dynamic=False, **compile_kwargs)
+            return compiled(*args, **kwargs)
+        inner.eager = f
+        return inner
+    return wrap(fn) if fn is not None else wrap
+
+
+def compile_transformer_layers(model: torch.nn.Module, backend: str = "inductor", mode=None) -> int:
+    """Compile every TransformerLayer of ``model`` in place; returns how many were compiled.
+
+    Layers share code and (with nn-module inlining, torch's default) take params as graph inputs, so
+    dynamo traces once and every layer reuses the graph; the rest of the model stays eager, which keeps
+    the pipeline/DDP hooks and the loss outside the compiled region. A graph break inside a layer
+    (e.g. selective recompute's checkpoint) only splits the graph, it does not change results.
+    """
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    # Many identical layers: raise the recompile budget so a few shape/guard variants never fall back.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    count = 0
+    for module in model.modules():
+        if isinstance(module, TransformerLayer):
+            module.compile(backend=backend, mode=mode, dynamic=False)
+            count += 1
+    return count

@@ -1,0 +1,96 @@
+"""Cross entropy over (vocab-parallel) logits that never builds the full fp32 ``[s, b, V]`` tensors.
+
+The eager reference (``tensor_parallel.vocab_parallel_cross_entropy``) upcasts the logits, keeps an fp32
+softmax for backward and writes an fp32 gradient: about 5 fp32 copies of the largest activation. Here
+the 16-bit logits are processed in token chunks: forward keeps only the per-token log-sum-exp (fp32,
+[tokens]); backward recomputes softmax chunk by chunk and writes the gradient in the logits' dtype.
+Math inside a chunk is fp32, so the result matches the reference to fp32 rounding on fp32 input.
+On CUDA the per-chunk math is compiled into a few fused kernels; elsewhere it runs eagerly.
+"""
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.fusions.compile import maybe_compile
+from megatron.core.tensor_parallel.utils import VocabUtility
+
+_CHUNK_ELEMENTS = 1 << 28  # logits per chunk (~512 MB of fp32 temporaries on the GPU)
+
+
+def _all_reduce(t, op, group):
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+@maybe_compile
+def _chunk_max(logits):
+    return logits.float().amax(dim=-1)  # [n]
+
+
+@maybe_compile
+def _chunk_sum_exp_and_target(logits, logits_max, masked_target, target_mask):
+    z = logits.float() - logits_max.unsqueeze(-1)
+    sum_exp = z.exp().sum(dim=-1)  # [n]
+    predicted = z.gather(-1, masked_target.unsqueeze(-1)).squeeze(-1).masked_fill(target_mask, 0.0)
+    return sum_exp, predicted
+
+
+@maybe_compile
+def _chunk_grad(logits, lse, masked_target, target_mask, grad_output):
+    # d loss / d z = softmax(z) - onehot(target), scaled by the incoming per-token grad
+    softmax = (logits.float() - lse.unsqueeze(-1)).exp()
+    onehot = torch.zeros_like(softmax).scatter_(-1, masked_target.unsqueeze(-1),
+                                                (~target_mask).float().unsqueeze(-1))
+    return ((softmax - onehot) * grad_output.unsqueeze(-1)).to(logits.dtype)
+
+
+def _chunks(n_rows: int, vocab: int):
+    """Near-equal row spans (few distinct shapes, so few compiled variants)."""
+    count = max(1, -(-n_rows * vocab // _CHUNK_ELEMENTS))
+    rows = -(-n_rows // count)
+    return [(i, min(n_rows, i + rows)) for i in range(0, n_rows, rows)]
+
+
+class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group):
+        shape = target.shape
+        vocab_part = logits.size(-1)
+        z = logits.reshape(-1, vocab_part)  # [n, V/tp]
+        t = target.reshape(-1)
+        rank = 0 if group is None else dist.get_rank(group)
+        world = 1 if group is None else dist.get_world_size(group)
+        start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(vocab_part, rank, world)
+        target_mask = (t < start) | (t >= end)
+        masked_target = (t - start).masked_fill(target_mask, 0)
+
+        spans = _chunks(z.size(0), vocab_part)
+        logits_max = torch.cat([_chunk_max(z[a:b]) for a, b in spans])
+        logits_max = _all_reduce(logits_max, dist.ReduceOp.MAX, group)
+        parts = [_chunk_sum_exp_and_target(z[a:b], logits_max[a:b], masked_target[a:b], target_mask[a:b])
+                 for a, b in spans]
+        sum_exp = _all_reduce(torch.cat([p[0] for p in parts]), dist.ReduceOp.SUM, group)
+        predicted = _all_reduce(torch.cat([p[1] for p in parts]), dist.ReduceOp.SUM, group)
+        lse = sum_exp.log() + logits_max  # [n] fp32
+        loss = lse - (predicted + logits_max)
+        ctx.save_for_backward(logits, lse, masked_target, target_mask)
+        ctx.spans = spans
+        return loss.view(shape)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        logits, lse, masked_target, target_mask = ctx.saved_tensors
+        z = logits.reshape(-1, logits.size(-1))
+        g = grad_output.reshape(-1).float()
+        grad = torch.empty_like(z)
+        for a, b in ctx.spans:
+            grad[a:b] = _chunk_grad(z[a:b], lse[a:b], masked_target[a:b], target_mask[a:b], g[a:b])
+        return grad.view_as(logits), None, None
+
+
+def fused_vocab_parallel_cross_entropy(vocab_parallel_logits, target, group=None):
+    """Per-token loss (fp32, shape of ``target``) from 16- or 32-bit logits split over TP on the last dim."""
+    if group is None:
+        group = parallel_state.get_tensor_model_parallel_group()
+    return _FusedVocabParallelCrossEntropy.apply(vocab_parallel_logits, target, group)
