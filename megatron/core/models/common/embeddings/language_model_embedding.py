@@ -14,15 +14,13 @@ class LanguageModelEmbedding(MegatronModule):
                  position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute",
                  num_tokentypes: int = 0, scatter_to_sequence_parallel: bool = True, tp_group=None):
         super().__init__(config)
-        if num_tokentypes:
-            raise NotImplementedError("token type embeddings are not supported yet")
         self.vocab_size, self.max_sequence_length = vocab_size, max_sequence_length
         self.add_position_embedding = position_embedding_type == "learned_absolute"
         self.scatter_to_sequence_parallel = scatter_to_sequence_parallel
         # Reduce-scatter straight out of the vocab-parallel lookup only without position embeddings
         # (as Megatron): otherwise the replicated position table would need a split without gather.
-        self.reduce_scatter_embeddings = (not self.add_position_embedding and config.sequence_parallel
-                                          and scatter_to_sequence_parallel)
+        self.reduce_scatter_embeddings = (not self.add_position_embedding and not num_tokentypes
+                                          and config.sequence_parallel and scatter_to_sequence_parallel)
         self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
             vocab_size, config.hidden_size, init_method=config.init_method, config=config,
             reduce_scatter_embeddings=self.reduce_scatter_embeddings, tp_group=tp_group)
@@ -33,6 +31,16 @@ class LanguageModelEmbedding(MegatronModule):
             if config.perform_initialization:
                 config.init_method(self.position_embeddings.weight.data)
             self.position_embeddings.weight.init_fn = config.init_method
+        self.num_tokentypes = num_tokentypes
+        if num_tokentypes > 0:  # BERT segment A/B embeddings, replicated over TP like the position table
+            device = torch.device("cpu") if config.use_cpu_initialization else get_device()
+            self.tokentype_embeddings = torch.nn.Embedding(num_tokentypes, config.hidden_size,
+                                                           device=device, dtype=config.params_dtype)
+            if config.perform_initialization:
+                config.init_method(self.tokentype_embeddings.weight.data)
+            self.tokentype_embeddings.weight.init_fn = config.init_method
+        else:
+            self.tokentype_embeddings = None
         self.embedding_dropout = torch.nn.Dropout(config.hidden_dropout)
 
     def zero_parameters(self):
@@ -44,6 +52,10 @@ class LanguageModelEmbedding(MegatronModule):
         emb = self.word_embeddings(input_ids)  # [b, s, h] ([s/tp, b, h] when reduce-scattered)
         if self.add_position_embedding:
             emb = emb + self.position_embeddings(position_ids)
+        if tokentype_ids is not None:
+            if self.tokentype_embeddings is None:
+                raise ValueError("tokentype_ids given to an embedding built with num_tokentypes=0")
+            emb = emb + self.tokentype_embeddings(tokentype_ids)  # [b, s, h]
         if not self.reduce_scatter_embeddings:
             emb = emb.transpose(0, 1).contiguous()  # [s, b, h]
         if self.config.fp32_residual_connection:

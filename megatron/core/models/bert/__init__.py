@@ -1,0 +1,1 @@
+from .bert_model import BertModel
