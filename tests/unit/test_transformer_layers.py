@@ -1,0 +1,125 @@
+"""Single-process checks of the model pieces against hand-written references."""
+import torch
+import torch.nn.functional as F
+
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+S, B = 6, 2
+
+
+def _cfg(**kw):
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, hidden_dropout=0.0,
+                attention_dropout=0.0)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def _attention(cfg):
+    spec = get_gpt_layer_local_spec().submodules.self_attention
+    return SelfAttention(cfg, spec.submodules, layer_number=1, **spec.params)
+
+
+def test_gqa_attention_matches_reference():
+    cfg = _cfg()
+    attn = _attention(cfg)
+    x = torch.randn(S, B, 32)
+    out, bias = attn(x)
+    out = out + bias
+    # Reference: QKV rows are per query group [q0 q1 k v] (np/ng = 2 heads per group, hn = 8).
+    w = attn.linear_qkv.weight.view(2, 4, 8, 32)  # [ng, np/ng + 2, hn, h]
+    bq = attn.linear_qkv.bias.view(2, 4, 8)
+    proj = torch.einsum("sbh,gjdh->sbgjd", x, w) + bq  # [s, b, ng, 4, hn]
+    q = proj[:, :, :, :2].reshape(S, B, 4, 8)
+    k = proj[:, :, :, 2].repeat_interleave(2, dim=2)
+    v = proj[:, :, :, 3].repeat_interleave(2, dim=2)
+    scores = torch.einsum("sbnd,tbnd->bnst", q, k) / 8 ** 0.5
+    scores = scores.masked_fill(torch.triu(torch.ones(S, S, dtype=torch.bool), 1), float("-inf"))
+    ctx = torch.einsum("bnst,tbnd->sbnd", scores.softmax(-1), v).reshape(S, B, 32)
+    ref = F.linear(ctx, attn.linear_proj.weight, attn.linear_proj.bias)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # An explicit causal mask (True = masked) gives the same result as the is_causal path.
+    mask = torch.triu(torch.ones(B, 1, S, S, dtype=torch.bool), 1)
+    torch.testing.assert_close(attn(x, attention_mask=mask)[0] + bias, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_relative_and_interleaved():
+    rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0)
+    freqs = rope(S)  # [s, 1, 1, 8]
+    q = torch.randn(1, 1, 1, 8).expand(S, 1, 1, 8)
+    rq = apply_rotary_pos_emb(q, freqs)
+    torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1))
+    # <R_i q, R_j q> depends only on i - j.
+    dots = torch.einsum("sd,td->st", rq[:, 0, 0], rq[:, 0, 0])
+    torch.testing.assert_close(dots[1, 0], dots[4, 3], rtol=1e-5, atol=1e-5)
+    # Interleaved layout is the same rotation on a permuted channel order.
+    perm = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])
+    rope_i = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, rotary_interleaved=True)
+    ri = apply_rotary_pos_emb(q[..., perm], rope_i(S), rotary_interleaved=True)
+    torch.testing.assert_close(ri, rq[..., perm], rtol=1e-5, atol=1e-6)
+    # rotary_percent: the last half of the channels passes through untouched.
+    half = apply_rotary_pos_emb(q, RotaryEmbedding(8, 0.5)(S))
+    torch.testing.assert_close(half[..., 4:], q[..., 4:])
+
+
+def _gpt(cfg, **kw):
+    return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=S, **kw)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (B, S), generator=g)
+    return ids, torch.arange(S).expand(B, S)
+
+
+def test_swiglu_model_and_full_recompute_same_grads():
+    kw = dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False)
+    ids, pos = _batch()
+    grads = []
+    for extra in ({}, dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+                  dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])):
+        model = _gpt(_cfg(**kw, **extra), position_embedding_type="rope")
+        loss = model(ids, pos, None, labels=ids)
+        assert loss.shape == (B, S) and loss.dtype == torch.float32
+        loss.mean().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grads[2], grads[0], rtol=1e-5, atol=1e-7)
+
+
+def test_swiglu_fc1_layout():
+    cfg = _cfg(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False)
+    model = _gpt(cfg)
+    mlp = model.decoder.layers[0].mlp
+    x = torch.randn(S, B, 32)
+    gate, up = mlp.linear_fc1.weight.chunk(2, dim=0)  # TP=1 layout: [gate; up]
+    ref = F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), mlp.linear_fc2.weight)
+    torch.testing.assert_close(mlp(x)[0], ref, rtol=1e-5, atol=1e-6)
+    assert mlp.linear_fc1.weight.partition_stride == 2
+
+
+def test_float16_module_and_logits():
+    cfg = _cfg(bf16=True)
+    model = Float16Module(cfg, _gpt(cfg, share_embeddings_and_output_weights=True))
+    ids, pos = _batch()
+    assert next(model.parameters()).dtype == torch.bfloat16
+    loss = model(ids, pos, None, labels=ids)
+    assert loss.dtype == torch.float32
+    logits = model(ids, pos, None)
+    assert logits.shape == (B, S, 64) and logits.dtype == torch.float32
+    assert model.module.embedding.word_embeddings.weight.shared_embedding
+
+
+def test_same_seed_same_weights_and_load_state_dict():
+    a, b = _gpt(_cfg()), _gpt(_cfg(seed=7))
+    c = _gpt(_cfg())
+    pa, pb, pc = (dict(m.named_parameters()) for m in (a, b, c))
+    name = "decoder.layers.1.self_attention.linear_qkv.weight"
+    assert torch.equal(pa[name], pc[name]) and not torch.equal(pa[name], pb[name])
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(dict(b.named_parameters())[name], pa[name])
