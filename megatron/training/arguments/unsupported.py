@@ -44,9 +44,6 @@ UNSUPPORTED_FLAGS = {
     "--decoder-first-pipeline-num-layers": (dict(type=int), "uneven pipeline splits are not built yet"),
     "--decoder-last-pipeline-num-layers": (dict(type=int), "uneven pipeline splits are not built yet"),
     "--pipeline-model-parallel-layout": (dict(type=str), "custom pipeline layouts are not built yet"),
-    "--encoder-num-layers": (dict(type=int), "encoder-decoder models are not built yet; use --num-layers"),
-    "--decoder-num-layers": (dict(type=int), "encoder-decoder models are not built yet; use --num-layers"),
-    "--decoder-seq-length": (dict(type=int), "encoder-decoder models are not built yet; use --seq-length"),
 }
 
 
