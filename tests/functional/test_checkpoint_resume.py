@@ -1,0 +1,112 @@
+"""Exact resume through the real CLI: a run that saves at iteration 3 and a run that restarts from that
+checkpoint print the same `lm loss` text as one uninterrupted run (dropout on, so RNG state matters).
+
+Single process for torch_dist and torch (saved by --exit-interval); torchrun DP=2 with --async-save
+(single-process async resume is covered in tests/unit/test_dist_checkpointing_training.py). Also: SIGTERM with --exit-signal-handler saves and exits 0.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ITERS = 6
+CMD = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+       "--micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --lr-warmup-iters 2 --mock-data "
+       "--tokenizer-type NullTokenizer --vocab-size 128 --log-interval 1 --eval-interval 100 --eval-iters 0 "
+       "--num-workers 0 --save-interval 3").split()
+LOSS = re.compile(r"iteration +(\d+)/ +\d+ \|.*\| lm loss: (\S+) \|")
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+
+
+def _launcher(nproc):
+    if nproc == 1:
+        return [sys.executable, os.path.join(ROOT, "pretrain_gpt.py")]
+    from tests.parallel.dist_utils import free_port
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+            str(free_port()), os.path.join(ROOT, "pretrain_gpt.py")]
+
+
+def run(*extra, nproc=1, iters=ITERS):
+    """Run pretrain_gpt.py; return (stdout, {iteration: loss text})."""
+    cmd = _launcher(nproc) + CMD + ["--train-iters", str(iters)] + list(extra)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=_env())
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout, {int(m.group(1)): m.group(2) for m in LOSS.finditer(p.stdout)}
+
+
+@pytest.fixture(scope="module")
+def straight():
+    return run()[1]
+
+
+def _check_resume(ref, saved, resumed, tag):
+    assert sorted(ref) == list(range(1, ITERS + 1)), (tag, ref)
+    assert {k: v for k, v in saved.items() if k <= 3} == {k: ref[k] for k in (1, 2, 3)}, (tag, saved, ref)
+    assert resumed == {k: ref[k] for k in range(4, ITERS + 1)}, (tag, resumed, ref)
+
+
+def test_resume_torch_dist(tmp_path, straight):
+    d = str(tmp_path / "c")
+    out, saved = run("--save", d)
+    assert saved == straight  # saving does not perturb training
+    assert "successfully saved checkpoint from iteration       3 to" in out
+    assert open(os.path.join(d, "latest_checkpointed_iteration.txt")).read() == "6"
+    out, resumed = run("--load", d, "--ckpt-step", "3")
+    assert f"loading checkpoint from {d} at iteration 3" in out
+    _check_resume(straight, saved, resumed, "torch_dist")
+
+
+def test_resume_torch_format_after_exit_interval(tmp_path, straight):
+    d = str(tmp_path / "c")
+    out, saved = run("--save", d, "--ckpt-format", "torch", "--exit-interval", "3", "--save-interval", "100")
+    assert "exiting program at iteration 3" in out and sorted(saved) == [1, 2, 3]
+    assert os.path.isfile(os.path.join(d, "iter_0000003", "mp_rank_00", "model_optim_rng.pt"))
+    _, resumed = run("--load", d, "--ckpt-format", "torch")
+    _check_resume(straight, saved, resumed, "torch")
+
+
+def test_resume_dp2_async_save(tmp_path):
+    d = str(tmp_path / "c")
+    _, saved = run("--save", d, "--async-save", nproc=2)
+    assert sorted(os.listdir(d)) == ["iter_0000003", "iter_0000006", "latest_checkpointed_iteration.txt"]
+    assert {"__0_0.distcp", "__1_0.distcp", "metadata.json"} <= set(os.listdir(os.path.join(d, "iter_0000003")))
+    _, resumed = run("--load", d, "--ckpt-step", "3", nproc=2)
+    _check_resume(saved, saved, resumed, "dp2")
+
+
+def test_sigterm_saves_and_exits_zero(tmp_path):
+    """--exit-signal-handler: SIGTERM during training saves a checkpoint at the current iteration, exit 0."""
+    d = str(tmp_path / "c")
+    cmd = _launcher(1) + CMD + ["--train-iters", "2000", "--save", d, "--save-interval", "1000",
+                                "--exit-signal-handler"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=_env())
+    lines = []
+    try:
+        deadline = time.time() + 120
+        for line in p.stdout:
+            lines.append(line)
+            if LOSS.search(line) and int(LOSS.search(line).group(1)) >= 2:
+                p.send_signal(signal.SIGTERM)
+                break
+            assert time.time() < deadline, "".join(lines[-30:])
+        lines.extend(p.stdout)
+        rc = p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    out = "".join(lines)
+    assert rc == 0, out[-3000:]
+    assert "exiting program after receiving SIGTERM." in out
+    last = max(int(m.group(1)) for m in LOSS.finditer(out))
+    assert 2 <= last < 2000
+    assert open(os.path.join(d, "latest_checkpointed_iteration.txt")).read() == str(last)
+    assert os.path.isfile(os.path.join(d, f"iter_{last:07d}", "metadata.json"))
+    assert f"successfully saved checkpoint from iteration {last:7d}" in out
