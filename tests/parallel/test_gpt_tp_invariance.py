@@ -24,7 +24,7 @@ def _config(arch, tp, sp, dropout=0.0):
         return TransformerConfig(hidden_size=32, num_attention_heads=4, **common)
     return TransformerConfig(hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=96,
                              normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-                             add_bias_linear=False, **common)
+                             add_bias_linear=False, qk_layernorm=True, **common)
 
 
 def _build(arch, cfg):
@@ -33,7 +33,7 @@ def _build(arch, cfg):
 
     if arch == "gpt2":
         return GPTModel(cfg, get_gpt_layer_local_spec(), VOCAB, SEQ, share_embeddings_and_output_weights=True)
-    return GPTModel(cfg, get_gpt_layer_local_spec(), VOCAB, SEQ, position_embedding_type="rope",
+    return GPTModel(cfg, get_gpt_layer_local_spec(qk_layernorm=True), VOCAB, SEQ, position_embedding_type="rope",
                     share_embeddings_and_output_weights=False)
 
 

@@ -72,5 +72,6 @@ def test_init_and_shards_match_tp1():
     assert rank2["decoder.layers.0.mlp.linear_fc1.weight"][0] == "decoder.layers.1.mlp.linear_fc1.weight"
     assert rank2["output_layer.weight"][0] == "embedding.word_embeddings.weight"
     assert rank2["output_layer.weight"][3][1] == 1
+    assert torch.equal(rank2["output_layer.weight"][4], res[0][2]["gpt2"]["embedding.word_embeddings.weight"][4])
     # SwiGLU fc1 is exposed as [2, f, h] so each TP slice is [gate_r; up_r].
     assert res[0][0]["llama"]["decoder.layers.0.mlp.linear_fc1.weight"][1] == (2, 48, 32)

@@ -2,9 +2,7 @@
 import enum
 
 
-class ModelType(enum.Enum):
-    encoder_or_decoder = 1
-    encoder_and_decoder = 2
+from megatron.core.enums import ModelType  # noqa: F401  (one class for both import paths)
 
 
 class LayerType(enum.Enum):

@@ -5,7 +5,6 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -36,20 +35,22 @@ def get_gpt_layer_local_spec(num_experts: Optional[int] = None, moe_grouped_gemm
         raise NotImplementedError("--multi-latent-attention is not supported yet; drop the flag")
     if qk_l2_norm or use_kitchen or fp8:
         raise NotImplementedError("qk_l2_norm / kitchen / fp8 layer specs are not supported")
-    qk_norm = LNImpl if qk_layernorm else IdentityOp
+    # An explicit `normalization` overrides config.normalization for this spec's norms (as Megatron).
+    norm = ModuleSpec(module=LNImpl, params={"normalization": normalization}) if normalization else LNImpl
+    qk_norm = norm if qk_layernorm else None
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=LNImpl,
+            input_layernorm=norm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention,
-                    linear_proj=RowParallelLinear, q_layernorm=qk_norm if qk_layernorm else None,
-                    k_layernorm=qk_norm if qk_layernorm else None)),
+                    linear_proj=RowParallelLinear, q_layernorm=qk_norm,
+                    k_layernorm=qk_norm)),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=LNImpl,
+            pre_mlp_layernorm=norm,
             mlp=get_mlp_module_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm),
             mlp_bda=get_bias_dropout_add,
         ),
