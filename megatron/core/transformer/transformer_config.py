@@ -120,7 +120,8 @@ class TransformerConfig(ModelParallelConfig):
             raise NotImplementedError("--context-parallel-size > 1 is not supported by the model yet")
         if self.window_size is not None:
             raise NotImplementedError("--window-size (sliding window attention) is not supported yet")
-        if self.attention_backend not in ("auto", "local", "flash", "fused", "unfused"):
+        backend = getattr(self.attention_backend, "name", self.attention_backend)  # AttnBackend or str
+        if backend not in ("auto", "local", "flash", "fused", "unfused"):
             raise ValueError(f"attention_backend '{self.attention_backend}' unknown; use auto, local, "
                              "flash, fused or unfused")
         if self.apply_query_key_layer_scaling:
