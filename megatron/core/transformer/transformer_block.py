@@ -171,8 +171,10 @@ class TransformerBlock(MegatronModule):
         attention_mask = _simplify_causal_mask(attention_mask)
         # Under SP the activations are split over TP, so dropout must differ per rank.
         rng = get_cuda_rng_tracker().fork() if self.config.sequence_parallel else nullcontext()
+        # Decoder blocks of encoder-decoder models also take the encoder output and its mask.
+        cross = {} if context is None else {"context": context, "context_mask": context_mask}
         with rng:
-            hidden_states = self._forward_layers(hidden_states, attention_mask, rotary_pos_emb)
+            hidden_states = self._forward_layers(hidden_states, attention_mask, rotary_pos_emb, **cross)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
             hidden_states = make_viewless_tensor(hidden_states, requires_grad=True, keep_graph=True)

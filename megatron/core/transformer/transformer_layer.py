@@ -46,8 +46,6 @@ class TransformerLayer(MegatronModule):
                  hidden_dropout: Optional[float] = None, pg_collection=None, vp_stage: Optional[int] = None,
                  **kwargs):
         super().__init__(config)
-        if submodules.cross_attention is not IdentityOp:
-            raise NotImplementedError("cross attention layers are not supported yet")
         self.submodules_config = submodules
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
@@ -56,6 +54,11 @@ class TransformerLayer(MegatronModule):
                                             hidden_size=config.hidden_size, eps=eps)
         self.self_attention = build_module(submodules.self_attention, config=config, layer_number=layer_number)
         self.self_attn_bda = build_module(submodules.self_attn_bda)
+        # Decoder layers of encoder-decoder models (T5): attend to the encoder output ("context").
+        self.pre_cross_attn_layernorm = build_module(submodules.pre_cross_attn_layernorm, config=config,
+                                                     hidden_size=config.hidden_size, eps=eps)
+        self.cross_attention = build_module(submodules.cross_attention, config=config, layer_number=layer_number)
+        self.cross_attn_bda = build_module(submodules.cross_attn_bda)
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config=config,
                                               hidden_size=config.hidden_size, eps=eps)
         self.mlp = build_module(submodules.mlp, config=config)
@@ -91,6 +94,14 @@ class TransformerLayer(MegatronModule):
         if self.config.apply_residual_connection_post_layernorm:
             residual = x
         hidden_states = self._bda(self.self_attn_bda)(attn_out, residual, self.hidden_dropout)
+
+        if not isinstance(self.cross_attention, IdentityOp):
+            residual = hidden_states
+            x = self._norm(self.pre_cross_attn_layernorm, hidden_states)
+            cross_out = self.cross_attention(x, attention_mask=context_mask, key_value_states=context)
+            if self.config.apply_residual_connection_post_layernorm:
+                residual = x
+            hidden_states = self._bda(self.cross_attn_bda)(cross_out, residual, self.hidden_dropout)
 
         residual = hidden_states
         x = self._norm(self.pre_mlp_layernorm, hidden_states)

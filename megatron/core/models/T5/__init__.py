@@ -1,0 +1,1 @@
+from .t5_model import T5Model
