@@ -68,6 +68,20 @@ def _make_param(shape, config, init_fn, is_expert=False) -> torch.nn.Parameter:
     return p
 
 
+def _accumulate_weight_grad(main_grad, g2d, x2d):
+    """main_grad += g^T x. With 16-bit operands on CUDA the GEMM runs on tensor cores with an fp32
+    output (as Megatron's fused wgrad kernel); upcasting the operands first would put it on the fp32
+    SIMT path, several times slower than everything else in the step."""
+    if g2d.is_cuda and g2d.dtype in (torch.bfloat16, torch.float16) and main_grad.dtype == torch.float32:
+        try:
+            main_grad.add_(torch.mm(g2d.t(), x2d, out_dtype=torch.float32))
+            return
+        except TypeError:  # torch without mm(out_dtype=): 16-bit GEMM, then accumulate in fp32
+            main_grad.add_(g2d.t() @ x2d)
+            return
+    main_grad.add_(g2d.t().to(main_grad.dtype) @ x2d.to(main_grad.dtype))
+
+
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """Y = X W^T + b. With ``gradient_accumulation_fusion`` the weight gradient is added straight into
     ``weight.main_grad`` (the DDP buffer) instead of ``weight.grad``."""
@@ -88,7 +102,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         x2d = x.reshape(-1, x.shape[-1])  # [s*b, in]
         grad_bias = g2d.sum(dim=0) if ctx.use_bias else None
         if ctx.fusion and hasattr(weight, "main_grad"):
-            weight.main_grad.add_(g2d.t().to(weight.main_grad.dtype) @ x2d.to(weight.main_grad.dtype))
+            _accumulate_weight_grad(weight.main_grad, g2d, x2d)
             grad_weight = None
             if hasattr(weight, "grad_added_to_main_grad"):
                 # Autograd must still see a gradient so DDP's per-param hooks fire; the hook skips it.
