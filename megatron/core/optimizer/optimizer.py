@@ -251,9 +251,13 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
                 main.grad = grad.float()
 
     def _copy_main_params_to_model_params(self):
-        for main, model in self.main_to_model.items():
-            if main is not model:
-                model.data.copy_(main.data)
+        pairs = [(main, model) for main, model in self.main_to_model.items() if main is not model]
+        if pairs and pairs[0][1].is_cuda:
+            # One multi-tensor kernel instead of a cast-copy launch per parameter.
+            torch._foreach_copy_([model.data for _, model in pairs], [main.data for main, _ in pairs])
+            return
+        for main, model in pairs:
+            model.data.copy_(main.data)
 
     def reload_model_params(self):
         for main, model in self.main_to_model.items():
