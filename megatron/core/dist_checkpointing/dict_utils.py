@@ -58,3 +58,27 @@ def map_leaves(fn: Callable, tree):
     if isinstance(tree, list):
         return [map_leaves(fn, v) for v in tree]
     return fn(tree)
+
+
+def _is_shell(tree) -> bool:
+    """A dict holding only (nested) empty dicts: what stripping sharded leaves leaves behind."""
+    return isinstance(tree, dict) and all(_is_shell(v) for v in tree.values())
+
+
+def prune_shells(common, request) -> None:
+    """Drop from ``common`` the empty containers of sharded state that ``request`` does not ask for.
+
+    The common state is rank 0's state at save time with sharded leaves removed; the dicts that held
+    them (e.g. optimizer state per parameter of rank 0's layers) depend on the saving layout and must
+    not appear in another rank's or another layout's loaded state.
+    """
+    if not isinstance(common, dict):
+        return
+    for k in list(common):
+        v = common[k]
+        if not isinstance(v, dict):
+            continue
+        if isinstance(request, dict) and isinstance(request.get(k), dict):
+            prune_shells(v, request[k])
+        elif _is_shell(v) and not (isinstance(request, dict) and k in request):
+            del common[k]

@@ -189,6 +189,7 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     objs = _guarded_read(checkpoint_dir, shards, sorted({o.unique_key for _, o in objects}),
                          process_group=process_group, allow_shape_mismatch=allow)
     merged = common if isinstance(common, dict) else {}
+    dict_utils.prune_shells(merged, sharded_state_dict)
     for (path, _), buf in zip(tensors, bufs):
         dict_utils.set_path(merged, path, buf)
     for path, o in objects:
