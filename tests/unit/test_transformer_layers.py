@@ -15,7 +15,7 @@ S, B = 6, 2
 
 def _cfg(**kw):
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, hidden_dropout=0.0,
-                attention_dropout=0.0)
+                attention_dropout=0.0, use_cpu_initialization=True)  # CPU references, even on a GPU host
     base.update(kw)
     return TransformerConfig(**base)
 
