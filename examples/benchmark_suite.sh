@@ -25,11 +25,17 @@ print(f"bf16 matmul {n}^3 ceiling: {2 * n**3 / ms / 1e9:.0f} TFLOP/s")
 PY
 if [ "$PHASE" = main ]; then
   bench gpt-1.3b-eager 150 --config gpt-1.3b --iters 10 --warmup 3
-  bench gpt-1.3b-fast 300 --config gpt-1.3b --fast --iters 20 --warmup 5 --profile 2
-  bench gpt-1.3b-fast-flash 200 --config gpt-1.3b --fast --iters 15 --warmup 4 -- --attention-backend flash
-  bench gpt-125m-fast 200 --config gpt-125m --fast --iters 20 --warmup 5
-  bench llama3-8b-fast 300 --config llama3-8b --fast --iters 10 --warmup 4
-  bench gpt-1.3b-fast-recompute-full 200 --config gpt-1.3b --fast --iters 10 --warmup 4 -- \
+  bench gpt-1.3b-fast 240 --config gpt-1.3b --fast --iters 20 --warmup 5 --profile 2
+  bench gpt-1.3b-compile-only 150 --config gpt-1.3b --iters 15 --warmup 4 -- --torch-compile
+  bench gpt-125m-fast 150 --config gpt-125m --fast --iters 20 --warmup 5
+  bench llama3-8b-fast 200 --config llama3-8b --fast --iters 10 --warmup 4
+  bench gpt-1.3b-fast-recompute-full 150 --config gpt-1.3b --fast --iters 10 --warmup 4 -- \
     --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+  bench gpt-1.3b-fast-recompute-selective 150 --config gpt-1.3b --fast --iters 10 --warmup 4 -- \
+    --recompute-activations
+  bench gpt-1.3b-fast-flash 120 --config gpt-1.3b --fast --iters 15 --warmup 4 -- --attention-backend flash
+  bench gpt-125m-eager 100 --config gpt-125m --iters 15 --warmup 3
+  timeout 120 python -m pytest -q tests/gpu > "$LOGDIR/pytest_gpu.log" 2>&1; echo "gpu tests exit $?"
+  tail -3 "$LOGDIR/pytest_gpu.log"
 fi
 python tools/benchmark.py --table "$RESULTS"
