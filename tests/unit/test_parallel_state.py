@@ -1,4 +1,5 @@
 """Rank grid arithmetic (no processes) and the real groups on 4 spawned gloo ranks."""
+import os
 import pytest
 import torch
 
@@ -44,6 +45,7 @@ def test_uninitialized_defaults():
 
 
 def _groups_4():
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo CPU test, also on GPU hosts with fewer GPUs than ranks
     ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                                  virtual_pipeline_model_parallel_size=2)
     out = dict(
