@@ -26,6 +26,9 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
     setup_launcher_env()
     try:
         args = parsed_args if parsed_args is not None else parse_args(extra_args_provider, ignore_unknown_args)
+        if getattr(args, "use_checkpoint_args", False) or args_defaults.get("use_checkpoint_args", False):
+            from megatron.training.checkpointing.args import load_args_from_checkpoint
+            load_args_from_checkpoint(args)
         validate_args(args, args_defaults)
         if args.rank == 0:
             print_args("arguments", args)

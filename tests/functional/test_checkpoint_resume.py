@@ -34,9 +34,12 @@ def _launcher(nproc):
             str(free_port()), os.path.join(ROOT, "pretrain_gpt.py")]
 
 
-def run(*extra, nproc=1, iters=ITERS):
+ARCH = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
+
+
+def run(*extra, nproc=1, iters=ITERS, base=CMD):
     """Run pretrain_gpt.py; return (stdout, {iteration: loss text})."""
-    cmd = _launcher(nproc) + CMD + ["--train-iters", str(iters)] + list(extra)
+    cmd = _launcher(nproc) + base + ["--train-iters", str(iters)] + list(extra)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=_env())
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout, {int(m.group(1)): m.group(2) for m in LOSS.finditer(p.stdout)}
@@ -59,8 +62,11 @@ def test_resume_torch_dist(tmp_path, straight):
     assert saved == straight  # saving does not perturb training
     assert "successfully saved checkpoint from iteration       3 to" in out
     assert open(os.path.join(d, "latest_checkpointed_iteration.txt")).read() == "6"
-    out, resumed = run("--load", d, "--ckpt-step", "3")
+    # --use-checkpoint-args: the architecture flags come from the checkpoint.
+    no_arch = [a for i, a in enumerate(CMD) if a not in ARCH[::2] and (i == 0 or CMD[i - 1] not in ARCH[::2])]
+    out, resumed = run("--load", d, "--ckpt-step", "3", "--use-checkpoint-args", base=no_arch)
     assert f"loading checkpoint from {d} at iteration 3" in out
+    assert re.search(r"^  num_layers \.+ 2$", out, re.M) and re.search(r"^  hidden_size \.+ 32$", out, re.M)
     _check_resume(straight, saved, resumed, "torch_dist")
 
 

@@ -252,3 +252,43 @@ def test_kill_during_saves_leaves_previous_checkpoint(tmp_path):
         if not name.startswith("random"):
             assert status == signal.SIGKILL, (name, status)  # killed by the fault point itself
         assert it >= least, (name, it)
+
+
+def test_bf16_main_params_follow_loaded_weights_without_optimizer_state(tmp_path):
+    """--no-load-optim / --finetune: the fp32 main params must be refreshed from the loaded bf16 weights,
+    or the first step would write the random init back into the model."""
+    d = str(tmp_path / "ck")
+    for step, seed in ((0, 1234), (1, 99)):
+        args = make_args(d, load=d if step else None, no_load_optim=bool(step))
+        set_args(args)
+        torch.manual_seed(seed)
+        model = ToyModel().bfloat16()
+        opt = get_megatron_optimizer(OptimizerConfig(lr=0.05, bf16=True), [model])
+        if step == 0:
+            save_checkpoint(1, [model], opt, None, 1.0)
+            saved = {k: v.clone() for k, v in model.state_dict().items()}
+        else:
+            assert load_checkpoint([model], opt, None)[0] == 1
+    for p in model.parameters():
+        assert torch.equal(p.main_param, p.float())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+
+
+def test_load_args_from_checkpoint(tmp_path):
+    from megatron.training.arguments import ArgumentError
+    from megatron.training.checkpointing.args import load_args_from_checkpoint
+    d = str(tmp_path / "ck")
+    args = make_args(d, num_layers=3, hidden_size=8, swiglu=True, tokenizer_type="NullTokenizer")
+    set_args(args)
+    model, opt, sched = build(args)
+    train(args, model, opt, sched, 0, 1, save_at=(1,))
+    fresh = argparse.Namespace(load=d, ckpt_step=None, num_layers=None, hidden_size=16, swiglu=False,
+                               tokenizer_type=None)
+    load_args_from_checkpoint(fresh)
+    # unset flags and forced (boolean / choice) flags come from the checkpoint; explicit sizes are kept
+    assert (fresh.num_layers, fresh.hidden_size, fresh.swiglu, fresh.tokenizer_type) == (3, 16, True,
+                                                                                          "NullTokenizer")
+    with pytest.raises(ArgumentError, match="--use-checkpoint-args: no checkpoint tracker"):
+        load_args_from_checkpoint(argparse.Namespace(load=str(tmp_path / "none"), ckpt_step=None))
+    with pytest.raises(ArgumentError, match="needs --load"):
+        load_args_from_checkpoint(argparse.Namespace(load=None, ckpt_step=None))

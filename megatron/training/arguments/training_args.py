@@ -93,6 +93,8 @@ def add_checkpointing_args(parser):
                    help="Fail if --load has no checkpoint instead of starting from scratch.")
     g.add_argument("--save-retain-interval", type=int, default=None,
                    help="Keep only saves whose iteration is a multiple of N (plus the latest).")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="Take the model architecture flags from the checkpoint under --load.")
     return parser
 
 

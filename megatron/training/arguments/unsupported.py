@@ -17,7 +17,6 @@ UNSUPPORTED_FLAGS = {
     "--fp8-format": (dict(type=str), "FP8 needs Transformer Engine, which is not integrated yet"),
     "--fp4-format": (dict(type=str), "FP4 is not supported"),
     "--yaml-cfg": (dict(type=str), "YAML configs are not supported; pass command-line flags"),
-    "--use-checkpoint-args": (dict(action="store_true"), "pass the model flags explicitly"),
     "--use-torch-fsdp2": (dict(action="store_true"), "FSDP2 is not integrated yet; use DDP"),
     "--use-megatron-fsdp": (dict(action="store_true"), "Megatron-FSDP is not supported; use DDP"),
     "--tp-comm-overlap": (dict(action="store_true"), "TP communication overlap needs Transformer Engine"),

@@ -104,6 +104,9 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         _restore_model(ckpt, model, strict)
     if not skip_state:
         _restore_training_state(ckpt, optimizer, opt_param_scheduler, args)
+    if (optimizer is not None and not skip_load_to_model_and_opt
+            and (skip_state or args.no_load_optim or "optimizer" not in ckpt)):
+        optimizer.reload_model_params()  # fp32 main params (bf16/fp16, distributed optimizer) from the weights
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     lay = state.layout()

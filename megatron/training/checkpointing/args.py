@@ -1,0 +1,72 @@
+"""--use-checkpoint-args: take the model's architecture flags from the checkpoint under --load.
+
+Runs before argument validation (no process groups yet): the tracker and the saved `args` are read
+directly from disk, like Megatron's `load_args_from_checkpoint`.
+"""
+import os
+
+import torch
+
+from megatron.core.dist_checkpointing import CheckpointingException, load_common_state_dict
+from megatron.training.arguments import ArgumentError
+
+from . import paths
+
+# (name, force): forced flags always take the checkpoint's value (their defaults are not None, so a
+# user value cannot be told apart); the others only fill flags the user left unset (None).
+MODEL_ARGS = [("num_layers", False), ("hidden_size", False), ("ffn_hidden_size", False),
+              ("seq_length", False), ("num_attention_heads", False), ("kv_channels", False),
+              ("max_position_embeddings", False), ("vocab_size", False), ("tokenizer_type", True),
+              ("padded_vocab_size", True), ("make_vocab_size_divisible_by", True),
+              ("group_query_attention", True), ("num_query_groups", True),
+              ("position_embedding_type", True), ("add_position_embedding", True),
+              ("use_rotary_position_embeddings", True), ("rotary_percent", True), ("rotary_base", True),
+              ("normalization", True), ("norm_epsilon", True), ("apply_layernorm_1p", True),
+              ("swiglu", True), ("squared_relu", True), ("untie_embeddings_and_output_weights", True),
+              ("add_bias_linear", True), ("add_qkv_bias", True), ("qk_layernorm", True)]
+
+
+def _legacy_file(checkpoint_dir: str) -> str:
+    names = sorted(n for n in os.listdir(checkpoint_dir) if n.startswith("mp_rank_"))
+    return os.path.join(checkpoint_dir, names[0], paths.LEGACY_FNAME)
+
+
+def read_checkpoint_args(load_dir: str, ckpt_step=None):
+    """(saved args, iteration) of the latest (or ``ckpt_step``) checkpoint under ``load_dir``."""
+    tracker = paths.get_checkpoint_tracker_filename(load_dir)
+    if ckpt_step is not None:
+        iteration, release = ckpt_step, False
+    elif os.path.isfile(tracker):
+        iteration, release = paths.read_metadata(tracker)
+    else:
+        raise ArgumentError(f"--use-checkpoint-args: no checkpoint tracker {tracker}; pass --load with a "
+                         f"checkpoint or drop --use-checkpoint-args")
+    checkpoint_dir = paths.get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
+    fmt = paths.detect_format(checkpoint_dir)
+    if fmt == "torch_dist":
+        state = load_common_state_dict(checkpoint_dir)
+    elif fmt == "torch":
+        path = _legacy_file(checkpoint_dir)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as e:
+            raise CheckpointingException(f"corrupted checkpoint file {path}: {type(e).__name__}: {e}") from e
+    else:
+        raise ArgumentError(f"--use-checkpoint-args: {checkpoint_dir} holds no complete checkpoint")
+    if state.get("args") is None:
+        raise ArgumentError(f"--use-checkpoint-args: checkpoint {checkpoint_dir} has no saved args")
+    return state["args"], iteration
+
+
+def load_args_from_checkpoint(args, load_arg: str = "load"):
+    """Overwrite ``args``' architecture flags with the checkpoint's; returns ``args``."""
+    load_dir = getattr(args, load_arg, None)
+    if not load_dir:
+        raise ArgumentError("--use-checkpoint-args needs --load DIR")
+    ckpt_args, _ = read_checkpoint_args(load_dir, getattr(args, "ckpt_step", None))
+    for name, force in MODEL_ARGS:
+        if not hasattr(ckpt_args, name):
+            continue
+        if force or getattr(args, name, None) is None:
+            setattr(args, name, getattr(ckpt_args, name))
+    return args
