@@ -31,8 +31,9 @@ def add_bert_args(parser):
 
 def check_bert_args(args):
     """One-line errors for layouts this BERT does not support."""
-    if args.pipeline_model_parallel_size > 1:
-        raise ValueError("pretrain_bert.py: --pipeline-model-parallel-size > 1 is not supported yet; use TP/DP")
+    if args.virtual_pipeline_model_parallel_size is not None:
+        raise ValueError("pretrain_bert.py: virtual pipeline stages are not supported; drop "
+                         "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank")
     if args.sequence_parallel or args.context_parallel_size > 1:
         raise ValueError("pretrain_bert.py: --sequence-parallel and --context-parallel-size > 1 are not supported")
     if args.mock_data:
@@ -95,6 +96,7 @@ def forward_step(data_iterator, model):
 
 
 def is_dataset_built_on_rank(vp_stage=None):
+    # every pipeline stage reads: each needs the padding mask for its attention layers
     return parallel_state.get_tensor_model_parallel_rank() == 0
 
 

@@ -1,5 +1,6 @@
 """pretrain_bert.py end to end on the shipped corpus: preprocess with --split-sentences, train at
-TP=2 under torchrun, evaluate, save; lm loss and sop loss are logged and the lm loss falls."""
+PP=2 under torchrun (every stage reads the padding mask), evaluate, save; lm loss and sop loss are
+logged and the lm loss falls. TP is covered by tests/parallel/test_bert_tp_invariance.py and the T5 CLI test."""
 import os
 import re
 import subprocess
@@ -12,7 +13,7 @@ ITERS = 20
 CMD = (f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
        f"--micro-batch-size 4 --global-batch-size 16 --train-iters {ITERS} --lr 5e-3 --lr-warmup-iters 2 "
        "--split 98,1,1 --log-interval 1 --eval-interval 10 --eval-iters 2 --num-workers 0 "
-       "--tensor-model-parallel-size 2 --save-interval 20")
+       "--pipeline-model-parallel-size 2 --save-interval 20")
 LOSSES = re.compile(r" iteration +(\d+)/ +20 \| .* \| lm loss: (\S+) \| sop loss: (\S+) \| loss scale: 1\.0 \|")
 
 
@@ -66,9 +67,10 @@ def test_unsupported_layouts_rejected_with_clear_error():
     import argparse
     sys.path.insert(0, ROOT)
     from pretrain_bert import check_bert_args
-    base = dict(pipeline_model_parallel_size=1, sequence_parallel=False, context_parallel_size=1, mock_data=False)
+    base = dict(virtual_pipeline_model_parallel_size=None, sequence_parallel=False, context_parallel_size=1,
+                mock_data=False)
     check_bert_args(argparse.Namespace(**base))
-    for change, needle in ((dict(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size"),
+    for change, needle in ((dict(virtual_pipeline_model_parallel_size=2), "virtual pipeline"),
                            (dict(sequence_parallel=True), "--sequence-parallel"),
                            (dict(mock_data=True), "--mock-data")):
         with pytest.raises(ValueError, match=needle):
