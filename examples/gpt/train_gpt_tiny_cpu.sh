@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Tiny GPT on CPU: 2 processes over gloo at tensor-parallel size 2, 30 iterations, ~30-60 s on 2 cores.
-# Shows: the torchrun launch, Megatron's per-iteration log line, TP on CPU, and save/resume (run it twice:
-# the second run loads the checkpoint and continues). Mock data by default; DATA_PATH=<prefix> trains on a
-# preprocessed .bin/.idx pair tokenized with the shipped tokenizer (see examples/data/preprocess_data.sh).
+# Shows: the torchrun launch, Megatron's per-iteration log line, TP on CPU, and save/resume (run it
+# again with a larger TRAIN_ITERS: it loads the checkpoint and continues). Mock data by default;
+# DATA_PATH=<prefix> trains on a .bin/.idx pair made with the shipped tokenizer
+# (see examples/data/preprocess_data.sh).
 #
 #   bash examples/gpt/train_gpt_tiny_cpu.sh
 #   DATA_PATH=data/processed/corpus_text_document TRAIN_ITERS=60 bash examples/gpt/train_gpt_tiny_cpu.sh
