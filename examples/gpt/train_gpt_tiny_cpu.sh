@@ -43,4 +43,4 @@ OUTPUT_ARGS=(
 )
 
 torchrun --standalone --nproc-per-node "$NPROC" pretrain_gpt.py \
-    "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}"
+    "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"

@@ -58,4 +58,4 @@ OUTPUT_ARGS=(
 )
 
 torchrun "${DISTRIBUTED_ARGS[@]}" pretrain_gpt.py \
-    "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}"
+    "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"
