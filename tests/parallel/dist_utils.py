@@ -5,6 +5,7 @@ torch.distributed over gloo on a free localhost port, calls ``fn(*args)`` on eac
 per-rank results in rank order, or raises the first rank failure with that rank's traceback.
 """
 import os
+import pickle
 import socket
 import traceback
 
@@ -27,7 +28,8 @@ def _worker(rank, world_size, port, fn, args, kwargs, queue):
     try:
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(*args, **kwargs)
-        queue.put((rank, True, result))
+        # Plain pickle, not torch's fd-sharing reducer: the child may exit before the parent reads.
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # report every failure, including assertion errors, to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -57,7 +59,7 @@ def run_distributed(fn, world_size, *args, timeout=300, **kwargs):
         for _ in range(world_size):
             rank, ok, payload = queue.get(timeout=timeout)
             if ok:
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append((rank, payload))
                 break  # one failure is enough; the others may hang in collectives
