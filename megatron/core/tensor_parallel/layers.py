@@ -7,8 +7,9 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import (
+    _gather_along_first_dim,
+    _reduce_scatter_along_first_dim,
     copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -87,17 +88,25 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     ``weight.main_grad`` (the DDP buffer) instead of ``weight.grad``."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, gradient_accumulation_fusion):
+    def forward(ctx, x, weight, bias, gradient_accumulation_fusion, sequence_parallel=False, tp_group=None):
+        # Under SP, X arrives split along the sequence: all-gather it here and save only the local
+        # chunk (re-gathered in backward), so the full [s, b, h] input is never kept for backward.
         ctx.save_for_backward(x, weight)
         ctx.use_bias = bias is not None
         ctx.fusion = gradient_accumulation_fusion
-        out = torch.matmul(x, weight.t())
+        ctx.sequence_parallel, ctx.tp_group = sequence_parallel, tp_group
+        total = _gather_along_first_dim(x, tp_group) if sequence_parallel else x  # [s, b, h]
+        out = torch.matmul(total, weight.t())
         return out + bias if bias is not None else out
 
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
+        if ctx.sequence_parallel:
+            x = _gather_along_first_dim(x, ctx.tp_group)  # [s, b, h]
         grad_input = grad_output.matmul(weight)
+        if ctx.sequence_parallel:
+            grad_input = _reduce_scatter_along_first_dim(grad_input, ctx.tp_group)  # [s/tp, b, h]
         g2d = grad_output.reshape(-1, grad_output.shape[-1])  # [s*b, out]
         x2d = x.reshape(-1, x.shape[-1])  # [s*b, in]
         grad_bias = g2d.sum(dim=0) if ctx.use_bias else None
@@ -110,12 +119,14 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
                 weight.grad_added_to_main_grad = True
         else:
             grad_weight = g2d.t() @ x2d
-        return grad_input, grad_weight, grad_bias, None
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
 def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradient_accumulation_fusion=False,
+                                                      sequence_parallel=False, tp_group=None,
                                                       **unused_overlap_options):
-    return LinearWithGradAccumulationAndAsyncCommunication.apply(input, weight, bias, gradient_accumulation_fusion)
+    return LinearWithGradAccumulationAndAsyncCommunication.apply(
+        input, weight, bias, gradient_accumulation_fusion, sequence_parallel, tp_group)
 
 
 def _check_unsupported(embedding_activation_buffer, grad_output_buffer, keep_master_weight_for_test):
@@ -166,15 +177,14 @@ class ColumnParallelLinear(torch.nn.Module):
             if self.weight is None:
                 raise RuntimeError("ColumnParallelLinear built with skip_weight_param_allocation needs a weight")
             weight = self.weight
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(input_, group=self.tp_group)  # [s, b, h]
-        elif self.disable_grad_reduce:
-            x = input_
+        if self.sequence_parallel or self.disable_grad_reduce:
+            x = input_  # SP: [s/tp, b, h], gathered inside the linear function
         else:
             x = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
         bias = None if self.skip_bias_add else self.bias
         out = linear_with_grad_accumulation_and_async_allreduce(
-            x, weight, bias, self.config.gradient_accumulation_fusion)  # [s, b, out/tp]
+            x, weight, bias, self.config.gradient_accumulation_fusion,
+            sequence_parallel=self.sequence_parallel, tp_group=self.tp_group)  # [s, b, out/tp]
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
