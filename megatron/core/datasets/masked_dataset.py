@@ -137,7 +137,7 @@ class MaskedWordPieceDataset(MegatronDataset):
             numpy.ascontiguousarray(self.dataset.sequence_lengths, dtype=numpy.int32), num_epochs, num_samples,
             sequence_length, self.config.short_sequence_probability, self.config.random_seed, False,
             min_sentences_per_sample)
-        if sample_index.shape[0] == 0:
+        if sample_index.shape[0] == 0 and self.num_samples != 0:
             raise ValueError(f"{type(self).__name__} {self.index_split.name}: no document has the "
                              f"{min_sentences_per_sample} sentence(s) a sample needs; preprocess with "
                              "--split-sentences (or use --bert-no-binary-head)")
