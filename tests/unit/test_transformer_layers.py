@@ -82,14 +82,15 @@ def test_swiglu_model_and_full_recompute_same_grads():
     ids, pos = _batch()
     grads = []
     for extra in ({}, dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-                  dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])):
+                  dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+                  dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp", "layernorm"])):
         model = _gpt(_cfg(**kw, **extra), position_embedding_type="rope")
         loss = model(ids, pos, None, labels=ids)
         assert loss.shape == (B, S) and loss.dtype == torch.float32
         loss.mean().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(grads[2], grads[0], rtol=1e-5, atol=1e-7)
+    for g in grads[1:]:  # recompute replays the same math: equal up to fp32 rounding
+        torch.testing.assert_close(g, grads[0], rtol=1e-5, atol=1e-7)
 
 
 def test_swiglu_fc1_layout():

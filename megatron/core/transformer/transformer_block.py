@@ -134,11 +134,11 @@ class TransformerBlock(MegatronModule):
 
     def _recompute_layer(self, index: int) -> bool:
         c = self.config
-        if c.recompute_granularity != "full" or not self.training:
+        # 'block': checkpoint each of the first recompute_num_layers layers of this stage
+        # ('uniform' is handled in _forward_layers, one checkpoint per group of N layers).
+        if c.recompute_granularity != "full" or not self.training or c.recompute_method != "block":
             return False
-        if c.recompute_method == "uniform":
-            return True  # every group of recompute_num_layers is one checkpoint; see _forward_layers
-        return index < c.recompute_num_layers  # block: the first N layers of this stage
+        return index < c.recompute_num_layers
 
     def _forward_layers(self, hidden_states, attention_mask, rotary_pos_emb, **kwargs):
         c = self.config

@@ -127,6 +127,9 @@ class TransformerConfig(ModelParallelConfig):
         if self.apply_query_key_layer_scaling:
             # Scaling Q.K by 1/layer_number and the softmax back up is a pure fp16 overflow guard.
             self.attention_softmax_in_fp32 = True
+        if self.fp32_residual_connection and (self.fp16 or self.bf16):
+            raise NotImplementedError("--fp32-residual-connection with --fp16/--bf16 is not supported yet; "
+                                      "drop the flag")
         if self.activation_func_fp8_input_store:
             raise NotImplementedError("--activation-func-fp8-input-store needs FP8 support; drop the flag")
 
