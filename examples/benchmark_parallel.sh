@@ -1,0 +1,38 @@
+#!/bin/bash
+# Multi-GPU throughput of the gpt-1.3b config (tools/benchmark.py) under TP, PP and DP layouts on one
+# node of 4 GPUs, against 1 GPU. About 5 minutes per phase on 4 H200s (torch.compile warm-up included).
+#   OUT=/tmp/bench bash examples/benchmark_parallel.sh tp|pp|dp
+# Results: one JSON line per run in $OUT/results.jsonl, logs in $OUT; a markdown table at the end.
+set -u
+OUT=${OUT:-/tmp/bench}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-cache}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+RESULTS=$OUT/results.jsonl
+CONFIG=${CONFIG:-gpt-1.3b}
+run() {  # run <label> <gpus> <timeout s> <benchmark args...> [-- <Megatron flags>]
+  local name=$1 n=$2 limit=$3; shift 3
+  echo "=== $name on $n GPU(s): tools/benchmark.py $*"
+  timeout "$limit" torchrun --nproc-per-node "$n" tools/benchmark.py --results "$RESULTS" --label "$name" \
+    --config "$CONFIG" --fast --iters 10 --warmup 4 "$@" > "$OUT/$name.log" 2>&1
+  echo "exit $?"; grep -E "benchmark result|Error" "$OUT/$name.log" | tail -2
+}
+case "${1:-tp}" in
+  tp)  # tensor parallel at a fixed per-model batch: mbs 4, gbs 4
+    run 1gpu 1 150
+    run tp2-sp 2 150 -- --tensor-model-parallel-size 2 --sequence-parallel
+    run tp4-sp 4 150 -- --tensor-model-parallel-size 4 --sequence-parallel
+    ;;
+  pp)  # pipeline: 8 micro-batches of 4; bubble (p-1)/(m+p-1) = 1/9 at PP=2
+    run 1gpu-gbs32 1 200 -- --global-batch-size 32
+    run pp2-gbs32 2 200 -- --global-batch-size 32 --pipeline-model-parallel-size 2
+    run tp2-pp2-sp-gbs32 4 200 -- --global-batch-size 32 --pipeline-model-parallel-size 2 \
+      --tensor-model-parallel-size 2 --sequence-parallel
+    ;;
+  dp)  # data parallel: 4 ranks x mbs 4 = gbs 16; 1 GPU reference is the tp phase's 1gpu run
+    run dp4 4 150 -- --global-batch-size 16
+    run dp4-overlap 4 150 -- --global-batch-size 16 --overlap-grad-reduce
+    run dp4-distopt-overlap 4 150 -- --global-batch-size 16 --overlap-grad-reduce \
+      --use-distributed-optimizer --overlap-param-gather
+    ;;
+esac
+python tools/benchmark.py --table "$RESULTS"
