@@ -38,4 +38,8 @@ if [ "$PHASE" = main ]; then
   timeout 120 python -m pytest -q tests/gpu > "$LOGDIR/pytest_gpu.log" 2>&1; echo "gpu tests exit $?"
   tail -3 "$LOGDIR/pytest_gpu.log"
 fi
+if [ "$PHASE" = gc ]; then
+  bench gpt-1.3b-fast-nogc 240 --config gpt-1.3b --fast --iters 30 --warmup 5 --no-gc
+  bench gpt-1.3b-eager-nogc 120 --config gpt-1.3b --iters 20 --warmup 3 --no-gc
+fi
 python tools/benchmark.py --table "$RESULTS"

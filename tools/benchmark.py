@@ -76,6 +76,8 @@ def parse_cli(argv):
     p.add_argument("--dry-run", action="store_true", help="print the memory / FLOPs estimate and exit")
     p.add_argument("--results", default=None, help="append one JSON line per run to this file")
     p.add_argument("--label", default=None, help="name of this run in the results (default: config + flags)")
+    p.add_argument("--no-gc", action="store_true",
+                   help="freeze and disable Python's cyclic GC while timing (what --manual-gc aims at)")
     p.add_argument("--profile", type=int, default=0,
                    help="after timing, profile N more iterations and print the top kernels by device time")
     p.add_argument("--table", default=None, help="print a markdown table of a results file and exit")
@@ -216,6 +218,11 @@ def main(argv=None):
     args = get_args()
     estimate = estimate_memory_and_flops(args)
     print_estimate(estimate)
+    if cli.no_gc:
+        import gc
+        gc.collect()
+        gc.freeze()  # long-lived objects out of the young generations
+        gc.disable()
     times, losses = time_iterations(*built, cli.warmup, cli.iters)
     result = summarize(args, cli, times, losses, estimate)
     if cli.profile:
