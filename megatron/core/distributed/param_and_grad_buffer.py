@@ -12,6 +12,10 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+# The *_single names are newer than torch 2.4; the *_tensor collectives are the same operation.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def _is_gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
@@ -84,8 +88,8 @@ class _ParamAndGradBucket:
             shard = self.local_grad_shard()
             # NCCL reduces in place into this rank's shard; gloo gets a separate output, copied back.
             self._reduce_output = torch.empty_like(shard) if _is_gloo(self.group) else shard
-            handle = dist.reduce_scatter_single(self._reduce_output, self.grad_data, op=op,
-                                                group=self.group, async_op=async_op)
+            handle = _reduce_scatter_single(self._reduce_output, self.grad_data, op=op,
+                                            group=self.group, async_op=async_op)
         else:
             handle = dist.all_reduce(self.grad_data, op=op, group=self.group, async_op=async_op)
         self.grad_reduce_handle = handle if async_op else _DoneHandle()
@@ -118,7 +122,7 @@ class _ParamAndGradBucket:
         shard = self.local_param_shard()
         # NCCL gathers in place (input aliases this rank's slice of the output); gloo gets a copy.
         self._gather_input = shard.clone() if _is_gloo(self.group) else shard
-        handle = dist.all_gather_single(self.param_data, self._gather_input, group=self.group,
+        handle = _all_gather_single(self.param_data, self._gather_input, group=self.group,
                                         async_op=async_op)
         self.param_gather_handle = handle if async_op else _DoneHandle()
 

@@ -13,6 +13,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer.optimizer import MegatronOptimizer, _model_grad, copy_tensor_model_parallel_attributes
 
+# all_gather_single is newer than torch 2.4; all_gather_into_tensor is the same operation.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class DistributedOptimizer(MegatronOptimizer):
     def __init__(self, optimizer, config, grad_scaler, model_chunks: List[torch.nn.Module]):
@@ -114,7 +117,7 @@ class DistributedOptimizer(MegatronOptimizer):
                 begin = start + lo - bucket.offset - shard_lo
                 local[begin:begin + hi - lo].copy_(self._local_state(main, key).view(-1))
         full = torch.empty(bucket.grad_data.numel(), dtype=torch.float32, device=local.device)
-        dist.all_gather_single(full, local, group=bucket.group)
+        _all_gather_single(full, local, group=bucket.group)
         return full
 
     def set_param_state_from_load(self, model_param_state):
