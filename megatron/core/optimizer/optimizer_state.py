@@ -58,16 +58,20 @@ def _common_state(opt):
 
 
 def _param_to_sharded_tensor(model_sharded_state_dict: Dict, params):
-    """Match each param to the model's ShardedTensor describing it (by identity, else by storage)."""
+    """Match each param to the model's ShardedTensor describing it (by identity, else by storage).
+
+    Storage is (data pointer, numel): a ShardedTensor may hold a reshaped view of its param (SwiGLU fc1
+    is saved as [2, ffn, hidden] so both halves reshard by TP rank).
+    """
     by_id = {id(p): p for p in params}
-    by_storage = {(p.data_ptr(), tuple(p.shape)): p for p in params}
+    by_storage = {(p.data_ptr(), p.numel()): p for p in params}
     found = {}
 
     def visit(value):
         if isinstance(value, ShardedTensor) and value.data is not None:
             p = by_id.get(id(value.data))
             if p is None:
-                p = by_storage.get((value.data.data_ptr(), tuple(value.data.shape)))
+                p = by_storage.get((value.data.data_ptr(), value.data.numel()))
             if p is not None and p not in found:
                 found[p] = value
         elif isinstance(value, dict):
@@ -95,12 +99,21 @@ def sharded_state_dict(opt, model_sharded_state_dict: Dict, is_loading: bool = F
         entry = {}
         for name, tensor in state.items():
             data = torch.empty_like(tensor) if is_loading else tensor
+            if data.shape != st.data.shape and data.numel() == st.data.numel():
+                data = data.reshape(st.data.shape)  # the model's saved view of this param
             entry[name] = dataclasses.replace(st, key=f"optimizer.state.{name}.{st.key}", data=data,
                                               dtype=data.dtype)
         sharded[st.key] = entry
     out = _common_state(opt)
     out["param_state"] = sharded
     return out
+
+
+def _as_param_shape(t, param):
+    """Undo the model's saved view (see `_param_to_sharded_tensor`) for tensors shaped like the param."""
+    if torch.is_tensor(t) and t.dim() > 0 and t.shape != param.shape and t.numel() == param.numel():
+        return t.reshape(param.shape)
+    return t
 
 
 def load_sharded(opt, state_dict: Dict):
@@ -112,8 +125,9 @@ def load_sharded(opt, state_dict: Dict):
         raise ValueError("call optimizer.sharded_state_dict(model_sd, is_loading=True) before loading it")
     loaded = {}
     for key, entry in state_dict["param_state"].items():
-        loaded[key_to_param[key]] = {name: (t.data if isinstance(t, ShardedTensor) else t)
-                                     for name, t in entry.items()}
+        param = key_to_param[key]
+        loaded[param] = {name: _as_param_shape(t.data if isinstance(t, ShardedTensor) else t, param)
+                         for name, t in entry.items()}
     opt.set_param_state_from_load(loaded)
     groups = opt.optimizer.param_groups
     if len(state_dict["param_groups"]) != len(groups):

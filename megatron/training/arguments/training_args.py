@@ -62,9 +62,11 @@ def add_learning_rate_args(parser):
                    choices=["exponential", "linear", "cosine", "minus_sqrt"], help="WSD anneal shape.")
     g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD anneal iterations.")
     g.add_argument("--lr-wsd-decay-samples", type=int, default=None, help="WSD anneal samples.")
-    g.add_argument("--override-opt-param-scheduler", action="store_true",
+    # Megatron-LM spells these two with an underscore (--override-opt_param-scheduler); both forms parse.
+    g.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler", action="store_true",
                    help="Use the command-line scheduler values, not the checkpoint's.")
-    g.add_argument("--use-checkpoint-opt-param-scheduler", action="store_true",
+    g.add_argument("--use-checkpoint-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler",
+                   action="store_true",
                    help="Use the checkpoint's scheduler values.")
     g.add_argument("--decoupled-lr", type=float, default=None, help="Separate LR for embedding/output.")
     g.add_argument("--decoupled-min-lr", type=float, default=None, help="Separate min LR for embedding/output.")
