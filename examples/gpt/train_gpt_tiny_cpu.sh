@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Tiny GPT on CPU: 2 processes over gloo at tensor-parallel size 2, 30 iterations, ~30-60 s on 2 cores.
-# Shows: the torchrun launch, Megatron's per-iteration log line, TP on CPU, and save/resume (run it
-# again with a larger TRAIN_ITERS: it loads the checkpoint and continues). Mock data by default;
-# DATA_PATH=<prefix> trains on a .bin/.idx pair made with the shipped tokenizer
-# (see examples/data/preprocess_data.sh).
+# Shows: the torchrun launch, Megatron's per-iteration log line, TP on CPU, and save/resume (stop early
+# with EXIT_INTERVAL=15, which saves and exits, then rerun the same command: it loads the checkpoint and
+# continues). Mock data by default; DATA_PATH=<prefix> trains on a .bin/.idx pair made with the shipped
+# tokenizer (see examples/data/preprocess_data.sh).
 #
 #   bash examples/gpt/train_gpt_tiny_cpu.sh
 #   DATA_PATH=data/processed/corpus_text_document TRAIN_ITERS=60 bash examples/gpt/train_gpt_tiny_cpu.sh
@@ -40,6 +40,7 @@ fi
 OUTPUT_ARGS=(
     --log-interval 5 --eval-interval "$TRAIN_ITERS" --eval-iters 2
     --save "$CKPT_DIR" --load "$CKPT_DIR" --save-interval "$TRAIN_ITERS"
+    ${EXIT_INTERVAL:+--exit-interval "$EXIT_INTERVAL"}
 )
 
 torchrun --standalone --nproc-per-node "$NPROC" pretrain_gpt.py \
