@@ -57,7 +57,7 @@ def _capture(script, tmp_path):
     tasks = _sbatch_tasks(script)
     env = {**os.environ, "PATH": f"{_shim_dir(tmp_path)}:{os.environ['PATH']}", "CAPTURE_DIR": str(capture),
            "CKPT_DIR": str(tmp_path / "ckpt"), "SLURM_JOB_NODELIST": "node[001-002]", "SLURM_NTASKS": str(tasks),
-           "SLURM_SUBMIT_DIR": ROOT, "OUT": str(tmp_path / "out")}
+           "SLURM_SUBMIT_DIR": ROOT, "OUT": str(tmp_path / "out"), "CKPT": str(tmp_path / "ckpt2")}
     used = [int(n) for n in re.findall(r"\$\{?([1-9])\b(?!:)", open(script).read())]  # $1, ${2:-x}; not ${@:5}
     positional = [str(tmp_path / f"arg{i}") for i in range(1, max(used, default=0) + 1)]
     p = subprocess.run(["bash", script, *positional], capture_output=True, text=True, timeout=60, env=env, cwd=str(tmp_path))
