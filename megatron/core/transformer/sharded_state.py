@@ -11,7 +11,18 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.transformer.initialize import global_param_names, tp_rank_and_size
 
 
+# Tensors with a vocab dimension: the padded vocab is a multiple of make_vocab_size_divisible_by x TP, so its
+# global size changes with TP. Loading reads the rows both layouts have; extra padding rows keep their values.
+_VOCAB_PADDED_SUFFIXES = ("word_embeddings.weight", "output_layer.weight", "output_layer.bias")
+
+
 def _sharded_tensor(key: str, tensor: torch.Tensor, pp_replica: int, dp_rank: int) -> ShardedTensor:
+    sharded = _layout_sharded_tensor(key, tensor, pp_replica, dp_rank)
+    sharded.allow_shape_mismatch = key.endswith(_VOCAB_PADDED_SUFFIXES)
+    return sharded
+
+
+def _layout_sharded_tensor(key: str, tensor: torch.Tensor, pp_replica: int, dp_rank: int) -> ShardedTensor:
     if not getattr(tensor, "tensor_model_parallel", False):
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         return ShardedTensor.from_rank_offsets(key, tensor.detach(), replica_id=(tp_rank, pp_replica, dp_rank))
