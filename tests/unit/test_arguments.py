@@ -119,3 +119,30 @@ def test_help_renders(capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(argv=["--help"])
     assert e.value.code == 0 and "--global-batch-size" in capsys.readouterr().out
+
+
+def test_uneven_pipeline_split_flags_reach_the_config():
+    from megatron.training.arguments import core_transformer_config_from_args
+    a = _args("--num-layers 5 --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 2 "
+              "--global-batch-size 4", world_size=2)
+    cfg = core_transformer_config_from_args(a)
+    assert (cfg.num_layers_in_first_pipeline_stage, cfg.num_layers_in_last_pipeline_stage) == (2, None)
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ("--num-layers 5 --pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 1",
+     "pipeline split: the 4 layers left after the first/last stage counts do not split evenly over 3"),
+    ("--num-layers 4 --pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 3 "
+     "--decoder-last-pipeline-num-layers 3", "pipeline split: --decoder-first/last-pipeline-num-layers exceed"),
+])
+def test_uneven_pipeline_split_never_drops_layers(extra, needle):
+    with pytest.raises(ArgumentError) as e:
+        _args(extra + " --global-batch-size 8", world_size=4)
+    assert needle in str(e.value)
+
+
+def test_interleaved_schedule_runs_p2p_synchronously_with_a_warning():
+    with pytest.warns(UserWarning, match="not overlapped with compute"):
+        a = _args("--num-layers 4 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
+                  "--global-batch-size 8", world_size=2)
+    assert a.virtual_pipeline_model_parallel_size == 2 and not a.overlap_p2p_comm

@@ -17,8 +17,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import make_viewless_tensor
 
 
-def _layers_per_pp_rank(config, pp_size: int) -> List[int]:
-    """Layer slots per PP rank (including the virtual embedding/loss slots when accounted for)."""
+def layers_per_pipeline_rank(config, pp_size: int) -> List[int]:
+    """Layer slots per PP rank (including the virtual embedding/loss slots when accounted for).
+
+    ``config`` needs num_layers, num_layers_in_first/last_pipeline_stage and the two
+    account_for_*_in_pipeline_split fields. Raises ValueError when the layers do not split."""
     n = config.num_layers
     first, last = config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage
     if first is None and last is None:
@@ -48,7 +51,7 @@ def _chunk_counts(config) -> List[List[int]]:
     """counts[vp][pp] = layers built by virtual chunk ``vp`` of PP rank ``pp``."""
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     vp_size = config.virtual_pipeline_model_parallel_size or 1
-    per_rank = _layers_per_pp_rank(config, pp_size)
+    per_rank = layers_per_pipeline_rank(config, pp_size)
     for r, c in enumerate(per_rank):
         if c % vp_size:
             raise ValueError(f"pipeline rank {r} has {c} layer slots, not divisible by "

@@ -36,6 +36,8 @@ def core_transformer_config_from_args(args, config_class=None):
         gated_linear_unit=args.swiglu,
         bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion,
         variable_seq_lengths=False,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
     )
     if args.swiglu:
         overrides["activation_func"] = F.silu

@@ -9,6 +9,14 @@ def add_distributed_args(parser):
                    help="Layers per virtual pipeline stage (interleaved schedule).")
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
                    help="Virtual pipeline stages per pipeline rank.")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="Layers on the first pipeline stage (uneven split); the rest split evenly.")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="Layers on the last pipeline stage (uneven split); the rest split evenly.")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="Count the embedding as one layer slot of the first pipeline stage.")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="Count the output layer and loss as one layer slot of the last pipeline stage.")
     g.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm",
                    help="Do not overlap pipeline send/recv with compute.")
     g.add_argument("--sequence-parallel", action="store_true", help="Sequence parallelism (needs TP > 1).")

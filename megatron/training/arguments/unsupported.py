@@ -14,7 +14,6 @@ UNSUPPORTED_FLAGS = {
     "--expert-tensor-parallel-size": (dict(type=int), "expert parallelism is not built yet"),
     "--multi-latent-attention": (dict(action="store_true"), "MLA is not built yet"),
     "--mtp-num-layers": (dict(type=int), "multi-token prediction is not built yet"),
-    "--fp8-format": (dict(type=str), "FP8 needs Transformer Engine, which is not integrated yet"),
     "--fp4-format": (dict(type=str), "FP4 is not supported"),
     "--yaml-cfg": (dict(type=str), "YAML configs are not supported; pass command-line flags"),
     "--use-torch-fsdp2": (dict(action="store_true"), "FSDP2 is not integrated yet; use DDP"),
@@ -40,8 +39,6 @@ UNSUPPORTED_FLAGS = {
     "--quick-geglu": (dict(action="store_true"), "use --swiglu or the default GeLU"),
     "--rerun-mode": (dict(type=str), "the rerun state machine is not built yet"),
     "--hierarchical-context-parallel-sizes": (dict(type=int, nargs="+"), "context parallelism is not built yet"),
-    "--decoder-first-pipeline-num-layers": (dict(type=int), "uneven pipeline splits are not built yet"),
-    "--decoder-last-pipeline-num-layers": (dict(type=int), "uneven pipeline splits are not built yet"),
     "--pipeline-model-parallel-layout": (dict(type=str), "custom pipeline layouts are not built yet"),
 }
 

@@ -5,6 +5,7 @@ import warnings
 
 import torch
 
+from .fast_path import validate_fast_path_args
 from .unsupported import unsupported_flag_used
 
 
@@ -32,6 +33,7 @@ def validate_args(args, defaults=None):
     _validate_parallel(args)
     _validate_batch(args)
     _validate_model(args)
+    validate_fast_path_args(args, _require)
     _validate_precision(args)
     _validate_run_length(args)
     _validate_checkpointing(args)
@@ -81,6 +83,34 @@ def _validate_parallel(args):
         args.distributed_backend = "gloo"  # NCCL needs CUDA; gloo is the CPU backend
 
 
+def _validate_pipeline_split(args):
+    """Every layer lands on exactly one stage: never a silently dropped layer."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.transformer_block import layers_per_pipeline_rank
+
+    pp = args.pipeline_model_parallel_size
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if first is None and last is None and not (args.account_for_embedding_in_pipeline_split
+                                               or args.account_for_loss_in_pipeline_split):
+        _require(args.num_layers % pp == 0,
+                 f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp}); "
+                 "or set --decoder-first/last-pipeline-num-layers for an uneven split")
+        return
+    _require(pp > 1, "--decoder-first/last-pipeline-num-layers and --account-for-*-in-pipeline-split need "
+                     "--pipeline-model-parallel-size > 1")
+    for flag, value in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)):
+        _require(value is None or value >= 0, f"{flag} ({value}) must be >= 0")
+    split = SimpleNamespace(num_layers=args.num_layers, num_layers_in_first_pipeline_stage=first,
+                            num_layers_in_last_pipeline_stage=last,
+                            account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+                            account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split)
+    try:
+        layers_per_pipeline_rank(split, pp)
+    except ValueError as e:
+        _require(False, f"pipeline split: {e}")
+
+
 def _validate_virtual_pipeline(args):
     pp = args.pipeline_model_parallel_size
     per_stage, per_rank = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
@@ -101,6 +131,11 @@ def _validate_virtual_pipeline(args):
         args.virtual_pipeline_model_parallel_size = per_rank
     if args.virtual_pipeline_model_parallel_size == 1:
         args.virtual_pipeline_model_parallel_size = None
+    if args.virtual_pipeline_model_parallel_size and args.overlap_p2p_comm:
+        # Megatron's default; our interleaved schedule sends/receives synchronously (batched) instead.
+        _warn(args, "pipeline send/recv are not overlapped with compute in the interleaved schedule; "
+                    "running them batched and synchronous (as with --no-overlap-p2p-communication)")
+        args.overlap_p2p_comm = False
 
 
 def _validate_batch(args):
@@ -148,9 +183,7 @@ def _validate_model(args):
     _require(args.max_position_embeddings >= args.seq_length,
              f"--max-position-embeddings ({args.max_position_embeddings}) must be >= --seq-length "
              f"({args.seq_length})")
-    pp = args.pipeline_model_parallel_size
-    _require(args.num_layers % pp == 0,
-             f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})")
+    _validate_pipeline_split(args)
     _validate_heads(args)
     if args.ffn_hidden_size is None:
         if args.swiglu:
