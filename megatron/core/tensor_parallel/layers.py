@@ -1,5 +1,6 @@
 """Tensor-parallel linear and embedding layers; all TP communication of the model lives here."""
 import contextlib
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -129,6 +130,43 @@ def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradi
         input, weight, bias, gradient_accumulation_fusion, sequence_parallel, tp_group)
 
 
+_FP8_FALLBACKS_REPORTED = set()
+
+
+def _fp8_fallback_once(what: str) -> None:
+    if what not in _FP8_FALLBACKS_REPORTED:
+        _FP8_FALLBACKS_REPORTED.add(what)
+        warnings.warn(f"--fp8-format: {what}; this GEMM runs in 16 bits", stacklevel=3)
+
+
+def _fp8_format_for(config, in_features, out_features, tp_comm_buffer_name):
+    """The FP8 format this layer uses, or None. As with Transformer Engine, only the transformer
+    layers' linears (qkv, proj, fc1, fc2: those given a tp_comm_buffer_name) run in FP8; the output
+    layer stays 16-bit. _scaled_mm needs both weight dims to be multiples of 16."""
+    fmt = getattr(config, "fp8", None)
+    if not fmt or tp_comm_buffer_name is None:
+        return None
+    from megatron.core.fp8 import fp8_supported_shape
+    if not fp8_supported_shape(in_features, out_features):
+        _fp8_fallback_once(f"layer '{tp_comm_buffer_name}' weight [{out_features}, {in_features}] has a dim "
+                           "that is not a multiple of 16")
+        return None
+    return fmt
+
+
+def _linear_maybe_fp8(fmt, config, x, weight, bias, sequence_parallel=False, tp_group=None):
+    """The layer's GEMM: FP8 when ``fmt`` is set and the token count allows it, else 16-bit."""
+    fusion = config.gradient_accumulation_fusion
+    if fmt is not None:
+        from megatron.core.fp8 import fp8_linear
+        out = fp8_linear(x, weight, bias, fusion, sequence_parallel, tp_group, fmt, config.fp8_margin)
+        if out is not None:
+            return out
+        _fp8_fallback_once("token count (sequence x micro-batch) is not a multiple of 16")
+    return linear_with_grad_accumulation_and_async_allreduce(x, weight, bias, fusion,
+                                                             sequence_parallel=sequence_parallel, tp_group=tp_group)
+
+
 def _check_unsupported(embedding_activation_buffer, grad_output_buffer, keep_master_weight_for_test):
     if embedding_activation_buffer is not None or grad_output_buffer is not None:
         raise NotImplementedError("--defer-embedding-wgrad-compute is not supported; drop the flag")
@@ -165,6 +203,7 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             self.weight = _make_param((self.output_size_per_partition, input_size), config, init_method, is_expert)
             set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+        self.fp8_format = _fp8_format_for(config, input_size, self.output_size_per_partition, tp_comm_buffer_name)
         if bias:
             self.bias = _make_param((self.output_size_per_partition,), config, torch.nn.init.zeros_, is_expert)
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
@@ -182,9 +221,8 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             x = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        out = linear_with_grad_accumulation_and_async_allreduce(
-            x, weight, bias, self.config.gradient_accumulation_fusion,
-            sequence_parallel=self.sequence_parallel, tp_group=self.tp_group)  # [s, b, out/tp]
+        out = _linear_maybe_fp8(self.fp8_format, self.config, x, weight, bias,
+                                self.sequence_parallel, self.tp_group)  # [s, b, out/tp]
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
@@ -217,6 +255,7 @@ class RowParallelLinear(torch.nn.Module):
         self.input_size_per_partition = divide(input_size, tp)
         self.weight = _make_param((output_size, self.input_size_per_partition), config, init_method, is_expert)
         set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
+        self.fp8_format = _fp8_format_for(config, self.input_size_per_partition, output_size, tp_comm_buffer_name)
         if bias:
             self.bias = _make_param((output_size,), config, torch.nn.init.zeros_, is_expert)
             set_defaults_if_not_set_tensor_model_parallel_attributes(self.bias)
@@ -227,8 +266,7 @@ class RowParallelLinear(torch.nn.Module):
 
     def forward(self, input_: torch.Tensor):
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_, self.tp_group)
-        partial = linear_with_grad_accumulation_and_async_allreduce(
-            x, self.weight, None, self.config.gradient_accumulation_fusion)  # [s, b, h], partial sum
+        partial = _linear_maybe_fp8(self.fp8_format, self.config, x, self.weight, None)  # [s, b, h], partial sum
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, group=self.tp_group)  # [s/tp, b, h]
         else:

@@ -67,9 +67,16 @@ class TransformerConfig(ModelParallelConfig):
     recompute_modules: Optional[List[str]] = None
     distribute_saved_activations: Optional[bool] = None
 
-    # MoE / FP8 (not supported yet)
+    # MoE (not supported yet)
     num_moe_experts: Optional[int] = None
+
+    # FP8 linears without Transformer Engine (megatron/core/fp8): format e4m3 | hybrid, tensorwise
+    # current scaling. The amax-history fields belong to the delayed recipe and must keep their defaults.
     fp8: Optional[str] = None
+    fp8_recipe: str = "tensorwise"
+    fp8_margin: int = 0
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
 
     def __post_init__(self):
         super().__post_init__()
@@ -114,8 +121,7 @@ class TransformerConfig(ModelParallelConfig):
     def _check_features(self):
         if self.num_moe_experts is not None:
             raise NotImplementedError("--num-experts (num_moe_experts) is not supported yet; drop the flag")
-        if self.fp8 is not None:
-            raise NotImplementedError("--fp8-format (fp8) is not supported yet; drop the flag")
+        self._check_fp8()
         if self.context_parallel_size != 1:
             raise NotImplementedError("--context-parallel-size > 1 is not supported by the model yet")
         if self.window_size is not None:
@@ -132,6 +138,21 @@ class TransformerConfig(ModelParallelConfig):
                                       "drop the flag")
         if self.activation_func_fp8_input_store:
             raise NotImplementedError("--activation-func-fp8-input-store needs FP8 support; drop the flag")
+
+    def _check_fp8(self):
+        if self.fp8 is None:
+            return
+        if self.fp8 not in ("e4m3", "hybrid"):
+            raise ValueError(f"--fp8-format '{self.fp8}' unknown; use e4m3 or hybrid")
+        if self.fp8_recipe != "tensorwise":
+            raise NotImplementedError(f"--fp8-recipe {self.fp8_recipe} is not supported (no Transformer Engine); "
+                                      "use --fp8-recipe tensorwise")
+        if self.fp8_amax_history_len != 1 or self.fp8_amax_compute_algo != "most_recent":
+            raise NotImplementedError("--fp8-amax-history-len / --fp8-amax-compute-algo belong to the delayed "
+                                      "recipe, which is not supported; drop them (tensorwise scales each tensor "
+                                      "by its current amax)")
+        if self.fp8_margin < 0:
+            raise ValueError(f"--fp8-margin ({self.fp8_margin}) must be >= 0")
 
     def _check_recompute(self):
         g = self.recompute_granularity

@@ -45,14 +45,16 @@ def add_network_size_args(parser):
     g.add_argument("--qk-layernorm", action="store_true", help="Normalize queries and keys per head.")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="Pad the vocabulary to a multiple of this times the TP size.")
-    g.add_argument("--transformer-impl", default="transformer_engine",
-                   choices=["local", "transformer_engine"],
-                   help="Layer implementation; both build our local (torch) layers.")
+    g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
+                   help="Layer implementation. Default local (our torch layers; Megatron's default is "
+                        "transformer_engine). transformer_engine is checked and refused with a message: "
+                        "Transformer Engine layers are not integrated.")
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "flash", "fused", "unfused", "local"],
                    help="Core attention backend; all run through torch SDPA, which picks its kernel.")
     g.add_argument("--use-flash-attn", action="store_true",
-                   help="Request flash attention (torch SDPA's flash kernel where available).")
+                   help="Flash attention: the same as --attention-backend flash (torch SDPA's flash kernel; "
+                        "the flash_attn package is not used).")
     g.add_argument("--attention-softmax-in-fp32", action="store_true", help="Run the softmax in fp32.")
     g.add_argument("--apply-query-key-layer-scaling", action="store_true",
                    help="Scale Q*K^T by 1/layer-number (fp16 stability).")
@@ -115,4 +117,14 @@ def add_mixed_precision_args(parser):
                    help="Accumulate and all-reduce gradients in fp32 (on automatically with bf16).")
     g.add_argument("--grad-reduce-in-bf16", action="store_true", help="Reduce gradients in bf16.")
     g.add_argument("--fp16-lm-cross-entropy", action="store_true", help="Cross entropy in fp16.")
+    g.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"], dest="fp8",
+                   help="FP8 GEMMs in the transformer layers' linears (torch._scaled_mm, no Transformer "
+                        "Engine): e4m3 everywhere, or hybrid = e4m3 forward, e5m2 gradients.")
+    g.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "delayed", "mxfp8", "blockwise"],
+                   help="FP8 scaling recipe; only tensorwise (per-tensor current scaling) is supported.")
+    g.add_argument("--fp8-margin", type=int, default=0, help="Scale FP8 tensors to max / 2**margin.")
+    g.add_argument("--fp8-amax-history-len", type=int, default=1,
+                   help="Delayed-recipe amax history; must stay 1 (tensorwise only).")
+    g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"],
+                   help="Delayed-recipe amax reduction; must stay most_recent (tensorwise only).")
     return parser
