@@ -13,6 +13,7 @@ from .parallel_data_args import add_data_args, add_distributed_args, add_tokeniz
 from .training_args import (add_checkpointing_args, add_learning_rate_args, add_logging_args, add_training_args,
                             add_validation_args)
 from .unsupported import add_unsupported_args
+from . import fast_path
 from .validation import ArgumentError, blend_prefixes, validate_args
 
 __all__ = ["parse_args", "validate_args", "ArgumentError", "print_args", "build_parser",
