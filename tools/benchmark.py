@@ -9,7 +9,7 @@ It builds the model with pretrain_gpt.py's providers, the optimizer and the data
 pretrain() does, then times `train_step` per iteration (device synchronised before and after) and
 reports the median over the steady-state iterations: ms/iteration, tokens/s, TFLOP/s/GPU (Megatron's
 formula, megatron/training/flops.py), MFU against the dense bf16 peak of the detected device
-(table DENSE_BF16_PEAK_TFLOPS below), and peak allocated memory next to the estimate.
+(table DENSE_BF16_PEAK_TFLOPS in megatron/training/flops.py), and peak allocated memory next to the estimate.
 """
 import argparse
 import json
@@ -20,12 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Dense (no sparsity) bf16 tensor-core peaks from the vendors' datasheets, TFLOP/s, matched against
-# torch.cuda.get_device_name() in order (first hit wins).
-DENSE_BF16_PEAK_TFLOPS = [
-    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0),
-    ("H800", 989.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("A10G", 70.0),
-]
+from megatron.training.flops import DENSE_BF16_PEAK_TFLOPS, dense_bf16_peak  # noqa: E402,F401 (after sys.path; re-exported)
 
 _COMMON = ("--mock-data --tokenizer-type NullTokenizer --bf16 --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine "
            "--lr-warmup-iters 2 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 "
@@ -58,13 +53,6 @@ CONFIGS = {
 
 # The fast path in one switch: compiled layers and the chunked 16-bit cross entropy.
 FAST_FLAGS = "--torch-compile --cross-entropy-loss-fusion"
-
-
-def dense_bf16_peak(device_name: str):
-    for key, peak in DENSE_BF16_PEAK_TFLOPS:
-        if key in device_name:
-            return peak
-    return None
 
 
 def parse_cli(argv):

@@ -26,3 +26,37 @@ def num_floating_point_operations(args, batch_size):
 def throughput_tflops_per_gpu(args, batch_size, seconds_per_iteration, world_size):
     """TFLOP/s/GPU = FLOPs(one global batch) / (seconds per iteration * 1e12 * world size)."""
     return num_floating_point_operations(args, batch_size) / (seconds_per_iteration * 1e12 * world_size)
+
+
+# Dense (no sparsity) bf16 tensor-core peaks from the vendors' datasheets, TFLOP/s, matched against
+# torch.cuda.get_device_name() in order (first hit wins). Used for MFU in the log and tools/benchmark.py.
+DENSE_BF16_PEAK_TFLOPS = [
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0),
+    ("H800", 989.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("A10G", 70.0),
+]
+
+
+def dense_bf16_peak(device_name: str):
+    """Peak dense bf16 TFLOP/s of a device name, or None when it is not in the table (CPU included)."""
+    for key, peak in DENSE_BF16_PEAK_TFLOPS:
+        if key in device_name:
+            return peak
+    return None
+
+
+def current_device_name() -> str:
+    import torch
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def format_throughput_line(tokens_per_iteration, seconds_per_iteration, world_size, tflops_per_gpu,
+                           device_name):
+    """The line printed after the training log line with --log-throughput (tokens/s and MFU)."""
+    tokens_per_s = tokens_per_iteration / seconds_per_iteration
+    peak = dense_bf16_peak(device_name)
+    if peak:
+        mfu = f"{100.0 * tflops_per_gpu / peak:.1f}% (peak {peak:.0f} TFLOP/s, {device_name})"
+    else:
+        mfu = f"n/a (no bf16 peak known for {device_name})"
+    return (f" throughput: tokens/s: {tokens_per_s:.0f} | tokens/s/GPU: {tokens_per_s / world_size:.0f} | "
+            f"MFU: {mfu} |")

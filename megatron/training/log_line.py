@@ -4,7 +4,7 @@ from datetime import datetime
 import torch
 
 from megatron.core import parallel_state
-from megatron.training.flops import num_floating_point_operations
+from megatron.training.flops import current_device_name, format_throughput_line, num_floating_point_operations
 from megatron.training.global_vars import get_args, get_tensorboard_writer, get_timers, get_wandb_writer
 from megatron.training.theoretical_memory_usage import report_theoretical_memory
 from megatron.training.utils import print_rank_last, report_memory
@@ -100,6 +100,9 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
         wandb.log({"iteration-time": per_iter}, step=iteration)
     print_rank_last(format_log_line(args, iteration, per_iter, learning_rate, batch_size, total_loss_dict,
                                     loss_scale, grad_norm, num_zeros_in_grad, params_norm, throughput))
+    if throughput is not None:
+        print_rank_last(format_throughput_line(batch_size * args.seq_length, per_iter, args.world_size,
+                                               throughput, current_device_name()))
     for key in list(total_loss_dict):
         total_loss_dict[key] = 0 if key in _COUNTERS else torch.tensor(0.0)
     if report_memory_flag:
