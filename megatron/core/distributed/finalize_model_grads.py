@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.distributed.torch_fsdp2_state import local_tensor
 
 
 def _unwrap(model_chunk):
@@ -36,8 +37,13 @@ def _stop(config, name):
         timer.stop()
 
 
+@torch.no_grad()
 def _allreduce_grads_coalesced(grads, group):
-    """One all-reduce for many grads: flatten, reduce, copy back."""
+    """One all-reduce for many grads: flatten, reduce, copy back.
+
+    FSDP2 grads are DTensors sharded over DP: reduce their local shards, which cover the same
+    elements on every rank of a TP or embedding group (those ranks share a DP rank)."""
+    grads = [local_tensor(g) for g in grads]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.distributed.torch_fsdp2_state import full_local_tensor, shard_like
 from megatron.core.optimizer import optimizer_state
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32, param_counts_for_grad_stats)
@@ -205,7 +206,8 @@ class MegatronOptimizer:
             state = {k: v for k, v in self.optimizer.state[main].items() if k != "step"}
             if main is not model:
                 state["fp32_param"] = main.detach()
-            out[model] = state
+            # FSDP2: whole local-TP tensors, like the model's sharded_state_dict (collective over DP).
+            out[model] = {k: full_local_tensor(v) for k, v in state.items()}
         return out
 
     def set_param_state_from_load(self, model_param_state: Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]):
@@ -216,9 +218,10 @@ class MegatronOptimizer:
                 continue
             for key, value in loaded.items():
                 if key == "fp32_param":
-                    main.detach().copy_(value.view_as(main))
+                    main.detach().copy_(shard_like(value, main).view_as(main))
                 elif key in self.optimizer.state[main]:
-                    self.optimizer.state[main][key].copy_(value.view_as(main))
+                    target = self.optimizer.state[main][key]
+                    target.copy_(shard_like(value, target).view_as(target))
         self._copy_main_params_to_model_params()
 
 

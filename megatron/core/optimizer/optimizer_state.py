@@ -12,6 +12,7 @@ from typing import Dict
 import torch
 
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.distributed.torch_fsdp2_state import fsdp2_gathered_storage, is_dtensor
 
 SHARDING_TYPE = "fully_reshardable"
 _HYPER_PARAMS = ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", "nesterov", "amsgrad",
@@ -64,7 +65,11 @@ def _param_to_sharded_tensor(model_sharded_state_dict: Dict, params):
     is saved as [2, ffn, hidden] so both halves reshard by TP rank).
     """
     by_id = {id(p): p for p in params}
-    by_storage = {(p.data_ptr(), p.numel()): p for p in params}
+    by_storage = {(p.data_ptr(), p.numel()): p for p in params if not is_dtensor(p)}
+    for p in params:  # FSDP2: the model saved the whole local-TP tensor gathered from this param
+        gathered = fsdp2_gathered_storage(p)
+        if gathered is not None:
+            by_storage[gathered] = p
     found = {}
 
     def visit(value):
