@@ -58,6 +58,10 @@ def _build_chunk(model_provider_func, model_type, vp_stage):
 def _wrap_with_ddp(args, model):
     from megatron.core.distributed import DistributedDataParallel as DDP
     ddp_config = ddp_config_from_args(args)
+    if getattr(args, "use_torch_fsdp2", False):
+        from megatron.core.distributed import TorchFullyShardedDataParallel
+        # Each chunk is its own FSDP2 root; params are broadcast over DP before sharding.
+        return [TorchFullyShardedDataParallel(get_model_config(chunk), ddp_config, chunk) for chunk in model]
     wrapped = [DDP(config=get_model_config(chunk), ddp_config=ddp_config, module=chunk,
                    disable_bucketing=(i > 0)) for i, chunk in enumerate(model)]
     for chunk in wrapped:

@@ -63,6 +63,8 @@ def calc_params_l2_norm(model):
         for p in chunk.parameters():
             device = p.device
             sq = p.detach().float().pow(2).sum()
+            if hasattr(sq, "full_tensor"):  # FSDP2: sum of this DP shard -> sum over the DP group
+                sq = sq.full_tensor()
             if getattr(p, "tensor_model_parallel", False):
                 sharded = sharded + sq
             else:

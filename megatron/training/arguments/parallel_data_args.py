@@ -28,6 +28,8 @@ def add_distributed_args(parser):
     g.add_argument("--local-rank", "--local_rank", type=int, default=None,
                    help="Set by old launchers; LOCAL_RANK from the environment wins.")
     g.add_argument("--use-tp-pp-dp-mapping", action="store_true", help="Rank order tp-cp-ep-pp-dp.")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="Shard params, grads and optimizer state over DP with torch FSDP2 (composes with TP).")
     return parser
 
 

@@ -16,7 +16,6 @@ UNSUPPORTED_FLAGS = {
     "--mtp-num-layers": (dict(type=int), "multi-token prediction is not built yet"),
     "--fp4-format": (dict(type=str), "FP4 is not supported"),
     "--yaml-cfg": (dict(type=str), "YAML configs are not supported; pass command-line flags"),
-    "--use-torch-fsdp2": (dict(action="store_true"), "FSDP2 is not integrated yet; use DDP"),
     "--use-megatron-fsdp": (dict(action="store_true"), "Megatron-FSDP is not supported; use DDP"),
     "--tp-comm-overlap": (dict(action="store_true"), "TP communication overlap needs Transformer Engine"),
     "--spec": (dict(nargs="*"), "custom layer specs are not supported; the local spec is used"),
