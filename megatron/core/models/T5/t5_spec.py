@@ -1,19 +1,13 @@
 """Layer specs for T5: encoder layers (padding mask) and decoder layers (causal self-attention, then
 cross-attention to the encoder output), local torch implementation."""
 from megatron.core.models.bert.bert_layer_specs import get_bert_layer_local_spec
-from megatron.core.models.gpt.gpt_layer_specs import LNImpl, get_mlp_module_spec
+from megatron.core.models.gpt.gpt_layer_specs import LNImpl, get_local_layer_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.cross_attention import CrossAttention, CrossAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-from megatron.core.transformer.transformer_layer import (
-    TransformerLayer,
-    TransformerLayerSubmodules,
-    get_bias_dropout_add,
-)
 
 
 def encoder_model_with_local_spec() -> ModuleSpec:
@@ -23,30 +17,13 @@ def encoder_model_with_local_spec() -> ModuleSpec:
 
 def decoder_model_with_local_spec() -> ModuleSpec:
     """Causal self-attention -> cross-attention over the encoder output -> MLP, each pre-norm."""
-    return ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=LNImpl,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention,
-                    linear_proj=RowParallelLinear)),
-            self_attn_bda=get_bias_dropout_add,
-            pre_cross_attn_layernorm=LNImpl,
-            cross_attention=ModuleSpec(
-                module=CrossAttention,
-                params={"attn_mask_type": AttnMaskType.padding},
-                submodules=CrossAttentionSubmodules(
-                    linear_q=ColumnParallelLinear, linear_kv=ColumnParallelLinear,
-                    core_attention=DotProductAttention, linear_proj=RowParallelLinear)),
-            cross_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=LNImpl,
-            mlp=get_mlp_module_spec(),
-            mlp_bda=get_bias_dropout_add,
-        ),
-    )
+    cross_attention = ModuleSpec(
+        module=CrossAttention,
+        params={"attn_mask_type": AttnMaskType.padding},
+        submodules=CrossAttentionSubmodules(
+            linear_q=ColumnParallelLinear, linear_kv=ColumnParallelLinear,
+            core_attention=DotProductAttention, linear_proj=RowParallelLinear))
+    return get_local_layer_spec(AttnMaskType.causal, cross_attention=cross_attention)
 
 
 def get_t5_encoder_with_local_block_spec(num_layers: int) -> TransformerBlockSubmodules:

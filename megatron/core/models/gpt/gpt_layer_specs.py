@@ -37,21 +37,32 @@ def get_gpt_layer_local_spec(num_experts: Optional[int] = None, moe_grouped_gemm
         raise NotImplementedError("qk_l2_norm / kitchen / fp8 layer specs are not supported")
     # An explicit `normalization` overrides config.normalization for this spec's norms (as Megatron).
     norm = ModuleSpec(module=LNImpl, params={"normalization": normalization}) if normalization else LNImpl
-    qk_norm = norm if qk_layernorm else None
+    mlp = get_mlp_module_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
+    return get_local_layer_spec(AttnMaskType.causal, norm=norm, qk_norm=norm if qk_layernorm else None, mlp=mlp)
+
+
+def get_local_layer_spec(attn_mask_type: AttnMaskType, norm=LNImpl, qk_norm=None,
+                         mlp: Optional[ModuleSpec] = None, cross_attention: Optional[ModuleSpec] = None) -> ModuleSpec:
+    """Pre-norm local layer: self-attention [-> cross-attention] -> MLP, each behind ``norm``.
+    GPT, BERT and T5 differ only in the mask type, the optional qk norm and cross-attention."""
+    cross = {}
+    if cross_attention is not None:
+        cross = dict(pre_cross_attn_layernorm=norm, cross_attention=cross_attention,
+                     cross_attn_bda=get_bias_dropout_add)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
+                params={"attn_mask_type": attn_mask_type},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention,
-                    linear_proj=RowParallelLinear, q_layernorm=qk_norm,
-                    k_layernorm=qk_norm)),
+                    linear_proj=RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm)),
             self_attn_bda=get_bias_dropout_add,
+            **cross,
             pre_mlp_layernorm=norm,
-            mlp=get_mlp_module_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm),
+            mlp=mlp if mlp is not None else get_mlp_module_spec(),
             mlp_bda=get_bias_dropout_add,
         ),
     )
