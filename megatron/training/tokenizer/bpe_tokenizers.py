@@ -7,45 +7,19 @@ from typing import List, Optional
 import numpy
 
 from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer
+from megatron.training.tokenizer.vocab_tokenizer import _TokenizersLibTokenizer
 
 _EOD = "<|endoftext|>"
 
 
-class _TokenizersBackedTokenizer(MegatronTokenizer):
-    """Shared wrapper over a `tokenizers.Tokenizer` (vocab, specials, extra ids)."""
-
-    def _setup(self, tok, vocab_extra_ids: int):
-        self._tok = tok
-        if vocab_extra_ids:
-            tok.add_special_tokens([f"<extra_id_{i}>" for i in range(vocab_extra_ids)])
-        self._vocab = tok.get_vocab(with_added_tokens=True)
-        self._inv_vocab = {v: k for k, v in self._vocab.items()}
-        self._extra_ids = [self._vocab[f"<extra_id_{i}>"] for i in range(vocab_extra_ids)]
-
-    def tokenize(self, text: str) -> List[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+class _TokenizersBackedTokenizer(_TokenizersLibTokenizer):
+    """Byte-level BPE over a `tokenizers.Tokenizer`: specials survive decoding; offsets into the text."""
 
     def detokenize(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def offsets(self, ids, text):
         return [start for start, _ in self._tok.encode(text, add_special_tokens=False).offsets]
-
-    @property
-    def vocab(self):
-        return self._vocab
-
-    @property
-    def inv_vocab(self):
-        return self._inv_vocab
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def additional_special_tokens_ids(self):
-        return self._extra_ids
 
 
 class _GPT2BPETokenizer(_TokenizersBackedTokenizer):

@@ -1,10 +1,10 @@
 """SentencePiece-model tokenizers: generic (with Megatron's special tokens), GPT-style and Llama-2."""
 from typing import List
 
-from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer
+from megatron.training.tokenizer.vocab_tokenizer import _DictVocabTokenizer
 
 
-class _SentencePieceTokenizer(MegatronTokenizer):
+class _SentencePieceTokenizer(_DictVocabTokenizer):
     """SentencePiece model plus the BERT/T5 specials (<CLS>, <SEP>, <EOD>, <MASK>, <PAD>) and extra ids."""
 
     def __init__(self, model_file: str, vocab_extra_ids: int = 0):
@@ -74,18 +74,6 @@ class _SentencePieceTokenizer(MegatronTokenizer):
                 text += self.tokenizer.decode_ids(ids[last:i]) + " " + self._inv_special_tokens[token] + " "
                 last = i + 1
         return text + self.tokenizer.decode_ids(ids[last:])
-
-    @property
-    def vocab(self):
-        return self._vocab
-
-    @property
-    def inv_vocab(self):
-        return self._inv_vocab
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
 
     cls = property(lambda self: self._cls_id)
     sep = property(lambda self: self._sep_id)
