@@ -4,11 +4,8 @@ from typing import Literal, Optional, Tuple
 
 import torch
 
-from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
-from megatron.core.models.common.language_module.language_module import LanguageModule
-from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
-from megatron.core.transformer.initialize import initialize_parameters
+from megatron.core.models.common.language_module.language_module import LanguageModule, build_output_layer
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 
@@ -35,10 +32,8 @@ class T5LMHead(MegatronModule):
     def __init__(self, config, parallel_output: bool, vocab_size: int, pre_process: bool = True,
                  share_embeddings_and_output_weights: bool = True):
         super().__init__(config)
-        self.output_layer = tensor_parallel.ColumnParallelLinear(
-            config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=True,
-            skip_bias_add=False, gather_output=not parallel_output,
-            skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights)
+        self.output_layer = build_output_layer(config, vocab_size, True, parallel_output, pre_process,
+                                               share_embeddings_and_output_weights)
 
     def forward(self, hidden_states, word_embeddings_weight=None):
         logits, _ = self.output_layer(hidden_states, weight=word_embeddings_weight)
@@ -82,13 +77,7 @@ class T5Model(LanguageModule):
         self.decoder = TransformerBlock(config, transformer_decoder_layer_spec)
         self.lm_head = T5LMHead(config, parallel_output, vocab_size, pre_process,
                                 share_embeddings_and_output_weights)
-        for p in self.parameters():
-            set_defaults_if_not_set_tensor_model_parallel_attributes(p)
-            if not hasattr(p, "allreduce"):
-                p.allreduce = True
-        self.setup_embeddings_and_output_layer()
-        if config.perform_initialization:
-            initialize_parameters(self)
+        self.finalize_parameters()
 
     @property
     def output_layer(self):
@@ -100,11 +89,6 @@ class T5Model(LanguageModule):
             input_tensor = input_tensor[0]
         assert input_tensor is None, "T5Model is a single pipeline stage"
 
-    @staticmethod
-    def _position_ids(token_ids):
-        s = token_ids.size(1)
-        return torch.arange(s, dtype=torch.long, device=token_ids.device).unsqueeze(0).expand_as(token_ids)
-
     def forward(self, encoder_input_ids, decoder_input_ids, encoder_attn_mask, decoder_attn_mask,
                 encoder_decoder_attn_mask, lm_labels=None, encoder_hidden_states=None,
                 output_encoder_hidden_only: bool = False, inference_params=None, inference_context=None,
@@ -113,19 +97,16 @@ class T5Model(LanguageModule):
             raise NotImplementedError("T5Model inference contexts and packed sequences are not supported")
         if encoder_hidden_states is None:
             enc_in = self.embedding(input_ids=encoder_input_ids,
-                                    position_ids=self._position_ids(encoder_input_ids))  # [se, b, h]
+                                    position_ids=self.default_position_ids(encoder_input_ids))  # [se, b, h]
             encoder_hidden_states = self.encoder(hidden_states=enc_in, attention_mask=encoder_attn_mask)
         if output_encoder_hidden_only:
             return encoder_hidden_states
         dec_in = self.embedding(input_ids=decoder_input_ids,
-                                position_ids=self._position_ids(decoder_input_ids))  # [sd, b, h]
+                                position_ids=self.default_position_ids(decoder_input_ids))  # [sd, b, h]
         hidden = self.decoder(hidden_states=dec_in, attention_mask=decoder_attn_mask,
                               context=encoder_hidden_states, context_mask=encoder_decoder_attn_mask)  # [sd, b, h]
-        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        logits = self.lm_head(hidden, word_embeddings_weight=weight)  # [sd, b, V/tp]
-        if lm_labels is None:
-            return logits.transpose(0, 1).contiguous()  # [b, sd, V/tp]
-        return self.compute_language_model_loss(lm_labels, logits)  # [b, sd]
+        logits = self.lm_head(hidden, word_embeddings_weight=self.output_weight_for_forward())  # [sd, b, V/tp]
+        return self.logits_or_loss(logits, lm_labels)
 
 
 def encoder_config_from(config, encoder_num_layers: int):

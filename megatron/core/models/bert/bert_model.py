@@ -3,12 +3,9 @@ from typing import Literal, Optional
 
 import torch
 
-from megatron.core import tensor_parallel
 from megatron.core.models.bert.bert_lm_head import BertLMHead, Pooler, get_linear_layer
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
-from megatron.core.models.common.language_module.language_module import LanguageModule
-from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
-from megatron.core.transformer.initialize import initialize_parameters
+from megatron.core.models.common.language_module.language_module import LanguageModule, build_output_layer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 
@@ -50,22 +47,13 @@ class BertModel(LanguageModule):
                                         post_process=post_process, vp_stage=vp_stage)
         if post_process:
             self.lm_head = BertLMHead(config.hidden_size, config)
-            self.output_layer = tensor_parallel.ColumnParallelLinear(
-                config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=True,
-                skip_bias_add=False, gather_output=not parallel_output,
-                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights)
+            self.output_layer = build_output_layer(config, vocab_size, True, parallel_output, pre_process,
+                                                   share_embeddings_and_output_weights)
             self.binary_head = None
             if add_binary_head:
                 self.pooler = Pooler(config.hidden_size, config.init_method, config, config.sequence_parallel)
                 self.binary_head = get_linear_layer(config.hidden_size, 2, config.init_method, config)
-        for p in self.parameters():
-            set_defaults_if_not_set_tensor_model_parallel_attributes(p)
-            if not hasattr(p, "allreduce"):
-                p.allreduce = True
-        if pre_process or post_process:
-            self.setup_embeddings_and_output_layer()
-        if config.perform_initialization:
-            initialize_parameters(self)
+        self.finalize_parameters()
 
     def set_input_tensor(self, input_tensor) -> None:
         """Feed the activation received from the previous pipeline stage."""
@@ -85,10 +73,8 @@ class BertModel(LanguageModule):
         key_is_pad = attention_mask < 0.5  # [b, s]
         return key_is_pad[:, None, None, :].expand(b, 1, s, s)
 
-    @staticmethod
-    def bert_position_ids(token_ids: torch.Tensor) -> torch.Tensor:
-        s = token_ids.size(1)
-        return torch.arange(s, dtype=torch.long, device=token_ids.device).unsqueeze(0).expand_as(token_ids)
+    # Megatron's name for the [b, s] positions 0..s-1.
+    bert_position_ids = staticmethod(LanguageModule.default_position_ids)
 
     def forward(self, input_ids, attention_mask, tokentype_ids=None, lm_labels=None, inference_params=None,
                 inference_context=None, **kwargs):
@@ -97,7 +83,7 @@ class BertModel(LanguageModule):
         mask = self.bert_extended_attention_mask(attention_mask)
         hidden = None
         if self.pre_process:
-            hidden = self.embedding(input_ids=input_ids, position_ids=self.bert_position_ids(input_ids),
+            hidden = self.embedding(input_ids=input_ids, position_ids=self.default_position_ids(input_ids),
                                     tokentype_ids=tokentype_ids)  # [s, b, h]
         hidden = self.encoder(hidden_states=hidden, attention_mask=mask)  # [s, b, h]
         if not self.post_process:
@@ -105,8 +91,5 @@ class BertModel(LanguageModule):
         binary_logits = None
         if self.binary_head is not None:
             binary_logits = self.binary_head(self.pooler(hidden, 0))  # [b, 2]
-        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        logits, _ = self.output_layer(self.lm_head(hidden), weight=weight)  # [s, b, V/tp]
-        if lm_labels is None:
-            return logits.transpose(0, 1).contiguous(), binary_logits
-        return self.compute_language_model_loss(lm_labels, logits), binary_logits
+        logits, _ = self.output_layer(self.lm_head(hidden), weight=self.output_weight_for_forward())  # [s, b, V/tp]
+        return self.logits_or_loss(logits, lm_labels), binary_logits

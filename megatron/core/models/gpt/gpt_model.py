@@ -3,12 +3,10 @@ from typing import Literal, Optional
 
 import torch
 
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.models.common.language_module.language_module import LanguageModule
-from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
-from megatron.core.transformer.initialize import initialize_parameters
+from megatron.core.models.common.language_module.language_module import LanguageModule, build_output_layer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 
@@ -53,18 +51,9 @@ class GPTModel(LanguageModule):
         self.decoder = TransformerBlock(config, transformer_layer_spec, pre_process=pre_process,
                                         post_process=post_process, vp_stage=vp_stage)
         if post_process:
-            self.output_layer = tensor_parallel.ColumnParallelLinear(
-                config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=False,
-                skip_bias_add=False, gather_output=not parallel_output,
-                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights)
-        for p in self.parameters():
-            set_defaults_if_not_set_tensor_model_parallel_attributes(p)
-            if not hasattr(p, "allreduce"):
-                p.allreduce = True
-        if pre_process or post_process:
-            self.setup_embeddings_and_output_layer()
-        if config.perform_initialization:
-            initialize_parameters(self)
+            self.output_layer = build_output_layer(config, vocab_size, False, parallel_output, pre_process,
+                                                   share_embeddings_and_output_weights)
+        self.finalize_parameters()
 
     def set_input_tensor(self, input_tensor) -> None:
         """Feed the activation received from the previous pipeline stage."""
@@ -88,8 +77,6 @@ class GPTModel(LanguageModule):
                               rotary_pos_emb=rotary_pos_emb, **(extra_block_kwargs or {}))
         if not self.post_process:
             return hidden
-        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        logits, _ = self.output_layer(hidden, weight=weight, runtime_gather_output=runtime_gather_output)
-        if labels is None:
-            return logits.transpose(0, 1).contiguous()  # [b, s, V/tp]
-        return self.compute_language_model_loss(labels, logits)  # [b, s]
+        logits, _ = self.output_layer(hidden, weight=self.output_weight_for_forward(),
+                                      runtime_gather_output=runtime_gather_output)  # [s, b, V/tp]
+        return self.logits_or_loss(logits, labels)

@@ -2,10 +2,52 @@
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
+from megatron.core.transformer.initialize import initialize_parameters
 from megatron.core.transformer.module import MegatronModule
 
 
+def build_output_layer(config, vocab_size: int, bias: bool, parallel_output: bool, pre_process: bool,
+                       share_embeddings_and_output_weights: bool) -> tensor_parallel.ColumnParallelLinear:
+    """Column-parallel vocab projection [s, b, h] -> [s, b, V/tp]; with tied weights on the first
+    stage it allocates no weight and takes the embedding's at forward time."""
+    return tensor_parallel.ColumnParallelLinear(
+        config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=bias,
+        skip_bias_add=False, gather_output=not parallel_output,
+        skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights)
+
+
 class LanguageModule(MegatronModule):
+    def finalize_parameters(self) -> None:
+        """Last step of a subclass __init__: TP defaults and the DP all-reduce flag on every parameter,
+        tied-weight marks, then layout-independent initialization."""
+        for p in self.parameters():
+            set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+            if not hasattr(p, "allreduce"):
+                p.allreduce = True
+        if self.pre_process or self.post_process:
+            self.setup_embeddings_and_output_layer()
+        if self.config.perform_initialization:
+            initialize_parameters(self)
+
+    @staticmethod
+    def default_position_ids(token_ids: torch.Tensor) -> torch.Tensor:
+        """[b, s] token ids -> [b, s] positions 0..s-1."""
+        s = token_ids.size(1)
+        return torch.arange(s, dtype=torch.long, device=token_ids.device).unsqueeze(0).expand_as(token_ids)
+
+    def output_weight_for_forward(self):
+        """The weight to hand the output layer: the shared one when tied, else None (its own)."""
+        if self.share_embeddings_and_output_weights:
+            return self.shared_embedding_or_output_weight()
+        return None
+
+    def logits_or_loss(self, logits: torch.Tensor, labels) -> torch.Tensor:
+        """Logits [s, b, V/tp] -> [b, s, V/tp] without labels, the per-token loss [b, s] with them."""
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()  # [b, s, V/tp]
+        return self.compute_language_model_loss(labels, logits)  # [b, s]
+
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Per-token loss [b, s] in fp32 from logits [s, b, V/tp] and labels [b, s]."""
         labels = labels.transpose(0, 1).contiguous()  # [s, b]
