@@ -11,12 +11,15 @@ from functools import partial
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset, T5MaskedWordPieceDatasetConfig
-from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.enums import ModelType
-from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
+from megatron.training import get_args, get_timers, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.masked_lm_datasets import (
+    build_masked_datasets,
+    is_dataset_built_on_rank,
+    masked_dataset_config_kwargs,
+)
 
 
 def add_t5_args(parser):
@@ -110,20 +113,10 @@ def forward_step(data_iterator, model):
     return output_tensor, partial(loss_func, loss_mask)
 
 
-def is_dataset_built_on_rank(vp_stage=None):
-    return parallel_state.get_tensor_model_parallel_rank() == 0
-
-
 def core_t5_dataset_config_from_args(args):
     return T5MaskedWordPieceDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length, sequence_length_encoder=args.seq_length,
-        sequence_length_decoder=args.decoder_seq_length, blend=get_blend_from_list(args.data_path),
-        blend_per_split=[get_blend_from_list(args.train_data_path), get_blend_from_list(args.valid_data_path),
-                         get_blend_from_list(args.test_data_path)],
-        split=args.split, num_dataset_builder_threads=args.num_dataset_builder_threads,
-        path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files, tokenizer=get_tokenizer(),
-        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
-        masking_probability=args.mask_prob, short_sequence_probability=args.short_seq_prob,
+        **masked_dataset_config_kwargs(args), sequence_length=args.seq_length,
+        sequence_length_encoder=args.seq_length, sequence_length_decoder=args.decoder_seq_length,
         masking_max_ngram=10, masking_do_full_word=False, masking_do_permutation=False,
         masking_use_longer_ngrams=False, masking_use_geometric_distribution=True)
 
@@ -132,12 +125,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     """T5 train/valid/test datasets from sentence-split data."""
     args = get_args()
     check_t5_args(args)
-    print_rank_0("> building train, validation, and test datasets for T5 ...")
-    train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
-        T5MaskedWordPieceDataset, train_val_test_num_samples, is_dataset_built_on_rank,
-        core_t5_dataset_config_from_args(args)).build()
-    print_rank_0("> finished creating T5 datasets ...")
-    return train_ds, valid_ds, test_ds
+    return build_masked_datasets(T5MaskedWordPieceDataset, core_t5_dataset_config_from_args(args),
+                                 train_val_test_num_samples, "T5")
 
 
 # Every rank calls the provider; the builder decides which ranks actually build.
