@@ -84,3 +84,29 @@ def test_async_two_ranks_equals_sync(tmp_path):
     for k in ("qkv", "proj", "bias"):
         assert torch.equal(la[k], ls[k])
     _check(la, 0, 1)
+
+
+def _tagged_all_reduce(value, delay, results, key, group=None):
+    """A write stand-in: one collective on the queue's group (``delay`` makes this rank reach it late)."""
+    import time
+    time.sleep(delay)
+    t = torch.tensor([float(value)])
+    torch.distributed.all_reduce(t, group=group)
+    results[key] = t.item()
+
+
+def _two_pending_writes():
+    rank = torch.distributed.get_rank()
+    q, results = dc.AsyncCallsQueue(), {}
+    # Were both writes in flight at once, rank 0 would reach b's collective first and rank 1 a's, so
+    # they would pair up on the shared group (a == b == 11).
+    q.schedule_async_request(dc.AsyncRequest(_tagged_all_reduce, (1, 0.5 if rank == 0 else 0.0, results, "a")))
+    q.schedule_async_request(dc.AsyncRequest(_tagged_all_reduce, (10, 0.0 if rank == 0 else 0.2, results, "b")))
+    done = q.maybe_finalize_async_calls(blocking=True)
+    return done, results
+
+
+def test_async_writes_run_in_schedule_order():
+    """Back-to-back saves: each write's collectives run after the previous write's, on every rank."""
+    for done, results in run_distributed(_two_pending_writes, 2):
+        assert done == [0, 1] and results == {"a": 2.0, "b": 20.0}

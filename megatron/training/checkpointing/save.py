@@ -38,6 +38,13 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     fmt = args.ckpt_format
     if getattr(args, "async_save", False) and fmt != "torch_dist":
         raise NotImplementedError(f"--async-save needs --ckpt-format torch_dist (got {fmt})")
+    if getattr(args, "async_save", False) and not async_utils.is_empty_async_queue():
+        # Publish the pending save first: at most one background write (and host copy) at a time, and
+        # checkpoints are recorded in iteration order. The queue length is the same on every rank (it only
+        # shrinks on all-reduced flags), so all ranks take this collective branch together.
+        print_rank_0("WARNING: Starting a checkpoint save before previous has finished. "
+                     "Consider increasing the checkpoint interval.")
+        async_utils.maybe_finalize_async_save(blocking=True)
     save_dir = args.save
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {save_dir} in {fmt} format")
     start = time.time()

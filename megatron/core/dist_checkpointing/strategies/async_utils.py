@@ -1,7 +1,10 @@
 """Background checkpoint writes whose completion is agreed on by all ranks before it is recorded.
 
 `AsyncCallsQueue.schedule_async_request` runs a request's write function in a thread (on a dedicated
-gloo group, so its collectives never interleave with training's). `maybe_finalize_async_calls` is called
+gloo group, so its collectives never interleave with training's). Writes run one after another in the
+order they were scheduled: two writes in flight at once would issue collectives on that one group from
+two threads, in an order that differs between ranks (a deadlock or mixed-up data), so each write thread
+first waits for the previous one. `maybe_finalize_async_calls` is called
 at the same points on every rank; it all-reduces "done" and "failed" flags and runs the finalize
 functions (metadata, rename, tracker) only when every rank finished writing without error.
 """
@@ -27,13 +30,16 @@ class AsyncRequest:
 
 
 class _Call:
-    def __init__(self, idx: int, request: AsyncRequest, group):
+    def __init__(self, idx: int, request: AsyncRequest, group, previous: Optional[threading.Thread] = None):
         self.idx, self.request, self.error = idx, request, None
-        self.thread = threading.Thread(target=self._run, args=(group,), daemon=True,
+        self.thread = threading.Thread(target=self._run, args=(group, previous), daemon=True,
                                        name=f"async-ckpt-{idx}")
         self.thread.start()
 
-    def _run(self, group) -> None:
+    def _run(self, group, previous: Optional[threading.Thread]) -> None:
+        if previous is not None:
+            # Same order of collectives on the shared group on every rank: strictly one write at a time.
+            previous.join()
         try:
             if self.request.async_fn is not None:
                 self.request.async_fn(*self.request.async_fn_args, group=group)
@@ -58,6 +64,7 @@ class AsyncCallsQueue:
         self._calls: List[_Call] = []
         self._next_idx = 0
         self._group = None
+        self._last_thread: Optional[threading.Thread] = None  # writer of the latest call, finalized or not
         self.failed: List[str] = []
 
     def _async_group(self):
@@ -67,7 +74,8 @@ class AsyncCallsQueue:
 
     def schedule_async_request(self, request: AsyncRequest) -> int:
         group = self._async_group()
-        call = _Call(self._next_idx, request, group)
+        call = _Call(self._next_idx, request, group, previous=self._last_thread)
+        self._last_thread = call.thread
         self._calls.append(call)
         self._next_idx += 1
         return call.idx
