@@ -72,7 +72,9 @@ class DistributedDataParallel(torch.nn.Module):
     def _grad_hook(self, param):
         """Move `param.grad` into `main_grad` (freeing it) and report the grad ready to its bucket."""
         if param.grad is not None:
-            if not getattr(param, "grad_added_to_main_grad", False):
+            # A fused wgrad already went into main_grad (`.grad` is zeros), unless the param is also
+            # used outside fused linears (`zero_out_wgrad`: tied embedding), whose grad is in `.grad`.
+            if not getattr(param, "grad_added_to_main_grad", False) or getattr(param, "zero_out_wgrad", False):
                 param.main_grad.add_(param.grad.data)
             param.grad = None
         if self.ddp_config.overlap_grad_reduce:

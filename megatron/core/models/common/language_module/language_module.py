@@ -82,3 +82,8 @@ class LanguageModule(MegatronModule):
         if weight is not None:
             weight.shared_embedding = True
             weight.shared = True
+            if self.pre_process and self.post_process:
+                # Used twice on this stage: the output layer's fused wgrad goes into main_grad and
+                # hands autograd zeros, but the embedding lookup's grad arrives in `.grad`, so DDP
+                # must still add `.grad` into main_grad (Megatron's `zero_out_wgrad`).
+                weight.zero_out_wgrad = True
