@@ -17,12 +17,22 @@ from megatron.training.utils import print_rank_0
 DEFAULT_MASTER_PORT = 29500
 
 
+def _line_atomic_output():
+    """Write each printed line with one system call. torchrun starts workers with `python -u`, where
+    print() writes the text and the newline separately, so lines from ranks sharing a pipe interleave
+    mid-line and break log parsers; line buffering joins them again."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unknown_args=False,
                         allow_no_cuda=True, skip_mpu_initialization=False, parsed_args=None):
     """Parse + validate flags, set up torch.distributed and model-parallel groups, seed RNGs.
 
     A configuration error prints `error: <one line>` on rank 0 and exits with code 2.
     """
+    _line_atomic_output()
     setup_launcher_env()
     try:
         args = parsed_args if parsed_args is not None else parse_args(extra_args_provider, ignore_unknown_args)
