@@ -1,5 +1,6 @@
 """initialize_megatron: flags, launcher environment (torchrun / SLURM / single process), device,
 process groups, seeds, dataset helpers and writers."""
+import atexit
 import datetime
 import os
 import random
@@ -134,6 +135,15 @@ def _initialize_distributed(args):
     if torch.cuda.is_available() and args.distributed_backend == "nccl":
         kwargs["device_id"] = torch.device(f"cuda:{torch.cuda.current_device()}")
     torch.distributed.init_process_group(**kwargs)
+    atexit.register(_shutdown_distributed)
+
+
+def _shutdown_distributed():
+    """Destroy the process groups we created before the interpreter finalises: a gloo group torn down
+    during finalisation can abort a finished run ("terminate called without an active exception")."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
 
 
 def _initialize_model_parallel(args):
