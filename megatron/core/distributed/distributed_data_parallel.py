@@ -5,11 +5,12 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.distributed.wrapped_module import WrappedModule
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
 
 
-class DistributedDataParallel(torch.nn.Module):
+class DistributedDataParallel(WrappedModule):
     """Wraps `module`: every param gets `.main_grad` (a view into a flat per-dtype buffer); backward
     hooks accumulate `param.grad` into it and, with `overlap_grad_reduce`, launch each bucket's
     collective as soon as the bucket's last grad is in. Grads end up averaged over the DP x CP group."""
@@ -162,16 +163,3 @@ class DistributedDataParallel(torch.nn.Module):
             for bucket in buckets.values():
                 bucket.finish_param_sync()
         return hook
-
-    # -- checkpointing passes through to the wrapped module -----------------------------------
-    def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True):
-        return self.module.load_state_dict(state_dict, strict=strict)
-
-    def sharded_state_dict(self, prefix: str = "", *args, **kwargs):
-        return self.module.sharded_state_dict(prefix, *args, **kwargs)
-
-    def set_input_tensor(self, input_tensor):
-        return self.module.set_input_tensor(input_tensor)

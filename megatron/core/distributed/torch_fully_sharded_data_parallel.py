@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.distributed.wrapped_module import WrappedModule
 from megatron.core.distributed.torch_fsdp2_state import (
     full_local_tensor, is_dtensor, megatron_attributes, shard_like)
 
@@ -32,7 +33,7 @@ def _default_wrap_types():
     return (TransformerLayer,)
 
 
-class TorchFullyShardedDataParallel(torch.nn.Module):
+class TorchFullyShardedDataParallel(WrappedModule):
     def __init__(self, config, ddp_config, module: torch.nn.Module, sub_modules_to_wrap=None, **unused):
         super().__init__()
         from torch.distributed.device_mesh import DeviceMesh
@@ -101,18 +102,6 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
 
     def finish_param_sync(self):
         pass
-
-    def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True):
-        return self.module.load_state_dict(state_dict, strict=strict)
-
-    def sharded_state_dict(self, prefix: str = "", *args, **kwargs):
-        return self.module.sharded_state_dict(prefix, *args, **kwargs)
-
-    def set_input_tensor(self, input_tensor):
-        return self.module.set_input_tensor(input_tensor)
 
 
 def _gather_state_dict_hook(module, state_dict, prefix, local_metadata):
