@@ -54,19 +54,29 @@ def get_grad_norm_fp32(grads_for_norm: Sequence[torch.Tensor], norm_type: Union[
                             groups, dist.ReduceOp.MAX)
         return total.item()
     total = torch.zeros(1, dtype=torch.float32, device=device)
-    for g in grads_for_norm:
-        g = g.to_local() if hasattr(g, "to_local") else g  # FSDP2: local shard of a DTensor
-        total += torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type
+    # FSDP2: the local shard of a DTensor. One multi-tensor norm kernel instead of a launch per grad.
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads_for_norm]
+    local = [g.detach().float() for g in local if g.numel()]
+    if local:
+        norms = torch._foreach_norm(local, norm_type)
+        total += torch.stack(norms).pow(norm_type).sum()
     _all_reduce(total, groups)
     return total.item() ** (1.0 / norm_type)
 
 
+def clip_coefficient(max_norm: float, total_norm: float) -> float:
+    """The factor Megatron scales grads by: max_norm / (total_norm + 1e-6), applied only when below 1."""
+    return max_norm / (total_norm + 1.0e-6)
+
+
 def clip_grad_by_total_norm_fp32(grads: Iterable[torch.Tensor], max_norm: float, total_norm: float):
     """Scale grads in place by max_norm / (total_norm + 1e-6) when that is below 1."""
-    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    clip_coeff = clip_coefficient(max_norm, total_norm)
     if clip_coeff < 1.0:
-        for g in grads:
-            g.detach().mul_(clip_coeff)
+        grads = [g.detach() for g in grads]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        if local:  # a DistOpt rank may own no grads
+            torch._foreach_mul_(local, clip_coeff)
 
 
 def clip_grad_norm_fp32(parameters, max_norm: float, norm_type: Union[int, float] = 2,

@@ -15,7 +15,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed.torch_fsdp2_state import full_local_tensor, shard_like
 from megatron.core.optimizer import optimizer_state
 from megatron.core.optimizer.clip_grads import (
-    clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32, param_counts_for_grad_stats)
+    clip_coefficient, clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32, param_counts_for_grad_stats)
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 
@@ -88,7 +88,11 @@ class MegatronOptimizer:
         return self.grad_scaler.scale
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.get_loss_scale().to(loss.device)
+        # The scale lives on the host: multiply by its value (no host-to-device copy, which a CUDA
+        # graph capture forbids), and not at all without a scaler.
+        if self.grad_scaler is None:
+            return loss
+        return loss * float(self.get_loss_scale())
 
     # -- grad statistics -----------------------------------------------------------------------
     def _main_grads_for_stats(self) -> List[torch.Tensor]:
@@ -102,9 +106,35 @@ class MegatronOptimizer:
     def clip_grad_norm(self, clip_grad: float) -> float:
         grad_norm = self.get_grad_norm()
         if clip_grad > 0.0:
-            clip_grad_by_total_norm_fp32([p.grad for p in self.get_parameters() if p.grad is not None],
-                                         clip_grad, grad_norm)
+            coeff = clip_coefficient(clip_grad, grad_norm)
+            if coeff < 1.0 and self._inner_step_unscales_grads():
+                # The fused Adam kernel divides each grad by `grad_scale` as it reads it: the clip costs
+                # no extra pass over the fp32 grads (what a separate in-place multiply would).
+                self._clip_grad_scale = 1.0 / coeff
+            else:
+                clip_grad_by_total_norm_fp32([p.grad for p in self.get_parameters() if p.grad is not None],
+                                             clip_grad, grad_norm)
         return grad_norm
+
+    def _inner_step_unscales_grads(self) -> bool:
+        """True for torch's fused Adam/AdamW on CUDA, which take a `grad_scale` to divide grads by."""
+        inner = self.optimizer
+        return (isinstance(inner, torch.optim.Adam) and bool(inner.defaults.get("fused"))
+                and self.grad_scaler is None
+                and all(p.is_cuda and not hasattr(p, "to_local") for p in self.get_parameters()))
+
+    def _inner_step(self):
+        scale = getattr(self, "_clip_grad_scale", None)
+        if scale is None:
+            self.optimizer.step()
+            return
+        self._clip_grad_scale = None
+        device = self.get_parameters()[0].device
+        self.optimizer.grad_scale = torch.tensor(scale, dtype=torch.float32, device=device)
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.grad_scale
 
     def count_zeros(self) -> float:
         return count_zeros_fp32(self._main_grads_for_stats(), self.get_grad_stats_parallel_group())
@@ -154,7 +184,7 @@ class MegatronOptimizer:
             with self._timed("optimizer-count-zeros"):
                 num_zeros = self.count_zeros()
         with self._timed("optimizer-inner-step"):
-            self.optimizer.step()
+            self._inner_step()
         with self._timed("optimizer-copy-main-to-model-params"):
             self._copy_main_params_to_model_params()
         self._after_step()
