@@ -74,7 +74,15 @@ def _accumulate_weight_grad(main_grad, g2d, x2d):
     """main_grad += g^T x. With 16-bit operands on CUDA the GEMM runs on tensor cores with an fp32
     output (as Megatron's fused wgrad kernel); upcasting the operands first would put it on the fp32
     SIMT path, several times slower than everything else in the step."""
+    global _ADDMM_OUT_DTYPE
     if g2d.is_cuda and g2d.dtype in (torch.bfloat16, torch.float16) and main_grad.dtype == torch.float32:
+        if _ADDMM_OUT_DTYPE and not torch.compiler.is_compiling():  # dynamo has no meta for it
+            try:
+                # The GEMM epilogue adds into main_grad (beta = 1): no fp32 temporary to write and re-read.
+                torch.addmm(main_grad, g2d.t(), x2d, out_dtype=torch.float32, out=main_grad)
+                return
+            except (TypeError, RuntimeError, NotImplementedError):
+                _ADDMM_OUT_DTYPE = False  # older torch: fp32-output GEMM, then a separate add
         try:
             main_grad.add_(torch.mm(g2d.t(), x2d, out_dtype=torch.float32))
             return
@@ -82,6 +90,9 @@ def _accumulate_weight_grad(main_grad, g2d, x2d):
             main_grad.add_(g2d.t() @ x2d)
             return
     main_grad.add_(g2d.t().to(main_grad.dtype) @ x2d.to(main_grad.dtype))
+
+
+_ADDMM_OUT_DTYPE = True  # set False once if this torch has no addmm(out_dtype=, out=) on CUDA
 
 
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
@@ -115,8 +126,11 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             _accumulate_weight_grad(weight.main_grad, g2d, x2d)
             grad_weight = None
             if hasattr(weight, "grad_added_to_main_grad"):
-                # Autograd must still see a gradient so DDP's per-param hooks fire; the hook skips it.
-                grad_weight = torch.zeros_like(weight)
+                # Autograd must still see a gradient so DDP's per-param hooks fire; the hook skips it,
+                # so it needs no memset, unless the param also gets a real .grad elsewhere (tied
+                # embedding, `zero_out_wgrad`), where autograd adds this dummy to it.
+                make = torch.zeros_like if getattr(weight, "zero_out_wgrad", False) else torch.empty_like
+                grad_weight = make(weight)
                 weight.grad_added_to_main_grad = True
         else:
             grad_weight = g2d.t() @ x2d
