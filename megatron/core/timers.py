@@ -11,7 +11,8 @@ import torch
 
 def _synchronize():
     # Device work is asynchronous: wait for it so a timer measures the work, not its launch.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    # Not while a CUDA graph is being captured (syncing is illegal there; see full_cuda_graph.py).
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and not torch.cuda.is_current_stream_capturing():
         torch.cuda.synchronize()
 
 

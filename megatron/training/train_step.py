@@ -6,9 +6,36 @@ from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.training.global_vars import get_args
 
 
-def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config):
+def get_training_forward_backward_func():
+    """The schedule for this layout, wrapped in a whole-iteration CUDA graph with
+    ``--cuda-graph-impl full_iteration``. Build it once per training run: the wrapper owns the graph."""
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+    args = get_args()
+    forward_backward_func = get_forward_backward_func()
+    if getattr(args, "cuda_graph_impl", "none") != "full_iteration":
+        return forward_backward_func
+    checks = _check_losses_finite if args.check_for_nan_in_loss_and_grad else None
+    return FullCudaGraphWrapper(forward_backward_func, args.cuda_graph_warmup_steps, checks_after_replay=checks)
+
+
+def _check_losses_finite(loss_dicts):
+    """--check-for-nan-in-loss-and-grad for a replayed graph (the per-micro-batch check cannot sync
+    inside the capture, so it runs here on the graph's loss outputs)."""
+    for i, loss_dict in enumerate(loss_dicts):
+        for key, value in loss_dict.items():
+            if torch.is_tensor(value) and not bool(torch.isfinite(value).all()):
+                raise RuntimeError(f"rank {torch.distributed.get_rank()}: {key} of micro-batch {i} is "
+                                   f"{value.tolist()} (NaN/Inf); lower --lr or use --bf16, or pass "
+                                   "--no-check-for-nan-in-loss-and-grad")
+
+
+def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+               forward_backward_func=None):
     """Forward/backward over all microbatches, optimizer step, scheduler step on success.
 
+    ``forward_backward_func`` defaults to the layout's schedule; `train()` passes the one from
+    `get_training_forward_backward_func()` (which may hold a CUDA graph).
     Returns (loss_dict, skipped_iter, grad_norm, num_zeros_in_grad); loss_dict is empty off the last stage.
     """
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
@@ -16,7 +43,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    forward_backward_func = get_forward_backward_func()
+    if forward_backward_func is None:
+        forward_backward_func = get_forward_backward_func()
     losses_reduced = forward_backward_func(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=get_num_microbatches(), seq_length=args.seq_length,

@@ -16,7 +16,7 @@ from megatron.training.global_vars import get_args, get_signal_handler, get_time
 from megatron.training.initialize import initialize_megatron
 from megatron.training.log_line import training_log
 from megatron.training.model_setup import get_model, print_startup_banner, setup_model_and_optimizer  # noqa: F401
-from megatron.training.train_step import train_step
+from megatron.training.train_step import get_training_forward_backward_func, train_step
 from megatron.training.utils import calc_params_l2_norm, print_rank_0
 
 _TRAIN_START_TIME = time.time()
@@ -124,11 +124,13 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     _setup_config(config, model, optimizer)
     total_loss_dict, report_memory_flag = {}, True
     iteration = args.iteration
+    forward_backward_func = get_training_forward_backward_func()
     timers("interval-time", log_level=0).start(barrier=True)
     while iteration < args.train_iters:
         update_num_microbatches(args.consumed_train_samples, consistency_check=True)
         loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
-            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config)
+            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config,
+            forward_backward_func)
         iteration += 1
         args.iteration = iteration
         batch_size = args.micro_batch_size * args.data_parallel_size * get_num_microbatches()

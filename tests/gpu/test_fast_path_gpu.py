@@ -69,3 +69,37 @@ def test_compiled_layer_matches_eager():
         out.append((loss, torch.cat([p.grad.float().flatten() for p in m.parameters()])))
     assert _rel(out[1][0], out[0][0]) < 1e-3
     assert _rel(out[1][1], out[0][1]) < 3e-2  # bf16 grads, different fusion order
+
+
+def test_clip_folded_into_fused_adam_matches_explicit_clip():
+    """Clipping through the fused AdamW's grad_scale equals scaling the grads first."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from tests.unit.test_full_cuda_graph import _single_rank
+    _single_rank()  # the grad-norm all-reduce needs a (one-rank) process group
+    results = []
+    for fold in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)).cuda().bfloat16()
+        opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0, bf16=True), [model])
+        if not fold:
+            opt._inner_step_unscales_grads = lambda: False
+        assert opt._inner_step_unscales_grads() == fold
+        for _ in range(3):
+            for p in model.parameters():
+                p.grad = torch.randn_like(p) * 10  # global norm >> 1: the clip is active
+            ok, norm, _ = opt.step()
+            assert ok and norm > 1.0
+        results.append([p.detach().float().clone() for p in opt.get_parameters()])
+    for a, b in zip(*results):
+        assert _rel(a, b) < 1e-6
+
+
+def test_weight_grad_accumulation_uses_addmm_epilogue():
+    from megatron.core.tensor_parallel import layers
+    g = torch.randn(1024, 256, device="cuda").bfloat16()
+    x = torch.randn(1024, 128, device="cuda").bfloat16()
+    main = torch.randn(256, 128, device="cuda")
+    ref = main.double() + g.double().t() @ x.double()
+    layers._accumulate_weight_grad(main, g, x)
+    assert layers._ADDMM_OUT_DTYPE, "torch.addmm(out_dtype=float32, out=main_grad) is unavailable here"
+    assert _rel(main, ref) < 1e-5

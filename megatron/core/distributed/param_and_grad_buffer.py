@@ -78,6 +78,12 @@ class _ParamAndGradBucket:
         assert self.grad_reduce_handle is None, "grad sync already started for this bucket"
         if self.ddp_config.check_for_nan_in_grad:
             self.check_for_nan()
+        if self.dp_size == 1:
+            # One replica: nothing to exchange (and no collective inside a captured CUDA graph).
+            if not self.ddp_config.average_in_collective and self.gradient_scaling_factor != 1.0:
+                self.grad_data.mul_(self.gradient_scaling_factor)
+            self.grad_reduce_handle = _DoneHandle()
+            return
         op = dist.ReduceOp.SUM
         if self.ddp_config.average_in_collective:
             op = dist.ReduceOp.AVG

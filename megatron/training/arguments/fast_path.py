@@ -1,4 +1,4 @@
-"""Checks of the GPU fast-path flags: --transformer-impl, --use-flash-attn, --fp8-*.
+"""Checks of the GPU fast-path flags: --transformer-impl, --use-flash-attn, --fp8-*, --cuda-graph-*.
 
 Transformer Engine layers are not integrated, so an explicit --transformer-impl transformer_engine is
 refused (never silently replaced by local layers). --use-flash-attn selects torch SDPA's flash kernel.
@@ -38,3 +38,55 @@ def validate_fast_path_args(args, require):
                 "--fp8-amax-history-len / --fp8-amax-compute-algo belong to the delayed FP8 recipe, which is "
                 "not supported; drop them")
         require(args.fp8_margin >= 0, f"--fp8-margin ({args.fp8_margin}) must be >= 0")
+    validate_cuda_graph_args(args, require)
+
+
+def validate_cuda_graph_args(args, require):
+    """Resolve the CUDA-graph spellings to ``args.cuda_graph_impl`` and refuse what cannot be captured."""
+    if args.enable_cuda_graph:
+        require(args.cuda_graph_impl in ("none", "local"),
+                f"--enable-cuda-graph conflicts with --cuda-graph-impl {args.cuda_graph_impl}")
+        args.cuda_graph_impl = "local"
+    if args.external_cuda_graph:
+        require(args.cuda_graph_impl in ("none", "transformer_engine"),
+                f"--external-cuda-graph conflicts with --cuda-graph-impl {args.cuda_graph_impl}")
+        args.cuda_graph_impl = "transformer_engine"
+    scope = args.cuda_graph_scope or []
+    if args.cuda_graph_impl == "local" and scope == ["full_iteration"]:
+        args.cuda_graph_impl = "full_iteration"
+    require(args.cuda_graph_impl != "transformer_engine",
+            "--cuda-graph-impl transformer_engine (--external-cuda-graph) needs Transformer Engine layers, "
+            "which are not integrated; use --cuda-graph-impl full_iteration")
+    require(args.cuda_graph_impl != "local",
+            "--cuda-graph-impl local (--enable-cuda-graph): per-layer CUDA graphs are not built; use "
+            "--cuda-graph-impl full_iteration (one graph for the forward and backward of the whole step)")
+    if args.cuda_graph_impl == "none":
+        require(not scope, "--cuda-graph-scope needs --cuda-graph-impl full_iteration")
+        return
+    require(not scope or scope == ["full_iteration"],
+            f"--cuda-graph-scope {' '.join(scope)}: only full_iteration is built")
+    require(args.cuda_graph_warmup_steps >= 1,
+            f"--cuda-graph-warmup-steps must be >= 1 (got {args.cuda_graph_warmup_steps})")
+    flag = "--cuda-graph-impl full_iteration"
+    # Each refusal names the blocker: a host sync, a collective, or RNG-state swapping inside the step.
+    require(args.tensor_model_parallel_size == 1 and args.pipeline_model_parallel_size == 1,
+            f"{flag} supports tensor and pipeline parallel size 1 (TP broadcasts batch shapes to the host and "
+            "PP exchanges activations between ranks inside the step); drop the flag or the TP/PP sizes")
+    require(args.context_parallel_size == 1, f"{flag} does not support --context-parallel-size > 1")
+    require(args.world_size == 1,
+            f"{flag} is validated on one GPU only: data-parallel gradient reduction inside a captured graph "
+            "is not tested yet; run without the flag on more than one GPU")
+    require(not getattr(args, "use_torch_fsdp2", False), f"{flag} does not support --use-torch-fsdp2")
+    require(args.rampup_batch_size is None,
+            f"{flag} needs a fixed number of micro-batches per step; drop --rampup-batch-size")
+    require(not args.calculate_per_token_loss,
+            f"{flag}: --calculate-per-token-loss reads the token count on the host inside the step")
+    require(args.recompute_granularity is None,
+            f"{flag}: activation recompute saves and restores RNG states inside the step, which a graph "
+            "cannot capture; drop --recompute-granularity / --recompute-activations")
+    require(args.attention_dropout == 0.0,
+            f"{flag}: attention dropout swaps to the model-parallel RNG state inside the step, which a graph "
+            "cannot capture; pass --attention-dropout 0")
+    require(not args.fp16 or args.loss_scale is not None,
+            f"{flag} with --fp16 needs a constant --loss-scale (the dynamic scaler skips steps on the host); "
+            "or use --bf16")

@@ -72,6 +72,20 @@ def add_network_size_args(parser):
                    help="Chunked cross entropy on 16-bit logits (no fp32 [s, b, vocab] copies).")
     g.add_argument("--torch-compile", action="store_true",
                    help="torch.compile each transformer layer (CUDA with Triton; eager elsewhere).")
+    g.add_argument("--cuda-graph-impl", type=str, default="none",
+                   choices=["none", "local", "transformer_engine", "full_iteration"],
+                   help="CUDA graphs. full_iteration captures the forward and backward of all micro-batches of a "
+                        "training step in one graph and replays it (one GPU per model replica, see "
+                        "docs/performance.md); the per-layer graphs of local / transformer_engine are not built.")
+    g.add_argument("--cuda-graph-scope", type=str, nargs="+", default=None,
+                   help="With --cuda-graph-impl local: full_iteration selects whole-iteration graphs; the "
+                        "per-layer scopes are not built.")
+    g.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
+                   help="Eager training steps before the CUDA graph is captured.")
+    g.add_argument("--enable-cuda-graph", action="store_true",
+                   help="Deprecated spelling of --cuda-graph-impl local.")
+    g.add_argument("--external-cuda-graph", action="store_true",
+                   help="Deprecated spelling of --cuda-graph-impl transformer_engine.")
     return parser
 
 
