@@ -42,4 +42,19 @@ if [ "$PHASE" = gc ]; then
   bench gpt-1.3b-fast-nogc 240 --config gpt-1.3b --fast --iters 30 --warmup 5 --no-gc
   bench gpt-1.3b-eager-nogc 120 --config gpt-1.3b --iters 20 --warmup 3 --no-gc
 fi
+if [ "$PHASE" = graphs ]; then  # whole-iteration CUDA graphs (--cuda-graph-impl full_iteration)
+  timeout 240 python -m pytest -q tests/gpu > "$LOGDIR/pytest_gpu.log" 2>&1; echo "gpu tests exit $?"
+  tail -3 "$LOGDIR/pytest_gpu.log"
+  G="--cuda-graph-impl full_iteration"
+  bench gpt-1.3b-eager 150 --config gpt-1.3b --iters 15 --warmup 3
+  bench gpt-1.3b-eager-graph 150 --config gpt-1.3b --iters 15 --warmup 5 -- $G
+  bench gpt-1.3b-fast 200 --config gpt-1.3b --fast --iters 15 --warmup 5
+  bench gpt-1.3b-fast-graph 240 --config gpt-1.3b --fast --iters 20 --warmup 5 --profile 2 -- $G
+fi
+if [ "$PHASE" = graphs2 ]; then
+  G="--cuda-graph-impl full_iteration"
+  bench gpt-125m-fast-graph 150 --config gpt-125m --fast --iters 20 --warmup 5 -- $G
+  bench llama3-8b-fast-graph 200 --config llama3-8b --fast --iters 10 --warmup 5 -- $G
+  bench gpt-1.3b-fast-graph-fp8 200 --config gpt-1.3b --fast --iters 15 --warmup 5 -- $G --fp8-format hybrid
+fi
 python tools/benchmark.py --table "$RESULTS"
