@@ -8,8 +8,8 @@ micro-batch into one graph, and every later step copies its micro-batches into t
 input buffers and replays the graph: one launch per step. The optimizer step stays outside the graph.
 
 What the captured region may not do, and how the rest of the code keeps to it: no host
-synchronisation (checks that read device values skip themselves while capturing and run on the
-replayed outputs instead, see `checks_after_replay`), fixed shapes and a fixed number of micro-batches
+synchronisation (checks that read device values skip themselves while capturing; `train_step` runs
+them on the replayed outputs once the optimizer step is queued), fixed shapes and a fixed number of micro-batches
 per step, and no RNG-state swapping (`validate_full_iteration_args` lists the refused combinations).
 Evaluation (``forward_only=True``) always runs eagerly.
 """
@@ -108,15 +108,14 @@ class FullCudaGraphWrapper:
     """
 
     def __init__(self, forward_backward_func: Callable, cuda_graph_warmup_steps: int = 3,
-                 graph_factory: Callable[[], Any] = _CudaGraph,
-                 checks_after_replay: Optional[Callable[[Any], None]] = None):
+                 graph_factory: Callable[[], Any] = _CudaGraph):
         if cuda_graph_warmup_steps < 1:
             raise ValueError(f"--cuda-graph-warmup-steps must be >= 1 (got {cuda_graph_warmup_steps}): "
                              "capture needs compiled kernels and initialised libraries from an eager step")
         self.forward_backward_func = forward_backward_func
         self.warmup_steps = cuda_graph_warmup_steps
         self.graph_factory = graph_factory
-        self.checks_after_replay = checks_after_replay
+        self.replayed = False  # whether the last training step ran from the graph (see train_step)
         self.steps = 0
         self.graph = None
         self.static = None
@@ -128,6 +127,7 @@ class FullCudaGraphWrapper:
         run = lambda it: self.forward_backward_func(  # noqa: E731
             forward_step_func=forward_step_func, data_iterator=it, model=model,
             num_microbatches=num_microbatches, forward_only=forward_only, **kwargs)
+        self.replayed = False
         if forward_only:
             return run(data_iterator)
         if self.steps < self.warmup_steps:
@@ -151,8 +151,7 @@ class FullCudaGraphWrapper:
             self.static.load(batches)
         self.graph.replay()
         self.steps += 1
-        if self.checks_after_replay is not None:
-            self.checks_after_replay(self.outputs)
+        self.replayed = True
         return self.outputs
 
 

@@ -34,7 +34,8 @@ def accumulate(total_loss_dict, loss_dict, skipped_iter):
     got_nan = False
     for key, value in loss_dict.items():
         if not skipped_iter:
-            total_loss_dict[key] = total_loss_dict.get(key, torch.tensor(0.0)) + value.detach().float().cpu()
+            # Summed where the loss lives: read back only at log points, so steps run without a host sync.
+            total_loss_dict[key] = total_loss_dict.get(key, 0.0) + value.detach().float()
         else:
             v = float(value.float().sum().item())
             got_nan = got_nan or v != v or v in (float("inf"), float("-inf"))
@@ -63,7 +64,7 @@ def format_log_line(args, iteration, elapsed_per_iter, learning_rate, batch_size
             s += " {}: {:.6E} |".format(key, avg)
     s += " loss scale: {:.1f} |".format(loss_scale)
     if grad_norm is not None:
-        s += " grad norm: {:.3f} |".format(grad_norm)
+        s += " grad norm: {:.3f} |".format(float(grad_norm))
     if num_zeros is not None:
         s += " num zeros: {} |".format(int(num_zeros))
     if params_norm is not None:
@@ -104,7 +105,7 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
         print_rank_last(format_throughput_line(batch_size * args.seq_length, per_iter, args.world_size,
                                                throughput, current_device_name()))
     for key in list(total_loss_dict):
-        total_loss_dict[key] = 0 if key in _COUNTERS else torch.tensor(0.0)
+        total_loss_dict[key] = 0 if key in _COUNTERS else 0.0
     if report_memory_flag:
         if torch.distributed.get_rank() == 0:
             report_theoretical_memory(args)

@@ -15,13 +15,13 @@ def get_training_forward_backward_func():
     forward_backward_func = get_forward_backward_func()
     if getattr(args, "cuda_graph_impl", "none") != "full_iteration":
         return forward_backward_func
-    checks = _check_losses_finite if args.check_for_nan_in_loss_and_grad else None
-    return FullCudaGraphWrapper(forward_backward_func, args.cuda_graph_warmup_steps, checks_after_replay=checks)
+    return FullCudaGraphWrapper(forward_backward_func, args.cuda_graph_warmup_steps)
 
 
 def _check_losses_finite(loss_dicts):
-    """--check-for-nan-in-loss-and-grad for a replayed graph (the per-micro-batch check cannot sync
-    inside the capture, so it runs here on the graph's loss outputs)."""
+    """--check-for-nan-in-loss-and-grad for a replayed graph: the per-micro-batch check cannot sync
+    inside the capture, so it runs on the graph's loss outputs after the optimizer step is queued (the
+    run stops here, before anything is saved)."""
     for i, loss_dict in enumerate(loss_dicts):
         for key, value in loss_dict.items():
             if torch.is_tensor(value) and not bool(torch.isfinite(value).all()):
@@ -50,6 +50,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, decoder_seq_length=None, forward_only=False)
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+    if getattr(forward_backward_func, "replayed", False) and args.check_for_nan_in_loss_and_grad:
+        _check_losses_finite(losses_reduced)
     if update_successful:
         increment = get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
         opt_param_scheduler.step(increment=increment)

@@ -139,7 +139,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         params_norm = calc_params_l2_norm(model) if args.log_params_norm else None
         report_memory_flag = training_log(
             loss_dict, total_loss_dict, _learning_rate(optimizer), iteration,
-            optimizer.get_loss_scale().item(), report_memory_flag, skipped_iter, _scalar(grad_norm),
+            optimizer.get_loss_scale().item(), report_memory_flag, skipped_iter, grad_norm,
             params_norm, num_zeros if args.log_num_zeros_in_grad else None)
         if args.eval_interval and iteration % args.eval_interval == 0 and valid_data_iterator is not None \
                 and args.eval_iters > 0:
@@ -169,12 +169,6 @@ def _learning_rate(optimizer):
             continue
         lr = group["lr"]
     return lr if lr is not None else 0.0
-
-
-def _scalar(value):
-    if value is None:
-        return None
-    return float(value.item()) if torch.is_tensor(value) else float(value)
 
 
 def _checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration):

@@ -199,3 +199,11 @@ def test_eval_and_warmup_run_eagerly():
         w(forward_step_func=None, data_iterator=iter([]), model=[torch.nn.Linear(1, 1)], num_microbatches=1,
           forward_only=forward_only)
     assert calls == [False, True, False, True]
+
+
+def test_replayed_loss_check_names_the_flag():
+    from megatron.training.train_step import _check_losses_finite
+    _single_rank()
+    _check_losses_finite([{"lm loss": torch.tensor([3.0, 16.0])}])
+    with pytest.raises(RuntimeError, match="no-check-for-nan-in-loss-and-grad"):
+        _check_losses_finite([{"lm loss": torch.tensor([3.0, 16.0])}, {"lm loss": torch.tensor([float("nan"), 16.0])}])
