@@ -114,7 +114,8 @@ class MegatronOptimizer:
         fp32 grads. Elsewhere: a float norm and an in-place multiply, as Megatron.
         """
         if clip_grad > 0.0 and self._inner_step_unscales_grads():
-            norm = get_grad_norm_fp32(self._main_grads_for_stats(), self.get_grad_stats_parallel_group(),
+            norm = get_grad_norm_fp32(self._main_grads_for_stats(),
+                                      grad_stats_parallel_group=self.get_grad_stats_parallel_group(),
                                       as_tensor=True)
             # 1 / clip_coefficient when that is below 1, else 1: the same update as scaling the grads.
             self._clip_grad_scale = torch.clamp((norm + 1.0e-6) / clip_grad, min=1.0)
@@ -126,11 +127,12 @@ class MegatronOptimizer:
         return grad_norm
 
     def _inner_step_unscales_grads(self) -> bool:
-        """True for torch's fused Adam/AdamW on CUDA, which take a `grad_scale` to divide grads by."""
+        """True for torch's fused Adam/AdamW (what CUDA runs get), which take a `grad_scale` to divide
+        grads by; not for DTensor (FSDP2) params."""
         inner = self.optimizer
         return (isinstance(inner, torch.optim.Adam) and bool(inner.defaults.get("fused"))
                 and self.grad_scaler is None and len(self.get_parameters()) > 0
-                and all(p.is_cuda and not hasattr(p, "to_local") for p in self.get_parameters()))
+                and not any(hasattr(p, "to_local") for p in self.get_parameters()))
 
     def _inner_step(self):
         scale = getattr(self, "_clip_grad_scale", None)
