@@ -28,7 +28,6 @@ def _run(fused, fold, grad_scale_factor, steps=3):
             p.grad = (torch.randn(p.shape, generator=gen) * grad_scale_factor).bfloat16()
         ok, norm, _ = opt.step()
         assert ok
-        assert torch.is_tensor(norm) == (fused and fold)  # the folded path never waits for the device
         norms.append(float(norm))
     return [p.detach().float().clone() for p in opt.get_parameters()], norms
 

@@ -41,9 +41,8 @@ def _all_reduce(tensor, groups, op=dist.ReduceOp.SUM):
 
 
 def get_grad_norm_fp32(grads_for_norm: Sequence[torch.Tensor], norm_type: Union[int, float] = 2,
-                       grad_stats_parallel_group=None, as_tensor: bool = False):
-    """Norm of the concatenation of `grads_for_norm` across every rank of the given group(s): a float,
-    or with ``as_tensor`` (L2 only) a 0-dim device tensor, so the caller need not wait for the device."""
+                       grad_stats_parallel_group=None) -> float:
+    """Norm of the concatenation of `grads_for_norm` across every rank of the given group(s)."""
     norm_type = float(norm_type)
     groups = _groups(grad_stats_parallel_group)
     device = grads_for_norm[0].device if grads_for_norm else _default_device()
@@ -62,8 +61,6 @@ def get_grad_norm_fp32(grads_for_norm: Sequence[torch.Tensor], norm_type: Union[
         norms = torch._foreach_norm(local, norm_type)
         total += torch.stack(norms).pow(norm_type).sum()
     _all_reduce(total, groups)
-    if as_tensor:
-        return total.pow(1.0 / norm_type).reshape(())
     return total.item() ** (1.0 / norm_type)
 
 

@@ -3,8 +3,7 @@
 `step()` = copy model grads (`main_grad`) to the main params' `.grad` -> unscale and check for
 inf/nan (fp16; the decision is all-reduced so every rank skips together) -> global norm and clip ->
 count zeros -> inner step -> copy main params back to the model params. Returns
-`(update_successful, grad_norm, num_zeros_in_grad)`; grad_norm is a float, or a 0-dim device tensor
-where the step runs without a host sync (fused Adam on CUDA, see `clip_grad_norm`).
+`(update_successful, grad_norm, num_zeros_in_grad)`.
 """
 from contextlib import contextmanager
 from typing import Callable, Dict, List, Optional, Tuple
@@ -16,7 +15,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed.torch_fsdp2_state import full_local_tensor, shard_like
 from megatron.core.optimizer import optimizer_state
 from megatron.core.optimizer.clip_grads import (
-    clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32, param_counts_for_grad_stats)
+    clip_coefficient, clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32, param_counts_for_grad_stats)
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 
@@ -104,26 +103,22 @@ class MegatronOptimizer:
         return get_grad_norm_fp32(self._main_grads_for_stats(),
                                   grad_stats_parallel_group=self.get_grad_stats_parallel_group())
 
-    def clip_grad_norm(self, clip_grad: float):
-        """Global grad norm (before clipping), and the clip applied to the grads Adam will read.
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """Global grad norm (before clipping); clips the grads Adam will read when it exceeds clip_grad.
 
-        With torch's fused Adam on CUDA nothing here waits for the device: the norm stays a 0-dim
-        device tensor (read it with ``float()`` when it is logged) and the clip factor reaches the
-        kernel as its ``grad_scale`` (grads are divided by it as they are read), so the optimizer step
-        is queued right behind the backward pass with no host round trip and no extra pass over the
-        fp32 grads. Elsewhere: a float norm and an in-place multiply, as Megatron.
+        With torch's fused Adam the clip reaches the kernel as its ``grad_scale`` (grads are divided by
+        it as they are read) instead of a separate in-place pass over the fp32 grads. Only when the clip
+        is active: the fused kernel also writes the divided grads back, which costs more than nothing.
         """
-        if clip_grad > 0.0 and self._inner_step_unscales_grads():
-            norm = get_grad_norm_fp32(self._main_grads_for_stats(),
-                                      grad_stats_parallel_group=self.get_grad_stats_parallel_group(),
-                                      as_tensor=True)
-            # 1 / clip_coefficient when that is below 1, else 1: the same update as scaling the grads.
-            self._clip_grad_scale = torch.clamp((norm + 1.0e-6) / clip_grad, min=1.0)
-            return norm
         grad_norm = self.get_grad_norm()
         if clip_grad > 0.0:
-            clip_grad_by_total_norm_fp32([p.grad for p in self.get_parameters() if p.grad is not None],
-                                         clip_grad, grad_norm)
+            coeff = clip_coefficient(clip_grad, grad_norm)
+            if coeff < 1.0 and self._inner_step_unscales_grads():
+                device = self.get_parameters()[0].device
+                self._clip_grad_scale = torch.tensor(1.0 / coeff, dtype=torch.float32, device=device)
+            else:
+                clip_grad_by_total_norm_fp32([p.grad for p in self.get_parameters() if p.grad is not None],
+                                             clip_grad, grad_norm)
         return grad_norm
 
     def _inner_step_unscales_grads(self) -> bool:
