@@ -10,6 +10,7 @@ dim a multiple of 16; callers check ``fp8_supported_shape`` and keep a 16-bit GE
 """
 import torch
 
+from megatron.core.fusions.compile import maybe_compile
 from megatron.core.tensor_parallel.mappings import _gather_along_first_dim, _reduce_scatter_along_first_dim
 
 FP8_RECIPES = ("tensorwise",)
@@ -37,9 +38,14 @@ def quantize_tensorwise(t: torch.Tensor, dtype, margin: int = 0):
     return q, scale.reciprocal()
 
 
-def _col_major(t8: torch.Tensor) -> torch.Tensor:
-    """Same logical [m, n] matrix stored column-major (what _scaled_mm wants as its second operand)."""
-    return t8.t().contiguous().t()
+@maybe_compile
+def quantize_tensorwise_with_transpose(t: torch.Tensor, dtype, margin: int = 0):
+    """(q, q^T contiguous, dequant scale) of a 2-D ``t``: _scaled_mm needs each FP8 operand in both
+    layouts across forward and backward. Compiled on CUDA into one amax reduction and one fused
+    scale-cast(-transpose) pass; unfused, the abs / fp32 copy / scale / clamp / cast / transpose
+    passes cost more than the FP8 GEMMs save."""
+    q, inv_scale = quantize_tensorwise(t, dtype, margin)
+    return q, q.t().contiguous(), inv_scale
 
 
 def _mm(a8, sa, b8_col, sb, out_dtype, bias=None):
@@ -50,9 +56,11 @@ def _accumulate_main_grad(weight, grad_weight):
     """Gradient-accumulation fusion: add into ``weight.main_grad``; return what autograd should see."""
     weight.main_grad.add_(grad_weight)
     if hasattr(weight, "grad_added_to_main_grad"):
-        # DDP's per-param hook must still fire; it skips the zero gradient.
+        # DDP's per-param hook must still fire; it skips this gradient, so it needs no memset unless a
+        # real .grad is added to it (tied embedding, `zero_out_wgrad`).
         weight.grad_added_to_main_grad = True
-        return torch.zeros_like(weight)
+        make = torch.zeros_like if getattr(weight, "zero_out_wgrad", False) else torch.empty_like
+        return make(weight)
     return None
 
 
@@ -65,11 +73,12 @@ class Fp8LinearFunction(torch.autograd.Function):
         fwd_dtype, grad_dtype = fp8_dtypes(fmt)
         total = _gather_along_first_dim(x, tp_group) if sequence_parallel else x  # [s, b, in]
         x2d = total.reshape(-1, total.shape[-1])  # [s*b, in]
-        x8, sx = quantize_tensorwise(x2d, fwd_dtype, margin)
-        w8, sw = quantize_tensorwise(weight, fwd_dtype, margin)  # [out, in]
+        x8, x8_t, sx = quantize_tensorwise_with_transpose(x2d, fwd_dtype, margin)  # [s*b, in], [in, s*b]
+        w8, w8_t, sw = quantize_tensorwise_with_transpose(weight, fwd_dtype, margin)  # [out, in], [in, out]
         bias16 = bias.to(x.dtype) if bias is not None else None
         out = _mm(x8, sx, w8.t(), sw, x.dtype, bias16)  # [s*b, out]; w8.t() is column-major already
-        ctx.save_for_backward(x8, sx, w8, sw)
+        # Backward reads X and W only in the transposed layouts (as column-major second operands).
+        ctx.save_for_backward(x8_t, sx, w8_t, sw)
         ctx.weight = weight
         ctx.use_bias, ctx.fusion = bias is not None, gradient_accumulation_fusion
         ctx.sequence_parallel, ctx.tp_group = sequence_parallel, tp_group
@@ -78,19 +87,19 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        x8, sx, w8, sw = ctx.saved_tensors
+        x8_t, sx, w8_t, sw = ctx.saved_tensors
         weight = ctx.weight
         g2d = grad_output.reshape(-1, grad_output.shape[-1])  # [s*b, out]
-        g8, sg = quantize_tensorwise(g2d, ctx.grad_dtype, ctx.margin)
-        # dgrad: [s*b, out] @ [out, in]
-        grad_input = _mm(g8, sg, _col_major(w8), sw, ctx.in_dtype)
+        g8, g8_t, sg = quantize_tensorwise_with_transpose(g2d, ctx.grad_dtype, ctx.margin)
+        # dgrad: [s*b, out] @ [out, in] (column-major: the transpose of row-major w8_t)
+        grad_input = _mm(g8, sg, w8_t.t(), sw, ctx.in_dtype)
         grad_input = grad_input.view(*grad_output.shape[:-1], grad_input.shape[-1])  # [s, b, in]
         if ctx.sequence_parallel:
             grad_input = _reduce_scatter_along_first_dim(grad_input, ctx.tp_group)  # [s/tp, b, in]
         # wgrad: [out, s*b] @ [s*b, in], fp32 output when it goes into main_grad
         use_main = ctx.fusion and hasattr(weight, "main_grad")
         wdtype = weight.main_grad.dtype if use_main else weight.dtype
-        grad_weight = _mm(g8.t().contiguous(), sg, _col_major(x8), sx, wdtype)
+        grad_weight = _mm(g8_t, sg, x8_t.t(), sx, wdtype)  # [out, s*b] @ [s*b, in]
         if use_main:
             grad_weight = _accumulate_main_grad(weight, grad_weight)
         grad_bias = g2d.sum(dim=0) if ctx.use_bias else None

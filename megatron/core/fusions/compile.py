@@ -31,11 +31,20 @@ def maybe_compile(fn=None, **compile_kwargs):
             if first is None or not first.is_cuda or not compile_available():
                 return f(*args, **kwargs)
             if compiled is None:
+                _raise_recompile_limit()
                 compiled = torch.compile(f, dynamic=False, **compile_kwargs)
             return compiled(*args, **kwargs)
         inner.eager = f
         return inner
     return wrap(fn) if fn is not None else wrap
+
+
+def _raise_recompile_limit(limit: int = 64) -> None:
+    """One static-shape graph per (shape, dtype) a helper sees, e.g. FP8 quantization of every linear's
+    input, weight and grad: more than torch's default of 8, past which it would silently run eager."""
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
 
 
 def compile_transformer_layers(model: torch.nn.Module, backend: str = "inductor", mode=None) -> int:
@@ -49,7 +58,7 @@ def compile_transformer_layers(model: torch.nn.Module, backend: str = "inductor"
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     # Many identical layers: raise the recompile budget so a few shape/guard variants never fall back.
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    _raise_recompile_limit()
     count = 0
     for module in model.modules():
         if isinstance(module, TransformerLayer):
