@@ -57,4 +57,11 @@ if [ "$PHASE" = graphs2 ]; then
   bench llama3-8b-fast-graph 200 --config llama3-8b --fast --iters 10 --warmup 5 -- $G
   bench gpt-1.3b-fast-graph-fp8 200 --config gpt-1.3b --fast --iters 15 --warmup 5 -- $G --fp8-format hybrid
 fi
+if [ "$PHASE" = graphs3 ]; then  # FP8 on the other shapes, and the full kernel list of the bf16 step
+  G="--cuda-graph-impl full_iteration"
+  bench gpt-125m-fast-graph-fp8 150 --config gpt-125m --fast --iters 20 --warmup 5 -- $G --fp8-format hybrid
+  bench llama3-8b-fast-graph-fp8 200 --config llama3-8b --fast --iters 10 --warmup 5 -- $G --fp8-format hybrid
+  bench gpt-1.3b-fast-graph-profile 200 --config gpt-1.3b --fast --iters 10 --warmup 5 --profile 1 \
+    --profile-rows 80 -- $G
+fi
 python tools/benchmark.py --table "$RESULTS"

@@ -68,6 +68,7 @@ def parse_cli(argv):
                    help="freeze and disable Python's cyclic GC while timing (what --manual-gc aims at)")
     p.add_argument("--profile", type=int, default=0,
                    help="after timing, profile N more iterations and print the top kernels by device time")
+    p.add_argument("--profile-rows", type=int, default=30, help="kernels listed by --profile")
     p.add_argument("--table", default=None, help="print a markdown table of a results file and exit")
     if "--" in argv:
         i = argv.index("--")
@@ -245,7 +246,7 @@ def main(argv=None):
     times, losses = time_iterations(*built, cli.warmup, cli.iters, fb_func=fb_func)
     result = summarize(args, cli, times, losses, estimate)
     if cli.profile:
-        profile_iterations(*built, cli.profile, fb_func=fb_func)
+        profile_iterations(*built, cli.profile, rows=cli.profile_rows, fb_func=fb_func)
     import torch
     if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
         print_result(result)
