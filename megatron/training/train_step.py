@@ -18,10 +18,33 @@ def get_training_forward_backward_func():
     return FullCudaGraphWrapper(forward_backward_func, args.cuda_graph_warmup_steps)
 
 
+def _losses_to_host(loss_dicts):
+    """Start copying a replayed graph's losses to the host without waiting for the device; returns
+    a callable that finishes the copy and returns host ``loss_dicts`` for `_check_losses_finite`."""
+    entries = [(i, key, value) for i, d in enumerate(loss_dicts) for key, value in d.items()
+               if torch.is_tensor(value)]
+    if not entries or not entries[0][2].is_cuda:
+        return lambda: loss_dicts
+    flat = torch.cat([value.detach().float().reshape(-1) for _, _, value in entries])
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def finish():
+        done.synchronize()  # the losses only, not the optimizer step queued after them
+        out, offset = [dict() for _ in loss_dicts], 0
+        for i, key, value in entries:
+            out[i][key] = host[offset:offset + value.numel()].view(value.shape)
+            offset += value.numel()
+        return out
+    return finish
+
+
 def _check_losses_finite(loss_dicts):
     """--check-for-nan-in-loss-and-grad for a replayed graph: the per-micro-batch check cannot sync
-    inside the capture, so it runs on the graph's loss outputs after the optimizer step is queued (the
-    run stops here, before anything is saved)."""
+    inside the capture, so it runs on the graph's loss outputs, read back while the optimizer step
+    runs (the run stops here, before anything is saved)."""
     for i, loss_dict in enumerate(loss_dicts):
         for key, value in loss_dict.items():
             if torch.is_tensor(value) and not bool(torch.isfinite(value).all()):
@@ -49,9 +72,12 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, decoder_seq_length=None, forward_only=False)
-    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+    pending_check = None
     if getattr(forward_backward_func, "replayed", False) and args.check_for_nan_in_loss_and_grad:
-        _check_losses_finite(losses_reduced)
+        pending_check = _losses_to_host(losses_reduced)
+    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+    if pending_check is not None:
+        _check_losses_finite(pending_check())
     if update_successful:
         increment = get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
         opt_param_scheduler.step(increment=increment)

@@ -22,3 +22,15 @@ def test_cuda_graph_reproduces_eager_training(dtype):
     # Same kernels on the same inputs; dropout draws from the graph-registered default generator.
     assert graphed == pytest.approx(reference, rel=1e-6, abs=1e-6), (graphed, reference)
     assert len(set(graphed)) == 8
+
+
+def test_losses_to_host_on_cuda():
+    from megatron.training.train_step import _check_losses_finite, _losses_to_host
+    from tests.unit.test_full_cuda_graph import _single_rank
+    _single_rank()
+    dicts = [{"lm loss": torch.tensor([3.0, 16.0], device="cuda")},
+             {"lm loss": torch.tensor([float("nan"), 8.0], device="cuda")}]
+    host = _losses_to_host(dicts)()
+    assert host[0]["lm loss"].tolist() == [3.0, 16.0] and not host[0]["lm loss"].is_cuda
+    with pytest.raises(RuntimeError, match="lm loss of micro-batch 1"):
+        _check_losses_finite(host)

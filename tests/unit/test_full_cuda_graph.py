@@ -207,3 +207,9 @@ def test_replayed_loss_check_names_the_flag():
     _check_losses_finite([{"lm loss": torch.tensor([3.0, 16.0])}])
     with pytest.raises(RuntimeError, match="no-check-for-nan-in-loss-and-grad"):
         _check_losses_finite([{"lm loss": torch.tensor([3.0, 16.0])}, {"lm loss": torch.tensor([float("nan"), 16.0])}])
+
+
+def test_losses_to_host_keeps_the_layout():
+    from megatron.training.train_step import _losses_to_host
+    dicts = [{"lm loss": torch.tensor([3.0, 16.0]), "n": 2}, {"lm loss": torch.tensor([1.0, 8.0])}]
+    assert _losses_to_host(dicts)() is dicts  # CPU: nothing to copy
