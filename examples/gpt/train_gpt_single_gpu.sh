@@ -6,6 +6,7 @@
 # preprocess it) trains on real data.
 #
 #   bash examples/gpt/train_gpt_single_gpu.sh
+#   FAST=1 bash examples/gpt/train_gpt_single_gpu.sh   # compiled layers, chunked loss, whole-step CUDA graph
 #   DATA_PATH=/data/owt_text_document VOCAB_FILE=gpt2-vocab.json MERGE_FILE=gpt2-merges.txt bash examples/gpt/train_gpt_single_gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -38,4 +39,11 @@ OUTPUT_ARGS=(
     --tensorboard-dir "$TB_DIR"
 )
 
-python pretrain_gpt.py "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"
+# The fast path (docs/performance.md): each flag also works alone.
+FAST_ARGS=()
+if [[ "${FAST:-0}" == 1 ]]; then
+    FAST_ARGS=(--torch-compile --cross-entropy-loss-fusion --cuda-graph-impl full_iteration)
+fi
+
+python pretrain_gpt.py "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" \
+    "${FAST_ARGS[@]}" "$@"
