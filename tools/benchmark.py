@@ -192,7 +192,7 @@ def summarize(args, cli, times, losses, estimate):
         "tokens_per_s": gbs * args.seq_length / median, "tflops_per_gpu": tflops,
         "mfu": tflops / peak if peak else None, "peak_tflops": peak, "peak_mem_gib": mem, "peak_reserved_gib": reserved,
         "est_mem_gib": estimate["total"] / 2 ** 30, "flops_per_iter": flops,
-        "first_loss": losses[0], "last_loss": losses[-1], "argv": " ".join(sys.argv[1:]),
+        "first_loss": losses[0], "last_loss": losses[-1], "losses": losses, "argv": " ".join(sys.argv[1:]),
     }
 
 

@@ -41,10 +41,19 @@ def test_full_iteration_spellings():
     ("--cuda-graph-impl full_iteration --rampup-batch-size 2 2 8 --global-batch-size 4", "rampup"),
     ("--cuda-graph-impl full_iteration --calculate-per-token-loss", "per-token"),
     ("--cuda-graph-impl full_iteration --fp16", "--loss-scale"),
+    ("--cuda-graph-impl full_iteration --use-distributed-optimizer --overlap-param-gather "
+     "--overlap-grad-reduce", "--overlap-param-gather"),
 ])
 def test_refused_combinations_name_the_flag(extra, match):
     with pytest.raises(ArgumentError, match=match):
         _args(extra)
+
+
+def test_layouts(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _args("--cuda-graph-impl full_iteration").data_parallel_size == 2  # DP is captured
+    with pytest.raises(ArgumentError, match="tensor and pipeline parallel size 1"):
+        _args("--cuda-graph-impl full_iteration --tensor-model-parallel-size 2")
 
 
 def test_attention_dropout_refused():

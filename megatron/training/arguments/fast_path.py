@@ -73,9 +73,12 @@ def validate_cuda_graph_args(args, require):
             f"{flag} supports tensor and pipeline parallel size 1 (TP broadcasts batch shapes to the host and "
             "PP exchanges activations between ranks inside the step); drop the flag or the TP/PP sizes")
     require(args.context_parallel_size == 1, f"{flag} does not support --context-parallel-size > 1")
-    require(args.world_size == 1,
-            f"{flag} is validated on one GPU only: data-parallel gradient reduction inside a captured graph "
-            "is not tested yet; run without the flag on more than one GPU")
+    # Data parallelism is captured with the graph: the DDP buckets' NCCL all-reduce / reduce-scatter
+    # are recorded in it (NCCL >= 2.9.6). The distributed optimizer's overlapped param all-gather is not:
+    # it is launched after the optimizer step, outside the graph, and waited on inside the forward.
+    require(not args.overlap_param_gather,
+            f"{flag}: --overlap-param-gather waits inside the captured forward on an all-gather launched "
+            "outside the graph; drop it (the distributed optimizer then gathers params in its step)")
     require(not getattr(args, "use_torch_fsdp2", False), f"{flag} does not support --use-torch-fsdp2")
     require(args.rampup_batch_size is None,
             f"{flag} needs a fixed number of micro-batches per step; drop --rampup-batch-size")
