@@ -242,7 +242,7 @@ def main(argv=None):
         gc.freeze()  # long-lived objects out of the young generations
         gc.disable()
     from megatron.training.train_step import get_training_forward_backward_func
-    fb_func = get_training_forward_backward_func(built[1])  # one per run: it may own CUDA graphs
+    fb_func = get_training_forward_backward_func()  # one per run: it may own a CUDA graph
     times, losses = time_iterations(*built, cli.warmup, cli.iters, fb_func=fb_func)
     result = summarize(args, cli, times, losses, estimate)
     if cli.profile:

@@ -6,18 +6,15 @@ from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.training.global_vars import get_args
 
 
-def get_training_forward_backward_func(optimizer=None):
+def get_training_forward_backward_func():
     """The schedule for this layout, wrapped in a whole-iteration CUDA graph with
-    ``--cuda-graph-impl full_iteration`` (which also replays ``optimizer``'s fused-Adam step from
-    graphs). Build it once per training run: the wrapper owns the graph."""
+    ``--cuda-graph-impl full_iteration``. Build it once per training run: the wrapper owns the graph."""
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
     args = get_args()
     forward_backward_func = get_forward_backward_func()
     if getattr(args, "cuda_graph_impl", "none") != "full_iteration":
         return forward_backward_func
-    if optimizer is not None and hasattr(optimizer, "enable_step_graphs"):
-        optimizer.enable_step_graphs()
     return FullCudaGraphWrapper(forward_backward_func, args.cuda_graph_warmup_steps)
 
 

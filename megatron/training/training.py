@@ -124,7 +124,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     _setup_config(config, model, optimizer)
     total_loss_dict, report_memory_flag = {}, True
     iteration = args.iteration
-    forward_backward_func = get_training_forward_backward_func(optimizer)
+    forward_backward_func = get_training_forward_backward_func()
     timers("interval-time", log_level=0).start(barrier=True)
     while iteration < args.train_iters:
         update_num_microbatches(args.consumed_train_samples, consistency_check=True)

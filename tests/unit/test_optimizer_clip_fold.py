@@ -42,17 +42,3 @@ def test_folded_clip_matches_explicit_clip(grad_scale_factor):
     for a, b, c in zip(folded, explicit, reference):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(b, c, rtol=1e-6, atol=1e-7)
-
-
-def test_step_graphs_apply_only_to_fused_adam_on_cuda():
-    _single_rank()
-    model = torch.nn.Linear(4, 4).bfloat16()
-    fused = Float16OptimizerWithFloat16Params(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
-                                              OptimizerConfig(lr=1e-3, bf16=True))
-    assert not fused.enable_step_graphs()  # CPU params: nothing to capture
-    plain = Float16OptimizerWithFloat16Params(torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False),
-                                              OptimizerConfig(lr=1e-3, bf16=True))
-    assert not plain.enable_step_graphs()
-    from megatron.core.optimizer.step_graph import FusedAdamStepGraphs
-    with pytest.raises(ValueError, match="fused"):
-        FusedAdamStepGraphs(torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False))

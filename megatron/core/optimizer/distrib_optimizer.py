@@ -121,7 +121,6 @@ class DistributedOptimizer(MegatronOptimizer):
         return full
 
     def set_param_state_from_load(self, model_param_state):
-        self._state_replaced()
         from megatron.core.optimizer import optimizer_state
 
         optimizer_state.init_state(self)

@@ -114,7 +114,8 @@ class MegatronOptimizer:
         if clip_grad > 0.0:
             coeff = clip_coefficient(clip_grad, grad_norm)
             if coeff < 1.0 and self._inner_step_unscales_grads():
-                self._clip_grad_scale = 1.0 / coeff
+                device = self.get_parameters()[0].device
+                self._clip_grad_scale = torch.tensor(1.0 / coeff, dtype=torch.float32, device=device)
             else:
                 clip_grad_by_total_norm_fp32([p.grad for p in self.get_parameters() if p.grad is not None],
                                              clip_grad, grad_norm)
@@ -128,32 +129,13 @@ class MegatronOptimizer:
                 and self.grad_scaler is None and len(self.get_parameters()) > 0
                 and not any(hasattr(p, "to_local") for p in self.get_parameters()))
 
-    def enable_step_graphs(self) -> bool:
-        """Replay the inner fused-Adam step from CUDA graphs (`step_graph.py`); False where it does not
-        apply (not fused Adam on CUDA, a loss scaler, FSDP2 params)."""
-        if not (self._inner_step_unscales_grads() and self.get_parameters()[0].is_cuda):
-            return False
-        from megatron.core.optimizer.step_graph import FusedAdamStepGraphs
-        self._step_graphs = FusedAdamStepGraphs(self.optimizer)
-        return True
-
-    def _state_replaced(self):
-        """Optimizer state tensors were (or may have been) replaced: captured step graphs are stale."""
-        if getattr(self, "_step_graphs", None) is not None:
-            self._step_graphs.invalidate()
-
     def _inner_step(self):
         scale = getattr(self, "_clip_grad_scale", None)
-        self._clip_grad_scale = None
-        graphs = getattr(self, "_step_graphs", None)
-        if graphs is not None:
-            graphs.step(scale)
-            return
         if scale is None:
             self.optimizer.step()
             return
-        device = self.get_parameters()[0].device
-        self.optimizer.grad_scale = torch.tensor(scale, dtype=torch.float32, device=device)
+        self._clip_grad_scale = None
+        self.optimizer.grad_scale = scale
         try:
             self.optimizer.step()
         finally:
@@ -236,7 +218,6 @@ class MegatronOptimizer:
         return {}
 
     def load_state_dict(self, state_dict: Dict):
-        self._state_replaced()
         if state_dict.get("param_state_sharding_type") is not None:
             optimizer_state.load_sharded(self, state_dict)
             return
@@ -265,7 +246,6 @@ class MegatronOptimizer:
         return out
 
     def set_param_state_from_load(self, model_param_state: Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]):
-        self._state_replaced()
         optimizer_state.init_state(self)
         for main, model in self.main_to_model.items():
             loaded = model_param_state.get(model)
