@@ -1,16 +1,18 @@
 """Whole-iteration CUDA graphs (``--cuda-graph-impl full_iteration``).
 
-A training step of a GPT on one GPU launches thousands of small kernels from Python; on gpt-1.3b the
-host needs longer to launch them than the device needs to run them. `FullCudaGraphWrapper` wraps a
-``forward_backward_func``: the first ``cuda_graph_warmup_steps`` steps run eagerly (compiling, cuBLAS /
-cuDNN plan selection, allocator warm-up), the next one captures the forward and backward of every
-micro-batch into one graph, and every later step copies its micro-batches into the captured (static)
-input buffers and replays the graph: one launch per step. The optimizer step stays outside the graph.
+A training step of a GPT launches thousands of small kernels from Python; with compiled layers on
+gpt-1.3b the host needs about as long to launch them as the device needs to run them.
+`FullCudaGraphWrapper` wraps a ``forward_backward_func``: the first ``cuda_graph_warmup_steps`` steps
+run eagerly (compiling, cuBLAS / cuDNN plan selection, allocator warm-up, NCCL set-up), the next one
+captures the forward and backward of every micro-batch (and the DDP gradient reduction) into one graph,
+and every later step copies its micro-batches into the captured (static) input buffers and replays the
+graph: one launch per step. The optimizer step stays outside the graph.
 
 What the captured region may not do, and how the rest of the code keeps to it: no host
-synchronisation (checks that read device values skip themselves while capturing; `train_step` runs
-them on the replayed outputs once the optimizer step is queued), fixed shapes and a fixed number of micro-batches
-per step, and no RNG-state swapping (`validate_full_iteration_args` lists the refused combinations).
+synchronisation (checks that read device values skip themselves while capturing; `train_step` reads
+the replayed losses back while the optimizer step runs), fixed shapes and a fixed number of
+micro-batches per step, and RNG states swapped only by reference (the tracker's graph-safe mode, whose
+states are registered with the graph). `validate_cuda_graph_args` lists the refused combinations.
 Evaluation (``forward_only=True``) always runs eagerly.
 """
 from typing import Any, Callable, List, Optional
@@ -87,6 +89,11 @@ class _CudaGraph:
         self.stream = torch.cuda.Stream()
 
     def capture(self, fn: Callable[[], Any]) -> Any:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+        tracker = get_cuda_rng_tracker()
+        tracker.set_graph_safe(True)  # keeps the states' values (training seeds it so from the start)
+        for state in tracker.graph_safe_states():
+            self.graph.register_generator_state(state)  # dropout under fork() advances on every replay
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the eager warm-up's cached blocks can then back the graph's own pool
         self.stream.wait_stream(torch.cuda.current_stream())

@@ -55,7 +55,8 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
     _initialize_distributed(args)
     if not skip_mpu_initialization:
         _initialize_model_parallel(args)
-        _set_random_seed(args.seed, args.data_parallel_random_init)
+        _set_random_seed(args.seed, args.data_parallel_random_init,
+                         use_cudagraphable_rng=getattr(args, "cuda_graph_impl", "none") == "full_iteration")
     _compile_dataset_helpers()
     return None
 
@@ -165,7 +166,7 @@ def _initialize_model_parallel(args):
               f"{parallel_state.get_pipeline_model_parallel_world_size()}", flush=True)
 
 
-def _set_random_seed(seed, data_parallel_random_init=False):
+def _set_random_seed(seed, data_parallel_random_init=False, use_cudagraphable_rng=False):
     """python/numpy/torch seeded with seed + 100*pp_rank (+10*dp_rank); the RNG tracker adds TP states."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     if seed is None or seed <= 0:
@@ -176,7 +177,8 @@ def _set_random_seed(seed, data_parallel_random_init=False):
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    # CUDA graphs capture dropout under the tracker's states: keep them graph-safe (GPU only).
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=use_cudagraphable_rng and torch.cuda.is_available())
 
 
 def _compile_dataset_helpers():

@@ -9,15 +9,18 @@ from tests.unit.test_full_cuda_graph import train_losses
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graph_reproduces_eager_training(dtype):
-    reference = train_losses(8, device="cuda", dtype=dtype)
+@pytest.mark.parametrize("dtype, attention_dropout", [(torch.float32, 0.0), (torch.bfloat16, 0.0),
+                                                       (torch.bfloat16, 0.1)])
+def test_cuda_graph_reproduces_eager_training(dtype, attention_dropout):
+    """Eager with the ordinary RNG tracker against the graph with the graph-safe one: the same numbers."""
+    reference = train_losses(8, device="cuda", dtype=dtype, attention_dropout=attention_dropout)
     wrappers = []
 
     def wrap(f):
         wrappers.append(FullCudaGraphWrapper(f, 3))
         return wrappers[0]
-    graphed = train_losses(8, wrap=wrap, device="cuda", dtype=dtype)
+    graphed = train_losses(8, wrap=wrap, device="cuda", dtype=dtype, attention_dropout=attention_dropout,
+                           graph_safe_rng=True)
     assert isinstance(wrappers[0].graph.graph, torch.cuda.CUDAGraph)
     # Same kernels on the same inputs; dropout draws from the graph-registered default generator.
     assert graphed == pytest.approx(reference, rel=1e-6, abs=1e-6), (graphed, reference)
@@ -34,3 +37,22 @@ def test_losses_to_host_on_cuda():
     assert host[0]["lm loss"].tolist() == [3.0, 16.0] and not host[0]["lm loss"].is_cuda
     with pytest.raises(RuntimeError, match="lm loss of micro-batch 1"):
         _check_losses_finite(host)
+
+
+def test_graph_safe_rng_tracker_draws_the_same_numbers():
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    draws = []
+    for graph_safe in (False, True):
+        tracker = CudaRNGStatesTracker()
+        tracker.set_graph_safe(graph_safe)
+        tracker.add("model-parallel-rng", 1234)
+        torch.cuda.manual_seed(7)
+        out = []
+        for _ in range(3):
+            with tracker.fork():
+                out.append(torch.rand(1000, device="cuda"))
+            out.append(torch.rand(1000, device="cuda"))  # the default generator in between
+        saved = tracker.get_states()
+        draws.append((torch.cat(out), saved["model-parallel-rng"]))
+    assert torch.equal(draws[0][0], draws[1][0])
+    assert torch.equal(draws[0][1], draws[1][1])  # the checkpointed state is the same bytes

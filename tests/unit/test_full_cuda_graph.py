@@ -56,9 +56,20 @@ def test_layouts(monkeypatch):
         _args("--cuda-graph-impl full_iteration --tensor-model-parallel-size 2")
 
 
-def test_attention_dropout_refused():
-    with pytest.raises(ArgumentError, match="--attention-dropout 0"):
-        validate_args(parse_args(argv=BASE + "--cuda-graph-impl full_iteration --attention-dropout 0.1".split()))
+def test_attention_dropout_accepted():
+    """Attention dropout forks to the model-parallel RNG state; graph-safe states make that capturable."""
+    args = validate_args(parse_args(argv=BASE + "--cuda-graph-impl full_iteration --attention-dropout 0.1".split()))
+    assert args.attention_dropout == 0.1
+
+
+def test_graph_safe_rng_needs_cuda():
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    tracker = CudaRNGStatesTracker()
+    tracker.set_graph_safe(False)
+    assert tracker.graph_safe_states() == []
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="need a CUDA device"):
+            tracker.set_graph_safe(True)
 
 
 # ---- the wrapper ---------------------------------------------------------------------------------
@@ -98,7 +109,8 @@ def _single_rank():
         parallel_state.initialize_model_parallel()
 
 
-def train_losses(steps, wrap=None, device="cpu", dtype=torch.float32, num_microbatches=2):
+def train_losses(steps, wrap=None, device="cpu", dtype=torch.float32, num_microbatches=2, attention_dropout=0.0,
+                 graph_safe_rng=False):
     """Per-step losses of a 2-layer GPT trained through DDP, the Megatron optimizer and the no-pipelining
     schedule; ``wrap(fbf)`` optionally wraps the schedule (as the training loop does for graphs)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -112,10 +124,10 @@ def train_losses(steps, wrap=None, device="cpu", dtype=torch.float32, num_microb
 
     _single_rank()
     torch.manual_seed(0)
-    model_parallel_cuda_manual_seed(0)
+    model_parallel_cuda_manual_seed(1, use_cudagraphable_rng=graph_safe_rng)
     bf16 = dtype == torch.bfloat16
     config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, hidden_dropout=0.1,
-                               attention_dropout=0.0, params_dtype=dtype, bf16=bf16,
+                               attention_dropout=attention_dropout, params_dtype=dtype, bf16=bf16,
                                gradient_accumulation_fusion=True)
     model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=16).to(device)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)

@@ -5,7 +5,7 @@ TP-split activations need different masks (the "model-parallel-rng" state, seed 
 On CPU the "CUDA" generator is the CPU default generator, so the same code paths run everywhere.
 """
 import contextlib
-from typing import Dict
+from typing import Dict, List
 
 import torch
 
@@ -35,9 +35,16 @@ def _manual_seed(seed: int) -> None:
 
 
 class CudaRNGStatesTracker:
-    """Named generator states; ``fork(name)`` runs a block under that state and saves its advance."""
+    """Named generator states; ``fork(name)`` runs a block under that state and saves its advance.
+
+    Graph-safe mode (``use_cudagraphable_rng``, CUDA only) keeps each state as a generator-state object
+    that ``fork`` swaps in by reference (``graphsafe_set_state``) instead of copying seed/offset bytes
+    through the host, so a CUDA graph can capture the block: register `graph_safe_states()` with the
+    graph and every replay draws fresh numbers. Both modes give the same numbers for the same seed.
+    """
 
     def __init__(self):
+        self.graph_safe = False
         self.reset()
 
     def is_initialized(self) -> bool:
@@ -47,11 +54,32 @@ class CudaRNGStatesTracker:
         self.states_: Dict[str, torch.Tensor] = {}
         self.seeds_ = set()
 
+    def set_graph_safe(self, enabled: bool) -> None:
+        if enabled and not torch.cuda.is_available():
+            raise RuntimeError("graph-safe RNG states (CUDA graphs) need a CUDA device")
+        if enabled != self.graph_safe:
+            states = self.get_states()
+            self.graph_safe = enabled
+            self.states_ = {}
+            self.set_states(states)
+
+    def graph_safe_states(self) -> List:
+        """The generator-state objects a CUDA graph capturing `fork` blocks must register."""
+        return list(self.states_.values()) if self.graph_safe else []
+
     def get_states(self) -> Dict[str, torch.Tensor]:
+        if self.graph_safe:
+            return {k: v.get_state() for k, v in self.states_.items()}
         return {k: v.clone() for k, v in self.states_.items()}
 
     def set_states(self, states: Dict[str, torch.Tensor]) -> None:
-        self.states_ = {k: v.clone() for k, v in states.items()}
+        if not self.graph_safe:
+            self.states_ = {k: v.clone() for k, v in states.items()}
+            return
+        for k, v in states.items():  # in place: graphs registered these objects
+            if k not in self.states_:
+                self.states_[k] = _default_cuda_generator().clone_state()
+            self.states_[k].set_state(v)
 
     def add(self, name: str, seed: int) -> None:
         if seed in self.seeds_:
@@ -59,6 +87,11 @@ class CudaRNGStatesTracker:
         if name in self.states_:
             raise ValueError(f"RNG state '{name}' already exists")
         self.seeds_.add(seed)
+        if self.graph_safe:
+            state = _default_cuda_generator().clone_state()
+            state.manual_seed(seed)
+            self.states_[name] = state
+            return
         saved = _get_rng_state()
         _manual_seed(seed)
         self.states_[name] = _get_rng_state()
@@ -71,6 +104,15 @@ class CudaRNGStatesTracker:
             return
         if name not in self.states_:
             raise KeyError(f"RNG state '{name}' is not set; call model_parallel_cuda_manual_seed(seed) first")
+        if self.graph_safe:
+            generator = _default_cuda_generator()
+            saved = generator.graphsafe_get_state()
+            generator.graphsafe_set_state(self.states_[name])  # advances land in the tracked state
+            try:
+                yield
+            finally:
+                generator.graphsafe_set_state(saved)
+            return
         saved = _get_rng_state()
         _set_rng_state(self.states_[name])
         try:
@@ -78,6 +120,10 @@ class CudaRNGStatesTracker:
         finally:
             self.states_[name] = _get_rng_state()
             _set_rng_state(saved)
+
+
+def _default_cuda_generator():
+    return torch.cuda.default_generators[torch.cuda.current_device()]
 
 
 _CUDA_RNG_STATE_TRACKER = CudaRNGStatesTracker()
@@ -103,13 +149,14 @@ def model_parallel_cuda_manual_seed(seed: int, te_rng_tracker: bool = False, inf
 
     TP state: seed + 2718 + tp_rank; expert state: seed + 1024 + 100 * ep_rank + expert_tp_rank.
     """
-    if te_rng_tracker or use_cudagraphable_rng:
-        raise NotImplementedError("--te-rng-tracker / cudagraphable RNG are not supported; drop the flag")
+    if te_rng_tracker:
+        raise NotImplementedError("--te-rng-tracker needs Transformer Engine, which is not supported; drop the flag")
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     etp_rank = parallel_state.get_expert_tensor_parallel_rank()
     tracker = get_cuda_rng_tracker()
     tracker.reset()
+    tracker.set_graph_safe(use_cudagraphable_rng)  # --cuda-graph-impl full_iteration
     _manual_seed(seed)
     tracker.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
     tracker.add(_EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)

@@ -87,9 +87,6 @@ def validate_cuda_graph_args(args, require):
     require(args.recompute_granularity is None,
             f"{flag}: activation recompute saves and restores RNG states inside the step, which a graph "
             "cannot capture; drop --recompute-granularity / --recompute-activations")
-    require(args.attention_dropout == 0.0,
-            f"{flag}: attention dropout swaps to the model-parallel RNG state inside the step, which a graph "
-            "cannot capture; pass --attention-dropout 0")
     require(not args.fp16 or args.loss_scale is not None,
             f"{flag} with --fp16 needs a constant --loss-scale (the dynamic scaler skips steps on the host); "
             "or use --bf16")
