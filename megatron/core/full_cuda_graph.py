@@ -119,6 +119,9 @@ class FullCudaGraphWrapper:
         if cuda_graph_warmup_steps < 1:
             raise ValueError(f"--cuda-graph-warmup-steps must be >= 1 (got {cuda_graph_warmup_steps}): "
                              "capture needs compiled kernels and initialised libraries from an eager step")
+        if graph_factory is _CudaGraph and not torch.cuda.is_available():
+            # Before the first step, not after the warm-up steps.
+            raise RuntimeError("--cuda-graph-impl full_iteration needs a CUDA device; drop the flag on CPU")
         self.forward_backward_func = forward_backward_func
         self.warmup_steps = cuda_graph_warmup_steps
         self.graph_factory = graph_factory

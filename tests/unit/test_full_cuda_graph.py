@@ -234,3 +234,9 @@ def test_losses_to_host_keeps_the_layout():
     from megatron.training.train_step import _losses_to_host
     dicts = [{"lm loss": torch.tensor([3.0, 16.0]), "n": 2}, {"lm loss": torch.tensor([1.0, 8.0])}]
     assert _losses_to_host(dicts)() is dicts  # CPU: nothing to copy
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_cpu_run_is_refused_before_the_first_step():
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        FullCudaGraphWrapper(lambda **kw: [], 3)
