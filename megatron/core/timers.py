@@ -8,11 +8,13 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from megatron.core.full_cuda_graph import is_graph_capturing
+
 
 def _synchronize():
     # Device work is asynchronous: wait for it so a timer measures the work, not its launch.
-    # Not while a CUDA graph is being captured (syncing is illegal there; see full_cuda_graph.py).
-    if torch.cuda.is_available() and torch.cuda.is_initialized() and not torch.cuda.is_current_stream_capturing():
+    # Not while a CUDA graph is being captured: syncing is illegal there.
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and not is_graph_capturing():
         torch.cuda.synchronize()
 
 

@@ -11,6 +11,7 @@ dim a multiple of 16; callers check ``fp8_supported_shape`` and keep a 16-bit GE
 import torch
 
 from megatron.core.fusions.compile import maybe_compile
+from megatron.core.tensor_parallel.layers import main_grad_placeholder
 from megatron.core.tensor_parallel.mappings import _gather_along_first_dim, _reduce_scatter_along_first_dim
 
 FP8_RECIPES = ("tensorwise",)
@@ -56,11 +57,7 @@ def _accumulate_main_grad(weight, grad_weight):
     """Gradient-accumulation fusion: add into ``weight.main_grad``; return what autograd should see."""
     weight.main_grad.add_(grad_weight)
     if hasattr(weight, "grad_added_to_main_grad"):
-        # DDP's per-param hook must still fire; it skips this gradient, so it needs no memset unless a
-        # real .grad is added to it (tied embedding, `zero_out_wgrad`).
-        weight.grad_added_to_main_grad = True
-        make = torch.zeros_like if getattr(weight, "zero_out_wgrad", False) else torch.empty_like
-        return make(weight)
+        return main_grad_placeholder(weight)
     return None
 
 

@@ -81,6 +81,8 @@ def _accumulate_weight_grad(main_grad, g2d, x2d):
                 # The GEMM epilogue adds into main_grad (beta = 1): no fp32 temporary to write and re-read.
                 torch.addmm(main_grad, g2d.t(), x2d, out_dtype=torch.float32, out=main_grad)
                 return
+            except torch.OutOfMemoryError:
+                raise
             except (TypeError, RuntimeError, NotImplementedError):
                 _ADDMM_OUT_DTYPE = False  # older torch: fp32-output GEMM, then a separate add
         try:
@@ -93,6 +95,16 @@ def _accumulate_weight_grad(main_grad, g2d, x2d):
 
 
 _ADDMM_OUT_DTYPE = True  # set False once if this torch has no addmm(out_dtype=, out=) on CUDA
+
+
+def main_grad_placeholder(weight):
+    """The gradient autograd sees for a DDP weight whose gradient already went into ``main_grad``:
+    DDP's per-param hook must still fire, and it skips this tensor, so it needs no memset, unless
+    the param also gets a real .grad elsewhere (tied embedding, `zero_out_wgrad`) that autograd adds
+    it to."""
+    weight.grad_added_to_main_grad = True
+    make = torch.zeros_like if getattr(weight, "zero_out_wgrad", False) else torch.empty_like
+    return make(weight)
 
 
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
@@ -126,12 +138,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             _accumulate_weight_grad(weight.main_grad, g2d, x2d)
             grad_weight = None
             if hasattr(weight, "grad_added_to_main_grad"):
-                # Autograd must still see a gradient so DDP's per-param hooks fire; the hook skips it,
-                # so it needs no memset, unless the param also gets a real .grad elsewhere (tied
-                # embedding, `zero_out_wgrad`), where autograd adds this dummy to it.
-                make = torch.zeros_like if getattr(weight, "zero_out_wgrad", False) else torch.empty_like
-                grad_weight = make(weight)
-                weight.grad_added_to_main_grad = True
+                grad_weight = main_grad_placeholder(weight)
         else:
             grad_weight = g2d.t() @ x2d
         return grad_input, grad_weight, grad_bias, None, None, None

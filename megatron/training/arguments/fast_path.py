@@ -68,7 +68,8 @@ def validate_cuda_graph_args(args, require):
     require(args.cuda_graph_warmup_steps >= 1,
             f"--cuda-graph-warmup-steps must be >= 1 (got {args.cuda_graph_warmup_steps})")
     flag = "--cuda-graph-impl full_iteration"
-    # Each refusal names the blocker: a host sync, a collective, or RNG-state swapping inside the step.
+    # Each refusal names the blocker: a host sync, an exchange outside the graph, or RNG states saved
+    # through the host inside the step.
     require(args.tensor_model_parallel_size == 1 and args.pipeline_model_parallel_size == 1,
             f"{flag} supports tensor and pipeline parallel size 1 (TP broadcasts batch shapes to the host and "
             "PP exchanges activations between ranks inside the step); drop the flag or the TP/PP sizes")
