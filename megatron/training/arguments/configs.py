@@ -44,7 +44,8 @@ def core_transformer_config_from_args(args, config_class=None):
     elif args.squared_relu:
         overrides["activation_func"] = lambda x: torch.pow(F.relu(x), 2)
     elif args.openai_gelu:
-        overrides["activation_func"] = lambda x: F.gelu(x, approximate="tanh")
+        from megatron.core.fusions.fused_bias_activation import openai_gelu
+        overrides["activation_func"] = openai_gelu
     if args.init_method_xavier_uniform:
         overrides["init_method"] = torch.nn.init.xavier_uniform_
         overrides["scaled_init_method"] = torch.nn.init.xavier_uniform_
