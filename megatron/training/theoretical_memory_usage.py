@@ -1,5 +1,6 @@
 """Memory estimate on the most loaded rank (Megatron's "Theoretical memory" line) and the fuller
 --dry-run style estimate (weights, optimizer, activations, logits, FLOPs) printed by tools/benchmark.py."""
+import torch
 
 NUM_BYTES_IN_MEGABYTE = 1024 * 1024
 
@@ -59,7 +60,10 @@ def compute_logits_memory(args):
     plus with the eager loss the fp32 copies (upcast, shifted logits, softmax, fp32 grad)."""
     vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size or 0
     n = args.seq_length * args.micro_batch_size * vocab / args.tensor_model_parallel_size
-    fused = getattr(args, "cross_entropy_loss_fusion", False)
+    # The chunked loss is also the default for 16-bit logits on CUDA (same math, no fp32 copies).
+    sixteen_bit = getattr(args, "bf16", False) or getattr(args, "fp16", False)
+    fused = getattr(args, "cross_entropy_loss_fusion", False) or (
+        sixteen_bit and torch.cuda.is_available() and not getattr(args, "fp16_lm_cross_entropy", False))
     return n * (2 + 2) + (0 if fused else n * 4 * 3)
 
 
