@@ -5,6 +5,7 @@ import warnings
 
 import torch
 
+from .dropin_args import validate_dropin_args
 from .fast_path import validate_fast_path_args
 from .megatron_flags import check_megatron_flags
 
@@ -28,6 +29,7 @@ def validate_args(args, defaults=None):
     defaults = defaults or {}
     check_megatron_flags(args)
     _apply_defaults(args, defaults)
+    validate_dropin_args(args, _require, lambda m: print(m, flush=True) if args.rank == 0 else None)
     _validate_parallel(args)
     _validate_batch(args)
     _validate_model(args)
