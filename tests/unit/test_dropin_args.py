@@ -136,7 +136,26 @@ def test_deterministic_mode_refusals(restore_determinism, monkeypatch, env, argv
     assert needle in str(e.value)
 
 
-def test_use_cpu_initialization_reaches_config():
+def test_initialization_flags_reach_config():
     assert _parse([]).use_cpu_initialization is False
-    args = _parse(["--use-cpu-initialization"])
-    assert core_transformer_config_from_args(args).use_cpu_initialization is True
+    config = core_transformer_config_from_args(_parse(["--use-cpu-initialization", "--no-initialization"]))
+    assert config.use_cpu_initialization is True and config.perform_initialization is False
+
+
+def test_checkpoint_strictness_and_data_sharding():
+    args = _parse(["--dist-ckpt-strictness", "log_all", "--no-data-sharding"])
+    assert args.dist_ckpt_strictness == "log_all" and args.data_sharding is False
+    with pytest.raises(ArgumentError, match="--dist-ckpt-strictness raise_all: checks of unexpected checkpoint keys"):
+        _parse(["--dist-ckpt-strictness", "raise_all"])
+
+
+def test_no_data_sharding_samples_whole_dataset():
+    """--no-data-sharding (cyclic loader): the DP ranks split one permutation of the whole dataset."""
+    from megatron.training.datasets.data_samplers import MegatronPretrainingRandomSampler
+
+    def epoch(rank, sharding):
+        sampler = MegatronPretrainingRandomSampler(list(range(16)), 16, 0, 2, rank, 2, data_sharding=sharding)
+        return [i for batch in sampler for i in batch]
+    assert max(epoch(0, True)) < 8  # rank 0's own bucket: the first half
+    first, second = epoch(0, False), epoch(1, False)
+    assert sorted(first + second) == list(range(16)) and max(first) >= 8

@@ -1,5 +1,6 @@
-"""Megatron flags common in launch scripts: --use-cpu-initialization, --deterministic-mode, --yaml-cfg,
---use-megatron-fsdp with --data-parallel-sharding-strategy, and --torch-fsdp2-no-reshard-after-forward.
+"""Megatron flags common in launch scripts: --use-cpu-initialization, --no-initialization, --deterministic-mode,
+--yaml-cfg, --use-megatron-fsdp with --data-parallel-sharding-strategy, --torch-fsdp2-no-reshard-after-forward,
+--dist-ckpt-strictness and --no-data-sharding.
 
 Megatron-FSDP's sharding strategies run on our data-parallel engines (ZeRO stages):
     no_shard            -> DDP (replicated params, grads and optimizer state)
@@ -19,6 +20,12 @@ SHARDING_STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 # Megatron accepts these NCCL algorithms in deterministic mode (all are run-to-run deterministic).
 DETERMINISTIC_NCCL_ALGOS = ["Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS"]
 CUBLAS_WORKSPACE = ":4096:8"  # cuBLAS is deterministic with a fixed workspace (CUDA docs)
+STRICTNESS = ["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+              "return_unexpected", "return_all", "ignore_all"]
+# A torch_dist load reads exactly the tensors the model asks for: a tensor missing from the checkpoint is
+# an error, or kept at its current value (logged with log_all); keys the model does not ask for are never
+# read, so the modes that list or refuse such unexpected keys are not built.
+STRICTNESS_BUILT = ("assume_ok_unexpected", "log_all", "ignore_all")
 
 
 def add_dropin_args(parser):
@@ -26,6 +33,8 @@ def add_dropin_args(parser):
     g.add_argument("--use-cpu-initialization", action="store_true", default=None,
                    help="Create and initialize parameters on the CPU, then move them to the device (same values "
                         "as a CPU run: initialization depends only on --seed and the parameter's name).")
+    g.add_argument("--no-initialization", action="store_false", dest="perform_initialization",
+                   help="Skip parameter initialization (the weights come from --load).")
     g.add_argument("--deterministic-mode", action="store_true",
                    help="Bitwise reproducible runs: deterministic torch algorithms, cuBLAS workspace, NCCL "
                         "algorithm and SDPA kernels (see docs/migrating.md for the cost).")
@@ -42,6 +51,12 @@ def add_dropin_args(parser):
     g.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_false",
                    dest="torch_fsdp2_reshard_after_forward",
                    help="FSDP2 keeps gathered params from forward to backward (less communication, more memory).")
+    g.add_argument("--dist-ckpt-strictness", type=str, default="assume_ok_unexpected", choices=STRICTNESS,
+                   help="torch_dist load: a tensor missing from the checkpoint raises (assume_ok_unexpected), is "
+                        "logged and kept (log_all) or kept (ignore_all).")
+    g.add_argument("--no-data-sharding", action="store_false", dest="data_sharding",
+                   help="With --dataloader-type cyclic: every data-parallel rank samples the whole dataset "
+                        "instead of its own contiguous bucket.")
     return parser
 
 
@@ -50,6 +65,9 @@ def validate_dropin_args(args, require, log):
 
     ``require(cond, message)`` raises the one-line ArgumentError; ``log(message)`` prints on rank 0."""
     args.use_cpu_initialization = bool(args.use_cpu_initialization)
+    require(args.dist_ckpt_strictness in STRICTNESS_BUILT,
+            f"--dist-ckpt-strictness {args.dist_ckpt_strictness}: checks of unexpected checkpoint keys are not "
+            f"built; use {', '.join(STRICTNESS_BUILT)}")
     if args.use_megatron_fsdp:
         _map_megatron_fsdp(args, require, log)
     if args.deterministic_mode:
