@@ -21,11 +21,23 @@ _SDPA_BACKENDS = {
     "local": ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"),
 }
 
+# Under --deterministic-mode (torch.use_deterministic_algorithms): flash and memory-efficient attention
+# switch to deterministic backward passes (measured bitwise on H200, torch 2.11); cuDNN attention has none.
+_NONDETERMINISTIC = ("CUDNN_ATTENTION",)
+_MASKED_DETERMINISTIC = ("EFFICIENT_ATTENTION", "MATH")  # flash takes no explicit mask
 
-def sdpa_backends(attention_backend: str):
+
+def sdpa_backends(attention_backend: str, deterministic: bool = False):
     """The ``torch.nn.attention.SDPBackend`` list for a Megatron ``--attention-backend`` value."""
     from torch.nn.attention import SDPBackend
-    return [getattr(SDPBackend, name) for name in _SDPA_BACKENDS[str(attention_backend)]]
+    names = [n for n in _SDPA_BACKENDS[str(attention_backend)] if not (deterministic and n in _NONDETERMINISTIC)]
+    return [getattr(SDPBackend, name) for name in names or ("MATH",)]
+
+
+def masked_sdpa_backends(deterministic: bool):
+    """Kernels for an explicit mask: torch's choice, or the deterministic ones in deterministic mode."""
+    from torch.nn.attention import SDPBackend
+    return [getattr(SDPBackend, name) for name in _MASKED_DETERMINISTIC] if deterministic else None
 
 
 def _sdpa_context(backends, device):
@@ -54,7 +66,9 @@ class DotProductAttention(MegatronModule):
         self.num_heads_per_partition = config.num_attention_heads // tp
         self.num_groups_per_partition = config.num_query_groups // tp
         backend = getattr(config.attention_backend, "name", config.attention_backend)
-        self.sdpa_backends = sdpa_backends(backend)
+        deterministic = getattr(config, "deterministic_mode", False)
+        self.sdpa_backends = sdpa_backends(backend, deterministic)
+        self.masked_sdpa_backends = masked_sdpa_backends(deterministic)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -74,8 +88,9 @@ class DotProductAttention(MegatronModule):
         # Heads are split over TP, so each rank needs its own dropout stream (no stream without dropout:
         # forking the RNG state would also break a compiled layer's graph for nothing).
         rng = get_cuda_rng_tracker().fork() if dropout_p > 0 else nullcontext()
-        # An explicit mask (reset attention, padding) leaves the kernel choice to torch: flash takes none.
-        backends = self.sdpa_backends if attn_mask is None else None
+        # An explicit mask (reset attention, padding) leaves the kernel choice to torch (flash takes none),
+        # except in deterministic mode.
+        backends = self.sdpa_backends if attn_mask is None else self.masked_sdpa_backends
         with rng, _sdpa_context(backends, q.device):
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                                  is_causal=is_causal, scale=self.softmax_scale)

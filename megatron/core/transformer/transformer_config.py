@@ -78,6 +78,9 @@ class TransformerConfig(ModelParallelConfig):
     fp8_amax_history_len: int = 1
     fp8_amax_compute_algo: str = "most_recent"
 
+    # Deterministic mode (--deterministic-mode): core attention uses deterministic SDPA kernels only.
+    deterministic_mode: bool = False
+
     def __post_init__(self):
         super().__post_init__()
         self._check_shapes()

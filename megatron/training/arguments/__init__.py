@@ -12,7 +12,9 @@ from .model_args import (add_initialization_args, add_mixed_precision_args, add_
 from .parallel_data_args import add_data_args, add_distributed_args, add_tokenizer_args
 from .training_args import (add_checkpointing_args, add_learning_rate_args, add_logging_args, add_training_args,
                             add_validation_args)
-from .unsupported import add_unsupported_args
+from .dropin_args import add_dropin_args
+from .megatron_flags import add_megatron_flags
+from .yaml_args import load_yaml_config
 from . import fast_path
 from .validation import ArgumentError, blend_prefixes, validate_args
 
@@ -25,11 +27,11 @@ def build_parser(extra_args_provider=None):
     parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
     for add in (add_network_size_args, add_regularization_args, add_training_args, add_initialization_args,
                 add_learning_rate_args, add_checkpointing_args, add_mixed_precision_args, add_distributed_args,
-                add_validation_args, add_data_args, add_tokenizer_args, add_logging_args, add_unsupported_args):
+                add_validation_args, add_data_args, add_tokenizer_args, add_logging_args, add_dropin_args):
         parser = add(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
-    return parser
+    return add_megatron_flags(parser)  # last: every Megatron flag the adders above did not define
 
 
 def parse_args(extra_args_provider=None, ignore_unknown_args=False, argv=None):
@@ -39,6 +41,8 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False, argv=None):
         args, _ = parser.parse_known_args(argv)
     else:
         args = parser.parse_args(argv)
+    if getattr(args, "yaml_cfg", None) is not None:
+        load_yaml_config(args, parser)
     args.rank = int(os.getenv("RANK", os.getenv("SLURM_PROCID", "0")))
     args.world_size = int(os.getenv("WORLD_SIZE", os.getenv("SLURM_NTASKS", "1")))
     return args

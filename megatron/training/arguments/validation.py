@@ -5,8 +5,9 @@ import warnings
 
 import torch
 
+from .dropin_args import validate_dropin_args
 from .fast_path import validate_fast_path_args
-from .unsupported import unsupported_flag_used
+from .megatron_flags import check_megatron_flags
 
 
 class ArgumentError(ValueError):
@@ -26,10 +27,9 @@ def _warn(args, message):
 def validate_args(args, defaults=None):
     """Check flags, fill derived values (data-parallel size, dtype, ffn size...) and return args."""
     defaults = defaults or {}
-    hit = unsupported_flag_used(args)
-    if hit is not None:
-        raise ArgumentError(f"{hit[0]} is not supported yet: {hit[1]}")
+    check_megatron_flags(args)
     _apply_defaults(args, defaults)
+    validate_dropin_args(args, _require, lambda m: print(m, flush=True) if args.rank == 0 else None)
     _validate_parallel(args)
     _validate_batch(args)
     _validate_model(args)
