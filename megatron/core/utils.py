@@ -107,9 +107,47 @@ def scaled_init_method_normal(sigma: float, num_layers: int, multiplier: float =
     return init_method_normal(std)
 
 
-def is_torch_min_version(version: str) -> bool:
+def _version(dist_name: str, missing_ok: bool):
+    """Installed version of a distribution; 0.0.0 when absent and `missing_ok` (as Megatron for TE)."""
+    from importlib.metadata import PackageNotFoundError, version
     from packaging.version import Version
-    return Version(torch.__version__.split("+")[0]) >= Version(version)
+    try:
+        return Version(version(dist_name))
+    except PackageNotFoundError:
+        if missing_ok:
+            return Version("0.0.0")
+        raise ImportError(f"{dist_name} is not installed")
+
+
+def _at_least(current, wanted: str, check_equality: bool) -> bool:
+    from packaging.version import Version
+    return current >= Version(wanted) if check_equality else current > Version(wanted)
+
+
+def get_torch_version():
+    from packaging.version import Version
+    return Version(torch.__version__.split("+")[0])
+
+
+def is_torch_min_version(version, check_equality=True) -> bool:
+    return _at_least(get_torch_version(), version, check_equality)
+
+
+def get_te_version():
+    """Transformer Engine's version, 0.0.0 without it (no code path here needs it)."""
+    return _version("transformer-engine", missing_ok=True)
+
+
+def is_te_min_version(version, check_equality=True) -> bool:
+    return _at_least(get_te_version(), version, check_equality)
+
+
+def get_fa_version():
+    return _version("flash-attn", missing_ok=False)
+
+
+def is_fa_min_version(version, check_equality=True) -> bool:
+    return _at_least(get_fa_version(), version, check_equality)
 
 
 def print_rank_0(message: str) -> None:
