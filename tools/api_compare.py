@@ -65,9 +65,8 @@ def compare_params(theirs, ours, ns):
             if not any(p[1] == kind for p in ours):
                 diffs.append(f"no {'*' if kind == 'var_positional' else '**'}{name}")
             continue
-        if mine is None:
-            if not var_kw:
-                diffs.append(f"missing `{name}`")
+        if mine is None:  # even if ours takes **kwargs: it may refuse or drop the name
+            diffs.append(f"missing `{name}`" + (" (ours takes **kwargs)" if var_kw else ""))
             continue
         if default is not None:
             value = _evaluate(default, ns)

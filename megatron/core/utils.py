@@ -69,7 +69,7 @@ def unwrap_model(model, module_instances: Any = None):
     return out if isinstance(model, list) else out[0]
 
 
-class _MakeViewlessTensor(torch.autograd.Function):
+class MakeViewlessTensor(torch.autograd.Function):
     """Identity whose output owns no ``_base``, keeping the autograd graph."""
 
     @staticmethod
@@ -88,7 +88,7 @@ def make_viewless_tensor(inp: torch.Tensor, requires_grad: bool, keep_graph: boo
     if inp._base is None:
         return inp
     if keep_graph:
-        return _MakeViewlessTensor.apply(inp, requires_grad)
+        return MakeViewlessTensor.apply(inp, requires_grad)
     out = torch.empty((1,), dtype=inp.dtype, device=inp.device, requires_grad=requires_grad)
     out.data = inp.data
     return out
@@ -162,3 +162,6 @@ def log_single_rank(logger, *args, rank: int = 0, **kwargs) -> None:
 
 def get_tensor_list(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     return [t for t in tensors if t is not None]
+
+
+from megatron.core._utils_extras import *  # noqa: E402,F401,F403  (less common helpers)

@@ -42,7 +42,8 @@ def test_coverage_floor(results):
     "megatron.core.num_microbatches_calculator.StepBatchsizeNumMicroBatchesCalculator",
     "megatron.core.tensor_parallel.gather_split_1d_tensor",
     "megatron.core.tensor_parallel.split_tensor_into_1d_equal_chunks",
-    "megatron.core.optimizer.get_megatron_optimizer",
+    "megatron.core.optimizer.ChainedOptimizer", "megatron.core.optimizer.get_megatron_optimizer",
+    "megatron.core.dist_checkpointing.load_plain_tensors",
     "megatron.core.distributed.finalize_model_grads",
 
     "megatron.training.get_args", "megatron.training.pretrain", "megatron.training.print_rank_0",
