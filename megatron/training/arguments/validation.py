@@ -23,7 +23,7 @@ def _warn(args, message):
         warnings.warn(message)
 
 
-def validate_args(args, defaults=None):
+def validate_args(args, defaults={}):
     """Check flags, fill derived values (data-parallel size, dtype, ffn size...) and return args."""
     defaults = defaults or {}
     hit = unsupported_flag_used(args)
