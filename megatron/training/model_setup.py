@@ -112,7 +112,7 @@ def setup_model_and_optimizer(model_provider_func, model_type=ModelType.encoder_
     model = get_model(model_provider_func, model_type)
     config = optimizer_config_from_args(args)
     from megatron.core.optimizer import get_megatron_optimizer
-    optimizer = get_megatron_optimizer(config, model, no_wd_decay_cond=no_wd_decay_cond,
+    optimizer = get_megatron_optimizer(config, model, no_weight_decay_cond=no_wd_decay_cond,
                                        scale_lr_cond=scale_lr_cond, lr_mult=lr_mult)
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
     args.iteration, args.num_floating_point_operations_so_far = 0, 0

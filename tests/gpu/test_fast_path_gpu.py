@@ -17,8 +17,8 @@ def test_compiled_cross_entropy_matches_eager():
     logits = (torch.randn(512, 2, 4096, device="cuda") * 4).bfloat16()
     target = torch.randint(0, 4096, (512, 2), device="cuda")
     a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-    lf = fce.fused_vocab_parallel_cross_entropy(a, target, group=None)
-    lr = vocab_parallel_cross_entropy(b.float(), target, group=None)
+    lf = fce.fused_vocab_parallel_cross_entropy(a, target, tp_group=None)
+    lr = vocab_parallel_cross_entropy(b.float(), target, tp_group=None)
     (lf.sum()).backward()
     (lr.sum()).backward()
     assert _rel(lf, lr) < 1e-5  # fp32 math on the same bf16 inputs

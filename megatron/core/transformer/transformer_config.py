@@ -5,12 +5,14 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from megatron.core._compat_fields import check_compat_fields
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.transformer._compat_fields import TransformerConfigCompat
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 
 @dataclass
-class TransformerConfig(ModelParallelConfig):
+class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     """Architecture of a transformer stack (plus the parallel settings it inherits)."""
 
     num_layers: int = 0
@@ -65,7 +67,7 @@ class TransformerConfig(ModelParallelConfig):
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
     recompute_modules: Optional[List[str]] = None
-    distribute_saved_activations: Optional[bool] = None
+    distribute_saved_activations: Optional[bool] = False
 
     # MoE (not supported yet)
     num_moe_experts: Optional[int] = None
@@ -83,6 +85,7 @@ class TransformerConfig(ModelParallelConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        check_compat_fields(self, TransformerConfigCompat, inert=self._inert_field)
         self._check_shapes()
         self._check_features()
         self._check_recompute()
@@ -91,6 +94,12 @@ class TransformerConfig(ModelParallelConfig):
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:
             self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, self.num_layers)
+
+    def _inert_field(self, name: str) -> bool:
+        """Fields Megatron reads only when their feature is on: moe_* without experts, mtp_* without
+        MTP layers. Any value there gives the same (dense, no-MTP) model."""
+        return ((name.startswith("moe_") and self.num_moe_experts is None)
+                or (name.startswith("mtp_") and getattr(self, "mtp_num_layers", None) is None))
 
     def _check_shapes(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):

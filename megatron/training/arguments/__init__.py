@@ -17,10 +17,12 @@ from .megatron_flags import add_megatron_flags
 from .yaml_args import load_yaml_config
 from . import fast_path
 from .validation import ArgumentError, blend_prefixes, validate_args
+from .types import la_freq_type, moe_freq_type, no_rope_freq_type, parse_and_validate_args, tuple_type
 
 __all__ = ["parse_args", "validate_args", "ArgumentError", "print_args", "build_parser",
            "core_transformer_config_from_args", "ddp_config_from_args", "optimizer_config_from_args",
-           "blend_prefixes"]
+           "blend_prefixes", "add_megatron_arguments", "parse_and_validate_args", "moe_freq_type",
+           "no_rope_freq_type", "la_freq_type", "tuple_type"]
 
 
 def build_parser(extra_args_provider=None):
@@ -32,6 +34,16 @@ def build_parser(extra_args_provider=None):
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     return add_megatron_flags(parser)  # last: every Megatron flag the adders above did not define
+
+
+def add_megatron_arguments(parser: argparse.ArgumentParser):
+    """Add every Megatron flag this application knows to `parser` (for tools with their own parser)."""
+    full = build_parser()
+    full._actions = [a for a in full._actions if "-h" not in a.option_strings]  # `parser` has its own help
+    for group in full._action_groups:
+        group._group_actions = [a for a in group._group_actions if "-h" not in a.option_strings]
+    parser._add_container_actions(full)  # what argparse's `parents=` does
+    return parser
 
 
 def parse_args(extra_args_provider=None, ignore_unknown_args=False, argv=None):

@@ -6,8 +6,12 @@ import torch.nn.functional as F
 
 
 def _copy_matching_fields(cls, args, **overrides):
-    """Fill every dataclass field that has a same-named arg; overrides win."""
-    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    """Fill every dataclass field that has a same-named arg; overrides win. Compat-only fields
+    (Megatron's, without a feature here) stay at their defaults: their flags are refused upstream."""
+    from megatron.core._compat_fields import all_compat_only_fields
+    skip = all_compat_only_fields(cls)
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+          if hasattr(args, f.name) and f.name not in skip}
     field_names = {f.name for f in dataclasses.fields(cls)}
     kw.update({k: v for k, v in overrides.items() if k in field_names})
     return kw, field_names

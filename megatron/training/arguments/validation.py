@@ -24,7 +24,7 @@ def _warn(args, message):
         warnings.warn(message)
 
 
-def validate_args(args, defaults=None):
+def validate_args(args, defaults={}):
     """Check flags, fill derived values (data-parallel size, dtype, ffn size...) and return args."""
     defaults = defaults or {}
     check_megatron_flags(args)
@@ -303,8 +303,10 @@ def _validate_data(args):
                or args.per_split_data_args_path is not None]
     _require(sum(sources) <= 1, "pass only one data source: --mock-data, --data-path, or "
                                 "--train-data-path/--valid-data-path/--test-data-path")
-    _require(sum(sources) == 1, "no training data: pass --data-path PREFIX (a .bin/.idx pair), the per-split "
-                                "--train-data-path/--valid-data-path/--test-data-path, or --mock-data")
+    if sum(sources) == 0:
+        # Megatron accepts this too: its dataset config falls back to mock data without a blend.
+        args.mock_data = True
+        _warn(args, "no --data-path / --train-data-path / --mock-data given: using mock data")
     _require(not (args.data_path and args.data_args_path), "--data-path and --data-args-path are exclusive")
     if args.data_args_path is not None:
         _require(os.path.isfile(args.data_args_path), f"--data-args-path file not found: {args.data_args_path}")
