@@ -15,6 +15,7 @@ from .training_args import (add_checkpointing_args, add_learning_rate_args, add_
 from .dropin_args import add_dropin_args
 from .megatron_flags import add_megatron_flags
 from .yaml_args import load_yaml_config
+from .window_args import add_window_args
 from . import fast_path
 from .validation import ArgumentError, blend_prefixes, validate_args
 from .types import la_freq_type, moe_freq_type, no_rope_freq_type, parse_and_validate_args, tuple_type
@@ -29,7 +30,8 @@ def build_parser(extra_args_provider=None):
     parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
     for add in (add_network_size_args, add_regularization_args, add_training_args, add_initialization_args,
                 add_learning_rate_args, add_checkpointing_args, add_mixed_precision_args, add_distributed_args,
-                add_validation_args, add_data_args, add_tokenizer_args, add_logging_args, add_dropin_args):
+                add_validation_args, add_data_args, add_tokenizer_args, add_logging_args, add_window_args,
+                add_dropin_args):
         parser = add(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)

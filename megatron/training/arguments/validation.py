@@ -8,6 +8,7 @@ import torch
 from .dropin_args import validate_dropin_args
 from .fast_path import validate_fast_path_args
 from .megatron_flags import check_megatron_flags
+from .window_args import validate_window_args
 
 
 class ArgumentError(ValueError):
@@ -33,6 +34,7 @@ def validate_args(args, defaults={}):
     _validate_parallel(args)
     _validate_batch(args)
     _validate_model(args)
+    validate_window_args(args, _require)
     validate_fast_path_args(args, _require)
     _validate_precision(args)
     _validate_run_length(args)
