@@ -152,3 +152,17 @@ def test_moe_layer_freq_pattern_and_flags_reach_config(capsys):
     with pytest.raises(SystemExit):
         _args("--num-experts 4 --moe-layer-freq [x]")
     assert "argument --moe-layer-freq: '[x]': use an int or a list pattern" in capsys.readouterr().err
+
+
+def test_flops_count_active_experts():
+    """Megatron's MoE formula: MLP FLOPs of a MoE layer use top-k x moe_ffn + the shared expert width."""
+    from types import SimpleNamespace
+    from megatron.training.flops import num_floating_point_operations
+    base = dict(hidden_size=64, num_layers=4, seq_length=32, num_attention_heads=4, kv_channels=None,
+                group_query_attention=False, num_query_groups=1, ffn_hidden_size=256, swiglu=True,
+                padded_vocab_size=512, vocab_size=512)
+    dense = num_floating_point_operations(SimpleNamespace(**base, num_experts=None), 2)
+    moe = SimpleNamespace(**base, num_experts=16, moe_layer_freq=[0, 1, 1, 1], moe_router_topk=4,
+                          moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=64)
+    # 3 MoE layers: active width 4 * 32 + 64 = 192 instead of 256; per token 6 * h * 3 (SwiGLU) * delta.
+    assert num_floating_point_operations(moe, 2) == dense - 2 * 32 * 6 * 64 * 3 * (256 - 192) * 3
