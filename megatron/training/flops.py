@@ -4,7 +4,8 @@
 def num_floating_point_operations(args, batch_size):
     """Training FLOPs (forward + both backward GEMMs) for `batch_size` samples of `args.seq_length` tokens.
 
-    Per token: 6*h*f*E*L (MLP, E=3 for SwiGLU else 2) + 6*L*(h*(d_q + 2*d_kv) + d_q*h) (QKV and output
+    Per token: 6*h*f*E*L (MLP, E=3 for SwiGLU else 2; MoE layers count the active width, see
+    `active_mlp_ffn_sum`) + 6*L*(h*(d_q + 2*d_kv) + d_q*h) (QKV and output
     projections) + 6*h*V (logits); plus per sample 6*s^2*d_q*L for causal core attention (QK^T and AV,
     halved for the mask). 6 = 3 GEMMs (fwd, wgrad, dgrad) x 2 FLOPs per multiply-add.
     """
@@ -17,10 +18,31 @@ def num_floating_point_operations(args, batch_size):
     expansion = 3 if getattr(args, "swiglu", False) else 2
     vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size
     tokens = batch_size * s
-    per_token = (6 * h * ffn * expansion * L
+    per_token = (6 * h * expansion * active_mlp_ffn_sum(args, ffn)
                  + 6 * L * (h * (d_q + 2 * d_kv) + d_q * h)
                  + 6 * h * vocab)
     return tokens * per_token + batch_size * s * s * 6 * d_q * L
+
+
+def moe_layer_counts(args):
+    """(dense MLP layers, MoE layers) from --num-experts and --moe-layer-freq (int N or 0/1 list)."""
+    L = args.num_layers
+    if getattr(args, "num_experts", None) is None:
+        return L, 0
+    freq = args.moe_layer_freq
+    pattern = [1 if i % freq == 0 else 0 for i in range(L)] if isinstance(freq, int) else list(freq)
+    return L - sum(pattern), sum(pattern)
+
+
+def active_mlp_ffn_sum(args, ffn):
+    """Sum over layers of the FFN width a token passes through (Megatron's MoE FLOPs formula): ffn in
+    dense layers; top-k routed experts of --moe-ffn-hidden-size plus the shared expert in MoE layers."""
+    dense, moe = moe_layer_counts(args)
+    if not moe:
+        return ffn * dense
+    moe_ffn = args.moe_ffn_hidden_size if args.moe_ffn_hidden_size is not None else ffn
+    shared = args.moe_shared_expert_intermediate_size or 0
+    return ffn * dense + (moe_ffn * args.moe_router_topk + shared) * moe
 
 
 def throughput_tflops_per_gpu(args, batch_size, seconds_per_iteration, world_size):

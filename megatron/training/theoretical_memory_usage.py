@@ -14,6 +14,8 @@ def compute_weight_and_optimizer_memory(args, verbose=False):
     ffn = args.ffn_hidden_size or 4 * h
     glu = 3 if args.swiglu else 2
     per_layer = h * kv * (heads + 2 * groups) + kv * heads * h + glu * h * ffn + 4 * h
+    if getattr(args, "num_experts", None) is not None:
+        per_layer = _moe_average_layer_params(args, per_layer - glu * h * ffn, glu)
     vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size or 0
     embedding = vocab * h + (args.max_position_embeddings * h if args.position_embedding_type == "learned_absolute"
                              else 0)
@@ -25,6 +27,19 @@ def compute_weight_and_optimizer_memory(args, verbose=False):
     # 16-bit params + fp32 grads + fp32 main params + Adam m, v = 18 B; distributed optimizer shards 12 B.
     bytes_per_param = 18 if not args.use_distributed_optimizer else 6 + 12 / args.data_parallel_size
     return first_stage * bytes_per_param
+
+
+def _moe_average_layer_params(args, attention_and_norms, glu):
+    """Params per layer on one rank, averaged over the layers, in units of the dense TP split: MoE layers
+    hold E/EP experts split over expert-TP (scaled back to a TP divisor), a shared expert and a router."""
+    from megatron.training.flops import moe_layer_counts
+    h, ffn = args.hidden_size, args.ffn_hidden_size or 4 * args.hidden_size
+    dense, moe = moe_layer_counts(args)
+    moe_ffn = args.moe_ffn_hidden_size or ffn
+    tp, etp = args.tensor_model_parallel_size, args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    experts = glu * h * moe_ffn * args.num_experts / args.expert_model_parallel_size * tp / etp
+    moe_mlp = experts + glu * h * (args.moe_shared_expert_intermediate_size or 0) + args.num_experts * h * tp
+    return attention_and_norms + (dense * glu * h * ffn + moe * moe_mlp) / args.num_layers
 
 
 def compute_activation_memory(args):
@@ -44,7 +59,15 @@ def compute_activation_memory(args):
     d_q, d_kv = kv * heads, kv * groups
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     tokens = args.seq_length * args.micro_batch_size
-    per_layer = 2 * tokens * (4 * h + (d_q + 2 * d_kv) / tp + 2 * d_q / tp + (4 if args.swiglu else 2) * ffn / tp)
+    dispatch = 0
+    if getattr(args, "num_experts", None) is not None:
+        # MoE: each token's top-k expert activations plus the shared expert (the active FFN width), and
+        # the permuted copies of the token (dispatch input, combine input: 2 k h), averaged over layers.
+        from megatron.training.flops import active_mlp_ffn_sum, moe_layer_counts
+        ffn = active_mlp_ffn_sum(args, ffn) / L
+        dispatch = 2 * args.moe_router_topk * h * moe_layer_counts(args)[1] / L
+    per_layer = 2 * tokens * (4 * h + dispatch + (d_q + 2 * d_kv) / tp + 2 * d_q / tp
+                              + (4 if args.swiglu else 2) * ffn / tp)
     layers = L / pp
     granularity = getattr(args, "recompute_granularity", None)
     if granularity == "full":

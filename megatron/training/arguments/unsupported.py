@@ -7,12 +7,6 @@ comes from here. A module that implements one of these flags deletes its line.
 
 # flag -> (argparse kwargs of an earlier registration, kept for reference; what to do instead)
 UNSUPPORTED_FLAGS = {
-    "--num-experts": (dict(type=int), "MoE is not built yet; train a dense model"),
-    "--moe-router-topk": (dict(type=int), "MoE is not built yet"),
-    "--moe-grouped-gemm": (dict(action="store_true"), "MoE is not built yet"),
-    "--moe-token-dispatcher-type": (dict(type=str), "MoE is not built yet"),
-    "--moe-aux-loss-coeff": (dict(type=float, nargs="+"), "MoE is not built yet"),
-    "--expert-tensor-parallel-size": (dict(type=int), "expert parallelism is not built yet"),
     "--multi-latent-attention": (dict(action="store_true"), "MLA is not built yet"),
     "--mtp-num-layers": (dict(type=int), "multi-token prediction is not built yet"),
     "--fp4-format": (dict(type=str), "FP4 is not supported"),
