@@ -12,10 +12,11 @@ MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 3
          "--global-batch-size 8 --seed 1234")
 
 
-def _train(extra):
+def _train(extra, base=MODEL):
     """Run pretrain_gpt's providers through pretrain(); return the per-iteration 'lm loss'."""
     import megatron.training.training as training
     import pretrain_gpt
+    from megatron.core import parallel_state
     from megatron.core.enums import ModelType
     from megatron.training.global_vars import destroy_global_vars
 
@@ -24,17 +25,19 @@ def _train(extra):
 
     def recording_train_step(*a, **k):
         out = step(*a, **k)
-        losses.append(float(out[0]["lm loss"]))
+        if "lm loss" in out[0]:  # only the last pipeline stage has the loss
+            losses.append(float(out[0]["lm loss"]))
         return out
 
     training.train_step = recording_train_step
-    sys.argv = ["pretrain_gpt.py"] + (MODEL + " " + extra).split()
+    sys.argv = ["pretrain_gpt.py"] + (base + " " + extra).split()
     try:
         training.pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
                           ModelType.encoder_or_decoder, pretrain_gpt.forward_step)
     finally:
         training.train_step = step
         destroy_global_vars()
+        parallel_state.destroy_model_parallel()  # the next run in this process may use another layout
     return losses
 
 

@@ -6,7 +6,7 @@ mask (CPU runs are small; FlexAttention has no CPU backward).
 """
 import torch
 
-from megatron.core.context_parallel.kernels import BlockMask, _flex, document_block_mask, math_forward
+from megatron.core.context_parallel.kernels import BlockMask, flex_attention_lse, document_block_mask, math_forward
 
 
 def document_attention(q, k, v, scale, layout):
@@ -18,7 +18,7 @@ def document_attention(q, k, v, scale, layout):
         cache = layout.__dict__.setdefault("_block_masks", {})
         if seq not in cache:  # one block mask per micro-batch, shared by every layer
             cache[seq] = document_block_mask(mask, seq, seq)
-        out, _ = _flex(q, k, v, cache[seq], scale)
+        out, _ = flex_attention_lse(q, k, v, cache[seq], scale)
         return out
     out, _ = math_forward(q, k, v, scale, mask)
     return out.to(q.dtype)

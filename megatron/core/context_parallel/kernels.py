@@ -109,8 +109,8 @@ def flash_backward(dout, q, k, v, out, lse, scale, mask: BlockMask):
 _compiled_flex = None
 
 
-def _flex(q, k, v, block_mask, scale):
-    """FlexAttention compiled once per process (eager flex materialises the scores)."""
+def flex_attention_lse(q, k, v, block_mask, scale):
+    """(out, lse) of FlexAttention, compiled once per process (eager flex materialises the scores)."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
     if _compiled_flex is None:
@@ -130,7 +130,7 @@ def document_block_mask(mask: BlockMask, sq: int, sk: int):
 
 
 def flex_forward(q, k, v, scale, mask: BlockMask):
-    out, lse = _flex(q, k, v, document_block_mask(mask, q.size(2), k.size(2)), scale)
+    out, lse = flex_attention_lse(q, k, v, document_block_mask(mask, q.size(2), k.size(2)), scale)
     return out.float(), lse.float()
 
 
@@ -139,7 +139,7 @@ def flex_backward(dout, q, k, v, out, lse, scale, mask: BlockMask):
     d out_i = w dO and d lse_i = w rowsum(dO * (out_i - out)), with w = exp(lse_i - lse)."""
     with torch.enable_grad():
         qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-        out_i, lse_i = _flex(qg, kg, vg, document_block_mask(mask, q.size(2), k.size(2)), scale)
+        out_i, lse_i = flex_attention_lse(qg, kg, vg, document_block_mask(mask, q.size(2), k.size(2)), scale)
         w = torch.exp(lse_i.float() - _safe(lse.float()))
         g_out = (w[..., None] * dout.float()).to(out_i.dtype)
         g_lse = w * (dout.float() * (out_i.float() - out.float())).sum(-1)

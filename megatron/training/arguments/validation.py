@@ -5,6 +5,7 @@ import warnings
 
 import torch
 
+from .context_parallel_args import validate_context_parallel_args
 from .fast_path import validate_fast_path_args
 from .unsupported import unsupported_flag_used
 
@@ -34,6 +35,7 @@ def validate_args(args, defaults=None):
     _validate_batch(args)
     _validate_model(args)
     validate_fast_path_args(args, _require)
+    validate_context_parallel_args(args, _require, _warn)
     _validate_precision(args)
     _validate_run_length(args)
     _validate_checkpointing(args)
@@ -59,7 +61,6 @@ def _validate_parallel(args):
                         ("--context-parallel-size", cp), ("--expert-model-parallel-size",
                                                           args.expert_model_parallel_size)):
         _require(value >= 1, f"{flag} ({value}) must be >= 1")
-    _require(cp == 1, f"--context-parallel-size ({cp}) > 1 is not supported yet; use 1")
     _require(args.expert_model_parallel_size == 1,
              f"--expert-model-parallel-size ({args.expert_model_parallel_size}) > 1 is not supported yet "
              "(no MoE); use 1")

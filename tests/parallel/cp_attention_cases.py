@@ -1,13 +1,12 @@
-"""Context-parallel attention against one process attending the whole sequence (fp32, CPU, gloo).
+"""Context-parallel attention against one process attending the whole sequence (run by
+test_context_parallel.py inside its world of 4 ranks).
 
 For every comm type at CP=2 and CP=4, with and without packed documents, the local output and the
-gradients of the local q/k/v equal the matching slices of full causal (or per-document) attention.
-Tolerance 1e-5 absolute on O(1) values: the only difference is the order of fp32 sums in the LSE merge.
+gradients of the local q/k/v equal the matching slices of full causal (or per-document) attention, the
+reference running SDPA on each document separately.
 """
 import torch
 import torch.nn.functional as F
-
-from tests.parallel.dist_utils import run_distributed
 
 S, B, N, G, D = 32, 2, 4, 2, 8
 
@@ -61,18 +60,12 @@ def _cp_case(cp, comm, docs):
     return max(errs)
 
 
-def _all_cases():
+def attention_errors():
+    """{(cp, comm type, documents): max abs error over output and q/k/v grads} on this rank."""
     out = {}
     for cp in (2, 4):
         for comm in ("p2p", "allgather", "a2a"):
             for docs in (False, True):
                 out[(cp, comm, docs)] = _cp_case(cp, comm, docs)
-    out["no_cp_docs"] = _cp_case(1, "p2p", True)
+    out[(1, "none", True)] = _cp_case(1, "p2p", True)  # packed documents without CP
     return out
-
-
-def test_context_parallel_attention_matches_full_attention():
-    results = run_distributed(_all_cases, 4)
-    for rank_result in results:
-        for case, err in rank_result.items():
-            assert err < 1e-5, f"{case}: max abs error {err}"
