@@ -42,3 +42,11 @@ def test_document_offsets():
     tokens = torch.tensor([1, 2, eod, 3, eod, eod, 4, 5])
     assert _document_offsets(tokens, eod).tolist() == [0, 3, 5, 6, 8, 8, 8, 8, 8]
     assert _document_offsets(torch.tensor([1, 2, 3, eod]), eod).tolist() == [0, 4, 4, 4, 4]
+
+
+def test_memory_estimate_divides_activations_by_cp():
+    from megatron.training.theoretical_memory_usage import compute_activation_memory, compute_logits_memory
+    one = _args(NO_DROPOUT, world_size=2)
+    two = _args(NO_DROPOUT + "--context-parallel-size 2", world_size=2)
+    assert compute_activation_memory(two) == compute_activation_memory(one) / 2
+    assert compute_logits_memory(two) == compute_logits_memory(one) / 2

@@ -25,6 +25,9 @@ def _causal_attention(q, k, v, scale, layout):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
+# A compiled TransformerLayer (--torch-compile) breaks its graph here: the ring's send/recv and the
+# autograd Functions stay eager, FlexAttention compiles itself.
+@torch.compiler.disable
 def long_context_attention(query, key, value, scale, cp_group=None, cp_comm_type="p2p", packed_seq_params=None):
     """[s_local, b, n, d] queries, [s_local, b, g, d] keys/values -> [s_local, b, n, d].
 
