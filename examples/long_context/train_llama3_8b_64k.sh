@@ -14,7 +14,7 @@ cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 
-GPUS=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+GPUS=${GPUS:-$( (nvidia-smi -L 2>/dev/null || true) | wc -l)}
 GPUS=$(( GPUS > 0 ? GPUS : 2 ))
 SEQ=${SEQ:-65536}
 NUM_LAYERS=${NUM_LAYERS:-16}
