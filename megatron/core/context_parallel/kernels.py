@@ -6,9 +6,10 @@ output and LSE (the flash-attention identity dS = P * (dP - rowsum(dO * O)) with
 global LSE), so every block's gradient is exact without storing per-block results.
 
 Layout: ``[b, n, s, d]`` queries, ``[b, g, s, d]`` keys/values (GQA: g divides n). Kernels:
-  * flash: torch's FlashAttention-2 ops (CUDA, fp16/bf16, head dim <= 256), no or causal mask;
+  * flash: torch's flash-attention ops, no or causal mask (CUDA: FlashAttention-2, fp16/bf16, head dim
+    <= 256; CPU: its flash kernel);
   * flex: FlexAttention with a document block mask (CUDA; compiled);
-  * math: explicit fp32 softmax (CPU, fp32 on CUDA, or documents without CUDA).
+  * math: explicit fp32 softmax (fp32 on CUDA, and documents on CPU: FlexAttention has no CPU backward).
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -87,23 +88,38 @@ def math_backward(dout, q, k, v, out, lse, scale, mask: BlockMask):
     return dq, _fold_kv(dk, g), _fold_kv(dv, g)
 
 
+def _flash_ops(q, ke, ve, causal, scale):
+    """(out, lse) of torch's flash-attention op for q's device (CUDA, or its CPU counterpart)."""
+    if q.device.type == "cuda":
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, ke, ve, 0.0, causal, False,
+                                                                           scale=scale)
+        return out, lse
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, ke, ve, 0.0, causal, scale=scale)
+
+
+def _flash_backward_ops(dout, q, ke, ve, out, lse, causal, scale):
+    if q.device.type == "cuda":
+        empty = torch.empty(0, device=q.device)
+        seed = torch.empty((), dtype=torch.int64, device=q.device)  # philox state: unused without dropout
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, ke, ve, out, lse, empty, empty, q.size(2), ke.size(2), 0.0, causal, seed, seed, scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, ke, ve, out, lse, 0.0, causal, scale=scale)
+
+
 def flash_forward(q, k, v, scale, mask: BlockMask):
     n = q.size(1)
     ke, ve = _expand_kv(k, n).contiguous(), _expand_kv(v, n).contiguous()
-    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
-        q.contiguous(), ke, ve, 0.0, mask.causal, False, scale=scale)
-    return out.float(), lse
+    out, lse = _flash_ops(q.contiguous(), ke, ve, mask.causal, scale)
+    return out.float(), lse.float()
 
 
 def flash_backward(dout, q, k, v, out, lse, scale, mask: BlockMask):
     n, g = q.size(1), k.size(1)
     ke, ve = _expand_kv(k, n).contiguous(), _expand_kv(v, n).contiguous()
-    empty = torch.empty(0, device=q.device)
-    seed = torch.empty((), dtype=torch.int64, device=q.device)  # philox state: unused without dropout
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout.to(q.dtype).contiguous(), q.contiguous(), ke, ve, out.to(q.dtype).contiguous(),
-        lse.float().contiguous(), empty, empty, q.size(2), k.size(2), 0.0, mask.causal, seed, seed, scale=scale)
-    return dq, _fold_kv(dk.float(), g), _fold_kv(dv.float(), g)
+    dq, dk, dv = _flash_backward_ops(dout.to(q.dtype).contiguous(), q.contiguous(), ke, ve,
+                                     out.to(q.dtype).contiguous(), lse.float().contiguous(), mask.causal, scale)
+    return dq.float(), _fold_kv(dk.float(), g), _fold_kv(dv.float(), g)
 
 
 _compiled_flex = None
@@ -149,11 +165,10 @@ def flex_backward(dout, q, k, v, out, lse, scale, mask: BlockMask):
 
 def pick_kernel(q: torch.Tensor, mask: BlockMask):
     """(forward, backward) for this block: flash / flex on CUDA where they apply, else math."""
-    if q.device.type == "cuda":
-        if mask.documents:
-            return flex_forward, flex_backward
-        if q.dtype in (torch.float16, torch.bfloat16) and q.size(-1) <= 256:
-            return flash_forward, flash_backward
+    if mask.documents:
+        return (flex_forward, flex_backward) if q.device.type == "cuda" else (math_forward, math_backward)
+    if q.device.type == "cpu" or (q.dtype in (torch.float16, torch.bfloat16) and q.size(-1) <= 256):
+        return flash_forward, flash_backward
     return math_forward, math_backward
 
 
