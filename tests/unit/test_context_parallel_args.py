@@ -20,6 +20,7 @@ NO_DROPOUT = "--attention-dropout 0 "
     ("--cp-comm-type p2p a2a a2a", 1, "--cp-comm-type has 3 values; give one, or one per layer (--num-layers 2)"),
     ("--cp-comm-type a2a+p2p", 1, "--cp-comm-type a2a+p2p (hierarchical CP) is not supported"),
     ("--cp-comm-type ring", 1, "--cp-comm-type 'ring' unknown"),
+    (NO_DROPOUT + "--context-parallel-size 8 --cp-comm-type a2a", 8, "--cp-comm-type a2a splits the 4 attention heads"),
     ("--reset-attention-mask --no-create-attention-mask-in-dataloader", 1, "pass --attention-dropout 0"),
 ])
 def test_context_parallel_errors(extra, world, needle):

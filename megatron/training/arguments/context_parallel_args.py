@@ -30,8 +30,10 @@ def validate_context_parallel_args(args, require, warn):
                 "--context-parallel-size > 1 needs to merge partial attention; use auto or flash")
         require(args.attention_dropout == 0,
                 "--context-parallel-size > 1 runs attention without dropout; pass --attention-dropout 0")
-        require(args.position_embedding_type in ("rope", "none", "learned_absolute"),
-                f"--position-embedding-type {args.position_embedding_type} is not supported with CP")
+        heads = args.num_attention_heads // tp
+        require("a2a" not in types or heads % cp == 0,
+                f"--cp-comm-type a2a splits the {heads} attention heads per TP rank over --context-parallel-size "
+                f"({cp}), which must divide them; use p2p or allgather")
     if not args.reset_attention_mask:
         return
     if args.attention_dropout == 0 or cp > 1:
