@@ -25,7 +25,9 @@ def compute_weight_and_optimizer_memory(args, verbose=False):
     if verbose:
         print(f"Number of parameters in most loaded shard in billions: {first_stage / 1e9:.4f}", flush=True)
     # 16-bit params + fp32 grads + fp32 main params + Adam m, v = 18 B; distributed optimizer shards 12 B.
-    bytes_per_param = 18 if not args.use_distributed_optimizer else 6 + 12 / args.data_parallel_size
+    # The distributed optimizer shards over DP x CP (CP ranks hold the same weights).
+    shards = args.data_parallel_size * getattr(args, "context_parallel_size", 1)
+    bytes_per_param = 18 if not args.use_distributed_optimizer else 6 + 12 / shards
     return first_stage * bytes_per_param
 
 
@@ -50,6 +52,7 @@ def compute_activation_memory(args):
     s x s scores), and the MLP hidden: fc1 output + activation output (2f), or for SwiGLU fc1's [gate; up],
     silu(gate) and the product (4f). For GPT with f = 4h this is Megatron's 34*s*b*h bytes.
     Full recompute keeps only each layer's input (plus one layer's set while recomputing).
+    Context parallelism divides the tokens per rank (and so these bytes) by CP.
     """
     h, L = args.hidden_size, args.num_layers
     heads = args.num_attention_heads
@@ -58,7 +61,7 @@ def compute_activation_memory(args):
     ffn = args.ffn_hidden_size or 4 * h
     d_q, d_kv = kv * heads, kv * groups
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    tokens = args.seq_length * args.micro_batch_size
+    tokens = args.seq_length * args.micro_batch_size / getattr(args, "context_parallel_size", 1)  # CP: s / CP
     dispatch = 0
     if getattr(args, "num_experts", None) is not None:
         # MoE: each token's top-k expert activations plus the shared expert (the active FFN width), and
@@ -82,7 +85,8 @@ def compute_logits_memory(args):
     """Peak bytes of the output layer + loss for one micro-batch: 16-bit logits and their 16-bit grad,
     plus with the eager loss the fp32 copies (upcast, shifted logits, softmax, fp32 grad)."""
     vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size or 0
-    n = args.seq_length * args.micro_batch_size * vocab / args.tensor_model_parallel_size
+    cp = getattr(args, "context_parallel_size", 1)
+    n = args.seq_length / cp * args.micro_batch_size * vocab / args.tensor_model_parallel_size
     # The chunked loss is also the default for 16-bit logits on CUDA (same math, no fp32 copies).
     sixteen_bit = getattr(args, "bf16", False) or getattr(args, "fp16", False)
     fused = getattr(args, "cross_entropy_loss_fusion", False) or (

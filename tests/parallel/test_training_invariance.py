@@ -11,10 +11,10 @@ MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 3
          "--global-batch-size 8 --seed 1234")
 
 
-def _train(extra):
+def _train(extra, base=MODEL):
     """Run pretrain_gpt's providers through pretrain(); return the per-iteration 'lm loss'."""
     losses = []
-    run_pretrain((MODEL + " " + extra).split(), lambda model, opt, out: losses.append(float(out[0]["lm loss"])))
+    run_pretrain((base + " " + extra).split(), lambda model, opt, out: losses.append(float(out[0]["lm loss"])))
     return losses
 
 

@@ -104,7 +104,7 @@ def _apply_loss(loss_func, output_tensor, state: _RunState) -> torch.Tensor:
         state.total_num_tokens += torch.as_tensor(num_tokens, device=state.total_num_tokens.device,
                                                   dtype=state.total_num_tokens.dtype)
         if not getattr(config, "calculate_per_token_loss", False):
-            loss = loss / num_tokens / state.num_microbatches
+            loss = loss / _tokens_over_context_parallel(num_tokens, config) / state.num_microbatches
     elif len(outputs) == 2:  # legacy (loss, dict): loss already averaged over the micro-batch
         loss, loss_reduced = outputs
         loss = loss * getattr(config, "context_parallel_size", 1) / state.num_microbatches
@@ -113,6 +113,18 @@ def _apply_loss(loss_func, output_tensor, state: _RunState) -> torch.Tensor:
                          f"got a {len(outputs)}-tuple")
     state.forward_data_store.append(loss_reduced)
     return loss
+
+
+def _tokens_over_context_parallel(num_tokens, config):
+    """Token count that makes the micro-batch loss a mean over the whole sequence under CP. Each CP rank
+    holds part of the tokens; DDP averages grads over DP x CP, so rank i's loss is
+    sum_i / (sum of counts over CP) x CP, and the CP average is the exact token mean."""
+    cp = getattr(config, "context_parallel_size", 1)
+    if cp == 1:
+        return num_tokens
+    total = torch.as_tensor(num_tokens, device=current_device()).clone().float()
+    torch.distributed.all_reduce(total, group=parallel_state.get_context_parallel_group())
+    return total / cp
 
 
 def backward_step(input_tensor, output_tensor, output_tensor_grad, config) -> Optional[torch.Tensor]:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.context_parallel import long_context_attention
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -86,13 +87,17 @@ class DotProductAttention(MegatronModule):
         self.sdpa_backends = sdpa_backends(backend, deterministic)
         self.masked_sdpa_backends = masked_sdpa_backends(deterministic)
         self.window_size = config.window_size
+        self.cp_comm_type = cp_comm_type or config.cp_comm_type_of_layer(self.layer_number)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("packed sequences / attention bias are not supported by local attention")
+        if attention_bias is not None:
+            raise NotImplementedError("attention bias is not supported by local attention")
         mask_type = attn_mask_type or self.attn_mask_type
         sq, b, np_, hn = query.shape
+        cp_group = parallel_state.get_context_parallel_group() if self.config.context_parallel_size > 1 else None
+        if cp_group is not None or packed_seq_params is not None:
+            return self._long_context(query, key, value, cp_group, packed_seq_params, mask_type)
         # [s, b, n, hn] -> [b, n, s, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if k.size(1) != q.size(1):
@@ -118,6 +123,20 @@ class DotProductAttention(MegatronModule):
                                                  is_causal=is_causal, scale=self.softmax_scale)
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [s, b, np * hn]
 
+    def _long_context(self, query, key, value, cp_group, packed_seq_params, mask_type):
+        """Causal attention over the CP group's sequence and/or within packed documents (no dense mask)."""
+        if mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise NotImplementedError("context parallelism and packed sequences need causal self-attention")
+        if self.window_size is not None:
+            raise NotImplementedError("--window-size (sliding-window attention) is not supported with context "
+                                      "parallelism or packed sequences yet")
+        if self.training and self.dropout_p > 0:
+            raise NotImplementedError("attention dropout is not supported with context parallelism or packed "
+                                      "sequences; pass --attention-dropout 0")
+        sq, b, np_, hn = query.shape
+        ctx = long_context_attention(query, key, value, self.softmax_scale, cp_group, self.cp_comm_type,
+                                     packed_seq_params)  # [s, b, np, hn]
+        return ctx.reshape(sq, b, np_ * hn)
 
 _BANDS = {}
 

@@ -45,6 +45,10 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
 
+    # Context parallelism (megatron/core/context_parallel): one comm type for every layer, or one per layer
+    cp_comm_type: Optional[Union[str, List[str]]] = None
+    hierarchical_context_parallel_sizes: Optional[List[int]] = None
+
     # Initialization
     init_method: Optional[Callable] = None
     output_layer_init_method: Optional[Callable] = None
@@ -159,8 +163,7 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
             from megatron.core.transformer.moe.config_checks import check_moe_config
             check_moe_config(self)
         self._check_fp8()
-        if self.context_parallel_size != 1:
-            raise NotImplementedError("--context-parallel-size > 1 is not supported by the model yet")
+        self._check_context_parallel()
         if self.window_size is not None:
             self.window_size = tuple(int(x) for x in self.window_size)
             if len(self.window_size) != 2 or min(self.window_size) < -1:
@@ -177,6 +180,36 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
                                       "drop the flag")
         if self.activation_func_fp8_input_store:
             raise NotImplementedError("--activation-func-fp8-input-store needs FP8 support; drop the flag")
+
+    def _check_context_parallel(self):
+        from megatron.core.context_parallel import CP_COMM_TYPES
+        if isinstance(self.cp_comm_type, list) and len(self.cp_comm_type) == 1:
+            self.cp_comm_type = self.cp_comm_type[0]  # Megatron's one-value list: every layer
+        types = self.cp_comm_type if isinstance(self.cp_comm_type, list) else [self.cp_comm_type or "p2p"]
+        if isinstance(self.cp_comm_type, list) and len(types) != self.num_layers:
+            raise ValueError(f"--cp-comm-type has {len(types)} entries; give one, or one per layer "
+                             f"(--num-layers {self.num_layers})")
+        for t in types:
+            if t == "a2a+p2p" or self.hierarchical_context_parallel_sizes:
+                raise NotImplementedError("--cp-comm-type a2a+p2p / --hierarchical-context-parallel-sizes "
+                                          "(hierarchical CP) is not supported; use p2p, allgather or a2a")
+            if t not in CP_COMM_TYPES:
+                raise ValueError(f"--cp-comm-type '{t}' unknown; use one of {', '.join(CP_COMM_TYPES)}")
+        if self.context_parallel_size == 1:
+            return
+        backend = getattr(self.attention_backend, "name", self.attention_backend)
+        if backend in ("unfused", "fused"):
+            raise ValueError(f"--attention-backend {backend} has no log-sum-exp path here, which "
+                             "--context-parallel-size > 1 needs to merge partial attention; use auto or flash")
+        if self.attention_dropout > 0:
+            raise NotImplementedError("--attention-dropout > 0 with --context-parallel-size > 1 is not "
+                                      "supported; pass --attention-dropout 0")
+
+    def cp_comm_type_of_layer(self, layer_number: int) -> str:
+        """The comm type of 1-based global ``layer_number``."""
+        if isinstance(self.cp_comm_type, list):
+            return self.cp_comm_type[layer_number - 1]
+        return self.cp_comm_type or "p2p"
 
     def _check_fp8(self):
         if self.fp8 is None:

@@ -6,6 +6,7 @@ import warnings
 import torch
 
 from .dropin_args import validate_dropin_args
+from .context_parallel_args import validate_context_parallel_args
 from .fast_path import validate_fast_path_args
 from .megatron_flags import check_megatron_flags
 from .window_args import validate_window_args
@@ -38,6 +39,7 @@ def validate_args(args, defaults={}):
     validate_window_args(args, _require)
     validate_moe_args(args, _require)
     validate_fast_path_args(args, _require)
+    validate_context_parallel_args(args, _require, _warn)
     _validate_precision(args)
     _validate_run_length(args)
     _validate_checkpointing(args)
@@ -64,6 +66,9 @@ def _validate_parallel(args):
                                                           args.expert_model_parallel_size)):
         _require(value >= 1, f"{flag} ({value}) must be >= 1")
     _require(cp == 1, f"--context-parallel-size ({cp}) > 1 is not supported yet; use 1")
+    _require(args.expert_model_parallel_size == 1,
+             f"--expert-model-parallel-size ({args.expert_model_parallel_size}) > 1 is not supported yet "
+             "(no MoE); use 1")
     model_parallel = tp * pp * cp
     _require(args.world_size % model_parallel == 0,
              f"world size ({args.world_size}) must be divisible by --tensor-model-parallel-size ({tp}) x "

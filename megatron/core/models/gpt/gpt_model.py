@@ -4,6 +4,7 @@ from typing import Literal, Optional
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.context_parallel.utils import local_rotary_pos_emb
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule, build_output_layer
@@ -65,16 +66,21 @@ class GPTModel(LanguageModule):
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
                 inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
                 runtime_gather_output: Optional[bool] = None, loss_mask=None, **kwargs):
-        if inference_context is not None or packed_seq_params is not None:
-            raise NotImplementedError("inference contexts and packed sequences are not supported yet")
+        if inference_context is not None:
+            raise NotImplementedError("inference contexts are not supported yet")
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, h]
         rotary_pos_emb = None
         if self.position_embedding_type == "rope":
             seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, self.decoder, decoder_input, self.config)
-            rotary_pos_emb = self.rotary_pos_emb(seq_len)  # [s, 1, 1, d]
+            rotary_pos_emb = self.rotary_pos_emb(seq_len)  # [S, 1, 1, d], S: the whole (CP-joined) sequence
+            if self.config.context_parallel_size > 1 or packed_seq_params is not None:
+                batch = (decoder_input if decoder_input is not None else self.decoder.input_tensor).size(1)
+                rotary_pos_emb = local_rotary_pos_emb(rotary_pos_emb, self.config.context_parallel_size,
+                                                      packed_seq_params, batch)  # [s, 1 or b, 1, d]
         hidden = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
-                              rotary_pos_emb=rotary_pos_emb, **(extra_block_kwargs or {}))
+                              rotary_pos_emb=rotary_pos_emb, packed_seq_params=packed_seq_params,
+                              **(extra_block_kwargs or {}))
         if not self.post_process:
             return hidden
         logits, _ = self.output_layer(hidden, weight=self.output_weight_for_forward(),

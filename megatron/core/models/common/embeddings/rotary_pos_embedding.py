@@ -40,14 +40,14 @@ class RotaryEmbedding(torch.nn.Module):
 
     def get_rotary_seq_len(self, inference_context, transformer, transformer_input, transformer_config,
                            packed_seq_params=None) -> int:
-        """Full sequence length seen by attention (undoing the SP split of the block input)."""
+        """Full sequence length seen by attention (undoing the SP and CP splits of the block input)."""
         if transformer is not None and transformer.input_tensor is not None:
             seq_len = transformer.input_tensor.size(0)
         else:
             seq_len = transformer_input.size(0)
         if transformer_config.sequence_parallel:
             seq_len *= parallel_state.get_tensor_model_parallel_world_size()
-        return seq_len
+        return seq_len * transformer_config.context_parallel_size  # CP ranks hold 1/CP of the sequence
 
 
 def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float = 1.0,
