@@ -65,10 +65,6 @@ def _validate_parallel(args):
                         ("--context-parallel-size", cp), ("--expert-model-parallel-size",
                                                           args.expert_model_parallel_size)):
         _require(value >= 1, f"{flag} ({value}) must be >= 1")
-    _require(cp == 1, f"--context-parallel-size ({cp}) > 1 is not supported yet; use 1")
-    _require(args.expert_model_parallel_size == 1,
-             f"--expert-model-parallel-size ({args.expert_model_parallel_size}) > 1 is not supported yet "
-             "(no MoE); use 1")
     model_parallel = tp * pp * cp
     _require(args.world_size % model_parallel == 0,
              f"world size ({args.world_size}) must be divisible by --tensor-model-parallel-size ({tp}) x "
