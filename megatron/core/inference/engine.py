@@ -53,6 +53,7 @@ class InferenceEngine:
         self.slots: List[Optional[InferenceRequest]] = [None] * max_batch_size
         self.waiting: deque = deque()
         self._ids = itertools.count()
+        self.peak_active = 0  # most requests decoded together so far (a serving statistic)
         n, dev = max_batch_size, self.device
         self.tokens = torch.zeros(n, dtype=torch.long, device=dev)  # last token of each slot
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)  # its position
@@ -67,18 +68,25 @@ class InferenceEngine:
         self.graphs = DecodeGraphs(self._decode_step, [self.tokens, self.positions]) if use_cuda_graphs else None
 
     # ---------------------------------------------------------------- requests
-    def add_request(self, prompt_tokens: Sequence[int], sampling_params: SamplingParams) -> InferenceRequest:
-        """Queue a prompt; raises ValueError when it cannot fit the context."""
+    def check_request(self, num_prompt_tokens: int, sampling_params: SamplingParams) -> None:
+        """Raise ValueError (a one-line reason) when a request cannot run; touches no engine state."""
         sampling_params.validate()
-        n = len(prompt_tokens)
+        n, m = num_prompt_tokens, sampling_params.num_tokens_to_generate
         if n == 0:
             raise ValueError("the prompt is empty (send text, or set add_BOS)")
-        if n + sampling_params.num_tokens_to_generate > self.max_sequence_length:
-            raise ValueError(f"prompt ({n} tokens) + tokens_to_generate ({sampling_params.num_tokens_to_generate})"
-                             f" exceeds the context of {self.max_sequence_length} tokens")
-        if sampling_params.num_tokens_to_generate == 0 and not sampling_params.return_log_probs:
+        if n + m > self.max_sequence_length:
+            raise ValueError(f"prompt ({n} tokens) + tokens_to_generate ({m}) exceeds the context of "
+                             f"{self.max_sequence_length} tokens")
+        if m == 0 and not sampling_params.return_log_probs:
             raise ValueError("tokens_to_generate=0 only makes sense with logprobs=true")
+
+    def add_request(self, prompt_tokens: Sequence[int], sampling_params: SamplingParams,
+                    done=None) -> InferenceRequest:
+        """Queue a prompt (``done``: an Event to set when it finishes); ValueError when it cannot run."""
+        self.check_request(len(prompt_tokens), sampling_params)
         req = InferenceRequest(next(self._ids), [int(t) for t in prompt_tokens], sampling_params)
+        if done is not None:
+            req.done = done
         self.waiting.append(req)
         return req
 
@@ -179,6 +187,7 @@ class InferenceEngine:
         self.positions[:batch].copy_((positions + 1).clamp_max(self.max_sequence_length - 1))
 
     def _decode(self, active: List[InferenceRequest], finished) -> None:
+        self.peak_active = max(self.peak_active, len(active))
         eager = self.graphs is None
         top = max(r.slot for r in active) + 1
         longest = max(r.length for r in active)  # the fed token sits at position length - 1

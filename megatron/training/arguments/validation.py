@@ -6,6 +6,7 @@ import warnings
 import torch
 
 from .fast_path import validate_fast_path_args
+from .inference_args import validate_inference_args
 from .unsupported import unsupported_flag_used
 
 
@@ -40,6 +41,7 @@ def validate_args(args, defaults=None):
     _validate_data(args)
     _validate_tokenizer(args)
     _validate_misc(args)
+    validate_inference_args(args, _require)
     return args
 
 
