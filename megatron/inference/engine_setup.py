@@ -37,6 +37,8 @@ def build_engine(args, model_provider) -> InferenceEngine:
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         sys.exit("error: --pipeline-model-parallel-size > 1: text generation runs on PP=1 (use TP, and load the "
                  "checkpoint at PP=1: torch_dist checkpoints reshard on load)")
+    # --torch-compile compiles the engine's whole decode step (below), not each layer as in training.
+    compile_decode, args.torch_compile = args.torch_compile, False
     model = get_model(model_provider, wrap_with_ddp=False)
     if args.load is not None:
         from megatron.training.checkpointing import load_checkpoint
@@ -50,7 +52,7 @@ def build_engine(args, model_provider) -> InferenceEngine:
     graphs = None if args.inference_cuda_graph_scope is None else args.inference_cuda_graph_scope != "none"
     engine = InferenceEngine(model[0], max_batch_size=args.inference_max_requests, max_sequence_length=max_len,
                              vocab_size=tokenizer.vocab_size, termination_id=_eod(tokenizer),
-                             detokenize=tokenizer.detokenize, use_cuda_graphs=graphs)
+                             detokenize=tokenizer.detokenize, use_cuda_graphs=graphs, compile_decode=compile_decode)
     print_rank_0(f"> generation engine: {args.inference_max_requests} slots x {max_len} tokens, "
                  f"{engine.dtype}, CUDA graphs {'on' if engine.graphs is not None else 'off'}")
     return engine

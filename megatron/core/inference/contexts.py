@@ -17,6 +17,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
 
 class StaticInferenceContext:
     def __init__(self, max_batch_size: int, max_sequence_length: int,
@@ -25,6 +27,7 @@ class StaticInferenceContext:
         self.materialize_only_last_token_logits = materialize_only_last_token_logits
         self.key_value_memory_dict = {}  # layer_number -> (keys, values), allocated on first use
         self._rotary = None  # (rotary module, [max_len, 1, 1, d] frequency table)
+        self._rope = None  # this forward's (freqs, cos, signed sin, interleaved), or None without RoPE
         self.decode = False
         self.slot_ids: Optional[torch.Tensor] = None  # prefill: [b] slots being filled
         self.last_token_index: Optional[torch.Tensor] = None  # prefill: [b] each row's last prompt index
@@ -42,18 +45,37 @@ class StaticInferenceContext:
         """Next forward fills ``slot_ids``; logits only at ``last_token_index`` (None: every position)."""
         self.decode, self.slot_ids, self.last_token_index = False, slot_ids, last_token_index
 
-    def set_decode(self, positions: torch.Tensor, kv_len: int) -> None:
+    def set_decode(self, positions: torch.Tensor, kv_len: int, dtype: torch.dtype = torch.float32) -> None:
         """Next forward decodes slots 0..B-1 (B = len(positions)); runs inside a captured graph too."""
         self.decode, self.decode_positions, self.kv_len = True, positions, kv_len
         self.last_token_index = None
         cols = torch.arange(kv_len, device=positions.device)
-        self._decode_mask = (cols[None, :] <= positions[:, None]).view(-1, 1, 1, kv_len)  # True = attend
+        allowed = (cols[None, :] <= positions[:, None]).view(-1, 1, 1, kv_len)
+        # Additive mask built once per step for every layer (SDPA would convert a boolean one per call).
+        self._decode_mask = torch.zeros((), dtype=dtype, device=positions.device).masked_fill(
+            ~allowed, float("-inf"))
 
-    def rotary_freqs(self, rotary_module, position_ids: torch.Tensor) -> torch.Tensor:
-        """RoPE frequencies [s, b, 1, d] for [b, s] positions, from a table built once per run."""
+    def set_rotary(self, rotary_module, position_ids: torch.Tensor) -> None:
+        """RoPE for this forward's [b, s] positions (None: no RoPE): cos/sin computed once, for every layer."""
+        self._rope = None
+        if rotary_module is None:
+            return
         if self._rotary is None or self._rotary[0] is not rotary_module:
-            self._rotary = (rotary_module, rotary_module(self.max_sequence_length))
-        return self._rotary[1][position_ids.t()].squeeze(2)  # [s, b, 1, 1, d] -> [s, b, 1, d]
+            self._rotary = (rotary_module, rotary_module(self.max_sequence_length))  # [max_len, 1, 1, d] fp32
+        freqs = self._rotary[1][position_ids.t()].squeeze(2)  # [s, b, 1, d]
+        half = freqs.shape[-1] // 2
+        # rotate_half(t) = roll(t, d/2) with the first half negated: fold that sign into sin.
+        sign = torch.ones(freqs.shape[-1], device=freqs.device)
+        sign[:half] = -1
+        self._rope = [freqs, freqs.cos(), freqs.sin() * sign, rotary_module.rotary_interleaved]
+
+    def _apply_rope(self, t: torch.Tensor) -> torch.Tensor:
+        freqs, cos, sin, interleaved = self._rope
+        if interleaved or freqs.shape[-1] != t.shape[-1]:  # the general path (partial / interleaved)
+            return apply_rotary_pos_emb(t, freqs, rotary_interleaved=interleaved)
+        if cos.dtype != t.dtype:  # cast once per forward, by the first layer
+            self._rope[1], self._rope[2] = cos, sin = cos.to(t.dtype), sin.to(t.dtype)
+        return torch.addcmul(t * cos, torch.roll(t, t.shape[-1] // 2, dims=-1), sin)
 
     def _cache(self, layer_number: int, k: torch.Tensor):
         if layer_number not in self.key_value_memory_dict:
@@ -67,6 +89,8 @@ class StaticInferenceContext:
     def attention(self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   softmax_scale: float) -> torch.Tensor:
         """Store k/v in the cache and attend. q [s, b, np, hn], k/v [s, b, ng, hn] -> [s, b, np * hn]."""
+        if self._rope is not None:
+            q, k = self._apply_rope(q), self._apply_rope(k)
         keys, values = self._cache(layer_number, k)
         s, b, np_, hn = q.shape
         ng = k.shape[2]
@@ -79,9 +103,10 @@ class StaticInferenceContext:
             ctx = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=softmax_scale,
                                                  enable_gqa=ng != np_)  # [b, np, s, hn]
             return ctx.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
-        rows = torch.arange(b, device=q.device)
-        keys[rows, :, self.decode_positions] = k[0]  # [B, ng, hn] at each slot's position
-        values[rows, :, self.decode_positions] = v[0]
+        # Slot i's new key goes to position decode_positions[i]: one scatter kernel per tensor.
+        index = self.decode_positions.view(b, 1, 1, 1).expand(b, ng, 1, hn)
+        keys[:b].scatter_(2, index, k[0].unsqueeze(2))
+        values[:b].scatter_(2, index, v[0].unsqueeze(2))
         # GQA without copies: the np/ng query heads of a group act as that group's query "positions",
         # all at the same sequence position, so one [B, ng, np/ng, L] attention covers them.
         query = q[0].view(b, ng, np_ // ng, hn)
@@ -92,4 +117,4 @@ class StaticInferenceContext:
     def reset(self) -> None:
         """Drop the cache (a new run with other shapes); slots are managed by the engine."""
         self.key_value_memory_dict.clear()
-        self._rotary = None
+        self._rotary = self._rope = None

@@ -30,14 +30,38 @@ def _unwrap(model):
     return model
 
 
+def _compiled(step_fn):
+    """torch.compile(step_fn) with dynamic batch / KV length (one compile serves every graph bucket);
+    on a compile error, a warning and the eager step from then on."""
+    from megatron.core.fusions.compile import _raise_recompile_limit
+    _raise_recompile_limit()
+    compiled = torch.compile(step_fn, dynamic=True)
+    state = {"fn": compiled}
+
+    def run(*args):
+        try:
+            return state["fn"](*args)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: keep generating, eagerly
+            if state["fn"] is step_fn:
+                raise
+            print(f"WARNING: torch.compile of the decode step failed ({type(e).__name__}: {str(e)[:200]}); "
+                  "decoding eagerly", flush=True)
+            state["fn"] = step_fn
+            return step_fn(*args)
+    return run
+
+
 class InferenceEngine:
     """``vocab_size``: the tokenizer's (padded vocab rows are never sampled); ``detokenize`` turns ids into
-    text for stop words and ``generated_text``; ``use_cuda_graphs`` defaults to True on CUDA."""
+    text for stop words and ``generated_text``; ``use_cuda_graphs`` defaults to True on CUDA;
+    ``compile_decode`` runs the decode step through torch.compile (CUDA only; falls back to eager if
+    compilation fails), fusing the element-wise work between the matmuls before graph capture."""
 
     def __init__(self, model, max_batch_size: int = 8, max_sequence_length: int = 2560,
                  vocab_size: Optional[int] = None, termination_id: Optional[int] = None,
                  detokenize: Optional[Callable[[List[int]], str]] = None,
-                 use_cuda_graphs: Optional[bool] = None, max_prefill_tokens: int = 16384):
+                 use_cuda_graphs: Optional[bool] = None, compile_decode: bool = False,
+                 max_prefill_tokens: int = 16384):
         if parallel_state.model_parallel_is_initialized() and \
                 parallel_state.get_pipeline_model_parallel_world_size() > 1:
             raise NotImplementedError("text generation runs with --pipeline-model-parallel-size 1 only; load the "
@@ -65,7 +89,10 @@ class InferenceEngine:
         self.out_log_probs = torch.zeros(n, dtype=torch.float32, device=dev)
         if use_cuda_graphs is None:
             use_cuda_graphs = dev.type == "cuda"
-        self.graphs = DecodeGraphs(self._decode_step, [self.tokens, self.positions]) if use_cuda_graphs else None
+        self._step_fn = self._decode_step
+        if compile_decode and dev.type == "cuda":
+            self._step_fn = _compiled(self._decode_step)
+        self.graphs = DecodeGraphs(self._step_fn, [self.tokens, self.positions]) if use_cuda_graphs else None
 
     # ---------------------------------------------------------------- requests
     def check_request(self, num_prompt_tokens: int, sampling_params: SamplingParams) -> None:
@@ -176,7 +203,7 @@ class InferenceEngine:
     def _decode_step(self, batch: int, kv_len: int, greedy_only: bool) -> None:
         """One token for slots 0..batch-1: static shapes, buffers only (the body of a CUDA graph)."""
         positions = self.positions[:batch]
-        self.context.set_decode(positions, kv_len)
+        self.context.set_decode(positions, kv_len, self.dtype)
         logits = self._forward(self.tokens[:batch, None], positions[:, None])[:, -1]  # [B, V]
         nxt = sample_tokens(logits, self.temperature[:batch], self.top_k[:batch], self.top_p[:batch],
                             self.uniform[:batch], greedy_only)
@@ -200,7 +227,7 @@ class InferenceEngine:
                 draws[r.slot] = r.rng.random()
             self.uniform[:batch].copy_(torch.tensor(draws, dtype=torch.float32))
         if eager:
-            self._decode_step(batch, kv_len, greedy_only)
+            self._step_fn(batch, kv_len, greedy_only)
         else:
             self.graphs.run(batch, kv_len, greedy_only)
         tokens = self.out_tokens[:batch].tolist()  # the one host sync per step

@@ -70,8 +70,9 @@ class GPTModel(LanguageModule):
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, h]
         rotary_pos_emb = None
-        if self.position_embedding_type == "rope" and inference_context is not None:
-            rotary_pos_emb = inference_context.rotary_freqs(self.rotary_pos_emb, position_ids)  # [s, b, 1, d]
+        if inference_context is not None:  # per-token positions; the context applies RoPE in attention
+            rope = self.rotary_pos_emb if self.position_embedding_type == "rope" else None
+            inference_context.set_rotary(rope, position_ids)
         elif self.position_embedding_type == "rope":
             seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, self.decoder, decoder_input, self.config)
             rotary_pos_emb = self.rotary_pos_emb(seq_len)  # [s, 1, 1, d]
