@@ -13,6 +13,11 @@ from megatron.inference.endpoints import (BadRequest, api_response, completions_
                                           parse_completions_request)
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256  # the listen backlog: bursts of clients must not see dropped SYNs (1 s retries)
+
+
 class _Handler(BaseHTTPRequestHandler):
     server_version = "MegatronServer/1.0"
     protocol_version = "HTTP/1.1"
@@ -99,8 +104,7 @@ class MegatronServer:
 
     def start(self, host: str, port: int) -> threading.Thread:
         """Serve HTTP on a background thread; the caller then runs the scheduler loop."""
-        self.httpd = ThreadingHTTPServer((host, port), _Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _Server((host, port), _Handler)
         self.httpd.app = self
         thread = threading.Thread(target=self.httpd.serve_forever, name="http", daemon=True)
         thread.start()
