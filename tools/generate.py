@@ -39,9 +39,10 @@ def main():
         return
     for prompt, req in zip(prompts, reqs):
         print(f"\n=== prompt: {prompt!r}\n{prompt}{req.generated_text}", flush=True)
+        line = f"--- {len(req.generated_tokens)} tokens ({req.finish_reason})"
         if args.return_log_probs and req.generated_log_probs:
-            mean = sum(req.generated_log_probs) / len(req.generated_log_probs)
-            print(f"--- {len(req.generated_tokens)} tokens, mean log-prob {mean:.3f}", flush=True)
+            line += f", mean log-prob {sum(req.generated_log_probs) / len(req.generated_log_probs):.3f}"
+        print(f"{line}, ids {req.generated_tokens}", flush=True)
 
 
 if __name__ == "__main__":

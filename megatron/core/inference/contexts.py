@@ -33,6 +33,7 @@ class StaticInferenceContext:
         self.last_token_index: Optional[torch.Tensor] = None  # prefill: [b] each row's last prompt index
         self.decode_positions: Optional[torch.Tensor] = None  # decode: [B] position of each new token
         self.kv_len = 0  # decode: attend over cache positions [0, kv_len)
+        self.window_size = None  # (left, right) sliding window of the model (--window-size), or None
         self._decode_mask = None
 
     def is_static_batching(self) -> bool:
@@ -50,7 +51,10 @@ class StaticInferenceContext:
         self.decode, self.decode_positions, self.kv_len = True, positions, kv_len
         self.last_token_index = None
         cols = torch.arange(kv_len, device=positions.device)
-        allowed = (cols[None, :] <= positions[:, None]).view(-1, 1, 1, kv_len)
+        allowed = cols[None, :] <= positions[:, None]
+        if self.window_size is not None and self.window_size[0] >= 0:  # sliding window: the last left+1 keys
+            allowed = allowed & (cols[None, :] >= positions[:, None] - self.window_size[0])
+        allowed = allowed.view(-1, 1, 1, kv_len)
         # Additive mask built once per step for every layer (SDPA would convert a boolean one per call).
         self._decode_mask = torch.zeros((), dtype=dtype, device=positions.device).masked_fill(
             ~allowed, float("-inf"))
@@ -100,8 +104,12 @@ class StaticInferenceContext:
             keys[rows, :, cols] = k.transpose(0, 1)  # [b, s, ng, hn] into [b, ng, s, hn] slices
             values[rows, :, cols] = v.transpose(0, 1)
             qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hn]
-            ctx = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=softmax_scale,
-                                                 enable_gqa=ng != np_)  # [b, np, s, hn]
+            band = None
+            if self.window_size is not None and self.window_size[0] >= 0:
+                i = torch.arange(s, device=q.device)[:, None]
+                band = (cols <= i) & (cols >= i - self.window_size[0])  # [s, s], True = attend
+            ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=band, is_causal=band is None,
+                                                 scale=softmax_scale, enable_gqa=ng != np_)  # [b, np, s, hn]
             return ctx.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
         # Slot i's new key goes to position decode_positions[i]: one scatter kernel per tensor.
         index = self.decode_positions.view(b, 1, 1, 1).expand(b, ng, 1, hn)
