@@ -8,6 +8,7 @@ import torch
 from .fast_path import validate_fast_path_args
 from .inference_args import validate_inference_args
 from .unsupported import unsupported_flag_used
+from .window_args import validate_window_args
 
 
 class ArgumentError(ValueError):
@@ -34,6 +35,7 @@ def validate_args(args, defaults=None):
     _validate_parallel(args)
     _validate_batch(args)
     _validate_model(args)
+    validate_window_args(args, _require)
     validate_fast_path_args(args, _require)
     _validate_precision(args)
     _validate_run_length(args)
