@@ -15,7 +15,8 @@ VOCAB, MAX_LEN = 96, 64
 
 
 def build_tiny_gpt(arch: str, seed: int = 7, tp: int = 1):
-    """gpt2: learned positions, LayerNorm, GeLU, tied embeddings. llama: RoPE, GQA, RMSNorm, SwiGLU, qk-norm."""
+    """gpt2: learned positions, LayerNorm, GeLU, tied embeddings. llama: RoPE, GQA, RMSNorm, SwiGLU, qk-norm;
+    mistral: llama with a 4-token sliding window."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -29,7 +30,7 @@ def build_tiny_gpt(arch: str, seed: int = 7, tp: int = 1):
     cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2,
                             ffn_hidden_size=96, normalization="RMSNorm", gated_linear_unit=True,
                             activation_func=F.silu, add_bias_linear=False, qk_layernorm=True,
-                            tensor_model_parallel_size=tp)
+                            tensor_model_parallel_size=tp, window_size=(3, 0) if arch == "mistral" else None)
     return GPTModel(cfg, get_gpt_layer_local_spec(qk_layernorm=True), VOCAB, MAX_LEN,
                     position_embedding_type="rope", share_embeddings_and_output_weights=False).eval()
 
@@ -47,7 +48,7 @@ def full_logits(model, seq):
 GREEDY = SamplingParams(top_k=1, num_tokens_to_generate=10, return_log_probs=True)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral"])
 def test_kv_cache_logits_equal_full_recompute(arch):
     """Prefill two prompts into slots 2 and 0, then decode both: each step's logits equal the full
     forward over the whole sequence so far."""

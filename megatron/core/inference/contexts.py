@@ -35,6 +35,7 @@ class StaticInferenceContext:
         self.kv_len = 0  # decode: attend over cache positions [0, kv_len)
         self.window_size = None  # (left, right) sliding window of the model (--window-size), or None
         self._decode_mask = None
+        self._mask_dtype = torch.float32
 
     def is_static_batching(self) -> bool:
         return True
@@ -48,30 +49,32 @@ class StaticInferenceContext:
 
     def set_decode(self, positions: torch.Tensor, kv_len: int, dtype: torch.dtype = torch.float32) -> None:
         """Next forward decodes slots 0..B-1 (B = len(positions)); runs inside a captured graph too."""
-        self.decode, self.decode_positions, self.kv_len = True, positions, kv_len
+        self.decode, self.decode_positions, self.kv_len, self._mask_dtype = True, positions, kv_len, dtype
         self.last_token_index = None
-        cols = torch.arange(kv_len, device=positions.device)
-        allowed = cols[None, :] <= positions[:, None]
-        if self.window_size is not None and self.window_size[0] >= 0:  # sliding window: the last left+1 keys
-            allowed = allowed & (cols[None, :] >= positions[:, None] - self.window_size[0])
-        allowed = allowed.view(-1, 1, 1, kv_len)
-        # Additive mask built once per step for every layer (SDPA would convert a boolean one per call).
-        self._decode_mask = torch.zeros((), dtype=dtype, device=positions.device).masked_fill(
-            ~allowed, float("-inf"))
 
-    def set_rotary(self, rotary_module, position_ids: torch.Tensor) -> None:
-        """RoPE for this forward's [b, s] positions (None: no RoPE): cos/sin computed once, for every layer."""
+    def begin_forward(self, rotary_module, position_ids: torch.Tensor, window_size=None) -> None:
+        """Called by the model before its layers: what every layer shares in this forward, computed once:
+        RoPE cos/sin for the [b, s] positions (``rotary_module`` None: no RoPE) and the decode mask."""
+        self.window_size = window_size
         self._rope = None
-        if rotary_module is None:
-            return
-        if self._rotary is None or self._rotary[0] is not rotary_module:
-            self._rotary = (rotary_module, rotary_module(self.max_sequence_length))  # [max_len, 1, 1, d] fp32
-        freqs = self._rotary[1][position_ids.t()].squeeze(2)  # [s, b, 1, d]
-        half = freqs.shape[-1] // 2
-        # rotate_half(t) = roll(t, d/2) with the first half negated: fold that sign into sin.
-        sign = torch.ones(freqs.shape[-1], device=freqs.device)
-        sign[:half] = -1
-        self._rope = [freqs, freqs.cos(), freqs.sin() * sign, rotary_module.rotary_interleaved]
+        if rotary_module is not None:
+            if self._rotary is None or self._rotary[0] is not rotary_module:
+                self._rotary = (rotary_module, rotary_module(self.max_sequence_length))  # [max_len, 1, 1, d] fp32
+            freqs = self._rotary[1][position_ids.t()].squeeze(2)  # [s, b, 1, d]
+            half = freqs.shape[-1] // 2
+            # rotate_half(t) = roll(t, d/2) with the first half negated: fold that sign into sin.
+            sign = torch.ones(freqs.shape[-1], device=freqs.device)
+            sign[:half] = -1
+            self._rope = [freqs, freqs.cos(), freqs.sin() * sign, rotary_module.rotary_interleaved]
+        if self.decode:
+            positions = self.decode_positions
+            cols = torch.arange(self.kv_len, device=positions.device)
+            allowed = cols[None, :] <= positions[:, None]
+            if window_size is not None and window_size[0] >= 0:  # sliding window: the last left+1 keys
+                allowed = allowed & (cols[None, :] >= positions[:, None] - window_size[0])
+            # Additive mask for every layer (SDPA would convert a boolean one in each call).
+            self._decode_mask = torch.zeros((), dtype=self._mask_dtype, device=positions.device).masked_fill(
+                ~allowed.view(-1, 1, 1, self.kv_len), float("-inf"))
 
     def _apply_rope(self, t: torch.Tensor) -> torch.Tensor:
         freqs, cos, sin, interleaved = self._rope

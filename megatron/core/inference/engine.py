@@ -74,7 +74,6 @@ class InferenceEngine:
         self.max_batch_size, self.max_sequence_length = max_batch_size, max_sequence_length
         self.max_prefill_tokens = max_prefill_tokens
         self.context = StaticInferenceContext(max_batch_size, max_sequence_length)
-        self.context.window_size = getattr(self.model.config, "window_size", None)
         self.slots: List[Optional[InferenceRequest]] = [None] * max_batch_size
         self.waiting: deque = deque()
         self._ids = itertools.count()

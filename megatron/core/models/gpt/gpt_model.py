@@ -72,7 +72,7 @@ class GPTModel(LanguageModule):
         rotary_pos_emb = None
         if inference_context is not None:  # per-token positions; the context applies RoPE in attention
             rope = self.rotary_pos_emb if self.position_embedding_type == "rope" else None
-            inference_context.set_rotary(rope, position_ids)
+            inference_context.begin_forward(rope, position_ids, getattr(self.config, "window_size", None))
         elif self.position_embedding_type == "rope":
             seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, self.decoder, decoder_input, self.config)
             rotary_pos_emb = self.rotary_pos_emb(seq_len)  # [s, 1, 1, d]
