@@ -77,8 +77,13 @@ def to_hf(model, shape, device, dtype):
         cfg.rope_parameters = {"rope_type": "default", "rope_theta": shape["theta"]}
     cfg.rope_theta = shape["theta"]
     cfg._attn_implementation = "sdpa"
-    with torch.device(device):
-        hf = LlamaForCausalLM(cfg).to(dtype).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in bf16 directly: an fp32 8B model would need 32 GB more
+    try:
+        with torch.device(device):
+            hf = LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
     ours = model.state_dict()
     sd = {"model.embed_tokens.weight": ours["embedding.word_embeddings.weight"],
           "model.norm.weight": ours["decoder.final_layernorm.weight"], "lm_head.weight": ours["output_layer.weight"]}

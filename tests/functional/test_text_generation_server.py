@@ -39,14 +39,16 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoint):
     port = free_port()
+    log_path = os.path.join(os.path.dirname(checkpoint), "server.log")
+    log = open(log_path, "w")  # a file, not a pipe: a full pipe would block the server's prints
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "run_text_generation_server.py"),
                              "--load", checkpoint, "--use-checkpoint-args", *TOKENIZER, "--port", str(port)],
-                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(240):
             if proc.poll() is not None:
-                raise AssertionError(f"server exited: {proc.stdout.read()[-3000:]}")
+                raise AssertionError(f"server exited: {open(log_path).read()[-3000:]}")
             try:
                 urllib.request.urlopen(url, timeout=1).read()
                 break
@@ -57,7 +59,8 @@ def server(checkpoint):
         yield url
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=60)
+        log.close()
 
 
 def _call(url, path, body, method="PUT"):

@@ -12,6 +12,7 @@ is one replayed graph and the host reads back only the sampled tokens.
 """
 import itertools
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Union
 
 import torch
@@ -51,6 +52,17 @@ def _compiled(step_fn):
     return run
 
 
+@dataclass
+class _InFlight:
+    """A launched decode step: its requests (slot order of the batch) and its tokens on their way to the host."""
+    requests: List[InferenceRequest]
+    batch: int
+    want_lp: bool
+    tokens: Optional[torch.Tensor] = None
+    log_probs: Optional[torch.Tensor] = None
+    event: Optional["torch.cuda.Event"] = None
+
+
 class InferenceEngine:
     """``vocab_size``: the tokenizer's (padded vocab rows are never sampled); ``detokenize`` turns ids into
     text for stop words and ``generated_text``; ``use_cuda_graphs`` defaults to True on CUDA;
@@ -87,6 +99,11 @@ class InferenceEngine:
         self.uniform = torch.zeros(n, dtype=torch.float32, device=dev)
         self.out_tokens = torch.zeros(n, dtype=torch.long, device=dev)
         self.out_log_probs = torch.zeros(n, dtype=torch.float32, device=dev)
+        self._in_flight: Optional[_InFlight] = None
+        self._flip = 0
+        if dev.type == "cuda":
+            self._host_tokens = [torch.empty(n, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            self._host_log_probs = [torch.empty(n, dtype=torch.float32, pin_memory=True) for _ in range(2)]
         if use_cuda_graphs is None:
             use_cuda_graphs = dev.type == "cuda"
         self._step_fn = self._decode_step
@@ -118,7 +135,7 @@ class InferenceEngine:
         return req
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(r is not None for r in self.slots)
+        return bool(self.waiting) or any(r is not None for r in self.slots) or self._in_flight is not None
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -142,9 +159,13 @@ class InferenceEngine:
             admitted.append(req)
         if admitted:
             self._prefill(admitted, finished)
+        # Launch this step before reading the previous one's tokens: the host's bookkeeping then overlaps
+        # the device's work. A request is known finished one step late; its extra token is dropped.
         active = [r for r in self.slots if r is not None]
-        if active:
-            self._decode(active, finished)
+        launched = self._launch(active) if active else None
+        if self._in_flight is not None:
+            self._collect(self._in_flight, finished)
+        self._in_flight = launched
         return finished
 
     # ---------------------------------------------------------------- prefill
@@ -213,11 +234,14 @@ class InferenceEngine:
         # Idle slots in the batch keep stepping on garbage; clamping keeps their writes in the cache.
         self.positions[:batch].copy_((positions + 1).clamp_max(self.max_sequence_length - 1))
 
-    def _decode(self, active: List[InferenceRequest], finished) -> None:
+    def _launch(self, active: List[InferenceRequest]) -> _InFlight:
+        """Queue one decode step for ``active`` and an asynchronous copy of its tokens to the host."""
         self.peak_active = max(self.peak_active, len(active))
         eager = self.graphs is None
+        ahead = set(map(id, self._in_flight.requests)) if self._in_flight is not None else set()
         top = max(r.slot for r in active) + 1
-        longest = max(r.length for r in active)  # the fed token sits at position length - 1
+        # The fed token sits at position length - 1, counting the token of the step still in flight.
+        longest = min(max(r.length + (id(r) in ahead) for r in active), self.max_sequence_length)
         batch = top if eager else bucket(top, self.max_batch_size)
         kv_len = longest if eager else bucket(longest, self.max_sequence_length, minimum=64)
         greedy_only = all(r.sampling_params.greedy for r in active)
@@ -230,11 +254,31 @@ class InferenceEngine:
             self._step_fn(batch, kv_len, greedy_only)
         else:
             self.graphs.run(batch, kv_len, greedy_only)
-        tokens = self.out_tokens[:batch].tolist()  # the one host sync per step
         want_lp = any(r.sampling_params.return_log_probs for r in active)
-        log_probs = self.out_log_probs[:batch].tolist() if want_lp else None
-        for r in active:
-            self._append(r, tokens[r.slot], log_probs[r.slot] if want_lp else None, finished)
+        out = _InFlight(list(active), batch, want_lp)
+        if self.device.type == "cuda":  # pinned double buffers: the next step's copy must not overwrite these
+            self._flip ^= 1
+            out.tokens = self._host_tokens[self._flip][:batch].copy_(self.out_tokens[:batch], non_blocking=True)
+            if want_lp:
+                out.log_probs = self._host_log_probs[self._flip][:batch].copy_(self.out_log_probs[:batch],
+                                                                               non_blocking=True)
+            out.event = torch.cuda.Event()
+            out.event.record()
+        else:
+            out.tokens = self.out_tokens[:batch].clone()
+            out.log_probs = self.out_log_probs[:batch].clone() if want_lp else None
+        return out
+
+    def _collect(self, step: _InFlight, finished) -> None:
+        """Append a launched step's tokens (the one host sync per step); requests that finished while it
+        was in flight computed one token too many, which is dropped here."""
+        if step.event is not None:
+            step.event.synchronize()
+        tokens = step.tokens.tolist()
+        log_probs = step.log_probs.tolist() if step.want_lp else None
+        for r in step.requests:
+            if r.status is Status.ACTIVE:
+                self._append(r, tokens[r.slot], log_probs[r.slot] if step.want_lp else None, finished)
 
     # ---------------------------------------------------------------- bookkeeping
     def _append(self, req: InferenceRequest, token: int, log_prob, finished) -> None:
