@@ -145,6 +145,8 @@ class InferenceEngine:
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         while not all(r.status is Status.COMPLETED for r in reqs):
             self.step()
+        if self._in_flight is not None and not self.waiting and all(r is None for r in self.slots):
+            self.step()  # collect the step still in flight (a request stopped by EOD before it)
         return reqs
 
     @torch.inference_mode()
@@ -162,7 +164,11 @@ class InferenceEngine:
         # Launch this step before reading the previous one's tokens: the host's bookkeeping then overlaps
         # the device's work. A request is known finished one step late; its extra token is dropped.
         active = [r for r in self.slots if r is not None]
-        launched = self._launch(active) if active else None
+        ahead = set(map(id, self._in_flight.requests)) if self._in_flight is not None else set()
+        # No step when the one in flight completes every request's length budget anyway.
+        needed = any(len(r.generated_tokens) + (id(r) in ahead) < r.sampling_params.num_tokens_to_generate
+                     and r.length + (id(r) in ahead) < self.max_sequence_length for r in active)
+        launched = self._launch(active, ahead) if needed else None
         if self._in_flight is not None:
             self._collect(self._in_flight, finished)
         self._in_flight = launched
@@ -234,11 +240,11 @@ class InferenceEngine:
         # Idle slots in the batch keep stepping on garbage; clamping keeps their writes in the cache.
         self.positions[:batch].copy_((positions + 1).clamp_max(self.max_sequence_length - 1))
 
-    def _launch(self, active: List[InferenceRequest]) -> _InFlight:
-        """Queue one decode step for ``active`` and an asynchronous copy of its tokens to the host."""
+    def _launch(self, active: List[InferenceRequest], ahead) -> _InFlight:
+        """Queue one decode step for ``active`` and an asynchronous copy of its tokens to the host;
+        ``ahead``: ids of the requests with a token in the step still in flight."""
         self.peak_active = max(self.peak_active, len(active))
         eager = self.graphs is None
-        ahead = set(map(id, self._in_flight.requests)) if self._in_flight is not None else set()
         top = max(r.slot for r in active) + 1
         # The fed token sits at position length - 1, counting the token of the step still in flight.
         longest = min(max(r.length + (id(r) in ahead) for r in active), self.max_sequence_length)
