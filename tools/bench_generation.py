@@ -31,8 +31,14 @@ TINY = dict(layers=2, hidden=64, ffn=128, heads=4, groups=2, vocab=512, theta=10
 RESULTS = {}
 
 
+OUT = None  # --out: rewritten after every result, so a run cut short keeps what it measured
+
+
 def report(key, value, note=""):
     RESULTS[key] = value
+    if OUT:
+        with open(OUT, "w") as f:
+            json.dump(RESULTS, f, indent=1)
     print(f"{key:<44} {value:>12.2f}  {note}" if isinstance(value, float) else f"{key:<44} {value}  {note}",
           flush=True)
 
@@ -244,6 +250,8 @@ def main():
     args = p.parse_args()
     if args.client:
         return run_clients(args)
+    global OUT
+    OUT = args.out
     from megatron.core.inference import InferenceEngine, SamplingParams
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     shape = TINY if args.tiny else LLAMA3_8B
@@ -297,9 +305,6 @@ def main():
         _, step_c = bench_engine(compiled, prompts[:1], args.new_tokens, device, "ours+compile")
         report("ours+compile b1 % of bandwidth bound", 100 * bound1 / step_c)
         bench_engine(compiled, prompts, args.new_tokens, device, "ours+compile")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(RESULTS, f, indent=1)
 
 
 if __name__ == "__main__":

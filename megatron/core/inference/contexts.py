@@ -114,10 +114,15 @@ class StaticInferenceContext:
             ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=band, is_causal=band is None,
                                                  scale=softmax_scale, enable_gqa=ng != np_)  # [b, np, s, hn]
             return ctx.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
-        # Slot i's new key goes to position decode_positions[i]: one scatter kernel per tensor.
-        index = self.decode_positions.view(b, 1, 1, 1).expand(b, ng, 1, hn)
-        keys[:b].scatter_(2, index, k[0].unsqueeze(2))
-        values[:b].scatter_(2, index, v[0].unsqueeze(2))
+        # Slot i's new key goes to position decode_positions[i].
+        if torch.compiler.is_compiling():  # an index_put on the whole cache: inductor updates it in place
+            rows = torch.arange(b, device=q.device)
+            keys[rows, :, self.decode_positions] = k[0]
+            values[rows, :, self.decode_positions] = v[0]
+        else:  # eager: one scatter kernel per tensor
+            index = self.decode_positions.view(b, 1, 1, 1).expand(b, ng, 1, hn)
+            keys[:b].scatter_(2, index, k[0].unsqueeze(2))
+            values[:b].scatter_(2, index, v[0].unsqueeze(2))
         # GQA without copies: the np/ng query heads of a group act as that group's query "positions",
         # all at the same sequence position, so one [B, ng, np/ng, L] attention covers them.
         query = q[0].view(b, ng, np_ // ng, hn)

@@ -31,12 +31,12 @@ def _unwrap(model):
     return model
 
 
-def _compiled(step_fn):
+def _compiled(step_fn, backend: str = "inductor"):
     """torch.compile(step_fn) with dynamic batch / KV length (one compile serves every graph bucket);
     on a compile error, a warning and the eager step from then on."""
     from megatron.core.fusions.compile import _raise_recompile_limit
     _raise_recompile_limit()
-    compiled = torch.compile(step_fn, dynamic=True)
+    compiled = torch.compile(step_fn, dynamic=True, backend=backend)
     state = {"fn": compiled}
 
     def run(*args):
