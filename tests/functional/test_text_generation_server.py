@@ -1,6 +1,6 @@
 """The real text generation server (tools/run_text_generation_server.py) on a free localhost port, over a
 checkpoint trained by pretrain_gpt.py: good and bad HTTP requests, OpenAI completions, seeded sampling,
-8 concurrent clients each getting their alone answer, and tools/generate.py agreeing with the server."""
+8 concurrent clients each getting their alone answer (tools/generate.py: test_generation_hf.py)."""
 import json
 import os
 import subprocess
@@ -145,13 +145,7 @@ def test_eight_concurrent_requests_equal_their_alone_answers(server):
         t.join()
     for a, r in zip(alone, results):
         assert r["tokens"] == a["tokens"]
+        # Another batch size changes the CPU GEMM blocking: fp32 log-probs move by ~1e-6.
         assert max(abs(x - y) for x, y in zip(r["logprobs"][0], a["logprobs"][0])) < 1e-4
     stats = json.loads(urllib.request.urlopen(server).read())
     assert stats["peak_active"] > 1  # they shared decode steps instead of queueing one after another
-
-
-def test_generate_tool_matches_server(server, checkpoint):
-    out = _run(os.path.join(ROOT, "tools", "generate.py"), "--load", checkpoint, "--use-checkpoint-args",
-               *TOKENIZER, "--prompt", "The cat", "--num-tokens-to-generate", "6")
-    api = _call(server, "/api", {"prompts": ["The cat"], "tokens_to_generate": 6, "top_k": 1})[1]
-    assert api["text"][0] in out
