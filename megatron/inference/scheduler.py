@@ -103,11 +103,7 @@ class GenerationScheduler:
             self.engine.step()
         except Exception as e:  # fail the requests in flight, keep serving
             traceback.print_exc()
-            for req in list(self.engine.waiting) + [r for r in self.engine.slots if r is not None]:
-                req.finish_reason = f"error: {type(e).__name__}: {e}"
-                req.done.set()
-            self.engine.waiting.clear()
-            self.engine.slots = [None] * len(self.engine.slots)
+            self.engine.abort_all(f"error: {type(e).__name__}: {e}")
             if _distributed():
                 raise  # the other ranks cannot be brought back in step
 

@@ -183,3 +183,18 @@ def test_bad_requests_and_context_limit():
         engine.add_request([], SamplingParams())
     req = engine.generate([list(range(10))], SamplingParams(top_k=1, num_tokens_to_generate=6))[0]
     assert len(req.generated_tokens) == 6 and req.length == 16
+
+
+def test_abort_all_then_serve_again():
+    """After a failed step the server aborts what is in flight; the engine then serves as new."""
+    model = build_tiny_gpt("gpt2")
+    engine = InferenceEngine(model, max_batch_size=2, max_sequence_length=MAX_LEN)
+    p = prompts([5], seed=6)[0]
+    reqs = [engine.add_request(p, SamplingParams(top_k=1, num_tokens_to_generate=8)) for _ in range(3)]
+    engine.step()
+    engine.abort_all("error: test")
+    assert all(r.done.is_set() and r.finish_reason == "error: test" for r in reqs) and not engine.has_work()
+    again = engine.generate([p], SamplingParams(top_k=1, num_tokens_to_generate=8))[0]
+    alone = InferenceEngine(model, max_batch_size=1, max_sequence_length=MAX_LEN).generate(
+        [p], SamplingParams(top_k=1, num_tokens_to_generate=8))[0]
+    assert again.generated_tokens == alone.generated_tokens

@@ -134,6 +134,15 @@ class InferenceEngine:
         self.waiting.append(req)
         return req
 
+    def abort_all(self, reason: str) -> None:
+        """Finish every waiting and active request with ``reason`` (after a failed step) and start clean."""
+        for req in list(self.waiting) + [r for r in self.slots if r is not None]:
+            req.finish_reason, req.status = reason, Status.COMPLETED
+            req.done.set()
+        self.waiting.clear()
+        self.slots = [None] * self.max_batch_size
+        self._in_flight = None
+
     def has_work(self) -> bool:
         return bool(self.waiting) or any(r is not None for r in self.slots) or self._in_flight is not None
 
