@@ -41,8 +41,9 @@ def prompts(lengths, seed=0):
 
 
 def full_logits(model, seq):
+    dev = next(model.parameters()).device
     with torch.no_grad():
-        return model(torch.tensor([seq]), torch.arange(len(seq))[None], None)[0].float()  # [s, V]
+        return model(torch.tensor([seq], device=dev), torch.arange(len(seq), device=dev)[None], None)[0].float()
 
 
 GREEDY = SamplingParams(top_k=1, num_tokens_to_generate=10, return_log_probs=True)
