@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron.core.inference import InferenceEngine, SamplingParams
-from tests.unit.test_inference_engine import MAX_LEN, build_tiny_gpt, full_logits, prompts
+from tests.unit.test_inference_engine import MAX_LEN, build_tiny_gpt, full_logits, joining_vs_alone, prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -33,25 +33,13 @@ def test_graphs_greedy_equal_full_recompute_and_joining_requests():
     """fp32: greedy tokens equal the argmax of the full forward; requests that join a running batch (and
     reuse freed slots) get their alone answers."""
     model = build_tiny_gpt("gpt2").cuda()
-    ps = prompts([6, 3, 9, 4, 7], seed=1)
-    lengths = [3, 12, 5, 8, 6]
-    alone = []
-    for p, n in zip(ps, lengths):
+    for p in prompts([6, 3, 9], seed=1):
         req = InferenceEngine(model, max_batch_size=1, max_sequence_length=MAX_LEN).generate(
-            [p], SamplingParams(top_k=1, num_tokens_to_generate=n))[0]
+            [p], SamplingParams(top_k=1, num_tokens_to_generate=10))[0]
         logits = full_logits(model, p + req.generated_tokens)
         assert logits[len(p) - 1:-1].argmax(-1).tolist() == req.generated_tokens
-        alone.append(req.generated_tokens)
-    engine = InferenceEngine(model, max_batch_size=2, max_sequence_length=MAX_LEN)
-    with torch.inference_mode():
-        reqs = [engine.add_request(ps[0], SamplingParams(top_k=1, num_tokens_to_generate=lengths[0]))]
-        engine.step()
-        for p, n in zip(ps[1:], lengths[1:]):
-            reqs.append(engine.add_request(p, SamplingParams(top_k=1, num_tokens_to_generate=n)))
-            engine.step()
-        while engine.has_work():
-            engine.step()
-    assert [r.generated_tokens for r in reqs] == alone
+    joined, alone = joining_vs_alone(model)
+    assert joined == alone
 
 
 def test_compiled_decode_close_to_eager():

@@ -96,9 +96,8 @@ def test_engine_greedy_equals_recompute_and_batching(arch):
         torch.testing.assert_close(torch.tensor(req.prompt_log_probs), prompt_lp, rtol=0, atol=1e-5)
 
 
-def test_continuous_batching_join_and_leave():
-    """Requests joining a running batch (and slots reused after others leave) get their alone answers."""
-    model = build_tiny_gpt("llama")
+def joining_vs_alone(model):
+    """(tokens of requests arriving one per step into a 2-slot engine, tokens of each alone)."""
     ps = prompts([6, 3, 9, 4, 7], seed=1)
     lengths = [3, 12, 5, 8, 6]
     alone = [InferenceEngine(model, max_batch_size=1, max_sequence_length=MAX_LEN).generate(
@@ -113,7 +112,13 @@ def test_continuous_batching_join_and_leave():
             engine.step()
         while engine.has_work():
             engine.step()
-    assert [r.generated_tokens for r in reqs] == alone
+    return [r.generated_tokens for r in reqs], alone
+
+
+def test_continuous_batching_join_and_leave():
+    """Requests joining a running batch (and slots reused after others leave) get their alone answers."""
+    joined, alone = joining_vs_alone(build_tiny_gpt("llama"))
+    assert joined == alone
 
 
 def test_seeded_sampling_reproducible():
