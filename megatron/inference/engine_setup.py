@@ -1,6 +1,8 @@
 """Shared start-up of the generation tools: flags, process groups, model + checkpoint, engine."""
 import sys
 
+import torch
+
 from megatron.core import parallel_state
 from megatron.core.inference import InferenceEngine
 from megatron.training.arguments import parse_args
@@ -53,6 +55,8 @@ def build_engine(args, model_provider) -> InferenceEngine:
     engine = InferenceEngine(model[0], max_batch_size=args.inference_max_requests, max_sequence_length=max_len,
                              vocab_size=tokenizer.vocab_size, termination_id=_eod(tokenizer),
                              detokenize=tokenizer.detokenize, use_cuda_graphs=graphs, compile_decode=compile_decode)
+    if engine.device.type == "cuda" and engine.dtype == torch.float32:
+        print_rank_0("WARNING: generating in fp32 on the GPU; pass --bf16 (half the bytes read per token)")
     print_rank_0(f"> generation engine: {args.inference_max_requests} slots x {max_len} tokens, "
                  f"{engine.dtype}, CUDA graphs {'on' if engine.graphs is not None else 'off'}")
     return engine
