@@ -9,6 +9,7 @@ from .dropin_args import validate_dropin_args
 from .context_parallel_args import validate_context_parallel_args
 from .fast_path import validate_fast_path_args
 from .megatron_flags import check_megatron_flags
+from .inference_args import validate_inference_args
 from .window_args import validate_window_args
 from .moe_args import validate_moe_args
 
@@ -46,6 +47,7 @@ def validate_args(args, defaults={}):
     _validate_data(args)
     _validate_tokenizer(args)
     _validate_misc(args)
+    validate_inference_args(args, _require)
     return args
 
 

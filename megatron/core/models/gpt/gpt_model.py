@@ -66,12 +66,15 @@ class GPTModel(LanguageModule):
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
                 inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
                 runtime_gather_output: Optional[bool] = None, loss_mask=None, **kwargs):
-        if inference_context is not None:
-            raise NotImplementedError("inference contexts are not supported yet")
+        if inference_context is not None and packed_seq_params is not None:
+            raise NotImplementedError("generation with packed sequences is not supported")
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, h]
         rotary_pos_emb = None
-        if self.position_embedding_type == "rope":
+        if inference_context is not None:  # per-token positions; the context applies RoPE in attention
+            rope = self.rotary_pos_emb if self.position_embedding_type == "rope" else None
+            inference_context.begin_forward(rope, position_ids, getattr(self.config, "window_size", None))
+        elif self.position_embedding_type == "rope":
             seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, self.decoder, decoder_input, self.config)
             rotary_pos_emb = self.rotary_pos_emb(seq_len)  # [S, 1, 1, d], S: the whole (CP-joined) sequence
             if self.config.context_parallel_size > 1 or packed_seq_params is not None:
@@ -80,9 +83,14 @@ class GPTModel(LanguageModule):
                                                       packed_seq_params, batch)  # [s, 1 or b, 1, d]
         hidden = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
                               rotary_pos_emb=rotary_pos_emb, packed_seq_params=packed_seq_params,
+                              inference_context=inference_context,
                               **(extra_block_kwargs or {}))
         if not self.post_process:
             return hidden
+        if inference_context is not None and inference_context.last_token_index is not None:
+            # Generation needs the next-token logits only: [s, b, h] -> [1, b, h] at each row's last token.
+            rows = torch.arange(hidden.size(1), device=hidden.device)
+            hidden = hidden[inference_context.last_token_index, rows].unsqueeze(0)
         logits, _ = self.output_layer(hidden, weight=self.output_weight_for_forward(),
                                       runtime_gather_output=runtime_gather_output)  # [s, b, V/tp]
         return self.logits_or_loss(logits, labels)
