@@ -36,7 +36,8 @@ def _sdpa_context(backends, device):
 
 
 class DotProductAttention(MegatronModule):
-    """Core attention on ``[s, b, np, hn]`` queries and ``[s, b, ng, hn]`` keys/values (GQA: ng <= np).
+    """Core attention on ``[s, b, np, hn]`` queries and ``[s, b, ng, hn]`` keys/values (GQA: ng <= np);
+    values may have a smaller head dim than queries/keys (MLA).
 
     The mask is boolean with True = masked (Megatron's convention). A causal layer with no mask uses
     SDPA's ``is_causal`` path (flash / memory-efficient kernels); an explicit mask is passed as is.
@@ -76,7 +77,13 @@ class DotProductAttention(MegatronModule):
         rng = get_cuda_rng_tracker().fork() if dropout_p > 0 else nullcontext()
         # An explicit mask (reset attention, padding) leaves the kernel choice to torch: flash takes none.
         backends = self.sdpa_backends if attn_mask is None else None
+        v_dim = v.size(-1)
+        if v_dim < hn and q.is_cuda:
+            # MLA: value heads narrower than query/key heads. The flash and cuDNN kernels want one head
+            # dim, so pad V with zeros; the padded output columns are zero and dropped below.
+            v = F.pad(v, (0, hn - v_dim))
         with rng, _sdpa_context(backends, q.device):
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                                  is_causal=is_causal, scale=self.softmax_scale)
-        return ctx.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [s, b, np * hn]
+        ctx = ctx[..., :v_dim]
+        return ctx.permute(2, 0, 1, 3).reshape(sq, b, np_ * v_dim)  # [s, b, np * hv]

@@ -12,8 +12,6 @@ UNSUPPORTED_FLAGS = {
     "--moe-token-dispatcher-type": (dict(type=str), "MoE is not built yet"),
     "--moe-aux-loss-coeff": (dict(type=float, nargs="+"), "MoE is not built yet"),
     "--expert-tensor-parallel-size": (dict(type=int), "expert parallelism is not built yet"),
-    "--multi-latent-attention": (dict(action="store_true"), "MLA is not built yet"),
-    "--mtp-num-layers": (dict(type=int), "multi-token prediction is not built yet"),
     "--fp4-format": (dict(type=str), "FP4 is not supported"),
     "--yaml-cfg": (dict(type=str), "YAML configs are not supported; pass command-line flags"),
     "--use-megatron-fsdp": (dict(action="store_true"), "Megatron-FSDP is not supported; use DDP"),

@@ -6,6 +6,7 @@ import warnings
 import torch
 
 from .fast_path import validate_fast_path_args
+from .mla_args import validate_mla_args
 from .unsupported import unsupported_flag_used
 
 
@@ -34,6 +35,7 @@ def validate_args(args, defaults=None):
     _validate_batch(args)
     _validate_model(args)
     validate_fast_path_args(args, _require)
+    validate_mla_args(args, _require)
     _validate_precision(args)
     _validate_run_length(args)
     _validate_checkpointing(args)
