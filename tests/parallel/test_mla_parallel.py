@@ -42,7 +42,7 @@ def _build(tp=1, pp=1, sp=False, distopt=False, mtp=False):
                    mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec))
     model = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distopt,
                                                                        bucket_size=4000), gpt)
-    opt = get_megatron_optimizer(OptimizerConfig(lr=3e-3, weight_decay=0.01, clip_grad=1.0,
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=1.0, weight_decay=0.01, clip_grad=1.0,
                                                  use_distributed_optimizer=distopt), [model])
     return model, opt
 

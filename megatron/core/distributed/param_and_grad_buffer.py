@@ -80,14 +80,14 @@ class _ParamAndGradBucket:
             self.check_for_nan()
         if self.dp_size == 1:
             # One replica: nothing to exchange (and no collective inside a captured CUDA graph).
-            if not self.ddp_config.average_in_collective and self.gradient_scaling_factor != 1.0:
+            if self.gradient_scaling_factor != 1.0:
                 self.grad_data.mul_(self.gradient_scaling_factor)
             self.grad_reduce_handle = _DoneHandle()
             return
         op = dist.ReduceOp.SUM
         if self.ddp_config.average_in_collective:
             op = dist.ReduceOp.AVG
-        elif self.gradient_scaling_factor != 1.0:
+        if self.gradient_scaling_factor != 1.0:
             self.grad_data.mul_(self.gradient_scaling_factor)
         async_op = self.ddp_config.overlap_grad_reduce
         if self.ddp_config.use_distributed_optimizer:

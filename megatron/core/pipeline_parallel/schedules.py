@@ -75,8 +75,22 @@ def forward_step(forward_step_func: Callable, data_iterator, model, input_tensor
         output_tensor, loss_func = forward_step_func(data_iterator, model)
     if is_last_stage:
         output_tensor = _apply_loss(loss_func, output_tensor, state)
+    if getattr(config, "num_moe_experts", None):
+        _set_moe_aux_loss_scale(config, state)
     timer.stop()
     return output_tensor
+
+
+def _set_moe_aux_loss_scale(config, state: _RunState):
+    """MoE auxiliary losses enter backward with the lm loss's gradient scale: the fp16 loss scale, divided
+    by the micro-batch count unless the loss is summed per token."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    scale = torch.ones(1, device=current_device())
+    if getattr(config, "grad_scale_func", None) is not None:
+        scale = config.grad_scale_func(scale)
+    if not getattr(config, "calculate_per_token_loss", False):
+        scale = scale / state.num_microbatches
+    MoEAuxLossAutoScaler.set_loss_scale(scale)
 
 
 def _apply_loss(loss_func, output_tensor, state: _RunState) -> torch.Tensor:

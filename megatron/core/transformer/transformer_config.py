@@ -1,6 +1,6 @@
 """TransformerConfig: architecture fields with Megatron's names, validated at construction."""
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -67,8 +67,32 @@ class TransformerConfig(ModelParallelConfig):
     recompute_modules: Optional[List[str]] = None
     distribute_saved_activations: Optional[bool] = None
 
-    # MoE (not supported yet)
+    # MoE (megatron/core/transformer/moe): Megatron's field names and defaults
     num_moe_experts: Optional[int] = None
+    moe_layer_freq: Union[int, List[int]] = 1
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_overlap: bool = False
+    moe_router_load_balancing_type: Union[str, List[str]] = "aux_loss"
+    moe_router_topk: int = 2
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_score_function: str = "softmax"
+    moe_router_dtype: Optional[str] = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_grouped_gemm: bool = False
+    moe_aux_loss_coeff: Union[float, List[float]] = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_input_jitter_eps: Optional[float] = None
+    moe_token_dispatcher_type: str = "allgather"
+    moe_per_layer_logging: bool = False
+    moe_expert_capacity_factor: Optional[float] = None
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"
+    moe_permute_fusion: bool = False
 
     # Multi-latent attention (shapes in MLATransformerConfig) and multi-token prediction
     multi_latent_attention: bool = False
@@ -125,7 +149,8 @@ class TransformerConfig(ModelParallelConfig):
 
     def _check_features(self):
         if self.num_moe_experts is not None:
-            raise NotImplementedError("--num-experts (num_moe_experts) is not supported yet; drop the flag")
+            from megatron.core.transformer.moe.config_checks import check_moe_config
+            check_moe_config(self)
         self._check_fp8()
         self._check_mtp()
         if self.context_parallel_size != 1:

@@ -8,6 +8,7 @@ import os
 
 from .configs import core_transformer_config_from_args, ddp_config_from_args, optimizer_config_from_args
 from .mla_args import add_mla_args
+from .moe_args import add_moe_args
 from .model_args import (add_initialization_args, add_mixed_precision_args, add_network_size_args,
                          add_regularization_args)
 from .parallel_data_args import add_data_args, add_distributed_args, add_tokenizer_args
@@ -27,7 +28,7 @@ def build_parser(extra_args_provider=None):
     for add in (add_network_size_args, add_regularization_args, add_training_args, add_initialization_args,
                 add_learning_rate_args, add_checkpointing_args, add_mixed_precision_args, add_distributed_args,
                 add_validation_args, add_data_args, add_tokenizer_args, add_logging_args, add_mla_args,
-                add_unsupported_args):
+                add_moe_args, add_unsupported_args):
         parser = add(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)

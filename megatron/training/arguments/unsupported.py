@@ -1,17 +1,11 @@
 """Megatron flags users commonly pass that this project does not implement yet.
 
-They are registered so a user gets one clear line ("--num-experts is not supported yet: ...")
+They are registered so a user gets one clear line ("--fp4-format is not supported yet: ...")
 instead of argparse's generic "unrecognized arguments", and never a silently ignored flag.
 """
 
 # flag -> (argparse kwargs, what to do instead)
 UNSUPPORTED_FLAGS = {
-    "--num-experts": (dict(type=int), "MoE is not built yet; train a dense model"),
-    "--moe-router-topk": (dict(type=int), "MoE is not built yet"),
-    "--moe-grouped-gemm": (dict(action="store_true"), "MoE is not built yet"),
-    "--moe-token-dispatcher-type": (dict(type=str), "MoE is not built yet"),
-    "--moe-aux-loss-coeff": (dict(type=float, nargs="+"), "MoE is not built yet"),
-    "--expert-tensor-parallel-size": (dict(type=int), "expert parallelism is not built yet"),
     "--fp4-format": (dict(type=str), "FP4 is not supported"),
     "--yaml-cfg": (dict(type=str), "YAML configs are not supported; pass command-line flags"),
     "--use-megatron-fsdp": (dict(action="store_true"), "Megatron-FSDP is not supported; use DDP"),

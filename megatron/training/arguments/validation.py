@@ -7,6 +7,7 @@ import torch
 
 from .fast_path import validate_fast_path_args
 from .mla_args import validate_mla_args
+from .moe_args import validate_moe_args
 from .unsupported import unsupported_flag_used
 
 
@@ -34,6 +35,7 @@ def validate_args(args, defaults=None):
     _validate_parallel(args)
     _validate_batch(args)
     _validate_model(args)
+    validate_moe_args(args, _require)
     validate_fast_path_args(args, _require)
     validate_mla_args(args, _require)
     _validate_precision(args)
@@ -62,9 +64,6 @@ def _validate_parallel(args):
                                                           args.expert_model_parallel_size)):
         _require(value >= 1, f"{flag} ({value}) must be >= 1")
     _require(cp == 1, f"--context-parallel-size ({cp}) > 1 is not supported yet; use 1")
-    _require(args.expert_model_parallel_size == 1,
-             f"--expert-model-parallel-size ({args.expert_model_parallel_size}) > 1 is not supported yet "
-             "(no MoE); use 1")
     model_parallel = tp * pp * cp
     _require(args.world_size % model_parallel == 0,
              f"world size ({args.world_size}) must be divisible by --tensor-model-parallel-size ({tp}) x "

@@ -21,10 +21,24 @@ LNImpl = WrappedTorchNorm
 
 def get_mlp_module_spec(use_te: bool = False, num_experts: Optional[int] = None,
                         moe_grouped_gemm: bool = False, **kwargs) -> ModuleSpec:
-    if num_experts is not None:
-        raise NotImplementedError("--num-experts (MoE layers) is not supported yet; drop the flag")
-    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                           linear_fc2=RowParallelLinear))
+    """Dense MLP, or an MoE layer when ``num_experts`` is set."""
+    linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    if num_experts is None:
+        return ModuleSpec(module=MLP, submodules=linears)
+    return get_moe_module_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
+
+
+def get_moe_module_spec(use_te: bool = False, num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
+                        moe_use_legacy_grouped_gemm: bool = False, **kwargs) -> ModuleSpec:
+    """MoELayer with grouped-GEMM experts (``moe_grouped_gemm``) or a loop of MLPs, plus shared experts
+    (built only when the config sets moe_shared_expert_intermediate_size)."""
+    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+    linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    experts = GroupedMLP if moe_grouped_gemm else ModuleSpec(module=SequentialMLP, submodules=linears)
+    shared = ModuleSpec(module=SharedExpertMLP, params={"gate": False}, submodules=linears)
+    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=experts, shared_experts=shared))
 
 
 def get_gpt_layer_local_spec(num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
@@ -83,6 +97,24 @@ def get_local_layer_spec(attn_mask_type: AttnMaskType, norm=LNImpl, qk_norm=None
             mlp_bda=get_bias_dropout_add,
         ),
     )
+
+
+def get_gpt_decoder_block_spec(config, use_transformer_engine: bool = False, normalization: Optional[str] = None,
+                               qk_l2_norm: bool = False, vp_stage: Optional[int] = None, **kwargs):
+    """One layer spec per layer: MoE where ``config.moe_layer_freq`` says so (an int N: every N-th layer
+    from layer 0; a list: 1 = MoE, 0 = dense, e.g. DeepSeek's first dense layers), dense elsewhere."""
+    from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    mla = config.multi_latent_attention
+    dense = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=normalization,
+                                     qk_l2_norm=qk_l2_norm, multi_latent_attention=mla)
+    if config.num_moe_experts is None:
+        return TransformerBlockSubmodules(layer_specs=[dense] * config.num_layers)
+    moe = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+                                   qk_layernorm=config.qk_layernorm, normalization=normalization,
+                                   qk_l2_norm=qk_l2_norm, multi_latent_attention=mla)
+    pattern = moe_layer_pattern(config.moe_layer_freq, config.num_layers)
+    return TransformerBlockSubmodules(layer_specs=[moe if p else dense for p in pattern])
 
 
 def get_gpt_mtp_block_spec(config, spec, use_transformer_engine: bool = False,
