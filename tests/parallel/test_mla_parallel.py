@@ -1,5 +1,6 @@
 """Multi-latent attention (YaRN, q and kv low-rank) trains the same under TP=2 + SP, PP=2 x TP=2 and PP=2
-with the distributed optimizer as in one process; MTP the same under TP=2 + SP.
+with the distributed optimizer as in one process; MTP the same under TP=2 + SP. Compared: the loss per
+iteration and every weight's norm after the last step (SGD, so gradient errors reach the weights as is).
 
 One spawned world of 4 ranks runs the three layouts one after the other; one single-process world gives
 the references. fp32 and dropout 0, so the layouts differ only in summation order (all-reduces, split
@@ -21,7 +22,7 @@ def _config(tp, pp, sp, mtp):
         num_layers=LAYERS, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp,
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, add_bias_linear=False,
-        q_lora_rank=16, kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6,
+        qk_layernorm=True, q_lora_rank=16, kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6,
         rope_type="yarn", rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=1.0,
         original_max_position_embeddings=8, mtp_num_layers=1 if mtp else None)
 
@@ -53,6 +54,7 @@ def _train(tp=1, pp=1, sp=False, distopt=False, mtp=False):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     model, opt = _build(tp, pp, sp, distopt, mtp)
+    initial = {name: p.detach().clone() for name, p in model.module.named_parameters()}
     mtp_sums = []
 
     def forward_step(data_iterator, model):
@@ -89,8 +91,32 @@ def _train(tp=1, pp=1, sp=False, distopt=False, mtp=False):
         torch.distributed.all_reduce(mtp_total)
         losses.append((total[0] / total[1]).item())
         mtp_losses.append((mtp_total[0] / mtp_total[1]).item() if mtp else None)
+    norms = _param_norms(model.module, initial)
     ps.destroy_model_parallel()
-    return losses, mtp_losses
+    return losses, mtp_losses, norms
+
+
+def _param_norms(gpt, initial):
+    """{global parameter name: (squared norm of the weight, of its total update)}, each element counted
+    once: a loss hides small gradient errors (a norm's grad reduced twice), the SGD updates do not."""
+    from megatron.core.transformer.initialize import global_param_names
+    names, local = global_param_names(gpt), {}
+    if ps.get_data_parallel_rank() == 0:
+        for name, p in gpt.named_parameters():
+            replica = not getattr(p, "tensor_model_parallel", False) and ps.get_tensor_model_parallel_rank() != 0
+            tied_copy = getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage()
+            if not (replica or tied_copy):
+                w, dw = p.detach().double(), (p.detach() - initial[name]).double()
+                old = local.get(names[name], (0.0, 0.0))
+                local[names[name]] = (old[0] + w.pow(2).sum().item(), old[1] + dw.pow(2).sum().item())
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, local)
+    out = {}
+    for part in gathered:
+        for name, (w, dw) in part.items():
+            old = out.get(name, (0.0, 0.0))
+            out[name] = (old[0] + w, old[1] + dw)
+    return out
 
 
 LAYOUTS = {"tp2_sp_mtp": dict(tp=2, sp=True, mtp=True), "pp2_tp2": dict(tp=2, pp=2),
@@ -124,6 +150,14 @@ def test_mla_layout_matches_single_process(runs, name):
         _close(rank_result[name][0], ref[0])
     if LAYOUTS[name].get("mtp"):
         _close(per_rank[0][name][1], ref[1])
+    got, want = per_rank[0][name][2], ref[2]
+    assert got.keys() == want.keys()
+    for key in want:
+        (w, dw), (w_ref, dw_ref) = got[key], want[key]
+        assert abs(w - w_ref) <= RTOL * w_ref, f"{key}: {w} vs {w_ref}"
+        # An update is a difference of O(1) weights, so fp32 leaves it ~1e-5 relative noise; a gradient
+        # reduced twice (or not at all) moves it by 100%.
+        assert abs(dw - dw_ref) <= 1e-3 * dw_ref + 1e-12, f"{key} update: {dw} vs {dw_ref}"
 
 
 def test_mtp_changes_the_updates(runs):
