@@ -35,12 +35,28 @@ def _sdpa_context(backends, device):
     return sdpa_kernel(backends, set_priority=True)
 
 
+def sliding_window_mask(sq: int, sk: int, window, device) -> torch.Tensor:
+    """[sq, sk] bool, True = attend: key j is visible from query i when i - left <= j <= i + right
+    (Megatron's ``--window-size (left, right)``; -1 is unbounded). Queries are the last ``sq`` positions."""
+    left, right = window
+    i = torch.arange(sk - sq, sk, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    return keep
+
+
 class DotProductAttention(MegatronModule):
     """Core attention on ``[s, b, np, hn]`` queries and ``[s, b, ng, hn]`` keys/values (GQA: ng <= np);
     values may have a smaller head dim than queries/keys (MLA).
 
     The mask is boolean with True = masked (Megatron's convention). A causal layer with no mask uses
     SDPA's ``is_causal`` path (flash / memory-efficient kernels); an explicit mask is passed as is.
+    ``config.window_size`` (sliding window) adds a banded [s, s] mask, built once per shape and shared by
+    all layers; SDPA then runs its masked kernels (memory-efficient on CUDA, not flash).
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
@@ -56,6 +72,7 @@ class DotProductAttention(MegatronModule):
         self.num_groups_per_partition = config.num_query_groups // tp
         backend = getattr(config.attention_backend, "name", config.attention_backend)
         self.sdpa_backends = sdpa_backends(backend)
+        self.window_size = config.window_size
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -71,6 +88,11 @@ class DotProductAttention(MegatronModule):
             v = v.repeat_interleave(rep, dim=1)
         is_causal = attention_mask is None and mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         attn_mask = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
+        if self.window_size is not None:
+            band = _cached_band(sq, k.size(2), self.window_size, q.device)
+            if is_causal:
+                band = band & _cached_band(sq, k.size(2), (-1, 0), q.device)
+            attn_mask, is_causal = band if attn_mask is None else attn_mask & band, False
         dropout_p = self.dropout_p if self.training else 0.0
         # Heads are split over TP, so each rank needs its own dropout stream (no stream without dropout:
         # forking the RNG state would also break a compiled layer's graph for nothing).
@@ -87,3 +109,16 @@ class DotProductAttention(MegatronModule):
                                                  is_causal=is_causal, scale=self.softmax_scale)
         ctx = ctx[..., :v_dim]
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, np_ * v_dim)  # [s, b, np * hv]
+
+
+_BANDS = {}
+
+
+def _cached_band(sq, sk, window, device):
+    """One mask per (shape, window, device), reused by every layer and step (at most a few shapes live)."""
+    key = (sq, sk, tuple(window), str(device))
+    if key not in _BANDS:
+        if len(_BANDS) > 8:
+            _BANDS.clear()
+        _BANDS[key] = sliding_window_mask(sq, sk, window, device)
+    return _BANDS[key]

@@ -156,7 +156,9 @@ class TransformerConfig(ModelParallelConfig):
         if self.context_parallel_size != 1:
             raise NotImplementedError("--context-parallel-size > 1 is not supported by the model yet")
         if self.window_size is not None:
-            raise NotImplementedError("--window-size (sliding window attention) is not supported yet")
+            self.window_size = tuple(int(x) for x in self.window_size)
+            if len(self.window_size) != 2 or min(self.window_size) < -1:
+                raise ValueError(f"--window-size {self.window_size}: expected (left, right), each >= 0 or -1")
         backend = getattr(self.attention_backend, "name", self.attention_backend)  # AttnBackend or str
         if backend not in ("auto", "local", "flash", "fused", "unfused"):
             raise ValueError(f"attention_backend '{self.attention_backend}' unknown; use auto, local, "

@@ -15,6 +15,7 @@ from .parallel_data_args import add_data_args, add_distributed_args, add_tokeniz
 from .training_args import (add_checkpointing_args, add_learning_rate_args, add_logging_args, add_training_args,
                             add_validation_args)
 from .unsupported import add_unsupported_args
+from .window_args import add_window_args
 from . import fast_path
 from .validation import ArgumentError, blend_prefixes, validate_args
 
@@ -28,7 +29,7 @@ def build_parser(extra_args_provider=None):
     for add in (add_network_size_args, add_regularization_args, add_training_args, add_initialization_args,
                 add_learning_rate_args, add_checkpointing_args, add_mixed_precision_args, add_distributed_args,
                 add_validation_args, add_data_args, add_tokenizer_args, add_logging_args, add_mla_args,
-                add_moe_args, add_unsupported_args):
+                add_moe_args, add_window_args, add_unsupported_args):
         parser = add(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)

@@ -26,7 +26,6 @@ UNSUPPORTED_FLAGS = {
     "--cpu-offloading-num-layers": (dict(type=int), "activation offloading is not supported"),
     "--fim-data": (dict(action="store_true"), "fill-in-the-middle data is not supported"),
     "--sft": (dict(action="store_true"), "SFT data is not supported"),
-    "--window-size": (dict(type=int, nargs=2), "sliding-window attention is not built yet"),
     "--quick-geglu": (dict(action="store_true"), "use --swiglu or the default GeLU"),
     "--rerun-mode": (dict(type=str), "the rerun state machine is not built yet"),
     "--hierarchical-context-parallel-sizes": (dict(type=int, nargs="+"), "context parallelism is not built yet"),

@@ -9,6 +9,7 @@ from .fast_path import validate_fast_path_args
 from .mla_args import validate_mla_args
 from .moe_args import validate_moe_args
 from .unsupported import unsupported_flag_used
+from .window_args import validate_window_args
 
 
 class ArgumentError(ValueError):
@@ -36,6 +37,7 @@ def validate_args(args, defaults=None):
     _validate_batch(args)
     _validate_model(args)
     validate_moe_args(args, _require)
+    validate_window_args(args, _require)
     validate_fast_path_args(args, _require)
     validate_mla_args(args, _require)
     _validate_precision(args)
