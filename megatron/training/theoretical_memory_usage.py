@@ -13,15 +13,21 @@ def compute_weight_and_optimizer_memory(args, verbose=False):
     groups = args.num_query_groups if args.group_query_attention else heads
     ffn = args.ffn_hidden_size or 4 * h
     glu = 3 if args.swiglu else 2
-    per_layer = h * kv * (heads + 2 * groups) + kv * heads * h + glu * h * ffn + 4 * h
+    attention = h * kv * (heads + 2 * groups) + kv * heads * h
+    if getattr(args, "multi_latent_attention", False):
+        attention = mla_params_per_layer(args)
+    per_layer = attention + glu * h * ffn + 4 * h
     if getattr(args, "num_experts", None) is not None:
         per_layer = _moe_average_layer_params(args, per_layer - glu * h * ffn, glu)
+    mtp = getattr(args, "mtp_num_layers", None) or 0
+    L = L + mtp  # MTP depths: a layer each (+ eh_proj and norms below), on the last stage
+    per_layer_extra = mtp * (2 * h * h + 3 * h)
     vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size or 0
     embedding = vocab * h + (args.max_position_embeddings * h if args.position_embedding_type == "learned_absolute"
                              else 0)
     untied = 0 if not args.untie_embeddings_and_output_weights else vocab * h
     pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
-    first_stage = (per_layer * L / pp + embedding + (untied if pp == 1 else 0)) / tp
+    first_stage = (per_layer * L / pp + per_layer_extra + embedding + (untied if pp == 1 else 0)) / tp
     if verbose:
         print(f"Number of parameters in most loaded shard in billions: {first_stage / 1e9:.4f}", flush=True)
     # 16-bit params + fp32 grads + fp32 main params + Adam m, v = 18 B; distributed optimizer shards 12 B.
@@ -44,6 +50,16 @@ def _moe_average_layer_params(args, attention_and_norms, glu):
     return attention_and_norms + (dense * glu * h * ffn + moe * moe_mlp) / args.num_layers
 
 
+def mla_params_per_layer(args):
+    """Multi-latent attention weights of one layer: q (low-rank + norm, or full), kv down/up + norm, proj."""
+    h, n = args.hidden_size, args.num_attention_heads
+    d_qk = args.qk_head_dim + args.qk_pos_emb_head_dim
+    q = h * n * d_qk if args.q_lora_rank is None else args.q_lora_rank * (h + 1 + n * d_qk)
+    kv = h * (args.kv_lora_rank + args.qk_pos_emb_head_dim) + args.kv_lora_rank * (
+        1 + n * (args.qk_head_dim + args.v_head_dim))
+    return q + kv + n * args.v_head_dim * h
+
+
 def compute_activation_memory(args):
     """Bytes of activations saved for backward by one micro-batch on the first stage (16-bit activations).
 
@@ -62,6 +78,12 @@ def compute_activation_memory(args):
     d_q, d_kv = kv * heads, kv * groups
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     tokens = args.seq_length * args.micro_batch_size / getattr(args, "context_parallel_size", 1)  # CP: s / CP
+    attention = (d_q + 2 * d_kv) / tp + 2 * d_q / tp
+    if getattr(args, "multi_latent_attention", False):
+        # Latents before and after their norm (replicated), then q, k, v and the attention output twice.
+        n, d_qk = args.num_attention_heads, args.qk_head_dim + args.qk_pos_emb_head_dim
+        latents = 2 * ((args.q_lora_rank or 0) + args.kv_lora_rank + args.qk_pos_emb_head_dim)
+        attention = latents + n * (2 * d_qk + 3 * args.v_head_dim) / tp
     dispatch = 0
     if getattr(args, "num_experts", None) is not None:
         # MoE: each token's top-k expert activations plus the shared expert (the active FFN width), and
@@ -69,9 +91,8 @@ def compute_activation_memory(args):
         from megatron.training.flops import active_mlp_ffn_sum, moe_layer_counts
         ffn = active_mlp_ffn_sum(args, ffn) / L
         dispatch = 2 * args.moe_router_topk * h * moe_layer_counts(args)[1] / L
-    per_layer = 2 * tokens * (4 * h + dispatch + (d_q + 2 * d_kv) / tp + 2 * d_q / tp
-                              + (4 if args.swiglu else 2) * ffn / tp)
-    layers = L / pp
+    per_layer = 2 * tokens * (4 * h + dispatch + attention + (4 if args.swiglu else 2) * ffn / tp)
+    layers = (L + (getattr(args, "mtp_num_layers", None) or 0)) / pp
     granularity = getattr(args, "recompute_granularity", None)
     if granularity == "full":
         return layers * 2 * tokens * h + per_layer

@@ -62,10 +62,10 @@ def _allreduce_layernorm_grads(model: List[torch.nn.Module], config):
     if not (getattr(config, "sequence_parallel", False) or getattr(config, "qk_layernorm", False)
             or getattr(config, "num_moe_experts", None)):
         return
-    # q/k layernorm weights act on TP-split heads yet are replicated: their grads differ per TP rank.
-    grads = [_grad_of(p) for chunk in model for name, p in chunk.named_parameters()
-             if p.requires_grad and _grad_of(p) is not None
-             and (getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name)]
+    # Flagged params: norms under SP, and q/k layernorm weights, which act on TP-split heads yet are
+    # replicated (attention flags them). MLA's latent norms see replicated inputs: flagged under SP only.
+    grads = [_grad_of(p) for chunk in model for p in chunk.parameters()
+             if p.requires_grad and _grad_of(p) is not None and getattr(p, "sequence_parallel", False)]
     _allreduce_grads_coalesced(grads, parallel_state.get_tensor_model_parallel_group())
 
 

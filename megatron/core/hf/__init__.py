@@ -1,13 +1,13 @@
 """Hugging Face <-> Megatron checkpoints: one small mapping table per model family.
 
-Families: gpt2, llama (Llama 2/3/3.1), mistral, qwen2 (Qwen2/2.5), qwen3. The checkpoint-level
+Families: gpt2, llama (Llama 2/3/3.1), mistral, qwen2 (Qwen2/2.5), qwen3, deepseek_v3. The checkpoint-level
 entry points (which also write args and the tracker) are in
 ``megatron.training.checkpointing.hf``: ``import_hf_checkpoint`` / ``export_hf_checkpoint``.
 """
-from . import gpt2, llama, mistral, qwen2, qwen3
+from . import deepseek_v3, gpt2, llama, mistral, qwen2, qwen3
 from .family import Family, Rule, UnsupportedConfig
 
-FAMILIES = {m.FAMILY.name: m.FAMILY for m in (gpt2, llama, mistral, qwen2, qwen3)}
+FAMILIES = {m.FAMILY.name: m.FAMILY for m in (gpt2, llama, mistral, qwen2, qwen3, deepseek_v3)}
 _BY_ARCH = {arch: fam for fam in FAMILIES.values() for arch in fam.architectures}
 
 

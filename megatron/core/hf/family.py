@@ -4,7 +4,7 @@ A ``Rule`` maps one global (TP=PP=1) tensor of ours to the HF tensor(s) it is ma
 ``{i}`` (the layer index). Adding a family (or MoE experts: one more rule list with ``{e}``) is one table.
 """
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .layout import COPY, Transform
 
@@ -22,9 +22,13 @@ class Rule:
 class Family:
     name: str
     architectures: Tuple[str, ...]
-    rules: Callable[[dict], Tuple[List[Rule], List[Rule]]]  # config -> (global rules, per-layer rules)
+    # config -> (global rules, per-layer rules with {i}, or a function of the layer index for families
+    # whose layers differ, e.g. DeepSeek's dense then MoE layers)
+    rules: Callable[[dict], Tuple[List[Rule], object]]
     config_to_flags: Callable[[dict], List[Tuple[str, object]]]  # config -> [(flag, value or None)]
     args_to_config: Callable[[object, int], Dict]  # (args, vocab_size) -> config.json fields
+    # (our name, config, hidden, padded vocab) -> global shape, for names the common table does not know
+    expected_shape: Optional[Callable] = None
 
 
 class UnsupportedConfig(ValueError):

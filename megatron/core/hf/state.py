@@ -51,7 +51,7 @@ def _named_rules(family: Family, cfg: dict, layers: int) -> Iterator[Tuple[int, 
     for r in first:
         yield -1, r, r.ours, list(r.hf)
     for i in range(layers):
-        for r in layer:
+        for r in (layer(i) if callable(layer) else layer):
             yield i, r, r.ours.format(i=i), [n.format(i=i) for n in r.hf]
     for r in glob:
         if r not in first:
@@ -63,7 +63,8 @@ def hf_to_ours(family: Family, cfg: dict, shapes: Shapes, get: Callable[[str], t
     """Yield (our global name, tensor, stride) one at a time, reading each HF tensor when it is needed."""
     for _, rule, name, hf_names in _named_rules(family, cfg, shapes.layers):
         tensors = [get(n) for n in hf_names]
-        want = expected_shape(name, shapes)
+        want = (family.expected_shape(name, cfg, shapes.hidden, shapes.dims.padded_vocab_size)
+                if family.expected_shape else expected_shape(name, shapes))
         try:
             out = rule.transform.to_ours(tensors, shapes.dims)
         except (RuntimeError, ValueError) as e:

@@ -63,7 +63,8 @@ def sliding_window_mask(sq: int, sk: int, window, device) -> torch.Tensor:
 
 
 class DotProductAttention(MegatronModule):
-    """Core attention on ``[s, b, np, hn]`` queries and ``[s, b, ng, hn]`` keys/values (GQA: ng <= np).
+    """Core attention on ``[s, b, np, hn]`` queries and ``[s, b, ng, hn]`` keys/values (GQA: ng <= np);
+    values may have a smaller head dim than queries/keys (MLA).
 
     The mask is boolean with True = masked (Megatron's convention). A causal layer with no mask uses
     SDPA's ``is_causal`` path (flash / memory-efficient kernels); an explicit mask is passed as is.
@@ -118,10 +119,16 @@ class DotProductAttention(MegatronModule):
         # An explicit mask (reset attention, padding) leaves the kernel choice to torch (flash takes none),
         # except in deterministic mode.
         backends = self.sdpa_backends if attn_mask is None else self.masked_sdpa_backends
+        v_dim = v.size(-1)
+        if v_dim < hn and q.is_cuda:
+            # MLA: value heads narrower than query/key heads. The flash and cuDNN kernels want one head
+            # dim, so pad V with zeros; the padded output columns are zero and dropped below.
+            v = F.pad(v, (0, hn - v_dim))
         with rng, _sdpa_context(backends, q.device):
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                                  is_causal=is_causal, scale=self.softmax_scale)
-        return ctx.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [s, b, np * hn]
+        ctx = ctx[..., :v_dim]
+        return ctx.permute(2, 0, 1, 3).reshape(sq, b, np_ * v_dim)  # [s, b, np * hv]
 
     def _long_context(self, query, key, value, cp_group, packed_seq_params, mask_type):
         """Causal attention over the CP group's sequence and/or within packed documents (no dense mask)."""

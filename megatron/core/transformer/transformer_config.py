@@ -100,6 +100,11 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     moe_token_drop_policy: str = "probs"
     moe_permute_fusion: bool = False
 
+    # Multi-latent attention (shapes in MLATransformerConfig) and multi-token prediction
+    multi_latent_attention: bool = False
+    mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: float = 0.1
+
     # FP8 linears without Transformer Engine (megatron/core/fp8): format e4m3 | hybrid, tensorwise
     # current scaling. The amax-history fields belong to the delayed recipe and must keep their defaults.
     fp8: Optional[str] = None
@@ -164,6 +169,7 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
             check_moe_config(self)
         self._check_fp8()
         self._check_context_parallel()
+        self._check_mtp()
         if self.window_size is not None:
             self.window_size = tuple(int(x) for x in self.window_size)
             if len(self.window_size) != 2 or min(self.window_size) < -1:
@@ -211,6 +217,15 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
             return self.cp_comm_type[layer_number - 1]
         return self.cp_comm_type or "p2p"
 
+    def _check_mtp(self):
+        if self.mtp_num_layers is None:
+            return
+        if self.mtp_num_layers < 1:
+            raise ValueError(f"--mtp-num-layers ({self.mtp_num_layers}) must be >= 1")
+        if self.pipeline_model_parallel_size > 1:
+            raise NotImplementedError("--mtp-num-layers with --pipeline-model-parallel-size > 1 is not supported "
+                                      "(the MTP layers need the word embedding on the last stage); use PP=1")
+
     def _check_fp8(self):
         if self.fp8 is None:
             return
@@ -255,3 +270,56 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
                              "--account-for-embedding/loss-in-pipeline-split")
         if self.pipeline_model_parallel_size == 1 and uneven:
             raise ValueError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
+
+
+@dataclass
+class MLATransformerConfig(TransformerConfig):
+    """A TransformerConfig for multi-latent attention (DeepSeek-V2/V3): low-rank query and key/value
+    projections, a decoupled RoPE part of each query/key head, and YaRN or plain RoPE."""
+
+    multi_latent_attention: bool = True
+    q_lora_rank: Optional[int] = 512  # None: queries come from one full-rank projection (linear_q_proj)
+    kv_lora_rank: Optional[int] = 512
+    qk_head_dim: int = 128  # per-head query/key dims without position embedding
+    qk_pos_emb_head_dim: int = 64  # per-head query/key dims that carry RoPE (shared by all heads for keys)
+    v_head_dim: int = 128
+    normalization: str = "RMSNorm"
+    rope_type: str = "yarn"  # "yarn" or "rope"
+    rotary_base: float = 10000
+    rotary_percent: float = 1.0
+    rotary_scaling_factor: float = 40
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32
+    beta_slow: float = 1
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    correction_range_round_to_int: bool = True
+    cache_mla_latents: bool = False
+
+    def __post_init__(self):
+        if self.kv_channels is None:  # unused by MLA; keeps hidden % heads from mattering
+            self.kv_channels = self.v_head_dim
+        super().__post_init__()
+        if self.kv_lora_rank is None or self.kv_lora_rank < 1:
+            raise ValueError(f"--kv-lora-rank (kv_lora_rank={self.kv_lora_rank}) must be set to a positive "
+                             "rank with --multi-latent-attention")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"--q-lora-rank ({self.q_lora_rank}) must be positive, or unset for a full-rank "
+                             "query projection")
+        for name in ("qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} ({getattr(self, name)}) must be >= 1")
+        if self.qk_pos_emb_head_dim % 2:
+            raise ValueError(f"--qk-pos-emb-head-dim ({self.qk_pos_emb_head_dim}) must be even (RoPE rotates pairs)")
+        if self.rope_type not in ("rope", "yarn"):
+            raise ValueError(f"--rope-type '{self.rope_type}' unknown for multi-latent attention; use rope or yarn")
+        if self.cache_mla_latents:
+            raise NotImplementedError("--cache-mla-latents belongs to the dynamic inference engine; drop the flag")
+        if self.num_query_groups != self.num_attention_heads:
+            raise ValueError("--group-query-attention cannot be combined with --multi-latent-attention")
+        tp = self.tensor_model_parallel_size
+        # The down projections are column-parallel (Megatron's local spec), so their widths split over TP.
+        for what, width in (("--q-lora-rank", self.q_lora_rank),
+                            ("--kv-lora-rank + --qk-pos-emb-head-dim", self.kv_lora_rank + self.qk_pos_emb_head_dim)):
+            if width is not None and width % tp:
+                raise ValueError(f"{what} ({width}) must be divisible by --tensor-model-parallel-size ({tp})")

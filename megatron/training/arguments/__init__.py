@@ -8,6 +8,7 @@ import os
 
 from .context_parallel_args import add_context_parallel_args
 from .configs import core_transformer_config_from_args, ddp_config_from_args, optimizer_config_from_args
+from .mla_args import add_mla_args
 from .moe_args import add_moe_args
 from .inference_args import add_inference_args
 from .model_args import (add_initialization_args, add_mixed_precision_args, add_network_size_args,
@@ -37,6 +38,7 @@ def build_parser(extra_args_provider=None):
                 add_moe_args,
                 add_context_parallel_args,
                 add_inference_args,
+                add_mla_args,
                 add_dropin_args):
         parser = add(parser)
     if extra_args_provider is not None:

@@ -26,8 +26,9 @@ def _require_fields(cls_name, field_names, required):
 
 def core_transformer_config_from_args(args, config_class=None):
     """TransformerConfig from args (Megatron's mapping: same-named fields plus the renamed ones)."""
+    from .mla_args import mla_config_class, mla_config_overrides
     if config_class is None:
-        from megatron.core.transformer.transformer_config import TransformerConfig as config_class
+        config_class = mla_config_class(args)
     overrides = dict(
         persist_layer_norm=not args.no_persist_layer_norm,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
@@ -43,6 +44,7 @@ def core_transformer_config_from_args(args, config_class=None):
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
     )
+    overrides.update(mla_config_overrides(args))
     if args.swiglu:
         overrides["activation_func"] = F.silu
     elif args.squared_relu:

@@ -14,7 +14,8 @@ def add_network_size_args(parser):
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="Maximum sequence length (size of the learned position table / RoPE range).")
     g.add_argument("--position-embedding-type", type=str, default="learned_absolute",
-                   choices=["learned_absolute", "rope", "none"], help="Position embedding type.")
+                   choices=["learned_absolute", "rope", "yarn", "none"],
+                   help="Position embedding type (yarn: with --multi-latent-attention).")
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="Deprecated alias of --position-embedding-type rope.")
     g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",

@@ -7,8 +7,6 @@ comes from here. A module that implements one of these flags deletes its line.
 
 # flag -> (argparse kwargs of an earlier registration, kept for reference; what to do instead)
 UNSUPPORTED_FLAGS = {
-    "--multi-latent-attention": (dict(action="store_true"), "MLA is not built yet"),
-    "--mtp-num-layers": (dict(type=int), "multi-token prediction is not built yet"),
     "--fp4-format": (dict(type=str), "FP4 is not supported"),
     "--tp-comm-overlap": (dict(action="store_true"), "TP communication overlap needs Transformer Engine"),
     "--spec": (dict(nargs="*"), "custom layer specs are not supported; the local spec is used"),

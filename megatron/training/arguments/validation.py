@@ -10,6 +10,8 @@ from .context_parallel_args import validate_context_parallel_args
 from .fast_path import validate_fast_path_args
 from .megatron_flags import check_megatron_flags
 from .inference_args import validate_inference_args
+from .mla_args import validate_mla_args
+from .moe_args import validate_moe_args
 from .window_args import validate_window_args
 from .moe_args import validate_moe_args
 
@@ -41,6 +43,7 @@ def validate_args(args, defaults={}):
     validate_moe_args(args, _require)
     validate_fast_path_args(args, _require)
     validate_context_parallel_args(args, _require, _warn)
+    validate_mla_args(args, _require)
     _validate_precision(args)
     _validate_run_length(args)
     _validate_checkpointing(args)

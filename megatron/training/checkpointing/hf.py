@@ -138,6 +138,8 @@ def import_hf_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, fm
 
 
 def _infer_family(args):
+    if getattr(args, "multi_latent_attention", False):
+        return FAMILIES["deepseek_v3"]
     if args.normalization == "LayerNorm":
         return FAMILIES["gpt2"]
     if getattr(args, "window_size", None) is not None:
