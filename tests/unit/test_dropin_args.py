@@ -107,10 +107,13 @@ def test_megatron_fsdp_refusals():
 
 
 @pytest.fixture
-def restore_determinism(monkeypatch):
-    for name in ("NCCL_ALGO", "CUBLAS_WORKSPACE_CONFIG"):
-        monkeypatch.delenv(name, raising=False)
+def restore_determinism():
+    """--deterministic-mode sets process-wide state: put it back for the tests that follow."""
+    names = ("NCCL_ALGO", "CUBLAS_WORKSPACE_CONFIG")
+    saved = {name: os.environ.pop(name, None) for name in names}
     yield
+    for name, value in saved.items():
+        os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
     torch.use_deterministic_algorithms(False)
     torch.backends.cudnn.deterministic = False
 
@@ -128,9 +131,8 @@ def test_deterministic_mode_wiring(restore_determinism, capsys):
     ({"CUBLAS_WORKSPACE_CONFIG": ":0:0"}, [], "CUBLAS_WORKSPACE_CONFIG=:0:0 is not deterministic"),
     ({}, ["--torch-compile"], "--deterministic-mode with --torch-compile"),
 ])
-def test_deterministic_mode_refusals(restore_determinism, monkeypatch, env, argv, needle):
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
+def test_deterministic_mode_refusals(restore_determinism, env, argv, needle):
+    os.environ.update(env)
     with pytest.raises(ArgumentError) as e:
         _parse(["--deterministic-mode"] + argv)
     assert needle in str(e.value)

@@ -31,7 +31,9 @@ __all__ = ["parse_args", "validate_args", "ArgumentError", "print_args", "build_
 
 
 def build_parser(extra_args_provider=None):
-    parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
+    # A short usage line: argparse prints it before every parse error, and the parser knows 800+ flags.
+    parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False,
+                                     usage="%(prog)s [Megatron-LM flags] (--help lists them)")
     for add in (add_network_size_args, add_regularization_args, add_training_args, add_initialization_args,
                 add_learning_rate_args, add_checkpointing_args, add_mixed_precision_args, add_distributed_args,
                 add_validation_args, add_data_args, add_tokenizer_args, add_logging_args, add_window_args,

@@ -17,6 +17,7 @@ docs/migrating.md.
 import argparse
 import ast
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -109,10 +110,13 @@ class FlagSpec:
 
 
 def _literal(text):
+    enum = re.fullmatch(r"<\w+\.(\w+): [^>]*>", text)  # <Signals.SIGTERM: 15> -> 'SIGTERM'
+    if enum:
+        return enum.group(1)
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
-        return text  # an enum repr such as <Signals.SIGTERM: 15>: only on flags we define ourselves
+        return text
 
 
 def _freq(text):

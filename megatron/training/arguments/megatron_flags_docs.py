@@ -31,7 +31,7 @@ def _entry_point_parsers():
 
 
 def _fmt(value):
-    if value is argparse.SUPPRESS:
+    if value == argparse.SUPPRESS:  # -h / --help
         return ""
     return repr(value).replace("|", "\\|")
 
