@@ -74,7 +74,7 @@ def test_every_flag_at_its_default_validates():
 @pytest.mark.parametrize("argv,needle", [
     ("--perform-rl-step", "--perform-rl-step is not supported yet: RL training is not part of this project"),
     ("--grpo-group-size 3", "--grpo-group-size is not supported yet: RL training"),
-    ("--no-yarn-correction-range-round-to-int", "--no-yarn-correction-range-round-to-int is not supported yet"),
+    ("--fp4-format e2m1", "--fp4-format is not supported yet"),
     ("--disable-use-tokenizer-model-from-checkpoint-args --inprocess-restart",
      "--inprocess-restart is not supported yet: in-process restart is not supported"),
     ("--rl-partial-rollouts", "--rl-partial-rollouts is not supported yet"),
