@@ -113,6 +113,7 @@ def main():
     t = time.time()
     hf = build_hf(hf_dir, o.num_layers, device, o.tiny)
     res["build_and_save_s"] = round(time.time() - t, 1)
+    print("progress", json.dumps(res), flush=True)
     tokens = torch.randint(0, 1000 if o.tiny else 128000, (1, o.seq), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = hf(tokens.to(device)).logits.float().cpu()
@@ -122,8 +123,10 @@ def main():
         ["tools/checkpoint/hf.py", "import", "--hf-model-path", hf_dir, "--output-path", ckpt, "--tp", "2", "--pp", "2"])
     res["export_s"], res["export_peak_rss_gib"] = _child(
         ["tools/checkpoint/hf.py", "export", "--checkpoint-path", ckpt, "--output-path", back])
+    print("progress", json.dumps(res), flush=True)
     res["hf_size_gib"] = round(sum(os.path.getsize(os.path.join(hf_dir, f)) for f in os.listdir(hf_dir)) / 2 ** 30, 2)
     res["round_trip_bitwise"] = compare_bitwise(hf_dir, back)
+    print("progress", json.dumps(res), flush=True)
     ours = our_logits(ckpt, tokens)[..., :ref.shape[-1]]
     diff = (ours - ref).abs()
     res.update(logits_max_abs_diff=round(diff.max().item(), 4), logits_mean_abs_diff=round(diff.mean().item(), 5),
