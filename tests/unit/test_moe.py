@@ -201,3 +201,17 @@ def test_grouped_gemm_flag_does_not_change_the_model():
         tokens = torch.arange(32).view(2, 16) % 64
         out.append(model(tokens, torch.arange(16).expand(2, 16), None))
     torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-5)
+
+
+def test_expert_bias_stays_fp32_and_moves_toward_balance():
+    from megatron.core.transformer.moe.router import finalize_router_state
+    config = _config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                     moe_router_bias_update_rate=0.01)
+    layer = build_module(get_moe_module_spec(num_experts=E), config=config).bfloat16()
+    assert layer.router.expert_bias.dtype == torch.float32
+    layer(torch.randn(6, 4, H, dtype=torch.bfloat16))
+    counts = layer.router.local_tokens_per_expert.clone()
+    assert counts.sum() == 6 * 4 * 2
+    finalize_router_state([layer], config)
+    expected = torch.sign(counts.mean() - counts) * 0.01
+    assert torch.equal(layer.router.expert_bias, expected) and layer.router.local_tokens_per_expert.sum() == 0
