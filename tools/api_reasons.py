@@ -1,5 +1,5 @@
 """Why a Megatron Core 0.19.2 name is absent here, or why its signature differs (read by
-tools/api_report.py). Keys are `module:name`, `module:*` or `*:name`; the first match wins in that order.
+tools/api_report.py). Keys are `module:name`, `*:name` or `module:*`; the first match wins in that order.
 """
 C = "megatron.core."
 T = "megatron.training."
@@ -171,7 +171,7 @@ REASONS = {
 
 
 def reason_for(module, name):
-    for key in (f"{module}:{name}", f"{module}:*", f"*:{name}"):
+    for key in (f"{module}:{name}", f"*:{name}", f"{module}:*"):
         if key in REASONS:
             return REASONS[key]
     return "not implemented yet"

@@ -61,7 +61,9 @@ def _wrap_with_ddp(args, model):
     if getattr(args, "use_torch_fsdp2", False):
         from megatron.core.distributed import TorchFullyShardedDataParallel
         # Each chunk is its own FSDP2 root; params are broadcast over DP before sharding.
-        return [TorchFullyShardedDataParallel(get_model_config(chunk), ddp_config, chunk) for chunk in model]
+        reshard = getattr(args, "torch_fsdp2_reshard_after_forward", True)
+        return [TorchFullyShardedDataParallel(get_model_config(chunk), ddp_config, chunk, reshard_after_forward=reshard)
+                for chunk in model]
     wrapped = [DDP(config=get_model_config(chunk), ddp_config=ddp_config, module=chunk,
                    disable_bucketing=(i > 0)) for i, chunk in enumerate(model)]
     for chunk in wrapped:

@@ -124,6 +124,8 @@ class GPTDataset(MegatronDataset):
         sample = {"tokens": tokens, "labels": labels}
         if self.config.create_attention_mask:
             sample["attention_mask"] = attention_mask
+        elif self.config.reset_attention_mask:
+            sample["cu_seqlens"] = _document_offsets(tokens, self.config.tokenizer.eod)
         sample["loss_mask"] = loss_mask
         sample["position_ids"] = position_ids
         return sample
@@ -291,6 +293,18 @@ def _get_ltor_masks_and_position_ids(data: torch.Tensor, eod_token: int, reset_p
     if attention_mask is not None:
         attention_mask = attention_mask < 0.5
     return attention_mask, loss_mask, position_ids
+
+
+def _document_offsets(tokens: torch.Tensor, eod_token: int) -> torch.Tensor:
+    """Document start offsets of one sample plus its end, [s + 1] int32: a document ends after each EOD.
+    Padded to a fixed length with the end offset (empty documents) so samples collate into a batch."""
+    seq_length = tokens.numel()
+    starts = (tokens == eod_token).nonzero().flatten() + 1
+    starts = starts[starts < seq_length]
+    cu = torch.full((seq_length + 1,), seq_length, dtype=torch.int32)
+    cu[0] = 0
+    cu[1:1 + starts.numel()] = starts.to(torch.int32)
+    return cu
 
 
 class MockGPTLowLevelDataset:

@@ -50,7 +50,12 @@ class DistributedDataParallel(WrappedModule):
         if expert:
             edp_group = parallel_state.get_expert_data_parallel_group()
             edp_size = dist.get_world_size(group=edp_group)
-            expert_scale = 1.0 if (per_token or ddp_config.average_in_collective) else 1.0 / edp_size
+            # Expert grads are summed over the expert-DP group, whose ranks saw different tokens of
+            # the same DP-sized batch (EP takes ranks out of DP, TP splits the tokens in MoE layers):
+            # the mean over the batch is that sum / DP, as for dense grads.
+            expert_scale = 1.0 if per_token else 1.0 / dp_size
+            if ddp_config.average_in_collective and not per_token:
+                expert_scale = edp_size / dp_size  # the collective already divides by edp_size
             self.expert_parallel_buffers = self._make_buffers(expert, edp_group, expert_scale, param_to_name)
 
         self.param_to_bucket = {}

@@ -101,10 +101,24 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
     inner = _inner_optimizer(config, param_groups)
     scaler = _grad_scaler(config)
     if config.use_distributed_optimizer:
-        return DistributedOptimizer(inner, config, scaler, list(model_chunks))
-    if config.fp16 or config.bf16 or any(p.dtype != torch.float32 for g in param_groups for p in g["params"]):
-        return Float16OptimizerWithFloat16Params(inner, config, scaler)
-    return FP32Optimizer(inner, config, scaler)
+        opt = DistributedOptimizer(inner, config, scaler, list(model_chunks))
+    elif config.fp16 or config.bf16 or any(p.dtype != torch.float32 for g in param_groups for p in g["params"]):
+        opt = Float16OptimizerWithFloat16Params(inner, config, scaler)
+    else:
+        opt = FP32Optimizer(inner, config, scaler)
+    opt.has_expert_params = _is_moe(model_chunks)
+    return opt
+
+
+def _is_moe(model_chunks) -> bool:
+    """From the model config, not the local params: a pipeline stage without MoE layers must still join
+    the expert grad-norm reduction."""
+    for chunk in model_chunks:
+        while not hasattr(chunk, "config") and hasattr(chunk, "module"):
+            chunk = chunk.module
+        if getattr(getattr(chunk, "config", None), "num_moe_experts", None):
+            return True
+    return False
 
 
 __all__ = [

@@ -89,8 +89,22 @@ def forward_step(forward_step_func: Callable, data_iterator, model, input_tensor
         output_tensor, loss_func = forward_step_func(data_iterator, model)
     if is_last_stage:
         output_tensor = _apply_loss(loss_func, output_tensor, state)
+    if getattr(config, "num_moe_experts", None):
+        _set_moe_aux_loss_scale(config, state)
     timer.stop()
     return output_tensor
+
+
+def _set_moe_aux_loss_scale(config, state: _RunState):
+    """MoE auxiliary losses enter backward with the lm loss's gradient scale: the fp16 loss scale, divided
+    by the micro-batch count unless the loss is summed per token."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    scale = torch.ones(1, device=current_device())
+    if getattr(config, "grad_scale_func", None) is not None:
+        scale = config.grad_scale_func(scale)
+    if not getattr(config, "calculate_per_token_loss", False):
+        scale = scale / state.num_microbatches
+    MoEAuxLossAutoScaler.set_loss_scale(scale)
 
 
 def _apply_loss(loss_func, output_tensor, state: _RunState) -> torch.Tensor:
@@ -104,7 +118,7 @@ def _apply_loss(loss_func, output_tensor, state: _RunState) -> torch.Tensor:
         state.total_num_tokens += torch.as_tensor(num_tokens, device=state.total_num_tokens.device,
                                                   dtype=state.total_num_tokens.dtype)
         if not getattr(config, "calculate_per_token_loss", False):
-            loss = loss / num_tokens / state.num_microbatches
+            loss = loss / _tokens_over_context_parallel(num_tokens, config) / state.num_microbatches
     elif len(outputs) == 2:  # legacy (loss, dict): loss already averaged over the micro-batch
         loss, loss_reduced = outputs
         loss = loss * getattr(config, "context_parallel_size", 1) / state.num_microbatches
@@ -113,6 +127,18 @@ def _apply_loss(loss_func, output_tensor, state: _RunState) -> torch.Tensor:
                          f"got a {len(outputs)}-tuple")
     state.forward_data_store.append(loss_reduced)
     return loss
+
+
+def _tokens_over_context_parallel(num_tokens, config):
+    """Token count that makes the micro-batch loss a mean over the whole sequence under CP. Each CP rank
+    holds part of the tokens; DDP averages grads over DP x CP, so rank i's loss is
+    sum_i / (sum of counts over CP) x CP, and the CP average is the exact token mean."""
+    cp = getattr(config, "context_parallel_size", 1)
+    if cp == 1:
+        return num_tokens
+    total = torch.as_tensor(num_tokens, device=current_device()).clone().float()
+    torch.distributed.all_reduce(total, group=parallel_state.get_context_parallel_group())
+    return total / cp
 
 
 def backward_step(input_tensor, output_tensor, output_tensor_grad, config) -> Optional[torch.Tensor]:

@@ -252,8 +252,10 @@ class ColumnParallelLinear(torch.nn.Module):
             if self.weight is None:
                 raise RuntimeError("ColumnParallelLinear built with skip_weight_param_allocation needs a weight")
             weight = self.weight
-        if self.sequence_parallel or self.disable_grad_reduce:
-            x = input_  # SP: [s/tp, b, h], gathered inside the linear function
+        if self.sequence_parallel or self.disable_grad_reduce or self.is_expert:
+            # SP: [s/tp, b, h], gathered inside the linear function. Experts: the MoE token dispatcher
+            # gathers the tokens over expert-TP and sums their gradients itself.
+            x = input_
         else:
             x = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
         bias = None if self.skip_bias_add else self.bias
@@ -303,7 +305,9 @@ class RowParallelLinear(torch.nn.Module):
     def forward(self, input_: torch.Tensor):
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_, self.tp_group)
         partial = _linear_maybe_fp8(self.fp8_format, self.config, x, self.weight, None)  # [s, b, h], partial sum
-        if self.sequence_parallel:
+        if self.is_expert:
+            out = partial  # the MoE token dispatcher sums expert-TP partials when it combines
+        elif self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, group=self.tp_group)  # [s/tp, b, h]
         else:
             out = reduce_from_tensor_model_parallel_region(partial, group=self.tp_group)

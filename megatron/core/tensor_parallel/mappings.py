@@ -214,3 +214,34 @@ def reduce_scatter_to_sequence_parallel_region(input_, group=None, input_split_s
                                                use_global_buffer=False):
     _even_split_only("reduce_scatter_to_sequence_parallel_region", input_split_sizes)
     return _ReduceScatterToSequenceParallelRegion.apply(input_, _tp_group(group))
+
+
+def _all_to_all(x, group, output_split_sizes, input_split_sizes):
+    if _size(group) == 1:
+        return x
+    x = x.contiguous()
+    if output_split_sizes is None:
+        out = torch.empty_like(x)
+    else:
+        out = x.new_empty((sum(output_split_sizes),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes,
+                           group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """All-to-all along dim 0 with per-rank split sizes; backward is the all-to-all with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, group, x, output_split_sizes, input_split_sizes):
+        ctx.group, ctx.output_split_sizes, ctx.input_split_sizes = group, output_split_sizes, input_split_sizes
+        return _all_to_all(x, group, output_split_sizes, input_split_sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, _all_to_all(grad, ctx.group, ctx.input_split_sizes, ctx.output_split_sizes), None, None
+
+
+def all_to_all(group, input_, output_split_sizes=None, input_split_sizes=None):
+    """Rank r sends rows [sum(input_split_sizes[:j]), +input_split_sizes[j]) to rank j (equal splits if None)."""
+    return _AllToAll.apply(group, input_, output_split_sizes, input_split_sizes)

@@ -24,10 +24,14 @@ def global_param_names(model: torch.nn.Module, keep_vars: bool = True) -> Dict[s
     for name, module in model.named_modules():
         if hasattr(module, "layer_number") and _LAYER_RE.match(name + "."):
             layer_numbers[name] = module.layer_number
+    # SequentialMLP experts: local index -> global expert index (EP rank m holds m * E_local + i).
+    expert_maps = {(name + "." if name else "") + "experts.local_experts.": module.local_expert_indices
+                   for name, module in model.named_modules()
+                   if hasattr(module, "local_expert_indices") and hasattr(module.experts, "local_experts")}
     out = {}
     for local in model.state_dict(keep_vars=keep_vars):
-        name = local
-        m = _LAYER_RE.match(local)
+        name = _global_expert_name(local, expert_maps)
+        m = _LAYER_RE.match(name)
         if m:
             layer_path = m.group(1) + m.group(2)
             if layer_path in layer_numbers:
@@ -36,6 +40,14 @@ def global_param_names(model: torch.nn.Module, keep_vars: bool = True) -> Dict[s
     if getattr(model, "share_embeddings_and_output_weights", False) and "output_layer.weight" in out:
         out["output_layer.weight"] = "embedding.word_embeddings.weight"
     return out
+
+
+def _global_expert_name(local: str, expert_maps) -> str:
+    for prefix, indices in expert_maps.items():
+        if local.startswith(prefix):
+            index, rest = local[len(prefix):].split(".", 1)
+            return f"{prefix}{indices[int(index)]}.{rest}"
+    return local
 
 
 def _name_seed(seed: int, name: str) -> int:
@@ -52,6 +64,10 @@ def tp_rank_and_size(param):
 
 def local_slice(full: torch.Tensor, param) -> torch.Tensor:
     """This rank's part of the global tensor ``full`` for ``param``."""
+    expert_dim = getattr(param, "expert_dim", None)
+    if expert_dim is not None:  # stacked experts (GroupedMLP): this EP rank's block of experts
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        full = full.chunk(ep, dim=expert_dim)[parallel_state.get_expert_model_parallel_rank()]
     if not getattr(param, "tensor_model_parallel", False):
         return full
     rank, size = tp_rank_and_size(param)
@@ -62,6 +78,8 @@ def local_slice(full: torch.Tensor, param) -> torch.Tensor:
 
 def global_shape(param):
     shape = list(param.shape)
+    if getattr(param, "expert_dim", None) is not None:
+        shape[param.expert_dim] *= parallel_state.get_expert_model_parallel_world_size()
     if getattr(param, "tensor_model_parallel", False):
         shape[param.partition_dim] *= tp_rank_and_size(param)[1]
     return shape

@@ -26,8 +26,9 @@ def _require_fields(cls_name, field_names, required):
 
 def core_transformer_config_from_args(args, config_class=None):
     """TransformerConfig from args (Megatron's mapping: same-named fields plus the renamed ones)."""
+    from .mla_args import mla_config_class, mla_config_overrides
     if config_class is None:
-        from megatron.core.transformer.transformer_config import TransformerConfig as config_class
+        config_class = mla_config_class(args)
     overrides = dict(
         persist_layer_norm=not args.no_persist_layer_norm,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
@@ -35,7 +36,7 @@ def core_transformer_config_from_args(args, config_class=None):
         deallocate_pipeline_outputs=True,
         pipeline_dtype=args.params_dtype,
         batch_p2p_comm=not args.overlap_p2p_comm,
-        num_moe_experts=None,
+        num_moe_experts=args.num_experts,
         init_method_std=args.init_method_std,
         gated_linear_unit=args.swiglu,
         bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion,
@@ -43,12 +44,14 @@ def core_transformer_config_from_args(args, config_class=None):
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
     )
+    overrides.update(mla_config_overrides(args))
     if args.swiglu:
         overrides["activation_func"] = F.silu
     elif args.squared_relu:
         overrides["activation_func"] = lambda x: torch.pow(F.relu(x), 2)
     elif args.openai_gelu:
-        overrides["activation_func"] = lambda x: F.gelu(x, approximate="tanh")
+        from megatron.core.fusions.fused_bias_activation import openai_gelu
+        overrides["activation_func"] = openai_gelu
     if args.init_method_xavier_uniform:
         overrides["init_method"] = torch.nn.init.xavier_uniform_
         overrides["scaled_init_method"] = torch.nn.init.xavier_uniform_

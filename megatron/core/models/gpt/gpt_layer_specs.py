@@ -5,7 +5,9 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -24,10 +26,24 @@ LNImpl = WrappedTorchNorm
 
 def get_mlp_module_spec(use_te: bool = False, num_experts: Optional[int] = None,
                         moe_grouped_gemm: bool = False, **kwargs) -> ModuleSpec:
-    if num_experts is not None:
-        raise NotImplementedError("--num-experts (MoE layers) is not supported yet; drop the flag")
-    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                           linear_fc2=RowParallelLinear))
+    """Dense MLP, or an MoE layer when ``num_experts`` is set."""
+    linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    if num_experts is None:
+        return ModuleSpec(module=MLP, submodules=linears)
+    return get_moe_module_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
+
+
+def get_moe_module_spec(use_te: bool = False, num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
+                        moe_use_legacy_grouped_gemm: bool = False, **kwargs) -> ModuleSpec:
+    """MoELayer with grouped-GEMM experts (``moe_grouped_gemm``) or a loop of MLPs, plus shared experts
+    (built only when the config sets moe_shared_expert_intermediate_size)."""
+    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+    linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    experts = GroupedMLP if moe_grouped_gemm else ModuleSpec(module=SequentialMLP, submodules=linears)
+    shared = ModuleSpec(module=SharedExpertMLP, params={"gate": False}, submodules=linears)
+    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=experts, shared_experts=shared))
 
 
 def get_gpt_layer_local_spec(num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
@@ -36,14 +52,29 @@ def get_gpt_layer_local_spec(num_experts: Optional[int] = None, moe_grouped_gemm
                              normalization: Optional[str] = None, qk_l2_norm: bool = False,
                              use_kitchen: bool = False, **kwargs) -> ModuleSpec:
     """Pre-norm GPT layer on plain torch + our TP layers (Megatron's 'local' spec)."""
-    if multi_latent_attention:
-        raise NotImplementedError("--multi-latent-attention is not supported yet; drop the flag")
     if qk_l2_norm or use_kitchen or fp8:
         raise NotImplementedError("qk_l2_norm / kitchen / fp8 layer specs are not supported")
     # An explicit `normalization` overrides config.normalization for this spec's norms (as Megatron).
     norm = ModuleSpec(module=LNImpl, params={"normalization": normalization}) if normalization else LNImpl
     mlp = get_mlp_module_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
+    if multi_latent_attention:
+        return get_mla_layer_spec(norm=norm, qk_norm=norm if qk_layernorm else None, mlp=mlp)
     return get_local_layer_spec(AttnMaskType.causal, norm=norm, qk_norm=norm if qk_layernorm else None, mlp=mlp)
+
+
+def get_mla_layer_spec(norm=LNImpl, qk_norm=None, mlp: Optional[ModuleSpec] = None) -> ModuleSpec:
+    """Pre-norm causal layer with multi-latent attention; ``qk_norm`` (--qk-layernorm) normalizes the query
+    and key/value latents (DeepSeek's q_a_layernorm / kv_a_layernorm), as in Megatron's local spec."""
+    spec = get_local_layer_spec(AttnMaskType.causal, norm=norm, mlp=mlp)
+    latent_norm = qk_norm if qk_norm is not None else IdentityOp
+    spec.submodules.self_attention = ModuleSpec(
+        module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+        submodules=MLASelfAttentionSubmodules(
+            linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
+            linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
+            linear_kv_up_proj=ColumnParallelLinear, core_attention=DotProductAttention,
+            linear_proj=RowParallelLinear, q_layernorm=latent_norm, kv_layernorm=latent_norm))
+    return spec
 
 
 def get_local_layer_spec(attn_mask_type: AttnMaskType, norm=LNImpl, qk_norm=None,
@@ -127,16 +158,25 @@ def get_gpt_layer_with_transformer_engine_spec(
         mla_down_proj_fusion, use_grouped_gemm_for_dense_mlp))
 
 
-def get_gpt_decoder_layer_specs(config, use_transformer_engine: bool, normalization: Optional[str] = None,
+def get_gpt_decoder_layer_specs(config, use_transformer_engine: bool = False, normalization: Optional[str] = None,
                                 qk_l2_norm: Optional[bool] = False, vp_stage: Optional[int] = None,
                                 pp_rank: Optional[int] = None) -> List[ModuleSpec]:
-    """One layer spec per decoder layer (all num_layers of them; dense layers only without MoE)."""
-    spec = get_gpt_layer_local_spec(config.num_moe_experts, qk_layernorm=config.qk_layernorm,
-                                    normalization=normalization, qk_l2_norm=qk_l2_norm)
-    return [spec] * config.num_layers
+    """One layer spec per decoder layer (all num_layers of them): MoE where ``config.moe_layer_freq`` says so
+    (an int N: every N-th layer from layer 0; a list: 1 = MoE, 0 = dense, e.g. DeepSeek's first dense
+    layers), dense elsewhere."""
+    from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
+    mla = getattr(config, "multi_latent_attention", False)
+    dense = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=normalization,
+                                     qk_l2_norm=qk_l2_norm, multi_latent_attention=mla)
+    if config.num_moe_experts is None:
+        return [dense] * config.num_layers
+    moe = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+                                   qk_layernorm=config.qk_layernorm, normalization=normalization,
+                                   qk_l2_norm=qk_l2_norm, multi_latent_attention=mla)
+    return [moe if p else dense for p in moe_layer_pattern(config.moe_layer_freq, config.num_layers)]
 
 
-def get_gpt_decoder_block_spec(config, use_transformer_engine: bool, normalization: Optional[str] = None,
+def get_gpt_decoder_block_spec(config, use_transformer_engine: bool = False, normalization: Optional[str] = None,
                                qk_l2_norm: Optional[bool] = False, vp_stage: Optional[int] = None,
                                pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
     """The layer specs of this pipeline stage (and virtual stage) plus the final norm."""
@@ -145,3 +185,23 @@ def get_gpt_decoder_block_spec(config, use_transformer_engine: bool, normalizati
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     norm = ModuleSpec(module=LNImpl, params={"normalization": normalization}) if normalization else LNImpl
     return TransformerBlockSubmodules(layer_specs=specs[offset:offset + count], layer_norm=norm)
+
+
+def get_gpt_mtp_block_spec(config, spec, use_transformer_engine: bool = False,
+                           vp_stage: Optional[int] = None, **kwargs) -> Optional[ModuleSpec]:
+    """The multi-token prediction block: ``config.mtp_num_layers`` depths, each around the transformer
+    layer spec ``spec`` (the last layer's spec when ``spec`` is a block spec); None without MTP."""
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlock, MultiTokenPredictionBlockSubmodules, get_mtp_layer_spec)
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    if not config.mtp_num_layers:
+        return None
+    if use_transformer_engine:
+        raise NotImplementedError("Transformer Engine MTP specs are not supported; use the local spec")
+    if isinstance(spec, ModuleSpec) and isinstance(spec.submodules, TransformerBlockSubmodules):
+        spec = spec.submodules
+    if isinstance(spec, TransformerBlockSubmodules):
+        spec = spec.layer_specs[-1]
+    layer = get_mtp_layer_spec(spec)
+    return ModuleSpec(module=MultiTokenPredictionBlock,
+                      submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * config.mtp_num_layers))
