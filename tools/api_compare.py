@@ -28,6 +28,8 @@ def _namespace(obj):
 def _evaluate(src, ns):
     if src is None:
         return _MISSING
+    if src.startswith("lambda"):
+        return _UNKNOWN  # two lambdas never compare equal; the parameter and its presence are checked
     factory = src.startswith("factory:")
     try:
         value = eval(src[len("factory:"):] if factory else src, ns)  # Megatron's default expression
@@ -172,6 +174,12 @@ def render_md(results):
            "is accepted with the same defaults (a class: its constructor; a dataclass: its fields by keyword;",
            "an enum: its members; extra optional parameters of ours are listed); **differs**: the differences",
            "and why; **absent**: why.", "",
+           "Config dataclasses (`TransformerConfig`, `ModelParallelConfig`, `OptimizerConfig`,",
+           "`DistributedDataParallelConfig`, `GPTDatasetConfig`) accept every Megatron field. Fields without a",
+           "feature here live in `_compat_fields.py` mixins at Megatron's defaults: any other value is refused",
+           "with one line naming the field, except where Megatron itself ignores the field (`moe_*` without",
+           "experts, `mtp_*` without MTP layers). A class that defines such a field itself takes it over.",
+           "The `*_with_transformer_engine_*` spec functions return our fastest (local) spec.", "",
            f"**{count['same']} of {total} names ({pct:.1f}%) present with Megatron's signature**; "
            f"{count['differs']} present with differences, {count['absent']} absent.", "",
            "| module | same | differs | absent |", "|---|---|---|---|"]

@@ -13,7 +13,10 @@ __all__ = ["is_initialized", "get_model_parallel_src_rank", "get_expert_model_pa
            "get_expert_tensor_and_model_parallel_rank", "get_global_memory_buffer",
            "destroy_global_memory_buffer", "create_group", "update_pg_timeout", "get_nccl_options",
            "overwrite_nccl_comm_cfgs", "get_intra_distributed_optimizer_instance_group",
-           "get_inter_distributed_optimizer_instance_group"]
+           "get_inter_distributed_optimizer_instance_group", "get_gtp_weight_remat_group",
+           "get_gtp_weight_remat_world_size", "get_gtp_weight_remat_rank", "get_gtp_weight_remat_global_ranks",
+           "get_expert_gtp_weight_remat_group", "get_expert_gtp_weight_remat_world_size",
+           "get_expert_gtp_weight_remat_rank", "get_expert_gtp_weight_remat_global_ranks"]
 _GLOBAL_MEMORY_BUFFER = None
 _CREATED_GROUPS: List = []
 
@@ -121,3 +124,27 @@ def get_intra_distributed_optimizer_instance_group(check_initialized=True):
 def get_inter_distributed_optimizer_instance_group(check_initialized=True):
     """None: there is a single distributed-optimizer instance (num_distributed_optimizer_instances=1)."""
     return None
+
+
+# Weight-rematerialisation (gtp_remat) groups: initialize_model_parallel refuses gtp_remat_size > 1, so
+# each rank is its own group: size 1, rank 0, no process group object (get_pg_size(None) == 1).
+def get_gtp_weight_remat_group(check_initialized=True):
+    return None
+
+
+def get_gtp_weight_remat_world_size():
+    return 1
+
+
+def get_gtp_weight_remat_rank():
+    return 0
+
+
+def get_gtp_weight_remat_global_ranks(check_initialized=True):
+    return [torch.distributed.get_rank() if torch.distributed.is_initialized() else 0]
+
+
+get_expert_gtp_weight_remat_group = get_gtp_weight_remat_group
+get_expert_gtp_weight_remat_world_size = get_gtp_weight_remat_world_size
+get_expert_gtp_weight_remat_rank = get_gtp_weight_remat_rank
+get_expert_gtp_weight_remat_global_ranks = get_gtp_weight_remat_global_ranks

@@ -334,7 +334,7 @@ def deprecated(version: str, removal_version: Optional[str] = None, alternative:
     return decorator
 
 
-def deprecate_args(deprecated_keys, message="Argument '{name}' has been deprecated and should not be used."):
+def deprecate_args(*deprecated_keys, message="Argument '{name}' has been deprecated and should not be used."):
     """Decorator: warn when a caller passes any of `deprecated_keys` as keyword arguments."""
     def decorator(func):
         @functools.wraps(func)

@@ -120,3 +120,16 @@ def _mpu_getters():
         "inter_dist_opt": _none,
         "intra_dist_opt": _none,
     }
+
+
+def require_default_process_groups(pg_collection, owner: str) -> None:
+    """Modules here take their groups from parallel_state. A collection holding those same groups
+    (e.g. ProcessGroupCollection.use_mpu_process_groups()) gives the same result and is accepted;
+    one with other groups is refused in one line."""
+    if pg_collection is None:
+        return
+    getters = _mpu_getters()
+    for name, group in vars(pg_collection).items():
+        if name in getters and group is not None and group is not getters[name]():
+            raise NotImplementedError(f"{owner}(pg_collection=...): its '{name}' group differs from "
+                                      "parallel_state's; only parallel_state's groups are supported")

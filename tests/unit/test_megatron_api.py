@@ -186,3 +186,25 @@ def test_compat_config_fields():
     class WithFeature(TransformerConfig):  # a feature that lands redefines its field and takes it over
         softmax_type: str = "vanilla"
     assert WithFeature(num_layers=1, hidden_size=8, num_attention_heads=2, softmax_type="learnable").softmax_type
+
+
+def test_small_core_names():
+    """PackedSeqParams derives seq_idx; experimental APIs need the flag; strict flags are validated."""
+    from megatron.core.config import set_experimental_flag
+    from megatron.core.dist_checkpointing.validation import StrictHandling, parse_strict_flag
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.utils import ExperimentalNotEnabledError, experimental_fn
+    p = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 5, 7, 11], dtype=torch.int32),
+                        total_tokens=16)
+    assert p.seq_idx.tolist() == [[0] * 5 + [1] * 2 + [2] * 4 + [3] * 5]
+    double = experimental_fn(introduced_with_version="0.19.0")(lambda x: 2 * x)
+    with pytest.raises(ExperimentalNotEnabledError):
+        double(1)
+    set_experimental_flag(True)
+    try:
+        assert double(2) == 4
+    finally:
+        set_experimental_flag(False)
+    assert parse_strict_flag("log_all") is StrictHandling.LOG_ALL
+    with pytest.raises(ValueError, match="strict flag 'nope' unknown"):
+        parse_strict_flag("nope")

@@ -185,7 +185,8 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     if verify_integrity:
         raise NotImplementedError("dist_checkpointing.load(verify_integrity=True): integrity manifests are "
                                   "not supported; leave it False")
-    strict = getattr(strict, "value", strict)
+    from .validation import parse_strict_flag
+    strict = parse_strict_flag(strict).value
     common = load_common_state_dict(checkpoint_dir)
     if isinstance(common, dict):
         common.pop(_CONTENT_METADATA_KEY, None)

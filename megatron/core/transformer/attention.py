@@ -101,3 +101,7 @@ class SelfAttention(MegatronModule):
             ctx = self.core_attention(q, k, v, attention_mask, attention_bias=attention_bias,
                                       packed_seq_params=packed_seq_params)  # [s, b, np * hn]
         return self.linear_proj(ctx)  # (output, bias)
+
+
+# Megatron also exposes the cross-attention classes from this module.
+from megatron.core.transformer.cross_attention import CrossAttention, CrossAttentionSubmodules  # noqa: E402,F401

@@ -54,8 +54,9 @@ class T5Model(LanguageModule):
                  position_embedding_type: Literal["learned_absolute", "rope", "relative"] = "learned_absolute",
                  rotary_percent: float = 1.0, seq_len_interpolation_factor: Optional[float] = None,
                  relative_attention_num_buckets: int = 32, relative_attention_max_distance: int = 128,
-                 add_encoder: bool = True, add_decoder: bool = True, vp_stage: Optional[int] = None, **kwargs):
-        super().__init__(config)
+                 add_encoder: bool = True, add_decoder: bool = True, pg_collection=None,
+                 vp_stage: Optional[int] = None, **kwargs):
+        super().__init__(config, pg_collection)
         if position_embedding_type != "learned_absolute":
             raise NotImplementedError(f"T5Model supports --position-embedding-type learned_absolute only, "
                                       f"got '{position_embedding_type}'")

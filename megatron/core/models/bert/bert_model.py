@@ -22,8 +22,8 @@ class BertModel(LanguageModule):
                  position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute",
                  rotary_percent: float = 1.0, seq_len_interpolation_factor: Optional[float] = None,
                  add_binary_head: bool = True, return_embeddings: bool = False, vp_stage: Optional[int] = None,
-                 **kwargs):
-        super().__init__(config)
+                 pg_collection=None, **kwargs):
+        super().__init__(config, pg_collection)
         if position_embedding_type != "learned_absolute":
             raise NotImplementedError(f"BertModel supports --position-embedding-type learned_absolute only, "
                                       f"got '{position_embedding_type}'")

@@ -26,6 +26,8 @@ class GPTModel(LanguageModule):
                  seq_len_interpolation_factor: Optional[float] = None, mtp_block_spec=None, pg_collection=None,
                  vp_stage: Optional[int] = None, **kwargs):
         super().__init__(config)
+        from megatron.core.process_groups_config import require_default_process_groups
+        require_default_process_groups(pg_collection, "GPTModel")
         if position_embedding_type not in ("learned_absolute", "rope", "yarn", "none"):
             raise ValueError(f"--position-embedding-type '{position_embedding_type}' unknown; use "
                              "learned_absolute, rope, yarn or none")

@@ -18,6 +18,11 @@ def build_output_layer(config, vocab_size: int, bias: bool, parallel_output: boo
 
 
 class LanguageModule(MegatronModule):
+    def __init__(self, config, pg_collection=None):
+        super().__init__(config)
+        from megatron.core.process_groups_config import require_default_process_groups
+        require_default_process_groups(pg_collection, type(self).__name__)
+
     def finalize_parameters(self) -> None:
         """Last step of a subclass __init__: TP defaults and the DP all-reduce flag on every parameter,
         tied-weight marks, then layout-independent initialization."""
