@@ -5,13 +5,23 @@ iteration-based horizons are passed in already multiplied by the global batch si
 """
 import logging
 import math
-from typing import Optional
+from typing import Optional, TypedDict
 
 logger = logging.getLogger(__name__)
 
 _DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 _WSD_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 _WD_STYLES = ("constant", "linear", "cosine")
+
+
+class ParamGroupOverride(TypedDict, total=False):
+    """Megatron's per-param-group override keys (a type). max_lr, min_lr and wd_mult are read from a group
+    here; per-group start_wd/end_wd are not (the scheduler's own weight-decay schedule applies)."""
+    max_lr: float
+    min_lr: float
+    start_wd: float
+    end_wd: float
+    wd_mult: float
 
 
 class OptimizerParamScheduler:

@@ -165,3 +165,34 @@ def get_tensor_list(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
 
 
 from megatron.core._utils_extras import *  # noqa: E402,F401,F403  (less common helpers)
+
+
+class StragglerDetector:
+    """Megatron's per-rank straggler timer, in its default disabled state.
+
+    Megatron's ``pretrain_gpt.py`` creates one at import (``stimer = StragglerDetector()``) and times
+    ``with stimer:`` / ``with stimer(bdata=True):`` blocks; until ``configure(..., enabled=True)`` (from
+    --log-straggler) those blocks time nothing there either. Enabling it is refused: the CUDA-event
+    timing reports are not implemented here.
+    """
+
+    def __init__(self):
+        self.enabled = False
+
+    def configure(self, world: int, rank: int, mmcnt: int = 1, amp: float = 3.0, port: int = 65535,
+                  prefill: int = 1024, enabled: bool = False) -> None:
+        if enabled:
+            raise NotImplementedError("StragglerDetector (--log-straggler) timing reports are not implemented")
+
+    def __call__(self, bdata: bool = False) -> "StragglerDetector":
+        return self
+
+    def __enter__(self) -> "StragglerDetector":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+    def report(self, total_flops: float = 0.0, log_interval: int = 0) -> bool:
+        """False: nothing was reported (the detector is disabled), as Megatron returns when disabled."""
+        return False

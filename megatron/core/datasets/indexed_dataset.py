@@ -124,7 +124,14 @@ class IndexedDataset:
         mmap: memory-map the `.bin` (True) or read it with file reads (False).
     """
 
-    def __init__(self, path_prefix: str, multimodal: bool = False, mmap: bool = True, **_unused):
+    def __init__(self, path_prefix: str, multimodal: bool = False, mmap: bool = True, object_storage_config=None,
+                 s3_config=None, fast_cache_load: bool = False, sequences_per_dataset=None, dtype_code=None):
+        if object_storage_config is not None or s3_config is not None or fast_cache_load:
+            raise NotImplementedError("IndexedDataset: object-storage / S3 / fast-cache loading is not supported; "
+                                      "read the .bin/.idx pair from a local path")
+        if sequences_per_dataset is not None or dtype_code is not None:
+            raise NotImplementedError("IndexedDataset(sequences_per_dataset/dtype_code) (index reads without the "
+                                      ".idx header) is not supported; the .idx file is always read")
         for path in (get_idx_path(path_prefix), get_bin_path(path_prefix)):
             if not os.path.isfile(path):
                 raise ValueError(f"--data-path: missing file {path}; expected a <prefix>.bin/.idx pair")

@@ -10,7 +10,8 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.optimizer.optimizer import (
     Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer)
-from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.optimizer.optimizer_config import (  # noqa: F401
+    OptimizerConfig, ParamKey, ParamPredicate, ParamWithNamePredicate)
 
 
 def _is_embedding_or_output(name: str, param) -> bool:

@@ -1,6 +1,7 @@
 """Configuration of the optimizer (Megatron Core's `OptimizerConfig`)."""
-from dataclasses import dataclass
-from typing import Callable, Optional
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 
@@ -60,3 +61,42 @@ class OptimizerConfig(OptimizerConfigCompat):
                 "--overlap-param-gather-with-optimizer-step is not supported; use --overlap-param-gather")
         if self.clip_grad < 0:
             raise ValueError("--clip-grad must be >= 0 (0 disables clipping)")
+
+
+# Megatron 0.19's parameter-selection types (keys of its per-parameter config overrides). They select
+# parameters for real; get_megatron_optimizer does not take override dicts (see docs/api.md).
+@dataclass(frozen=True)
+class ParamPredicate:
+    """A named test on a parameter; the name keeps keys hashable and readable."""
+    name: str
+    fn: Callable[[torch.nn.Parameter], bool]
+
+    def __call__(self, param: torch.nn.Parameter) -> bool:
+        return self.fn(param)
+
+
+@dataclass(frozen=True)
+class ParamWithNamePredicate:
+    """A named test on a parameter and its qualified name."""
+    name: str
+    fn: Callable[[torch.nn.Parameter, str], bool]
+
+    def __call__(self, param: torch.nn.Parameter, param_name: str) -> bool:
+        return self.fn(param, param_name)
+
+
+@dataclass(frozen=True)
+class ParamKey:
+    """Selects a parameter when any criterion holds: a glob on its name, a true attribute, a predicate."""
+    name: Union[str, Tuple[str, ...]] = field(default_factory=tuple)
+    attr: Union[str, Tuple[str, ...]] = field(default_factory=tuple)
+    predicate: Union[ParamPredicate, Tuple[ParamPredicate, ...]] = field(default_factory=tuple)
+    with_name_predicate: Union[ParamWithNamePredicate, Tuple[ParamWithNamePredicate, ...]] = field(
+        default_factory=tuple)
+
+    def matches(self, param: torch.nn.Parameter, param_name: str) -> bool:
+        as_tuple = lambda v: v if isinstance(v, tuple) else (v,)  # noqa: E731
+        return (any(fnmatch.fnmatch(param_name, p) for p in as_tuple(self.name))
+                or any(getattr(param, a, False) for a in as_tuple(self.attr))
+                or any(p(param) for p in as_tuple(self.predicate))
+                or any(p(param, param_name) for p in as_tuple(self.with_name_predicate)))

@@ -13,14 +13,14 @@ def current_device() -> torch.device:
     return torch.device("cpu")
 
 
-def deallocate_output_tensor(out: Optional[torch.Tensor], deallocate: bool) -> None:
+def deallocate_output_tensor(out: Optional[torch.Tensor], deallocate_pipeline_outputs: bool = False) -> None:
     """Free a sent stage output's storage but keep its grad_fn (pseudo-deallocation).
 
     Only ``.grad_fn`` is needed for the backward pass, which runs through ``custom_backward``
     because autograd would otherwise reject the 1-element placeholder's shape. Views are left
     alone: replacing a view's data frees nothing.
     """
-    if out is None or not deallocate or out._base is not None:
+    if out is None or not deallocate_pipeline_outputs or out._base is not None:
         return
     out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
 

@@ -10,6 +10,9 @@ from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.spec_protocols import (  # noqa: F401  (Megatron's typing Protocols)
+    CoreAttentionBuilder, CoreAttentionInterface, LinearInterface, LinearLayerBuilder, LinearProjBuilder,
+    LinearProjInterface, LinearQkvBuilder, LinearQkvInterface)
 
 
 @dataclass
@@ -30,8 +33,11 @@ class SelfAttention(MegatronModule):
 
     def __init__(self, config, submodules: SelfAttentionSubmodules, layer_number: int,
                  attn_mask_type: AttnMaskType = AttnMaskType.padding, cp_comm_type: Optional[str] = None,
-                 pg_collection=None, **kwargs):
+                 pg_collection=None, pp_layer_offset: Optional[int] = None, name: Optional[str] = None, **kwargs):
         super().__init__(config)
+        if pp_layer_offset is not None:
+            raise NotImplementedError("SelfAttention(pp_layer_offset=...) (MTP layer offsets) is not supported")
+        self.name = name  # a label only (Megatron hands it to Transformer Engine)
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
         tp = parallel_state.get_tensor_model_parallel_world_size()

@@ -1,6 +1,6 @@
 """Cross-attention (T5 decoder): queries from the decoder stream, keys/values from the encoder output."""
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
@@ -25,8 +25,9 @@ class CrossAttention(MegatronModule):
 
     def __init__(self, config, submodules: CrossAttentionSubmodules, layer_number: int,
                  attn_mask_type: AttnMaskType = AttnMaskType.padding, cp_comm_type=None, pg_collection=None,
-                 **kwargs):
+                 name: Optional[str] = None, **kwargs):
         super().__init__(config)
+        self.name = name  # a label only (Megatron hands it to Transformer Engine)
         if config.num_query_groups != config.num_attention_heads:
             raise ValueError("cross attention does not support grouped-query attention; drop "
                              "--group-query-attention for encoder-decoder models")

@@ -95,6 +95,8 @@ class DotProductAttention(MegatronModule):
         if attention_bias is not None:
             raise NotImplementedError("attention bias is not supported by local attention")
         mask_type = attn_mask_type or self.attn_mask_type
+        if mask_type is AttnMaskType.causal_bottom_right:
+            raise NotImplementedError("AttnMaskType.causal_bottom_right needs Transformer Engine attention")
         sq, b, np_, hn = query.shape
         cp_group = parallel_state.get_context_parallel_group() if self.config.context_parallel_size > 1 else None
         if cp_group is not None or packed_seq_params is not None:

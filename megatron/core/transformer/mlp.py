@@ -8,6 +8,9 @@ import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_activation import fused_bias_activation
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.spec_protocols import (  # noqa: F401  (Megatron's typing Protocols)
+    LinearFc1Builder, LinearFc1Interface, LinearFc2Builder, LinearFc2Interface, TEActivationFunctionBuilder,
+    TEActivationFunctionInterface)
 
 
 @dataclass
@@ -28,8 +31,10 @@ class MLP(MegatronModule):
     """
 
     def __init__(self, config, submodules: MLPSubmodules, is_expert: bool = False,
-                 input_size: Optional[int] = None, ffn_hidden_size: Optional[int] = None, tp_group=None, **kwargs):
+                 input_size: Optional[int] = None, ffn_hidden_size: Optional[int] = None, tp_group=None,
+                 name: Optional[str] = None, **kwargs):
         super().__init__(config)
+        self.name = name  # a label only (Megatron hands it to Transformer Engine)
         self.input_size = input_size or config.hidden_size
         ffn = ffn_hidden_size or config.ffn_hidden_size
         glu = config.gated_linear_unit

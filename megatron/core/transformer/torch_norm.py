@@ -7,6 +7,8 @@ norm params see only a sequence chunk per rank, so they carry ``sequence_paralle
 import torch
 import torch.nn.functional as F
 
+from megatron.core.transformer.spec_protocols import LayerNormBuilder, LayerNormInterface  # noqa: F401  (typing)
+
 
 class _Norm(torch.nn.Module):
     def __init__(self, config, hidden_size: int, eps: float, bias: bool):

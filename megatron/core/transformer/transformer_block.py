@@ -88,7 +88,7 @@ def get_transformer_layer_offset(config, vp_stage: Optional[int] = None, pp_rank
 
 @dataclass
 class TransformerBlockSubmodules:
-    layer_specs: List[ModuleSpec] = field(default_factory=list)
+    layer_specs: Optional[List[ModuleSpec]] = None  # None: no layers (Megatron's default)
     layer_norm: Optional[Union[ModuleSpec, type]] = None
 
 
@@ -111,7 +111,7 @@ class TransformerBlock(MegatronModule):
         self.input_tensor = None
         num_layers = get_num_layers_to_build(config, vp_stage)
         offset = get_transformer_layer_offset(config, vp_stage)
-        specs = self.submodules.layer_specs
+        specs = self.submodules.layer_specs or []
         if len(specs) == config.num_layers:
             specs = specs[offset:offset + num_layers]
         elif len(specs) != num_layers:

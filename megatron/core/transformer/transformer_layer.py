@@ -8,6 +8,7 @@ from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.spec_protocols import MlpBuilder, MlpInterface  # noqa: F401  (typing Protocols)
 
 
 def _bias_dropout_add(x_with_bias, residual, prob: float, training: bool):
@@ -44,8 +45,13 @@ class TransformerLayer(MegatronModule):
 
     def __init__(self, config, submodules: TransformerLayerSubmodules, layer_number: int = 1,
                  hidden_dropout: Optional[float] = None, pg_collection=None, vp_stage: Optional[int] = None,
+                 is_mtp_layer: bool = False, pp_layer_offset: Optional[int] = None, name: Optional[str] = None,
                  **kwargs):
         super().__init__(config)
+        if is_mtp_layer or pp_layer_offset is not None:
+            raise NotImplementedError("TransformerLayer(is_mtp_layer/pp_layer_offset) is not supported: MTP "
+                                      "layers are built by MultiTokenPredictionLayer")
+        self.name = name  # a label only (Megatron hands it to Transformer Engine)
         self.submodules_config = submodules
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout

@@ -60,7 +60,10 @@ def _all_reduce_flag(value: bool, op) -> bool:
 class AsyncCallsQueue:
     """Pending background saves, finalized in the order they were scheduled."""
 
-    def __init__(self):
+    def __init__(self, persistent: bool = False):
+        if persistent:
+            raise NotImplementedError("AsyncCallsQueue(persistent=True) (a persistent checkpoint worker "
+                                      "process) is not supported; each save runs in its own thread")
         self._calls: List[_Call] = []
         self._next_idx = 0
         self._group = None

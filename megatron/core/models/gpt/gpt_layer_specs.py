@@ -24,9 +24,13 @@ from megatron.core.transformer.transformer_layer import (
 LNImpl = WrappedTorchNorm
 
 
-def get_mlp_module_spec(use_te: bool = False, num_experts: Optional[int] = None,
-                        moe_grouped_gemm: bool = False, **kwargs) -> ModuleSpec:
-    """Dense MLP, or an MoE layer when ``num_experts`` is set."""
+def get_mlp_module_spec(use_te: bool = True, num_experts: Optional[int] = None,
+                        moe_grouped_gemm: bool = False, fp8: Optional[str] = None, use_te_op_fuser: bool = False,
+                        **kwargs) -> ModuleSpec:
+    """Dense MLP, or an MoE layer when ``num_experts`` is set. ``use_te`` picks the same local modules
+    (our fastest; no Transformer Engine here)."""
+    if fp8 or use_te_op_fuser:
+        raise NotImplementedError("get_mlp_module_spec(fp8/use_te_op_fuser) needs Transformer Engine")
     linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     if num_experts is None:
         return ModuleSpec(module=MLP, submodules=linears)
@@ -48,11 +52,13 @@ def get_moe_module_spec(use_te: bool = False, num_experts: Optional[int] = None,
 
 def get_gpt_layer_local_spec(num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
                              qk_layernorm: bool = False, multi_latent_attention: bool = False,
-                             fp8: Optional[str] = None, moe_use_legacy_grouped_gemm: bool = False,
-                             normalization: Optional[str] = None, qk_l2_norm: bool = False,
-                             use_kitchen: bool = False, **kwargs) -> ModuleSpec:
-    """Pre-norm GPT layer on plain torch + our TP layers (Megatron's 'local' spec)."""
-    if qk_l2_norm or use_kitchen or fp8:
+                             fp8: Optional[str] = None, normalization: Optional[str] = None,
+                             qk_l2_norm: bool = False, use_kitchen: bool = False, use_kitchen_attention: bool = False,
+                             kitchen_attention_backend: str = "sdpa", moe_use_legacy_grouped_gemm: bool = False,
+                             **kwargs) -> ModuleSpec:
+    """Pre-norm GPT layer on plain torch + our TP layers (Megatron's 'local' spec).
+    ``kitchen_attention_backend`` only matters with ``use_kitchen_attention``, which is refused."""
+    if qk_l2_norm or use_kitchen or use_kitchen_attention or fp8:
         raise NotImplementedError("qk_l2_norm / kitchen / fp8 layer specs are not supported")
     # An explicit `normalization` overrides config.normalization for this spec's norms (as Megatron).
     norm = ModuleSpec(module=LNImpl, params={"normalization": normalization}) if normalization else LNImpl
