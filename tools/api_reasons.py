@@ -9,7 +9,6 @@ MOE = "MoE token dispatch and expert-parallel overrides belong to the MoE change
 CP = "hierarchical / hybrid context parallelism and packed-sequence batches belong to the context-parallel change"
 MLA = "multi-latent attention and MTP belong to the MLA change"
 INFER = "inference (KV cache, inference-optimized layers) belongs to the inference change"
-TYPES = "typing Protocol used only for static type checks of spec builders in Megatron; specs here are plain classes"
 CG = "CUDA-graph scopes of Megatron's TE/local graph capture; here only --cuda-graph-impl full_iteration exists"
 DEFER_WGRAD = "deferred embedding weight-gradient compute (--defer-embedding-wgrad-compute) is not implemented"
 CKPT_STRATEGY = ("torch_dist checkpoints are written by megatron.core.dist_checkpointing.strategies.torch's own "
@@ -74,24 +73,17 @@ REASONS = {
     C + "transformer.transformer_config:TransformerConfig": "fp8_recipe defaults to 'tensorwise', the one FP8 recipe without Transformer Engine",
     C + "transformer.enums:AttnMaskType": "causal_bottom_right (TE's KV-cache mask) needs Transformer Engine attention",
     C + "transformer.enums:LayerType": "embedding/loss/mtp entries serve --pipeline-model-parallel-layout, not implemented",
-    C + "transformer.enums:CudaGraphModule": CG, C + "transformer.enums:CudaGraphScope": CG,
-    C + "transformer.enums:InferenceCudaGraphScope": CG,
     C + "transformer.attention:Attention": "SelfAttention and CrossAttention are separate classes here, without the abstract base",
     C + "transformer.attention:SelfAttention": "pp_layer_offset/name belong to MTP and TE naming; extra keyword arguments are accepted and unused",
     C + "transformer.attention:CrossAttention": "name is TE's module name; extra keyword arguments are accepted and unused",
-    C + "transformer.transformer_layer:TransformerLayer": "is_mtp_layer/add_layer_offset/pp_layer_offset belong to MTP; extra keyword arguments are accepted and unused",
-    C + "transformer:TransformerLayer": "is_mtp_layer/add_layer_offset/pp_layer_offset belong to MTP; extra keyword arguments are accepted and unused",
-    C + "transformer.transformer_layer:BaseTransformerLayer": "abstract base of Megatron's layer classes; not needed here",
+    C + "transformer.transformer_layer:TransformerLayer": "layer_number is global here (TransformerBlock adds the pipeline-stage offset before building the layer), so add_layer_offset has no counterpart; is_mtp_layer/pp_layer_offset are refused (MTP layers are built by MultiTokenPredictionLayer)",
+    C + "transformer:TransformerLayer": "see megatron.core.transformer.transformer_layer.TransformerLayer",
     C + "transformer.transformer_layer:MoETransformerLayer": MOE,
     C + "transformer.mlp:MLP": "name is TE's module name; extra keyword arguments are accepted and unused",
     C + "transformer.mlp:MLPSubmodules": "the activation is chosen by config.activation_func, not by the spec",
     C + "transformer.mlp:apply_swiglu_sharded_factory": "SwiGLU fc1 weights are saved as one tensor with an interleave stride",
-    C + "transformer.mlp:*": TYPES, C + "transformer.attention:*": TYPES, C + "transformer.torch_norm:*": TYPES,
-    C + "transformer.transformer_layer:*": TYPES,
     C + "transformer.torch_norm:L2Norm": "qk_l2_norm is not implemented",
     C + "transformer.module:GraphableMegatronModule": CG,
-    C + "transformer.spec_utils:get_submodules": "spec submodules are read directly (spec.submodules)",
-    C + "transformer.transformer_block:TransformerBlockSubmodules": "layer_specs defaults to an empty list instead of None",
     # models
     C + "models.gpt.gpt_layer_specs:get_gpt_layer_with_inference_spec": INFER,
     C + "models.gpt.gpt_layer_specs:get_gpt_layer_with_inference_submodules": INFER,

@@ -24,6 +24,11 @@ class ParamGroupOverride(TypedDict, total=False):
     wd_mult: float
 
 
+def param_group_override_to_tuple(param_group_override: Optional[ParamGroupOverride]):
+    """A hashable form of an override (its items sorted by key), None for None: to group params by it."""
+    return None if param_group_override is None else tuple(sorted(param_group_override.items()))
+
+
 class OptimizerParamScheduler:
     def __init__(self, optimizer, init_lr: float, max_lr: float, min_lr: float, lr_warmup_steps: int,
                  lr_decay_steps: int, lr_decay_style: str, start_wd: float, end_wd: float, wd_incr_steps: int,

@@ -453,11 +453,11 @@ def get_expert_model_parallel_group(check_initialized: bool = True):
 
 
 def get_expert_model_parallel_world_size() -> int:
-    return _size("ep")
+    return _OVERRIDES.get("ep_size", _size("ep"))
 
 
 def get_expert_model_parallel_rank() -> int:
-    return _rank("ep")
+    return _OVERRIDES.get("ep_rank", _rank("ep"))
 
 
 def get_expert_tensor_parallel_group(check_initialized: bool = True):
@@ -465,11 +465,28 @@ def get_expert_tensor_parallel_group(check_initialized: bool = True):
 
 
 def get_expert_tensor_parallel_world_size() -> int:
-    return _size("etp")
+    return _OVERRIDES.get("etp_size", _size("etp"))
 
 
 def get_expert_tensor_parallel_rank() -> int:
-    return _rank("etp")
+    return _OVERRIDES.get("etp_rank", _rank("etp"))
+
+
+# Overrides for tests and single-rank tools, as the TP setters above (None clears).
+def set_expert_model_parallel_world_size(world_size: Optional[int]) -> None:
+    _set_override("ep_size", world_size)
+
+
+def set_expert_model_parallel_rank(rank: Optional[int]) -> None:
+    _set_override("ep_rank", rank)
+
+
+def set_expert_tensor_parallel_world_size(world_size: Optional[int]) -> None:
+    _set_override("etp_size", world_size)
+
+
+def set_expert_tensor_parallel_rank(rank: Optional[int]) -> None:
+    _set_override("etp_rank", rank)
 
 
 def get_expert_tensor_and_model_parallel_group(check_initialized: bool = True):

@@ -196,3 +196,17 @@ class StragglerDetector:
     def report(self, total_flops: float = 0.0, log_interval: int = 0) -> bool:
         """False: nothing was reported (the detector is disabled), as Megatron returns when disabled."""
         return False
+
+
+def get_batch_on_this_cp_rank(batch, is_hybrid_cp: bool = False, cp_group=None, hybrid_cp_group_func=None,
+                              use_per_sequence_balancing: bool = False):
+    """Megatron's signature for megatron.core.context_parallel.get_batch_on_this_cp_rank: this CP rank's
+    load-balanced chunks of every [b, s] tensor of ``batch`` (over ``cp_group``, default the CP group)."""
+    if is_hybrid_cp or hybrid_cp_group_func is not None or use_per_sequence_balancing:
+        raise NotImplementedError("get_batch_on_this_cp_rank: hybrid CP and per-sequence balancing are not "
+                                  "supported; leave is_hybrid_cp / hybrid_cp_group_func / "
+                                  "use_per_sequence_balancing at their defaults")
+    from megatron.core.context_parallel.utils import get_batch_on_this_cp_rank as _on_cp_rank
+    if cp_group is None:
+        return _on_cp_rank(batch)
+    return _on_cp_rank(batch, torch.distributed.get_world_size(cp_group), torch.distributed.get_rank(cp_group))

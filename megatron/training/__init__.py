@@ -9,6 +9,7 @@ _LAZY = {
     "get_tensorboard_writer": "megatron.training.global_vars", "get_wandb_writer": "megatron.training.global_vars",
     "get_signal_handler": "megatron.training.global_vars", "get_one_logger": "megatron.training.global_vars",
     "get_adlr_autoresume": "megatron.training.global_vars", "is_last_rank": "megatron.training.utils",
+    "set_startup_timestamps": "megatron.training.training",
 }
 
 

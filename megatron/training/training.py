@@ -20,6 +20,18 @@ from megatron.training.train_step import get_training_forward_backward_func, tra
 from megatron.training.utils import calc_params_l2_norm, print_rank_0
 
 _TRAIN_START_TIME = time.time()
+_STARTUP_TIMESTAMPS = {"program_start": None, "main_entry": None}
+
+
+def set_startup_timestamps(program_start=None, main_entry=None):
+    """Times (time.time()) taken by the entry script: ``program_start`` before its imports becomes the
+    start of "time to initialize megatron" and of --exit-duration-in-mins; ``main_entry`` (its
+    ``__main__``) is reported on the same line."""
+    global _TRAIN_START_TIME
+    if program_start is not None:
+        _TRAIN_START_TIME = _STARTUP_TIMESTAMPS["program_start"] = program_start
+    if main_entry is not None:
+        _STARTUP_TIMESTAMPS["main_entry"] = main_entry
 
 
 def print_datetime(string):
@@ -34,7 +46,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     """Megatron's classic entry: everything from flags to the final test evaluation."""
     if get_embedding_ranks is not None or get_position_embedding_ranks is not None:
         raise NotImplementedError("pretrain(get_embedding_ranks=...) is not supported; use the default ranks")
-    start = time.time()
+    start = _STARTUP_TIMESTAMPS["program_start"] or time.time()
     initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=args_defaults)
     args, timers = get_args(), get_timers()
     _report_init_time(start)
@@ -81,6 +93,9 @@ def _report_init_time(start):
     t = torch.tensor([start], dtype=torch.float64, device=get_device())
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
     print_rank_0("time to initialize megatron (seconds): {:.3f}".format(time.time() - t.item()))
+    if _STARTUP_TIMESTAMPS["main_entry"] is not None:
+        print_rank_0("time since the entry script's main (seconds): {:.3f}".format(
+            time.time() - _STARTUP_TIMESTAMPS["main_entry"]))
 
 
 def _data_iterators(provider, model):

@@ -1,6 +1,6 @@
 """Layout-independent checkpoints: sharded state dicts saved and loaded through torch.distributed.checkpoint."""
 from .core import CheckpointingException, check_is_distributed_checkpoint
-from .mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
+from .mapping import LocalNonpersistentObject, ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
 from .serialization import (
     load,
     load_common_state_dict,

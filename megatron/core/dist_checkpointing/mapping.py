@@ -15,6 +15,17 @@ def is_main_replica(replica_id) -> bool:
     return all(r == 0 for r in replica_id) if isinstance(replica_id, (tuple, list)) else replica_id == 0
 
 
+class LocalNonpersistentObject:
+    """A rank-local value kept out of checkpoints: ``save`` drops it and ``load`` puts ``obj`` back
+    unchanged (state that must not be restored, e.g. a rank's own iterator position)."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def unwrap(self):
+        return self.obj
+
+
 class ShardedBase:
     """What ShardedTensor and ShardedObject share: a global `key`, local `data`, a `replica_id`."""
 

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.api import CheckpointException as DCPException
 
 from . import dict_utils
 from .core import CONFIG_FNAME, CheckpointingException, maybe_load_config, save_config
-from .mapping import ShardedObject, ShardedStateDict, ShardedTensor
+from .mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict, ShardedTensor
 from .strategies import torch as torch_strategy
 from .strategies.async_utils import AsyncRequest
 
@@ -48,6 +48,15 @@ def _prepare(sharded_state_dict: ShardedStateDict, copy_to_cpu: bool):
     return common, shards, torch_strategy.object_shards(objects)
 
 
+def _split_nonpersistent(sharded_state_dict: ShardedStateDict):
+    """(the state dict with None for each LocalNonpersistentObject, [(path, object)] of those)."""
+    local = [(p, v) for p, v in dict_utils.iter_leaves(sharded_state_dict) if isinstance(v, LocalNonpersistentObject)]
+    if not local:
+        return sharded_state_dict, local
+    return dict_utils.map_leaves(lambda v: None if isinstance(v, LocalNonpersistentObject) else v,
+                                 sharded_state_dict), local
+
+
 def _write_common(checkpoint_dir: str, common: Dict[str, Any]) -> None:
     if _rank() != 0:
         return
@@ -77,6 +86,7 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     if preprocess_common_before_consistancy_check is not None or verify_integrity:
         raise NotImplementedError("dist_checkpointing.save: the common-state consistency check and "
                                   "verify_integrity are not supported; leave them at None / False")
+    sharded_state_dict, _ = _split_nonpersistent(sharded_state_dict)
     if content_metadata is not None:
         sharded_state_dict = {**sharded_state_dict, _CONTENT_METADATA_KEY: content_metadata}
     if _rank() == 0:
@@ -187,6 +197,7 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
                                   "not supported; leave it False")
     from .validation import parse_strict_flag
     strict = parse_strict_flag(strict).value
+    sharded_state_dict, local = _split_nonpersistent(sharded_state_dict)
     common = load_common_state_dict(checkpoint_dir)
     if isinstance(common, dict):
         common.pop(_CONTENT_METADATA_KEY, None)
@@ -214,6 +225,8 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
         dict_utils.set_path(merged, path, objs[o.unique_key])
     for path, value in dict_utils.iter_leaves(result):
         dict_utils.set_path(merged, path, value)
+    for path, value in local:
+        dict_utils.set_path(merged, path, value.unwrap())
     return merged
 
 

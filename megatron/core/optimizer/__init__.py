@@ -11,7 +11,10 @@ from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradS
 from megatron.core.optimizer.optimizer import (
     Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer)
 from megatron.core.optimizer.optimizer_config import (  # noqa: F401
-    OptimizerConfig, ParamKey, ParamPredicate, ParamWithNamePredicate)
+    AdamOptimizerConfig, OptimizerConfig, ParamKey, ParamPredicate, ParamWithNamePredicate, SGDOptimizerConfig)
+
+# Megatron's flag for its optional emerging-optimizers package (Muon, SOAP, Lion...): none here.
+HAVE_EMERGING_OPTIMIZERS = False
 
 
 def _is_embedding_or_output(name: str, param) -> bool:

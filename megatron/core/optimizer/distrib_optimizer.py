@@ -17,6 +17,23 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer, _model_grad, co
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class Range:
+    """A [start, end) span of a flat buffer (Megatron's type; the optimizer here keeps plain tuples)."""
+
+    def __init__(self, start: int, end: int):
+        self.start, self.end, self.size = start, end, end - start
+
+    def normalize(self, start: int = 0) -> "Range":
+        """The same size, moved to begin at ``start``."""
+        return Range(start, start + self.size)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __repr__(self) -> str:
+        return f"{self.start},{self.end} [{self.size}]"
+
+
 class DistributedOptimizer(MegatronOptimizer):
     def __init__(self, optimizer, config, grad_scaler, model_chunks: List[torch.nn.Module]):
         super().__init__(optimizer, config, grad_scaler)

@@ -63,6 +63,18 @@ class OptimizerConfig(OptimizerConfigCompat):
             raise ValueError("--clip-grad must be >= 0 (0 disables clipping)")
 
 
+
+@dataclass
+class AdamOptimizerConfig(OptimizerConfig):
+    """OptimizerConfig for Adam (AdamW): the adam_* fields apply."""
+    optimizer: str = "adam"
+
+
+@dataclass
+class SGDOptimizerConfig(OptimizerConfig):
+    """OptimizerConfig for SGD with momentum (sgd_momentum)."""
+    optimizer: str = "sgd"
+
 # Megatron 0.19's parameter-selection types (keys of its per-parameter config overrides). They select
 # parameters for real; get_megatron_optimizer does not take override dicts (see docs/api.md).
 @dataclass(frozen=True)

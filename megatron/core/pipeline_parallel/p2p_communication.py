@@ -25,6 +25,11 @@ def get_tensor_shape(config, seq_length: int, micro_batch_size: int) -> Tuple[in
     return (seq, micro_batch_size, config.hidden_size)
 
 
+def is_single_shape(x) -> bool:
+    """True for one tensor shape (a torch.Size or a sequence of ints), False for a list of shapes."""
+    return isinstance(x, torch.Size) or (isinstance(x, (list, tuple)) and all(isinstance(d, int) for d in x))
+
+
 def get_pipeline_dtype(config) -> torch.dtype:
     """dtype of tensors sent between stages: config.pipeline_dtype, else the params dtype."""
     dtype = getattr(config, "pipeline_dtype", None)

@@ -17,6 +17,7 @@ from megatron.core.transformer.spec_protocols import (  # noqa: F401  (Megatron'
 class MLPSubmodules:
     linear_fc1: Union[ModuleSpec, type] = None
     linear_fc2: Union[ModuleSpec, type] = None
+    activation_func: Union[ModuleSpec, type] = None  # Megatron's TE activation module; refused by MLP
 
 
 def squared_relu(x: torch.Tensor) -> torch.Tensor:
@@ -35,6 +36,9 @@ class MLP(MegatronModule):
                  name: Optional[str] = None, **kwargs):
         super().__init__(config)
         self.name = name  # a label only (Megatron hands it to Transformer Engine)
+        if getattr(submodules, "activation_func", None) is not None:
+            raise NotImplementedError("MLPSubmodules.activation_func (a Transformer Engine activation module) is "
+                                      "not supported; the activation comes from config.activation_func")
         self.input_size = input_size or config.hidden_size
         ffn = ffn_hidden_size or config.ffn_hidden_size
         glu = config.gated_linear_unit

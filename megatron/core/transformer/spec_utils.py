@@ -3,6 +3,7 @@
 Specs let one model class be assembled from different layer implementations (local torch vs. fused)
 without the model code knowing which.
 """
+import functools
 import importlib
 import types
 from dataclasses import dataclass, field
@@ -46,3 +47,14 @@ def build_module(spec_or_module, *args, **kwargs):
     if spec_or_module.submodules is not None:
         kwargs["submodules"] = spec_or_module.submodules
     return module(*args, **spec_or_module.params, **kwargs)
+
+
+def get_submodules(spec):
+    """The ``submodules`` a spec builds with: a ModuleSpec's (or any object's) attribute, or the
+    ``submodules=`` keyword bound in a functools.partial. Raises ValueError when there is none."""
+    if isinstance(spec, functools.partial):
+        if "submodules" in spec.keywords:
+            return spec.keywords["submodules"]
+    elif hasattr(spec, "submodules"):
+        return spec.submodules
+    raise ValueError(f"spec {spec!r} has no submodules")

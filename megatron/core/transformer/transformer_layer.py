@@ -1,4 +1,5 @@
 """One pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(.)), with bias-dropout-add."""
+from abc import ABC
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -40,7 +41,11 @@ class TransformerLayerSubmodules:
     sharded_state_dict_keys_map: dict = field(default_factory=dict)
 
 
-class TransformerLayer(MegatronModule):
+class BaseTransformerLayer(ABC):
+    """Marker base of transformer layers (Megatron's): ``isinstance(m, BaseTransformerLayer)``."""
+
+
+class TransformerLayer(MegatronModule, BaseTransformerLayer):
     """``layer_number`` is 1-based and global (across pipeline stages)."""
 
     def __init__(self, config, submodules: TransformerLayerSubmodules, layer_number: int = 1,

@@ -1,0 +1,156 @@
+"""Megatron Core names added for API coverage: the types select and convert for real, the parameters
+without a feature here are refused with one line at any non-default value. One process, CPU, < 5 s."""
+import functools
+
+import pytest
+import torch
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def _config(**kw):
+    return TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                             hidden_dropout=0.0, attention_dropout=0.0, **kw)
+
+
+def test_param_key_selects_by_name_attr_and_predicates():
+    from megatron.core.optimizer import ParamKey, ParamPredicate, ParamWithNamePredicate
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.is_embedding_or_output_parameter = True
+    assert ParamKey(name="*.bias").matches(p, "decoder.layers.0.mlp.linear_fc1.bias")
+    assert not ParamKey(name=("*.weight",)).matches(p, "decoder.layers.0.mlp.linear_fc1.bias")
+    assert ParamKey(attr="is_embedding_or_output_parameter").matches(p, "x")
+    assert not ParamKey(attr="sequence_parallel").matches(p, "x")
+    assert ParamKey(predicate=ParamPredicate("1d", lambda q: q.ndim == 1)).matches(p, "x")
+    assert ParamKey(with_name_predicate=ParamWithNamePredicate("n", lambda q, n: n.endswith("norm"))).matches(p, "a.norm")
+    assert not ParamKey().matches(p, "anything")  # no criterion: selects nothing
+    assert hash(ParamKey(name=("a", "b"))) == hash(ParamKey(name=("a", "b")))  # usable as a dict key
+
+
+def test_optimizer_config_subclasses_and_override_tuple():
+    from megatron.core.optimizer import AdamOptimizerConfig, SGDOptimizerConfig
+    from megatron.core.optimizer_param_scheduler import param_group_override_to_tuple
+    assert AdamOptimizerConfig(lr=1e-3).optimizer == "adam" and SGDOptimizerConfig(lr=1e-3).optimizer == "sgd"
+    assert param_group_override_to_tuple(None) is None
+    assert param_group_override_to_tuple({"wd_mult": 0.0, "max_lr": 1.0}) == (("max_lr", 1.0), ("wd_mult", 0.0))
+
+
+def test_straggler_detector_is_disabled_and_refuses_enabling():
+    from megatron.core.utils import StragglerDetector
+    stimer = StragglerDetector()
+    with stimer:
+        with stimer(bdata=True):
+            pass
+    assert stimer.report(1.0, 10) is False
+    with pytest.raises(NotImplementedError, match="log-straggler"):
+        stimer.configure(2, 0, enabled=True)
+
+
+def test_expert_parallel_setters_override_and_clear():
+    from megatron.core import parallel_state as ps
+    ps.set_expert_model_parallel_world_size(4)
+    ps.set_expert_model_parallel_rank(3)
+    ps.set_expert_tensor_parallel_world_size(2)
+    ps.set_expert_tensor_parallel_rank(1)
+    try:
+        assert (ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()) == (4, 3)
+        assert (ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()) == (2, 1)
+    finally:
+        for setter in (ps.set_expert_model_parallel_world_size, ps.set_expert_model_parallel_rank,
+                       ps.set_expert_tensor_parallel_world_size, ps.set_expert_tensor_parallel_rank):
+            setter(None)
+    assert ps.get_expert_model_parallel_world_size() == 1 and ps.get_expert_tensor_parallel_rank() == 0
+
+
+def test_local_nonpersistent_object_is_not_saved_and_comes_back_local(tmp_path):
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+    ckpt = str(tmp_path / "ckpt")
+    w = torch.arange(4.0)
+    dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", w), "it": LocalNonpersistentObject(5),
+                             "n": [1, LocalNonpersistentObject("x")]}, ckpt)
+    common = dist_checkpointing.load_common_state_dict(ckpt)
+    assert common["it"] is None and common["n"] == [1, None]  # the wrapped values never reach disk
+    out = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4)),
+                                   "it": LocalNonpersistentObject(7), "n": [1, LocalNonpersistentObject("y")]}, ckpt)
+    assert out["it"] == 7 and out["n"] == [1, "y"] and torch.equal(out["w"], w)
+
+
+def test_spec_helpers():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_mlp_module_spec
+    from megatron.core.optimizer.distrib_optimizer import Range
+    from megatron.core.pipeline_parallel.p2p_communication import is_single_shape
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.spec_utils import ModuleSpec, get_submodules
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_layer import BaseTransformerLayer, TransformerLayer
+    assert get_mlp_module_spec().module is MLP  # use_te=True (Megatron's default) gives the local MLP
+    assert get_submodules(ModuleSpec(module=MLP, submodules="s")) == "s"
+    assert get_submodules(functools.partial(MLP, submodules="p")) == "p"
+    with pytest.raises(ValueError):
+        get_submodules(functools.partial(MLP))
+    r = Range(10, 14)
+    assert (len(r), r.normalize().start, r.normalize(2).end) == (4, 0, 6)
+    assert is_single_shape(torch.Size([2, 3])) and is_single_shape((16, 2, 32)) and not is_single_shape([(1, 2)])
+    assert TransformerBlockSubmodules().layer_specs is None
+    assert issubclass(TransformerLayer, BaseTransformerLayer)
+    with pytest.raises(NotImplementedError, match="kitchen"):
+        get_gpt_layer_local_spec(use_kitchen_attention=True)
+    with pytest.raises(NotImplementedError, match="use_te_op_fuser"):
+        get_mlp_module_spec(use_te_op_fuser=True)
+
+
+def test_modules_refuse_features_they_lack():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import build_module
+    config = _config()
+    spec = get_gpt_layer_local_spec()
+    layer = build_module(spec, config=config, layer_number=1, name="decoder.layers.0")
+    assert layer.name == "decoder.layers.0"
+    with pytest.raises(NotImplementedError, match="is_mtp_layer"):
+        build_module(spec, config=config, layer_number=1, is_mtp_layer=True)
+    with pytest.raises(NotImplementedError, match="pp_layer_offset"):
+        build_module(spec.submodules.self_attention, config=config, layer_number=1, pp_layer_offset=2)
+    subs = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear, activation_func=torch.nn.GELU)
+    with pytest.raises(NotImplementedError, match="activation_func"):
+        MLP(config, subs)
+    attn = DotProductAttention(config, 1, AttnMaskType.causal_bottom_right)
+    q = torch.zeros(4, 1, 4, 8)
+    with pytest.raises(NotImplementedError, match="causal_bottom_right"):
+        attn(q, q, q)
+
+
+def test_loaders_refuse_missing_backends(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+    from megatron.core.utils import get_batch_on_this_cp_rank
+    prefix = str(tmp_path / "d")
+    builder = IndexedDatasetBuilder(prefix + ".bin")
+    builder.add_item(torch.tensor([1, 2, 3]))
+    builder.end_document()
+    builder.finalize(prefix + ".idx")
+    assert len(IndexedDataset(prefix, object_storage_config=None, fast_cache_load=False)) == 1
+    with pytest.raises(NotImplementedError, match="S3"):
+        IndexedDataset(prefix, s3_config={"bucket": "b"})
+    with pytest.raises(NotImplementedError, match="persistent"):
+        AsyncCallsQueue(persistent=True)
+    batch = {"tokens": torch.arange(8).view(1, 8)}
+    assert get_batch_on_this_cp_rank(batch, False)["tokens"] is batch["tokens"]  # CP size 1: unchanged
+    with pytest.raises(NotImplementedError, match="hybrid"):
+        get_batch_on_this_cp_rank(batch, is_hybrid_cp=True)
+
+
+def test_set_startup_timestamps_moves_the_start():
+    import megatron.training.training as training
+    from megatron.training import set_startup_timestamps
+    before = (training._TRAIN_START_TIME, dict(training._STARTUP_TIMESTAMPS))
+    try:
+        set_startup_timestamps(program_start=123.0, main_entry=124.0)
+        assert training._TRAIN_START_TIME == 123.0 and training._STARTUP_TIMESTAMPS["main_entry"] == 124.0
+    finally:
+        training._TRAIN_START_TIME = before[0]
+        training._STARTUP_TIMESTAMPS.update(before[1])
