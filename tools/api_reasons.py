@@ -12,7 +12,8 @@ INFER = "inference (KV cache, inference-optimized layers) belongs to the inferen
 CG = "CUDA-graph scopes of Megatron's TE/local graph capture; here only --cuda-graph-impl full_iteration exists"
 DEFER_WGRAD = "deferred embedding weight-gradient compute (--defer-embedding-wgrad-compute) is not implemented"
 CKPT_STRATEGY = ("torch_dist checkpoints are written by megatron.core.dist_checkpointing.strategies.torch's own "
-                 "dcp_write / tensor_shards helpers; Megatron's planner and strategy classes are internals")
+                 "dcp_write / tensor_shards helpers and planners; Megatron's planner classes and state-dict "
+                 "conversions are internals (the TorchDist*ShardedStrategy objects are accepted by save/load)")
 VALIDATION = ("dist_checkpointing.validation (integrity manifests, strict-load reports) is not implemented; "
               "load(strict=...) accepts Megatron's strict values")
 OVERRIDES = ("Megatron 0.19's per-parameter optimizer overrides (ParamKey -> override dict) are not "

@@ -154,3 +154,48 @@ def test_set_startup_timestamps_moves_the_start():
     finally:
         training._TRAIN_START_TIME = before[0]
         training._STARTUP_TIMESTAMPS.update(before[1])
+
+
+def test_torch_dist_strategy_objects_save_and_load(tmp_path):
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.serialization import (get_default_load_sharded_strategy,
+                                                                get_default_save_sharded_strategy)
+    from megatron.core.dist_checkpointing.strategies.torch import (TorchDistLoadShardedStrategy,
+                                                                   TorchDistSaveShardedStrategy)
+    ckpt = str(tmp_path / "ckpt")
+    w = torch.arange(6.0).view(2, 3)
+    dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", w)}, ckpt,
+                            sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=2))
+    out = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3))}, ckpt,
+                                  sharded_strategy=get_default_load_sharded_strategy(ckpt))
+    assert torch.equal(out["w"], w)
+    assert isinstance(get_default_save_sharded_strategy(), TorchDistSaveShardedStrategy)
+    with pytest.raises(NotImplementedError, match="cpu_shm_mode"):
+        TorchDistSaveShardedStrategy(cpu_shm_mode=True)
+    with pytest.raises(ValueError, match="sharded_strategy"):
+        dist_checkpointing.load({}, ckpt, sharded_strategy="zarr")
+    assert isinstance(TorchDistLoadShardedStrategy(cache_metadata=True), TorchDistLoadShardedStrategy)
+
+
+def test_rng_tracker_and_t5_helpers():
+    from megatron.core.models.T5.t5_model import t5_extended_attention_mask, t5_position_ids
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, initialize_rng_tracker
+    tracker = get_cuda_rng_tracker()
+    states = tracker.get_states()
+    try:
+        tracker.add("api-test-rng", 1234)
+        initialize_rng_tracker()  # initialized: left alone, as in Megatron
+        assert "api-test-rng" in tracker.get_states()
+        initialize_rng_tracker(force_reset=True)
+        assert not tracker.is_initialized()
+        with pytest.raises(NotImplementedError, match="use_te_rng_tracker"):
+            initialize_rng_tracker(use_te_rng_tracker=True)
+    finally:
+        tracker.reset()
+        tracker.set_states(states)
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    assert torch.equal(t5_position_ids(ids), torch.arange(5).expand(2, 5))
+    m = torch.ones(2, 5, 5, dtype=torch.bool)
+    out = t5_extended_attention_mask([m, None])
+    assert out[0].shape == (2, 1, 5, 5) and out[1] is None

@@ -81,8 +81,11 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     host memory now and an `AsyncRequest` is returned whose function writes them (run it with an
     `AsyncCallsQueue`); `metadata.json` is written by its finalize step.
     """
-    if sharded_strategy not in (None, "torch_dist") and not isinstance(sharded_strategy, tuple):
-        raise ValueError(f"sharded_strategy {sharded_strategy!r} is not supported; use None or 'torch_dist'")
+    if sharded_strategy not in (None, "torch_dist") and not isinstance(
+            sharded_strategy, (tuple, torch_strategy.TorchDistSaveShardedStrategy)):
+        raise ValueError(f"sharded_strategy {sharded_strategy!r} is not supported; use None, 'torch_dist' or "
+                         "a TorchDistSaveShardedStrategy")
+    thread_count = getattr(sharded_strategy, "thread_count", 1)
     if preprocess_common_before_consistancy_check is not None or verify_integrity:
         raise NotImplementedError("dist_checkpointing.save: the common-state consistency check and "
                                   "verify_integrity are not supported; leave them at None / False")
@@ -98,7 +101,7 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     _write_common(checkpoint_dir, common)
 
     def write(group=process_group):
-        torch_strategy.dcp_write(checkpoint_dir, shards, objects, process_group=group)
+        torch_strategy.dcp_write(checkpoint_dir, shards, objects, process_group=group, thread_count=thread_count)
 
     def finalize():
         if _rank() == 0:
@@ -195,6 +198,10 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     if verify_integrity:
         raise NotImplementedError("dist_checkpointing.load(verify_integrity=True): integrity manifests are "
                                   "not supported; leave it False")
+    if sharded_strategy not in (None, "torch_dist") and not isinstance(
+            sharded_strategy, (tuple, torch_strategy.TorchDistLoadShardedStrategy)):
+        raise ValueError(f"sharded_strategy {sharded_strategy!r} is not supported; use None, 'torch_dist' or "
+                         "a TorchDistLoadShardedStrategy")
     from .validation import parse_strict_flag
     strict = parse_strict_flag(strict).value
     sharded_state_dict, local = _split_nonpersistent(sharded_state_dict)
@@ -253,11 +260,11 @@ def load_plain_tensors(checkpoint_dir: str) -> Dict[str, torch.Tensor]:
 
 
 def get_default_save_sharded_strategy(backend: str = "torch_dist"):
-    """The save strategy for `backend`: only 'torch_dist' exists here (save() takes it by name)."""
+    """The save strategy for `backend`: only 'torch_dist' exists here."""
     if backend != "torch_dist":
         raise ValueError(f"checkpoint backend {backend!r} is not supported; use 'torch_dist'")
-    return backend
+    return torch_strategy.TorchDistSaveShardedStrategy(backend)
 
 
 def get_default_load_sharded_strategy(checkpoint_dir: Optional[str] = None):
-    return get_default_save_sharded_strategy()
+    return torch_strategy.TorchDistLoadShardedStrategy()

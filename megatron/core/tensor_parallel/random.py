@@ -139,6 +139,19 @@ def get_cuda_rng_tracker(use_te_rng_tracker: bool = False, inference_rng_tracker
     return _CUDA_RNG_STATE_TRACKER
 
 
+def initialize_rng_tracker(use_te_rng_tracker: bool = False, inference_rng_tracker: bool = False,
+                           use_cudagraphable_rng: bool = False, force_reset: bool = False) -> None:
+    """Megatron creates its tracker here on first use; ours exists from import. An uninitialized tracker
+    (no states yet), or any with ``force_reset``, is emptied and set graph-safe or not."""
+    if use_te_rng_tracker or inference_rng_tracker:
+        raise NotImplementedError("initialize_rng_tracker: the Transformer Engine and inference RNG trackers "
+                                  "are not supported; leave use_te_rng_tracker / inference_rng_tracker False")
+    tracker = _CUDA_RNG_STATE_TRACKER
+    if force_reset or not tracker.is_initialized():
+        tracker.reset()
+        tracker.set_graph_safe(use_cudagraphable_rng)
+
+
 def get_expert_parallel_rng_tracker_name() -> str:
     return _EXPERT_PARALLEL_RNG_TRACKER_NAME
 

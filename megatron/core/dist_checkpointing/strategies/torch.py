@@ -5,7 +5,7 @@ describes global tensors independent of the layout that wrote them. Loading asks
 current layout needs; DCP reads the overlapping parts of whichever saved chunks cover it.
 """
 import io
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -119,9 +119,41 @@ class _LoadPlanner(DefaultLoadPlanner):
         raise KeyError(index)
 
 
-def dcp_write(checkpoint_dir: str, shards: Shards, objects: Dict[str, object], process_group=None) -> None:
+class TorchDistSaveShardedStrategy:
+    """The torch_dist format as a strategy object for ``dist_checkpointing.save(sharded_strategy=...)``.
+
+    ``thread_count`` sets the writer threads per rank; ``cached_metadata`` (Megatron reuses the global
+    save plan across saves, a speed-up) has no effect here, same files. Only main replicas are written.
+    """
+
+    def __init__(self, backend: str = "torch_dist", version: int = 1, keep_only_main_replica: bool = True,
+                 thread_count: int = 1, cached_metadata: bool = False, separation_hint: Optional[str] = None,
+                 cpu_shm_mode: bool = False):
+        if backend != "torch_dist" or version != 1:
+            raise ValueError(f"TorchDistSaveShardedStrategy: backend {backend!r} version {version} is not "
+                             "supported; use ('torch_dist', 1)")
+        if not keep_only_main_replica or separation_hint is not None or cpu_shm_mode:
+            raise NotImplementedError("TorchDistSaveShardedStrategy: keep_only_main_replica=False, "
+                                      "separation_hint and cpu_shm_mode are not supported")
+        self.backend, self.version, self.thread_count = backend, version, thread_count
+
+
+class TorchDistLoadShardedStrategy:
+    """The torch_dist format as a strategy object for ``dist_checkpointing.load(sharded_strategy=...)``.
+    ``cache_metadata`` (a speed-up) and ``stream_ckpt_dequant`` (FP8 checkpoints, none here) have no
+    effect here, same result."""
+
+    def __init__(self, cache_metadata: bool = False, stream_ckpt_dequant: bool = True,
+                 checkpoint_name: Optional[str] = None):
+        if checkpoint_name is not None:
+            raise NotImplementedError("TorchDistLoadShardedStrategy(checkpoint_name=...) is not supported")
+        self.backend, self.version = "torch_dist", 1
+
+
+def dcp_write(checkpoint_dir: str, shards: Shards, objects: Dict[str, object], process_group=None,
+              thread_count: int = 1) -> None:
     """Write ``shards`` and ``objects`` (already deduplicated by replica) into ``checkpoint_dir``."""
-    writer = FileSystemWriter(checkpoint_dir, single_file_per_rank=True, thread_count=1)
+    writer = FileSystemWriter(checkpoint_dir, single_file_per_rank=True, thread_count=thread_count)
     no_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     dcp_save(dict(objects), storage_writer=writer, planner=_SavePlanner(shards),
              process_group=process_group, no_dist=no_dist)

@@ -26,6 +26,16 @@ def t5_attention_masks(enc_mask: torch.Tensor, dec_mask: torch.Tensor
     return enc_key_pad.expand(b, 1, se, se), dec_key_pad | future, enc_key_pad.expand(b, 1, sd, se)
 
 
+def t5_extended_attention_mask(attention_mask_list):
+    """[b, sq, sk] masks -> [b, 1, sq, sk] (one head axis, broadcast over heads); None stays None."""
+    return [None if m is None else m.unsqueeze(1) for m in attention_mask_list]
+
+
+def t5_position_ids(token_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] token ids -> [b, s] positions 0..s-1 (what T5Model uses when given none)."""
+    return LanguageModule.default_position_ids(token_ids)
+
+
 class T5LMHead(MegatronModule):
     """Decoder hidden states -> vocab logits (column-parallel, with bias; weight tied to the embedding)."""
 
