@@ -18,8 +18,9 @@ VALIDATION = ("dist_checkpointing.validation (integrity manifests, strict-load r
               "load(strict=...) accepts Megatron's strict values")
 OVERRIDES = ("Megatron 0.19's per-parameter optimizer overrides (ParamKey -> override dict) are not "
              "implemented; get_megatron_optimizer takes no_weight_decay_cond / scale_lr_cond / lr_mult")
-INIT_STATE = ("optimizer state is created lazily and initialised by the checkpoint loader, so no "
-              "init_state_fn argument; the grad scaler is the third positional argument")
+INIT_STATE = ("the distributed optimizer takes (optimizer, config, grad_scaler, model_chunks): its buffers and "
+              "DP groups come from the DDP-wrapped model chunks, and its state is created by the checkpoint "
+              "loader (no init_state_fn)")
 CONFIG_CONTAINER = "Megatron 0.19's config containers (GPTModelConfig, pretrain/inference containers) are not implemented"
 DATA_CFG = ("dataset config fields for object-storage / fast-cache loading and CP-aware packing "
             "(defer_npy_index_mmap, fast_cache_load, context/data_parallel_size...) are not implemented")
@@ -107,9 +108,7 @@ REASONS = {
     C + "optimizer:HybridDeviceOptimizer": "CPU-offloaded optimizer steps are not implemented",
     C + "optimizer:LayerWiseDistributedOptimizer": "the layer-wise distributed optimizer (for Muon) is not implemented",
     C + "optimizer:is_managed_by_layer_wise_optimizer": "see LayerWiseDistributedOptimizer",
-    "*:MegatronOptimizer": INIT_STATE, "*:FP32Optimizer": INIT_STATE,
-    "*:Float16OptimizerWithFloat16Params": INIT_STATE,
-    "*:DistributedOptimizer": INIT_STATE + "; buffers and groups come from the DDP-wrapped model chunks",
+    "*:DistributedOptimizer": INIT_STATE,
     C + "optimizer.optimizer:MixedPrecisionOptimizer": "Float16OptimizerWithFloat16Params holds the mixed-precision logic",
     C + "optimizer.optimizer:ProxyDict": "ChainedOptimizer exposes its state by merging the inner dicts",
     C + "optimizer.optimizer:copy_optimizer_param_metadata": "parameter metadata is copied where main params are created",

@@ -199,3 +199,19 @@ def test_rng_tracker_and_t5_helpers():
     m = torch.ones(2, 5, 5, dtype=torch.bool)
     out = t5_extended_attention_mask([m, None])
     assert out[0].shape == (2, 1, 5, 5) and out[1] is None
+
+
+def test_optimizer_init_state_fn_creates_missing_state():
+    from megatron.core.optimizer import FP32Optimizer, OptimizerConfig
+    model = torch.nn.Linear(3, 2)
+
+    def init_state_fn(opt, config):  # Megatron's form: called with the torch optimizer and the config
+        w = model.weight
+        opt.state[w].update(step=torch.tensor(0.0), exp_avg=torch.full_like(w, config.lr),
+                            exp_avg_sq=torch.zeros_like(w))
+
+    inner = torch.optim.AdamW(model.parameters(), lr=0.5)
+    opt = FP32Optimizer(inner, OptimizerConfig(lr=0.5), init_state_fn)
+    state = opt.param_state_for_save()
+    assert torch.equal(state[model.weight]["exp_avg"], torch.full((2, 3), 0.5))
+    assert torch.equal(state[model.bias]["exp_avg"], torch.zeros(2))  # left without state: the default

@@ -109,7 +109,7 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
     elif config.fp16 or config.bf16 or any(p.dtype != torch.float32 for g in param_groups for p in g["params"]):
         opt = Float16OptimizerWithFloat16Params(inner, config, scaler)
     else:
-        opt = FP32Optimizer(inner, config, scaler)
+        opt = FP32Optimizer(inner, config, grad_scaler=scaler)
     opt.has_expert_params = _is_moe(model_chunks)
     return opt
 

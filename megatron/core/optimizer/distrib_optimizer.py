@@ -36,7 +36,7 @@ class Range:
 
 class DistributedOptimizer(MegatronOptimizer):
     def __init__(self, optimizer, config, grad_scaler, model_chunks: List[torch.nn.Module]):
-        super().__init__(optimizer, config, grad_scaler)
+        super().__init__(optimizer, config, grad_scaler=grad_scaler)
         self.model_chunks = model_chunks
         self.param_to_buffer_bucket = {}
         for chunk in model_chunks:

@@ -33,9 +33,13 @@ class MegatronOptimizer:
     """Owns a torch optimizer whose param groups hold *main* params (fp32), each mapped to a model
     param (`self.main_to_model`). Subclasses decide how main params relate to model params."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, grad_scaler=None):
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, init_state_fn=None,
+                 grad_scaler=None):
         self.optimizer = optimizer
         self.config = config
+        # init_state_fn(torch_optimizer, config) creates state before a save or load of a fresh optimizer;
+        # params it leaves without state get zero Adam/SGD state (optimizer_state.init_state).
+        self.init_state_fn = init_state_fn
         self.grad_scaler = grad_scaler
         self.main_to_model: Dict[torch.Tensor, torch.nn.Parameter] = {}
 
@@ -285,8 +289,8 @@ class MegatronOptimizer:
 class Float16OptimizerWithFloat16Params(MegatronOptimizer):
     """bf16/fp16 model params with fp32 main copies (fp32 model params are their own main params)."""
 
-    def __init__(self, optimizer, config, grad_scaler=None):
-        super().__init__(optimizer, config, grad_scaler)
+    def __init__(self, optimizer, config, grad_scaler=None, init_state_fn=None):
+        super().__init__(optimizer, config, init_state_fn=init_state_fn, grad_scaler=grad_scaler)
         for group in self.optimizer.param_groups:
             mains = []
             for param in group["params"]:
@@ -328,8 +332,8 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
 class FP32Optimizer(Float16OptimizerWithFloat16Params):
     """fp32 model: main params are the model params themselves; no loss scaling."""
 
-    def __init__(self, optimizer, config, grad_scaler=None):
-        super().__init__(optimizer, config, grad_scaler)
+    def __init__(self, optimizer, config, init_state_fn=None, grad_scaler=None):
+        super().__init__(optimizer, config, grad_scaler=grad_scaler, init_state_fn=init_state_fn)
         assert all(m is p for m, p in self.main_to_model.items()), "FP32Optimizer got non-fp32 params"
 
 

@@ -20,8 +20,12 @@ _HYPER_PARAMS = ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", 
 
 
 def init_state(opt):
-    """Create zero state for every main param that has none yet (so it can be saved or loaded into)."""
+    """Create zero state for every main param that has none yet (so it can be saved or loaded into);
+    the optimizer's own ``init_state_fn`` (Megatron's argument) runs first when given."""
     inner = opt.optimizer
+    fresh = any(not inner.state[p] for group in inner.param_groups for p in group["params"])
+    if fresh and getattr(opt, "init_state_fn", None) is not None:
+        opt.init_state_fn(inner, opt.config)
     for group in inner.param_groups:
         for p in group["params"]:
             if inner.state[p]:
