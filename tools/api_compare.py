@@ -179,7 +179,12 @@ def render_md(results):
            "feature here live in `_compat_fields.py` mixins at Megatron's defaults: any other value is refused",
            "with one line naming the field, except where Megatron itself ignores the field (`moe_*` without",
            "experts, `mtp_*` without MTP layers). A class that defines such a field itself takes it over.",
-           "The `*_with_transformer_engine_*` spec functions return our fastest (local) spec.", "",
+           "The `*_with_transformer_engine_*` spec functions return our fastest (local) spec.",
+           "Megatron's typing Protocols (`*Builder` / `*Interface`) are types only, as there. Present but",
+           "refusing at use: `StragglerDetector` exists in its default disabled state (Megatron's",
+           "`pretrain_gpt.py` creates one at import) and refuses `configure(enabled=True)`; enum members",
+           "without a feature (`AttnMaskType.causal_bottom_right`, `Fp8Recipe.custom`, CUDA-graph scopes)",
+           "are refused by the module or config field that would use them.", "",
            f"**{count['same']} of {total} names ({pct:.1f}%) present with Megatron's signature**; "
            f"{count['differs']} present with differences, {count['absent']} absent.", "",
            "| module | same | differs | absent |", "|---|---|---|---|"]

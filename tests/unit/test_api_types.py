@@ -215,3 +215,8 @@ def test_optimizer_init_state_fn_creates_missing_state():
     state = opt.param_state_for_save()
     assert torch.equal(state[model.weight]["exp_avg"], torch.full((2, 3), 0.5))
     assert torch.equal(state[model.bias]["exp_avg"], torch.zeros(2))  # left without state: the default
+
+
+def test_get_all_rng_states_is_the_trackers():
+    from megatron.core.tensor_parallel.random import get_all_rng_states, get_cuda_rng_tracker
+    assert get_all_rng_states() is get_cuda_rng_tracker().states_

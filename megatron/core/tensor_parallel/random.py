@@ -139,6 +139,11 @@ def get_cuda_rng_tracker(use_te_rng_tracker: bool = False, inference_rng_tracker
     return _CUDA_RNG_STATE_TRACKER
 
 
+def get_all_rng_states() -> Dict[str, torch.Tensor]:
+    """The tracker's named generator states (what a CUDA graph capturing ``fork`` must register)."""
+    return _CUDA_RNG_STATE_TRACKER.states_
+
+
 def initialize_rng_tracker(use_te_rng_tracker: bool = False, inference_rng_tracker: bool = False,
                            use_cudagraphable_rng: bool = False, force_reset: bool = False) -> None:
     """Megatron creates its tracker here on first use; ours exists from import. An uninitialized tracker
