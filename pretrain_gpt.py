@@ -17,12 +17,16 @@ from megatron.training.arguments import core_transformer_config_from_args
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None):
     """GPTModel built from the flags, with the local (torch) layer spec."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     args = get_args()
     print_rank_0("building GPT model ...")
     config = core_transformer_config_from_args(args)
-    layer_spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    layer_spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization,
+                                          multi_latent_attention=args.multi_latent_attention)
+    if args.num_experts is not None:  # MoE: one spec per layer (dense where --moe-layer-freq says so)
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+        layer_spec = get_gpt_decoder_block_spec(config, normalization=args.normalization)
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
@@ -31,7 +35,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor,
-        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor, vp_stage=vp_stage)
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        mtp_block_spec=get_gpt_mtp_block_spec(config, layer_spec, vp_stage=vp_stage), vp_stage=vp_stage)
     if args.torch_compile:
         from megatron.core.fusions.compile import compile_available, compile_transformer_layers
         if compile_available():
@@ -62,8 +67,10 @@ def get_batch(data_iterator, vp_stage=None):
     if not first and not last and not packed:
         return None, None, None, None, None, None
     data = next(data_iterator) if parallel_state.get_tensor_model_parallel_rank() == 0 else None
-    # The dense mask is skipped under CP: it would be the plain causal mask, which attention applies itself.
-    want_mask = args.context_parallel_size == 1 and not packed
+    # Without --reset-attention-mask the data loader's mask is the plain causal one, which attention applies
+    # itself (SDPA's is_causal): it is neither copied to the device nor checked there (a host sync that
+    # CUDA-graph capture refuses). Under CP or packed documents the mask is never needed.
+    want_mask = args.context_parallel_size == 1 and not packed and args.reset_attention_mask
     has_mask = torch.tensor([int(want_mask and data is not None and "attention_mask" in data)], dtype=torch.long)
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         has_mask = tensor_parallel.broadcast_data(["m"], {"m": has_mask}, torch.long)["m"]
@@ -93,8 +100,9 @@ def _packed_seq_params(cu_seqlens, seq_length):
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=flat, cu_seqlens_kv=flat)
 
 
-def loss_func(loss_mask, output_tensor):
-    """(sum of masked token losses, token count, {'lm loss': [sum, count]}) — token-weighted reporting."""
+def loss_func(loss_mask, output_tensor, mtp_loss_stats=None):
+    """(sum of masked token losses, token count, {'lm loss': [sum, count]}) — token-weighted reporting;
+    with multi-token prediction in training also {'mtp_<k> loss': [sum, count]} per depth."""
     args = get_args()
     losses = output_tensor.view(-1).float()
     loss_mask = loss_mask.view(-1).float()
@@ -105,7 +113,10 @@ def loss_func(loss_mask, output_tensor):
                            f"{loss.device}; lower --lr or use --bf16, or pass --no-check-for-nan-in-loss-and-grad")
     num_tokens = loss_mask.sum().clone().detach().to(torch.int)
     reporting = torch.cat([loss.clone().detach().view(1), num_tokens.float().view(1)])
-    return loss, num_tokens, {"lm loss": reporting}
+    losses_reported = {"lm loss": reporting}
+    for depth, stats in enumerate(mtp_loss_stats or []):
+        losses_reported[f"mtp_{depth + 1} loss"] = stats
+    return loss, num_tokens, losses_reported
 
 
 def forward_step(data_iterator, model):
@@ -115,8 +126,11 @@ def forward_step(data_iterator, model):
     vp_stage = getattr(_unwrap(model), "vp_stage", None)
     tokens, labels, loss_mask, attention_mask, position_ids, packed_seq_params = get_batch(data_iterator, vp_stage)
     timers("batch-generator").stop()
-    output_tensor = model(tokens, position_ids, attention_mask, labels=labels, packed_seq_params=packed_seq_params)
-    return output_tensor, partial(loss_func, loss_mask)
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask,
+                          packed_seq_params=packed_seq_params)
+    # The MTP depths' losses of this micro-batch (training only), logged next to the LM loss.
+    mtp_loss_stats = getattr(_unwrap(model), "mtp_loss_stats", None)
+    return output_tensor, partial(loss_func, loss_mask, mtp_loss_stats=mtp_loss_stats)
 
 
 def _unwrap(model):

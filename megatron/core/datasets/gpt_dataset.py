@@ -24,7 +24,21 @@ _PAD_TOKEN_ID = -1
 
 
 @dataclass
-class GPTDatasetConfig(BlendedMegatronDatasetConfig):
+class GPTDatasetConfigCompat:
+    """GPTDatasetConfig fields of Megatron Core 0.19.2 without a counterpart here (context-parallel-aware
+    packing, document masking, object storage), at Megatron's defaults: refused elsewhere."""
+
+    context_parallel_size: Optional[int] = None
+    data_parallel_size: int = 1
+    sequence_parallel_size: int = 0
+    hybrid_context_parallel: bool = False
+    inter_document_masking: bool = False
+    object_storage_cache_path: Optional[str] = None
+    sequences_per_dataset: Optional[dict] = None
+
+
+@dataclass
+class GPTDatasetConfig(GPTDatasetConfigCompat, BlendedMegatronDatasetConfig):
     reset_position_ids: Optional[bool] = None
     reset_attention_mask: Optional[bool] = None
     eod_mask_loss: Optional[bool] = None
@@ -34,6 +48,8 @@ class GPTDatasetConfig(BlendedMegatronDatasetConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        from megatron.core._compat_fields import check_compat_fields
+        check_compat_fields(self, GPTDatasetConfigCompat)
         if self.tokenizer is None:
             raise ValueError("GPTDatasetConfig needs a tokenizer (for its eod and pad ids)")
         for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
