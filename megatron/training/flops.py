@@ -4,11 +4,12 @@
 def num_floating_point_operations(args, batch_size):
     """Training FLOPs (forward + both backward GEMMs) for `batch_size` samples of `args.seq_length` tokens.
 
-    Per token: 6*h*f*E*L (MLP, E=3 for SwiGLU else 2) + 6*L*(h*(d_q + 2*d_kv) + d_q*h) (QKV and output
-    projections) + 6*h*V (logits) + 6*s*d_q*L for causal core attention (QK^T and AV, halved for the
-    mask). 6 = 3 GEMMs (fwd, wgrad, dgrad) x 2 FLOPs per multiply-add. Multi-latent attention replaces
-    the attention terms (`mla_flops_per_token`); multi-token prediction adds its depths as layers, their
-    norms and eh_proj, and one logits pass each (Megatron's formula).
+    Per token: 6*h*f*E*L (MLP, E=3 for SwiGLU else 2; MoE layers count the active width, see
+    `active_mlp_ffn_sum`) + 6*L*(h*(d_q + 2*d_kv) + d_q*h) (QKV and output projections) + 6*h*V (logits)
+    + 6*s*d_q*L for causal core attention (QK^T and AV, halved for the mask). 6 = 3 GEMMs (fwd, wgrad,
+    dgrad) x 2 FLOPs per multiply-add. Multi-latent attention replaces the attention terms
+    (`mla_flops_per_token`); multi-token prediction adds its depths as layers (of the last decoder layer's
+    kind), their norms and eh_proj, and one logits pass each (Megatron's formula).
     """
     h, s = args.hidden_size, args.seq_length
     mtp = getattr(args, "mtp_num_layers", None) or 0
@@ -25,11 +26,24 @@ def num_floating_point_operations(args, batch_size):
         attention = L * mla_flops_per_token(args)
     else:
         attention = 6 * L * (h * (d_q + 2 * d_kv) + d_q * h) + 6 * s * d_q * L
-    per_token = (6 * h * ffn * expansion * L
+    mlp_width = active_mlp_ffn_sum(args, ffn) + mtp * _last_layer_ffn(args, ffn)
+    per_token = (6 * h * expansion * mlp_width
                  + attention
                  + 6 * mtp * (3 * h + 2 * h * h)  # MTP norms and eh_proj
                  + 6 * h * vocab * (1 + mtp))  # one output head pass per prediction depth
     return tokens * per_token
+
+
+def _last_layer_ffn(args, ffn):
+    """Active FFN width of the last decoder layer (the kind every MTP depth repeats)."""
+    dense, moe = moe_layer_counts(args)
+    if not moe:
+        return ffn
+    freq = args.moe_layer_freq
+    if not ((args.num_layers - 1) % freq == 0 if isinstance(freq, int) else list(freq)[-1]):
+        return ffn
+    moe_ffn = args.moe_ffn_hidden_size if args.moe_ffn_hidden_size is not None else ffn
+    return moe_ffn * args.moe_router_topk + (args.moe_shared_expert_intermediate_size or 0)
 
 
 def mla_flops_per_token(args):
@@ -45,6 +59,27 @@ def mla_flops_per_token(args):
     kv_term = args.kv_lora_rank * (h + n * (args.qk_head_dim + args.v_head_dim) + 1) + h * args.qk_pos_emb_head_dim
     core = s * n * d_qk / 2 + s * n * args.v_head_dim / 2  # QK^T and AV, half under the causal mask
     return 6 * (q_term + kv_term + n * args.v_head_dim * h + core)
+
+
+def moe_layer_counts(args):
+    """(dense MLP layers, MoE layers) from --num-experts and --moe-layer-freq (int N or 0/1 list)."""
+    L = args.num_layers
+    if getattr(args, "num_experts", None) is None:
+        return L, 0
+    freq = args.moe_layer_freq
+    pattern = [1 if i % freq == 0 else 0 for i in range(L)] if isinstance(freq, int) else list(freq)
+    return L - sum(pattern), sum(pattern)
+
+
+def active_mlp_ffn_sum(args, ffn):
+    """Sum over layers of the FFN width a token passes through (Megatron's MoE FLOPs formula): ffn in
+    dense layers; top-k routed experts of --moe-ffn-hidden-size plus the shared expert in MoE layers."""
+    dense, moe = moe_layer_counts(args)
+    if not moe:
+        return ffn * dense
+    moe_ffn = args.moe_ffn_hidden_size if args.moe_ffn_hidden_size is not None else ffn
+    shared = args.moe_shared_expert_intermediate_size or 0
+    return ffn * dense + (moe_ffn * args.moe_router_topk + shared) * moe
 
 
 def throughput_tflops_per_gpu(args, batch_size, seconds_per_iteration, world_size):

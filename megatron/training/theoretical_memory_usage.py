@@ -16,6 +16,8 @@ def compute_weight_and_optimizer_memory(args, verbose=False):
     if getattr(args, "multi_latent_attention", False):
         attention = mla_params_per_layer(args)
     per_layer = attention + glu * h * ffn + 4 * h
+    if getattr(args, "num_experts", None) is not None:
+        per_layer = _moe_average_layer_params(args, per_layer - glu * h * ffn, glu)
     mtp = getattr(args, "mtp_num_layers", None) or 0
     L = L + mtp  # MTP depths: a layer each (+ eh_proj and norms below), on the last stage
     per_layer_extra = mtp * (2 * h * h + 3 * h)
@@ -42,6 +44,19 @@ def mla_params_per_layer(args):
     return q + kv + n * args.v_head_dim * h
 
 
+def _moe_average_layer_params(args, attention_and_norms, glu):
+    """Params per layer on one rank, averaged over the layers, in units of the dense TP split: MoE layers
+    hold E/EP experts split over expert-TP (scaled back to a TP divisor), a shared expert and a router."""
+    from megatron.training.flops import moe_layer_counts
+    h, ffn = args.hidden_size, args.ffn_hidden_size or 4 * args.hidden_size
+    dense, moe = moe_layer_counts(args)
+    moe_ffn = args.moe_ffn_hidden_size or ffn
+    tp, etp = args.tensor_model_parallel_size, args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    experts = glu * h * moe_ffn * args.num_experts / args.expert_model_parallel_size * tp / etp
+    moe_mlp = experts + glu * h * (args.moe_shared_expert_intermediate_size or 0) + args.num_experts * h * tp
+    return attention_and_norms + (dense * glu * h * ffn + moe * moe_mlp) / args.num_layers
+
+
 def compute_activation_memory(args):
     """Bytes of activations saved for backward by one micro-batch on the first stage (16-bit activations).
 
@@ -65,7 +80,14 @@ def compute_activation_memory(args):
         n, d_qk = args.num_attention_heads, args.qk_head_dim + args.qk_pos_emb_head_dim
         latents = 2 * ((args.q_lora_rank or 0) + args.kv_lora_rank + args.qk_pos_emb_head_dim)
         attention = latents + n * (2 * d_qk + 3 * args.v_head_dim) / tp
-    per_layer = 2 * tokens * (4 * h + attention + (4 if args.swiglu else 2) * ffn / tp)
+    dispatch = 0
+    if getattr(args, "num_experts", None) is not None:
+        # MoE: each token's top-k expert activations plus the shared expert (the active FFN width), and
+        # the permuted copies of the token (dispatch input, combine input: 2 k h), averaged over layers.
+        from megatron.training.flops import active_mlp_ffn_sum, moe_layer_counts
+        ffn = active_mlp_ffn_sum(args, ffn) / L
+        dispatch = 2 * args.moe_router_topk * h * moe_layer_counts(args)[1] / L
+    per_layer = 2 * tokens * (4 * h + dispatch + attention + (4 if args.swiglu else 2) * ffn / tp)
     layers = (L + (getattr(args, "mtp_num_layers", None) or 0)) / pp
     granularity = getattr(args, "recompute_granularity", None)
     if granularity == "full":

@@ -1,4 +1,5 @@
 """Mixture-of-Experts flags (Megatron 0.19 names, types and defaults) and their validation."""
+import argparse
 import re
 from types import SimpleNamespace
 
@@ -12,13 +13,13 @@ def moe_freq_type(value):
     if re.fullmatch(r"\d+", text):
         return int(text)
     if not re.fullmatch(r"[\[\]\(\)\d\s\*\+,]+", text):
-        raise ValueError(f"--moe-layer-freq '{value}': use an int or a list pattern like ([0]*1+[1]*3)")
+        raise argparse.ArgumentTypeError(f"'{value}': use an int or a list pattern like ([0]*1+[1]*3)")
     try:
         pattern = eval(text, {"__builtins__": {}}, {})  # noqa: S307 (characters restricted above)
     except Exception:
-        raise ValueError(f"--moe-layer-freq '{value}' is not a valid pattern such as ([0]*1+[1]*3)") from None
+        raise argparse.ArgumentTypeError(f"'{value}' is not a valid pattern such as ([0]*1+[1]*3)") from None
     if not isinstance(pattern, list):
-        raise ValueError(f"--moe-layer-freq '{value}' must evaluate to a list of 0/1")
+        raise argparse.ArgumentTypeError(f"'{value}' must evaluate to a list of 0/1")
     return pattern
 
 

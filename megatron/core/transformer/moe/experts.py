@@ -36,12 +36,31 @@ def grouped_mm_available(x: torch.Tensor, *dims: int) -> bool:
     return all(d % 8 == 0 for d in dims)
 
 
+class GroupedLinear(torch.autograd.Function):
+    """Y_i = X_i W_i^T for the row blocks X_i of ``x`` (block ends ``offs``), W [E, out, in]: one grouped GEMM
+    forward, and two backward: dX_i = dY_i W_i and dW_i = dY_i^T X_i (offs splitting the reduction dim)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offs):
+        ctx.save_for_backward(x, weight, offs)
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)  # [N, out]
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, offs = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = torch._grouped_mm(grad, weight, offs=offs)  # [N, in]
+        grad_w = torch._grouped_mm(grad.t(), x, offs=offs)  # [E, out, in]
+        return grad_x, grad_w.to(weight.dtype), None
+
+
 def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor, offs=None):
     """Row block i of ``x`` [N, k] (``tokens_per_expert[i]`` rows) times ``weight[i]``^T ([out, k]) -> [N, out].
 
-    ``offs``: int32 cumulative row ends on the device (computed once per layer and shared by fc1 and fc2)."""
+    ``offs``: int32 cumulative row ends on the device (computed once per layer and shared by fc1 and fc2);
+    without it a loop over the experts."""
     if offs is not None:
-        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
+        return GroupedLinear.apply(x, weight, offs)
     counts = tokens_per_expert.tolist()
     chunks = torch.split(x, counts, dim=0)
     return torch.cat([chunk @ weight[i].t() for i, chunk in enumerate(chunks)], dim=0)
@@ -67,8 +86,9 @@ class GroupedMLP(MegatronModule):
         self.weight2 = _make_param((num_local_experts, config.hidden_size, divide(ffn, etp)), config,
                                    config.output_layer_init_method, is_expert=True)
         set_tensor_model_parallel_attributes(self.weight2, True, 2, 1)
-        for w in (self.weight1, self.weight2):
+        for w, name in ((self.weight1, "linear_fc1.weight"), (self.weight2, "linear_fc2.weight")):
             w.expert_dim = 0
+            w.per_expert_name = name  # initialized like SequentialMLP's expert linears
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor):
         x = permuted_local_hidden_states  # [N, h]
