@@ -67,8 +67,10 @@ def get_batch(data_iterator, vp_stage=None):
     if not first and not last and not packed:
         return None, None, None, None, None, None
     data = next(data_iterator) if parallel_state.get_tensor_model_parallel_rank() == 0 else None
-    # The dense mask is skipped under CP: it would be the plain causal mask, which attention applies itself.
-    want_mask = args.context_parallel_size == 1 and not packed
+    # Without --reset-attention-mask the data loader's mask is the plain causal one, which attention applies
+    # itself (SDPA's is_causal): it is neither copied to the device nor checked there (a host sync that
+    # CUDA-graph capture refuses). Under CP or packed documents the mask is never needed.
+    want_mask = args.context_parallel_size == 1 and not packed and args.reset_attention_mask
     has_mask = torch.tensor([int(want_mask and data is not None and "attention_mask" in data)], dtype=torch.long)
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         has_mask = tensor_parallel.broadcast_data(["m"], {"m": has_mask}, torch.long)["m"]

@@ -9,6 +9,7 @@ every case.
    each comm type, CP=2 x DP=2 with the distributed optimizer and per-layer comm types, CP=2 x TP=2 with
    SP, CP=2 x PP=2 interleaved, and packed documents (--reset-attention-mask --reset-position-ids
    --eod-mask-loss) at CP=2 x PP=2 against packed CP=1.
+3. A checkpoint saved at CP=2 x DP=2 (distributed optimizer) resumes at CP=1 x DP=4 with CP=1's losses.
 """
 import numpy
 import pytest
@@ -53,6 +54,11 @@ def _world(prefix, cache):
     runs += [(name, PACKED + flags) for name, flags in PACKED_LAYOUTS.items()]
     for name, flags in runs:
         out[name] = _train(GPT + data + flags, base=BASE)
+    # Checkpoints do not depend on CP: save at CP=2 x DP=2 after 2 iterations, resume at CP=1 x DP=4.
+    save = f"--use-distributed-optimizer --save {cache}/ckpt --save-interval 2 "
+    _train(GPT + data + save + "--context-parallel-size 2 --train-iters 2 --lr-decay-iters 4", base=BASE)
+    out["resumed_at_cp1"] = _train(GPT + data + f"--use-distributed-optimizer --load {cache}/ckpt "
+                                   "--use-checkpoint-opt-param-scheduler", base=BASE)
     return out
 
 
@@ -84,3 +90,10 @@ def test_layout_matches_cp1(world, name):
 def test_packed_layout_matches_cp1(world, name):
     _close(world[-1][name], world[-1]["packed_cp1"])
     assert world[-1]["packed_cp1"] != world[-1]["cp1"]  # documents really changed the attention
+
+
+def test_checkpoint_saved_at_cp2_resumes_at_cp1(world):
+    resumed, reference = world[-1]["resumed_at_cp1"], world[-1]["cp1"]
+    assert len(resumed) == 2  # iterations 3 and 4
+    for x, y in zip(resumed, reference[2:]):
+        assert abs(x - y) <= 1e-5 * abs(y), f"{resumed} vs {reference[2:]}"

@@ -19,6 +19,7 @@ MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 1
          "--moe-shared-expert-intermediate-size 16 --clip-grad 0.05 --moe-grouped-gemm")
 
 A2A = "--moe-token-dispatcher-type alltoall"
+PER_TOKEN = f"{A2A} --calculate-per-token-loss"
 LAYOUTS = {  # name -> layout flags, all on 4 ranks (EP=2 on 4 ranks: expert-DP 2)
     "ep4": f"{A2A} --expert-model-parallel-size 4",
     "ep2_tp2_sp": f"{A2A} --expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel",
@@ -27,6 +28,8 @@ LAYOUTS = {  # name -> layout flags, all on 4 ranks (EP=2 on 4 ranks: expert-DP 
     "ep2_distopt": f"{A2A} --expert-model-parallel-size 2 --use-distributed-optimizer",
     "allgather_ep2_tp2": "--moe-token-dispatcher-type allgather --expert-model-parallel-size 2 "
                          "--tensor-model-parallel-size 2",
+    "per_token_ep2_tp2_sp": f"{PER_TOKEN} --expert-model-parallel-size 2 --tensor-model-parallel-size 2 "
+                            "--sequence-parallel",
 }
 
 
@@ -78,9 +81,14 @@ def _layouts(ckpt_root):
     return out
 
 
+def _references():
+    return _train(A2A), _train(PER_TOKEN)[0]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    ref = run_distributed(_train, 1, A2A)[0]
+    ref, per_token_ref = run_distributed(_references, 1)[0]
+    ref = (ref, per_token_ref)
     layouts = run_distributed(_layouts, 4, str(tmp_path_factory.mktemp("moe_ckpt")), timeout=900)
     return ref, layouts
 
@@ -93,7 +101,8 @@ def _close(a, b, rel=1e-5):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(runs, name):
-    (ref, _), layouts = runs
+    ((ref, _), per_token_ref), layouts = runs
+    ref = per_token_ref if name.startswith("per_token") else ref
     losses = [r[name] for r in layouts if r[name]]  # ranks of the last pipeline stage
     assert losses
     saved_at_2 = any(src == name for src, _ in RESHARD.values())
@@ -103,13 +112,14 @@ def test_layout_matches_single_process(runs, name):
 
 @pytest.mark.parametrize("name", list(RESHARD))
 def test_checkpoint_reshards_and_training_continues(runs, name):
-    (ref, _), layouts = runs
+    ((ref, _), _), layouts = runs
     for rank in layouts:
         _close(rank[name], ref[2:])  # iterations 3 and 4 after loading the iteration-2 checkpoint
 
 
 def test_log_line_has_moe_losses_and_load(runs):
-    (losses, log), _ = runs
+    ((losses, log), per_token), _ = runs
+    assert per_token != losses  # --calculate-per-token-loss changes how MoE losses are weighted
     assert losses[-1] < losses[0]
     line = next(line for line in log.splitlines() if "iteration        2/" in line)
     assert line.index("lm loss:") < line.index("load_balancing_loss:") < line.index("z_loss:")

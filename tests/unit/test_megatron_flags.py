@@ -74,7 +74,7 @@ def test_every_flag_at_its_default_validates():
 @pytest.mark.parametrize("argv,needle", [
     ("--perform-rl-step", "--perform-rl-step is not supported yet: RL training is not part of this project"),
     ("--grpo-group-size 3", "--grpo-group-size is not supported yet: RL training"),
-    ("--no-yarn-correction-range-round-to-int", "--no-yarn-correction-range-round-to-int is not supported yet"),
+    ("--fp4-format e2m1", "--fp4-format is not supported yet"),
     ("--disable-use-tokenizer-model-from-checkpoint-args --inprocess-restart",
      "--inprocess-restart is not supported yet: in-process restart is not supported"),
     ("--rl-partial-rollouts", "--rl-partial-rollouts is not supported yet"),
@@ -107,13 +107,13 @@ def test_aliases_set_our_dest():
 
 def test_a_flag_defined_elsewhere_becomes_works():
     """A module that starts defining a Megatron flag needs no edit of the registry."""
-    def add_moe(parser):
-        parser.add_argument("--num-experts", type=int, default=None)
+    def add_cfg(parser):
+        parser.add_argument("--tp-comm-overlap-cfg", type=str, default=None)
         return parser
-    parser = build_parser(add_moe)
-    assert parser.megatron_flags["--num-experts"] == (mf.WORKS, "")
-    assert PARSER.megatron_flags["--num-experts"][0] == mf.NOT_SUPPORTED
-    assert _validate(["--num-experts", "4"], parser).num_experts == 4
+    parser = build_parser(add_cfg)
+    assert parser.megatron_flags["--tp-comm-overlap-cfg"] == (mf.WORKS, "")
+    assert PARSER.megatron_flags["--tp-comm-overlap-cfg"][0] == mf.NOT_SUPPORTED
+    assert _validate(["--tp-comm-overlap-cfg", "x.yaml"], parser).tp_comm_overlap_cfg == "x.yaml"
 
 
 def test_bert_and_t5_flags():

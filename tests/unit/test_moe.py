@@ -72,7 +72,7 @@ def test_capacity_dropping_keeps_best_tokens_per_expert(policy):
 
 def _config(**kw):
     base = dict(num_layers=2, hidden_size=H, num_attention_heads=4, num_moe_experts=E, moe_router_topk=2,
-                hidden_dropout=0.0, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                hidden_dropout=0.0, attention_dropout=0.0, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
                 add_bias_linear=False, moe_aux_loss_coeff=0.0)
     base.update(kw)
     return TransformerConfig(**base)
@@ -188,3 +188,30 @@ def test_grouped_linear_matches_expert_loop():
     torch.testing.assert_close(y, grouped_gemm(x2, w2, tokens))
     torch.testing.assert_close(x.grad, x2.grad)
     torch.testing.assert_close(w.grad, w2.grad)
+
+
+def test_grouped_gemm_flag_does_not_change_the_model():
+    """GroupedMLP initializes each expert like SequentialMLP's expert linears: same GPT, same logits."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    out = []
+    for grouped in (False, True):
+        c = _config(moe_grouped_gemm=grouped, moe_layer_freq=[0, 1])
+        model = GPTModel(c, get_gpt_decoder_block_spec(c), vocab_size=64, max_sequence_length=16)
+        tokens = torch.arange(32).view(2, 16) % 64
+        out.append(model(tokens, torch.arange(16).expand(2, 16), None))
+    torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-5)
+
+
+def test_expert_bias_stays_fp32_and_moves_toward_balance():
+    from megatron.core.transformer.moe.router import finalize_router_state
+    config = _config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                     moe_router_bias_update_rate=0.01)
+    layer = build_module(get_moe_module_spec(num_experts=E), config=config).bfloat16()
+    assert layer.router.expert_bias.dtype == torch.float32
+    layer(torch.randn(6, 4, H, dtype=torch.bfloat16))
+    counts = layer.router.local_tokens_per_expert.clone()
+    assert counts.sum() == 6 * 4 * 2
+    finalize_router_state([layer], config)
+    expected = torch.sign(counts.mean() - counts) * 0.01
+    assert torch.equal(layer.router.expert_bias, expected) and layer.router.local_tokens_per_expert.sum() == 0

@@ -103,9 +103,38 @@ def initialize_parameters(model: torch.nn.Module, seed=None) -> None:
         if init_fn is None:
             raise RuntimeError(f"parameter '{local}' has no init_fn; every module must record one")
         device = _generation_device(param, config)
+        if getattr(param, "per_expert_name", None) is not None:
+            _initialize_stacked_experts(param, names[local], seed, device)
+            continue
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(_name_seed(seed, names[local]))
             full = torch.empty(global_shape(param), dtype=param.dtype, device=device)
             init_fn(full)
         param.copy_(local_slice(full, param))
+
+
+class _ExpertSlice:
+    """The TP layout of one expert's matrix inside a stacked [E_local, ...] expert weight."""
+
+    def __init__(self, param):
+        self.tensor_model_parallel = param.tensor_model_parallel
+        self.partition_dim = param.partition_dim - 1
+        self.partition_stride = getattr(param, "partition_stride", 1)
+        self.allreduce = False
+        self.shape = param.shape[1:]
+
+
+def _initialize_stacked_experts(param, global_name: str, seed: int, device) -> None:
+    """Stacked expert weights (GroupedMLP) take, expert by expert, the values SequentialMLP's
+    ``experts.local_experts.<g>.<per_expert_name>`` gets, so --moe-grouped-gemm does not change the model."""
+    base = global_name.rsplit(".", 1)[0]  # ...mlp.experts
+    layout = _ExpertSlice(param)
+    first = parallel_state.get_expert_model_parallel_rank() * param.shape[0]
+    devices = [device] if device.type == "cuda" else []
+    for i in range(param.shape[0]):
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(_name_seed(seed, f"{base}.local_experts.{first + i}.{param.per_expert_name}"))
+            full = torch.empty(global_shape(layout), dtype=param.dtype, device=device)
+            param.init_fn(full)
+        param[i].copy_(local_slice(full, layout))

@@ -27,7 +27,9 @@ UNSUPPORTED_FLAGS = {
     "--sft": (dict(action="store_true"), "SFT data is not supported"),
     "--quick-geglu": (dict(action="store_true"), "use --swiglu or the default GeLU"),
     "--rerun-mode": (dict(type=str), "the rerun state machine is not built yet"),
-    "--hierarchical-context-parallel-sizes": (dict(type=int, nargs="+"), "context parallelism is not built yet"),
+    "--hierarchical-context-parallel-sizes": (dict(type=int, nargs="+"),
+                                              "hierarchical CP (a2a+p2p) is not built; use --cp-comm-type p2p, "
+                                              "allgather or a2a"),
     "--pipeline-model-parallel-layout": (dict(type=str), "custom pipeline layouts are not built yet"),
 }
 

@@ -86,8 +86,9 @@ class GroupedMLP(MegatronModule):
         self.weight2 = _make_param((num_local_experts, config.hidden_size, divide(ffn, etp)), config,
                                    config.output_layer_init_method, is_expert=True)
         set_tensor_model_parallel_attributes(self.weight2, True, 2, 1)
-        for w in (self.weight1, self.weight2):
+        for w, name in ((self.weight1, "linear_fc1.weight"), (self.weight2, "linear_fc2.weight")):
             w.expert_dim = 0
+            w.per_expert_name = name  # initialized like SequentialMLP's expert linears
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor):
         x = permuted_local_hidden_states  # [N, h]

@@ -72,8 +72,8 @@ def reduce_aux_losses_tracker_across_ranks(track_names: Optional[List[str]] = No
 
 
 def _expert_load_summary(num_layers: int):
-    """(mean max-load, mean min-load) over MoE layers: each expert's tokens over the mean tokens per expert,
-    counted over all ranks of the step (1.0 = perfectly balanced)."""
+    """Device tensor [mean max-load, mean min-load] over MoE layers: each expert's tokens over the mean
+    tokens per expert, counted over all ranks of the step (1.0 = perfectly balanced)."""
     entry = _TRACKER.get("_expert_load")
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     ratios = torch.zeros(2, device=_device())
@@ -86,9 +86,7 @@ def _expert_load_summary(num_layers: int):
             ratios += torch.stack([counts.max() / mean, counts.min() / mean]).to(ratios.device)
             layers += 1
     both = _reduce(torch.cat([ratios, layers]), pp_group)
-    if both[2] == 0:
-        return None
-    return float(both[0] / both[2]), float(both[1] / both[2])
+    return both[:2] / both[2].clamp(min=1)
 
 
 def _device():
@@ -102,7 +100,8 @@ def track_moe_metrics(loss_scale: float, iteration: int, writer=None, wandb_writ
                       num_layers: Optional[int] = None, moe_layer_pattern=None, log_expert_load: bool = True):
     """Reduce this step's MoE metrics, add each name's mean over MoE layers to ``total_loss_dict`` (the
     log line), write TensorBoard/W&B scalars (per layer with ``per_layer_logging``), and clear them.
-    Every rank must call it (it runs collectives)."""
+    Every rank must call it (it runs collectives). Values stay on the device (no host sync) unless
+    scalars are written."""
     track_names = list(track_names or [])
     for name in track_names:
         if name not in _TRACKER:  # a stage without this loss still joins the reductions
@@ -116,24 +115,26 @@ def track_moe_metrics(loss_scale: float, iteration: int, writer=None, wandb_writ
     scalars = {}
     for name in track_names:
         values = _TRACKER[name]["values"].float() * loss_scale
-        mean = float(values.sum()) / num_moe
+        mean = values.sum() / num_moe
         if total_loss_dict is not None:
             total_loss_dict[name] = total_loss_dict.get(name, 0.0) + mean
         scalars[name] = mean
         if per_layer_logging:
-            for i, v in enumerate(values.tolist()):
+            for i in range(num_layers):
                 if pattern[i]:
-                    scalars[f"moe/{name}_layer_{i}"] = v
+                    scalars[f"moe/{name}_layer_{i}"] = values[i]
     if log_expert_load:
         load = _expert_load_summary(num_layers)
-        if load is not None and total_loss_dict is not None:
+        if total_loss_dict is not None:
             total_loss_dict["moe max load"] = total_loss_dict.get("moe max load", 0.0) + load[0]
             total_loss_dict["moe min load"] = total_loss_dict.get("moe min load", 0.0) + load[1]
-            scalars["moe/max_load"], scalars["moe/min_load"] = load
-    if writer is not None:
+        scalars["moe/max_load"], scalars["moe/min_load"] = load[0], load[1]
+    if writer is not None or wandb_writer is not None:
+        scalars = {key: float(value) for key, value in scalars.items()}
         for key, value in scalars.items():
-            writer.add_scalar(key, value, iteration)
-    if wandb_writer is not None:
-        wandb_writer.log(scalars, iteration)
+            if writer is not None:
+                writer.add_scalar(key, value, iteration)
+        if wandb_writer is not None:
+            wandb_writer.log(scalars, iteration)
     clear_aux_losses_tracker()
     return scalars

@@ -72,6 +72,16 @@ class TopKRouter(Router):
                                  persistent=False)
             self.ga_steps = 0
 
+    def _apply(self, fn, *args, **kwargs):
+        """Keep the expert bias and the token counts in fp32 when the model is cast to bf16/fp16
+        (counts above 256 are not exact in bf16; the bias moves by steps of 1e-3)."""
+        super()._apply(fn, *args, **kwargs)
+        for name in ("expert_bias", "local_tokens_per_expert", "global_tokens_per_expert"):
+            buf = self._buffers.get(name)
+            if buf is not None and buf.dtype != torch.float32:
+                self._buffers[name] = buf.float()
+        return self
+
     # -- helpers ------------------------------------------------------------------------------
     def get_aux_loss_coeff(self, aux_loss_type: str) -> float:
         coeffs = _as_list(self.config.moe_aux_loss_coeff)

@@ -140,6 +140,11 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
     def token_permutation(self, hidden_states, probs, routing_map):
         self.hidden_shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_shape[-1])
+        self.local_only = self.ep_size * self.etp_size == 1
+        if self.local_only:  # every expert is here: no exchange, and no host read of the counts
+            permuted, self.permuted_probs, self.sorted_indices = self._permute(
+                x, routing_map, probs, num_out_tokens=self._num_out_tokens(x.shape[0]))
+            return permuted, routing_map.sum(dim=0)
         C = self._gather_counts(routing_map)
         t, m, El, ep = self.etp_rank, self.ep_rank, self.num_local_experts, self.ep_size
         mine = C[t][m]
@@ -162,13 +167,16 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
 
     def token_unpermutation(self, expert_output, bias=None):
         y = expert_output
-        if self.num_local_experts > 1:
+        if self.local_only:
+            pass
+        elif self.num_local_experts > 1:
             sorted_sizes = [self.chunk_sizes[i] for i in self.sorted_idxs]
             inverse = sorted(range(len(self.sorted_idxs)), key=lambda i: self.sorted_idxs[i])
             y = sort_chunks_by_idxs(y, sorted_sizes, inverse)  # back to [u][j][l]
         if self.etp_size > 1:
             y = _ReduceScatterV.apply(y, self.etp_group, self.etp_sizes)  # sum the expert-TP partials
-        y = all_to_all(self.ep_group, y, self.input_splits, self.output_splits)
+        if not self.local_only:
+            y = all_to_all(self.ep_group, y, self.input_splits, self.output_splits)
         num_tokens = self.hidden_shape.numel() // self.hidden_shape[-1]
         out = self._unpermute(y, self.sorted_indices, (num_tokens, self.hidden_shape[-1]),
                               probs=self.permuted_probs)
