@@ -9,6 +9,7 @@ from megatron.core.enums import ModelType
 from megatron.core.num_microbatches_calculator import (get_current_global_batch_size, get_num_microbatches,
                                                        update_num_microbatches)
 from megatron.core.utils import get_device, get_model_config
+from megatron.training.diagnostics.errors import report_errors
 from megatron.training.data_iterators import build_train_valid_test_data_iterators
 from megatron.training.evaluate import evaluate_and_print_results
 from megatron.training.exit import duration_exceeded
@@ -31,7 +32,17 @@ def print_datetime(string):
 def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
              process_non_loss_data_func=None, extra_args_provider=None, args_defaults={},
              get_embedding_ranks=None, get_position_embedding_ranks=None, non_loss_data_func=None):
-    """Megatron's classic entry: everything from flags to the final test evaluation."""
+    """Megatron's classic entry: everything from flags to the final test evaluation. An error on any rank
+    ends the run there with `[rank R] Type: message` and a non-zero exit (diagnostics.errors)."""
+    with report_errors():
+        _pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                  process_non_loss_data_func, extra_args_provider, args_defaults, get_embedding_ranks,
+                  get_position_embedding_ranks)
+
+
+def _pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+              process_non_loss_data_func, extra_args_provider, args_defaults, get_embedding_ranks,
+              get_position_embedding_ranks):
     if get_embedding_ranks is not None or get_position_embedding_ranks is not None:
         raise NotImplementedError("pretrain(get_embedding_ranks=...) is not supported; use the default ranks")
     start = time.time()

@@ -6,6 +6,7 @@
 import argparse
 import os
 
+from .diagnostics_args import add_diagnostics_args
 from .configs import core_transformer_config_from_args, ddp_config_from_args, optimizer_config_from_args
 from .model_args import (add_initialization_args, add_mixed_precision_args, add_network_size_args,
                          add_regularization_args)
@@ -25,7 +26,8 @@ def build_parser(extra_args_provider=None):
     parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
     for add in (add_network_size_args, add_regularization_args, add_training_args, add_initialization_args,
                 add_learning_rate_args, add_checkpointing_args, add_mixed_precision_args, add_distributed_args,
-                add_validation_args, add_data_args, add_tokenizer_args, add_logging_args, add_unsupported_args):
+                add_validation_args, add_data_args, add_tokenizer_args, add_logging_args, add_unsupported_args,
+                add_diagnostics_args):
         parser = add(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
