@@ -58,12 +58,12 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
         print(f"[rank {args.rank}] stopping: another rank failed at start-up (its error is above)",
               file=sys.stderr, flush=True)
         errors.exit_now(2)
-    hang.install(args)
     if not skip_mpu_initialization:
         _initialize_model_parallel(args)
         _set_random_seed(args.seed, args.data_parallel_random_init,
                          use_cudagraphable_rng=getattr(args, "cuda_graph_impl", "none") == "full_iteration")
     _compile_dataset_helpers()
+    hang.install(args)
     return None
 
 
@@ -162,6 +162,7 @@ def _initialize_distributed(args):
         print("> initializing torch distributed ...", flush=True)
     kwargs = dict(backend=args.distributed_backend, world_size=args.world_size, rank=args.rank,
                   timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+    hang.configure_flight_recorder(args)
     if torch.cuda.is_available() and args.distributed_backend == "nccl":
         kwargs["device_id"] = torch.device(f"cuda:{torch.cuda.current_device()}")
     torch.distributed.init_process_group(**kwargs)

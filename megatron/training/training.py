@@ -9,6 +9,7 @@ from megatron.core.enums import ModelType
 from megatron.core.num_microbatches_calculator import (get_current_global_batch_size, get_num_microbatches,
                                                        update_num_microbatches)
 from megatron.core.utils import get_device, get_model_config
+from megatron.training.diagnostics import hang, straggler
 from megatron.training.diagnostics.errors import report_errors
 from megatron.training.data_iterators import build_train_valid_test_data_iterators
 from megatron.training.evaluate import evaluate_and_print_results
@@ -38,6 +39,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
         _pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
                   process_non_loss_data_func, extra_args_provider, args_defaults, get_embedding_ranks,
                   get_position_embedding_ranks)
+    hang.uninstall()  # a finished run stops watching (the process may go on, e.g. in tests)
 
 
 def _pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
@@ -136,13 +138,17 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     total_loss_dict, report_memory_flag = {}, True
     iteration = args.iteration
     forward_backward_func = get_training_forward_backward_func()
+    straggler.setup(args)
     timers("interval-time", log_level=0).start(barrier=True)
     while iteration < args.train_iters:
+        hang.heartbeat()
         update_num_microbatches(args.consumed_train_samples, consistency_check=True)
+        straggler.step_start()
         loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
             forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config,
             forward_backward_func)
         iteration += 1
+        straggler.step_end(iteration, args.log_interval)
         args.iteration = iteration
         batch_size = args.micro_batch_size * args.data_parallel_size * get_num_microbatches()
         args.consumed_train_samples += batch_size

@@ -62,6 +62,9 @@ for line in sys.stdin:
                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) if n > 1 else {} for r in range(n)]
     tmp = tempfile.mkdtemp(prefix="cli_runner_")
     paths = [(os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err")) for r in range(n)]
+    for out, err in paths:
+        open(out, "w").close()
+        open(err, "w").close()
     sys.stdout.flush()
     pids = []
     for r in range(n):
@@ -70,19 +73,38 @@ for line in sys.stdin:
             child(req, r, *paths[r])
         pids.append(pid)
     rcs, deadline = [None] * n, time.time() + req["timeout"]
+    throttle, stopped, toggle_at = req["throttle"], False, time.time()
+    pause, resume_at = req["pause"], None
     while None in rcs:
+        if pause and resume_at is None and rcs[pause["rank"]] is None:
+            with open(paths[pause["when_rank"]][0], errors="replace") as f:
+                if pause["when_text"] in f.read():
+                    os.kill(pids[pause["rank"]], signal.SIGSTOP)  # a frozen rank: it reaches no collective
+                    resume_at = time.time() + pause["for_s"]
+        if resume_at is not None and time.time() >= resume_at and rcs[pause["rank"]] is None:
+            os.kill(pids[pause["rank"]], signal.SIGCONT)
+            resume_at = float("inf")
+        if throttle and rcs[throttle["rank"]] is None and time.time() >= toggle_at:
+            stopped = not stopped  # a slow node: the rank runs run_ms, then stands still stop_ms
+            os.kill(pids[throttle["rank"]], signal.SIGSTOP if stopped else signal.SIGCONT)
+            toggle_at = time.time() + (throttle["stop_ms"] if stopped else throttle["run_ms"]) / 1000
         for r, pid in enumerate(pids):
             if rcs[r] is None:
                 done, status = os.waitpid(pid, os.WNOHANG)
                 if done:
                     rcs[r] = os.waitstatus_to_exitcode(status)
+        if req["stop_others"] and any(rc not in (None, 0) for rc in rcs):
+            for r, pid in enumerate(pids):  # what torchrun does when a worker fails
+                if rcs[r] is None:
+                    os.kill(pid, signal.SIGCONT)
+                    os.kill(pid, signal.SIGTERM)
         if None in rcs and time.time() > deadline:
             for r, pid in enumerate(pids):
                 if rcs[r] is None:
                     os.kill(pid, signal.SIGKILL)
                     os.waitpid(pid, 0)
                     rcs[r] = "timeout"
-        time.sleep(0.02)
+        time.sleep(0.005)
     results = []
     for r in range(n):
         texts = []
@@ -105,17 +127,21 @@ class CliRunner:
                                      stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         return self
 
-    def run(self, argv, nranks=1, timeout=60, env=None, cwd=None, block=None):
+    def run(self, argv, nranks=1, timeout=60, env=None, cwd=None, block=None, stop_others=False, throttle=None,
+            pause=None):
         """Run ``argv`` (script first) on ``nranks`` ranks. ``cwd`` and ``block`` (module names that fail to
-        import) are one value for all ranks or a list with one per rank. Returns one RankResult per rank;
-        rc is "timeout" for a rank killed at ``timeout`` seconds."""
+        import) are one value for all ranks or a list with one per rank. ``stop_others``: SIGTERM the other
+        ranks once one fails, as torchrun does. ``throttle``: dict(rank, run_ms, stop_ms) alternately lets that rank
+        run and stops it (SIGSTOP/SIGCONT), a slow node. ``pause``: dict(rank, when_rank, when_text, for_s) stops
+        that rank for for_s seconds once when_rank has printed when_text (a frozen rank). Returns one
+        RankResult per rank; rc is "timeout" for a rank killed at ``timeout`` seconds."""
         def per_rank(value, default):
             value = default if value is None else value
             return value if isinstance(value, list) and len(value) == nranks and isinstance(value[0], type(default)) \
                 else [value] * nranks
         argv = [os.path.join(ROOT, str(argv[0]))] + [str(a) for a in argv[1:]]
-        req = dict(argv=argv, nranks=nranks, timeout=timeout, env=env or {},
-                   cwd=[str(c) for c in per_rank(cwd, ROOT)], block=per_rank(block, []))
+        req = dict(argv=argv, nranks=nranks, timeout=timeout, env=env or {}, stop_others=stop_others,
+                   throttle=throttle, pause=pause, cwd=[str(c) for c in per_rank(cwd, ROOT)], block=per_rank(block, []))
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()

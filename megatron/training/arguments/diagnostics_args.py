@@ -24,7 +24,7 @@ def add_diagnostics_args(parser):
     g.add_argument("--log-straggler", action="store_true",
                    help="Report the slowest and fastest ranks' step times at each log interval.")
     g.add_argument("--straggler-ctrlr-port", type=int, default=65535,
-                   help="Rank 0 port where an HTTP request toggles the report (curl <host>:<port>).")
+                   help="Rank 0 port where an HTTP request toggles the report (curl <host>:<port>); 0: a free one.")
     g.add_argument("--straggler-minmax-count", type=int, default=1,
                    help="How many slowest and fastest ranks to report.")
     g.add_argument("--disable-straggler-on-startup", action="store_true",
@@ -57,7 +57,7 @@ def validate_diagnostics_args(args, require):
                              ("--error-injection-rate", args.error_injection_rate, 0),
                              ("--flight-recorder-trace-buffer-size", args.flight_recorder_trace_buffer_size, 0)):
         require(value is None or value >= low, f"{flag} ({value}) must be >= {low}")
-    require(0 < args.straggler_ctrlr_port < 65536,
-            f"--straggler-ctrlr-port ({args.straggler_ctrlr_port}) must be in 1..65535")
+    require(0 <= args.straggler_ctrlr_port < 65536,
+            f"--straggler-ctrlr-port ({args.straggler_ctrlr_port}) must be in 0..65535 (0: any free port)")
     require(not (args.error_injection_rate and args.rerun_mode == "report_stats"),
             "--error-injection-rate needs --rerun-mode validate_results or disabled")

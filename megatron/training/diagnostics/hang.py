@@ -2,10 +2,11 @@
 
 - A recorder wraps torch.distributed's collective functions (our code calls them as attributes of
   `torch.distributed`) and keeps the last calls of this rank: op, tensor, group size, start, end.
-- A watchdog thread watches progress (a collective starting or finishing, a training step). After
+- A watchdog thread watches progress (a collective starting or finishing, a training step). After 90% of
   `--distributed-timeout-minutes` (or `--distributed-timeout-seconds-after-init`) without any, it writes
   `<prefix><rank>.stacks.txt`: the recorded collectives, then every thread's stack (faulthandler), and
-  logs one line naming the file. The rank that never reached the collective is found this way.
+  logs one line naming the file. The rank that never reached the collective is found this way. 90%: the
+  dump must be on disk before the waiting ranks' collectives fail and the launcher stops every rank.
 - A rank whose collective fails (the peer's timeout, or a peer that exited) writes the same dump from the
   error path, with the traceback of the failed wait.
 - On NCCL, torch's flight recorder is configured from Megatron's --flight-recorder-* flags so that NCCL's
@@ -44,6 +45,7 @@ class CollectiveRecorder:
         self.calls = collections.deque(maxlen=HISTORY)
         self.sequence = 0
         self.last_progress = time.monotonic()
+        self.blocked_s = 0.0  # time spent inside synchronous collectives (waiting for the other ranks)
         self.lock = threading.Lock()
 
     def start(self, name, args, kwargs):
@@ -62,6 +64,8 @@ class CollectiveRecorder:
 
     def finish(self, entry):
         entry["end"] = time.time()
+        if not entry["async"]:
+            self.blocked_s += entry["end"] - entry["start"]
         self.last_progress = time.monotonic()
 
     def in_flight(self):
@@ -173,6 +177,11 @@ def _set_group_timeouts(seconds):
             pass  # a group this rank is not part of
 
 
+def blocked_seconds():
+    """Seconds this rank has spent inside synchronous collectives so far (0 when not installed)."""
+    return _STATE.recorder.blocked_s if _STATE is not None else 0.0
+
+
 def heartbeat():
     """The training loop made progress (a step started or ended)."""
     if _STATE is not None:
@@ -184,7 +193,7 @@ def _watch(state):
     poll = min(max(state.timeout_s / 10, 0.2), 5.0)
     while not state.stop.wait(poll):
         idle = time.monotonic() - state.recorder.last_progress
-        if idle < state.timeout_s or state.dumped:
+        if idle < 0.9 * state.timeout_s or state.dumped:
             continue
         waiting = state.recorder.in_flight()
         where = (f"waiting in {waiting['op']} #{waiting['seq']}" if waiting else
@@ -194,8 +203,9 @@ def _watch(state):
 
 def write_dump(state, reason, exc=None):
     """Write this rank's dump file and log one line naming it; returns the path."""
+    mode = "a" if state.dumped else "w"  # a later failure is added to the stall's dump, not written over it
     state.dumped = True
-    with open(state.path, "w") as f:
+    with open(state.path, mode) as f:
         f.write(f"# hang dump: rank {state.rank} of {torch.distributed.get_world_size()} on "
                 f"{socket.gethostname()} pid {os.getpid()} at {datetime.datetime.now().isoformat()}\n")
         f.write(f"# reason: {reason}\n## last collectives of this rank (oldest first)\n")
@@ -213,7 +223,7 @@ def write_dump(state, reason, exc=None):
 def _dump_on_error(exc):
     """A rank that fails inside a collective (timeout, or a peer gone) records where it was waiting."""
     state = _STATE
-    if state is None or state.dumped:
+    if state is None:
         return
     waiting = state.recorder.in_flight()
     if waiting is not None:
