@@ -125,7 +125,7 @@ DATA_CASES = [
     ("idx-missing", ["{d}/no_idx"], "{d}/no_idx.idx not found"),
     ("bin-truncated", ["{d}/trunc_bin"], "{d}/trunc_bin.bin is truncated"),
     ("idx-truncated", ["{d}/trunc_idx"], "{d}/trunc_idx.idx is truncated"),
-    ("idx-bad-header", ["{d}/bad_magic"], "{d}/bad_magic.idx is not a Megatron .idx file"),
+    ("idx-bad-header", ["{d}/bad_magic"], "{d}/bad_magic.idx is not a Megatron MMIDIDX index"),
     ("weighted-truncated", ["0.7", "{d}/good", "0.3", "{d}/trunc_bin"], "{d}/trunc_bin.bin is truncated"),
 ]
 

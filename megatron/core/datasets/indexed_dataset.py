@@ -131,7 +131,7 @@ def check_dataset_files(path_prefix: str, multimodal: bool = False) -> None:
     with open(idx_path, "rb") as f:
         head = f.read(34)
         if len(head) < 34 or head[:9] != _INDEX_HEADER:
-            raise InputError(f"{idx_path} is not a Megatron .idx file ({idx_size} bytes, bad header); "
+            raise InputError(f"{idx_path} is not a Megatron MMIDIDX index ({idx_size} bytes, bad header); "
                              "re-run tools/preprocess_data.py")
         code, n, d = struct.unpack("<B", head[17:18])[0], *struct.unpack("<QQ", head[18:34])
         if code not in {t.value for t in DType}:
