@@ -237,7 +237,6 @@ class RerunStateMachine:
         line = (f"rerun: rank {record['rank']} iteration {self.current_iteration}: {message}: result "
                 f"{record['initial_result']}" + (f", re-run {rerun}" if rerun is not None else "")
                 + f" -> {diagnosis}; {what}")
-        logger.warning(line)
         print(line, flush=True)
         if decision == "stop" and (self.mode == RerunMode.DISABLED or self.state == RerunState.NOT_RUNNING_YET
                                    or self.mode == RerunMode.REPORT_DETERMINISM_STATS):
