@@ -35,8 +35,8 @@ def test_spike_and_nan_decisions():
     assert rsm.decisions[-1]["decision"] == "skip" and rsm.should_skip_step()
     _step(rsm, it, [float("nan"), 1.0])
     assert rsm.decisions[-1]["decision"] == "stop" and rsm.should_checkpoint_and_exit() == (True, True, 17)
-    assert [d["iteration"] for d in rsm.decisions] == [3, 4, 5, 6]  # 0-based here; train() numbers them as its log line does
-    assert next(it) == 8  # every step consumed exactly one micro-batch, re-runs included
+    assert [d["iteration"] for d in rsm.decisions] == [3, 4, 5, 6]  # 0-based; train() numbers as its log
+    assert next(it) == 7  # 7 steps consumed one micro-batch each, re-runs included
     restored = RerunStateMachine(mode="validate_results")
     restored.load_state_dict(rsm.state_dict())
     assert restored.decisions == rsm.decisions and restored.max_values == {"loss": 1.0}
