@@ -119,10 +119,16 @@ for line in sys.stdin:
 
 
 class CliRunner:
-    """One server per test module; `run` is cheap (a fork), the server start pays the imports once."""
+    """One server per test module; `run` is cheap (a fork), the server start pays the imports once.
+    ``gpus=True`` leaves the GPUs visible (rank r uses cuda:r, NCCL)."""
+
+    def __init__(self, gpus=False):
+        self.gpus = gpus
 
     def __enter__(self):
         env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+        if not self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ""  # CPU tests: gloo and CPU tensors even on a GPU machine
         self.proc = subprocess.Popen([sys.executable, "-c", f"ROOT = {ROOT!r}\n" + _SERVER], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         return self

@@ -7,8 +7,8 @@
   `<prefix><rank>.stacks.txt`: the recorded collectives, then every thread's stack (faulthandler), and
   logs one line naming the file. The rank that never reached the collective is found this way. 90%: the
   dump must be on disk before the waiting ranks' collectives fail and the launcher stops every rank.
-- A rank whose collective fails (the peer's timeout, or a peer that exited) writes the same dump from the
-  error path, with the traceback of the failed wait.
+- A rank whose collective times out writes the same dump from the error path, with the traceback of the
+  failed wait.
 - On NCCL, torch's flight recorder is configured from Megatron's --flight-recorder-* flags so that NCCL's
   own trace is dumped at a timeout too (`<prefix><rank>`).
 The watchdog only writes: the run ends when the waiting ranks' collectives time out.
@@ -46,9 +46,12 @@ class CollectiveRecorder:
         self.sequence = 0
         self.last_progress = time.monotonic()
         self.blocked_s = 0.0  # time spent inside synchronous collectives (waiting for the other ranks)
+        self.on_stall = None  # called with the idle time at each collective start (a rank back from a stall)
         self.lock = threading.Lock()
 
     def start(self, name, args, kwargs):
+        if self.on_stall is not None:
+            self.on_stall(time.monotonic() - self.last_progress)
         tensor = next((a for a in list(args) + list(kwargs.values()) if torch.is_tensor(a)), None)
         group = kwargs.get("group")
         entry = {"seq": self.sequence, "op": name, "start": time.time(), "end": None,
@@ -97,7 +100,6 @@ def _wrap(name, fn, recorder):
             return fn(*args, **kwargs)
         finally:
             recorder.finish(entry)
-    recorded.__wrapped_collective__ = fn
     return recorded
 
 
@@ -107,6 +109,7 @@ class _State:
         self.timeout_s, self.prefix, self.rank = timeout_s, prefix, rank
         self.path = f"{prefix}{rank}.stacks.txt"
         self.dumped = False
+        self.dump_lock = threading.Lock()
         self.stop = threading.Event()
 
 
@@ -143,6 +146,7 @@ def install(args):
     global _STATE
     uninstall()
     _STATE = _State(timeout_seconds(args), dump_prefix(args), torch.distributed.get_rank())
+    _STATE.recorder.on_stall = functools.partial(_check_stall, _STATE)
     for name in COLLECTIVES:
         fn = getattr(torch.distributed, name, None)
         if fn is not None:
@@ -192,9 +196,17 @@ def heartbeat():
 def _watch(state):
     poll = min(max(state.timeout_s / 10, 0.2), 5.0)
     while not state.stop.wait(poll):
-        idle = time.monotonic() - state.recorder.last_progress
-        if idle < 0.9 * state.timeout_s or state.dumped:
-            continue
+        _check_stall(state, time.monotonic() - state.recorder.last_progress)
+
+
+def _check_stall(state, idle):
+    """Dump once per stall: from the watchdog thread, or from the main thread at its next collective when
+    the whole process stood still (stopped, swapped out) and the watchdog could not run either."""
+    if idle < 0.9 * state.timeout_s or state.dumped:
+        return
+    with state.dump_lock:
+        if state.dumped:
+            return
         waiting = state.recorder.in_flight()
         where = (f"waiting in {waiting['op']} #{waiting['seq']}" if waiting else
                  "not in a collective (this rank may be the one the others wait for)")
@@ -221,11 +233,12 @@ def write_dump(state, reason, exc=None):
 
 
 def _dump_on_error(exc):
-    """A rank that fails inside a collective (timeout, or a peer gone) records where it was waiting."""
+    """A rank whose collective timed out records where it was waiting (its stacks, the failed call)."""
     state = _STATE
     if state is None:
         return
     waiting = state.recorder.in_flight()
-    if waiting is not None:
+    # Only a wait that lasted (a timeout), not one a departed peer cut short: that is an error, not a hang.
+    if waiting is not None and time.time() - waiting["start"] >= 0.5 * state.timeout_s:
         write_dump(state, f"{waiting['op']} #{waiting['seq']} failed after {time.time() - waiting['start']:.1f} s: "
                           f"{errors.error_line(exc)}", exc)
