@@ -4,11 +4,16 @@
 def num_floating_point_operations(args, batch_size):
     """Training FLOPs (forward + both backward GEMMs) for `batch_size` samples of `args.seq_length` tokens.
 
-    Per token: 6*h*f*E*L (MLP, E=3 for SwiGLU else 2) + 6*L*(h*(d_q + 2*d_kv) + d_q*h) (QKV and output
-    projections) + 6*h*V (logits); plus per sample 6*s^2*d_q*L for causal core attention (QK^T and AV,
-    halved for the mask). 6 = 3 GEMMs (fwd, wgrad, dgrad) x 2 FLOPs per multiply-add.
+    Per token: 6*h*f*E*L (MLP, E=3 for SwiGLU else 2; MoE layers count the active width, see
+    `active_mlp_ffn_sum`) + 6*L*(h*(d_q + 2*d_kv) + d_q*h) (QKV and output projections) + 6*h*V (logits)
+    + 6*s*d_q*L for causal core attention (QK^T and AV, halved for the mask). 6 = 3 GEMMs (fwd, wgrad,
+    dgrad) x 2 FLOPs per multiply-add. Multi-latent attention replaces the attention terms
+    (`mla_flops_per_token`); multi-token prediction adds its depths as dense layers, their norms and
+    eh_proj, and one logits pass each (Megatron's formula).
     """
-    h, L, s = args.hidden_size, args.num_layers, args.seq_length
+    h, s = args.hidden_size, args.seq_length
+    mtp = getattr(args, "mtp_num_layers", None) or 0
+    L = args.num_layers + mtp  # each MTP depth is one more transformer layer
     heads = args.num_attention_heads
     kv_channels = args.kv_channels if args.kv_channels is not None else h // heads
     groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
@@ -17,10 +22,51 @@ def num_floating_point_operations(args, batch_size):
     expansion = 3 if getattr(args, "swiglu", False) else 2
     vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size
     tokens = batch_size * s
-    per_token = (6 * h * ffn * expansion * L
-                 + 6 * L * (h * (d_q + 2 * d_kv) + d_q * h)
-                 + 6 * h * vocab)
-    return tokens * per_token + batch_size * s * s * 6 * d_q * L
+    if getattr(args, "multi_latent_attention", False):
+        attention = L * mla_flops_per_token(args)
+    else:
+        attention = 6 * L * (h * (d_q + 2 * d_kv) + d_q * h) + 6 * s * d_q * L
+    per_token = (6 * h * expansion * (active_mlp_ffn_sum(args, ffn) + ffn * mtp)
+                 + attention
+                 + 6 * mtp * (3 * h + 2 * h * h)  # MTP norms and eh_proj
+                 + 6 * h * vocab * (1 + mtp))  # one output head pass per prediction depth
+    return tokens * per_token
+
+
+def mla_flops_per_token(args):
+    """Training FLOPs of one multi-latent attention layer per token (Megatron's MLA term): the q and kv
+    down/up projections (+ their norms), the shared rope key, linear_proj, and causal core attention
+    over q/k head dim qk + pe and v head dim hv."""
+    h, n, s = args.hidden_size, args.num_attention_heads, args.seq_length
+    d_qk = args.qk_head_dim + args.qk_pos_emb_head_dim
+    if args.q_lora_rank is None:
+        q_term = h * n * d_qk
+    else:
+        q_term = args.q_lora_rank * (h + n * d_qk + 1)
+    kv_term = args.kv_lora_rank * (h + n * (args.qk_head_dim + args.v_head_dim) + 1) + h * args.qk_pos_emb_head_dim
+    core = s * n * d_qk / 2 + s * n * args.v_head_dim / 2  # QK^T and AV, half under the causal mask
+    return 6 * (q_term + kv_term + n * args.v_head_dim * h + core)
+
+
+def moe_layer_counts(args):
+    """(dense MLP layers, MoE layers) from --num-experts and --moe-layer-freq (int N or 0/1 list)."""
+    L = args.num_layers
+    if getattr(args, "num_experts", None) is None:
+        return L, 0
+    freq = args.moe_layer_freq
+    pattern = [1 if i % freq == 0 else 0 for i in range(L)] if isinstance(freq, int) else list(freq)
+    return L - sum(pattern), sum(pattern)
+
+
+def active_mlp_ffn_sum(args, ffn):
+    """Sum over layers of the FFN width a token passes through (Megatron's MoE FLOPs formula): ffn in
+    dense layers; top-k routed experts of --moe-ffn-hidden-size plus the shared expert in MoE layers."""
+    dense, moe = moe_layer_counts(args)
+    if not moe:
+        return ffn * dense
+    moe_ffn = args.moe_ffn_hidden_size if args.moe_ffn_hidden_size is not None else ffn
+    shared = args.moe_shared_expert_intermediate_size or 0
+    return ffn * dense + (moe_ffn * args.moe_router_topk + shared) * moe
 
 
 def throughput_tflops_per_gpu(args, batch_size, seconds_per_iteration, world_size):

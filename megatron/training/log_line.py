@@ -79,6 +79,8 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
     """Accumulate, and at log points print the line (last rank), timers and memory. Returns report flag."""
     args, timers = get_args(), get_timers()
     accumulate(total_loss_dict, loss_dict, skipped_iter)
+    if getattr(args, "num_experts", None):
+        _track_moe(args, iteration, total_loss_dict)
     batch_size = args.micro_batch_size * args.data_parallel_size * _num_microbatches()
     _write_scalars(args, iteration, learning_rate, batch_size, loss_dict, loss_scale, grad_norm,
                    num_zeros_in_grad, params_norm)
@@ -115,6 +117,24 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
         report_memory_flag = False
     timers.log(TIMERS_TO_LOG, normalizer=window)
     return report_memory_flag
+
+
+def _track_moe(args, iteration, total_loss_dict):
+    """MoE losses after 'lm loss' in the line (Megatron's names), expert load spread, per-layer scalars.
+    Every rank joins: the values are reduced over PP, TP and DP."""
+    from megatron.core.transformer.moe.moe_logging import track_moe_metrics
+    from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
+    types = args.moe_router_load_balancing_type
+    types = types if isinstance(types, list) else [types]
+    names = [name for kind, name in (("aux_loss", "load_balancing_loss"), ("seq_aux_loss", "seq_load_balancing_loss"),
+                                     ("global_aux_loss", "global_load_balancing_loss")) if kind in types]
+    if args.moe_z_loss_coeff is not None:
+        names.append("z_loss")
+    writer = get_tensorboard_writer() if iteration % args.tensorboard_log_interval == 0 else None
+    wandb = get_wandb_writer() if iteration % args.tensorboard_log_interval == 0 else None
+    track_moe_metrics(1.0 / _num_microbatches(), iteration, writer, wandb, total_loss_dict,
+                      per_layer_logging=args.moe_per_layer_logging, track_names=names, num_layers=args.num_layers,
+                      moe_layer_pattern=moe_layer_pattern(args.moe_layer_freq, args.num_layers))
 
 
 def _num_microbatches():

@@ -1,140 +1,84 @@
-"""Convert a GPT checkpoint between formats (torch <-> torch_dist) and parallel layouts, offline on CPU.
+"""Convert a GPT checkpoint between formats and parallel layouts, or from / to Hugging Face, offline on CPU.
 
+Our checkpoints, torch <-> torch_dist and any TP/PP layout:
     python tools/checkpoint/convert.py --load-dir A --save-dir B --target-format torch|torch_dist \\
         [--target-tensor-parallel-size T] [--target-pipeline-parallel-size P] [--iteration N]
+Hugging Face in and out (Megatron's spelling; loaders llama_mistral and mixtral_hf are aliases of hf):
+    python tools/checkpoint/convert.py --model-type GPT --loader hf --saver core --load-dir HF_DIR \\
+        --save-dir OUT --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+    python tools/checkpoint/convert.py --model-type GPT --loader core --saver hf --load-dir CKPT --save-dir HF_DIR
 
-Spawns one gloo process per target model-parallel rank. A torch_dist source is read directly under the
-target layout (every tensor is stored under its global key); a legacy torch source is first loaded under
-its own layout and rewritten as torch_dist in a temporary directory. The result holds the model weights,
-args (with the new layout) and iteration; optimizer and RNG state are not converted, so a run loading it
-starts with a fresh optimizer (the saved args say the optimizer was not saved).
+Layout conversions spawn one gloo process per target model-parallel rank (see
+megatron/training/checkpointing/convert.py); optimizer and RNG state are not converted, so a run
+loading the result starts with a fresh optimizer. Hugging Face conversions stream tensor by tensor
+(megatron/training/checkpointing/hf.py).
 """
 import argparse
-import copy
 import os
-import shutil
-import socket
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+from megatron.training.checkpointing.convert import convert  # noqa: E402
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_args(ckpt_args, load_dir, save_dir, fmt, tp, pp, iteration):
-    """The checkpoint's args re-targeted: new layout, model weights only."""
-    args = copy.deepcopy(ckpt_args)
-    world = tp * pp
-    overrides = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=world,
-                     data_parallel_size=1, virtual_pipeline_model_parallel_size=None,
-                     load=load_dir, save=save_dir, ckpt_format=fmt, auto_detect_ckpt_format=True,
-                     ckpt_step=iteration, no_load_optim=True, no_save_optim=True, no_load_rng=True,
-                     no_save_rng=True, finetune=False, pretrained_checkpoint=None, async_save=False,
-                     exit_on_missing_checkpoint=True, save_retain_interval=None, use_distributed_optimizer=False,
-                     sequence_parallel=False, use_checkpoint_args=False)
-    for k, v in overrides.items():
-        setattr(args, k, v)
-    return args
+HF_LOADERS = ("hf", "llama_mistral", "mixtral_hf")
+CORE = ("core", "mcore", "megatron")
 
 
-def _worker(rank, world, port, args, queue):
-    """One target rank: build the model under the target layout, load, save."""
-    import torch
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+def _hf(opts):
+    from megatron.training.checkpointing.hf import USER_ERRORS, export_hf_checkpoint, import_hf_checkpoint
+    if opts.model_type != "GPT":
+        raise SystemExit(f"error: --model-type {opts.model_type}: Hugging Face conversion handles GPT models only")
+    if opts.target_expert_parallel_size not in (None, 1):
+        raise SystemExit("error: --target-expert-parallel-size > 1 needs MoE, which is not built yet; use 1")
+    if not ((opts.loader in HF_LOADERS and opts.saver in CORE) or (opts.loader in CORE and opts.saver == "hf")):
+        raise SystemExit(f"error: --loader {opts.loader} --saver {opts.saver} is not a supported pair; use "
+                         f"--loader hf --saver core (import) or --loader core --saver hf (export)")
     try:
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-        args.rank = rank
-        _convert_on_rank(args)
-        queue.put((rank, None))
-    except BaseException:
-        import traceback
-        queue.put((rank, traceback.format_exc()))
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-
-def _convert_on_rank(args):
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.training.checkpointing import load_checkpoint, save_checkpoint
-    from megatron.training.global_vars import set_args
-    from megatron.training.model_setup import get_model
-    from pretrain_gpt import model_provider
-
-    set_args(args)
-    ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                 pipeline_model_parallel_size=args.pipeline_model_parallel_size)
-    model_parallel_cuda_manual_seed(getattr(args, "seed", 1234))
-    model = get_model(model_provider, wrap_with_ddp=False)
-    iteration, flops = load_checkpoint(model, None, None)
-    save_checkpoint(iteration, model, None, None, flops)
-    ps.destroy_model_parallel()
-
-
-def run_ranks(args, world):
-    """Run the conversion on ``world`` spawned gloo ranks; raise with the first failing rank's traceback."""
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    errors = []
-    for _ in range(world):
-        rank, err = queue.get(timeout=1800)
-        if err:
-            errors.append((rank, err))
-            break
-    for p in procs:
-        p.join(timeout=10 if errors else None)
-        if p.is_alive():
-            p.kill()
-    if errors:
-        raise SystemExit(f"error: conversion failed on rank {errors[0][0]}:\n{errors[0][1]}")
-
-
-def convert(load_dir, save_dir, target_format, tp=None, pp=None, iteration=None):
-    from megatron.training.checkpointing import paths
-    from megatron.training.checkpointing.args import read_checkpoint_args
-    ckpt_args, iteration = read_checkpoint_args(load_dir, iteration)
-    src_dir = paths.get_checkpoint_name(load_dir, iteration, return_base_dir=True)
-    tp = tp or ckpt_args.tensor_model_parallel_size
-    pp = pp or ckpt_args.pipeline_model_parallel_size
-    if os.path.abspath(load_dir) == os.path.abspath(save_dir):
-        raise SystemExit("error: --save-dir must differ from --load-dir")
-    tmp = None
-    try:
-        if paths.detect_format(src_dir) == "torch":
-            # Legacy files are per (TP, PP) rank: read them under their own layout first.
-            tmp = tempfile.mkdtemp(prefix="ckpt_convert_", dir=os.path.dirname(os.path.abspath(save_dir)))
-            stp, spp = ckpt_args.tensor_model_parallel_size, ckpt_args.pipeline_model_parallel_size
-            run_ranks(_rank_args(ckpt_args, load_dir, tmp, "torch_dist", stp, spp, iteration), stp * spp)
-            load_dir = tmp
-        run_ranks(_rank_args(ckpt_args, load_dir, save_dir, target_format, tp, pp, iteration), tp * pp)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    print(f"converted {src_dir} to {target_format} (TP={tp}, PP={pp}) under {save_dir}")
+        if opts.saver in CORE:
+            import_hf_checkpoint(opts.load_dir, opts.save_dir, tp=opts.target_tensor_parallel_size or 1,
+                                 pp=opts.target_pipeline_parallel_size or 1, fmt=opts.target_format or "torch_dist",
+                                 make_vocab_size_divisible_by=opts.make_vocab_size_divisible_by)
+        else:
+            export_hf_checkpoint(opts.load_dir, opts.save_dir, iteration=opts.iteration,
+                                 vocab_size=opts.true_vocab_size)
+    except USER_ERRORS as e:
+        raise SystemExit(f"error: {e.args[0] if e.args else e}")
+    print(f"converted {opts.load_dir} ({opts.loader}) to {opts.save_dir} ({opts.saver})")
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--load-dir", required=True, help="Source --save directory (with the tracker).")
+    parser.add_argument("--load-dir", required=True, help="Source: our --save directory, or a HF model directory.")
     parser.add_argument("--save-dir", required=True, help="Where to write the converted checkpoint.")
-    parser.add_argument("--target-format", required=True, choices=["torch", "torch_dist"])
+    parser.add_argument("--target-format", choices=["torch", "torch_dist"], default=None,
+                        help="Our checkpoint format to write (default torch_dist with --saver core).")
     parser.add_argument("--target-tensor-parallel-size", type=int, default=None, help="Default: the source's.")
     parser.add_argument("--target-pipeline-parallel-size", type=int, default=None, help="Default: the source's.")
+    parser.add_argument("--target-expert-parallel-size", type=int, default=None, help="Only 1 (no MoE yet).")
     parser.add_argument("--iteration", type=int, default=None, help="Source iteration (default: latest).")
+    parser.add_argument("--model-type", default="GPT", choices=["GPT", "BERT"], help="Only GPT for --loader/--saver.")
+    parser.add_argument("--loader", default=None, choices=HF_LOADERS + CORE,
+                        help="hf (aliases llama_mistral, mixtral_hf) or core; omit for a layout/format conversion.")
+    parser.add_argument("--saver", default=None, choices=CORE + ("hf",), help="core or hf.")
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                        help="Import pads the vocab to a multiple of this x target TP.")
+    parser.add_argument("--true-vocab-size", type=int, default=None,
+                        help="Export: rows of the vocab to keep (default: the imported model's, else the padded size).")
+    parser.add_argument("--megatron-path", default=None, help="Accepted for Megatron compatibility; no effect here.")
+    parser.add_argument("--max-queue-size", type=int, default=None,
+                        help="Accepted for Megatron compatibility; no effect (tensors stream without a queue).")
     opts = parser.parse_args(argv)
+    if opts.loader or opts.saver:
+        if not (opts.loader and opts.saver):
+            parser.error("--loader and --saver go together")
+        if opts.loader in CORE and opts.saver in CORE:
+            opts.loader = opts.saver = None  # our format to our format: a layout conversion
+        else:
+            return _hf(opts)
+    if opts.target_format is None:
+        parser.error("--target-format is required for a layout/format conversion")
     convert(opts.load_dir, opts.save_dir, opts.target_format, opts.target_tensor_parallel_size,
             opts.target_pipeline_parallel_size, opts.iteration)
 

@@ -16,7 +16,12 @@ class DistributedDataParallel(WrappedModule):
     collective as soon as the bucket's last grad is in. Grads end up averaged over the DP x CP group."""
 
     def __init__(self, config, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
-                 disable_bucketing: bool = False):
+                 disable_bucketing: bool = False, pg_collection=None, full_param_layout=None):
+        from megatron.core.process_groups_config import require_default_process_groups
+        require_default_process_groups(pg_collection, "DistributedDataParallel")
+        if full_param_layout is not None:
+            raise NotImplementedError("DistributedDataParallel(full_param_layout=...) is not supported; "
+                                      "buffers use the default layout")
         super().__init__()
         self.config = config
         self.ddp_config = ddp_config
@@ -45,7 +50,12 @@ class DistributedDataParallel(WrappedModule):
         if expert:
             edp_group = parallel_state.get_expert_data_parallel_group()
             edp_size = dist.get_world_size(group=edp_group)
-            expert_scale = 1.0 if (per_token or ddp_config.average_in_collective) else 1.0 / edp_size
+            # Expert grads are summed over the expert-DP group, whose ranks saw different tokens of
+            # the same DP-sized batch (EP takes ranks out of DP, TP splits the tokens in MoE layers):
+            # the mean over the batch is that sum / DP, as for dense grads.
+            expert_scale = 1.0 if per_token else 1.0 / dp_size
+            if ddp_config.average_in_collective and not per_token:
+                expert_scale = edp_size / dp_size  # the collective already divides by edp_size
             self.expert_parallel_buffers = self._make_buffers(expert, edp_group, expert_scale, param_to_name)
 
         self.param_to_bucket = {}

@@ -58,12 +58,14 @@ def _allreduce_layernorm_grads(model: List[torch.nn.Module], config):
     """Sequence parallelism leaves partial grads on TP-replicated params (norms, row-parallel bias)."""
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return
-    if not (getattr(config, "sequence_parallel", False) or getattr(config, "qk_layernorm", False)):
+    # MoE routers see a TP slice of the tokens with or without SP (router weight: sequence_parallel).
+    if not (getattr(config, "sequence_parallel", False) or getattr(config, "qk_layernorm", False)
+            or getattr(config, "num_moe_experts", None)):
         return
-    # q/k layernorm weights act on TP-split heads yet are replicated: their grads differ per TP rank.
-    grads = [_grad_of(p) for chunk in model for name, p in chunk.named_parameters()
-             if p.requires_grad and _grad_of(p) is not None
-             and (getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name)]
+    # Flagged params: norms under SP, and q/k layernorm weights, which act on TP-split heads yet are
+    # replicated (attention flags them). MLA's latent norms see replicated inputs: flagged under SP only.
+    grads = [_grad_of(p) for chunk in model for p in chunk.parameters()
+             if p.requires_grad and _grad_of(p) is not None and getattr(p, "sequence_parallel", False)]
     _allreduce_grads_coalesced(grads, parallel_state.get_tensor_model_parallel_group())
 
 
@@ -83,9 +85,15 @@ def _allreduce_embedding_grads(model: List[torch.nn.Module], config):
     _allreduce_grads_coalesced(grads, parallel_state.get_embedding_group())
 
 
-def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torch.Tensor] = None):
+def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torch.Tensor] = None,
+                         pg_collection=None, force_all_reduce: bool = False):
     """Finish DP grad sync, reduce SP-replicated and tied-embedding grads, and (per-token loss)
-    divide every grad by the global number of tokens."""
+    divide every grad by the global number of tokens. Groups come from parallel_state (an explicit
+    `pg_collection` and `force_all_reduce` are refused)."""
+    from megatron.core.process_groups_config import require_default_process_groups
+    require_default_process_groups(pg_collection, "finalize_model_grads")
+    if force_all_reduce:
+        raise NotImplementedError("finalize_model_grads(force_all_reduce=True) is not supported; leave it False")
     config = getattr(_unwrap(model[0]), "config", None) or getattr(model[0], "config", None)
 
     _start(config, "all-grads-sync")
@@ -100,6 +108,10 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
     _start(config, "embedding-grads-all-reduce")
     _allreduce_embedding_grads(model, config)
     _stop(config, "embedding-grads-all-reduce")
+
+    if getattr(config, "num_moe_experts", None):
+        from megatron.core.transformer.moe.router import finalize_router_state
+        finalize_router_state([_unwrap(chunk) for chunk in model], config)
 
     if num_tokens is not None:
         # Only the last stage counted tokens: share its count along the pipeline, then sum over DP x CP.

@@ -80,14 +80,14 @@ class _ParamAndGradBucket:
             self.check_for_nan()
         if self.dp_size == 1:
             # One replica: nothing to exchange (and no collective inside a captured CUDA graph).
-            if not self.ddp_config.average_in_collective and self.gradient_scaling_factor != 1.0:
+            if self.gradient_scaling_factor != 1.0:
                 self.grad_data.mul_(self.gradient_scaling_factor)
             self.grad_reduce_handle = _DoneHandle()
             return
         op = dist.ReduceOp.SUM
         if self.ddp_config.average_in_collective:
             op = dist.ReduceOp.AVG
-        elif self.gradient_scaling_factor != 1.0:
+        if self.gradient_scaling_factor != 1.0:
             self.grad_data.mul_(self.gradient_scaling_factor)
         async_op = self.ddp_config.overlap_grad_reduce
         if self.ddp_config.use_distributed_optimizer:
@@ -159,20 +159,31 @@ class _ParamAndGradBuffer:
         pad = self.dp_size * 64 if ddp_config.use_distributed_optimizer else 1
 
         # Layout: params in reverse order; a bucket closes once it holds >= bucket_size elements.
+        # With the distributed optimizer a tied embedding gets a bucket of its own: its grad is summed
+        # over the first and last pipeline stage after the reduce-scatter, which is only right when both
+        # stages shard it identically (as Megatron does).
         self.param_index_map = {}  # param -> (start, end, bucket_id)
         bucket_spans, bucket_params, cursor, bucket_start = [], [[]], 0, 0
-        ordered = self.params[::-1]
-        for i, param in enumerate(ordered):
+
+        def close_bucket():
+            nonlocal cursor, bucket_start
+            padded_end = bucket_start + math.ceil((cursor - bucket_start) / pad) * pad
+            bucket_spans.append((bucket_start, cursor, padded_end))
+            cursor = bucket_start = padded_end
+            bucket_params.append([])
+
+        for param in self.params[::-1]:
+            alone = ddp_config.use_distributed_optimizer and getattr(param, "shared_embedding", False)
+            if alone and bucket_params[-1]:
+                close_bucket()
             self.param_index_map[param] = (cursor, cursor + param.numel(), len(bucket_spans))
             cursor += param.numel()
             bucket_params[-1].append(param)
-            is_last = i == len(ordered) - 1
-            if is_last or (bucket_size is not None and cursor - bucket_start >= bucket_size):
-                padded_end = bucket_start + math.ceil((cursor - bucket_start) / pad) * pad
-                bucket_spans.append((bucket_start, cursor, padded_end))
-                cursor = bucket_start = padded_end
-                if not is_last:
-                    bucket_params.append([])
+            if alone or (bucket_size is not None and cursor - bucket_start >= bucket_size):
+                close_bucket()
+        if bucket_params[-1]:
+            close_bucket()
+        bucket_params.pop()  # the empty list opened by the last close
         self.numel = cursor
 
         self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)

@@ -14,8 +14,12 @@ from megatron.core import parallel_state
 
 
 def param_is_not_tensor_parallel_duplicate(param) -> bool:
-    return getattr(param, "tensor_model_parallel", False) or (
-        parallel_state.get_tensor_model_parallel_rank() == 0)
+    """TP-split params count everywhere; replicated ones on TP rank 0 (expert-TP rank 0 for experts)."""
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    if not getattr(param, "allreduce", True):
+        return parallel_state.get_expert_tensor_parallel_rank() == 0
+    return parallel_state.get_tensor_model_parallel_rank() == 0
 
 
 def param_is_not_shared(param) -> bool:
@@ -30,7 +34,8 @@ def param_counts_for_grad_stats(param) -> bool:
 def _groups(group) -> List:
     if group is None:
         return []
-    return list(group) if isinstance(group, (list, tuple)) else [group]
+    groups = list(group) if isinstance(group, (list, tuple)) else [group]
+    return [g for g in groups if g is not None]  # None: no process group (a single process)
 
 
 def _all_reduce(tensor, groups, op=dist.ReduceOp.SUM):

@@ -59,6 +59,11 @@ class DistributedOptimizer(MegatronOptimizer):
         return [parallel_state.get_model_parallel_group(),
                 parallel_state.get_data_parallel_group(with_context_parallel=True)]
 
+    def get_expert_grad_stats_parallel_group(self):
+        # Expert grads are sharded over expert-DP as well.
+        return [parallel_state.get_expert_tensor_model_pipeline_parallel_group(),
+                parallel_state.get_expert_data_parallel_group()]
+
     def _copy_model_grads_to_main_grads(self):
         for main, (model, lo, hi) in self.shard_ranges.items():
             grad = _model_grad(model)

@@ -95,13 +95,28 @@ class MegatronOptimizer:
         return loss * float(self.get_loss_scale())
 
     # -- grad statistics -----------------------------------------------------------------------
-    def _main_grads_for_stats(self) -> List[torch.Tensor]:
+    # Set for MoE models (same on every rank): expert grads are then counted over the expert groups.
+    has_expert_params = False
+
+    def get_expert_grad_stats_parallel_group(self):
+        """Expert params differ across expert-TP, EP and PP ranks and repeat over expert-DP."""
+        return [parallel_state.get_expert_tensor_model_pipeline_parallel_group()]
+
+    def _main_grads_for_stats(self, expert=None) -> List[torch.Tensor]:
         return [p.grad for p in self.get_parameters()
-                if p.grad is not None and param_counts_for_grad_stats(self.main_to_model[p])]
+                if p.grad is not None and param_counts_for_grad_stats(self.main_to_model[p])
+                and (expert is None or expert == (not getattr(self.main_to_model[p], "allreduce", True)))]
 
     def get_grad_norm(self) -> float:
-        return get_grad_norm_fp32(self._main_grads_for_stats(),
-                                  grad_stats_parallel_group=self.get_grad_stats_parallel_group())
+        if not self.has_expert_params:
+            return get_grad_norm_fp32(self._main_grads_for_stats(),
+                                      grad_stats_parallel_group=self.get_grad_stats_parallel_group())
+        # Each element once: dense over the dense groups, experts over the expert groups.
+        dense = get_grad_norm_fp32(self._main_grads_for_stats(expert=False),
+                                   grad_stats_parallel_group=self.get_grad_stats_parallel_group())
+        expert = get_grad_norm_fp32(self._main_grads_for_stats(expert=True),
+                                    grad_stats_parallel_group=self.get_expert_grad_stats_parallel_group())
+        return (dense ** 2 + expert ** 2) ** 0.5
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         """Global grad norm (before clipping); clips the grads Adam will read when it exceeds clip_grad.
@@ -142,7 +157,11 @@ class MegatronOptimizer:
             del self.optimizer.grad_scale
 
     def count_zeros(self) -> float:
-        return count_zeros_fp32(self._main_grads_for_stats(), self.get_grad_stats_parallel_group())
+        if not self.has_expert_params:
+            return count_zeros_fp32(self._main_grads_for_stats(), self.get_grad_stats_parallel_group())
+        return (count_zeros_fp32(self._main_grads_for_stats(expert=False), self.get_grad_stats_parallel_group())
+                + count_zeros_fp32(self._main_grads_for_stats(expert=True),
+                                   self.get_expert_grad_stats_parallel_group()))
 
     def _unscale_and_check_for_inf(self) -> bool:
         """Unscale main grads by 1/loss_scale; True if any rank of the stats groups saw inf/nan."""
@@ -158,7 +177,10 @@ class MegatronOptimizer:
             if device.type == "cpu" and dist.get_backend() == "nccl":
                 device = torch.device("cuda", torch.cuda.current_device())
             found = found.to(device)
-            for group in self.get_grad_stats_parallel_group():
+            groups = self.get_grad_stats_parallel_group()
+            if self.has_expert_params:
+                groups = groups + self.get_expert_grad_stats_parallel_group()
+            for group in groups:
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return bool(found.item() > 0)
 
@@ -309,3 +331,6 @@ class FP32Optimizer(Float16OptimizerWithFloat16Params):
     def __init__(self, optimizer, config, grad_scaler=None):
         super().__init__(optimizer, config, grad_scaler)
         assert all(m is p for m, p in self.main_to_model.items()), "FP32Optimizer got non-fp32 params"
+
+
+from megatron.core.optimizer.chained_optimizer import ChainedOptimizer  # noqa: E402,F401  (Megatron's path)

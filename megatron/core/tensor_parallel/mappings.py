@@ -177,29 +177,71 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return _gather_along_first_dim(grad, ctx.group), None
 
 
-def copy_to_tensor_model_parallel_region(x, group=None):
-    return _CopyToModelParallelRegion.apply(x, _tp_group(group))
+def _even_split_only(name, split_sizes):
+    """Uneven sequence splits (Megatron's MoE token paths) are not implemented; `use_global_buffer`
+    (reuse of a preallocated all-gather buffer) has no effect here."""
+    if split_sizes is not None:
+        raise NotImplementedError(f"{name}: uneven split sizes are not supported; split evenly")
 
 
-def reduce_from_tensor_model_parallel_region(x, group=None):
-    return _ReduceFromModelParallelRegion.apply(x, _tp_group(group))
+def copy_to_tensor_model_parallel_region(input_, group=None):
+    return _CopyToModelParallelRegion.apply(input_, _tp_group(group))
 
 
-def scatter_to_tensor_model_parallel_region(x, group=None):
-    return _ScatterToModelParallelRegion.apply(x, _tp_group(group))
+def reduce_from_tensor_model_parallel_region(input_, group=None):
+    return _ReduceFromModelParallelRegion.apply(input_, _tp_group(group))
 
 
-def gather_from_tensor_model_parallel_region(x, group=None):
-    return _GatherFromModelParallelRegion.apply(x, _tp_group(group))
+def scatter_to_tensor_model_parallel_region(input_, group=None):
+    return _ScatterToModelParallelRegion.apply(input_, _tp_group(group))
 
 
-def scatter_to_sequence_parallel_region(x, group=None):
-    return _ScatterToSequenceParallelRegion.apply(x, _tp_group(group))
+def gather_from_tensor_model_parallel_region(input_, group=None):
+    return _GatherFromModelParallelRegion.apply(input_, _tp_group(group))
 
 
-def gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=None):
-    return _GatherFromSequenceParallelRegion.apply(x, _tp_group(group), tensor_parallel_output_grad)
+def scatter_to_sequence_parallel_region(input_, group=None):
+    return _ScatterToSequenceParallelRegion.apply(input_, _tp_group(group))
 
 
-def reduce_scatter_to_sequence_parallel_region(x, group=None):
-    return _ReduceScatterToSequenceParallelRegion.apply(x, _tp_group(group))
+def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=None,
+                                         output_split_sizes=None, use_global_buffer=False):
+    _even_split_only("gather_from_sequence_parallel_region", output_split_sizes)
+    return _GatherFromSequenceParallelRegion.apply(input_, _tp_group(group), tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(input_, group=None, input_split_sizes=None,
+                                               use_global_buffer=False):
+    _even_split_only("reduce_scatter_to_sequence_parallel_region", input_split_sizes)
+    return _ReduceScatterToSequenceParallelRegion.apply(input_, _tp_group(group))
+
+
+def _all_to_all(x, group, output_split_sizes, input_split_sizes):
+    if _size(group) == 1:
+        return x
+    x = x.contiguous()
+    if output_split_sizes is None:
+        out = torch.empty_like(x)
+    else:
+        out = x.new_empty((sum(output_split_sizes),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes,
+                           group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """All-to-all along dim 0 with per-rank split sizes; backward is the all-to-all with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, group, x, output_split_sizes, input_split_sizes):
+        ctx.group, ctx.output_split_sizes, ctx.input_split_sizes = group, output_split_sizes, input_split_sizes
+        return _all_to_all(x, group, output_split_sizes, input_split_sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, _all_to_all(grad, ctx.group, ctx.input_split_sizes, ctx.output_split_sizes), None, None
+
+
+def all_to_all(group, input_, output_split_sizes=None, input_split_sizes=None):
+    """Rank r sends rows [sum(input_split_sizes[:j]), +input_split_sizes[j]) to rank j (equal splits if None)."""
+    return _AllToAll.apply(group, input_, output_split_sizes, input_split_sizes)

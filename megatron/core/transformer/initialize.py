@@ -24,10 +24,14 @@ def global_param_names(model: torch.nn.Module, keep_vars: bool = True) -> Dict[s
     for name, module in model.named_modules():
         if hasattr(module, "layer_number") and _LAYER_RE.match(name + "."):
             layer_numbers[name] = module.layer_number
+    # SequentialMLP experts: local index -> global expert index (EP rank m holds m * E_local + i).
+    expert_maps = {(name + "." if name else "") + "experts.local_experts.": module.local_expert_indices
+                   for name, module in model.named_modules()
+                   if hasattr(module, "local_expert_indices") and hasattr(module.experts, "local_experts")}
     out = {}
     for local in model.state_dict(keep_vars=keep_vars):
-        name = local
-        m = _LAYER_RE.match(local)
+        name = _global_expert_name(local, expert_maps)
+        m = _LAYER_RE.match(name)
         if m:
             layer_path = m.group(1) + m.group(2)
             if layer_path in layer_numbers:
@@ -36,6 +40,14 @@ def global_param_names(model: torch.nn.Module, keep_vars: bool = True) -> Dict[s
     if getattr(model, "share_embeddings_and_output_weights", False) and "output_layer.weight" in out:
         out["output_layer.weight"] = "embedding.word_embeddings.weight"
     return out
+
+
+def _global_expert_name(local: str, expert_maps) -> str:
+    for prefix, indices in expert_maps.items():
+        if local.startswith(prefix):
+            index, rest = local[len(prefix):].split(".", 1)
+            return f"{prefix}{indices[int(index)]}.{rest}"
+    return local
 
 
 def _name_seed(seed: int, name: str) -> int:
@@ -52,6 +64,10 @@ def tp_rank_and_size(param):
 
 def local_slice(full: torch.Tensor, param) -> torch.Tensor:
     """This rank's part of the global tensor ``full`` for ``param``."""
+    expert_dim = getattr(param, "expert_dim", None)
+    if expert_dim is not None:  # stacked experts (GroupedMLP): this EP rank's block of experts
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        full = full.chunk(ep, dim=expert_dim)[parallel_state.get_expert_model_parallel_rank()]
     if not getattr(param, "tensor_model_parallel", False):
         return full
     rank, size = tp_rank_and_size(param)
@@ -62,6 +78,8 @@ def local_slice(full: torch.Tensor, param) -> torch.Tensor:
 
 def global_shape(param):
     shape = list(param.shape)
+    if getattr(param, "expert_dim", None) is not None:
+        shape[param.expert_dim] *= parallel_state.get_expert_model_parallel_world_size()
     if getattr(param, "tensor_model_parallel", False):
         shape[param.partition_dim] *= tp_rank_and_size(param)[1]
     return shape
@@ -85,9 +103,38 @@ def initialize_parameters(model: torch.nn.Module, seed=None) -> None:
         if init_fn is None:
             raise RuntimeError(f"parameter '{local}' has no init_fn; every module must record one")
         device = _generation_device(param, config)
+        if getattr(param, "per_expert_name", None) is not None:
+            _initialize_stacked_experts(param, names[local], seed, device)
+            continue
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(_name_seed(seed, names[local]))
             full = torch.empty(global_shape(param), dtype=param.dtype, device=device)
             init_fn(full)
         param.copy_(local_slice(full, param))
+
+
+class _ExpertSlice:
+    """The TP layout of one expert's matrix inside a stacked [E_local, ...] expert weight."""
+
+    def __init__(self, param):
+        self.tensor_model_parallel = param.tensor_model_parallel
+        self.partition_dim = param.partition_dim - 1
+        self.partition_stride = getattr(param, "partition_stride", 1)
+        self.allreduce = False
+        self.shape = param.shape[1:]
+
+
+def _initialize_stacked_experts(param, global_name: str, seed: int, device) -> None:
+    """Stacked expert weights (GroupedMLP) take, expert by expert, the values SequentialMLP's
+    ``experts.local_experts.<g>.<per_expert_name>`` gets, so --moe-grouped-gemm does not change the model."""
+    base = global_name.rsplit(".", 1)[0]  # ...mlp.experts
+    layout = _ExpertSlice(param)
+    first = parallel_state.get_expert_model_parallel_rank() * param.shape[0]
+    devices = [device] if device.type == "cuda" else []
+    for i in range(param.shape[0]):
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(_name_seed(seed, f"{base}.local_experts.{first + i}.{param.per_expert_name}"))
+            full = torch.empty(global_shape(layout), dtype=param.dtype, device=device)
+            param.init_fn(full)
+        param[i].copy_(local_slice(full, layout))

@@ -23,9 +23,18 @@ def _sharded_tensor(key: str, tensor: torch.Tensor, pp_replica: int, dp_rank: in
 
 
 def _layout_sharded_tensor(key: str, tensor: torch.Tensor, pp_replica: int, dp_rank: int) -> ShardedTensor:
+    expert = not getattr(tensor, "allreduce", True)
+    if expert:  # replicated over expert-DP, not DP; stacked experts are split over EP along expert_dim
+        dp_rank = parallel_state.get_expert_data_parallel_rank()
+    expert_dim = getattr(tensor, "expert_dim", None)
+    offsets = []
+    if expert_dim is not None:
+        offsets.append((expert_dim, parallel_state.get_expert_model_parallel_rank(),
+                        parallel_state.get_expert_model_parallel_world_size()))
     if not getattr(tensor, "tensor_model_parallel", False):
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        return ShardedTensor.from_rank_offsets(key, tensor.detach(), replica_id=(tp_rank, pp_replica, dp_rank))
+        tp_rank = tp_rank_and_size(tensor)[0]
+        return ShardedTensor.from_rank_offsets(key, tensor.detach(), *offsets,
+                                               replica_id=(tp_rank, pp_replica, dp_rank))
     rank, size = tp_rank_and_size(tensor)
     dim, stride = tensor.partition_dim, getattr(tensor, "partition_stride", 1)
     data = tensor.detach()
@@ -34,7 +43,8 @@ def _layout_sharded_tensor(key: str, tensor: torch.Tensor, pp_replica: int, dp_r
         shape = list(data.shape)
         data = data.reshape(shape[:dim] + [stride, shape[dim] // stride] + shape[dim + 1:])
         dim += 1
-    return ShardedTensor.from_rank_offsets(key, data, (dim, rank, size), replica_id=(0, pp_replica, dp_rank))
+    return ShardedTensor.from_rank_offsets(key, data, *offsets, (dim, rank, size),
+                                           replica_id=(0, pp_replica, dp_rank))
 
 
 def build_sharded_state_dict(model: torch.nn.Module, prefix: str = ""):

@@ -1,16 +1,18 @@
 """TransformerConfig: architecture fields with Megatron's names, validated at construction."""
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
+from megatron.core._compat_fields import check_compat_fields
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.transformer._compat_fields import TransformerConfigCompat
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 
 @dataclass
-class TransformerConfig(ModelParallelConfig):
+class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     """Architecture of a transformer stack (plus the parallel settings it inherits)."""
 
     num_layers: int = 0
@@ -43,6 +45,10 @@ class TransformerConfig(ModelParallelConfig):
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
 
+    # Context parallelism (megatron/core/context_parallel): one comm type for every layer, or one per layer
+    cp_comm_type: Optional[Union[str, List[str]]] = None
+    hierarchical_context_parallel_sizes: Optional[List[int]] = None
+
     # Initialization
     init_method: Optional[Callable] = None
     output_layer_init_method: Optional[Callable] = None
@@ -65,10 +71,39 @@ class TransformerConfig(ModelParallelConfig):
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
     recompute_modules: Optional[List[str]] = None
-    distribute_saved_activations: Optional[bool] = None
+    distribute_saved_activations: Optional[bool] = False
 
-    # MoE (not supported yet)
+    # MoE (megatron/core/transformer/moe): Megatron's field names and defaults
     num_moe_experts: Optional[int] = None
+    moe_layer_freq: Union[int, List[int]] = 1
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_overlap: bool = False
+    moe_router_load_balancing_type: Union[str, List[str]] = "aux_loss"
+    moe_router_topk: int = 2
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_score_function: str = "softmax"
+    moe_router_dtype: Optional[str] = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_grouped_gemm: bool = False
+    moe_aux_loss_coeff: Union[float, List[float]] = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_input_jitter_eps: Optional[float] = None
+    moe_token_dispatcher_type: str = "allgather"
+    moe_per_layer_logging: bool = False
+    moe_expert_capacity_factor: Optional[float] = None
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"
+    moe_permute_fusion: bool = False
+
+    # Multi-latent attention (shapes in MLATransformerConfig) and multi-token prediction
+    multi_latent_attention: bool = False
+    mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: float = 0.1
 
     # FP8 linears without Transformer Engine (megatron/core/fp8): format e4m3 | hybrid, tensorwise
     # current scaling. The amax-history fields belong to the delayed recipe and must keep their defaults.
@@ -78,8 +113,12 @@ class TransformerConfig(ModelParallelConfig):
     fp8_amax_history_len: int = 1
     fp8_amax_compute_algo: str = "most_recent"
 
+    # Deterministic mode (--deterministic-mode): core attention uses deterministic SDPA kernels only.
+    deterministic_mode: bool = False
+
     def __post_init__(self):
         super().__post_init__()
+        check_compat_fields(self, TransformerConfigCompat, inert=self._inert_field)
         self._check_shapes()
         self._check_features()
         self._check_recompute()
@@ -88,6 +127,12 @@ class TransformerConfig(ModelParallelConfig):
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:
             self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, self.num_layers)
+
+    def _inert_field(self, name: str) -> bool:
+        """Fields Megatron reads only when their feature is on: moe_* without experts, mtp_* without
+        MTP layers. Any value there gives the same (dense, no-MTP) model."""
+        return ((name.startswith("moe_") and self.num_moe_experts is None)
+                or (name.startswith("mtp_") and getattr(self, "mtp_num_layers", None) is None))
 
     def _check_shapes(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -120,12 +165,15 @@ class TransformerConfig(ModelParallelConfig):
 
     def _check_features(self):
         if self.num_moe_experts is not None:
-            raise NotImplementedError("--num-experts (num_moe_experts) is not supported yet; drop the flag")
+            from megatron.core.transformer.moe.config_checks import check_moe_config
+            check_moe_config(self)
         self._check_fp8()
-        if self.context_parallel_size != 1:
-            raise NotImplementedError("--context-parallel-size > 1 is not supported by the model yet")
+        self._check_context_parallel()
+        self._check_mtp()
         if self.window_size is not None:
-            raise NotImplementedError("--window-size (sliding window attention) is not supported yet")
+            self.window_size = tuple(int(x) for x in self.window_size)
+            if len(self.window_size) != 2 or min(self.window_size) < -1:
+                raise ValueError(f"--window-size {self.window_size}: expected (left, right), each >= 0 or -1")
         backend = getattr(self.attention_backend, "name", self.attention_backend)  # AttnBackend or str
         if backend not in ("auto", "local", "flash", "fused", "unfused"):
             raise ValueError(f"attention_backend '{self.attention_backend}' unknown; use auto, local, "
@@ -138,6 +186,45 @@ class TransformerConfig(ModelParallelConfig):
                                       "drop the flag")
         if self.activation_func_fp8_input_store:
             raise NotImplementedError("--activation-func-fp8-input-store needs FP8 support; drop the flag")
+
+    def _check_context_parallel(self):
+        from megatron.core.context_parallel import CP_COMM_TYPES
+        if isinstance(self.cp_comm_type, list) and len(self.cp_comm_type) == 1:
+            self.cp_comm_type = self.cp_comm_type[0]  # Megatron's one-value list: every layer
+        types = self.cp_comm_type if isinstance(self.cp_comm_type, list) else [self.cp_comm_type or "p2p"]
+        if isinstance(self.cp_comm_type, list) and len(types) != self.num_layers:
+            raise ValueError(f"--cp-comm-type has {len(types)} entries; give one, or one per layer "
+                             f"(--num-layers {self.num_layers})")
+        for t in types:
+            if t == "a2a+p2p" or self.hierarchical_context_parallel_sizes:
+                raise NotImplementedError("--cp-comm-type a2a+p2p / --hierarchical-context-parallel-sizes "
+                                          "(hierarchical CP) is not supported; use p2p, allgather or a2a")
+            if t not in CP_COMM_TYPES:
+                raise ValueError(f"--cp-comm-type '{t}' unknown; use one of {', '.join(CP_COMM_TYPES)}")
+        if self.context_parallel_size == 1:
+            return
+        backend = getattr(self.attention_backend, "name", self.attention_backend)
+        if backend in ("unfused", "fused"):
+            raise ValueError(f"--attention-backend {backend} has no log-sum-exp path here, which "
+                             "--context-parallel-size > 1 needs to merge partial attention; use auto or flash")
+        if self.attention_dropout > 0:
+            raise NotImplementedError("--attention-dropout > 0 with --context-parallel-size > 1 is not "
+                                      "supported; pass --attention-dropout 0")
+
+    def cp_comm_type_of_layer(self, layer_number: int) -> str:
+        """The comm type of 1-based global ``layer_number``."""
+        if isinstance(self.cp_comm_type, list):
+            return self.cp_comm_type[layer_number - 1]
+        return self.cp_comm_type or "p2p"
+
+    def _check_mtp(self):
+        if self.mtp_num_layers is None:
+            return
+        if self.mtp_num_layers < 1:
+            raise ValueError(f"--mtp-num-layers ({self.mtp_num_layers}) must be >= 1")
+        if self.pipeline_model_parallel_size > 1:
+            raise NotImplementedError("--mtp-num-layers with --pipeline-model-parallel-size > 1 is not supported "
+                                      "(the MTP layers need the word embedding on the last stage); use PP=1")
 
     def _check_fp8(self):
         if self.fp8 is None:
@@ -183,3 +270,56 @@ class TransformerConfig(ModelParallelConfig):
                              "--account-for-embedding/loss-in-pipeline-split")
         if self.pipeline_model_parallel_size == 1 and uneven:
             raise ValueError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
+
+
+@dataclass
+class MLATransformerConfig(TransformerConfig):
+    """A TransformerConfig for multi-latent attention (DeepSeek-V2/V3): low-rank query and key/value
+    projections, a decoupled RoPE part of each query/key head, and YaRN or plain RoPE."""
+
+    multi_latent_attention: bool = True
+    q_lora_rank: Optional[int] = 512  # None: queries come from one full-rank projection (linear_q_proj)
+    kv_lora_rank: Optional[int] = 512
+    qk_head_dim: int = 128  # per-head query/key dims without position embedding
+    qk_pos_emb_head_dim: int = 64  # per-head query/key dims that carry RoPE (shared by all heads for keys)
+    v_head_dim: int = 128
+    normalization: str = "RMSNorm"
+    rope_type: str = "yarn"  # "yarn" or "rope"
+    rotary_base: float = 10000
+    rotary_percent: float = 1.0
+    rotary_scaling_factor: float = 40
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32
+    beta_slow: float = 1
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    correction_range_round_to_int: bool = True
+    cache_mla_latents: bool = False
+
+    def __post_init__(self):
+        if self.kv_channels is None:  # unused by MLA; keeps hidden % heads from mattering
+            self.kv_channels = self.v_head_dim
+        super().__post_init__()
+        if self.kv_lora_rank is None or self.kv_lora_rank < 1:
+            raise ValueError(f"--kv-lora-rank (kv_lora_rank={self.kv_lora_rank}) must be set to a positive "
+                             "rank with --multi-latent-attention")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"--q-lora-rank ({self.q_lora_rank}) must be positive, or unset for a full-rank "
+                             "query projection")
+        for name in ("qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} ({getattr(self, name)}) must be >= 1")
+        if self.qk_pos_emb_head_dim % 2:
+            raise ValueError(f"--qk-pos-emb-head-dim ({self.qk_pos_emb_head_dim}) must be even (RoPE rotates pairs)")
+        if self.rope_type not in ("rope", "yarn"):
+            raise ValueError(f"--rope-type '{self.rope_type}' unknown for multi-latent attention; use rope or yarn")
+        if self.cache_mla_latents:
+            raise NotImplementedError("--cache-mla-latents belongs to the dynamic inference engine; drop the flag")
+        if self.num_query_groups != self.num_attention_heads:
+            raise ValueError("--group-query-attention cannot be combined with --multi-latent-attention")
+        tp = self.tensor_model_parallel_size
+        # The down projections are column-parallel (Megatron's local spec), so their widths split over TP.
+        for what, width in (("--q-lora-rank", self.q_lora_rank),
+                            ("--kv-lora-rank + --qk-pos-emb-head-dim", self.kv_lora_rank + self.qk_pos_emb_head_dim)):
+            if width is not None and width % tp:
+                raise ValueError(f"{what} ({width}) must be divisible by --tensor-model-parallel-size ({tp})")

@@ -62,6 +62,8 @@ class TransformerLayer(MegatronModule):
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config=config,
                                               hidden_size=config.hidden_size, eps=eps)
         self.mlp = build_module(submodules.mlp, config=config)
+        if hasattr(self.mlp, "set_layer_number"):  # MoE layers log their losses per layer
+            self.mlp.set_layer_number(layer_number)
         self.mlp_bda = build_module(submodules.mlp_bda)
         self.recompute_norm = (config.recompute_granularity == "selective"
                                and "layernorm" in (config.recompute_modules or []))
@@ -113,3 +115,7 @@ class TransformerLayer(MegatronModule):
             residual = x
         hidden_states = self._bda(self.mlp_bda)(mlp_out, residual, self.hidden_dropout)
         return hidden_states, context
+
+
+# Megatron's path for the layer-offset helper (it lives with the block that uses it).
+from megatron.core.transformer.transformer_block import get_transformer_layer_offset  # noqa: E402,F401

@@ -6,8 +6,12 @@ import torch.nn.functional as F
 
 
 def _copy_matching_fields(cls, args, **overrides):
-    """Fill every dataclass field that has a same-named arg; overrides win."""
-    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    """Fill every dataclass field that has a same-named arg; overrides win. Compat-only fields
+    (Megatron's, without a feature here) stay at their defaults: their flags are refused upstream."""
+    from megatron.core._compat_fields import all_compat_only_fields
+    skip = all_compat_only_fields(cls)
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+          if hasattr(args, f.name) and f.name not in skip}
     field_names = {f.name for f in dataclasses.fields(cls)}
     kw.update({k: v for k, v in overrides.items() if k in field_names})
     return kw, field_names
@@ -22,8 +26,9 @@ def _require_fields(cls_name, field_names, required):
 
 def core_transformer_config_from_args(args, config_class=None):
     """TransformerConfig from args (Megatron's mapping: same-named fields plus the renamed ones)."""
+    from .mla_args import mla_config_class, mla_config_overrides
     if config_class is None:
-        from megatron.core.transformer.transformer_config import TransformerConfig as config_class
+        config_class = mla_config_class(args)
     overrides = dict(
         persist_layer_norm=not args.no_persist_layer_norm,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
@@ -31,7 +36,7 @@ def core_transformer_config_from_args(args, config_class=None):
         deallocate_pipeline_outputs=True,
         pipeline_dtype=args.params_dtype,
         batch_p2p_comm=not args.overlap_p2p_comm,
-        num_moe_experts=None,
+        num_moe_experts=args.num_experts,
         init_method_std=args.init_method_std,
         gated_linear_unit=args.swiglu,
         bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion,
@@ -39,12 +44,14 @@ def core_transformer_config_from_args(args, config_class=None):
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
     )
+    overrides.update(mla_config_overrides(args))
     if args.swiglu:
         overrides["activation_func"] = F.silu
     elif args.squared_relu:
         overrides["activation_func"] = lambda x: torch.pow(F.relu(x), 2)
     elif args.openai_gelu:
-        overrides["activation_func"] = lambda x: F.gelu(x, approximate="tanh")
+        from megatron.core.fusions.fused_bias_activation import openai_gelu
+        overrides["activation_func"] = openai_gelu
     if args.init_method_xavier_uniform:
         overrides["init_method"] = torch.nn.init.xavier_uniform_
         overrides["scaled_init_method"] = torch.nn.init.xavier_uniform_

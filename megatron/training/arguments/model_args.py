@@ -14,7 +14,8 @@ def add_network_size_args(parser):
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="Maximum sequence length (size of the learned position table / RoPE range).")
     g.add_argument("--position-embedding-type", type=str, default="learned_absolute",
-                   choices=["learned_absolute", "rope", "none"], help="Position embedding type.")
+                   choices=["learned_absolute", "rope", "yarn", "none"],
+                   help="Position embedding type (yarn: with --multi-latent-attention).")
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="Deprecated alias of --position-embedding-type rope.")
     g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
@@ -69,7 +70,8 @@ def add_network_size_args(parser):
                    help="Submodules recomputed under --recompute-granularity selective: core_attn (default), "
                         "mlp, layernorm.")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
-                   help="Chunked cross entropy on 16-bit logits (no fp32 [s, b, vocab] copies).")
+                   help="Chunked cross entropy on 16-bit logits (no fp32 [s, b, vocab] copies); already the default for "
+                        "16-bit logits on CUDA, where it gives the eager loss's numbers.")
     g.add_argument("--torch-compile", action="store_true",
                    help="torch.compile each transformer layer (CUDA with Triton; eager elsewhere).")
     g.add_argument("--cuda-graph-impl", type=str, default="none",

@@ -23,7 +23,9 @@ MODEL_ARGS = [("num_layers", False), ("hidden_size", False), ("ffn_hidden_size",
               ("use_rotary_position_embeddings", True), ("rotary_percent", True), ("rotary_base", True),
               ("normalization", True), ("norm_epsilon", True), ("apply_layernorm_1p", True),
               ("swiglu", True), ("squared_relu", True), ("untie_embeddings_and_output_weights", True),
-              ("add_bias_linear", True), ("add_qkv_bias", True), ("qk_layernorm", True)]
+              ("add_bias_linear", True), ("add_qkv_bias", True), ("qk_layernorm", True),
+              ("use_rope_scaling", True), ("rope_scaling_factor", True), ("openai_gelu", True),
+              ("window_size", False)]
 
 
 def _legacy_file(checkpoint_dir: str) -> str:

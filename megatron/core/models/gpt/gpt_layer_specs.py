@@ -1,12 +1,19 @@
 """Layer specs for GPT: which classes make up a transformer layer (local torch implementation)."""
-from typing import Optional
+from typing import List, Optional
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+    get_transformer_layer_offset,
+)
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
@@ -19,10 +26,24 @@ LNImpl = WrappedTorchNorm
 
 def get_mlp_module_spec(use_te: bool = False, num_experts: Optional[int] = None,
                         moe_grouped_gemm: bool = False, **kwargs) -> ModuleSpec:
-    if num_experts is not None:
-        raise NotImplementedError("--num-experts (MoE layers) is not supported yet; drop the flag")
-    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                           linear_fc2=RowParallelLinear))
+    """Dense MLP, or an MoE layer when ``num_experts`` is set."""
+    linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    if num_experts is None:
+        return ModuleSpec(module=MLP, submodules=linears)
+    return get_moe_module_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
+
+
+def get_moe_module_spec(use_te: bool = False, num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
+                        moe_use_legacy_grouped_gemm: bool = False, **kwargs) -> ModuleSpec:
+    """MoELayer with grouped-GEMM experts (``moe_grouped_gemm``) or a loop of MLPs, plus shared experts
+    (built only when the config sets moe_shared_expert_intermediate_size)."""
+    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+    linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    experts = GroupedMLP if moe_grouped_gemm else ModuleSpec(module=SequentialMLP, submodules=linears)
+    shared = ModuleSpec(module=SharedExpertMLP, params={"gate": False}, submodules=linears)
+    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=experts, shared_experts=shared))
 
 
 def get_gpt_layer_local_spec(num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
@@ -31,14 +52,29 @@ def get_gpt_layer_local_spec(num_experts: Optional[int] = None, moe_grouped_gemm
                              normalization: Optional[str] = None, qk_l2_norm: bool = False,
                              use_kitchen: bool = False, **kwargs) -> ModuleSpec:
     """Pre-norm GPT layer on plain torch + our TP layers (Megatron's 'local' spec)."""
-    if multi_latent_attention:
-        raise NotImplementedError("--multi-latent-attention is not supported yet; drop the flag")
     if qk_l2_norm or use_kitchen or fp8:
         raise NotImplementedError("qk_l2_norm / kitchen / fp8 layer specs are not supported")
     # An explicit `normalization` overrides config.normalization for this spec's norms (as Megatron).
     norm = ModuleSpec(module=LNImpl, params={"normalization": normalization}) if normalization else LNImpl
     mlp = get_mlp_module_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
+    if multi_latent_attention:
+        return get_mla_layer_spec(norm=norm, qk_norm=norm if qk_layernorm else None, mlp=mlp)
     return get_local_layer_spec(AttnMaskType.causal, norm=norm, qk_norm=norm if qk_layernorm else None, mlp=mlp)
+
+
+def get_mla_layer_spec(norm=LNImpl, qk_norm=None, mlp: Optional[ModuleSpec] = None) -> ModuleSpec:
+    """Pre-norm causal layer with multi-latent attention; ``qk_norm`` (--qk-layernorm) normalizes the query
+    and key/value latents (DeepSeek's q_a_layernorm / kv_a_layernorm), as in Megatron's local spec."""
+    spec = get_local_layer_spec(AttnMaskType.causal, norm=norm, mlp=mlp)
+    latent_norm = qk_norm if qk_norm is not None else IdentityOp
+    spec.submodules.self_attention = ModuleSpec(
+        module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+        submodules=MLASelfAttentionSubmodules(
+            linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
+            linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
+            linear_kv_up_proj=ColumnParallelLinear, core_attention=DotProductAttention,
+            linear_proj=RowParallelLinear, q_layernorm=latent_norm, kv_layernorm=latent_norm))
+    return spec
 
 
 def get_local_layer_spec(attn_mask_type: AttnMaskType, norm=LNImpl, qk_norm=None,
@@ -66,3 +102,106 @@ def get_local_layer_spec(attn_mask_type: AttnMaskType, norm=LNImpl, qk_norm=None
             mlp_bda=get_bias_dropout_add,
         ),
     )
+
+
+# Megatron's other spec entry points. There is no Transformer Engine here: the TE variants return our
+# fastest spec, which is the local one (fused kernels are chosen by config flags, not by the spec).
+def get_gpt_layer_local_submodules(num_experts: Optional[int] = None, moe_grouped_gemm: Optional[bool] = False,
+                                   qk_layernorm: Optional[bool] = False,
+                                   multi_latent_attention: Optional[bool] = False, fp8: Optional[str] = None,
+                                   normalization: Optional[str] = None, qk_l2_norm: Optional[bool] = False,
+                                   use_kitchen: bool = False, use_kitchen_attention: bool = False,
+                                   kitchen_attention_backend: str = "sdpa") -> TransformerLayerSubmodules:
+    """The submodules of get_gpt_layer_local_spec."""
+    if use_kitchen_attention:
+        raise NotImplementedError("use_kitchen_attention (NVIDIA Kitchen) is not supported; drop it")
+    return get_gpt_layer_local_spec(num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention, fp8,
+                                    normalization=normalization, qk_l2_norm=qk_l2_norm,
+                                    use_kitchen=use_kitchen).submodules
+
+
+def get_gpt_layer_with_transformer_engine_submodules(
+        num_experts: Optional[int] = None, moe_grouped_gemm: Optional[bool] = False,
+        qk_layernorm: Optional[bool] = False, multi_latent_attention: Optional[bool] = False,
+        fp8: Optional[str] = None, qk_l2_norm: Optional[bool] = False, use_te_op_fuser: Optional[bool] = False,
+        use_kitchen: bool = False, use_te_activation_func: bool = False, use_kitchen_attention: bool = False,
+        kitchen_attention_backend: str = "sdpa", mla_down_proj_fusion: bool = False,
+        use_grouped_gemm_for_dense_mlp: bool = False) -> TransformerLayerSubmodules:
+    """Without Transformer Engine: the submodules of our fastest spec, the local one.
+
+    TE-only switches (op fuser, TE activation, MLA down-projection fusion, grouped GEMM for dense
+    MLPs) are refused when set; `fp8` is ignored as in Megatron (FP8 is a config setting)."""
+    te_only = dict(use_te_op_fuser=use_te_op_fuser, use_te_activation_func=use_te_activation_func,
+                   mla_down_proj_fusion=mla_down_proj_fusion,
+                   use_grouped_gemm_for_dense_mlp=use_grouped_gemm_for_dense_mlp)
+    for name, value in te_only.items():
+        if value:
+            raise NotImplementedError(f"{name} needs Transformer Engine, which this build does not use; drop it")
+    return get_gpt_layer_local_submodules(num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention,
+                                          qk_l2_norm=qk_l2_norm, use_kitchen=use_kitchen,
+                                          use_kitchen_attention=use_kitchen_attention,
+                                          kitchen_attention_backend=kitchen_attention_backend)
+
+
+def get_gpt_layer_with_transformer_engine_spec(
+        num_experts: Optional[int] = None, moe_grouped_gemm: Optional[bool] = False,
+        qk_layernorm: Optional[bool] = False, multi_latent_attention: Optional[bool] = False,
+        fp8: Optional[str] = None, qk_l2_norm: Optional[bool] = False, use_te_op_fuser: Optional[bool] = False,
+        use_kitchen: bool = False, use_te_activation_func: bool = False, use_kitchen_attention: bool = False,
+        kitchen_attention_backend: str = "sdpa", mla_down_proj_fusion: bool = False,
+        use_grouped_gemm_for_dense_mlp: bool = False) -> ModuleSpec:
+    """Our fastest GPT layer spec (the local spec: no Transformer Engine here), under Megatron's TE name
+    so that model providers written for Megatron run unchanged."""
+    return ModuleSpec(module=TransformerLayer, submodules=get_gpt_layer_with_transformer_engine_submodules(
+        num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention, fp8, qk_l2_norm, use_te_op_fuser,
+        use_kitchen, use_te_activation_func, use_kitchen_attention, kitchen_attention_backend,
+        mla_down_proj_fusion, use_grouped_gemm_for_dense_mlp))
+
+
+def get_gpt_decoder_layer_specs(config, use_transformer_engine: bool = False, normalization: Optional[str] = None,
+                                qk_l2_norm: Optional[bool] = False, vp_stage: Optional[int] = None,
+                                pp_rank: Optional[int] = None) -> List[ModuleSpec]:
+    """One layer spec per decoder layer (all num_layers of them): MoE where ``config.moe_layer_freq`` says so
+    (an int N: every N-th layer from layer 0; a list: 1 = MoE, 0 = dense, e.g. DeepSeek's first dense
+    layers), dense elsewhere."""
+    from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
+    mla = getattr(config, "multi_latent_attention", False)
+    dense = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=normalization,
+                                     qk_l2_norm=qk_l2_norm, multi_latent_attention=mla)
+    if config.num_moe_experts is None:
+        return [dense] * config.num_layers
+    moe = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+                                   qk_layernorm=config.qk_layernorm, normalization=normalization,
+                                   qk_l2_norm=qk_l2_norm, multi_latent_attention=mla)
+    return [moe if p else dense for p in moe_layer_pattern(config.moe_layer_freq, config.num_layers)]
+
+
+def get_gpt_decoder_block_spec(config, use_transformer_engine: bool = False, normalization: Optional[str] = None,
+                               qk_l2_norm: Optional[bool] = False, vp_stage: Optional[int] = None,
+                               pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+    """The layer specs of this pipeline stage (and virtual stage) plus the final norm."""
+    specs = get_gpt_decoder_layer_specs(config, use_transformer_engine, normalization, qk_l2_norm)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    norm = ModuleSpec(module=LNImpl, params={"normalization": normalization}) if normalization else LNImpl
+    return TransformerBlockSubmodules(layer_specs=specs[offset:offset + count], layer_norm=norm)
+
+
+def get_gpt_mtp_block_spec(config, spec, use_transformer_engine: bool = False,
+                           vp_stage: Optional[int] = None, **kwargs) -> Optional[ModuleSpec]:
+    """The multi-token prediction block: ``config.mtp_num_layers`` depths, each around the transformer
+    layer spec ``spec`` (the last layer's spec when ``spec`` is a block spec); None without MTP."""
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlock, MultiTokenPredictionBlockSubmodules, get_mtp_layer_spec)
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    if not config.mtp_num_layers:
+        return None
+    if use_transformer_engine:
+        raise NotImplementedError("Transformer Engine MTP specs are not supported; use the local spec")
+    if isinstance(spec, ModuleSpec) and isinstance(spec.submodules, TransformerBlockSubmodules):
+        spec = spec.submodules
+    if isinstance(spec, TransformerBlockSubmodules):
+        spec = spec.layer_specs[-1]
+    layer = get_mtp_layer_spec(spec)
+    return ModuleSpec(module=MultiTokenPredictionBlock,
+                      submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * config.mtp_num_layers))

@@ -4,6 +4,7 @@ from typing import Literal, Optional
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.context_parallel.utils import local_rotary_pos_emb
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule, build_output_layer
@@ -19,17 +20,21 @@ class GPTModel(LanguageModule):
     def __init__(self, config, transformer_layer_spec: ModuleSpec, vocab_size: int, max_sequence_length: int,
                  pre_process: bool = True, post_process: bool = True, fp16_lm_cross_entropy: bool = False,
                  parallel_output: bool = True, share_embeddings_and_output_weights: bool = False,
-                 position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute",
+                 position_embedding_type: Literal["learned_absolute", "rope", "yarn", "none"] = "learned_absolute",
                  rotary_percent: float = 1.0, rotary_base: int = 10000, rope_scaling: bool = False,
                  rope_scaling_factor: float = 8.0, scatter_embedding_sequence_parallel: bool = True,
                  seq_len_interpolation_factor: Optional[float] = None, mtp_block_spec=None, pg_collection=None,
                  vp_stage: Optional[int] = None, **kwargs):
         super().__init__(config)
-        if mtp_block_spec is not None:
-            raise NotImplementedError("multi-token prediction (--mtp-num-layers) is not supported yet")
-        if position_embedding_type not in ("learned_absolute", "rope", "none"):
+        from megatron.core.process_groups_config import require_default_process_groups
+        require_default_process_groups(pg_collection, "GPTModel")
+        if position_embedding_type not in ("learned_absolute", "rope", "yarn", "none"):
             raise ValueError(f"--position-embedding-type '{position_embedding_type}' unknown; use "
-                             "learned_absolute, rope or none")
+                             "learned_absolute, rope, yarn or none")
+        mla = getattr(config, "multi_latent_attention", False)
+        if position_embedding_type == "yarn" and not mla:
+            raise NotImplementedError("--position-embedding-type yarn is supported with --multi-latent-attention "
+                                      "only; use rope for standard attention")
         self.transformer_layer_spec = transformer_layer_spec
         self.vocab_size, self.max_sequence_length = vocab_size, max_sequence_length
         self.pre_process, self.post_process = pre_process, post_process
@@ -42,7 +47,9 @@ class GPTModel(LanguageModule):
             self.embedding = LanguageModelEmbedding(
                 config, vocab_size, max_sequence_length, position_embedding_type=position_embedding_type,
                 scatter_to_sequence_parallel=scatter_embedding_sequence_parallel)
-        if position_embedding_type == "rope":
+        # Multi-latent attention layers own their (YaRN) rotary embedding.
+        self.model_rotary = position_embedding_type == "rope" and not mla
+        if self.model_rotary:
             self.rotary_pos_emb = RotaryEmbedding(
                 config.kv_channels, rotary_percent, rotary_interleaved=config.rotary_interleaved,
                 seq_len_interpolation_factor=seq_len_interpolation_factor, rotary_base=rotary_base,
@@ -50,6 +57,12 @@ class GPTModel(LanguageModule):
                 use_cpu_initialization=config.use_cpu_initialization)
         self.decoder = TransformerBlock(config, transformer_layer_spec, pre_process=pre_process,
                                         post_process=post_process, vp_stage=vp_stage)
+        # Multi-token prediction depths live on the last stage (PP > 1 is refused by the config).
+        self.mtp_process = mtp_block_spec is not None and post_process
+        if self.mtp_process:
+            from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+            self.mtp = MultiTokenPredictionBlock(config, mtp_block_spec, vp_stage=vp_stage)
+        self.mtp_loss_stats = None
         if post_process:
             self.output_layer = build_output_layer(config, vocab_size, False, parallel_output, pre_process,
                                                    share_embeddings_and_output_weights)
@@ -65,18 +78,45 @@ class GPTModel(LanguageModule):
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
                 inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
                 runtime_gather_output: Optional[bool] = None, loss_mask=None, **kwargs):
-        if inference_context is not None or packed_seq_params is not None:
-            raise NotImplementedError("inference contexts and packed sequences are not supported yet")
+        if inference_context is not None and packed_seq_params is not None:
+            raise NotImplementedError("generation with packed sequences is not supported")
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, h]
         rotary_pos_emb = None
-        if self.position_embedding_type == "rope":
+        if inference_context is not None:  # per-token positions; the context applies RoPE in attention
+            rope = self.rotary_pos_emb if self.position_embedding_type == "rope" else None
+            inference_context.begin_forward(rope, position_ids, getattr(self.config, "window_size", None))
+        elif self.model_rotary:
             seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, self.decoder, decoder_input, self.config)
-            rotary_pos_emb = self.rotary_pos_emb(seq_len)  # [s, 1, 1, d]
+            rotary_pos_emb = self.rotary_pos_emb(seq_len)  # [S, 1, 1, d], S: the whole (CP-joined) sequence
+            if self.config.context_parallel_size > 1 or packed_seq_params is not None:
+                batch = (decoder_input if decoder_input is not None else self.decoder.input_tensor).size(1)
+                rotary_pos_emb = local_rotary_pos_emb(rotary_pos_emb, self.config.context_parallel_size,
+                                                      packed_seq_params, batch)  # [s, 1 or b, 1, d]
         hidden = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
-                              rotary_pos_emb=rotary_pos_emb, **(extra_block_kwargs or {}))
+                              rotary_pos_emb=rotary_pos_emb, packed_seq_params=packed_seq_params,
+                              inference_context=inference_context,
+                              **(extra_block_kwargs or {}))
         if not self.post_process:
             return hidden
+        if inference_context is not None and inference_context.last_token_index is not None:
+            # Generation needs the next-token logits only: [s, b, h] -> [1, b, h] at each row's last token.
+            rows = torch.arange(hidden.size(1), device=hidden.device)
+            hidden = hidden[inference_context.last_token_index, rows].unsqueeze(0)
+        # MTP trains only: evaluation and logits see the main prediction alone.
+        mtp_hidden = []
+        if self.mtp_process and labels is not None and self.training:
+            hidden_all = self.mtp(input_ids, position_ids if position_ids is not None else
+                                  self.default_position_ids(input_ids), hidden, attention_mask,
+                                  rotary_pos_emb=rotary_pos_emb, embedding=self.embedding)
+            hidden, *mtp_hidden = torch.chunk(hidden_all, 1 + self.config.mtp_num_layers, dim=0)
         logits, _ = self.output_layer(hidden, weight=self.output_weight_for_forward(),
                                       runtime_gather_output=runtime_gather_output)  # [s, b, V/tp]
-        return self.logits_or_loss(logits, labels)
+        output = self.logits_or_loss(logits, labels)
+        self.mtp_loss_stats = None
+        if mtp_hidden:
+            from megatron.core.transformer.multi_token_prediction import process_mtp_loss
+            output, self.mtp_loss_stats = process_mtp_loss(
+                output, mtp_hidden, labels, loss_mask, self.output_layer, self.output_weight_for_forward(),
+                self.compute_language_model_loss, self.config)
+        return output

@@ -1,4 +1,5 @@
 """Rotary position embedding frequencies (RoPE)."""
+import math
 from typing import Optional
 
 import torch
@@ -15,8 +16,6 @@ class RotaryEmbedding(torch.nn.Module):
                  rope_scaling: bool = False, rope_scaling_factor: float = 8.0, use_cpu_initialization: bool = False,
                  cp_group=None):
         super().__init__()
-        if rope_scaling:
-            raise NotImplementedError("--use-rope-scaling is not supported yet; drop the flag")
         dim = int(kv_channels * rotary_percent)
         if dim % 2 != 0:
             raise ValueError(f"kv_channels * rotary_percent = {dim} must be even")
@@ -24,7 +23,17 @@ class RotaryEmbedding(torch.nn.Module):
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
         device = torch.device("cpu") if use_cpu_initialization else get_device()
         inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+        if rope_scaling:
+            inv_freq = llama3_scaled_inv_freq(inv_freq, rope_scaling_factor)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _apply(self, fn, *args, **kwargs):
+        """Device moves apply, dtype casts do not: Float16Module casts the model to bf16, and a bf16 inv_freq
+        is off by up to 0.4%, i.e. whole radians of angle after a few hundred positions."""
+        fp32 = self.inv_freq
+        super()._apply(fn, *args, **kwargs)
+        self.inv_freq = fp32.to(self.inv_freq.device)
+        return self
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False) -> torch.Tensor:
         seq = torch.arange(max_seq_len, device=self.inv_freq.device, dtype=torch.float32) + offset
@@ -39,11 +48,24 @@ class RotaryEmbedding(torch.nn.Module):
 
     def get_rotary_seq_len(self, inference_context, transformer, transformer_input, transformer_config,
                            packed_seq_params=None) -> int:
-        """Full sequence length seen by attention (undoing the SP split of the block input)."""
+        """Full sequence length seen by attention (undoing the SP and CP splits of the block input)."""
         if transformer is not None and transformer.input_tensor is not None:
             seq_len = transformer.input_tensor.size(0)
         else:
             seq_len = transformer_input.size(0)
         if transformer_config.sequence_parallel:
             seq_len *= parallel_state.get_tensor_model_parallel_world_size()
-        return seq_len
+        return seq_len * transformer_config.context_parallel_size  # CP ranks hold 1/CP of the sequence
+
+
+def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float = 1.0,
+                           high_freq_factor: float = 4.0, original_max_position: int = 8192) -> torch.Tensor:
+    """Llama 3.1 RoPE scaling (``--use-rope-scaling``): wavelengths longer than original/low_freq_factor
+    are stretched by ``factor``, shorter than original/high_freq_factor kept, and the band between
+    blended linearly in original/wavelength. Same arithmetic order as Hugging Face's ``llama3`` rope."""
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original_max_position / low_freq_factor, inv_freq / factor, inv_freq)
+    smooth = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original_max_position / high_freq_factor) * ~(wavelen > original_max_position / low_freq_factor)
+    return torch.where(medium, blended, scaled)

@@ -1,0 +1,24 @@
+"""Hugging Face <-> Megatron checkpoints: one small mapping table per model family.
+
+Families: gpt2, llama (Llama 2/3/3.1), mistral, qwen2 (Qwen2/2.5), qwen3, deepseek_v3. The checkpoint-level
+entry points (which also write args and the tracker) are in
+``megatron.training.checkpointing.hf``: ``import_hf_checkpoint`` / ``export_hf_checkpoint``.
+"""
+from . import deepseek_v3, gpt2, llama, mistral, qwen2, qwen3
+from .family import Family, Rule, UnsupportedConfig
+
+FAMILIES = {m.FAMILY.name: m.FAMILY for m in (gpt2, llama, mistral, qwen2, qwen3, deepseek_v3)}
+_BY_ARCH = {arch: fam for fam in FAMILIES.values() for arch in fam.architectures}
+
+
+def family_for_config(cfg: dict) -> Family:
+    """The family of a config.json, or one line naming what is supported."""
+    archs = cfg.get("architectures") or []
+    for arch in archs:
+        if arch in _BY_ARCH:
+            return _BY_ARCH[arch]
+    raise UnsupportedConfig(f"config.json: architecture {', '.join(archs) or '(none)'} is not supported; "
+                            f"supported: {', '.join(sorted(_BY_ARCH))}")
+
+
+__all__ = ["FAMILIES", "Family", "Rule", "UnsupportedConfig", "family_for_config"]

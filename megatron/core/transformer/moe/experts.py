@@ -1,0 +1,122 @@
+"""The local experts of an MoE layer, fed tokens already grouped by expert ([N, h], ``tokens_per_expert``).
+
+- GroupedMLP: all local experts' weights in two stacked tensors; on Hopper-class GPUs in bf16 both
+  GEMMs are one ``torch._grouped_mm`` each (no per-expert launch), elsewhere a loop over experts.
+- SequentialMLP: one of our MLPs per expert (Megatron's local-spec experts), run in a loop.
+
+Expert weights are split over the expert-TP group like a dense MLP (fc1 by columns, fc2 by rows); the
+partial fc2 sums are added by the token dispatcher, so the expert linears do no TP communication.
+"""
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layers import _make_param, set_tensor_model_parallel_attributes
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide
+
+
+def _glu_activation(h, config):
+    if config.gated_linear_unit:
+        gate, up = torch.chunk(h, 2, dim=-1)  # [n, f/etp] each
+        return config.activation_func(gate) * up
+    return config.activation_func(h)
+
+
+def _etp_size() -> int:
+    return parallel_state.get_expert_tensor_parallel_world_size()
+
+
+def grouped_mm_available(x: torch.Tensor, *dims: int) -> bool:
+    """torch._grouped_mm runs on sm90+ CUDA in bf16 with every GEMM dim a multiple of 8 (16-byte rows)."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
+        return False
+    if torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False
+    return all(d % 8 == 0 for d in dims)
+
+
+class GroupedLinear(torch.autograd.Function):
+    """Y_i = X_i W_i^T for the row blocks X_i of ``x`` (block ends ``offs``), W [E, out, in]: one grouped GEMM
+    forward, and two backward: dX_i = dY_i W_i and dW_i = dY_i^T X_i (offs splitting the reduction dim)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offs):
+        ctx.save_for_backward(x, weight, offs)
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)  # [N, out]
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, offs = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = torch._grouped_mm(grad, weight, offs=offs)  # [N, in]
+        grad_w = torch._grouped_mm(grad.t(), x, offs=offs)  # [E, out, in]
+        return grad_x, grad_w.to(weight.dtype), None
+
+
+def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor, offs=None):
+    """Row block i of ``x`` [N, k] (``tokens_per_expert[i]`` rows) times ``weight[i]``^T ([out, k]) -> [N, out].
+
+    ``offs``: int32 cumulative row ends on the device (computed once per layer and shared by fc1 and fc2);
+    without it a loop over the experts."""
+    if offs is not None:
+        return GroupedLinear.apply(x, weight, offs)
+    counts = tokens_per_expert.tolist()
+    chunks = torch.split(x, counts, dim=0)
+    return torch.cat([chunk @ weight[i].t() for i, chunk in enumerate(chunks)], dim=0)
+
+
+class GroupedMLP(MegatronModule):
+    """weight1 [E_local, (2)f/etp, h] and weight2 [E_local, h, f/etp] (each expert's matrix is laid out as
+    its fc1/fc2 linear weight); ``expert_dim`` 0 makes checkpoints and initialization see the global
+    [E, ...] tensors, so any EP layout reads any other."""
+
+    def __init__(self, num_local_experts: int, config, pg_collection=None):
+        super().__init__(config)
+        if config.add_bias_linear:
+            raise ValueError("--moe-grouped-gemm experts have no biases; pass --disable-bias-linear")
+        self.num_local_experts = num_local_experts
+        etp = _etp_size()
+        ffn = config.moe_ffn_hidden_size
+        glu = config.gated_linear_unit
+        fc1_out = divide(2 * ffn if glu else ffn, etp)
+        self.weight1 = _make_param((num_local_experts, fc1_out, config.hidden_size), config,
+                                   config.init_method, is_expert=True)
+        set_tensor_model_parallel_attributes(self.weight1, True, 1, 2 if glu else 1)
+        self.weight2 = _make_param((num_local_experts, config.hidden_size, divide(ffn, etp)), config,
+                                   config.output_layer_init_method, is_expert=True)
+        set_tensor_model_parallel_attributes(self.weight2, True, 2, 1)
+        for w, name in ((self.weight1, "linear_fc1.weight"), (self.weight2, "linear_fc2.weight")):
+            w.expert_dim = 0
+            w.per_expert_name = name  # initialized like SequentialMLP's expert linears
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor):
+        x = permuted_local_hidden_states  # [N, h]
+        offs = None
+        if grouped_mm_available(x, x.shape[-1], self.weight1.shape[1], self.weight2.shape[2]):
+            offs = torch.cumsum(tokens_per_expert.to(x.device, non_blocking=True), 0).to(torch.int32)
+        h = grouped_gemm(x, self.weight1, tokens_per_expert, offs)  # [N, (2)f/etp]
+        h = _glu_activation(h, self.config)
+        return grouped_gemm(h, self.weight2, tokens_per_expert, offs), None  # [N, h], partial over etp
+
+
+TEGroupedMLP = GroupedMLP  # no Transformer Engine here: the name users import maps to the grouped GEMM
+
+
+class SequentialMLP(MegatronModule):
+    """A loop over ``local_experts`` (each our MLP with ``is_expert=True``)."""
+
+    def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None):
+        super().__init__(config)
+        self.num_local_experts = num_local_experts
+        self.local_experts = torch.nn.ModuleList(
+            MLP(config, submodules, is_expert=True, ffn_hidden_size=config.moe_ffn_hidden_size)
+            for _ in range(num_local_experts))
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor):
+        chunks = torch.split(permuted_local_hidden_states, tokens_per_expert.tolist(), dim=0)
+        outputs = []
+        for expert, chunk in zip(self.local_experts, chunks):
+            out, bias = expert(chunk)
+            outputs.append(out if bias is None else out + bias)
+        return torch.cat(outputs, dim=0), None

@@ -1,0 +1,109 @@
+"""MoELayer: router -> token dispatch -> local experts -> combine (+ shared experts). Replaces the MLP of a
+transformer layer (chosen by the layer spec) and returns ``(output, bias=None)`` like the MLP.
+
+Tokens are always split over the TP group inside the layer: under sequence parallelism they arrive split,
+otherwise each TP rank takes its 1/tp of the sequence here and the outputs are all-gathered at the end.
+So every rank of the expert grid routes distinct tokens and no expert work is duplicated across TP.
+"""
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region)
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.token_dispatcher import (
+    MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher)
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+
+@dataclass
+class MoESubmodules:
+    experts: Union[ModuleSpec, type] = None
+    shared_experts: Union[ModuleSpec, type] = None
+
+
+class BaseMoELayer(MegatronModule):
+    """Expert layout: EP rank m holds the global experts [m * E_local, (m + 1) * E_local)."""
+
+    def __init__(self, config, layer_number: Optional[int] = None, pg_collection=None):
+        super().__init__(config)
+        ep_size = parallel_state.get_expert_model_parallel_world_size()
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+        if config.num_moe_experts % ep_size:
+            raise ValueError(f"--num-experts ({config.num_moe_experts}) must be divisible by "
+                             f"--expert-model-parallel-size ({ep_size})")
+        self.num_local_experts = config.num_moe_experts // ep_size
+        self.local_expert_indices = [ep_rank * self.num_local_experts + i for i in range(self.num_local_experts)]
+        self.layer_number = layer_number
+        self.router = None
+        self.experts = None
+        self.shared_experts = None
+        self.token_dispatcher = None
+
+    def set_layer_number(self, layer_number: int):
+        self.layer_number = layer_number
+        self.router.set_layer_number(layer_number)
+
+
+class MoELayer(BaseMoELayer):
+    def __init__(self, config, submodules: Optional[MoESubmodules] = None, layer_number: Optional[int] = None,
+                 pg_collection=None, **kwargs):
+        super().__init__(config, layer_number, pg_collection)
+        self.router = TopKRouter(config)
+        self.router.set_layer_number(layer_number)
+        kind = config.moe_token_dispatcher_type
+        if kind == "allgather":
+            dispatcher = MoEAllGatherTokenDispatcher
+        elif kind == "alltoall":
+            dispatcher = MoEAlltoAllTokenDispatcher
+        else:
+            raise ValueError(f"--moe-token-dispatcher-type {kind}: use allgather or alltoall "
+                             "(flex needs DeepEP/HybridEP kernels, which this build does not have)")
+        self.token_dispatcher = dispatcher(self.num_local_experts, self.local_expert_indices, config)
+        self.experts = build_module(submodules.experts, self.num_local_experts, config)
+        if config.moe_shared_expert_intermediate_size:
+            self.shared_experts = build_module(submodules.shared_experts, config=config)
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self._side_stream = None
+
+    def _shared_expert_start(self, hidden_states):
+        """Shared expert output; with --moe-shared-expert-overlap on CUDA it runs on a side stream so it
+        overlaps the dispatch collectives (joined in `_shared_expert_join`)."""
+        if self.shared_experts is None:
+            return None
+        if not (self.config.moe_shared_expert_overlap and hidden_states.is_cuda):
+            return self.shared_experts(hidden_states)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=hidden_states.device)
+        self._side_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._side_stream):
+            return self.shared_experts(hidden_states)
+
+    def _shared_expert_join(self, shared_out):
+        if shared_out is not None and self._side_stream is not None and shared_out.is_cuda:
+            torch.cuda.current_stream().wait_stream(self._side_stream)
+            shared_out.record_stream(torch.cuda.current_stream())
+        return shared_out
+
+    def forward(self, hidden_states: torch.Tensor):
+        """hidden_states [s, b, h] (s/tp under SP) -> (output of the same shape, None)."""
+        split_here = self.tp_size > 1 and not self.config.sequence_parallel
+        shared_out = self._shared_expert_start(hidden_states)
+        x = scatter_to_sequence_parallel_region(hidden_states, group=self.tp_group) if split_here \
+            else hidden_states  # [s/tp, b, h]
+        probs, routing_map = self.router(x)
+        dispatched, tokens_per_expert = self.token_dispatcher.token_permutation(x, probs, routing_map)
+        expert_out, mlp_bias = self.experts(dispatched, tokens_per_expert)
+        out, _ = self.token_dispatcher.token_unpermutation(expert_out, mlp_bias)
+        if split_here:
+            # Downstream grads are replicated over TP: the backward keeps this rank's slice.
+            out = gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False, group=self.tp_group)
+        shared_out = self._shared_expert_join(shared_out)
+        if shared_out is not None:
+            out = out + shared_out
+        return out, None

@@ -1,0 +1,140 @@
+"""Per-layer MoE metrics (balancing losses, z-loss, expert load) recorded during the step and reduced
+across ranks for the log line, with Megatron's tracker function names.
+
+Each name holds a [num_layers] tensor summed over the step's micro-batches. At log time the values are
+summed over the pipeline (each stage fills its own layers) and over the loss's own reduce group (e.g. the
+TP ranks that split the tokens), averaged over data parallel, and scaled by 1 / micro-batches.
+"""
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+_TRACKER: Dict[str, dict] = {}
+
+
+def save_to_aux_losses_tracker(name: str, loss: torch.Tensor, layer_number: int, num_layers: int,
+                               reduce_group=None, avg_group=None, reduce_group_has_dp: bool = False):
+    """Add ``loss`` (detached) to layer ``layer_number`` (1-based) of metric ``name``."""
+    if layer_number is None:
+        return
+    entry = _TRACKER.get(name)
+    if entry is None or entry["values"].numel() != num_layers or entry["values"].device != loss.device:
+        entry = _TRACKER[name] = {"values": torch.zeros(num_layers, device=loss.device)}
+    entry["values"][layer_number - 1] += loss.detach().float().reshape(())
+    entry.update(reduce_group=reduce_group, avg_group=avg_group, reduce_group_has_dp=reduce_group_has_dp)
+
+
+def save_expert_load(tokens_per_expert: torch.Tensor, layer_number: int, num_layers: int, reduce_group=None):
+    """Record this micro-batch's tokens per expert of one layer (for the max/min load in the log)."""
+    if layer_number is None:
+        return
+    entry = _TRACKER.setdefault("_expert_load", {"counts": {}})
+    counts = entry["counts"]
+    t = tokens_per_expert.detach().float()
+    counts[layer_number] = t if layer_number not in counts else counts[layer_number] + t
+    entry["reduce_group"] = reduce_group
+
+
+def clear_aux_losses_tracker():
+    for entry in _TRACKER.values():
+        if "values" in entry:
+            entry["values"].zero_()
+    _TRACKER.pop("_expert_load", None)
+
+
+def get_moe_layer_wise_logging_tracker():
+    return _TRACKER
+
+
+def _reduce(t, group, op=dist.ReduceOp.SUM):
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def reduce_aux_losses_tracker_across_ranks(track_names: Optional[List[str]] = None):
+    """Sum each metric over PP and its reduce group, then average over DP (or its avg group)."""
+    names = track_names if track_names is not None else [n for n in _TRACKER if not n.startswith("_")]
+    for name in names:
+        entry = _TRACKER[name]
+        values = entry["values"]
+        _reduce(values, parallel_state.get_pipeline_model_parallel_group())
+        _reduce(values, entry.get("reduce_group"))
+        group = entry.get("avg_group")
+        if group is None and not entry.get("reduce_group_has_dp"):
+            group = parallel_state.get_data_parallel_group(with_context_parallel=False)
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(values, group=group)
+            values /= dist.get_world_size(group)
+
+
+def _expert_load_summary(num_layers: int):
+    """Device tensor [mean max-load, mean min-load] over MoE layers: each expert's tokens over the mean
+    tokens per expert, counted over all ranks of the step (1.0 = perfectly balanced)."""
+    entry = _TRACKER.get("_expert_load")
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    ratios = torch.zeros(2, device=_device())
+    layers = torch.zeros(1, device=_device())
+    if entry is not None:
+        for counts in entry["counts"].values():
+            counts = _reduce(counts.clone(), entry.get("reduce_group"))
+            counts = _reduce(counts, parallel_state.get_data_parallel_group())
+            mean = counts.mean().clamp(min=1e-9)
+            ratios += torch.stack([counts.max() / mean, counts.min() / mean]).to(ratios.device)
+            layers += 1
+    both = _reduce(torch.cat([ratios, layers]), pp_group)
+    return both[:2] / both[2].clamp(min=1)
+
+
+def _device():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def track_moe_metrics(loss_scale: float, iteration: int, writer=None, wandb_writer=None,
+                      total_loss_dict=None, per_layer_logging: bool = False, track_names=None,
+                      num_layers: Optional[int] = None, moe_layer_pattern=None, log_expert_load: bool = True):
+    """Reduce this step's MoE metrics, add each name's mean over MoE layers to ``total_loss_dict`` (the
+    log line), write TensorBoard/W&B scalars (per layer with ``per_layer_logging``), and clear them.
+    Every rank must call it (it runs collectives). Values stay on the device (no host sync) unless
+    scalars are written."""
+    track_names = list(track_names or [])
+    for name in track_names:
+        if name not in _TRACKER:  # a stage without this loss still joins the reductions
+            _TRACKER[name] = {"values": torch.zeros(num_layers, device=_device()), "reduce_group": None,
+                              "avg_group": None, "reduce_group_has_dp": False}
+        if name.startswith("global"):
+            _TRACKER[name]["reduce_group_has_dp"] = True
+    reduce_aux_losses_tracker_across_ranks(track_names)
+    pattern = moe_layer_pattern or [1] * num_layers
+    num_moe = max(1, sum(pattern))
+    scalars = {}
+    for name in track_names:
+        values = _TRACKER[name]["values"].float() * loss_scale
+        mean = values.sum() / num_moe
+        if total_loss_dict is not None:
+            total_loss_dict[name] = total_loss_dict.get(name, 0.0) + mean
+        scalars[name] = mean
+        if per_layer_logging:
+            for i in range(num_layers):
+                if pattern[i]:
+                    scalars[f"moe/{name}_layer_{i}"] = values[i]
+    if log_expert_load:
+        load = _expert_load_summary(num_layers)
+        if total_loss_dict is not None:
+            total_loss_dict["moe max load"] = total_loss_dict.get("moe max load", 0.0) + load[0]
+            total_loss_dict["moe min load"] = total_loss_dict.get("moe min load", 0.0) + load[1]
+        scalars["moe/max_load"], scalars["moe/min_load"] = load[0], load[1]
+    if writer is not None or wandb_writer is not None:
+        scalars = {key: float(value) for key, value in scalars.items()}
+        for key, value in scalars.items():
+            if writer is not None:
+                writer.add_scalar(key, value, iteration)
+        if wandb_writer is not None:
+            wandb_writer.log(scalars, iteration)
+    clear_aux_losses_tracker()
+    return scalars

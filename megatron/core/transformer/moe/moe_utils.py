@@ -1,0 +1,226 @@
+"""Routing math, load-balancing losses and token permutation shared by the router, dispatchers and experts.
+
+Shapes: T tokens (sequence x batch, flattened), E experts, k = top-k. ``routing_map`` [T, E] is a bool
+mask of the (token, expert) pairs kept; ``probs`` [T, E] holds their weights (zero elsewhere).
+"""
+import math
+from typing import Optional, Tuple
+
+import torch
+
+
+def switch_load_balancing_loss_func(probs, tokens_per_expert, total_num_tokens: int, topk: int,
+                                    num_experts: int, moe_aux_loss_coeff: float) -> torch.Tensor:
+    """Switch-Transformer loss E * sum_i f_i * P_i with f_i = tokens_i / (T k) and P_i = sum(probs_i) / T.
+
+    ``probs`` are this rank's tokens only while ``tokens_per_expert`` / ``total_num_tokens`` may cover a
+    larger group (SP/TP ranks, a sequence, the global batch): summing the per-rank losses over that group
+    gives the loss of the whole group, so the gradient is the same however the tokens are split."""
+    aggregated = probs.sum(dim=0)
+    scale = num_experts * moe_aux_loss_coeff / (topk * total_num_tokens * total_num_tokens)
+    return torch.sum(aggregated * tokens_per_expert) * scale
+
+
+def z_loss_func(logits: torch.Tensor, z_loss_coeff: float) -> torch.Tensor:
+    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2, times the coefficient."""
+    return torch.mean(torch.square(torch.logsumexp(logits, dim=-1))) * z_loss_coeff
+
+
+def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
+    """Balanced assignment weights by Sinkhorn-Knopp iteration on exp(cost) (rows: tokens, cols: experts)."""
+    cost = torch.exp(cost)
+    d0 = torch.ones(cost.size(0), device=cost.device, dtype=cost.dtype)
+    d1 = torch.ones(cost.size(1), device=cost.device, dtype=cost.dtype)
+    eps, error, d1_old = 1e-8, 1e9, d1
+    while error > tol:
+        d0 = (1 / d0.size(0)) / (torch.sum(d1 * cost, 1) + eps)
+        d1 = (1 / d1.size(0)) / (torch.sum(d0.unsqueeze(1) * cost, 0) + eps)
+        error = torch.mean(torch.abs(d1_old - d1)).item()
+        d1_old = d1
+    return d1 * cost * d0.unsqueeze(1)
+
+
+def get_capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: Optional[int] = None):
+    """Tokens one expert may take: ceil(num_tokens / num_experts * capacity_factor)."""
+    capacity = math.ceil((num_tokens / num_experts) * capacity_factor)
+    return max(capacity, min_capacity) if min_capacity is not None else capacity
+
+
+class MoEAuxLossAutoScaler(torch.autograd.Function):
+    """Identity on ``output`` whose backward also seeds ``aux_loss`` with the main loss's gradient scale,
+    so an auxiliary loss joins backward without being added to the returned loss."""
+
+    main_loss_backward_scale: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor):
+        ctx.save_for_backward(aux_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (aux_loss,) = ctx.saved_tensors
+        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+        if scale is None:
+            scale = torch.tensor(1.0, device=aux_loss.device)
+        return grad_output, torch.ones_like(aux_loss) * scale.to(aux_loss.device)
+
+    @staticmethod
+    def set_loss_scale(scale: torch.Tensor):
+        """Gradient of the main loss w.r.t. itself as backward starts (loss scale / micro-batches)."""
+        MoEAuxLossAutoScaler.main_loss_backward_scale = scale.detach().reshape(())
+
+
+def group_limited_topk(scores, topk: int, num_tokens: int, num_experts: int, num_groups: int, group_topk: int):
+    """DeepSeek-V3 routing: rank expert groups by the sum of their top (k / group_topk) scores, keep the best
+    ``group_topk`` groups, and pick the top-k experts inside them. Returns (values, indices) [T, k]."""
+    group_scores = scores.view(num_tokens, num_groups, -1).topk(topk // group_topk, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)  # [T, groups]
+    score_mask = group_mask.unsqueeze(-1).expand(num_tokens, num_groups, num_experts // num_groups)
+    masked = scores.masked_fill(~score_mask.reshape(num_tokens, -1).bool(), float("-inf"))
+    return torch.topk(masked, k=topk, dim=-1)
+
+
+def _topk(scores, topk, num_groups, group_topk):
+    if group_topk:
+        return group_limited_topk(scores, topk, scores.shape[0], scores.shape[1], num_groups, group_topk)
+    return torch.topk(scores, k=topk, dim=1)
+
+
+def topk_routing_with_score_function(logits, topk: int, use_pre_softmax: bool = False,
+                                     num_groups: Optional[int] = None, group_topk: Optional[int] = None,
+                                     scaling_factor: Optional[float] = None, score_function: str = "softmax",
+                                     expert_bias: Optional[torch.Tensor] = None):
+    """(routing_probs [T, E], routing_map [T, E]) from router logits; scores computed in fp32.
+
+    softmax: over all experts before top-k (pre_softmax) or over the k selected logits. sigmoid: per-expert
+    scores, the selection optionally shifted by ``expert_bias`` (aux-loss-free balancing, which changes
+    which experts win, never the weights), the k kept scores normalised to sum to one when k > 1."""
+    if score_function == "softmax":
+        if use_pre_softmax:
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            probs, top_indices = _topk(scores, topk, num_groups, group_topk)
+        else:
+            scores, top_indices = _topk(logits, topk, num_groups, group_topk)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    elif score_function == "sigmoid":
+        scores = torch.sigmoid(logits.float())
+        if expert_bias is not None:
+            _, top_indices = _topk(scores + expert_bias.float(), topk, num_groups, group_topk)
+            scores = torch.gather(scores, dim=1, index=top_indices)
+        else:
+            scores, top_indices = _topk(scores, topk, num_groups, group_topk)
+        probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else scores
+    else:
+        raise ValueError(f"moe_router_score_function '{score_function}' unknown; use softmax or sigmoid")
+    if scaling_factor:
+        probs = probs * scaling_factor
+    probs = probs.type_as(logits)
+    routing_probs = torch.zeros_like(logits).scatter(1, top_indices, probs)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_indices, True)
+    return routing_probs, routing_map
+
+
+def compute_routing_scores_for_aux_loss(logits, topk: int, score_function: str):
+    """(routing_map, scores) for the balancing losses: plain top-k over normalised scores, no bias or groups."""
+    if score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        scores = torch.sigmoid(logits.float())
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    _, top_indices = torch.topk(scores, k=topk, dim=1)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_indices, True)
+    return routing_map, scores
+
+
+def apply_router_token_dropping(routing_probs, routing_map, router_topk: int, capacity_factor: float,
+                                drop_policy: str = "probs", pad_to_capacity: bool = False):
+    """Keep at most capacity = ceil(T k / E * factor) tokens per expert: those with the highest probs
+    ('probs') or the earliest positions ('position'). With ``pad_to_capacity`` every expert gets exactly
+    ``capacity`` slots; slots without a routed token carry probability 0 (their output is discarded)."""
+    num_tokens, num_experts = routing_probs.shape
+    capacity = get_capacity(num_tokens * router_topk, num_experts, capacity_factor)
+    if capacity >= num_tokens and not pad_to_capacity:
+        return routing_probs, routing_map
+    capacity = min(capacity, num_tokens)
+    if drop_policy == "probs":
+        _, idx = torch.topk(routing_probs, k=capacity, dim=0, sorted=False)
+    elif drop_policy == "position":
+        # Stable: among routed tokens (value 1) topk keeps the earliest positions first.
+        order = routing_map.float() * 2 - torch.arange(num_tokens, device=routing_map.device).unsqueeze(1) / num_tokens
+        _, idx = torch.topk(order, k=capacity, dim=0, sorted=False)
+    else:
+        raise ValueError(f"moe_token_drop_policy '{drop_policy}' unknown; use probs or position")
+    capacity_mask = torch.zeros_like(routing_map).scatter(0, idx, True)
+    final_map = capacity_mask if pad_to_capacity else routing_map & capacity_mask
+    return routing_probs * final_map, final_map
+
+
+# ---- permutation: tokens grouped by expert, without a per-expert loop -------------------------------
+
+def _permute_indices(routing_map: torch.Tensor, num_out_tokens: Optional[int]):
+    """Positions into the flattened [E, T] map of its True entries, expert-major, token order within an
+    expert. With ``num_out_tokens`` known (no dropping, or padded capacity) a stable sort finds them with
+    no host sync; otherwise ``nonzero`` (one sync)."""
+    flat = routing_map.t().reshape(-1)
+    if num_out_tokens is None:
+        return flat.nonzero().squeeze(1)
+    return torch.argsort((~flat).to(torch.int8), stable=True)[:num_out_tokens]
+
+
+def permute(tokens, routing_map, probs: Optional[torch.Tensor] = None, num_out_tokens: Optional[int] = None):
+    """Group the rows of ``tokens`` [T, h] by expert. Returns (permuted [N, h], permuted probs [N] or None,
+    sorted_indices [N]: the source token of each row)."""
+    num_tokens = routing_map.shape[0]
+    flat_index = _permute_indices(routing_map, num_out_tokens)
+    sorted_indices = flat_index % num_tokens
+    permuted = tokens.index_select(0, sorted_indices)
+    permuted_probs = None if probs is None else probs.t().reshape(-1).index_select(0, flat_index)
+    return permuted, permuted_probs, sorted_indices
+
+
+def unpermute(permuted_tokens, sorted_indices, restore_shape, probs: Optional[torch.Tensor] = None):
+    """Inverse of `permute`: each row (times its prob) is added back to its source token; [T, h]."""
+    if probs is not None:
+        permuted_tokens = permuted_tokens * probs.unsqueeze(-1).to(permuted_tokens.dtype)
+    out = torch.zeros(restore_shape, dtype=permuted_tokens.dtype, device=permuted_tokens.device)
+    return out.index_add(0, sorted_indices, permuted_tokens)
+
+
+_COMPILED = {}
+
+
+def fused_permute_fns():
+    """torch.compile'd `permute` / `unpermute` (--moe-permute-fusion) on CUDA with Triton; the eager
+    index-based versions elsewhere, or when compilation is unavailable."""
+    if "fns" not in _COMPILED:
+        fns = (permute, unpermute)
+        try:
+            import triton  # noqa: F401
+            if torch.cuda.is_available():
+                fns = (torch.compile(permute, dynamic=True), torch.compile(unpermute, dynamic=True))
+        except ImportError:
+            pass
+        _COMPILED["fns"] = fns
+    return _COMPILED["fns"]
+
+
+def sort_chunks_by_idxs(input: torch.Tensor, split_sizes, sorted_idxs):
+    """Reorder the row chunks of ``input`` (sizes ``split_sizes``, host ints) into the order ``sorted_idxs``."""
+    chunks = torch.split(input, list(split_sizes), dim=0)
+    return torch.cat([chunks[i] for i in sorted_idxs], dim=0)
+
+
+def moe_layer_pattern(moe_layer_freq, num_layers: int):
+    """[1 if layer i is an MoE layer else 0 for i in range(num_layers)] from Megatron's --moe-layer-freq:
+    an int N (every N-th layer, starting at layer 0) or an explicit list."""
+    if isinstance(moe_layer_freq, int):
+        if moe_layer_freq < 1:
+            raise ValueError(f"--moe-layer-freq ({moe_layer_freq}) must be >= 1")
+        return [1 if i % moe_layer_freq == 0 else 0 for i in range(num_layers)]
+    pattern = list(moe_layer_freq)
+    if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
+        raise ValueError(f"--moe-layer-freq pattern {pattern} must list one 0 (dense) or 1 (MoE) per layer "
+                         f"({num_layers} layers)")
+    return pattern

@@ -1,0 +1,183 @@
+"""Token dispatchers: bring each token to the ranks holding its experts, and the outputs back.
+
+Every rank of the expert-tensor x expert-model parallel group (tp_ep) holds its own tokens (MoELayer
+splits them over TP). Experts are laid out contiguously: EP rank m holds experts
+[m * E_local, (m + 1) * E_local); expert-TP ranks hold column/row slices of the same experts and return
+partial sums, so every combine ends in a sum over the expert-TP ranks.
+
+- MoEAllGatherTokenDispatcher: all-gather every token of the tp_ep group, run the local experts on the
+  tokens routed to them, reduce-scatter the partial outputs back.
+- MoEAlltoAllTokenDispatcher: sort tokens by expert, all-to-all over EP with the exact split sizes (one
+  host read of the token counts per layer), all-gather over expert-TP, and the mirror image to combine.
+"""
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import (
+    _all_to_all, _gather_along_first_dim, all_to_all, gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region)
+from megatron.core.transformer.moe.moe_utils import fused_permute_fns, permute, sort_chunks_by_idxs, unpermute
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _gather_v(x, group, sizes: List[int]):
+    """All-gather rows of different counts (``sizes[r]`` from rank r), as an all-to-all."""
+    n = len(sizes)
+    return _all_to_all(torch.cat([x] * n), group, sizes, [x.shape[0]] * n)
+
+
+def _reduce_scatter_v(x, group, sizes: List[int]):
+    """Sum ``x`` [sum(sizes), ...] over ``group``; rank r keeps rows of block r."""
+    n, mine = len(sizes), sizes[_rank(group)]
+    out = _all_to_all(x, group, [mine] * n, sizes)
+    return out.view(n, mine, *x.shape[1:]).sum(dim=0)
+
+
+class _GatherV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return _gather_v(x, group, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_v(grad, ctx.group, ctx.sizes), None, None
+
+
+class _ReduceScatterV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return _reduce_scatter_v(x, group, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_v(grad, ctx.group, ctx.sizes), None, None
+
+
+class MoETokenDispatcher:
+    """Common state: expert layout and the expert groups."""
+
+    def __init__(self, num_local_experts: int, local_expert_indices: List[int], config, pg_collection=None):
+        self.config = config
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = list(local_expert_indices)
+        self.num_experts = config.num_moe_experts
+        self.topk = config.moe_router_topk
+        self.ep_group = parallel_state.get_expert_model_parallel_group()
+        self.etp_group = parallel_state.get_expert_tensor_parallel_group()
+        self.tp_ep_group = parallel_state.get_expert_tensor_and_model_parallel_group()
+        self.ep_size, self.ep_rank = _size(self.ep_group), _rank(self.ep_group)
+        self.etp_size, self.etp_rank = _size(self.etp_group), _rank(self.etp_group)
+        self.tp_ep_size = _size(self.tp_ep_group)
+        fused = config.moe_permute_fusion
+        self._permute, self._unpermute = fused_permute_fns() if fused else (permute, unpermute)
+
+    def _num_out_tokens(self, num_tokens: int):
+        """Rows after permutation when known without reading the map: T * k with no dropping, E * capacity
+        when padded to capacity; None (count on the host) when tokens may be dropped."""
+        c = self.config
+        if c.moe_expert_capacity_factor is None:
+            return num_tokens * self.topk
+        if c.moe_pad_expert_input_to_capacity:
+            from megatron.core.transformer.moe.moe_utils import get_capacity
+            cap = min(get_capacity(num_tokens * self.topk, self.num_experts, c.moe_expert_capacity_factor),
+                      num_tokens)
+            return cap * self.num_experts
+        return None
+
+
+class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
+    def token_permutation(self, hidden_states, probs, routing_map):
+        """hidden [s, b, h] -> (tokens for the local experts grouped by expert [N, h], tokens_per_expert)."""
+        self.hidden_shape = hidden_states.shape
+        x = hidden_states.reshape(-1, self.hidden_shape[-1])
+        if self.tp_ep_size > 1:
+            x = gather_from_sequence_parallel_region(x, group=self.tp_ep_group)  # [T * tp_ep, h]
+            probs = gather_from_sequence_parallel_region(probs, group=self.tp_ep_group)
+            routing_map = _gather_along_first_dim(routing_map.to(torch.uint8), self.tp_ep_group).bool()
+        self.gathered_shape = x.shape
+        lo, hi = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
+        local_map = routing_map[:, lo:hi]
+        num_out = None
+        if self.num_local_experts == self.num_experts:
+            num_out = self._num_out_tokens(x.shape[0])
+        permuted, self.permuted_probs, self.sorted_indices = self._permute(
+            x, local_map, probs[:, lo:hi], num_out_tokens=num_out)
+        return permuted, local_map.sum(dim=0)
+
+    def token_unpermutation(self, expert_output, bias=None):
+        out = self._unpermute(expert_output, self.sorted_indices, self.gathered_shape, probs=self.permuted_probs)
+        if self.tp_ep_size > 1:
+            out = reduce_scatter_to_sequence_parallel_region(out, group=self.tp_ep_group)  # sum over EP x ETP
+        return out.view(self.hidden_shape), None
+
+
+class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
+    def _gather_counts(self, routing_map) -> List:
+        """C[u][j][e]: tokens that the rank at expert-TP u, EP j routes to expert e (one host read)."""
+        counts = routing_map.sum(dim=0).to(torch.int64)  # [E]
+        if self.ep_size > 1:
+            out = counts.new_empty(self.ep_size * self.num_experts)
+            dist.all_gather_into_tensor(out, counts, group=self.ep_group)
+            counts = out
+        if self.etp_size > 1:
+            out = counts.new_empty(self.etp_size * counts.numel())
+            dist.all_gather_into_tensor(out, counts, group=self.etp_group)
+            counts = out
+        return counts.view(self.etp_size, self.ep_size, self.num_experts).tolist()
+
+    def token_permutation(self, hidden_states, probs, routing_map):
+        self.hidden_shape = hidden_states.shape
+        x = hidden_states.reshape(-1, self.hidden_shape[-1])
+        self.local_only = self.ep_size * self.etp_size == 1
+        if self.local_only:  # every expert is here: no exchange, and no host read of the counts
+            permuted, self.permuted_probs, self.sorted_indices = self._permute(
+                x, routing_map, probs, num_out_tokens=self._num_out_tokens(x.shape[0]))
+            return permuted, routing_map.sum(dim=0)
+        C = self._gather_counts(routing_map)
+        t, m, El, ep = self.etp_rank, self.ep_rank, self.num_local_experts, self.ep_size
+        mine = C[t][m]
+        permuted, self.permuted_probs, self.sorted_indices = self._permute(
+            x, routing_map, probs, num_out_tokens=sum(mine))
+        self.input_splits = [sum(mine[j * El:(j + 1) * El]) for j in range(ep)]
+        self.output_splits = [sum(C[t][j][m * El:(m + 1) * El]) for j in range(ep)]
+        y = all_to_all(self.ep_group, permuted, self.output_splits, self.input_splits)  # chunks [ep j][l]
+        self.etp_sizes = [sum(sum(C[u][j][m * El:(m + 1) * El]) for j in range(ep)) for u in range(self.etp_size)]
+        if self.etp_size > 1:
+            y = _GatherV.apply(y, self.etp_group, self.etp_sizes)  # chunks [etp u][ep j][l]
+        # Regroup the chunks expert-major: [l][u][j].
+        self.chunk_sizes = [C[u][j][m * El + l] for u in range(self.etp_size) for j in range(ep) for l in range(El)]
+        self.sorted_idxs = [(u * ep + j) * El + l for l in range(El) for u in range(self.etp_size) for j in range(ep)]
+        if El > 1:
+            y = sort_chunks_by_idxs(y, self.chunk_sizes, self.sorted_idxs)
+        tokens_per_expert = [sum(C[u][j][m * El + l] for u in range(self.etp_size) for j in range(ep))
+                             for l in range(El)]
+        return y, torch.tensor(tokens_per_expert, dtype=torch.int64)
+
+    def token_unpermutation(self, expert_output, bias=None):
+        y = expert_output
+        if self.local_only:
+            pass
+        elif self.num_local_experts > 1:
+            sorted_sizes = [self.chunk_sizes[i] for i in self.sorted_idxs]
+            inverse = sorted(range(len(self.sorted_idxs)), key=lambda i: self.sorted_idxs[i])
+            y = sort_chunks_by_idxs(y, sorted_sizes, inverse)  # back to [u][j][l]
+        if self.etp_size > 1:
+            y = _ReduceScatterV.apply(y, self.etp_group, self.etp_sizes)  # sum the expert-TP partials
+        if not self.local_only:
+            y = all_to_all(self.ep_group, y, self.input_splits, self.output_splits)
+        num_tokens = self.hidden_shape.numel() // self.hidden_shape[-1]
+        out = self._unpermute(y, self.sorted_indices, (num_tokens, self.hidden_shape[-1]),
+                              probs=self.permuted_probs)
+        return out.view(self.hidden_shape), None

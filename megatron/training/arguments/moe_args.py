@@ -1,0 +1,107 @@
+"""Mixture-of-Experts flags (Megatron 0.19 names, types and defaults) and their validation."""
+import argparse
+import re
+from types import SimpleNamespace
+
+
+def moe_freq_type(value):
+    """--moe-layer-freq: an int N (every N-th layer is MoE) or a Python list expression of 0/1 such as
+    '([0]*1+[1]*3)' or '[1,1,0,1]' (only digits, brackets, '*', '+' and commas are accepted)."""
+    if isinstance(value, int):
+        return value
+    text = value.strip()
+    if re.fullmatch(r"\d+", text):
+        return int(text)
+    if not re.fullmatch(r"[\[\]\(\)\d\s\*\+,]+", text):
+        raise argparse.ArgumentTypeError(f"'{value}': use an int or a list pattern like ([0]*1+[1]*3)")
+    try:
+        pattern = eval(text, {"__builtins__": {}}, {})  # noqa: S307 (characters restricted above)
+    except Exception:
+        raise argparse.ArgumentTypeError(f"'{value}' is not a valid pattern such as ([0]*1+[1]*3)") from None
+    if not isinstance(pattern, list):
+        raise argparse.ArgumentTypeError(f"'{value}' must evaluate to a list of 0/1")
+    return pattern
+
+
+def add_moe_args(parser):
+    g = parser.add_argument_group(title="moe")
+    g.add_argument("--num-experts", type=int, default=None, help="Experts per MoE layer (None: dense model).")
+    g.add_argument("--moe-layer-freq", type=moe_freq_type, default=1,
+                   help="MoE every N layers (int) or a 0/1 pattern per layer, e.g. ([0]*1+[1]*3).")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="Expert FFN size (default --ffn-hidden-size).")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="FFN size of the shared expert(s) every token passes through.")
+    g.add_argument("--moe-shared-expert-overlap", action="store_true",
+                   help="Run the shared expert on a side CUDA stream, overlapping the token dispatch.")
+    g.add_argument("--moe-router-load-balancing-type", type=str, nargs="+", default="aux_loss",
+                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
+                   help="Load balancing: one type or several (each with its --moe-aux-loss-coeff).")
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0, help="Aux loss coefficient(s).")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="Router z-loss coefficient.")
+    g.add_argument("--moe-router-topk", type=int, default=2, help="Experts per token.")
+    g.add_argument("--moe-router-score-function", type=str, default="softmax", choices=["softmax", "sigmoid"],
+                   help="Router score function.")
+    g.add_argument("--moe-router-pre-softmax", action="store_true", help="Softmax over all experts before top-k.")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                   help="Multiply the top-k routing weights by this factor.")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="Aux-loss-free balancing: a per-expert bias shifts expert selection (sigmoid router).")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3, help="Expert bias step per iteration.")
+    g.add_argument("--moe-router-num-groups", type=int, default=None, help="Expert groups (group-limited routing).")
+    g.add_argument("--moe-router-group-topk", type=int, default=None, help="Groups each token may use.")
+    g.add_argument("--moe-router-dtype", type=str, default=None, choices=["fp32", "fp64"],
+                   help="Router gating and scores in this dtype.")
+    g.add_argument("--moe-token-dispatcher-type", type=str, default="allgather",
+                   choices=["allgather", "alltoall", "flex"], help="Token dispatcher.")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="Capacity per expert = ceil(tokens * topk / experts * factor); None: no dropping.")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="Pad every expert's input to its capacity.")
+    g.add_argument("--moe-token-drop-policy", type=str, default="probs", choices=["probs", "position"],
+                   help="Which tokens an over-capacity expert drops: lowest probs, or latest positions.")
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="All local experts in two grouped GEMMs (torch._grouped_mm on Hopper bf16).")
+    g.add_argument("--moe-permute-fusion", action="store_true",
+                   help="torch.compile'd token permutation on CUDA (index-based eager fallback).")
+    g.add_argument("--moe-per-layer-logging", action="store_true", help="MoE losses per layer in TensorBoard/W&B.")
+    g.add_argument("--moe-input-jitter-eps", type=float, default=None, help="Multiplicative router input jitter.")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="Tensor parallelism inside experts (default: --tensor-model-parallel-size).")
+    return parser
+
+
+def validate_moe_args(args, require):
+    """Derived defaults and one-line errors for the MoE flags (``require(cond, message)`` raises)."""
+    from megatron.core.transformer.moe.config_checks import check_moe_config
+
+    ep, tp, pp = args.expert_model_parallel_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    require(ep >= 1, f"--expert-model-parallel-size ({ep}) must be >= 1")
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp
+    etp = args.expert_tensor_parallel_size
+    require(etp >= 1, f"--expert-tensor-parallel-size ({etp}) must be >= 1")
+    if args.num_experts is None:
+        require(ep == 1, f"--expert-model-parallel-size ({ep}) > 1 needs --num-experts")
+        return
+    require(args.world_size % (etp * ep * pp) == 0,
+            f"world size ({args.world_size}) must be divisible by --expert-tensor-parallel-size ({etp}) x "
+            f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp})")
+    require(not getattr(args, "use_torch_fsdp2", False),
+            "--use-torch-fsdp2 with --num-experts is not supported; use DDP or --use-distributed-optimizer")
+    if tp > 1 and not args.sequence_parallel:
+        require(args.seq_length is None or args.seq_length % tp == 0,
+                f"--seq-length ({args.seq_length}) must be divisible by --tensor-model-parallel-size ({tp}) "
+                "in MoE layers (tokens are split over TP)")
+    ffn = args.ffn_hidden_size if args.ffn_hidden_size is not None else 4 * args.hidden_size
+    view = SimpleNamespace(**{k: v for k, v in vars(args).items() if k.startswith("moe_")},
+                           num_moe_experts=args.num_experts, num_layers=args.num_layers, ffn_hidden_size=ffn,
+                           expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                           tensor_model_parallel_size=tp, add_bias_linear=args.add_bias_linear)
+    try:
+        check_moe_config(view)
+    except (ValueError, NotImplementedError) as e:
+        require(False, str(e))
+    if isinstance(args.moe_router_load_balancing_type, list) and len(args.moe_router_load_balancing_type) == 1:
+        args.moe_router_load_balancing_type = args.moe_router_load_balancing_type[0]
+    if isinstance(args.moe_aux_loss_coeff, list) and len(args.moe_aux_loss_coeff) == 1:
+        args.moe_aux_loss_coeff = args.moe_aux_loss_coeff[0]

@@ -1,0 +1,122 @@
+"""Rewrite a GPT checkpoint under another format (torch <-> torch_dist) and TP/PP layout, on spawned gloo ranks.
+
+One process per target model-parallel rank builds the model under the target layout, loads and saves.
+A torch_dist source is read directly under the target layout (every tensor is stored under its global
+key); a legacy torch source is first loaded under its own layout and rewritten as torch_dist in a
+temporary directory. Optimizer and RNG state are not converted.
+"""
+import copy
+import os
+import shutil
+import socket
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_args(ckpt_args, load_dir, save_dir, fmt, tp, pp, iteration):
+    """The checkpoint's args re-targeted: new layout, model weights only."""
+    args = copy.deepcopy(ckpt_args)
+    world = tp * pp
+    overrides = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=world,
+                     data_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+                     load=load_dir, save=save_dir, ckpt_format=fmt, auto_detect_ckpt_format=True,
+                     ckpt_step=iteration, no_load_optim=True, no_save_optim=True, no_load_rng=True,
+                     no_save_rng=True, finetune=False, pretrained_checkpoint=None, async_save=False,
+                     exit_on_missing_checkpoint=True, save_retain_interval=None, use_distributed_optimizer=False,
+                     sequence_parallel=False, use_checkpoint_args=False)
+    for k, v in overrides.items():
+        setattr(args, k, v)
+    return args
+
+
+def _worker(rank, world, port, args, queue):
+    """One target rank: build the model under the target layout, load, save."""
+    import torch
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+        args.rank = rank
+        _convert_on_rank(args)
+        queue.put((rank, None))
+    except BaseException:
+        import traceback
+        queue.put((rank, traceback.format_exc()))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _convert_on_rank(args):
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+    from megatron.training.global_vars import set_args
+    from megatron.training.model_setup import get_model
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from pretrain_gpt import model_provider
+
+    set_args(args)
+    ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                                 pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+    model_parallel_cuda_manual_seed(getattr(args, "seed", 1234))
+    model = get_model(model_provider, wrap_with_ddp=False)
+    iteration, flops = load_checkpoint(model, None, None)
+    save_checkpoint(iteration, model, None, None, flops)
+    ps.destroy_model_parallel()
+
+
+def run_ranks(args, world):
+    """Run the conversion on ``world`` spawned gloo ranks; raise with the first failing rank's traceback."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    errors = []
+    for _ in range(world):
+        rank, err = queue.get(timeout=1800)
+        if err:
+            errors.append((rank, err))
+            break
+    for p in procs:
+        p.join(timeout=10 if errors else None)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise SystemExit(f"error: conversion failed on rank {errors[0][0]}:\n{errors[0][1]}")
+
+
+def convert(load_dir, save_dir, target_format, tp=None, pp=None, iteration=None):
+    from megatron.training.checkpointing import paths
+    from megatron.training.checkpointing.args import read_checkpoint_args
+    ckpt_args, iteration = read_checkpoint_args(load_dir, iteration)
+    src_dir = paths.get_checkpoint_name(load_dir, iteration, return_base_dir=True)
+    tp = tp or ckpt_args.tensor_model_parallel_size
+    pp = pp or ckpt_args.pipeline_model_parallel_size
+    if os.path.abspath(load_dir) == os.path.abspath(save_dir):
+        raise SystemExit("error: --save-dir must differ from --load-dir")
+    tmp = None
+    try:
+        if paths.detect_format(src_dir) == "torch":
+            # Legacy files are per (TP, PP) rank: read them under their own layout first.
+            tmp = tempfile.mkdtemp(prefix="ckpt_convert_", dir=os.path.dirname(os.path.abspath(save_dir)))
+            stp, spp = ckpt_args.tensor_model_parallel_size, ckpt_args.pipeline_model_parallel_size
+            run_ranks(_rank_args(ckpt_args, load_dir, tmp, "torch_dist", stp, spp, iteration), stp * spp)
+            load_dir = tmp
+        run_ranks(_rank_args(ckpt_args, load_dir, save_dir, target_format, tp, pp, iteration), tp * pp)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(f"converted {src_dir} to {target_format} (TP={tp}, PP={pp}) under {save_dir}")

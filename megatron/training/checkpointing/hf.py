@@ -1,0 +1,219 @@
+"""Hugging Face checkpoints in and out of our checkpoints (the library behind tools/checkpoint/hf.py).
+
+    import_hf_checkpoint(hf_dir, out_dir, tp=2, pp=2, fmt="torch_dist")   # then: --load out_dir
+    export_hf_checkpoint(checkpoint_path, hf_out_dir)                      # then: from_pretrained(hf_out_dir)
+
+Import writes ``iter_0000000`` + tracker, the args that rebuild the architecture (for
+``--use-checkpoint-args``), ``model_args.sh`` with the same flags, the source ``hf_config.json`` and the
+tokenizer files. torch_dist is written in this process, tensor by tensor from the safetensors shards
+(any TP/PP layout reads it); the legacy torch format is then rewritten per rank on spawned gloo ranks.
+"""
+import json
+import math
+import os
+import shlex
+import shutil
+import tempfile
+
+import torch
+
+from megatron.core.hf import FAMILIES, family_for_config
+from megatron.core.hf.dist_io import read_global, save_global
+from megatron.core.hf.safetensors_io import SafetensorsReader, ShardedSafetensorsWriter, read_config
+from megatron.core.hf.state import hf_to_ours, ours_to_hf, shapes_from_flags
+
+from . import paths
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json",
+                   "chat_template.jinja")
+HF_CONFIG_NAME = "hf_config.json"
+# What bad input raises here; the command-line tools print it as one "error: ..." line.
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError)
+FLAGS_NAME = "model_args.sh"
+
+
+def _argv(flags):
+    out = []
+    for flag, value in flags:
+        out += [flag] if value is None else [flag, str(value)]
+    return out
+
+
+def _padded(vocab: int, divisible_by: int, tp: int) -> int:
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab / multiple) * multiple)
+
+
+def _check_layout(flags, tp: int, pp: int) -> None:
+    f = dict(flags)
+    heads, layers = int(f["--num-attention-heads"]), int(f["--num-layers"])
+    groups = int(f.get("--num-query-groups", heads))
+    if heads % tp or groups % tp:
+        raise ValueError(f"--tp {tp} must divide the attention heads ({heads}) and KV groups ({groups})")
+    if layers % pp:
+        raise ValueError(f"--pp {pp} must divide the number of layers ({layers})")
+
+
+def _tokenizer_argv(hf_dir: str, out_dir: str, vocab: int):
+    if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
+        return ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", os.path.abspath(out_dir)]
+    return ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab)]
+
+
+def build_args(flags, tp, pp, fmt, out_dir, tokenizer_argv, vocab, padded, divisible_by):
+    """The full args namespace a training run with these flags would have (saved for --use-checkpoint-args)."""
+    from megatron.training.arguments import parse_args, validate_args
+    seq = min(int(dict(flags)["--max-position-embeddings"]), 4096)
+    argv = _argv(flags) + tokenizer_argv + [
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+        "--make-vocab-size-divisible-by", str(divisible_by), "--seq-length", str(seq), "--micro-batch-size", "1",
+        "--ckpt-format", fmt, "--no-save-optim", "--no-save-rng",
+        "--train-iters", "1", "--lr", "0.0", "--mock-data"]
+    args = parse_args(argv=argv)
+    args.rank, args.world_size = 0, tp * pp
+    validate_args(args)
+    args.vocab_size, args.padded_vocab_size = vocab, padded
+    args.save = args.load = out_dir
+    args.iteration = 0
+    return args
+
+
+def _write_sidecars(hf_dir, out_dir, cfg, flags, tokenizer_argv):
+    os.makedirs(out_dir, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(hf_dir, name)):
+            shutil.copy2(os.path.join(hf_dir, name), os.path.join(out_dir, name))
+    with open(os.path.join(out_dir, HF_CONFIG_NAME), "w") as f:
+        json.dump(cfg, f, indent=2)
+    lines = ["# Megatron flags that rebuild the architecture converted from", f"#   {os.path.abspath(hf_dir)}",
+             "# (or pass --use-checkpoint-args with --load to take them from the checkpoint)", "MODEL_ARGS=("]
+    argv = _argv(flags) + tokenizer_argv
+    i = 0
+    while i < len(argv):
+        j = i + 1 if i + 1 < len(argv) and not argv[i + 1].startswith("--") else i
+        lines.append("    " + " ".join(shlex.quote(a) for a in argv[i:j + 1]))
+        i = j + 1
+    lines.append(")")
+    with open(os.path.join(out_dir, FLAGS_NAME), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def import_hf_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, fmt: str = "torch_dist",
+                         make_vocab_size_divisible_by: int = 128) -> str:
+    """Convert a HF model directory into our checkpoint under ``out_dir``; returns the checkpoint dir."""
+    if fmt not in ("torch_dist", "torch"):
+        raise ValueError(f"format {fmt!r} is not supported; use torch_dist or torch")
+    cfg = read_config(hf_dir)
+    family = family_for_config(cfg)
+    flags = family.config_to_flags(cfg)
+    _check_layout(flags, tp, pp)
+    vocab = int(cfg["vocab_size"])
+    padded = _padded(vocab, make_vocab_size_divisible_by, tp)
+    shapes = shapes_from_flags(flags, vocab, padded)
+    reader = SafetensorsReader(hf_dir)
+    tensors = hf_to_ours(family, cfg, shapes, reader, where=hf_dir)  # shapes checked before writing anything
+    final = paths.get_checkpoint_name(out_dir, 0, return_base_dir=True)
+    if os.path.exists(final):
+        raise FileExistsError(f"{final} already exists; pass an empty output directory")
+    tok = _tokenizer_argv(hf_dir, out_dir, vocab)
+    args = build_args(flags, tp, pp, fmt, out_dir, tok, vocab, padded, make_vocab_size_divisible_by)
+    _write_sidecars(hf_dir, out_dir, cfg, flags, tok)
+    common = {"args": args, "checkpoint_version": 3.0, "iteration": 0, "num_floating_point_operations_so_far": 0}
+    if fmt == "torch_dist":
+        staging = paths.staging_dir(final)
+        shutil.rmtree(staging, ignore_errors=True)
+        save_global(tensors, staging, common)
+        paths.publish_dir(staging, final)
+        paths.write_tracker(out_dir, 0)
+    else:
+        from .convert import convert
+        tmp = tempfile.mkdtemp(prefix="hf_import_", dir=os.path.dirname(os.path.abspath(out_dir)))
+        try:
+            save_global(tensors, paths.get_checkpoint_name(tmp, 0, return_base_dir=True), common)
+            paths.write_tracker(tmp, 0)
+            convert(tmp, out_dir, "torch", tp, pp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    reader.close()
+    return final
+
+
+def _infer_family(args):
+    if getattr(args, "multi_latent_attention", False):
+        return FAMILIES["deepseek_v3"]
+    if args.normalization == "LayerNorm":
+        return FAMILIES["gpt2"]
+    if getattr(args, "window_size", None) is not None:
+        return FAMILIES["mistral"]
+    if args.qk_layernorm:
+        return FAMILIES["qwen3"]
+    return FAMILIES["qwen2"] if args.add_qkv_bias else FAMILIES["llama"]
+
+
+def export_hf_checkpoint(checkpoint_path: str, out_dir: str, iteration=None, vocab_size=None,
+                         family=None, max_shard_bytes: int = 5 * 2 ** 30) -> str:
+    """Write ``out_dir`` (config.json, safetensors shards + index, tokenizer files) from our checkpoint."""
+    from .args import read_checkpoint_args
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+    args, iteration = read_checkpoint_args(checkpoint_path, iteration)
+    src = paths.get_checkpoint_name(checkpoint_path, iteration, return_base_dir=True)
+    if not os.path.isdir(src):
+        src = paths.get_checkpoint_name(checkpoint_path, iteration, release=True, return_base_dir=True)
+    tmp = None
+    try:
+        if paths.detect_format(src) == "torch":
+            from .convert import convert
+            tmp = tempfile.mkdtemp(prefix="hf_export_", dir=os.path.dirname(os.path.abspath(out_dir)))
+            convert(checkpoint_path, tmp, "torch_dist", iteration=iteration)
+            src = paths.get_checkpoint_name(tmp, iteration, return_base_dir=True)
+        _export(args, src, checkpoint_path, out_dir, vocab_size, family, max_shard_bytes, load_tensors_metadata)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _source_dirs(checkpoint_path, args):
+    """Where the imported model's hf_config.json and tokenizer may be: this checkpoint, or the one it was
+    trained from (--load / --pretrained-checkpoint of its run)."""
+    dirs = [checkpoint_path, getattr(args, "load", None), getattr(args, "pretrained_checkpoint", None),
+            getattr(args, "tokenizer_model", None)]
+    return [d for d in dirs if d and os.path.isdir(d)]
+
+
+def _export(args, src, checkpoint_path, out_dir, vocab_size, family, max_shard_bytes, load_tensors_metadata):
+    dirs = _source_dirs(checkpoint_path, args)
+    base_paths = [os.path.join(d, HF_CONFIG_NAME) for d in dirs if os.path.isfile(os.path.join(d, HF_CONFIG_NAME))]
+    base = read_config_file(base_paths[0]) if base_paths else {}
+    if family is not None:
+        fam = FAMILIES[family]
+    elif base:
+        fam = family_for_config(base)
+    else:
+        fam = _infer_family(args)
+    vocab = int(vocab_size or getattr(args, "vocab_size", None) or args.padded_vocab_size)
+    meta = load_tensors_metadata(src)
+    dtype = meta["embedding.word_embeddings.weight"][1]
+    cfg = fam.args_to_config(args, vocab)
+    cfg = dict(base, **cfg) if base else cfg
+    if not cfg.get("rope_scaling"):
+        cfg.pop("rope_scaling", None)
+    cfg["torch_dtype"] = cfg["dtype"] = str(dtype).replace("torch.", "")
+    flags = fam.config_to_flags(cfg)
+    shapes = shapes_from_flags(flags, vocab, meta["embedding.word_embeddings.weight"][0][0])
+    writer = ShardedSafetensorsWriter(out_dir, max_shard_bytes)
+    for name, tensor in ours_to_hf(fam, cfg, shapes, lambda names: read_global(src, names, meta)):
+        writer.add(name, tensor)
+    writer.close()
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    for d in dirs:
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(d, name)) and not os.path.exists(os.path.join(out_dir, name)):
+                shutil.copy2(os.path.join(d, name), os.path.join(out_dir, name))
+
+
+def read_config_file(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
