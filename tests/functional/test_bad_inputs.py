@@ -86,7 +86,7 @@ FLAG_CASES = [
     ("iters-and-samples", ["--train-samples", "10"], "--train-iters and --train-samples"),
     ("min-lr", ["--min-lr", "1.0"], "--min-lr (1.0)"),
     ("dropout", ["--hidden-dropout", "1.5"], "--hidden-dropout (1.5)"),
-    ("unsupported-flag", ["--num-experts", "4"], "--num-experts"),
+    ("unsupported-flag", ["--fp4-format", "e2m1"], "--fp4-format is not supported yet"),
     ("exit-signal", ["--exit-signal", "SIGFOO"], "--exit-signal (SIGFOO)"),
     ("straggler-count", ["--log-straggler", "--straggler-minmax-count", "0"], "--straggler-minmax-count (0)"),
     ("straggler-port", ["--straggler-ctrlr-port", "70000"], "--straggler-ctrlr-port (70000)"),
