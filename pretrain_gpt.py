@@ -10,6 +10,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.enums import ModelType
 from megatron.core.full_cuda_graph import is_graph_capturing
+from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
@@ -48,6 +49,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
 
 
 _INT_KEYS = ["tokens", "labels", "position_ids"]
+SPIKY_LOSS_FACTOR = 10  # Megatron's: a loss 10x the largest of the first 100 steps is a spike
 
 
 def _packed_documents(args):
@@ -108,9 +110,15 @@ def loss_func(loss_mask, output_tensor, mtp_loss_stats=None):
     loss_mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * loss_mask)
     # Inside a CUDA-graph capture the check cannot sync; train_step checks the replayed losses instead.
-    if args.check_for_nan_in_loss_and_grad and not is_graph_capturing() and not torch.isfinite(loss).item():
-        raise RuntimeError(f"rank {torch.distributed.get_rank()}: loss is {loss.item()} (NaN/Inf) on device "
-                           f"{loss.device}; lower --lr or use --bf16, or pass --no-check-for-nan-in-loss-and-grad")
+    if not is_graph_capturing():
+        rerun_state_machine = get_rerun_state_machine()
+        if args.check_for_nan_in_loss_and_grad:
+            rerun_state_machine.validate_result(loss, torch.isnan, "found NaN in local forward loss calculation")
+            rerun_state_machine.validate_result(loss, torch.isinf, "found Inf in local forward loss calculation")
+        if args.check_for_spiky_loss:
+            rerun_state_machine.validate_result(
+                loss, partial(rerun_state_machine.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR, context="loss"),
+                "spiky loss", fatal=False)
     num_tokens = loss_mask.sum().clone().detach().to(torch.int)
     reporting = torch.cat([loss.clone().detach().view(1), num_tokens.float().view(1)])
     losses_reported = {"lm loss": reporting}

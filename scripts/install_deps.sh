@@ -8,4 +8,4 @@ if ! $PY -c "import torch, sys; v=tuple(int(x) for x in torch.__version__.split(
   $PY -m pip install -q -c constraints-ci.txt torch
 fi
 # Everything else, without touching the torch that is now present.
-$PY -m pip install -q $(grep -v -E '^\s*(#|$|torch)' requirements.txt requirements-test.txt | sed 's/^[^:]*://')
+$PY -m pip install -q $(grep -v -E '^\s*(#|$|torch)' requirements.txt requirements-test.txt | sed 's/^[^:]*://; s/#.*//')

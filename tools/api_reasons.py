@@ -5,10 +5,13 @@ C = "megatron.core."
 T = "megatron.training."
 
 GTP = "generalized tensor parallelism / weight rematerialisation (gtp_remat) is not implemented"
-MOE = "MoE token dispatch and expert-parallel overrides belong to the MoE change (megatron/core/transformer/moe)"
-CP = "hierarchical / hybrid context parallelism and packed-sequence batches belong to the context-parallel change"
-MLA = "multi-latent attention and MTP belong to the MLA change"
-INFER = "inference (KV cache, inference-optimized layers) belongs to the inference change"
+MOE = ("not implemented: Megatron's last-dim and sp<->hp all-to-all mappings; MoE token dispatch has its own "
+       "all_to_all (megatron/core/transformer/moe)")
+CP = "hierarchical (a2a+p2p) and hybrid (dynamic) context parallelism are not implemented"
+MLA = ("MLA and MTP are implemented (MLATransformerConfig, get_gpt_mtp_block_spec) without Megatron's fused "
+       "MLA down-projection (mla_down_proj_fusion) and per-pipeline-rank MTP placement (pp_rank)")
+INFER = ("not implemented: the generation engine (megatron/core/inference) keeps its own KV cache and runs "
+         "the training layers, without Megatron's inference-optimized layers or InferenceParams")
 CG = "CUDA-graph scopes of Megatron's TE/local graph capture; here only --cuda-graph-impl full_iteration exists"
 DEFER_WGRAD = "deferred embedding weight-gradient compute (--defer-embedding-wgrad-compute) is not implemented"
 CKPT_STRATEGY = ("torch_dist checkpoints are written by megatron.core.dist_checkpointing.strategies.torch's own "
@@ -80,7 +83,7 @@ REASONS = {
     C + "transformer.attention:CrossAttention": "name is TE's module name; extra keyword arguments are accepted and unused",
     C + "transformer.transformer_layer:TransformerLayer": "layer_number is global here (TransformerBlock adds the pipeline-stage offset before building the layer), so add_layer_offset has no counterpart; is_mtp_layer/pp_layer_offset are refused (MTP layers are built by MultiTokenPredictionLayer)",
     C + "transformer:TransformerLayer": "see megatron.core.transformer.transformer_layer.TransformerLayer",
-    C + "transformer.transformer_layer:MoETransformerLayer": MOE,
+    C + "transformer.transformer_layer:MoETransformerLayer": "an MoE layer is a TransformerLayer whose MLP spec is an MoELayer",
     C + "transformer.mlp:MLP": "name is TE's module name; extra keyword arguments are accepted and unused",
     C + "transformer.mlp:MLPSubmodules": "the activation is chosen by config.activation_func, not by the spec",
     C + "transformer.mlp:apply_swiglu_sharded_factory": "SwiGLU fc1 weights are saved as one tensor with an interleave stride",

@@ -141,6 +141,31 @@ def process_file(args, input_path, output_prefix, workers):
                 for key in args.json_keys}
     raw_size = os.path.getsize(input_path) if not input_path.endswith(".gz") else 0
     progress = Progress(args, raw_size)
+    try:
+        _tokenize(args, input_path, encoder, builders, progress, workers)
+        if progress.docs == 0:
+            raise SystemExit(f"error: --input {input_path}: no documents (empty input, or every line was skipped "
+                             f"or has no text under --json-keys {' '.join(args.json_keys)}); nothing written")
+        for key, builder in builders.items():
+            builder.finalize(_output_prefix(output_prefix, key, level) + ".idx")
+    except BaseException:  # a failed run leaves no half-written dataset behind
+        for key, builder in builders.items():
+            builder.data_file.close()
+            _remove_dataset(_output_prefix(output_prefix, key, level))
+        raise
+    progress.report()
+    if progress.skipped:
+        print(f"Skipped {progress.skipped} malformed lines of {input_path}.", file=sys.stderr, flush=True)
+    return progress.docs, progress.skipped
+
+
+def _remove_dataset(prefix):
+    for path in (prefix + ".bin", prefix + ".idx"):
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def _tokenize(args, input_path, encoder, builders, progress, workers):
     pool = multiprocessing.Pool(workers, initializer=encoder.initializer) if workers > 1 else None
     if pool is None:
         encoder.initializer()
@@ -162,12 +187,6 @@ def process_file(args, input_path, output_prefix, workers):
         if pool is not None:
             pool.close()
             pool.join()
-    for key, builder in builders.items():
-        builder.finalize(_output_prefix(output_prefix, key, level) + ".idx")
-    progress.report()
-    if progress.skipped:
-        print(f"Skipped {progress.skipped} malformed lines of {input_path}.", file=sys.stderr, flush=True)
-    return progress.docs, progress.skipped
 
 
 def _chunks(items, size):
@@ -235,20 +254,26 @@ def main(argv=None):
         process_file(args, files[0], args.output_prefix, args.workers)
         return
     paths = _partition_inputs(args)
-    procs = [multiprocessing.Process(target=_run_partition, args=(args, p, i)) for i, p in enumerate(paths)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-        if p.exitcode != 0:
-            raise SystemExit(f"error: a partition failed (exit code {p.exitcode})")
-    tokenizer = build_tokenizer(args)
-    for key in args.json_keys:
-        out = _output_prefix(args.output_prefix, key, level)
-        builder = IndexedDatasetBuilder(out + ".bin", dtype=DType.optimal_dtype(tokenizer.vocab_size))
-        for i in range(len(paths)):
-            builder.add_index(_output_prefix(f"{args.output_prefix}_{i}", key, level))
-        builder.finalize(out + ".idx")
+    try:
+        procs = [multiprocessing.Process(target=_run_partition, args=(args, p, i)) for i, p in enumerate(paths)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+            if p.exitcode != 0:
+                raise SystemExit(f"error: a partition failed (exit code {p.exitcode}); nothing written")
+        tokenizer = build_tokenizer(args)
+        for key in args.json_keys:
+            out = _output_prefix(args.output_prefix, key, level)
+            builder = IndexedDatasetBuilder(out + ".bin", dtype=DType.optimal_dtype(tokenizer.vocab_size))
+            for i in range(len(paths)):
+                builder.add_index(_output_prefix(f"{args.output_prefix}_{i}", key, level))
+            builder.finalize(out + ".idx")
+    except BaseException:
+        for key in args.json_keys:
+            for prefix in [args.output_prefix] + [f"{args.output_prefix}_{i}" for i in range(len(paths))]:
+                _remove_dataset(_output_prefix(prefix, key, level))
+        raise
 
 
 def get_args(argv=None):

@@ -34,6 +34,7 @@ TRAINING_ARGS=(
     --train-iters 1000 --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 50
     --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
     --bf16 --cross-entropy-loss-fusion
+    --no-create-attention-mask-in-dataloader        # no [s, s] mask per sample: attention is causal itself
     --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
 )
 PARALLEL_ARGS=(

@@ -26,7 +26,7 @@ __all__ = [
     "log_on_each_pipeline_stage", "make_sharded_tensor_for_checkpoint", "make_tp_sharded_tensor_for_checkpoint",
     "mup_scaled_init_method_normal", "round_up_to_nearest_multiple", "get_mamba_version",
     "is_mamba_min_version", "get_causal_conv1d_version", "is_causal_conv1d_min_version",
-    "get_flashinfer_version", "is_flashinfer_min_version",
+    "get_flashinfer_version", "is_flashinfer_min_version", "get_batch_on_this_cp_rank",
 ]
 
 
@@ -445,3 +445,16 @@ def get_flashinfer_version():
 
 def is_flashinfer_min_version(version, check_equality=True):
     return _at_least(get_flashinfer_version(), version, check_equality)
+
+
+def get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=None, hybrid_cp_group_func=None,
+                              use_per_sequence_balancing=False):
+    """This context-parallel rank's share of a [b, s] batch (two load-balanced chunks per sequence),
+    from `cp_group` or parallel_state's CP group. Hybrid CP and per-sequence balancing are refused."""
+    if is_hybrid_cp or hybrid_cp_group_func is not None or use_per_sequence_balancing:
+        raise NotImplementedError("get_batch_on_this_cp_rank: hybrid context parallelism and per-sequence "
+                                  "balancing are not supported")
+    from megatron.core.context_parallel.utils import get_batch_on_this_cp_rank as split
+    if cp_group is None:
+        return split(batch)
+    return split(batch, cp_size=get_pg_size(cp_group), cp_rank=get_pg_rank(cp_group))

@@ -8,8 +8,8 @@ def num_floating_point_operations(args, batch_size):
     `active_mlp_ffn_sum`) + 6*L*(h*(d_q + 2*d_kv) + d_q*h) (QKV and output projections) + 6*h*V (logits)
     + 6*s*d_q*L for causal core attention (QK^T and AV, halved for the mask). 6 = 3 GEMMs (fwd, wgrad,
     dgrad) x 2 FLOPs per multiply-add. Multi-latent attention replaces the attention terms
-    (`mla_flops_per_token`); multi-token prediction adds its depths as dense layers, their norms and
-    eh_proj, and one logits pass each (Megatron's formula).
+    (`mla_flops_per_token`); multi-token prediction adds its depths as layers (of the last decoder layer's
+    kind), their norms and eh_proj, and one logits pass each (Megatron's formula).
     """
     h, s = args.hidden_size, args.seq_length
     mtp = getattr(args, "mtp_num_layers", None) or 0
@@ -26,11 +26,24 @@ def num_floating_point_operations(args, batch_size):
         attention = L * mla_flops_per_token(args)
     else:
         attention = 6 * L * (h * (d_q + 2 * d_kv) + d_q * h) + 6 * s * d_q * L
-    per_token = (6 * h * expansion * (active_mlp_ffn_sum(args, ffn) + ffn * mtp)
+    mlp_width = active_mlp_ffn_sum(args, ffn) + mtp * _last_layer_ffn(args, ffn)
+    per_token = (6 * h * expansion * mlp_width
                  + attention
                  + 6 * mtp * (3 * h + 2 * h * h)  # MTP norms and eh_proj
                  + 6 * h * vocab * (1 + mtp))  # one output head pass per prediction depth
     return tokens * per_token
+
+
+def _last_layer_ffn(args, ffn):
+    """Active FFN width of the last decoder layer (the kind every MTP depth repeats)."""
+    dense, moe = moe_layer_counts(args)
+    if not moe:
+        return ffn
+    freq = args.moe_layer_freq
+    if not ((args.num_layers - 1) % freq == 0 if isinstance(freq, int) else list(freq)[-1]):
+        return ffn
+    moe_ffn = args.moe_ffn_hidden_size if args.moe_ffn_hidden_size is not None else ffn
+    return moe_ffn * args.moe_router_topk + (args.moe_shared_expert_intermediate_size or 0)
 
 
 def mla_flops_per_token(args):

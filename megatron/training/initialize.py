@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from megatron.core import parallel_state
-from megatron.training.arguments import ArgumentError, parse_args, print_args, validate_args
+from megatron.training.arguments import parse_args, print_args, validate_args
+from megatron.training.diagnostics import errors, hang
 from megatron.training.global_vars import get_args, set_global_variables
 from megatron.training.utils import print_rank_0
 
@@ -31,10 +32,12 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
                         allow_no_cuda=True, skip_mpu_initialization=False, parsed_args=None):
     """Parse + validate flags, set up torch.distributed and model-parallel groups, seed RNGs.
 
-    A configuration error prints `error: <one line>` on rank 0 and exits with code 2.
+    A start-up error on any rank prints `[rank R] ArgumentError: <one line>` on that rank and every rank
+    exits non-zero (2 for a bad input): see `diagnostics.errors`.
     """
     _line_atomic_output()
     setup_launcher_env()
+    args = None
     try:
         args = parsed_args if parsed_args is not None else parse_args(extra_args_provider, ignore_unknown_args)
         if getattr(args, "use_checkpoint_args", False) or args_defaults.get("use_checkpoint_args", False):
@@ -45,20 +48,46 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
             print_args("arguments", args)
         set_global_variables(args)
         update_train_iters(args)
-    except (ArgumentError, NotImplementedError) as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    except Exception as e:
+        _fail_start(e, args)
     if args.logging_level is not None:
         import logging
         logging.getLogger().setLevel(args.logging_level)
     _initialize_distributed(args)
+    if errors.agree_on_start(False):
+        print(f"[rank {args.rank}] stopping: another rank failed at start-up (its error is above)",
+              file=sys.stderr, flush=True)
+        errors.exit_now(2)
     if not skip_mpu_initialization:
         _initialize_model_parallel(args)
         _set_random_seed(args.seed, args.data_parallel_random_init,
                          use_cudagraphable_rng=getattr(args, "cuda_graph_impl", "none") == "full_iteration")
     _compile_dataset_helpers()
+    hang.install(args)
     return None
+
+
+def _fail_start(exc, args):
+    """Report a start-up error on this rank, then join the default process group only to tell the other
+    ranks (see `errors.agree_on_start`), so none of them waits for this one until the timeout."""
+    errors.report(exc)
+    # Under torchrun the agent stops the other workers as soon as this one exits.
+    launcher_stops_others = "TORCHELASTIC_RUN_ID" in os.environ
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized() \
+            and not launcher_stops_others:
+        try:
+            backend = "gloo"
+            if torch.cuda.is_available() and getattr(args, "distributed_backend", "nccl") == "nccl":
+                backend = "nccl"
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+            minutes = getattr(args, "distributed_timeout_minutes", None) or 10
+            torch.distributed.init_process_group(
+                backend=backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                timeout=datetime.timedelta(minutes=minutes))
+            errors.agree_on_start(True)
+        except Exception:  # the others still end: at their timeout, or when the launcher stops them
+            pass
+    errors.exit_now(errors.exit_code(exc))
 
 
 def update_train_iters(args):
@@ -133,6 +162,7 @@ def _initialize_distributed(args):
         print("> initializing torch distributed ...", flush=True)
     kwargs = dict(backend=args.distributed_backend, world_size=args.world_size, rank=args.rank,
                   timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+    hang.configure_flight_recorder(args)
     if torch.cuda.is_available() and args.distributed_backend == "nccl":
         kwargs["device_id"] = torch.device(f"cuda:{torch.cuda.current_device()}")
     torch.distributed.init_process_group(**kwargs)

@@ -3,7 +3,10 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import get_num_microbatches
+from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.training.global_vars import get_args
+
+LARGE_GRAD_FACTOR = 10.0  # Megatron's threshold: 10x the largest grad norm of the first 100 steps
 
 
 def get_training_forward_backward_func():
@@ -63,15 +66,25 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     """
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
     args = get_args()
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
     if forward_backward_func is None:
         forward_backward_func = get_forward_backward_func()
-    losses_reduced = forward_backward_func(
-        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size, decoder_seq_length=None, forward_only=False)
+    rerun_state_machine = get_rerun_state_machine()
+    # Once, or twice when a validated result (loss, grad norm) was rejected: see rerun_state_machine.
+    while rerun_state_machine.should_run_forward_backward(data_iterator):
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses_reduced = forward_backward_func(
+            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+            num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size, decoder_seq_length=None, forward_only=False)
+        if args.check_for_large_grads:
+            _validate_grad_norm(model, rerun_state_machine)
+    if rerun_state_machine.should_checkpoint_and_exit()[1] or rerun_state_machine.should_skip_step():
+        # train() saves and exits, or counts the iteration as skipped: the update is not applied.
+        loss_dict = reduce_loss_dicts(losses_reduced) if parallel_state.is_pipeline_last_stage(ignore_virtual=True) \
+            else {}
+        return loss_dict, 1, None, None
     pending_check = None
     if getattr(forward_backward_func, "replayed", False) and args.check_for_nan_in_loss_and_grad:
         pending_check = _losses_to_host(losses_reduced)
@@ -87,6 +100,23 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return reduce_loss_dicts(losses_reduced), skipped_iter, grad_norm, num_zeros_in_grad
     return {}, skipped_iter, grad_norm, num_zeros_in_grad
+
+
+def _validate_grad_norm(model, rerun_state_machine):
+    """--check-for-large-grads: this rank's gradient norm must be finite (fatal) and below 10x the largest
+    of the first 100 steps (reported): Megatron's checks, on the reduced gradients of this rank's shard."""
+    from functools import partial
+    grads = [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
+             for chunk in model for p in chunk.parameters()]
+    norms = [torch.linalg.vector_norm(g.float()) for g in grads if g is not None]
+    if not norms:
+        return
+    norm = torch.linalg.vector_norm(torch.stack(norms))
+    rerun_state_machine.validate_result(norm, torch.isnan, "found NaN in local grad norm", fatal=True)
+    rerun_state_machine.validate_result(norm, torch.isinf, "found Inf in local grad norm", fatal=True)
+    rerun_state_machine.validate_result(
+        norm, partial(rerun_state_machine.is_unexpectedly_large, threshold=LARGE_GRAD_FACTOR, context="grads"),
+        "unexpectedly large grad norm", fatal=False)
 
 
 def reduce_loss_dicts(loss_dicts):

@@ -1,4 +1,5 @@
 """pretrain(): initialize, build model/optimizer/data, run the training loop, evaluate, exit cleanly."""
+import sys
 import time
 from datetime import datetime
 
@@ -6,9 +7,13 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
+from megatron.core.rerun_state_machine import (RerunDataIterator, RerunErrorInjector, RerunMode,
+                                                get_rerun_state_machine, initialize_rerun_state_machine)
 from megatron.core.num_microbatches_calculator import (get_current_global_batch_size, get_num_microbatches,
                                                        update_num_microbatches)
 from megatron.core.utils import get_device, get_model_config
+from megatron.training.diagnostics import hang, straggler
+from megatron.training.diagnostics.errors import report_errors
 from megatron.training.data_iterators import build_train_valid_test_data_iterators
 from megatron.training.evaluate import evaluate_and_print_results
 from megatron.training.exit import duration_exceeded
@@ -43,12 +48,24 @@ def print_datetime(string):
 def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
              process_non_loss_data_func=None, extra_args_provider=None, args_defaults={},
              get_embedding_ranks=None, get_position_embedding_ranks=None, non_loss_data_func=None):
-    """Megatron's classic entry: everything from flags to the final test evaluation."""
+    """Megatron's classic entry: everything from flags to the final test evaluation. An error on any rank
+    ends the run there with `[rank R] Type: message` and a non-zero exit (diagnostics.errors)."""
+    with report_errors():
+        _pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                  process_non_loss_data_func, extra_args_provider, args_defaults, get_embedding_ranks,
+                  get_position_embedding_ranks)
+    hang.uninstall()  # a finished run stops watching (the process may go on, e.g. in tests)
+
+
+def _pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+              process_non_loss_data_func, extra_args_provider, args_defaults, get_embedding_ranks,
+              get_position_embedding_ranks):
     if get_embedding_ranks is not None or get_position_embedding_ranks is not None:
         raise NotImplementedError("pretrain(get_embedding_ranks=...) is not supported; use the default ranks")
     start = _STARTUP_TIMESTAMPS["program_start"] or time.time()
     initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=args_defaults)
     args, timers = get_args(), get_timers()
+    _initialize_rerun_state_machine(args)
     _report_init_time(start)
     print_datetime("after megatron is initialized")
 
@@ -87,6 +104,15 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     if test_it is not None and args.eval_iters > 0:
         evaluate_and_print_results(f"iteration {iteration} on test set", forward_step_func, test_it, model,
                                    iteration, process_non_loss_data_func, config, write_to_tensorboard=False)
+
+
+def _initialize_rerun_state_machine(args):
+    """--rerun-mode and fault injection. A replayed CUDA graph checks its losses itself (train_step) and
+    cannot re-run a step, so the machine is disabled there (it would only add a collective per step)."""
+    mode = "disabled" if getattr(args, "cuda_graph_impl", "none") == "full_iteration" else args.rerun_mode
+    initialize_rerun_state_machine(
+        mode=mode, error_injector=RerunErrorInjector(args.error_injection_rate, args.error_injection_type),
+        result_rejected_tracker_filename=args.result_rejected_tracker_filename, report_interval=args.log_interval)
 
 
 def _report_init_time(start):
@@ -140,13 +166,23 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     total_loss_dict, report_memory_flag = {}, True
     iteration = args.iteration
     forward_backward_func = get_training_forward_backward_func()
+    straggler.setup(args)
+    get_rerun_state_machine().current_iteration = iteration  # its messages count iterations as the log does
+    if get_rerun_state_machine().mode != RerunMode.DISABLED:  # a re-run replays the step's micro-batches
+        train_data_iterator = ([RerunDataIterator(it) if it is not None else None for it in train_data_iterator]
+                               if isinstance(train_data_iterator, list) else
+                               RerunDataIterator(train_data_iterator) if train_data_iterator is not None else None)
     timers("interval-time", log_level=0).start(barrier=True)
     while iteration < args.train_iters:
+        hang.heartbeat()
         update_num_microbatches(args.consumed_train_samples, consistency_check=True)
+        straggler.step_start()
         loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
             forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config,
             forward_backward_func)
+        _maybe_stop_on_failed_validation(iteration, model, optimizer, opt_param_scheduler)
         iteration += 1
+        straggler.step_end(iteration, args.log_interval)
         args.iteration = iteration
         batch_size = args.micro_batch_size * args.data_parallel_size * get_num_microbatches()
         args.consumed_train_samples += batch_size
@@ -167,6 +203,20 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         if _checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration):
             return iteration, True
     return iteration, False
+
+
+def _maybe_stop_on_failed_validation(iteration, model, optimizer, opt_param_scheduler):
+    """The rerun engine found a transient fault in step iteration+1: save the state before that step
+    (when --save) and exit with its code (17), on every rank."""
+    should_checkpoint, should_exit, exit_code = get_rerun_state_machine().should_checkpoint_and_exit()
+    if not should_exit:
+        return
+    args = get_args()
+    if should_checkpoint and args.save:
+        _save(iteration, model, optimizer, opt_param_scheduler)
+    print_datetime(f"exiting program: result validation failed at iteration {iteration + 1} "
+                   f"(exit code {exit_code})")
+    sys.exit(exit_code)
 
 
 def _finalize_async_saves(blocking, terminate=False):

@@ -3,7 +3,8 @@
 One module fixture does the expensive part once: tiny random HF models (fp32, CPU), their logits on a
 fixed batch, imports at TP=1 and TP=2 x PP=2 (torch_dist, plus one torch-format import through
 convert.py), a 2-iteration CLI run from an import, and ONE spawned 4-rank gloo world that loads every
-checkpoint with our model under TP=1 (as 4 data-parallel replicas) and then TP=2 x PP=2.
+checkpoint with our model under TP=1 (as 4 data-parallel replicas), then TP=2 x PP=2 (and the torch-format
+import under its own TP=2 layout).
 """
 import glob
 import json
@@ -114,6 +115,11 @@ def _run(*cmd):
     return p.stdout
 
 
+def _cli(tool, *argv):
+    """A tools/checkpoint command line, run in this process (it spawns its own ranks where it needs them)."""
+    return runpy.run_path(os.path.join(ROOT, "tools", "checkpoint", tool))["main"](list(argv))
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     from megatron.training.checkpointing.hf import import_hf_checkpoint
@@ -126,10 +132,11 @@ def world(tmp_path_factory):
         ref[name] = _hf_logits(_build_hf(cfg, d[name], shard="20KB" if name == "llama31" else None), tokens)
         import_hf_checkpoint(d[name], d[name] + "_tp1")
         import_hf_checkpoint(d[name], d[name] + "_tp2pp2", tp=2, pp=2)
-    # Megatron's spelling, legacy torch format: one file per (TP, PP) rank, written by spawned ranks.
-    _run("tools/checkpoint/convert.py", "--model-type", "GPT", "--loader", "llama_mistral", "--saver", "core",
+    # Megatron's spelling (its main(), in this process), legacy torch format: one file per TP rank,
+    # written by spawned ranks.
+    _cli("convert.py", "--model-type", "GPT", "--loader", "llama_mistral", "--saver", "core",
          "--load-dir", d["llama31"], "--save-dir", d["llama31"] + "_torch", "--target-format", "torch",
-         "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2")
+         "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "1")
     # Continued training from an import, through the CLI, loading the TP=2 x PP=2 files under TP=1.
     trained = str(root / "trained")
     _run("pretrain_gpt.py", "--load", d["qwen3"] + "_tp2pp2", "--use-checkpoint-args",
@@ -137,12 +144,13 @@ def world(tmp_path_factory):
          "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-2",
          "--mock-data", "--eval-iters", "0", "--num-workers", "0", "--save", trained, "--save-interval", "2")
     tp1 = [d[n] + "_tp1" for n in FAMILIES] + [trained]
-    tp2pp2 = [d[n] + "_tp2pp2" for n in FAMILIES] + [d["llama31"] + "_torch"]
-    ranks = run_distributed(our_logits, 4, [(1, 1, tp1), (2, 2, tp2pp2)], tokens, timeout=600)
-    ours = [next(r[i] for r in ranks if r[i] is not None) for i in range(len(tp1) + len(tp2pp2))]
+    tp2pp2 = [d[n] + "_tp2pp2" for n in FAMILIES]
+    ranks = run_distributed(our_logits, 4, [(1, 1, tp1), (2, 2, tp2pp2), (2, 1, [d["llama31"] + "_torch"])],
+                            tokens, timeout=600)
+    ours = [next(r[i] for r in ranks if r[i] is not None) for i in range(len(tp1) + len(tp2pp2) + 1)]
     return dict(dirs=d, root=root, tokens=tokens, ref=ref, trained=trained,
                 tp1=dict(zip(FAMILIES + ["trained"], ours[:len(tp1)])),
-                tp2pp2=dict(zip(FAMILIES + ["torch"], ours[len(tp1):])))
+                tp2pp2=dict(zip(FAMILIES, ours[len(tp1):-1])), torch_tp2=ours[-1])
 
 
 def _rel(a, b):
@@ -156,7 +164,8 @@ def test_logits_match_hf(world, family):
 
 
 def test_torch_format_import_matches_hf(world):
-    assert _rel(world["tp2pp2"]["torch"], world["ref"]["llama31"]) <= RTOL
+    """Legacy torch format: one file per TP rank, loaded under that layout (TP=2 x DP=2)."""
+    assert _rel(world["torch_tp2"], world["ref"]["llama31"]) <= RTOL
 
 
 def _hf_tensors(path):
@@ -185,7 +194,7 @@ def test_export_round_trip_is_bitwise(world, family):
 def test_torch_format_export_cli(world):
     """Bridge's spelling from the legacy per-rank files (rewritten as torch_dist on spawned ranks first)."""
     src, out = world["dirs"]["llama31"], str(world["root"] / "llama31_from_torch")
-    _run("tools/checkpoint/hf.py", "export", "--checkpoint-path", src + "_torch", "--output-path", out)
+    _cli("hf.py", "export", "--checkpoint-path", src + "_torch", "--output-path", out)
     orig, back = _hf_tensors(src), _hf_tensors(out)
     assert sorted(orig) == sorted(back) and all(torch.equal(orig[k], back[k]) for k in orig)
 
@@ -245,9 +254,8 @@ def test_bad_inputs_fail_with_one_line(world, tmp_path):
             import_hf_checkpoint(hf_dir, str(tmp_path / "out"), **kw)
         msg = str(e.value.args[0])
         assert text in msg and "\n" not in msg, msg
-    cli = runpy.run_path(os.path.join(ROOT, "tools", "checkpoint", "hf.py"))  # the CLI prints the same line
-    with pytest.raises(SystemExit) as e:
-        cli["main"](["import", "--hf-model-path", falcon, "--output-path", str(tmp_path / "cli")])
+    with pytest.raises(SystemExit) as e:  # the CLI prints the same line
+        _cli("hf.py", "import", "--hf-model-path", falcon, "--output-path", str(tmp_path / "cli"))
     assert str(e.value).startswith("error: config.json: architecture FalconForCausalLM is not supported")
 
 
@@ -283,3 +291,22 @@ def test_rope_frequencies_stay_fp32_under_bf16():
     ref = rope(4096)
     rope = rope.to(torch.bfloat16)
     assert rope.inv_freq.dtype == torch.float32 and torch.equal(rope(4096), ref)
+
+
+def test_layouts_invert_and_group_qkv_per_kv_head():
+    """Fused QKV rows are [q of group g; k_g; v_g] per group; every transform inverts exactly."""
+    from megatron.core.hf.layout import GATE_UP, QKV, VOCAB, CONV1D_QKV, Dims
+    d = Dims(num_heads=4, num_groups=2, head_dim=3, vocab_size=5, padded_vocab_size=8)
+    q, k, v = (torch.randn(n * 3, 6) for n in (4, 2, 2))
+    fused = QKV.to_ours([q, k, v], d)
+    assert torch.equal(fused[:6], q[:6]) and torch.equal(fused[6:9], k[:3]) and torch.equal(fused[9:12], v[:3])
+    assert all(torch.equal(a, b) for a, b in zip(QKV.to_hf(fused, d), (q, k, v)))
+    gate, up = torch.randn(7, 6), torch.randn(7, 6)
+    assert all(torch.equal(a, b) for a, b in zip(GATE_UP.to_hf(GATE_UP.to_ours([gate, up], d), d), (gate, up)))
+    emb = torch.randn(5, 6)
+    padded = VOCAB.to_ours([emb], d)
+    assert padded.shape == (8, 6) and not padded[5:].any() and torch.equal(VOCAB.to_hf(padded, d)[0], emb)
+    assert torch.equal(VOCAB.to_hf(emb[:4], d)[0][:4], emb[:4])  # a model with fewer rows: zero rows added
+    mha = Dims(2, 2, 3, 5, 8)  # GPT-2's c_attn: Conv1D [h, 3h] with q | k | v columns
+    c_attn = torch.randn(6, 18)
+    assert torch.equal(CONV1D_QKV.to_hf(CONV1D_QKV.to_ours([c_attn], mha), mha)[0], c_attn)

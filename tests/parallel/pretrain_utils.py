@@ -25,3 +25,5 @@ def run_pretrain(argv, on_step):
     finally:
         training.train_step = step
         destroy_global_vars()
+        from megatron.core import parallel_state
+        parallel_state.destroy_model_parallel()  # the next run in this process may use another layout

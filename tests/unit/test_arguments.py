@@ -111,7 +111,8 @@ def test_entry_point_error_is_one_line_and_nonzero():
                        env={**os.environ, "PYTHONPATH": ROOT})
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1] == (
-        "error: --global-batch-size (3) must be divisible by --micro-batch-size (2) x data-parallel size (1)")
+        "[rank 0] ArgumentError: --global-batch-size (3) must be divisible by --micro-batch-size (2) x "
+        "data-parallel size (1)")
 
 
 def test_help_renders(capsys):

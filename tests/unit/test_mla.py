@@ -222,3 +222,18 @@ def test_flags_map_to_mla_config_and_flops():
                 + 6 * (3 * h + 2 * h * h)  # MTP norms and eh_proj
                 + 2 * 6 * h * 128)  # logits for the main head and the MTP depth
     assert num_floating_point_operations(a, 3) == pytest.approx(3 * s * expected, rel=1e-12)
+
+
+def test_moe_flops_count_active_experts_and_mtp_depth():
+    from types import SimpleNamespace
+
+    from megatron.training.flops import num_floating_point_operations
+    base = dict(hidden_size=32, num_layers=3, seq_length=16, num_attention_heads=4, kv_channels=8,
+                group_query_attention=False, num_query_groups=4, ffn_hidden_size=64, swiglu=True,
+                padded_vocab_size=128, vocab_size=128, mtp_num_layers=1, multi_latent_attention=False)
+    dense = num_floating_point_operations(SimpleNamespace(**base, num_experts=None), 2)
+    moe = num_floating_point_operations(SimpleNamespace(**base, num_experts=8, moe_layer_freq=[0, 1, 1],
+                                                        moe_ffn_hidden_size=16, moe_router_topk=2,
+                                                        moe_shared_expert_intermediate_size=16), 2)
+    # 1 dense layer keeps 64; 2 MoE layers + the MTP depth (the last layer is MoE) run 2 x 16 + 16 = 48.
+    assert moe - dense == 2 * 16 * 6 * 32 * 3 * (64 + 3 * 48 - 4 * 64)

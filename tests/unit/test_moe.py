@@ -215,3 +215,14 @@ def test_expert_bias_stays_fp32_and_moves_toward_balance():
     finalize_router_state([layer], config)
     expected = torch.sign(counts.mean() - counts) * 0.01
     assert torch.equal(layer.router.expert_bias, expected) and layer.router.local_tokens_per_expert.sum() == 0
+
+
+def test_sinkhorn_routing_balances_skewed_logits():
+    """Sinkhorn selection spreads tokens that plain top-1 would send to one expert."""
+    config = _config(moe_router_topk=1, moe_router_load_balancing_type="sinkhorn")
+    layer = build_module(get_moe_module_spec(num_experts=E), config=config)
+    logits = torch.randn(64, E) * 0.1
+    logits[:, 0] += 3.0  # every token prefers expert 0
+    probs, routing_map = layer.router.routing(logits)
+    assert routing_map.sum(1).eq(1).all() and routing_map.sum(0).max() <= 16
+    torch.testing.assert_close(probs[routing_map], torch.sigmoid(logits)[routing_map])

@@ -33,9 +33,10 @@ def test_value_errors(kw, match):
         _cfg(**kw)
 
 
-def test_moe_not_supported():
-    with pytest.raises(NotImplementedError, match="--num-experts"):
-        _cfg(num_moe_experts=4)
+def test_moe_config_checked():
+    assert _cfg(num_moe_experts=4, moe_router_topk=2).num_moe_experts == 4
+    with pytest.raises(ValueError, match="--moe-router-topk"):
+        _cfg(num_moe_experts=4, moe_router_topk=5)
 
 
 def test_sequence_parallel_off_at_tp1():

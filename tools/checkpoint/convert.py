@@ -30,6 +30,9 @@ def _hf(opts):
     from megatron.training.checkpointing.hf import USER_ERRORS, export_hf_checkpoint, import_hf_checkpoint
     if opts.model_type != "GPT":
         raise SystemExit(f"error: --model-type {opts.model_type}: Hugging Face conversion handles GPT models only")
+    if opts.checkpoint_type == "meta":
+        raise SystemExit("error: --checkpoint-type meta (consolidated.*.pth) is not supported; convert the "
+                         "Hugging Face release (config.json + safetensors) with --checkpoint-type hf")
     if opts.target_expert_parallel_size not in (None, 1):
         raise SystemExit("error: --target-expert-parallel-size > 1 needs MoE, which is not built yet; use 1")
     if not ((opts.loader in HF_LOADERS and opts.saver in CORE) or (opts.loader in CORE and opts.saver == "hf")):
@@ -66,6 +69,14 @@ def main(argv=None):
                         help="Import pads the vocab to a multiple of this x target TP.")
     parser.add_argument("--true-vocab-size", type=int, default=None,
                         help="Export: rows of the vocab to keep (default: the imported model's, else the padded size).")
+    parser.add_argument("--checkpoint-type", default="hf", choices=["hf", "meta"],
+                        help="Loader input kind; only hf (config.json + safetensors) is read.")
+    for flag in ("--model-size", "--tokenizer-model", "--loader-transformer-impl", "--saver-transformer-impl"):
+        parser.add_argument(flag, default=None, help="Accepted for Megatron compatibility; no effect here "
+                            "(the architecture comes from config.json, tokenizer files are copied).")
+    for flag in ("--bf16", "--fp16"):
+        parser.add_argument(flag, action="store_true", help="Accepted for Megatron compatibility; no effect "
+                            "(tensors keep their stored dtype; choose the training precision when training).")
     parser.add_argument("--megatron-path", default=None, help="Accepted for Megatron compatibility; no effect here.")
     parser.add_argument("--max-queue-size", type=int, default=None,
                         help="Accepted for Megatron compatibility; no effect (tensors stream without a queue).")

@@ -99,10 +99,12 @@ def _flash_ops(q, ke, ve, causal, scale):
 
 def _flash_backward_ops(dout, q, ke, ve, out, lse, causal, scale):
     if q.device.type == "cuda":
-        empty = torch.empty(0, device=q.device)
-        seed = torch.empty((), dtype=torch.int64, device=q.device)  # philox state: unused without dropout
+        # No cumulative sequence lengths (None: not the varlen kernel); the philox seed/offset are read
+        # only with dropout, shaped as the forward returns them.
+        seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+        offset = torch.empty((), dtype=torch.uint64, device=q.device)
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, ke, ve, out, lse, empty, empty, q.size(2), ke.size(2), 0.0, causal, seed, seed, scale=scale)
+            dout, q, ke, ve, out, lse, None, None, q.size(2), ke.size(2), 0.0, causal, seed, offset, scale=scale)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, ke, ve, out, lse, 0.0, causal, scale=scale)
 
@@ -131,8 +133,13 @@ def flex_attention_lse(q, k, v, block_mask, scale):
     from torch.nn.attention.flex_attention import flex_attention
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.size(1) != q.size(1),
-                          return_lse=True)
+    kwargs = dict(block_mask=block_mask, scale=scale, enable_gqa=k.size(1) != q.size(1))
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest  # torch >= 2.9: return_lse is deprecated
+    except ImportError:
+        return _compiled_flex(q, k, v, return_lse=True, **kwargs)
+    out, aux = _compiled_flex(q, k, v, return_aux=AuxRequest(lse=True), **kwargs)
+    return out, aux.lse
 
 
 def document_block_mask(mask: BlockMask, sq: int, sk: int):

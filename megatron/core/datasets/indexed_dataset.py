@@ -12,6 +12,8 @@ from typing import List, Optional, Sequence, Tuple, Type, Union
 
 import numpy
 
+from megatron.core.errors import InputError
+
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
 _VERSION = 1
 
@@ -115,6 +117,42 @@ class _IndexReader:
         return self.sequence_pointers[idx], self.sequence_lengths[idx], mode
 
 
+def check_dataset_files(path_prefix: str, multimodal: bool = False) -> None:
+    """Raise InputError (one line naming the file and the sizes) unless `<prefix>.idx` is a complete index
+    and `<prefix>.bin` holds every byte it points to. Reads the header and two entries, not the arrays."""
+    idx_path, bin_path = get_idx_path(path_prefix), get_bin_path(path_prefix)
+    for path in (idx_path, bin_path):
+        if not os.path.isfile(path):
+            raise InputError(f"missing file {path}; expected a <prefix>.bin/.idx pair written by "
+                             "tools/preprocess_data.py")
+        if not os.access(path, os.R_OK):
+            raise InputError(f"{path} is not readable (permissions)")
+    idx_size = os.path.getsize(idx_path)
+    with open(idx_path, "rb") as f:
+        head = f.read(34)
+        if len(head) < 34 or head[:9] != _INDEX_HEADER:
+            raise InputError(f"{idx_path} is not a Megatron MMIDIDX index ({idx_size} bytes, bad header); "
+                             "re-run tools/preprocess_data.py")
+        code, n, d = struct.unpack("<B", head[17:18])[0], *struct.unpack("<QQ", head[18:34])
+        if code not in {t.value for t in DType}:
+            raise InputError(f"{idx_path}: unknown token dtype code {code}; re-run tools/preprocess_data.py")
+        expected_idx = 34 + n * (4 + 8) + d * 8 + (n if multimodal else 0)
+        if idx_size < expected_idx:
+            raise InputError(f"{idx_path} is truncated: {idx_size} bytes, its header ({n} sequences, {d} documents) "
+                             f"needs {expected_idx}; re-run tools/preprocess_data.py")
+        expected_bin = 0
+        if n > 0:
+            f.seek(34 + (n - 1) * 4)
+            last_length = struct.unpack("<i", f.read(4))[0]
+            f.seek(34 + n * 4 + (n - 1) * 8)
+            last_pointer = struct.unpack("<q", f.read(8))[0]
+            expected_bin = last_pointer + last_length * DType.size(code)
+    bin_size = os.path.getsize(bin_path)
+    if bin_size < expected_bin:
+        raise InputError(f"{bin_path} is truncated: {bin_size} bytes, but {idx_path} indexes {expected_bin} "
+                         "bytes; copy it again or re-run tools/preprocess_data.py")
+
+
 class IndexedDataset:
     """Reader for a `<prefix>.bin/.idx` pair; item i is sequence i as a numpy array.
 
@@ -132,9 +170,7 @@ class IndexedDataset:
         if sequences_per_dataset is not None or dtype_code is not None:
             raise NotImplementedError("IndexedDataset(sequences_per_dataset/dtype_code) (index reads without the "
                                       ".idx header) is not supported; the .idx file is always read")
-        for path in (get_idx_path(path_prefix), get_bin_path(path_prefix)):
-            if not os.path.isfile(path):
-                raise ValueError(f"--data-path: missing file {path}; expected a <prefix>.bin/.idx pair")
+        check_dataset_files(path_prefix, multimodal)
         self.path_prefix = path_prefix
         self.multimodal = multimodal
         self.mmap = mmap

@@ -30,7 +30,8 @@ class DistributedDataParallelConfig(DistributedDataParallelConfigCompat):
     """Raise before communication if a bucket holds a NaN/Inf gradient."""
 
     check_for_large_grads: bool = False
-    """Accepted for Megatron compatibility; only `True` is rejected (not implemented)."""
+    """Megatron checks each bucket; here the training step validates the rank's grad norm through the rerun
+    state machine (megatron/training/train_step.py), so DDP itself does nothing with it."""
 
     bucket_size: Optional[int] = None
     """Params per bucket; None = max(40M, 1M * DP) when overlapping the grad reduce, else one bucket."""
@@ -54,8 +55,6 @@ class DistributedDataParallelConfig(DistributedDataParallelConfigCompat):
                 "--num-distributed-optimizer-instances > 1 is not supported; use 1 (the default)")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather requires --use-distributed-optimizer")
-        if self.check_for_large_grads:
-            raise NotImplementedError("--check-for-large-grads is not supported; drop the flag")
         if self.fp8_param_gather:
             raise NotImplementedError("--fp8-param-gather is not supported; drop the flag")
         if self.use_custom_fsdp:

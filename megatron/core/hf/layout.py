@@ -60,6 +60,10 @@ def _pad_vocab(tensors: List[torch.Tensor], d: Dims) -> torch.Tensor:
 
 
 def _strip_vocab(t: torch.Tensor, d: Dims) -> List[torch.Tensor]:
+    """Rows beyond the true vocab go; rows a model never had (trained with a tokenizer smaller than
+    config.json's vocab_size, e.g. Qwen2.5) come back as zeros so the shapes match config.json."""
+    if t.shape[0] < d.vocab_size:
+        return [torch.cat([t, t.new_zeros((d.vocab_size - t.shape[0],) + tuple(t.shape[1:]))])]
     return [t[:d.vocab_size].contiguous()]
 
 

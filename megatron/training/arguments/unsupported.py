@@ -20,13 +20,11 @@ UNSUPPORTED_FLAGS = {
     "--use-pytorch-profiler": (dict(action="store_true"), "profiling hooks are not built yet"),
     "--log-progress": (dict(action="store_true"), "progress files are not written yet"),
     "--log-energy": (dict(action="store_true"), "energy monitoring is not supported"),
-    "--log-straggler": (dict(action="store_true"), "straggler detection is not supported"),
     "--manual-gc": (dict(action="store_true"), "manual GC is not supported"),
     "--cpu-offloading-num-layers": (dict(type=int), "activation offloading is not supported"),
     "--fim-data": (dict(action="store_true"), "fill-in-the-middle data is not supported"),
     "--sft": (dict(action="store_true"), "SFT data is not supported"),
     "--quick-geglu": (dict(action="store_true"), "use --swiglu or the default GeLU"),
-    "--rerun-mode": (dict(type=str), "the rerun state machine is not built yet"),
     "--hierarchical-context-parallel-sizes": (dict(type=int, nargs="+"),
                                               "hierarchical CP (a2a+p2p) is not built; use --cp-comm-type p2p, "
                                               "allgather or a2a"),

@@ -5,6 +5,9 @@ import warnings
 
 import torch
 
+from megatron.core.errors import InputError
+
+from .diagnostics_args import validate_diagnostics_args
 from .dropin_args import validate_dropin_args
 from .context_parallel_args import validate_context_parallel_args
 from .fast_path import validate_fast_path_args
@@ -14,10 +17,11 @@ from .mla_args import validate_mla_args
 from .moe_args import validate_moe_args
 from .window_args import validate_window_args
 from .moe_args import validate_moe_args
+from .input_checks import blend_prefixes_checked, validate_inputs
 
 
-class ArgumentError(ValueError):
-    """A user configuration error; the entry point prints `error: <message>` and exits with code 2."""
+class ArgumentError(InputError):
+    """A user configuration error; the entry point prints `[rank R] ArgumentError: <message>`, exits 2."""
 
 
 def _require(cond, message):
@@ -51,6 +55,8 @@ def validate_args(args, defaults={}):
     _validate_tokenizer(args)
     _validate_misc(args)
     validate_inference_args(args, _require)
+    validate_diagnostics_args(args, _require)
+    validate_inputs(args, _require)
     return args
 
 
@@ -321,7 +327,7 @@ def _validate_data(args):
             args.data_path = f.read().split()
     for flag, blend in (("--data-path", args.data_path), ("--train-data-path", args.train_data_path),
                         ("--valid-data-path", args.valid_data_path), ("--test-data-path", args.test_data_path)):
-        for prefix in blend_prefixes(blend or []):
+        for prefix in (blend_prefixes_checked(flag, blend, _require) if blend else []):
             for ext in (".bin", ".idx"):
                 _require(os.path.isfile(prefix + ext),
                          f"{flag}: dataset file {prefix + ext} not found (pass the prefix of a .bin/.idx pair "
@@ -373,8 +379,9 @@ def _validate_misc(args):
     args.iteration, args.num_floating_point_operations_so_far = 0, 0
     _require(hasattr(signal, args.exit_signal) and args.exit_signal.startswith("SIG"),
              f"--exit-signal ({args.exit_signal}) is not a signal name; use e.g. SIGTERM or SIGUSR1")
-    if args.wandb_project and args.rank == args.world_size - 1:
+    if args.wandb_project:  # every rank checks, though only the last one logs: all of them stop together
         try:
             import wandb  # noqa: F401
-        except ImportError:
-            raise ArgumentError("--wandb-project needs the wandb package: pip install wandb") from None
+        except ImportError as e:
+            raise ArgumentError(f"--wandb-project needs the wandb package ({e}): pip install wandb, "
+                                "or bash scripts/install_deps.sh") from None

@@ -15,7 +15,6 @@ import shlex
 import shutil
 import tempfile
 
-import torch
 
 from megatron.core.hf import FAMILIES, family_for_config
 from megatron.core.hf.dist_io import read_global, save_global

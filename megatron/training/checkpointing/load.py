@@ -145,6 +145,8 @@ def _load_state(fmt, checkpoint_dir, load_dir, iteration, release, model, optimi
             loaded.pop("opt_param_scheduler", None)
     if not load_rng:
         loaded.pop("rng_state", None)
+    if "rerun_state_machine" in common:
+        loaded["rerun_state_machine"] = common["rerun_state_machine"]
     return loaded
 
 
@@ -170,6 +172,9 @@ def _restore_training_state(ckpt, optimizer, opt_param_scheduler, args) -> None:
         optimizer.load_state_dict(ckpt["optimizer"])
         if opt_param_scheduler is not None and "opt_param_scheduler" in ckpt:
             opt_param_scheduler.load_state_dict(ckpt["opt_param_scheduler"])
+    if ckpt.get("rerun_state_machine") is not None:
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+        get_rerun_state_machine().load_state_dict(ckpt["rerun_state_machine"])
     if not args.no_load_rng and ckpt.get("rng_state") is not None:
         rng = ckpt["rng_state"]
         state.set_rng_state(rng[0] if isinstance(rng, list) else rng)

@@ -30,7 +30,20 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
                     checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None,
                     pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False,
                     train_data_iterator=None, preprocess_common_state_dict_fn=None):
-    """Save model, optimizer, scheduler, RNG and counters of ``iteration`` under ``args.save``."""
+    """Save model, optimizer, scheduler, RNG and counters of ``iteration`` under ``args.save``.
+    A save that fails (rather than being killed) removes its staging directory before the error goes on."""
+    try:
+        _save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                         non_persistent_ckpt, preprocess_common_state_dict_fn)
+    except BaseException:
+        if _rank() == 0 and get_args().save:
+            final_dir = paths.get_checkpoint_name(get_args().save, iteration, return_base_dir=True)
+            shutil.rmtree(paths.staging_dir(final_dir), ignore_errors=True)
+        raise
+
+
+def _save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                     non_persistent_ckpt, preprocess_common_state_dict_fn):
     args = get_args()
     if non_persistent_ckpt:
         raise NotImplementedError("non-persistent checkpoints (--non-persistent-save-interval) are not supported")

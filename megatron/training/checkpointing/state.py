@@ -92,4 +92,7 @@ def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, 
             state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     if save_rng and rng_state is not None:
         state["rng_state"] = sharded_rng_state(rng_state) if sharded else [rng_state]
+    if not is_loading:  # the rerun engine's decisions (skipped / stopped steps), kept with the run
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+        state["rerun_state_machine"] = get_rerun_state_machine().state_dict()
     return state

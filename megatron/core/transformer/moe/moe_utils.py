@@ -199,11 +199,33 @@ def fused_permute_fns():
         try:
             import triton  # noqa: F401
             if torch.cuda.is_available():
-                fns = (torch.compile(permute, dynamic=True), torch.compile(unpermute, dynamic=True))
+                fns = (_with_eager_fallback(torch.compile(permute, dynamic=True), permute),
+                       _with_eager_fallback(torch.compile(unpermute, dynamic=True), unpermute))
         except ImportError:
             pass
         _COMPILED["fns"] = fns
     return _COMPILED["fns"]
+
+
+def _with_eager_fallback(compiled, eager):
+    """Run ``compiled``; if compilation fails (no working compiler on this machine), say so once and use
+    the eager function from then on."""
+    state = {"fn": compiled}
+
+    def call(*args, **kwargs):
+        try:
+            return state["fn"](*args, **kwargs)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 (any compiler failure)
+            if state["fn"] is eager:
+                raise
+            import warnings
+            warnings.warn(f"--moe-permute-fusion: torch.compile failed ({type(e).__name__}); using the eager "
+                          "permutation")
+            state["fn"] = eager
+            return eager(*args, **kwargs)
+    return call
 
 
 def sort_chunks_by_idxs(input: torch.Tensor, split_sizes, sorted_idxs):

@@ -1,0 +1,1 @@
+"""Run diagnostics: how errors end a run, hang dumps with the last collectives, straggler reports."""

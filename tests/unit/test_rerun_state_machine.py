@@ -1,0 +1,42 @@
+"""RerunStateMachine in one process: a rejected result re-runs the step on the same micro-batch and RNG
+state; the diagnosis follows the re-run (reference: the outcome table in docs/troubleshooting.md)."""
+from functools import partial
+
+import torch
+
+from megatron.core.rerun_state_machine import RerunDataIterator, RerunStateMachine
+
+
+def _step(rsm, it, values):
+    """One training step; ``values`` gives the loss of the first run and of the re-run."""
+    seen = []
+    while rsm.should_run_forward_backward(it):
+        batch, noise = next(it), torch.rand(1).item()
+        loss = torch.tensor(values[len(seen)])
+        rsm.validate_result(loss, partial(rsm.is_unexpectedly_large, threshold=10, context="loss", num_samples=3),
+                            "spiky loss", fatal=False)
+        rsm.validate_result(loss, torch.isnan, "NaN loss", fatal=True)
+        seen.append((batch, noise))
+    return seen
+
+
+def test_spike_and_nan_decisions():
+    rsm = RerunStateMachine(mode="validate_results")
+    it = RerunDataIterator(iter(range(100)))
+    for _ in range(3):  # the spike detector's first samples set the scale (max 1.0)
+        assert len(_step(rsm, it, [1.0])) == 1
+    runs = _step(rsm, it, [50.0, 50.0])
+    assert runs[0] == runs[1]  # same micro-batch, same RNG draw
+    assert rsm.decisions[-1]["diagnosis"] == "persistent_error" and rsm.decisions[-1]["decision"] == "report"
+    _step(rsm, it, [50.0, 1.0])
+    assert rsm.decisions[-1]["diagnosis"] == "transient_error" and rsm.decisions[-1]["decision"] == "report"
+    assert rsm.should_checkpoint_and_exit() == (False, False, 0) and not rsm.should_skip_step()
+    _step(rsm, it, [float("nan"), float("nan")])
+    assert rsm.decisions[-1]["decision"] == "skip" and rsm.should_skip_step()
+    _step(rsm, it, [float("nan"), 1.0])
+    assert rsm.decisions[-1]["decision"] == "stop" and rsm.should_checkpoint_and_exit() == (True, True, 17)
+    assert [d["iteration"] for d in rsm.decisions] == [3, 4, 5, 6]  # 0-based; train() numbers as its log
+    assert next(it) == 7  # 7 steps consumed one micro-batch each, re-runs included
+    restored = RerunStateMachine(mode="validate_results")
+    restored.load_state_dict(rsm.state_dict())
+    assert restored.decisions == rsm.decisions and restored.max_values == {"loss": 1.0}
