@@ -4,11 +4,13 @@ from functools import partial
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.context_parallel import get_batch_on_this_cp_rank
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.enums import ModelType
 from megatron.core.full_cuda_graph import is_graph_capturing
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
 
@@ -48,22 +50,54 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
 _INT_KEYS = ["tokens", "labels", "position_ids"]
 
 
+def _packed_documents(args):
+    """True when samples carry document offsets (cu_seqlens) instead of a dense attention mask."""
+    return args.reset_attention_mask and not args.create_attention_mask_in_dataloader
+
+
 def get_batch(data_iterator, vp_stage=None):
-    """TP rank 0 reads a micro-batch and broadcasts it to its TP group; middle PP stages need nothing."""
+    """TP rank 0 reads a micro-batch and broadcasts it to its TP group; every CP rank then keeps its two
+    chunks of the sequence (get_batch_on_this_cp_rank). Middle PP stages need only the document
+    boundaries of packed sequences. Returns tokens, labels, loss_mask, attention_mask, position_ids,
+    packed_seq_params."""
+    args = get_args()
     first = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
-    if not first and not last:
-        return None, None, None, None, None
+    packed = _packed_documents(args)
+    if not first and not last and not packed:
+        return None, None, None, None, None, None
     data = next(data_iterator) if parallel_state.get_tensor_model_parallel_rank() == 0 else None
-    has_mask = torch.tensor([int(data is not None and "attention_mask" in data)], dtype=torch.long)
+    # Without --reset-attention-mask the data loader's mask is the plain causal one, which attention applies
+    # itself (SDPA's is_causal): it is neither copied to the device nor checked there (a host sync that
+    # CUDA-graph capture refuses). Under CP or packed documents the mask is never needed.
+    want_mask = args.context_parallel_size == 1 and not packed and args.reset_attention_mask
+    has_mask = torch.tensor([int(want_mask and data is not None and "attention_mask" in data)], dtype=torch.long)
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         has_mask = tensor_parallel.broadcast_data(["m"], {"m": has_mask}, torch.long)["m"]
-    ints = tensor_parallel.broadcast_data(_INT_KEYS, data, torch.int64)
-    loss_mask = tensor_parallel.broadcast_data(["loss_mask"], data, torch.float32)["loss_mask"]
-    attention_mask = None
+    keys = _INT_KEYS + (["cu_seqlens"] if packed else [])
+    if data is not None and packed:
+        data = dict(data, cu_seqlens=data["cu_seqlens"].long())
+    batch = tensor_parallel.broadcast_data(keys, data, torch.int64)
+    batch["loss_mask"] = tensor_parallel.broadcast_data(["loss_mask"], data, torch.float32)["loss_mask"]
+    batch["attention_mask"] = None
     if int(has_mask.item()):
-        attention_mask = tensor_parallel.broadcast_data(["attention_mask"], data, torch.bool)["attention_mask"]
-    return ints["tokens"], ints["labels"], loss_mask, attention_mask, ints["position_ids"]
+        batch["attention_mask"] = tensor_parallel.broadcast_data(["attention_mask"], data,
+                                                                 torch.bool)["attention_mask"]
+    packed_seq_params = _packed_seq_params(batch.pop("cu_seqlens"), batch["tokens"].size(1)) if packed else None
+    batch = get_batch_on_this_cp_rank(batch)
+    if not first and not last:
+        return None, None, None, None, None, packed_seq_params
+    return (batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"], batch["position_ids"],
+            packed_seq_params)
+
+
+def _packed_seq_params(cu_seqlens, seq_length):
+    """PackedSeqParams over the batch flattened sample by sample, from per-sample offsets [b, s + 1]."""
+    b = cu_seqlens.size(0)
+    shift = torch.arange(b, device=cu_seqlens.device)[:, None] * seq_length
+    flat = torch.cat([(cu_seqlens[:, :-1] + shift).flatten(), cu_seqlens.new_tensor([b * seq_length])])
+    flat = flat.to(torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=flat, cu_seqlens_kv=flat)
 
 
 def loss_func(loss_mask, output_tensor, mtp_loss_stats=None):
@@ -90,9 +124,10 @@ def forward_step(data_iterator, model):
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
     vp_stage = getattr(_unwrap(model), "vp_stage", None)
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
+    tokens, labels, loss_mask, attention_mask, position_ids, packed_seq_params = get_batch(data_iterator, vp_stage)
     timers("batch-generator").stop()
-    output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask,
+                          packed_seq_params=packed_seq_params)
     # The MTP depths' losses of this micro-batch (training only), logged next to the LM loss.
     mtp_loss_stats = getattr(_unwrap(model), "mtp_loss_stats", None)
     return output_tensor, partial(loss_func, loss_mask, mtp_loss_stats=mtp_loss_stats)
@@ -105,8 +140,10 @@ def _unwrap(model):
 
 
 def is_dataset_built_on_rank(vp_stage=None):
-    return ((parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage())
-            and parallel_state.get_tensor_model_parallel_rank() == 0)
+    # Middle stages read packed batches too: attention there needs the document boundaries.
+    stage_reads = (parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
+                   or _packed_documents(get_args()))
+    return stage_reads and parallel_state.get_tensor_model_parallel_rank() == 0
 
 
 def core_gpt_dataset_config_from_args(args):

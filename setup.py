@@ -24,6 +24,7 @@ setup(
     version="0.1.0",
     description="Megatron-LM compatible large-scale transformer pretraining",
     packages=find_packages(include=["megatron", "megatron.*"]),
+    package_data={"megatron.training.arguments": ["megatron_flags_0.19.2.tsv"]},
     python_requires=">=3.10",
     install_requires=[line.split("#")[0].strip() for line in open("requirements.txt")
                       if line.split("#")[0].strip()],

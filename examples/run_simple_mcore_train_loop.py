@@ -1,8 +1,10 @@
 """The Megatron Core quick-start loop: a tiny GPT trained with the library alone (no training harness).
 
-Shows: parallel_state, TransformerConfig, GPTModel with the local layer spec, MockGPTDataset through
-BlendedMegatronDatasetBuilder, get_forward_backward_func, and dist_checkpointing save/load of the
-model's sharded_state_dict. Takes ~10 s on 2 CPU cores.
+Shows: parallel_state, TransformerConfig, GPTModel built from get_gpt_layer_with_transformer_engine_spec
+(Megatron's name; here it returns our fastest spec, no Transformer Engine needed), MockGPTDataset
+through BlendedMegatronDatasetBuilder, DistributedDataParallel with finalize_model_grads and
+get_megatron_optimizer, get_forward_backward_func, and dist_checkpointing save/load of the model's
+sharded_state_dict. Takes ~10 s on 2 CPU cores.
 
     torchrun --nproc-per-node 2 examples/run_simple_mcore_train_loop.py            # TP=2 (gloo on CPU, NCCL on GPUs)
     torchrun --nproc-per-node 4 examples/run_simple_mcore_train_loop.py --tp 2 --pp 2
@@ -15,15 +17,17 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from torch.optim import Adam
 from torch.utils.data import DataLoader
 
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import compile_helpers
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -52,7 +56,7 @@ def model_provider():
         pipeline_dtype=torch.float32, pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size())
     return GPTModel(
-        config=transformer_config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=100,
+        config=transformer_config, transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(), vocab_size=100,
         max_sequence_length=_SEQUENCE_LENGTH, pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage())
 
@@ -95,14 +99,16 @@ def forward_step_func(data_iterator, model, device):
 
 
 def save_distributed_checkpoint(checkpoint_path, gpt_model):
-    sharded_state_dict = gpt_model.sharded_state_dict(prefix="")
+    model = gpt_model.module if hasattr(gpt_model, "module") else gpt_model  # unwrap DDP
+    sharded_state_dict = model.sharded_state_dict(prefix="")
     dist_checkpointing.save(sharded_state_dict=sharded_state_dict, checkpoint_dir=checkpoint_path)
 
 
 def load_distributed_checkpoint(checkpoint_path, gpt_model):
-    sharded_state_dict = gpt_model.sharded_state_dict(prefix="")
+    model = gpt_model.module if hasattr(gpt_model, "module") else gpt_model  # unwrap DDP
+    sharded_state_dict = model.sharded_state_dict(prefix="")
     checkpoint = dist_checkpointing.load(sharded_state_dict=sharded_state_dict, checkpoint_dir=checkpoint_path)
-    gpt_model.load_state_dict(checkpoint)
+    model.load_state_dict(checkpoint)
     return gpt_model
 
 
@@ -114,17 +120,26 @@ def main(tp=2, pp=1, iters=5, ckpt_dir=None):
     gpt_model = model_provider()
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     gpt_model.to(device)
-    optim = Adam(gpt_model.parameters())
+    # DDP keeps gradients in a contiguous `main_grad` buffer (synchronised by finalize_model_grads), so
+    # the optimizer must be Megatron's, which reads main_grad; a bare torch optimizer would see no .grad.
+    config = gpt_model.config
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=False)
+    gpt_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt_model)
+    optim = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0), [gpt_model])
     train_iterator = get_train_data_iterator()
     forward_backward_func = get_forward_backward_func()
 
     history = []
     for _ in range(iters):
         optim.zero_grad()
+        gpt_model.zero_grad_buffer()
         losses_reduced = forward_backward_func(
             forward_step_func=partial(forward_step_func, device=device), data_iterator=train_iterator,
             model=gpt_model, num_microbatches=_NUM_MICROBATCHES, seq_length=_SEQUENCE_LENGTH,
             micro_batch_size=_MICRO_BATCH_SIZE, decoder_seq_length=_SEQUENCE_LENGTH, forward_only=False)
+        # All-reduce grads over DP, and over TP for the replicated (layernorm) params.
+        finalize_model_grads([gpt_model])
         optim.step()
         if losses_reduced:  # only the last pipeline stage has losses
             step_loss = sum(d["lm loss"].detach().item() for d in losses_reduced) / len(losses_reduced)

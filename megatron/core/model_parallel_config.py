@@ -4,9 +4,11 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron.core._compat_fields import ModelParallelConfigCompat, check_compat_fields
+
 
 @dataclass
-class ModelParallelConfig:
+class ModelParallelConfig(ModelParallelConfigCompat):
     """Degrees of parallelism, dtypes and the training-loop hooks the schedules call."""
 
     # Model parallelism
@@ -51,6 +53,7 @@ class ModelParallelConfig:
     tp_comm_overlap: bool = False
 
     def __post_init__(self):
+        check_compat_fields(self, ModelParallelConfigCompat)
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                      "expert_model_parallel_size"):
             if getattr(self, name) < 1:

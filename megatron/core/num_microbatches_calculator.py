@@ -5,7 +5,7 @@ Global state like Megatron Core's: `init_num_microbatches_calculator(...)` once,
 """
 import logging
 from abc import ABC, abstractmethod
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -45,27 +45,53 @@ def unset_num_microbatches_calculator():
 destroy_num_microbatches_calculator = unset_num_microbatches_calculator
 
 
-def init_num_microbatches_calculator(rank, rampup_batch_size, global_batch_size, micro_batch_size,
-                                     data_parallel_size, decrease_batch_size_if_needed=False):
-    """Create the global calculator (error if one exists)."""
+def init_num_microbatches_calculator(rank: int, rampup_batch_size: Optional[List[int]] = None,
+                                     global_batch_size: Optional[int] = None,
+                                     micro_batch_size: Optional[int] = None,
+                                     data_parallel_size: Optional[int] = None,
+                                     decrease_batch_size_if_needed: bool = False,
+                                     step_batch_size_schedule: Optional[str] = None,
+                                     seq_length: Optional[int] = None) -> None:
+    """Create the global calculator (error if one exists).
+
+    `rampup_batch_size` ([start, increment, samples]) keeps working here, although Megatron 0.19
+    ignores it in favour of `step_batch_size_schedule` ("THRESHOLD:BS ...", see
+    StepBatchsizeNumMicroBatchesCalculator); passing both is an error."""
     global _GLOBAL_NUM_MICROBATCHES_CALCULATOR
     assert _GLOBAL_NUM_MICROBATCHES_CALCULATOR is None, "num microbatches calculator is already initialized"
     _GLOBAL_NUM_MICROBATCHES_CALCULATOR = _build_num_microbatches_calculator(
         rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size,
-        decrease_batch_size_if_needed)
+        decrease_batch_size_if_needed, step_batch_size_schedule, seq_length)
 
 
-def reconfigure_num_microbatches_calculator(rank, rampup_batch_size, global_batch_size, micro_batch_size,
-                                            data_parallel_size, decrease_batch_size_if_needed=False):
+def reconfigure_num_microbatches_calculator(rank: int, rampup_batch_size: Optional[List[int]] = None,
+                                            global_batch_size: Optional[int] = None,
+                                            micro_batch_size: Optional[int] = None,
+                                            data_parallel_size: Optional[int] = None,
+                                            decrease_batch_size_if_needed: bool = False,
+                                            step_batch_size_schedule: Optional[str] = None,
+                                            seq_length: Optional[int] = None) -> None:
     """Replace the global calculator (e.g. evaluation with another batch size)."""
     global _GLOBAL_NUM_MICROBATCHES_CALCULATOR
     _GLOBAL_NUM_MICROBATCHES_CALCULATOR = _build_num_microbatches_calculator(
         rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size,
-        decrease_batch_size_if_needed)
+        decrease_batch_size_if_needed, step_batch_size_schedule, seq_length)
 
 
 def _build_num_microbatches_calculator(rank, rampup_batch_size, global_batch_size, micro_batch_size,
-                                       data_parallel_size, decrease_batch_size_if_needed):
+                                       data_parallel_size, decrease_batch_size_if_needed,
+                                       step_batch_size_schedule=None, seq_length=None):
+    if micro_batch_size is None or data_parallel_size is None:
+        raise ValueError("num microbatches calculator: micro_batch_size and data_parallel_size are required")
+    if step_batch_size_schedule is not None:
+        if rampup_batch_size is not None:
+            raise ValueError("--rampup-batch-size and --step-batch-size-schedule are exclusive; use one")
+        return StepBatchsizeNumMicroBatchesCalculator(micro_batch_size, data_parallel_size,
+                                                      decrease_batch_size_if_needed, rank,
+                                                      step_batch_size_schedule, seq_length)
+    if global_batch_size is None:
+        raise ValueError("num microbatches calculator: global_batch_size is required without a "
+                         "step batch size schedule")
     if rampup_batch_size is None:
         calc = ConstantNumMicroBatchesCalculator(global_batch_size, micro_batch_size, data_parallel_size,
                                                  decrease_batch_size_if_needed, rank)
@@ -173,4 +199,59 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         self.num_micro_batches = max(current // per_step, 1)
         self.current_running_global_batch_size = self.num_micro_batches * per_step
         if verbose:
+            logger.info("setting current global batch size to %d", current)
+
+
+
+_SUFFIX = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
+
+
+def _parse_count(text: str) -> int:
+    text = text.strip().upper()
+    scale = _SUFFIX.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+class StepBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
+    """Global batch size that steps up at thresholds: "0:768 250B:1536 500B:3072".
+
+    Thresholds are samples, or tokens when `seq_length` is given (then divided by it); K/M/B/T
+    suffixes scale by 1e3/1e6/1e9/1e12. The last entry's size is the final global batch size."""
+
+    def __init__(self, micro_batch_size: int, data_parallel_size: int, decrease_batch_size_if_needed: bool,
+                 rank: int, schedule: str, seq_length: Optional[int] = None) -> None:
+        super().__init__()
+        if decrease_batch_size_if_needed:
+            raise ValueError("--step-batch-size-schedule cannot be combined with --decrease-batch-size-if-needed")
+        self.micro_batch_size, self.data_parallel_size, self.rank = micro_batch_size, data_parallel_size, rank
+        self.seq_length = seq_length
+        self.micro_batch_times_data_parallel_size = micro_batch_size * data_parallel_size
+        self.schedule = self._parse_schedule(schedule, seq_length)
+        self.global_batch_size = self.schedule[-1][1]
+        self.update(0, consistency_check=False)
+
+    @staticmethod
+    def _parse_schedule(text: str, seq_length: Optional[int]) -> List[Tuple[int, int]]:
+        steps = []
+        for entry in text.replace(",", " ").split():
+            if ":" not in entry:
+                raise ValueError(f"--step-batch-size-schedule entry '{entry}': expected THRESHOLD:BATCH_SIZE")
+            threshold, size = (_parse_count(v) for v in entry.split(":", 1))
+            steps.append((threshold // seq_length if seq_length else threshold, size))
+        steps.sort()
+        if not steps or steps[0][0] != 0:
+            raise ValueError("--step-batch-size-schedule must start at threshold 0 (e.g. '0:256 1M:512')")
+        if any(a[0] == b[0] for a, b in zip(steps, steps[1:])) or any(s <= 0 for _, s in steps):
+            raise ValueError("--step-batch-size-schedule: thresholds must differ and batch sizes be positive")
+        return steps
+
+    def update(self, consumed_samples, consistency_check, verbose=False):
+        current = [size for threshold, size in self.schedule if consumed_samples >= threshold][-1]
+        per_step = self.micro_batch_times_data_parallel_size
+        if consistency_check and current % per_step != 0:
+            raise ValueError(f"current global batch size ({current}) is not divisible by micro batch size "
+                             f"({self.micro_batch_size}) times data parallel size ({self.data_parallel_size})")
+        self.current_global_batch_size = self.current_running_global_batch_size = current
+        self.num_micro_batches = current // per_step
+        if verbose and self.rank == 0:
             logger.info("setting current global batch size to %d", current)

@@ -25,7 +25,11 @@ _OVERRIDES: Dict[str, int] = {}
 class RankGenerator:
     """Enumerates the rank groups of a grid with sizes tp, ep, dp, pp, cp laid out by ``order``."""
 
-    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0):
+    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0,
+                 gtp_remat: int = 1):
+        if gtp_remat != 1:
+            raise NotImplementedError("RankGenerator(gtp_remat > 1): weight rematerialisation groups are not "
+                                      "supported; leave it at 1")
         self.tp, self.ep, self.dp, self.pp, self.cp = tp, ep, dp, pp, cp
         self.rank_offset = rank_offset
         self.world_size = tp * ep * dp * pp * cp
@@ -84,7 +88,10 @@ def initialize_model_parallel(
     use_sharp: bool = False,
     context_parallel_size: int = 1,
     hierarchical_context_parallel_sizes: Optional[List[int]] = None,
+    hybrid_context_parallel: bool = False,
     expert_model_parallel_size: int = 1,
+    gtp_remat_size: int = 1,
+    expert_gtp_remat_size: int = 1,
     num_distributed_optimizer_instances: int = 1,
     expert_tensor_parallel_size: Optional[int] = None,
     nccl_communicator_config_path: Optional[str] = None,
@@ -94,12 +101,16 @@ def initialize_model_parallel(
     get_position_embedding_ranks: Optional[Callable[[List[int]], List[int]]] = None,
     create_gloo_process_groups: bool = True,
     high_priority_stream_groups: Optional[List[str]] = None,
-    **unknown,
+    sharp_enabled_group: Optional[str] = None,
+    rank_offset: int = 0,
+    local_world_size: Optional[int] = None,
 ) -> None:
-    """Build every process group for the given degrees (all ranks must call this in the same order)."""
-    if unknown:
-        raise TypeError(f"initialize_model_parallel got unexpected arguments {sorted(unknown)}")
-    _check_unsupported(use_sharp=(use_sharp, False),
+    """Build every process group for the given degrees (all ranks must call this in the same order).
+
+    `local_world_size` (GPUs per node, for NCCL tuning) has no effect here."""
+    _check_unsupported(use_sharp=(use_sharp, False), hybrid_context_parallel=(hybrid_context_parallel, False),
+                       gtp_remat_size=(gtp_remat_size, 1), expert_gtp_remat_size=(expert_gtp_remat_size, 1),
+                       sharp_enabled_group=(sharp_enabled_group, None), rank_offset=(rank_offset, 0),
                        hierarchical_context_parallel_sizes=(hierarchical_context_parallel_sizes, None),
                        num_distributed_optimizer_instances=(num_distributed_optimizer_instances, 1),
                        nccl_communicator_config_path=(nccl_communicator_config_path, None),
@@ -332,7 +343,9 @@ def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: Optional[int] 
 
 # ---- data / context parallel -----------------------------------------------------------------------
 
-def get_data_parallel_group(with_context_parallel: bool = False, partial_data_parallel: bool = False):
+# `with_gtp_remat` (weight-rematerialisation peers) has no effect: that group size is always 1 here.
+def get_data_parallel_group(with_context_parallel: bool = False, with_gtp_remat: bool = True,
+                            partial_data_parallel: bool = False):
     return _group("dp_cp" if with_context_parallel else "dp")
 
 
@@ -340,11 +353,13 @@ def get_data_parallel_group_gloo(with_context_parallel: bool = False, partial_da
     return _group("dp_cp_gloo" if with_context_parallel else "dp_gloo")
 
 
-def get_data_parallel_world_size(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
+def get_data_parallel_world_size(with_context_parallel: bool = False, with_gtp_remat: bool = True,
+                                 partial_data_parallel: bool = False) -> int:
     return _size("dp_cp" if with_context_parallel else "dp")
 
 
-def get_data_parallel_rank(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
+def get_data_parallel_rank(with_context_parallel: bool = False, with_gtp_remat: bool = True,
+                           partial_data_parallel: bool = False) -> int:
     return _rank("dp_cp" if with_context_parallel else "dp")
 
 
@@ -409,7 +424,7 @@ def is_rank_in_position_embedding_group() -> bool:
     return torch.distributed.get_rank() in _RANKS["pos_embd"]
 
 
-def get_tensor_and_data_parallel_group(with_context_parallel: bool = False):
+def get_tensor_and_data_parallel_group(check_initialized: bool = True, with_context_parallel: bool = False):
     return _group("tp_dp_cp" if with_context_parallel else "tp_dp")
 
 
@@ -417,7 +432,7 @@ def get_tensor_and_data_parallel_world_size(with_context_parallel: bool = False)
     return _size("tp_dp_cp" if with_context_parallel else "tp_dp")
 
 
-def get_tensor_and_context_parallel_group():
+def get_tensor_and_context_parallel_group(check_initialized: bool = True):
     return _group("tp_cp")
 
 
@@ -465,11 +480,12 @@ def get_expert_tensor_and_model_parallel_world_size() -> int:
     return _size("tp_ep")
 
 
-def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = True):
+def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = True, with_egtp_remat: bool = False):
     return _group("tp_ep_pp")
 
 
-def get_expert_data_parallel_group(check_initialized: bool = True, partial_expert_data_parallel: bool = False):
+def get_expert_data_parallel_group(check_initialized: bool = True, with_gtp_remat: bool = True,
+                                   partial_expert_data_parallel: bool = False):
     return _group("edp")
 
 
@@ -477,9 +493,12 @@ def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = Fal
     return _group("edp_gloo")
 
 
-def get_expert_data_parallel_world_size() -> int:
+def get_expert_data_parallel_world_size(with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False) -> int:
     return _size("edp")
 
 
-def get_expert_data_parallel_rank() -> int:
+def get_expert_data_parallel_rank(with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False) -> int:
     return _rank("edp")
+
+
+from megatron.core._parallel_state_extras import *  # noqa: E402,F401,F403  (less common getters)

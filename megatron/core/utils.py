@@ -69,7 +69,7 @@ def unwrap_model(model, module_instances: Any = None):
     return out if isinstance(model, list) else out[0]
 
 
-class _MakeViewlessTensor(torch.autograd.Function):
+class MakeViewlessTensor(torch.autograd.Function):
     """Identity whose output owns no ``_base``, keeping the autograd graph."""
 
     @staticmethod
@@ -88,7 +88,7 @@ def make_viewless_tensor(inp: torch.Tensor, requires_grad: bool, keep_graph: boo
     if inp._base is None:
         return inp
     if keep_graph:
-        return _MakeViewlessTensor.apply(inp, requires_grad)
+        return MakeViewlessTensor.apply(inp, requires_grad)
     out = torch.empty((1,), dtype=inp.dtype, device=inp.device, requires_grad=requires_grad)
     out.data = inp.data
     return out
@@ -107,9 +107,47 @@ def scaled_init_method_normal(sigma: float, num_layers: int, multiplier: float =
     return init_method_normal(std)
 
 
-def is_torch_min_version(version: str) -> bool:
+def _version(dist_name: str, missing_ok: bool):
+    """Installed version of a distribution; 0.0.0 when absent and `missing_ok` (as Megatron for TE)."""
+    from importlib.metadata import PackageNotFoundError, version
     from packaging.version import Version
-    return Version(torch.__version__.split("+")[0]) >= Version(version)
+    try:
+        return Version(version(dist_name))
+    except PackageNotFoundError:
+        if missing_ok:
+            return Version("0.0.0")
+        raise ImportError(f"{dist_name} is not installed")
+
+
+def _at_least(current, wanted: str, check_equality: bool) -> bool:
+    from packaging.version import Version
+    return current >= Version(wanted) if check_equality else current > Version(wanted)
+
+
+def get_torch_version():
+    from packaging.version import Version
+    return Version(torch.__version__.split("+")[0])
+
+
+def is_torch_min_version(version, check_equality=True) -> bool:
+    return _at_least(get_torch_version(), version, check_equality)
+
+
+def get_te_version():
+    """Transformer Engine's version, 0.0.0 without it (no code path here needs it)."""
+    return _version("transformer-engine", missing_ok=True)
+
+
+def is_te_min_version(version, check_equality=True) -> bool:
+    return _at_least(get_te_version(), version, check_equality)
+
+
+def get_fa_version():
+    return _version("flash-attn", missing_ok=False)
+
+
+def is_fa_min_version(version, check_equality=True) -> bool:
+    return _at_least(get_fa_version(), version, check_equality)
 
 
 def print_rank_0(message: str) -> None:
@@ -124,3 +162,6 @@ def log_single_rank(logger, *args, rank: int = 0, **kwargs) -> None:
 
 def get_tensor_list(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     return [t for t in tensors if t is not None]
+
+
+from megatron.core._utils_extras import *  # noqa: E402,F401,F403  (less common helpers)

@@ -76,3 +76,6 @@ class _BroadcastFed:
 
     def __next__(self):
         return None
+
+
+get_train_valid_test_num_samples = train_valid_test_num_samples  # Megatron's name (megatron.training)

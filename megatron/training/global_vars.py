@@ -136,3 +136,30 @@ def destroy_global_vars():
     _GLOBAL_ARGS = _GLOBAL_TOKENIZER = _GLOBAL_TENSORBOARD_WRITER = _GLOBAL_WANDB_WRITER = None
     _GLOBAL_TIMERS = _GLOBAL_SIGNAL_HANDLER = None
     mbc.unset_num_microbatches_calculator()
+
+
+def unset_global_variables():
+    """Megatron's other name for destroy_global_vars."""
+    destroy_global_vars()
+
+
+def rebuild_tokenizer(args):
+    """Build the tokenizer again from args (e.g. after the vocabulary flags changed)."""
+    global _GLOBAL_TOKENIZER
+    _GLOBAL_TOKENIZER = None
+    _build_tokenizer(args)
+    return _GLOBAL_TOKENIZER
+
+
+# Optional integrations that this application does not ship (one-logger, ADLR autoresume, the energy
+# monitor): their getters return None, which is what Megatron returns when they are not enabled.
+def get_one_logger():
+    return None
+
+
+def get_adlr_autoresume():
+    return None
+
+
+def get_energy_monitor():
+    return None

@@ -61,7 +61,9 @@ def _wrap_with_ddp(args, model):
     if getattr(args, "use_torch_fsdp2", False):
         from megatron.core.distributed import TorchFullyShardedDataParallel
         # Each chunk is its own FSDP2 root; params are broadcast over DP before sharding.
-        return [TorchFullyShardedDataParallel(get_model_config(chunk), ddp_config, chunk) for chunk in model]
+        reshard = getattr(args, "torch_fsdp2_reshard_after_forward", True)
+        return [TorchFullyShardedDataParallel(get_model_config(chunk), ddp_config, chunk, reshard_after_forward=reshard)
+                for chunk in model]
     wrapped = [DDP(config=get_model_config(chunk), ddp_config=ddp_config, module=chunk,
                    disable_bucketing=(i > 0)) for i, chunk in enumerate(model)]
     for chunk in wrapped:
@@ -110,7 +112,7 @@ def setup_model_and_optimizer(model_provider_func, model_type=ModelType.encoder_
     model = get_model(model_provider_func, model_type)
     config = optimizer_config_from_args(args)
     from megatron.core.optimizer import get_megatron_optimizer
-    optimizer = get_megatron_optimizer(config, model, no_wd_decay_cond=no_wd_decay_cond,
+    optimizer = get_megatron_optimizer(config, model, no_weight_decay_cond=no_wd_decay_cond,
                                        scale_lr_cond=scale_lr_cond, lr_mult=lr_mult)
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
     args.iteration, args.num_floating_point_operations_so_far = 0, 0

@@ -1,5 +1,6 @@
 """Memory estimate on the most loaded rank (Megatron's "Theoretical memory" line) and the fuller
 --dry-run style estimate (weights, optimizer, activations, logits, FLOPs) printed by tools/benchmark.py."""
+import torch
 
 NUM_BYTES_IN_MEGABYTE = 1024 * 1024
 
@@ -30,18 +31,10 @@ def compute_weight_and_optimizer_memory(args, verbose=False):
     if verbose:
         print(f"Number of parameters in most loaded shard in billions: {first_stage / 1e9:.4f}", flush=True)
     # 16-bit params + fp32 grads + fp32 main params + Adam m, v = 18 B; distributed optimizer shards 12 B.
-    bytes_per_param = 18 if not args.use_distributed_optimizer else 6 + 12 / args.data_parallel_size
+    # The distributed optimizer shards over DP x CP (CP ranks hold the same weights).
+    shards = args.data_parallel_size * getattr(args, "context_parallel_size", 1)
+    bytes_per_param = 18 if not args.use_distributed_optimizer else 6 + 12 / shards
     return first_stage * bytes_per_param
-
-
-def mla_params_per_layer(args):
-    """Multi-latent attention weights of one layer: q (low-rank + norm, or full), kv down/up + norm, proj."""
-    h, n = args.hidden_size, args.num_attention_heads
-    d_qk = args.qk_head_dim + args.qk_pos_emb_head_dim
-    q = h * n * d_qk if args.q_lora_rank is None else args.q_lora_rank * (h + 1 + n * d_qk)
-    kv = h * (args.kv_lora_rank + args.qk_pos_emb_head_dim) + args.kv_lora_rank * (
-        1 + n * (args.qk_head_dim + args.v_head_dim))
-    return q + kv + n * args.v_head_dim * h
 
 
 def _moe_average_layer_params(args, attention_and_norms, glu):
@@ -57,6 +50,16 @@ def _moe_average_layer_params(args, attention_and_norms, glu):
     return attention_and_norms + (dense * glu * h * ffn + moe * moe_mlp) / args.num_layers
 
 
+def mla_params_per_layer(args):
+    """Multi-latent attention weights of one layer: q (low-rank + norm, or full), kv down/up + norm, proj."""
+    h, n = args.hidden_size, args.num_attention_heads
+    d_qk = args.qk_head_dim + args.qk_pos_emb_head_dim
+    q = h * n * d_qk if args.q_lora_rank is None else args.q_lora_rank * (h + 1 + n * d_qk)
+    kv = h * (args.kv_lora_rank + args.qk_pos_emb_head_dim) + args.kv_lora_rank * (
+        1 + n * (args.qk_head_dim + args.v_head_dim))
+    return q + kv + n * args.v_head_dim * h
+
+
 def compute_activation_memory(args):
     """Bytes of activations saved for backward by one micro-batch on the first stage (16-bit activations).
 
@@ -65,6 +68,7 @@ def compute_activation_memory(args):
     s x s scores), and the MLP hidden: fc1 output + activation output (2f), or for SwiGLU fc1's [gate; up],
     silu(gate) and the product (4f). For GPT with f = 4h this is Megatron's 34*s*b*h bytes.
     Full recompute keeps only each layer's input (plus one layer's set while recomputing).
+    Context parallelism divides the tokens per rank (and so these bytes) by CP.
     """
     h, L = args.hidden_size, args.num_layers
     heads = args.num_attention_heads
@@ -73,7 +77,7 @@ def compute_activation_memory(args):
     ffn = args.ffn_hidden_size or 4 * h
     d_q, d_kv = kv * heads, kv * groups
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    tokens = args.seq_length * args.micro_batch_size
+    tokens = args.seq_length * args.micro_batch_size / getattr(args, "context_parallel_size", 1)  # CP: s / CP
     attention = (d_q + 2 * d_kv) / tp + 2 * d_q / tp
     if getattr(args, "multi_latent_attention", False):
         # Latents before and after their norm (replicated), then q, k, v and the attention output twice.
@@ -102,8 +106,12 @@ def compute_logits_memory(args):
     """Peak bytes of the output layer + loss for one micro-batch: 16-bit logits and their 16-bit grad,
     plus with the eager loss the fp32 copies (upcast, shifted logits, softmax, fp32 grad)."""
     vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size or 0
-    n = args.seq_length * args.micro_batch_size * vocab / args.tensor_model_parallel_size
-    fused = getattr(args, "cross_entropy_loss_fusion", False)
+    cp = getattr(args, "context_parallel_size", 1)
+    n = args.seq_length / cp * args.micro_batch_size * vocab / args.tensor_model_parallel_size
+    # The chunked loss is also the default for 16-bit logits on CUDA (same math, no fp32 copies).
+    sixteen_bit = getattr(args, "bf16", False) or getattr(args, "fp16", False)
+    fused = getattr(args, "cross_entropy_loss_fusion", False) or (
+        sixteen_bit and torch.cuda.is_available() and not getattr(args, "fp16_lm_cross_entropy", False))
     return n * (2 + 2) + (0 if fused else n * 4 * 3)
 
 

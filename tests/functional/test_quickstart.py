@@ -20,3 +20,5 @@ def test_quickstart_script_preprocesses_trains_and_loss_falls(tmp_path):
     assert re.search(r"^ validation loss at iteration 20 on validation set \| lm loss value: ", out, re.M)
     first, last = map(float, re.search(r"quickstart: lm loss (\S+) -> (\S+) \(falling", out).groups())
     assert last < first - 1.0, (first, last)  # ~9.0 -> ~7.5 after 20 iterations
+    sample = re.search(r"^=== prompt: 'Return the'\nReturn the(.+)\n--- \d+ tokens \(", out, re.M | re.S)
+    assert sample and sample.group(1).strip(), out[-2000:]  # the sample from the trained checkpoint

@@ -17,8 +17,8 @@ def test_compiled_cross_entropy_matches_eager():
     logits = (torch.randn(512, 2, 4096, device="cuda") * 4).bfloat16()
     target = torch.randint(0, 4096, (512, 2), device="cuda")
     a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-    lf = fce.fused_vocab_parallel_cross_entropy(a, target, group=None)
-    lr = vocab_parallel_cross_entropy(b.float(), target, group=None)
+    lf = fce.fused_vocab_parallel_cross_entropy(a, target, tp_group=None)
+    lr = vocab_parallel_cross_entropy(b.float(), target, tp_group=None)
     (lf.sum()).backward()
     (lr.sum()).backward()
     assert _rel(lf, lr) < 1e-5  # fp32 math on the same bf16 inputs
@@ -103,3 +103,32 @@ def test_weight_grad_accumulation_uses_addmm_epilogue():
     layers._accumulate_weight_grad(main, g, x)
     assert layers._ADDMM_OUT_DTYPE, "torch.addmm(out_dtype=float32, out=main_grad) is unavailable here"
     assert _rel(main, ref) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["swiglu", "gelu", "gelu_tanh"])
+def test_fused_bias_activation_matches_eager(name):
+    from megatron.core.fusions import fused_bias_activation as fba
+    fn = {"swiglu": fba.bias_swiglu, "gelu": fba.bias_gelu, "gelu_tanh": fba.bias_gelu_tanh}[name]
+    x = torch.randn(256, 2, 1024, device="cuda").bfloat16().requires_grad_()
+    bias = torch.randn(1024, device="cuda").bfloat16().requires_grad_()
+    out = fn(x, bias)
+    ref = fn.eager(x, bias)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (x, bias), g)
+    ref_grads = torch.autograd.grad(ref, (x, bias), g)
+    assert _rel(out, ref) < 1e-2  # one bf16 rounding apart: fused keeps fp32 between ops
+    for a, b in zip(grads, ref_grads):
+        assert _rel(a, b) < 2e-2
+
+
+def test_fused_rms_norm_matches_eager():
+    from megatron.core.transformer.torch_norm import RMSNorm
+    cfg = TransformerConfig(num_layers=1, hidden_size=1024, num_attention_heads=8, normalization="RMSNorm",
+                            params_dtype=torch.bfloat16)
+    norm = RMSNorm(cfg, 1024).cuda()
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(256, 2, 1024, device="cuda").bfloat16()
+    fused = norm(x)
+    xf = x.float()
+    ref = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)).to(x.dtype) * norm.weight
+    assert _rel(fused, ref) < 1e-2

@@ -54,7 +54,7 @@ def _train(pp):
                             attention_dropout=0.0, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32)
     model = BertModel(cfg, 2, get_bert_layer_local_spec(), VOCAB, SEQ,
                       pre_process=parallel_state.is_pipeline_first_stage(),
-                      post_process=parallel_state.is_pipeline_last_stage())
+                      post_process=parallel_state.is_pipeline_last_stage(), share_embeddings_and_output_weights=True)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     schedule = get_forward_backward_func()
     losses = []

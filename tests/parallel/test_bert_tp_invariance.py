@@ -36,7 +36,7 @@ def _train(tp, binary_head):
     cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=tp,
                             hidden_dropout=0.0, attention_dropout=0.0)
     model = BertModel(cfg, 2 if binary_head else 0, get_bert_layer_local_spec(), VOCAB, SEQ,
-                      add_binary_head=binary_head)
+                      add_binary_head=binary_head, share_embeddings_and_output_weights=True)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
     losses = []

@@ -39,7 +39,7 @@ def _train(tp):
     cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=tp,
                             hidden_dropout=0.0, attention_dropout=0.0)
     model = T5Model(cfg, encoder_config_from(cfg, 2), get_t5_encoder_with_local_block_spec(2),
-                    get_t5_decoder_with_local_block_spec(1), VOCAB, ENC)
+                    get_t5_decoder_with_local_block_spec(1), VOCAB, ENC, share_embeddings_and_output_weights=True)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
     losses = []

@@ -1,10 +1,9 @@
 """pretrain() end to end in-process: DP=2 equals DP=1 at the same global batch, and gradient
 accumulation (mbs 2 x 4) equals one micro-batch of 8. fp32, dropout 0, relative 1e-5 per iteration."""
-import sys
-
 import pytest
 
 from tests.parallel.dist_utils import run_distributed
+from tests.parallel.pretrain_utils import run_pretrain
 
 MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
          "--vocab-size 128 --tokenizer-type NullTokenizer --mock-data --lr 1e-3 --train-iters 6 "
@@ -12,29 +11,10 @@ MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 3
          "--global-batch-size 8 --seed 1234")
 
 
-def _train(extra):
+def _train(extra, base=MODEL):
     """Run pretrain_gpt's providers through pretrain(); return the per-iteration 'lm loss'."""
-    import megatron.training.training as training
-    import pretrain_gpt
-    from megatron.core.enums import ModelType
-    from megatron.training.global_vars import destroy_global_vars
-
     losses = []
-    step = training.train_step
-
-    def recording_train_step(*a, **k):
-        out = step(*a, **k)
-        losses.append(float(out[0]["lm loss"]))
-        return out
-
-    training.train_step = recording_train_step
-    sys.argv = ["pretrain_gpt.py"] + (MODEL + " " + extra).split()
-    try:
-        training.pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
-                          ModelType.encoder_or_decoder, pretrain_gpt.forward_step)
-    finally:
-        training.train_step = step
-        destroy_global_vars()
+    run_pretrain((base + " " + extra).split(), lambda model, opt, out: losses.append(float(out[0]["lm loss"])))
     return losses
 
 

@@ -55,10 +55,9 @@ def test_derived_values():
     ("--save /tmp/x", 1, "--save requires --save-interval > 0"),
     ("--data-path /nonexistent/prefix", 1, "pass only one data source"),
     ("--group-query-attention --num-query-groups 3", 1, "must be divisible by --num-query-groups (3)"),
-    ("--num-experts 8", 1, "--num-experts is not supported yet"),
-    ("--context-parallel-size 2", 2, "--context-parallel-size (2) > 1 is not supported yet"),
+    ("--fp4-format e2m1", 1, "--fp4-format is not supported yet"),
     ("--lr-decay-samples 10", 1, "--lr-decay-samples needs a sample-based run"),
-    ("--yaml-cfg a.yaml", 1, "--yaml-cfg is not supported yet"),
+    ("--perform-rl-step", 1, "--perform-rl-step is not supported yet"),
     ("--exit-signal NOPE", 1, "--exit-signal (NOPE) is not a signal name"),
 ])
 def test_validation_errors(extra, world, needle):

@@ -15,8 +15,8 @@ def _ce_pair(dtype, chunk_elements=None, monkeypatch=None):
         monkeypatch.setattr(fce, "_CHUNK_ELEMENTS", chunk_elements)
     a = logits.clone().requires_grad_(True)
     b = logits.clone().requires_grad_(True)
-    loss_fused = fce.fused_vocab_parallel_cross_entropy(a, target, group=None)
-    loss_ref = vocab_parallel_cross_entropy(b.float(), target, group=None)
+    loss_fused = fce.fused_vocab_parallel_cross_entropy(a, target, tp_group=None)
+    loss_ref = vocab_parallel_cross_entropy(b.float(), target, tp_group=None)
     g = torch.rand_like(loss_ref)
     (loss_fused * g).sum().backward()
     (loss_ref * g).sum().backward()
@@ -47,3 +47,16 @@ def test_maybe_compile_is_eager_on_cpu():
         return x * 2
     assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0)) and calls == [1]
     assert f.eager is not None
+
+
+def test_fused_bias_activation_choice_and_math():
+    import torch.nn.functional as F
+    from megatron.core.fusions import fused_bias_activation as fba
+    assert fba.fused_bias_activation(F.silu, gated=True) is fba.bias_swiglu
+    assert fba.fused_bias_activation(F.gelu, gated=False) is fba.bias_gelu
+    assert fba.fused_bias_activation(fba.openai_gelu, gated=False) is fba.bias_gelu_tanh
+    assert fba.fused_bias_activation(F.relu, gated=False) is None
+    x, b = torch.randn(4, 2, 16), torch.randn(16)
+    gate, up = torch.chunk(x + b, 2, dim=-1)
+    torch.testing.assert_close(fba.bias_swiglu(x, b), F.silu(gate) * up)
+    torch.testing.assert_close(fba.bias_gelu(x, None), F.gelu(x))

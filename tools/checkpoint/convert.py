@@ -27,20 +27,24 @@ CORE = ("core", "mcore", "megatron")
 
 
 def _hf(opts):
-    from megatron.training.checkpointing.hf import export_hf_checkpoint, import_hf_checkpoint
+    from megatron.training.checkpointing.hf import USER_ERRORS, export_hf_checkpoint, import_hf_checkpoint
     if opts.model_type != "GPT":
         raise SystemExit(f"error: --model-type {opts.model_type}: Hugging Face conversion handles GPT models only")
     if opts.target_expert_parallel_size not in (None, 1):
         raise SystemExit("error: --target-expert-parallel-size > 1 needs MoE, which is not built yet; use 1")
-    if opts.loader in HF_LOADERS and opts.saver in CORE:
-        import_hf_checkpoint(opts.load_dir, opts.save_dir, tp=opts.target_tensor_parallel_size or 1,
-                             pp=opts.target_pipeline_parallel_size or 1, fmt=opts.target_format or "torch_dist",
-                             make_vocab_size_divisible_by=opts.make_vocab_size_divisible_by)
-    elif opts.loader in CORE and opts.saver == "hf":
-        export_hf_checkpoint(opts.load_dir, opts.save_dir, iteration=opts.iteration, vocab_size=opts.true_vocab_size)
-    else:
+    if not ((opts.loader in HF_LOADERS and opts.saver in CORE) or (opts.loader in CORE and opts.saver == "hf")):
         raise SystemExit(f"error: --loader {opts.loader} --saver {opts.saver} is not a supported pair; use "
                          f"--loader hf --saver core (import) or --loader core --saver hf (export)")
+    try:
+        if opts.saver in CORE:
+            import_hf_checkpoint(opts.load_dir, opts.save_dir, tp=opts.target_tensor_parallel_size or 1,
+                                 pp=opts.target_pipeline_parallel_size or 1, fmt=opts.target_format or "torch_dist",
+                                 make_vocab_size_divisible_by=opts.make_vocab_size_divisible_by)
+        else:
+            export_hf_checkpoint(opts.load_dir, opts.save_dir, iteration=opts.iteration,
+                                 vocab_size=opts.true_vocab_size)
+    except USER_ERRORS as e:
+        raise SystemExit(f"error: {e.args[0] if e.args else e}")
     print(f"converted {opts.load_dir} ({opts.loader}) to {opts.save_dir} ({opts.saver})")
 
 

@@ -30,6 +30,10 @@ class BlendedMegatronDatasetConfig:
     tokenizer: Optional[MegatronTokenizer] = None
     mid_level_dataset_surplus: float = 0.005
     allow_ambiguous_pad_tokens: Optional[bool] = False
+    # Megatron's index-loading speedups (lazy .npy index mmaps, a one-file cache); the indices, hence
+    # the samples, are the same either way, so here they have no effect.
+    defer_npy_index_mmap: bool = False
+    fast_cache_load: bool = False
 
     def __post_init__(self):
         if self.blend_per_split is not None and any(self.blend_per_split):

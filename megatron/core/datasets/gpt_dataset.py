@@ -24,7 +24,21 @@ _PAD_TOKEN_ID = -1
 
 
 @dataclass
-class GPTDatasetConfig(BlendedMegatronDatasetConfig):
+class GPTDatasetConfigCompat:
+    """GPTDatasetConfig fields of Megatron Core 0.19.2 without a counterpart here (context-parallel-aware
+    packing, document masking, object storage), at Megatron's defaults: refused elsewhere."""
+
+    context_parallel_size: Optional[int] = None
+    data_parallel_size: int = 1
+    sequence_parallel_size: int = 0
+    hybrid_context_parallel: bool = False
+    inter_document_masking: bool = False
+    object_storage_cache_path: Optional[str] = None
+    sequences_per_dataset: Optional[dict] = None
+
+
+@dataclass
+class GPTDatasetConfig(GPTDatasetConfigCompat, BlendedMegatronDatasetConfig):
     reset_position_ids: Optional[bool] = None
     reset_attention_mask: Optional[bool] = None
     eod_mask_loss: Optional[bool] = None
@@ -34,6 +48,8 @@ class GPTDatasetConfig(BlendedMegatronDatasetConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        from megatron.core._compat_fields import check_compat_fields
+        check_compat_fields(self, GPTDatasetConfigCompat)
         if self.tokenizer is None:
             raise ValueError("GPTDatasetConfig needs a tokenizer (for its eod and pad ids)")
         for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
@@ -108,6 +124,8 @@ class GPTDataset(MegatronDataset):
         sample = {"tokens": tokens, "labels": labels}
         if self.config.create_attention_mask:
             sample["attention_mask"] = attention_mask
+        elif self.config.reset_attention_mask:
+            sample["cu_seqlens"] = _document_offsets(tokens, self.config.tokenizer.eod)
         sample["loss_mask"] = loss_mask
         sample["position_ids"] = position_ids
         return sample
@@ -275,6 +293,18 @@ def _get_ltor_masks_and_position_ids(data: torch.Tensor, eod_token: int, reset_p
     if attention_mask is not None:
         attention_mask = attention_mask < 0.5
     return attention_mask, loss_mask, position_ids
+
+
+def _document_offsets(tokens: torch.Tensor, eod_token: int) -> torch.Tensor:
+    """Document start offsets of one sample plus its end, [s + 1] int32: a document ends after each EOD.
+    Padded to a fixed length with the end offset (empty documents) so samples collate into a batch."""
+    seq_length = tokens.numel()
+    starts = (tokens == eod_token).nonzero().flatten() + 1
+    starts = starts[starts < seq_length]
+    cu = torch.full((seq_length + 1,), seq_length, dtype=torch.int32)
+    cu[0] = 0
+    cu[1:1 + starts.numel()] = starts.to(torch.int32)
+    return cu
 
 
 class MockGPTLowLevelDataset:

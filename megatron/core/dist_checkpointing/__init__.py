@@ -1,9 +1,16 @@
 """Layout-independent checkpoints: sharded state dicts saved and loaded through torch.distributed.checkpoint."""
 from .core import CheckpointingException, check_is_distributed_checkpoint
-from .mapping import ShardedObject, ShardedStateDict, ShardedTensor
-from .serialization import load, load_common_state_dict, load_tensors_metadata, save
+from .mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
+from .serialization import (
+    load,
+    load_common_state_dict,
+    load_content_metadata,
+    load_plain_tensors,
+    load_tensors_metadata,
+    save,
+)
 from .strategies.async_utils import AsyncCallsQueue, AsyncRequest
 
 __all__ = ["ShardedTensor", "ShardedObject", "ShardedStateDict", "save", "load", "load_common_state_dict",
-           "load_tensors_metadata", "check_is_distributed_checkpoint", "CheckpointingException",
+           "load_tensors_metadata", "load_plain_tensors", "load_content_metadata", "ShardedBase", "check_is_distributed_checkpoint", "CheckpointingException",
            "AsyncCallsQueue", "AsyncRequest"]

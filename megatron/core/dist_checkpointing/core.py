@@ -1,6 +1,7 @@
 """Checkpoint-level metadata (``metadata.json``) and the checkpointing exception."""
 import json
 import os
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 CONFIG_FNAME = "metadata.json"
@@ -12,10 +13,19 @@ class CheckpointingException(Exception):
     """A checkpoint could not be saved or read (missing files, corruption, key or shape mismatch)."""
 
 
-def save_config(checkpoint_dir: str) -> None:
-    """Write ``metadata.json``; it is written last, so its presence marks a complete checkpoint."""
-    config = {"sharded_backend": SHARDED_BACKEND, "sharded_backend_version": SHARDED_BACKEND_VERSION,
-              "common_backend": "torch", "common_backend_version": 1}
+@dataclass
+class CheckpointingConfig:
+    """The backend that wrote a checkpoint, as recorded in ``metadata.json``."""
+
+    sharded_backend: str
+    sharded_backend_version: int = 1
+
+
+def save_config(config: Optional[CheckpointingConfig], checkpoint_dir: str) -> None:
+    """Write ``metadata.json`` (None: torch_dist); it is written last, so its presence marks a complete
+    checkpoint."""
+    config = asdict(config or CheckpointingConfig(SHARDED_BACKEND, SHARDED_BACKEND_VERSION))
+    config.update(common_backend="torch", common_backend_version=1)
     path = os.path.join(checkpoint_dir, CONFIG_FNAME)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

@@ -10,8 +10,24 @@ from typing import Any, Optional, Tuple
 import torch
 
 
+def is_main_replica(replica_id) -> bool:
+    """Replica id 0 (or all zeros): the copy that is written."""
+    return all(r == 0 for r in replica_id) if isinstance(replica_id, (tuple, list)) else replica_id == 0
+
+
+class ShardedBase:
+    """What ShardedTensor and ShardedObject share: a global `key`, local `data`, a `replica_id`."""
+
+    key: str
+    data: Any
+    replica_id: Any
+
+    def is_main_replica(self) -> bool:
+        return is_main_replica(self.replica_id)
+
+
 @dataclass
-class ShardedTensor:
+class ShardedTensor(ShardedBase):
     key: str
     data: Optional[torch.Tensor]
     dtype: torch.dtype
@@ -23,6 +39,12 @@ class ShardedTensor:
     replica_id: Any = 0
     prepend_axis_num: int = 0
     allow_shape_mismatch: bool = False
+    flattened_range: Optional[slice] = None
+
+    def __post_init__(self):
+        if self.flattened_range is not None:
+            raise NotImplementedError(f"ShardedTensor {self.key}: flattened_range (flat optimizer-state "
+                                      "shards) is not supported; describe the shard by offsets")
 
     @classmethod
     def from_rank_offsets(cls, key, data, *rank_offsets, replica_id=0, prepend_axis_num=0, **kwargs):
@@ -44,13 +66,10 @@ class ShardedTensor:
         return cls(key, data, data.dtype, tuple(data.shape), tuple(global_shape), tuple(global_offset),
                    tuple(fragmentations), replica_id, prepend_axis_num, **kwargs)
 
-    def is_main_replica(self) -> bool:
-        rid = self.replica_id
-        return all(r == 0 for r in rid) if isinstance(rid, (tuple, list)) else rid == 0
 
 
 @dataclass
-class ShardedObject:
+class ShardedObject(ShardedBase):
     """A picklable object saved under ``key``; ``global_shape``/``global_offset`` index its copies
     (e.g. one RNG state per (PP, TP) rank)."""
     key: str
@@ -63,9 +82,6 @@ class ShardedObject:
     def unique_key(self) -> str:
         return f"{self.key}/shard_{'.'.join(map(str, self.global_offset))}_{'.'.join(map(str, self.global_shape))}"
 
-    def is_main_replica(self) -> bool:
-        rid = self.replica_id
-        return all(r == 0 for r in rid) if isinstance(rid, (tuple, list)) else rid == 0
 
 
 ShardedStateDict = dict

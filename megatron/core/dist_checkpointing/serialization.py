@@ -57,9 +57,16 @@ def _write_common(checkpoint_dir: str, common: Dict[str, Any]) -> None:
 
 
 def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_strategy=None,
-         common_strategy=None, validate_access_integrity: bool = True, async_sharded_save: bool = False,
-         process_group=None, **kwargs) -> Optional[AsyncRequest]:
+         validate_access_integrity: bool = True, async_sharded_save: bool = False,
+         preprocess_common_before_consistancy_check=None, content_metadata: Optional[dict] = None,
+         async_strategy: str = "nvrx", verify_integrity: bool = False, *, common_strategy=None,
+         process_group=None) -> Optional[AsyncRequest]:
     """Save ``sharded_state_dict`` into ``checkpoint_dir`` (collective over all ranks).
+
+    `content_metadata` is stored with the common state (read back by load_content_metadata);
+    `async_strategy` names Megatron's async backends and has no effect (async saves run through
+    AsyncRequest/AsyncCallsQueue); the common-state consistency check and the integrity manifest
+    (`verify_integrity`) are refused.
 
     Only main replicas (``replica_id == 0``) are written. With ``async_sharded_save`` tensors are copied to
     host memory now and an `AsyncRequest` is returned whose function writes them (run it with an
@@ -67,6 +74,11 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     """
     if sharded_strategy not in (None, "torch_dist") and not isinstance(sharded_strategy, tuple):
         raise ValueError(f"sharded_strategy {sharded_strategy!r} is not supported; use None or 'torch_dist'")
+    if preprocess_common_before_consistancy_check is not None or verify_integrity:
+        raise NotImplementedError("dist_checkpointing.save: the common-state consistency check and "
+                                  "verify_integrity are not supported; leave them at None / False")
+    if content_metadata is not None:
+        sharded_state_dict = {**sharded_state_dict, _CONTENT_METADATA_KEY: content_metadata}
     if _rank() == 0:
         os.makedirs(checkpoint_dir, exist_ok=True)
         if os.path.exists(os.path.join(checkpoint_dir, CONFIG_FNAME)):
@@ -80,7 +92,7 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
 
     def finalize():
         if _rank() == 0:
-            save_config(checkpoint_dir)
+            save_config(None, checkpoint_dir)
 
     if async_sharded_save:
         return AsyncRequest(write, finalize_fns=[finalize], description=checkpoint_dir)
@@ -106,7 +118,7 @@ def load_common_state_dict(checkpoint_dir: str) -> Dict[str, Any]:
     return objs["common_state"]
 
 
-def load_tensors_metadata(checkpoint_dir: str) -> Dict[str, Any]:
+def load_tensors_metadata(checkpoint_dir: str, sharded_strategy=None) -> Dict[str, Any]:
     """``{key: (global_shape, dtype)}`` for every tensor in the checkpoint, without reading data."""
     md = _read_dcp_metadata(checkpoint_dir)
     out = {}
@@ -162,16 +174,22 @@ def _guarded_read(checkpoint_dir, shards, object_keys, **kwargs):
 
 
 def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_strategy=None,
-         common_strategy=None, validate_access_integrity: bool = True, strict: str = "assume_ok_unexpected",
-         process_group=None) -> Dict[str, Any]:
+         validate_access_integrity: bool = True, strict: str = "assume_ok_unexpected",
+         verify_integrity: bool = False, process_group=None, *, common_strategy=None) -> Dict[str, Any]:
     """Load the tensors and objects described by ``sharded_state_dict`` (collective over all ranks).
 
     Returns the checkpoint's common state merged with the loaded values, in the structure of
     ``sharded_state_dict`` (ready for ``model.load_state_dict``). Each rank reads the slices its
     ShardedTensors ask for, so the saving layout may differ from the loading one.
     """
-    strict = getattr(strict, "value", strict)
+    if verify_integrity:
+        raise NotImplementedError("dist_checkpointing.load(verify_integrity=True): integrity manifests are "
+                                  "not supported; leave it False")
+    from .validation import parse_strict_flag
+    strict = parse_strict_flag(strict).value
     common = load_common_state_dict(checkpoint_dir)
+    if isinstance(common, dict):
+        common.pop(_CONTENT_METADATA_KEY, None)
     _, sharded = dict_utils.split_common(sharded_state_dict)
     md_keys = set(load_tensors_metadata(checkpoint_dir)) if strict not in _RAISE_ON_MISSING else None
     tensors, paths, objects = [], [], []
@@ -202,3 +220,31 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
 def _empty_like_shard(sh: ShardedTensor) -> torch.Tensor:
     device = sh.data.device if sh.data is not None else "cpu"
     return torch.empty(sh.local_shape, dtype=sh.dtype, device=device)
+
+
+_CONTENT_METADATA_KEY = "content_metadata"
+
+
+def load_content_metadata(checkpoint_dir: Optional[str] = None, preloaded_state_dict: Optional[dict] = None):
+    """The `content_metadata` dict given to save (None when the checkpoint has none)."""
+    common = preloaded_state_dict if preloaded_state_dict is not None else load_common_state_dict(checkpoint_dir)
+    return common.get(_CONTENT_METADATA_KEY) if isinstance(common, dict) else None
+
+
+def load_plain_tensors(checkpoint_dir: str) -> Dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, whole (unsharded), keyed by its global key (collective)."""
+    request = {key: ShardedTensor.from_rank_offsets(key, torch.empty(shape, dtype=dtype))
+               for key, (shape, dtype) in load_tensors_metadata(checkpoint_dir).items()}
+    loaded = load(request, checkpoint_dir, validate_access_integrity=False)
+    return {key: loaded[key] for key in request}
+
+
+def get_default_save_sharded_strategy(backend: str = "torch_dist"):
+    """The save strategy for `backend`: only 'torch_dist' exists here (save() takes it by name)."""
+    if backend != "torch_dist":
+        raise ValueError(f"checkpoint backend {backend!r} is not supported; use 'torch_dist'")
+    return backend
+
+
+def get_default_load_sharded_strategy(checkpoint_dir: Optional[str] = None):
+    return get_default_save_sharded_strategy()

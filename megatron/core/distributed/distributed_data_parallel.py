@@ -16,7 +16,12 @@ class DistributedDataParallel(WrappedModule):
     collective as soon as the bucket's last grad is in. Grads end up averaged over the DP x CP group."""
 
     def __init__(self, config, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
-                 disable_bucketing: bool = False):
+                 disable_bucketing: bool = False, pg_collection=None, full_param_layout=None):
+        from megatron.core.process_groups_config import require_default_process_groups
+        require_default_process_groups(pg_collection, "DistributedDataParallel")
+        if full_param_layout is not None:
+            raise NotImplementedError("DistributedDataParallel(full_param_layout=...) is not supported; "
+                                      "buffers use the default layout")
         super().__init__()
         self.config = config
         self.ddp_config = ddp_config

@@ -2,9 +2,12 @@
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron.core._compat_fields import check_compat_fields
+from megatron.core.distributed._compat_fields import DistributedDataParallelConfigCompat
+
 
 @dataclass
-class DistributedDataParallelConfig:
+class DistributedDataParallelConfig(DistributedDataParallelConfigCompat):
     grad_reduce_in_fp32: bool = False
     """Keep `main_grad` buffers and the gradient collectives in fp32 (bf16/fp16 models)."""
 
@@ -45,6 +48,7 @@ class DistributedDataParallelConfig:
     """Megatron FSDP is not supported (use torch FSDP2: `--use-torch-fsdp2`)."""
 
     def __post_init__(self):
+        check_compat_fields(self, DistributedDataParallelConfigCompat)
         if self.num_distributed_optimizer_instances != 1:
             raise NotImplementedError(
                 "--num-distributed-optimizer-instances > 1 is not supported; use 1 (the default)")

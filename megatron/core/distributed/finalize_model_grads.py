@@ -85,9 +85,15 @@ def _allreduce_embedding_grads(model: List[torch.nn.Module], config):
     _allreduce_grads_coalesced(grads, parallel_state.get_embedding_group())
 
 
-def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torch.Tensor] = None):
+def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torch.Tensor] = None,
+                         pg_collection=None, force_all_reduce: bool = False):
     """Finish DP grad sync, reduce SP-replicated and tied-embedding grads, and (per-token loss)
-    divide every grad by the global number of tokens."""
+    divide every grad by the global number of tokens. Groups come from parallel_state (an explicit
+    `pg_collection` and `force_all_reduce` are refused)."""
+    from megatron.core.process_groups_config import require_default_process_groups
+    require_default_process_groups(pg_collection, "finalize_model_grads")
+    if force_all_reduce:
+        raise NotImplementedError("finalize_model_grads(force_all_reduce=True) is not supported; leave it False")
     config = getattr(_unwrap(model[0]), "config", None) or getattr(model[0], "config", None)
 
     _start(config, "all-grads-sync")

@@ -34,7 +34,8 @@ def _default_wrap_types():
 
 
 class TorchFullyShardedDataParallel(WrappedModule):
-    def __init__(self, config, ddp_config, module: torch.nn.Module, sub_modules_to_wrap=None, **unused):
+    def __init__(self, config, ddp_config, module: torch.nn.Module, sub_modules_to_wrap=None,
+                 reshard_after_forward: bool = True, **unused):
         super().__init__()
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
@@ -51,12 +52,13 @@ class TorchFullyShardedDataParallel(WrappedModule):
         attributes = {name: megatron_attributes(p) for name, p in module.named_parameters()}
         device_type = next(module.parameters()).device.type
         mesh = DeviceMesh.from_group(self.dp_group, device_type)
-        # Shard each transformer layer (its own all-gather/reduce-scatter unit), then the root.
+        # Shard each transformer layer (its own all-gather/reduce-scatter unit), then the root. Without
+        # resharding after forward a layer's gathered params stay until its backward (ZeRO-2 traffic).
         wrap_types = tuple(sub_modules_to_wrap) if sub_modules_to_wrap is not None else _default_wrap_types()
         for sub in module.modules():
             if wrap_types and isinstance(sub, wrap_types) and sub is not module:
-                fully_shard(sub, mesh=mesh, reshard_after_forward=True)
-        fully_shard(module, mesh=mesh, reshard_after_forward=True)
+                fully_shard(sub, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
         if getattr(config, "calculate_per_token_loss", False):
             module.set_gradient_divide_factor(1.0)  # sum over DP; finalize_model_grads divides by tokens
         # fully_shard replaced every param by a DTensor: give them back their partition metadata.

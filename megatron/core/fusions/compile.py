@@ -28,7 +28,9 @@ def maybe_compile(fn=None, **compile_kwargs):
         def inner(*args, **kwargs):
             nonlocal compiled
             first = next((a for a in args if torch.is_tensor(a)), None)
-            if first is None or not first.is_cuda or not compile_available():
+            # Inside a compiled region (a compiled layer) the caller's graph fuses it already.
+            if (first is None or not first.is_cuda or torch.compiler.is_compiling()
+                    or not compile_available()):
                 return f(*args, **kwargs)
             if compiled is None:
                 _raise_recompile_limit()

@@ -89,8 +89,8 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
         return grad.view_as(logits), None, None
 
 
-def fused_vocab_parallel_cross_entropy(vocab_parallel_logits, target, group=None):
+def fused_vocab_parallel_cross_entropy(vocab_parallel_logits, target, tp_group=None):
     """Per-token loss (fp32, shape of ``target``) from 16- or 32-bit logits split over TP on the last dim."""
-    if group is None:
-        group = parallel_state.get_tensor_model_parallel_group()
-    return _FusedVocabParallelCrossEntropy.apply(vocab_parallel_logits, target, group)
+    if tp_group is None:
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+    return _FusedVocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group)

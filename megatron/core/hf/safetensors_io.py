@@ -10,6 +10,9 @@ from typing import Dict, Optional
 import torch
 
 INDEX_NAME = "model.safetensors.index.json"
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
 SINGLE_NAME = "model.safetensors"
 
 
@@ -60,14 +63,25 @@ class SafetensorsReader:
         short = name.split(".", 1)[1] if name.startswith("transformer.") else None
         return short if short in self.weight_map else None
 
-    def get(self, name: str) -> torch.Tensor:
+    def _open(self, name: str):
         stored = self.resolve(name)
         if stored is None:
             raise KeyError(f"tensor {name} not found in {self.hf_dir} (config.json and weights disagree?)")
         shard = self.weight_map[stored]
         if shard not in self._handles:
+            self._handles.clear()  # one shard mapped at a time
             self._handles[shard] = self._safe_open(os.path.join(self.hf_dir, shard), framework="pt")
-        return self._handles[shard].get_tensor(stored)
+        return self._handles[shard], stored
+
+    def get(self, name: str) -> torch.Tensor:
+        handle, stored = self._open(name)
+        return handle.get_tensor(stored)
+
+    def meta(self, name: str) -> torch.Tensor:
+        """A meta tensor of the stored shape and dtype (read from the header, no data)."""
+        handle, stored = self._open(name)
+        sl = handle.get_slice(stored)
+        return torch.empty(sl.get_shape(), dtype=_DTYPES[sl.get_dtype()], device="meta")
 
     def close(self) -> None:
         self._handles.clear()

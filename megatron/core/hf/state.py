@@ -1,9 +1,11 @@
 """Stream a model family's tensors between the HF layout and our global (TP=PP=1) state dict."""
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Dict, Iterator, List, Tuple
 
 import torch
 
+from .dist_io import LazyTensor
 from .family import Family, Rule
 from .layout import Dims
 
@@ -58,23 +60,28 @@ def _named_rules(family: Family, cfg: dict, layers: int) -> Iterator[Tuple[int, 
             yield -1, r, r.ours, list(r.hf)
 
 
-def hf_to_ours(family: Family, cfg: dict, shapes: Shapes, get: Callable[[str], torch.Tensor], where: str
-               ) -> Iterator[Tuple[str, torch.Tensor, int]]:
-    """Yield (our global name, tensor, stride) one at a time, reading each HF tensor when it is needed."""
+def hf_to_ours(family: Family, cfg: dict, shapes: Shapes, reader, where: str) -> List[LazyTensor]:
+    """(our global name, shape, dtype, stride, make) per tensor. Shapes are checked up front on meta
+    tensors (header only); ``make()`` reads the HF tensors and builds ours when the writer needs it."""
+    out = []
     for _, rule, name, hf_names in _named_rules(family, cfg, shapes.layers):
-        tensors = [get(n) for n in hf_names]
+        metas = [reader.meta(n) for n in hf_names]
         want = (family.expected_shape(name, cfg, shapes.hidden, shapes.dims.padded_vocab_size)
                 if family.expected_shape else expected_shape(name, shapes))
         try:
-            out = rule.transform.to_ours(tensors, shapes.dims)
+            result, detail = rule.transform.to_ours(metas, shapes.dims), ""
         except (RuntimeError, ValueError) as e:
-            out, detail = None, str(e).splitlines()[0]
-        else:
-            detail = ""
-        if out is None or tuple(out.shape) != want:
-            got = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(hf_names, tensors))
+            result, detail = None, str(e).splitlines()[0]
+        if result is None or tuple(result.shape) != want:
+            got = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(hf_names, metas))
             raise ValueError(f"{where}: {got} do not match config.json (expected {name} of shape {want}) {detail}".strip())
-        yield name, out, rule.stride
+        make = partial(_make, rule.transform, hf_names, reader.get, shapes.dims)
+        out.append((name, want, result.dtype, rule.stride, make))
+    return out
+
+
+def _make(transform, hf_names, get, dims):
+    return transform.to_ours([get(n) for n in hf_names], dims)
 
 
 def ours_to_hf(family: Family, cfg: dict, shapes: Shapes, get_layer: Callable[[List[Tuple[str, int]]], Dict[str, torch.Tensor]]

@@ -4,6 +4,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from megatron.core.optimizer.chained_optimizer import ChainedOptimizer
 from megatron.core.optimizer.clip_grads import clip_grad_norm_fp32, count_zeros_fp32, get_grad_norm_fp32
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
@@ -76,10 +77,22 @@ def _grad_scaler(config: OptimizerConfig) -> Optional[MegatronGradScaler]:
 
 
 def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.Module],
+                           config_overrides: Optional[Dict] = None, use_gloo_process_groups: bool = True,
+                           pg_collection=None, dump_param_to_param_group_map: Optional[str] = None, *,
                            no_weight_decay_cond: Optional[Callable] = None,
-                           scale_lr_cond: Optional[Callable] = None, lr_mult: float = 1.0,
-                           **unused) -> MegatronOptimizer:
-    """Build the optimizer for `model_chunks` (DDP-wrapped for the distributed optimizer)."""
+                           scale_lr_cond: Optional[Callable] = None, lr_mult: float = 1.0) -> MegatronOptimizer:
+    """Build the optimizer for `model_chunks` (DDP-wrapped for the distributed optimizer).
+
+    Per-parameter overrides come from the keyword-only `no_weight_decay_cond(name, param)`,
+    `scale_lr_cond(name, param)` and `lr_mult` (Megatron's pre-0.16 interface); Megatron 0.19's
+    `config_overrides` (ParamKey -> override dict), explicit process groups and the param-group dump are
+    refused. `use_gloo_process_groups` has no effect (the groups come from parallel_state)."""
+    refused = dict(config_overrides=config_overrides, pg_collection=pg_collection,
+                   dump_param_to_param_group_map=dump_param_to_param_group_map)
+    for name, value in refused.items():
+        if value is not None:
+            raise NotImplementedError(f"get_megatron_optimizer({name}=...) is not supported; use "
+                                      "no_weight_decay_cond / scale_lr_cond / lr_mult instead")
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr (--lr) must be set")
     if not isinstance(model_chunks, (list, tuple)):
@@ -110,6 +123,6 @@ def _is_moe(model_chunks) -> bool:
 
 __all__ = [
     "OptimizerConfig", "get_megatron_optimizer", "MegatronOptimizer", "FP32Optimizer",
-    "Float16OptimizerWithFloat16Params", "DistributedOptimizer", "ConstantGradScaler", "DynamicGradScaler",
+    "Float16OptimizerWithFloat16Params", "DistributedOptimizer", "ChainedOptimizer", "ConstantGradScaler", "DynamicGradScaler",
     "MegatronGradScaler", "clip_grad_norm_fp32", "count_zeros_fp32", "get_grad_norm_fp32",
 ]

@@ -34,7 +34,8 @@ def param_counts_for_grad_stats(param) -> bool:
 def _groups(group) -> List:
     if group is None:
         return []
-    return list(group) if isinstance(group, (list, tuple)) else [group]
+    groups = list(group) if isinstance(group, (list, tuple)) else [group]
+    return [g for g in groups if g is not None]  # None: no process group (a single process)
 
 
 def _all_reduce(tensor, groups, op=dist.ReduceOp.SUM):

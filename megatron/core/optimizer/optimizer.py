@@ -331,3 +331,6 @@ class FP32Optimizer(Float16OptimizerWithFloat16Params):
     def __init__(self, optimizer, config, grad_scaler=None):
         super().__init__(optimizer, config, grad_scaler)
         assert all(m is p for m, p in self.main_to_model.items()), "FP32Optimizer got non-fp32 params"
+
+
+from megatron.core.optimizer.chained_optimizer import ChainedOptimizer  # noqa: E402,F401  (Megatron's path)

@@ -4,9 +4,12 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron.core._compat_fields import check_compat_fields
+from megatron.core.optimizer._compat_fields import OptimizerConfigCompat
+
 
 @dataclass
-class OptimizerConfig:
+class OptimizerConfig(OptimizerConfigCompat):
     optimizer: str = "adam"
     """'adam' (AdamW: decoupled weight decay) or 'sgd'."""
 
@@ -45,6 +48,7 @@ class OptimizerConfig:
     timers: Optional[Callable] = None
 
     def __post_init__(self):
+        check_compat_fields(self, OptimizerConfigCompat)
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"--optimizer {self.optimizer} is not supported; use adam or sgd")
         if self.fp16 and self.bf16:

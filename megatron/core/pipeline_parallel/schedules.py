@@ -20,13 +20,27 @@ from megatron.core.pipeline_parallel.utils import (
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 
-def get_forward_backward_func():
-    """The schedule for the registered layout: PP=1, PP>1, or PP>1 with virtual stages."""
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        if parallel_state.get_virtual_pipeline_model_parallel_world_size() is not None:
+def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None,
+                              schedule_pg_collection=None):
+    """The schedule for the layout: PP=1, PP>1, or PP>1 with virtual stages. `pp_size`/`vp_size`
+    override parallel_state's sizes; explicit process-group collections are refused."""
+    _refuse_explicit_groups(pg_collection=schedule_pg_collection)
+    pp = pp_size if pp_size is not None else parallel_state.get_pipeline_model_parallel_world_size()
+    vp = vp_size if vp_size is not None else parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if pp > 1:
+        if vp is not None:
             return forward_backward_pipelining_with_interleaving
         return forward_backward_pipelining_without_interleaving
     return forward_backward_no_pipelining
+
+
+def _refuse_explicit_groups(pg_collection=None, force_all_reduce=False):
+    """Schedules take their groups from parallel_state (a collection of those same groups is accepted);
+    forced all-reduce (instead of the distributed optimizer's reduce-scatter) is not implemented."""
+    from megatron.core.process_groups_config import require_default_process_groups
+    require_default_process_groups(pg_collection, "forward_backward_func")
+    if force_all_reduce:
+        raise NotImplementedError("pipeline schedules: force_all_reduce=True is not supported; leave it False")
 
 
 # ---- shared helpers --------------------------------------------------------------------------------
@@ -104,7 +118,7 @@ def _apply_loss(loss_func, output_tensor, state: _RunState) -> torch.Tensor:
         state.total_num_tokens += torch.as_tensor(num_tokens, device=state.total_num_tokens.device,
                                                   dtype=state.total_num_tokens.dtype)
         if not getattr(config, "calculate_per_token_loss", False):
-            loss = loss / num_tokens / state.num_microbatches
+            loss = loss / _tokens_over_context_parallel(num_tokens, config) / state.num_microbatches
     elif len(outputs) == 2:  # legacy (loss, dict): loss already averaged over the micro-batch
         loss, loss_reduced = outputs
         loss = loss * getattr(config, "context_parallel_size", 1) / state.num_microbatches
@@ -113,6 +127,18 @@ def _apply_loss(loss_func, output_tensor, state: _RunState) -> torch.Tensor:
                          f"got a {len(outputs)}-tuple")
     state.forward_data_store.append(loss_reduced)
     return loss
+
+
+def _tokens_over_context_parallel(num_tokens, config):
+    """Token count that makes the micro-batch loss a mean over the whole sequence under CP. Each CP rank
+    holds part of the tokens; DDP averages grads over DP x CP, so rank i's loss is
+    sum_i / (sum of counts over CP) x CP, and the CP average is the exact token mean."""
+    cp = getattr(config, "context_parallel_size", 1)
+    if cp == 1:
+        return num_tokens
+    total = torch.as_tensor(num_tokens, device=current_device()).clone().float()
+    torch.distributed.all_reduce(total, group=parallel_state.get_context_parallel_group())
+    return total / cp
 
 
 def backward_step(input_tensor, output_tensor, output_tensor_grad, config) -> Optional[torch.Tensor]:
@@ -191,11 +217,12 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[It
                                    micro_batch_size: int = None, decoder_seq_length: int = None,
                                    forward_only: bool = False, collect_non_loss_data: bool = False,
                                    first_val_step: bool = None, adjust_tensor_shapes_fn=None,
-                                   p2p_communicator=None):
+                                   p2p_communicator=None, pg_collection=None, force_all_reduce: bool = False):
     """Gradient accumulation over micro-batches on a single stage (PP=1).
 
     ``first_val_step`` only matters for FP8 weight caching, which this build does not have.
     """
+    _refuse_explicit_groups(pg_collection, force_all_reduce)
     models, iterators = _check_common(model, data_iterator)
     if len(models) != 1:
         raise ValueError("forward_backward_no_pipelining takes one model chunk; set "
@@ -225,9 +252,11 @@ def forward_backward_pipelining_without_interleaving(
         *, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
         micro_batch_size: int, decoder_seq_length: int = None, forward_only: bool = False,
         collect_non_loss_data: bool = False, first_val_step: bool = None,
-        adjust_tensor_shapes_fn=None, p2p_communicator: Optional[P2PCommunicator] = None):
+        adjust_tensor_shapes_fn=None, p2p_communicator: Optional[P2PCommunicator] = None,
+        pg_collection=None, force_all_reduce: bool = False):
     """1F1B: (PP - rank - 1) warm-up forwards, then one forward + one backward per micro-batch
     in steady state, then the remaining backwards. At most PP micro-batches are in flight."""
+    _refuse_explicit_groups(pg_collection, force_all_reduce)
     models, iterators = _check_common(model, data_iterator)
     if len(models) != 1:
         raise ValueError("non-interleaved pipeline takes one model chunk per rank; use "
@@ -327,10 +356,12 @@ def forward_backward_pipelining_with_interleaving(
         *, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
         micro_batch_size: int, decoder_seq_length: int = None, forward_only: bool = False,
         collect_non_loss_data: bool = False, first_val_step: bool = None,
-        adjust_tensor_shapes_fn=None, p2p_communicator: Optional[P2PCommunicator] = None):
+        adjust_tensor_shapes_fn=None, p2p_communicator: Optional[P2PCommunicator] = None,
+        pg_collection=None, force_all_reduce: bool = False):
     """Interleaved 1F1B over virtual stages (``model`` is a list of chunks; chunk c on PP rank r
     is virtual stage c * PP + r). Warm-up = 2 * (PP - rank - 1) + (chunks - 1) * group_size forwards,
     groups of ``microbatch_group_size_per_vp_stage`` micro-batches go through each chunk in turn."""
+    _refuse_explicit_groups(pg_collection, force_all_reduce)
     from megatron.core.pipeline_parallel.interleaved import run_interleaved
 
     models, iterators = _check_common(model, data_iterator)

@@ -29,4 +29,9 @@ from .random import (
     get_expert_parallel_rng_tracker_name,
     model_parallel_cuda_manual_seed,
 )
-from .utils import split_tensor_along_last_dim, split_tensor_into_1d_equal_chunks, VocabUtility
+from .utils import (
+    VocabUtility,
+    gather_split_1d_tensor,
+    split_tensor_along_last_dim,
+    split_tensor_into_1d_equal_chunks,
+)

@@ -65,8 +65,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing: float = 0.0, group=None):
+def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing: float = 0.0, tp_group=None):
     """Per-token loss (fp32, shape of ``target``) from logits split over the TP group on the last dim."""
-    if group is None:
-        group = parallel_state.get_tensor_model_parallel_group()
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, group)
+    if tp_group is None:
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, tp_group)

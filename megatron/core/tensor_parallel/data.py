@@ -8,15 +8,16 @@ from megatron.core import parallel_state
 from megatron.core.utils import get_device
 
 
-def broadcast_data(keys: List[str], data: Dict[str, torch.Tensor], datatype: torch.dtype) -> Dict[str, torch.Tensor]:
+def broadcast_data(keys: List[str], data: Dict[str, torch.Tensor], datatype: torch.dtype,
+                   tp_group=None) -> Dict[str, torch.Tensor]:
     """Return ``{key: tensor}`` on every TP rank; only TP rank 0 needs ``data``. Sizes go first, then one
     flattened buffer, so only two broadcasts are issued."""
     device = get_device()
-    group = parallel_state.get_tensor_model_parallel_group()
+    group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
     if group is None or dist.get_world_size(group) == 1:
         return {k: data[k].to(device=device, dtype=datatype) for k in keys}
-    src = parallel_state.get_tensor_model_parallel_src_rank()
-    is_src = parallel_state.get_tensor_model_parallel_rank() == 0
+    src = dist.get_process_group_ranks(group)[0]
+    is_src = group.rank() == 0
     max_dims = 8
     sizes = torch.zeros(len(keys), max_dims, dtype=torch.long, device=device)
     if is_src:

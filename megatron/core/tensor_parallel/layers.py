@@ -23,9 +23,13 @@ from megatron.core.utils import divide, get_device
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
 
 
-def param_is_not_tensor_parallel_duplicate(param) -> bool:
-    """True for TP-split params and, for replicated ones, on TP rank 0 only (count each once)."""
-    return getattr(param, "tensor_model_parallel", False) or parallel_state.get_tensor_model_parallel_rank() == 0
+def param_is_not_tensor_parallel_duplicate(param, tp_group=None, expert_tp_group=None) -> bool:
+    """True for TP-split params and, for replicated ones, on TP rank 0 only (count each once).
+    Expert params (`allreduce` False) use `expert_tp_group` when given."""
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    group = expert_tp_group if not getattr(param, "allreduce", True) and expert_tp_group is not None else tp_group
+    return (group.rank() if group is not None else parallel_state.get_tensor_model_parallel_rank()) == 0
 
 
 def set_tensor_model_parallel_attributes(tensor, is_parallel: bool, dim: int, stride: int) -> None:
@@ -145,8 +149,18 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
 
 
 def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradient_accumulation_fusion=False,
-                                                      sequence_parallel=False, tp_group=None,
-                                                      **unused_overlap_options):
+                                                      allreduce_dgrad=False, sequence_parallel=False,
+                                                      grad_output_buffer=None, wgrad_deferral_limit=0,
+                                                      tp_group=None, gtp_remat_size=1):
+    """Y = X W^T + b; `allreduce_dgrad` all-reduces dL/dX over TP (what a column-parallel layer
+    without SP needs). Deferred embedding wgrad (`grad_output_buffer`) and weight rematerialisation
+    (`gtp_remat_size` > 1) are refused."""
+    if grad_output_buffer is not None or gtp_remat_size != 1:
+        raise NotImplementedError("deferred embedding wgrad (grad_output_buffer) and gtp_remat_size > 1 are "
+                                  "not supported; leave them at None / 1")
+    if allreduce_dgrad and not sequence_parallel:
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+        input = copy_to_tensor_model_parallel_region(input, tp_group)  # backward: all-reduce dL/dX
     return LinearWithGradAccumulationAndAsyncCommunication.apply(
         input, weight, bias, gradient_accumulation_fusion, sequence_parallel, tp_group)
 
@@ -206,7 +220,8 @@ class ColumnParallelLinear(torch.nn.Module):
                  gather_output: bool = False, stride: int = 1, keep_master_weight_for_test: bool = False,
                  skip_bias_add: bool = False, skip_weight_param_allocation: bool = False,
                  embedding_activation_buffer=None, grad_output_buffer=None, is_expert: bool = False,
-                 tp_comm_buffer_name: Optional[str] = None, disable_grad_reduce: bool = False, tp_group=None):
+                 tp_comm_buffer_name: Optional[str] = None, disable_grad_reduce: bool = False, tp_group=None,
+                 name: Optional[str] = None):
         super().__init__()
         _check_unsupported(embedding_activation_buffer, grad_output_buffer, keep_master_weight_for_test)
         self.config, self.is_expert = config, is_expert
@@ -262,7 +277,7 @@ class RowParallelLinear(torch.nn.Module):
     def __init__(self, input_size: int, output_size: int, *, config, init_method: Callable, bias: bool = True,
                  input_is_parallel: bool = False, skip_bias_add: bool = False, stride: int = 1,
                  keep_master_weight_for_test: bool = False, is_expert: bool = False,
-                 tp_comm_buffer_name: Optional[str] = None, tp_group=None):
+                 tp_comm_buffer_name: Optional[str] = None, tp_group=None, name: Optional[str] = None):
         super().__init__()
         _check_unsupported(None, None, keep_master_weight_for_test)
         self.config, self.is_expert = config, is_expert

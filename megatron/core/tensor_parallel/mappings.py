@@ -177,32 +177,43 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return _gather_along_first_dim(grad, ctx.group), None
 
 
-def copy_to_tensor_model_parallel_region(x, group=None):
-    return _CopyToModelParallelRegion.apply(x, _tp_group(group))
+def _even_split_only(name, split_sizes):
+    """Uneven sequence splits (Megatron's MoE token paths) are not implemented; `use_global_buffer`
+    (reuse of a preallocated all-gather buffer) has no effect here."""
+    if split_sizes is not None:
+        raise NotImplementedError(f"{name}: uneven split sizes are not supported; split evenly")
 
 
-def reduce_from_tensor_model_parallel_region(x, group=None):
-    return _ReduceFromModelParallelRegion.apply(x, _tp_group(group))
+def copy_to_tensor_model_parallel_region(input_, group=None):
+    return _CopyToModelParallelRegion.apply(input_, _tp_group(group))
 
 
-def scatter_to_tensor_model_parallel_region(x, group=None):
-    return _ScatterToModelParallelRegion.apply(x, _tp_group(group))
+def reduce_from_tensor_model_parallel_region(input_, group=None):
+    return _ReduceFromModelParallelRegion.apply(input_, _tp_group(group))
 
 
-def gather_from_tensor_model_parallel_region(x, group=None):
-    return _GatherFromModelParallelRegion.apply(x, _tp_group(group))
+def scatter_to_tensor_model_parallel_region(input_, group=None):
+    return _ScatterToModelParallelRegion.apply(input_, _tp_group(group))
 
 
-def scatter_to_sequence_parallel_region(x, group=None):
-    return _ScatterToSequenceParallelRegion.apply(x, _tp_group(group))
+def gather_from_tensor_model_parallel_region(input_, group=None):
+    return _GatherFromModelParallelRegion.apply(input_, _tp_group(group))
 
 
-def gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=None):
-    return _GatherFromSequenceParallelRegion.apply(x, _tp_group(group), tensor_parallel_output_grad)
+def scatter_to_sequence_parallel_region(input_, group=None):
+    return _ScatterToSequenceParallelRegion.apply(input_, _tp_group(group))
 
 
-def reduce_scatter_to_sequence_parallel_region(x, group=None):
-    return _ReduceScatterToSequenceParallelRegion.apply(x, _tp_group(group))
+def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=None,
+                                         output_split_sizes=None, use_global_buffer=False):
+    _even_split_only("gather_from_sequence_parallel_region", output_split_sizes)
+    return _GatherFromSequenceParallelRegion.apply(input_, _tp_group(group), tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(input_, group=None, input_split_sizes=None,
+                                               use_global_buffer=False):
+    _even_split_only("reduce_scatter_to_sequence_parallel_region", input_split_sizes)
+    return _ReduceScatterToSequenceParallelRegion.apply(input_, _tp_group(group))
 
 
 def _all_to_all(x, group, output_split_sizes, input_split_sizes):

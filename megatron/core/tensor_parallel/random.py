@@ -5,7 +5,7 @@ TP-split activations need different masks (the "model-parallel-rng" state, seed 
 On CPU the "CUDA" generator is the CPU default generator, so the same code paths run everywhere.
 """
 import contextlib
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -43,9 +43,11 @@ class CudaRNGStatesTracker:
     graph and every replay draws fresh numbers. Both modes give the same numbers for the same seed.
     """
 
-    def __init__(self):
+    def __init__(self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False):
         self.graph_safe = False
+        self.is_inference_rng_tracker = is_inference_rng_tracker
         self.reset()
+        self.set_graph_safe(use_cudagraphable_rng)
 
     def is_initialized(self) -> bool:
         return bool(self.states_)
@@ -129,7 +131,9 @@ def _default_cuda_generator():
 _CUDA_RNG_STATE_TRACKER = CudaRNGStatesTracker()
 
 
-def get_cuda_rng_tracker(use_te_rng_tracker: bool = False, inference_rng_tracker: bool = False):
+def get_cuda_rng_tracker(use_te_rng_tracker: bool = False, inference_rng_tracker: bool = False,
+                         use_cudagraphable_rng: bool = False):
+    """The process-wide tracker (graph-safe mode is chosen by model_parallel_cuda_manual_seed)."""
     if use_te_rng_tracker:
         raise NotImplementedError("--te-rng-tracker needs Transformer Engine, which is not supported")
     return _CUDA_RNG_STATE_TRACKER
@@ -144,16 +148,19 @@ def get_data_parallel_rng_tracker_name() -> str:
 
 
 def model_parallel_cuda_manual_seed(seed: int, te_rng_tracker: bool = False, inference_rng_tracker: bool = False,
-                                    use_cudagraphable_rng: bool = False, force_reset_rng: bool = False) -> None:
+                                    use_cudagraphable_rng: bool = False, tp_rank: Optional[int] = None,
+                                    ep_rank: Optional[int] = None, etp_rank: Optional[int] = None,
+                                    force_reset_rng: bool = False) -> None:
     """Seed the default device generator with ``seed`` and the tracker's TP / expert states.
 
-    TP state: seed + 2718 + tp_rank; expert state: seed + 1024 + 100 * ep_rank + expert_tp_rank.
+    TP state: seed + 2718 + tp_rank; expert state: seed + 1024 + 100 * ep_rank + expert_tp_rank. Ranks
+    default to parallel_state's (pass them to seed without process groups).
     """
     if te_rng_tracker:
         raise NotImplementedError("--te-rng-tracker needs Transformer Engine, which is not supported; drop the flag")
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    ep_rank = parallel_state.get_expert_model_parallel_rank()
-    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
+    ep_rank = parallel_state.get_expert_model_parallel_rank() if ep_rank is None else ep_rank
+    etp_rank = parallel_state.get_expert_tensor_parallel_rank() if etp_rank is None else etp_rank
     tracker = get_cuda_rng_tracker()
     tracker.reset()
     tracker.set_graph_safe(use_cudagraphable_rng)  # --cuda-graph-impl full_iteration

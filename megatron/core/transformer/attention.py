@@ -50,7 +50,8 @@ class SelfAttention(MegatronModule):
             bias=config.add_bias_linear or config.add_qkv_bias, skip_bias_add=False, is_expert=False,
             tp_comm_buffer_name="qkv")
         self.core_attention = build_module(submodules.core_attention, config=config, layer_number=layer_number,
-                                           attn_mask_type=attn_mask_type, attention_type="self")
+                                           attn_mask_type=attn_mask_type, attention_type="self",
+                                           cp_comm_type=cp_comm_type)
         self.linear_proj = build_module(
             submodules.linear_proj, self.query_projection_size, config.hidden_size, config=config,
             init_method=config.output_layer_init_method, bias=config.add_bias_linear, input_is_parallel=True,
@@ -86,17 +87,21 @@ class SelfAttention(MegatronModule):
     def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None,
                 packed_seq_params=None, sequence_len_offset=None, **kwargs):
-        if inference_context is not None:
-            raise NotImplementedError("inference with a KV cache is not supported yet")
         q, k, v = self.get_query_key_value_tensors(hidden_states)
         if rotary_pos_emb is not None:
             q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
             q = apply_rotary_pos_emb(q, q_emb, config=self.config)
             k = apply_rotary_pos_emb(k, k_emb, config=self.config)
-        if self.checkpoint_core_attention and self.training:
-            ctx = checkpoint(lambda q_, k_, v_, m_: self.core_attention(q_, k_, v_, m_), False,
-                             q, k, v, attention_mask)
+        if inference_context is not None:  # generation: the context owns the KV cache (core/inference)
+            ctx = inference_context.attention(self.layer_number, q, k, v, self.core_attention.softmax_scale)
+        elif self.checkpoint_core_attention and self.training:
+            ctx = checkpoint(lambda q_, k_, v_, m_: self.core_attention(
+                q_, k_, v_, m_, packed_seq_params=packed_seq_params), False, q, k, v, attention_mask)
         else:
             ctx = self.core_attention(q, k, v, attention_mask, attention_bias=attention_bias,
                                       packed_seq_params=packed_seq_params)  # [s, b, np * hn]
         return self.linear_proj(ctx)  # (output, bias)
+
+
+# Megatron also exposes the cross-attention classes from this module.
+from megatron.core.transformer.cross_attention import CrossAttention, CrossAttentionSubmodules  # noqa: E402,F401

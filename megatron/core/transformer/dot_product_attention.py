@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.context_parallel import long_context_attention
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -21,11 +22,23 @@ _SDPA_BACKENDS = {
     "local": ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"),
 }
 
+# Under --deterministic-mode (torch.use_deterministic_algorithms): flash and memory-efficient attention
+# switch to deterministic backward passes (measured bitwise on H200, torch 2.11); cuDNN attention has none.
+_NONDETERMINISTIC = ("CUDNN_ATTENTION",)
+_MASKED_DETERMINISTIC = ("EFFICIENT_ATTENTION", "MATH")  # flash takes no explicit mask
 
-def sdpa_backends(attention_backend: str):
+
+def sdpa_backends(attention_backend: str, deterministic: bool = False):
     """The ``torch.nn.attention.SDPBackend`` list for a Megatron ``--attention-backend`` value."""
     from torch.nn.attention import SDPBackend
-    return [getattr(SDPBackend, name) for name in _SDPA_BACKENDS[str(attention_backend)]]
+    names = [n for n in _SDPA_BACKENDS[str(attention_backend)] if not (deterministic and n in _NONDETERMINISTIC)]
+    return [getattr(SDPBackend, name) for name in names or ("MATH",)]
+
+
+def masked_sdpa_backends(deterministic: bool):
+    """Kernels for an explicit mask: torch's choice, or the deterministic ones in deterministic mode."""
+    from torch.nn.attention import SDPBackend
+    return [getattr(SDPBackend, name) for name in _MASKED_DETERMINISTIC] if deterministic else None
 
 
 def _sdpa_context(backends, device):
@@ -71,15 +84,21 @@ class DotProductAttention(MegatronModule):
         self.num_heads_per_partition = config.num_attention_heads // tp
         self.num_groups_per_partition = config.num_query_groups // tp
         backend = getattr(config.attention_backend, "name", config.attention_backend)
-        self.sdpa_backends = sdpa_backends(backend)
+        deterministic = getattr(config, "deterministic_mode", False)
+        self.sdpa_backends = sdpa_backends(backend, deterministic)
+        self.masked_sdpa_backends = masked_sdpa_backends(deterministic)
         self.window_size = config.window_size
+        self.cp_comm_type = cp_comm_type or config.cp_comm_type_of_layer(self.layer_number)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("packed sequences / attention bias are not supported by local attention")
+        if attention_bias is not None:
+            raise NotImplementedError("attention bias is not supported by local attention")
         mask_type = attn_mask_type or self.attn_mask_type
         sq, b, np_, hn = query.shape
+        cp_group = parallel_state.get_context_parallel_group() if self.config.context_parallel_size > 1 else None
+        if cp_group is not None or packed_seq_params is not None:
+            return self._long_context(query, key, value, cp_group, packed_seq_params, mask_type)
         # [s, b, n, hn] -> [b, n, s, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if k.size(1) != q.size(1):
@@ -97,8 +116,9 @@ class DotProductAttention(MegatronModule):
         # Heads are split over TP, so each rank needs its own dropout stream (no stream without dropout:
         # forking the RNG state would also break a compiled layer's graph for nothing).
         rng = get_cuda_rng_tracker().fork() if dropout_p > 0 else nullcontext()
-        # An explicit mask (reset attention, padding) leaves the kernel choice to torch: flash takes none.
-        backends = self.sdpa_backends if attn_mask is None else None
+        # An explicit mask (reset attention, padding) leaves the kernel choice to torch (flash takes none),
+        # except in deterministic mode.
+        backends = self.sdpa_backends if attn_mask is None else self.masked_sdpa_backends
         v_dim = v.size(-1)
         if v_dim < hn and q.is_cuda:
             # MLA: value heads narrower than query/key heads. The flash and cuDNN kernels want one head
@@ -110,6 +130,20 @@ class DotProductAttention(MegatronModule):
         ctx = ctx[..., :v_dim]
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, np_ * v_dim)  # [s, b, np * hv]
 
+    def _long_context(self, query, key, value, cp_group, packed_seq_params, mask_type):
+        """Causal attention over the CP group's sequence and/or within packed documents (no dense mask)."""
+        if mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise NotImplementedError("context parallelism and packed sequences need causal self-attention")
+        if self.window_size is not None:
+            raise NotImplementedError("--window-size (sliding-window attention) is not supported with context "
+                                      "parallelism or packed sequences yet")
+        if self.training and self.dropout_p > 0:
+            raise NotImplementedError("attention dropout is not supported with context parallelism or packed "
+                                      "sequences; pass --attention-dropout 0")
+        sq, b, np_, hn = query.shape
+        ctx = long_context_attention(query, key, value, self.softmax_scale, cp_group, self.cp_comm_type,
+                                     packed_seq_params)  # [s, b, np, hn]
+        return ctx.reshape(sq, b, np_ * hn)
 
 _BANDS = {}
 

@@ -5,6 +5,7 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from megatron.core.fusions.fused_bias_activation import fused_bias_activation
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
@@ -33,6 +34,9 @@ class MLP(MegatronModule):
         ffn = ffn_hidden_size or config.ffn_hidden_size
         glu = config.gated_linear_unit
         self.activation_func = config.activation_func
+        # (x, bias) -> act(x + bias) in one kernel on CUDA (Megatron's --bias-gelu/swiglu-fusion).
+        self.fused_activation = (fused_bias_activation(config.activation_func, glu)
+                                 if config.bias_activation_fusion else None)
         self.linear_fc1 = build_module(
             submodules.linear_fc1, self.input_size, 2 * ffn if glu else ffn, config=config,
             init_method=config.init_method, gather_output=False, bias=config.add_bias_linear,
@@ -44,6 +48,8 @@ class MLP(MegatronModule):
 
     def forward(self, hidden_states, per_token_scale=None):
         h, bias = self.linear_fc1(hidden_states)  # [s, b, (2)f/tp]
+        if self.fused_activation is not None:
+            return self.linear_fc2(self.fused_activation(h, bias))  # (output, bias)
         if bias is not None:
             h = h + bias
         if self.config.gated_linear_unit:

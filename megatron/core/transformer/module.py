@@ -95,3 +95,31 @@ class Float16Module(MegatronModule):
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def param_is_not_shared(param) -> bool:
+    """False for params marked `shared` (e.g. a tied output weight that another module owns)."""
+    return not getattr(param, "shared", False)
+
+
+def conversion_helper(val, conversion):
+    """Apply `conversion` to `val`, or to each element of a (nested) tuple/list, keeping the types."""
+    if not isinstance(val, (tuple, list)):
+        return conversion(val)
+    return type(val)(conversion_helper(v, conversion) for v in val)
+
+
+def fp32_to_float16(val, float16_convertor):
+    """fp32 tensors (also inside tuples/lists) -> `float16_convertor(tensor)`; the rest unchanged."""
+    def convert(v):
+        data = v.data if isinstance(v, torch.nn.Parameter) else v
+        return float16_convertor(v) if torch.is_tensor(data) and data.dtype == torch.float32 else v
+    return conversion_helper(val, convert)
+
+
+def float16_to_fp32(val):
+    """fp16/bf16 tensors (also inside tuples/lists) -> fp32; the rest unchanged."""
+    def convert(v):
+        data = v.data if isinstance(v, torch.nn.Parameter) else v
+        return v.float() if torch.is_tensor(data) and data.dtype in (torch.float16, torch.bfloat16) else v
+    return conversion_helper(val, convert)

@@ -14,6 +14,7 @@ class ModuleSpec:
     module: Union[Tuple, type]
     params: dict = field(default_factory=dict)
     submodules: object = None
+    metainfo: dict = field(default_factory=dict)  # free-form notes about the module; not read here
 
 
 def import_module(module_path: Tuple[str, str]):

@@ -176,6 +176,10 @@ class TransformerBlock(MegatronModule):
         rng = get_cuda_rng_tracker().fork() if self.config.sequence_parallel else nullcontext()
         # Decoder blocks of encoder-decoder models also take the encoder output and its mask.
         cross = {} if context is None else {"context": context, "context_mask": context_mask}
+        if packed_seq_params is not None:
+            cross["packed_seq_params"] = packed_seq_params
+        if inference_context is not None:  # generation: each attention reads/writes its KV cache
+            cross["inference_context"] = inference_context
         with rng:
             hidden_states = self._forward_layers(hidden_states, attention_mask, rotary_pos_emb, **cross)
         if self.final_layernorm is not None:

@@ -5,12 +5,14 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
+from megatron.core._compat_fields import check_compat_fields
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.transformer._compat_fields import TransformerConfigCompat
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 
 @dataclass
-class TransformerConfig(ModelParallelConfig):
+class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     """Architecture of a transformer stack (plus the parallel settings it inherits)."""
 
     num_layers: int = 0
@@ -43,6 +45,10 @@ class TransformerConfig(ModelParallelConfig):
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
 
+    # Context parallelism (megatron/core/context_parallel): one comm type for every layer, or one per layer
+    cp_comm_type: Optional[Union[str, List[str]]] = None
+    hierarchical_context_parallel_sizes: Optional[List[int]] = None
+
     # Initialization
     init_method: Optional[Callable] = None
     output_layer_init_method: Optional[Callable] = None
@@ -65,7 +71,7 @@ class TransformerConfig(ModelParallelConfig):
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
     recompute_modules: Optional[List[str]] = None
-    distribute_saved_activations: Optional[bool] = None
+    distribute_saved_activations: Optional[bool] = False
 
     # MoE (megatron/core/transformer/moe): Megatron's field names and defaults
     num_moe_experts: Optional[int] = None
@@ -107,8 +113,12 @@ class TransformerConfig(ModelParallelConfig):
     fp8_amax_history_len: int = 1
     fp8_amax_compute_algo: str = "most_recent"
 
+    # Deterministic mode (--deterministic-mode): core attention uses deterministic SDPA kernels only.
+    deterministic_mode: bool = False
+
     def __post_init__(self):
         super().__post_init__()
+        check_compat_fields(self, TransformerConfigCompat, inert=self._inert_field)
         self._check_shapes()
         self._check_features()
         self._check_recompute()
@@ -117,6 +127,12 @@ class TransformerConfig(ModelParallelConfig):
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:
             self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, self.num_layers)
+
+    def _inert_field(self, name: str) -> bool:
+        """Fields Megatron reads only when their feature is on: moe_* without experts, mtp_* without
+        MTP layers. Any value there gives the same (dense, no-MTP) model."""
+        return ((name.startswith("moe_") and self.num_moe_experts is None)
+                or (name.startswith("mtp_") and getattr(self, "mtp_num_layers", None) is None))
 
     def _check_shapes(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -152,9 +168,8 @@ class TransformerConfig(ModelParallelConfig):
             from megatron.core.transformer.moe.config_checks import check_moe_config
             check_moe_config(self)
         self._check_fp8()
+        self._check_context_parallel()
         self._check_mtp()
-        if self.context_parallel_size != 1:
-            raise NotImplementedError("--context-parallel-size > 1 is not supported by the model yet")
         if self.window_size is not None:
             self.window_size = tuple(int(x) for x in self.window_size)
             if len(self.window_size) != 2 or min(self.window_size) < -1:
@@ -171,6 +186,36 @@ class TransformerConfig(ModelParallelConfig):
                                       "drop the flag")
         if self.activation_func_fp8_input_store:
             raise NotImplementedError("--activation-func-fp8-input-store needs FP8 support; drop the flag")
+
+    def _check_context_parallel(self):
+        from megatron.core.context_parallel import CP_COMM_TYPES
+        if isinstance(self.cp_comm_type, list) and len(self.cp_comm_type) == 1:
+            self.cp_comm_type = self.cp_comm_type[0]  # Megatron's one-value list: every layer
+        types = self.cp_comm_type if isinstance(self.cp_comm_type, list) else [self.cp_comm_type or "p2p"]
+        if isinstance(self.cp_comm_type, list) and len(types) != self.num_layers:
+            raise ValueError(f"--cp-comm-type has {len(types)} entries; give one, or one per layer "
+                             f"(--num-layers {self.num_layers})")
+        for t in types:
+            if t == "a2a+p2p" or self.hierarchical_context_parallel_sizes:
+                raise NotImplementedError("--cp-comm-type a2a+p2p / --hierarchical-context-parallel-sizes "
+                                          "(hierarchical CP) is not supported; use p2p, allgather or a2a")
+            if t not in CP_COMM_TYPES:
+                raise ValueError(f"--cp-comm-type '{t}' unknown; use one of {', '.join(CP_COMM_TYPES)}")
+        if self.context_parallel_size == 1:
+            return
+        backend = getattr(self.attention_backend, "name", self.attention_backend)
+        if backend in ("unfused", "fused"):
+            raise ValueError(f"--attention-backend {backend} has no log-sum-exp path here, which "
+                             "--context-parallel-size > 1 needs to merge partial attention; use auto or flash")
+        if self.attention_dropout > 0:
+            raise NotImplementedError("--attention-dropout > 0 with --context-parallel-size > 1 is not "
+                                      "supported; pass --attention-dropout 0")
+
+    def cp_comm_type_of_layer(self, layer_number: int) -> str:
+        """The comm type of 1-based global ``layer_number``."""
+        if isinstance(self.cp_comm_type, list):
+            return self.cp_comm_type[layer_number - 1]
+        return self.cp_comm_type or "p2p"
 
     def _check_mtp(self):
         if self.mtp_num_layers is None:

@@ -115,3 +115,7 @@ class TransformerLayer(MegatronModule):
             residual = x
         hidden_states = self._bda(self.mlp_bda)(mlp_out, residual, self.hidden_dropout)
         return hidden_states, context
+
+
+# Megatron's path for the layer-offset helper (it lives with the block that uses it).
+from megatron.core.transformer.transformer_block import get_transformer_layer_offset  # noqa: E402,F401

@@ -6,33 +6,55 @@
 import argparse
 import os
 
+from .context_parallel_args import add_context_parallel_args
 from .configs import core_transformer_config_from_args, ddp_config_from_args, optimizer_config_from_args
 from .mla_args import add_mla_args
 from .moe_args import add_moe_args
+from .inference_args import add_inference_args
 from .model_args import (add_initialization_args, add_mixed_precision_args, add_network_size_args,
                          add_regularization_args)
 from .parallel_data_args import add_data_args, add_distributed_args, add_tokenizer_args
 from .training_args import (add_checkpointing_args, add_learning_rate_args, add_logging_args, add_training_args,
                             add_validation_args)
-from .unsupported import add_unsupported_args
+from .dropin_args import add_dropin_args
+from .megatron_flags import add_megatron_flags
+from .yaml_args import load_yaml_config
 from .window_args import add_window_args
 from . import fast_path
 from .validation import ArgumentError, blend_prefixes, validate_args
+from .types import la_freq_type, moe_freq_type, no_rope_freq_type, parse_and_validate_args, tuple_type
 
 __all__ = ["parse_args", "validate_args", "ArgumentError", "print_args", "build_parser",
            "core_transformer_config_from_args", "ddp_config_from_args", "optimizer_config_from_args",
-           "blend_prefixes"]
+           "blend_prefixes", "add_megatron_arguments", "parse_and_validate_args", "moe_freq_type",
+           "no_rope_freq_type", "la_freq_type", "tuple_type"]
 
 
 def build_parser(extra_args_provider=None):
-    parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
+    # A short usage line: argparse prints it before every parse error, and the parser knows 800+ flags.
+    parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False,
+                                     usage="%(prog)s [Megatron-LM flags] (--help lists them)")
     for add in (add_network_size_args, add_regularization_args, add_training_args, add_initialization_args,
                 add_learning_rate_args, add_checkpointing_args, add_mixed_precision_args, add_distributed_args,
-                add_validation_args, add_data_args, add_tokenizer_args, add_logging_args, add_mla_args,
-                add_moe_args, add_window_args, add_unsupported_args):
+                add_validation_args, add_data_args, add_tokenizer_args, add_logging_args, add_window_args,
+                add_moe_args,
+                add_context_parallel_args,
+                add_inference_args,
+                add_mla_args,
+                add_dropin_args):
         parser = add(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
+    return add_megatron_flags(parser)  # last: every Megatron flag the adders above did not define
+
+
+def add_megatron_arguments(parser: argparse.ArgumentParser):
+    """Add every Megatron flag this application knows to `parser` (for tools with their own parser)."""
+    full = build_parser()
+    full._actions = [a for a in full._actions if "-h" not in a.option_strings]  # `parser` has its own help
+    for group in full._action_groups:
+        group._group_actions = [a for a in group._group_actions if "-h" not in a.option_strings]
+    parser._add_container_actions(full)  # what argparse's `parents=` does
     return parser
 
 
@@ -43,6 +65,8 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False, argv=None):
         args, _ = parser.parse_known_args(argv)
     else:
         args = parser.parse_args(argv)
+    if getattr(args, "yaml_cfg", None) is not None:
+        load_yaml_config(args, parser)
     args.rank = int(os.getenv("RANK", os.getenv("SLURM_PROCID", "0")))
     args.world_size = int(os.getenv("WORLD_SIZE", os.getenv("SLURM_NTASKS", "1")))
     return args

@@ -6,8 +6,12 @@ import torch.nn.functional as F
 
 
 def _copy_matching_fields(cls, args, **overrides):
-    """Fill every dataclass field that has a same-named arg; overrides win."""
-    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    """Fill every dataclass field that has a same-named arg; overrides win. Compat-only fields
+    (Megatron's, without a feature here) stay at their defaults: their flags are refused upstream."""
+    from megatron.core._compat_fields import all_compat_only_fields
+    skip = all_compat_only_fields(cls)
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+          if hasattr(args, f.name) and f.name not in skip}
     field_names = {f.name for f in dataclasses.fields(cls)}
     kw.update({k: v for k, v in overrides.items() if k in field_names})
     return kw, field_names
@@ -46,7 +50,8 @@ def core_transformer_config_from_args(args, config_class=None):
     elif args.squared_relu:
         overrides["activation_func"] = lambda x: torch.pow(F.relu(x), 2)
     elif args.openai_gelu:
-        overrides["activation_func"] = lambda x: F.gelu(x, approximate="tanh")
+        from megatron.core.fusions.fused_bias_activation import openai_gelu
+        overrides["activation_func"] = openai_gelu
     if args.init_method_xavier_uniform:
         overrides["init_method"] = torch.nn.init.xavier_uniform_
         overrides["scaled_init_method"] = torch.nn.init.xavier_uniform_

@@ -1,14 +1,13 @@
-"""Megatron flags users commonly pass that this project does not implement yet.
+"""What to do instead, for Megatron flags users commonly pass that this project does not implement yet.
 
-They are registered so a user gets one clear line ("--fp4-format is not supported yet: ...")
-instead of argparse's generic "unrecognized arguments", and never a silently ignored flag.
+megatron_flags.py registers every Megatron flag our parser lacks, with Megatron's type and default, and
+refuses it at a non-default value with one line ("--num-experts is not supported yet: <hint>"); the hint
+comes from here. A module that implements one of these flags deletes its line.
 """
 
-# flag -> (argparse kwargs, what to do instead)
+# flag -> (argparse kwargs of an earlier registration, kept for reference; what to do instead)
 UNSUPPORTED_FLAGS = {
     "--fp4-format": (dict(type=str), "FP4 is not supported"),
-    "--yaml-cfg": (dict(type=str), "YAML configs are not supported; pass command-line flags"),
-    "--use-megatron-fsdp": (dict(action="store_true"), "Megatron-FSDP is not supported; use DDP"),
     "--tp-comm-overlap": (dict(action="store_true"), "TP communication overlap needs Transformer Engine"),
     "--spec": (dict(nargs="*"), "custom layer specs are not supported; the local spec is used"),
     "--heterogeneous-layers-config-path": (dict(type=str), "heterogeneous layers are not supported"),
@@ -28,28 +27,9 @@ UNSUPPORTED_FLAGS = {
     "--sft": (dict(action="store_true"), "SFT data is not supported"),
     "--quick-geglu": (dict(action="store_true"), "use --swiglu or the default GeLU"),
     "--rerun-mode": (dict(type=str), "the rerun state machine is not built yet"),
-    "--hierarchical-context-parallel-sizes": (dict(type=int, nargs="+"), "context parallelism is not built yet"),
+    "--hierarchical-context-parallel-sizes": (dict(type=int, nargs="+"),
+                                              "hierarchical CP (a2a+p2p) is not built; use --cp-comm-type p2p, "
+                                              "allgather or a2a"),
     "--pipeline-model-parallel-layout": (dict(type=str), "custom pipeline layouts are not built yet"),
 }
 
-
-def _dest(flag):
-    return flag.lstrip("-").replace("-", "_")
-
-
-def add_unsupported_args(parser):
-    g = parser.add_argument_group(title="not supported yet (rejected with a message)")
-    for flag, (kwargs, _) in UNSUPPORTED_FLAGS.items():
-        kwargs = dict(kwargs)
-        kwargs.setdefault("default", False if kwargs.get("action") == "store_true" else None)
-        g.add_argument(flag, dest=_dest(flag), help="Not supported yet.", **kwargs)
-    return parser
-
-
-def unsupported_flag_used(args):
-    """(flag, hint) of the first unsupported flag set on the command line, else None."""
-    for flag, (kwargs, hint) in UNSUPPORTED_FLAGS.items():
-        value = getattr(args, _dest(flag), None)
-        if value not in (None, False):
-            return flag, hint
-    return None

@@ -5,11 +5,15 @@ import warnings
 
 import torch
 
+from .dropin_args import validate_dropin_args
+from .context_parallel_args import validate_context_parallel_args
 from .fast_path import validate_fast_path_args
+from .megatron_flags import check_megatron_flags
+from .inference_args import validate_inference_args
 from .mla_args import validate_mla_args
 from .moe_args import validate_moe_args
-from .unsupported import unsupported_flag_used
 from .window_args import validate_window_args
+from .moe_args import validate_moe_args
 
 
 class ArgumentError(ValueError):
@@ -26,19 +30,19 @@ def _warn(args, message):
         warnings.warn(message)
 
 
-def validate_args(args, defaults=None):
+def validate_args(args, defaults={}):
     """Check flags, fill derived values (data-parallel size, dtype, ffn size...) and return args."""
     defaults = defaults or {}
-    hit = unsupported_flag_used(args)
-    if hit is not None:
-        raise ArgumentError(f"{hit[0]} is not supported yet: {hit[1]}")
+    check_megatron_flags(args)
     _apply_defaults(args, defaults)
+    validate_dropin_args(args, _require, lambda m: print(m, flush=True) if args.rank == 0 else None)
     _validate_parallel(args)
     _validate_batch(args)
     _validate_model(args)
-    validate_moe_args(args, _require)
     validate_window_args(args, _require)
+    validate_moe_args(args, _require)
     validate_fast_path_args(args, _require)
+    validate_context_parallel_args(args, _require, _warn)
     validate_mla_args(args, _require)
     _validate_precision(args)
     _validate_run_length(args)
@@ -46,6 +50,7 @@ def validate_args(args, defaults=None):
     _validate_data(args)
     _validate_tokenizer(args)
     _validate_misc(args)
+    validate_inference_args(args, _require)
     return args
 
 
@@ -65,7 +70,6 @@ def _validate_parallel(args):
                         ("--context-parallel-size", cp), ("--expert-model-parallel-size",
                                                           args.expert_model_parallel_size)):
         _require(value >= 1, f"{flag} ({value}) must be >= 1")
-    _require(cp == 1, f"--context-parallel-size ({cp}) > 1 is not supported yet; use 1")
     model_parallel = tp * pp * cp
     _require(args.world_size % model_parallel == 0,
              f"world size ({args.world_size}) must be divisible by --tensor-model-parallel-size ({tp}) x "
@@ -306,8 +310,10 @@ def _validate_data(args):
                or args.per_split_data_args_path is not None]
     _require(sum(sources) <= 1, "pass only one data source: --mock-data, --data-path, or "
                                 "--train-data-path/--valid-data-path/--test-data-path")
-    _require(sum(sources) == 1, "no training data: pass --data-path PREFIX (a .bin/.idx pair), the per-split "
-                                "--train-data-path/--valid-data-path/--test-data-path, or --mock-data")
+    if sum(sources) == 0:
+        # Megatron accepts this too: its dataset config falls back to mock data without a blend.
+        args.mock_data = True
+        _warn(args, "no --data-path / --train-data-path / --mock-data given: using mock data")
     _require(not (args.data_path and args.data_args_path), "--data-path and --data-args-path are exclusive")
     if args.data_args_path is not None:
         _require(os.path.isfile(args.data_args_path), f"--data-args-path file not found: {args.data_args_path}")

@@ -28,6 +28,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json",
                    "chat_template.jinja")
 HF_CONFIG_NAME = "hf_config.json"
+# What bad input raises here; the command-line tools print it as one "error: ..." line.
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError)
 FLAGS_NAME = "model_args.sh"
 
 
@@ -110,14 +112,14 @@ def import_hf_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, fm
     padded = _padded(vocab, make_vocab_size_divisible_by, tp)
     shapes = shapes_from_flags(flags, vocab, padded)
     reader = SafetensorsReader(hf_dir)
-    tok = _tokenizer_argv(hf_dir, out_dir, vocab)
-    args = build_args(flags, tp, pp, fmt, out_dir, tok, vocab, padded, make_vocab_size_divisible_by)
-    _write_sidecars(hf_dir, out_dir, cfg, flags, tok)
+    tensors = hf_to_ours(family, cfg, shapes, reader, where=hf_dir)  # shapes checked before writing anything
     final = paths.get_checkpoint_name(out_dir, 0, return_base_dir=True)
     if os.path.exists(final):
         raise FileExistsError(f"{final} already exists; pass an empty output directory")
+    tok = _tokenizer_argv(hf_dir, out_dir, vocab)
+    args = build_args(flags, tp, pp, fmt, out_dir, tok, vocab, padded, make_vocab_size_divisible_by)
+    _write_sidecars(hf_dir, out_dir, cfg, flags, tok)
     common = {"args": args, "checkpoint_version": 3.0, "iteration": 0, "num_floating_point_operations_so_far": 0}
-    tensors = hf_to_ours(family, cfg, shapes, reader.get, where=hf_dir)
     if fmt == "torch_dist":
         staging = paths.staging_dir(final)
         shutil.rmtree(staging, ignore_errors=True)
@@ -172,9 +174,18 @@ def export_hf_checkpoint(checkpoint_path: str, out_dir: str, iteration=None, voc
     return out_dir
 
 
+def _source_dirs(checkpoint_path, args):
+    """Where the imported model's hf_config.json and tokenizer may be: this checkpoint, or the one it was
+    trained from (--load / --pretrained-checkpoint of its run)."""
+    dirs = [checkpoint_path, getattr(args, "load", None), getattr(args, "pretrained_checkpoint", None),
+            getattr(args, "tokenizer_model", None)]
+    return [d for d in dirs if d and os.path.isdir(d)]
+
+
 def _export(args, src, checkpoint_path, out_dir, vocab_size, family, max_shard_bytes, load_tensors_metadata):
-    base_path = os.path.join(checkpoint_path, HF_CONFIG_NAME)
-    base = read_config_file(base_path) if os.path.isfile(base_path) else {}
+    dirs = _source_dirs(checkpoint_path, args)
+    base_paths = [os.path.join(d, HF_CONFIG_NAME) for d in dirs if os.path.isfile(os.path.join(d, HF_CONFIG_NAME))]
+    base = read_config_file(base_paths[0]) if base_paths else {}
     if family is not None:
         fam = FAMILIES[family]
     elif base:
@@ -197,8 +208,7 @@ def _export(args, src, checkpoint_path, out_dir, vocab_size, family, max_shard_b
     writer.close()
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
-    tok_dir = getattr(args, "tokenizer_model", None)
-    for d in [checkpoint_path] + ([tok_dir] if tok_dir and os.path.isdir(tok_dir) else []):
+    for d in dirs:
         for name in TOKENIZER_FILES:
             if os.path.isfile(os.path.join(d, name)) and not os.path.exists(os.path.join(out_dir, name)):
                 shutil.copy2(os.path.join(d, name), os.path.join(out_dir, name))

@@ -30,7 +30,9 @@ class T5LMHead(MegatronModule):
     """Decoder hidden states -> vocab logits (column-parallel, with bias; weight tied to the embedding)."""
 
     def __init__(self, config, parallel_output: bool, vocab_size: int, pre_process: bool = True,
-                 share_embeddings_and_output_weights: bool = True):
+                 share_embeddings_and_output_weights: bool = False, tp_group=None):
+        if tp_group is not None:
+            raise NotImplementedError("T5LMHead(tp_group=...): the head uses parallel_state's TP group")
         super().__init__(config)
         self.output_layer = build_output_layer(config, vocab_size, True, parallel_output, pre_process,
                                                share_embeddings_and_output_weights)
@@ -48,12 +50,13 @@ class T5Model(LanguageModule):
     def __init__(self, config, encoder_config, transformer_encoder_layer_spec, transformer_decoder_layer_spec,
                  vocab_size: int, max_sequence_length: int, pre_process: bool = True, post_process: bool = True,
                  fp16_lm_cross_entropy: bool = False, parallel_output: bool = True,
-                 share_embeddings_and_output_weights: bool = True,
+                 share_embeddings_and_output_weights: bool = False,
                  position_embedding_type: Literal["learned_absolute", "rope", "relative"] = "learned_absolute",
                  rotary_percent: float = 1.0, seq_len_interpolation_factor: Optional[float] = None,
                  relative_attention_num_buckets: int = 32, relative_attention_max_distance: int = 128,
-                 add_encoder: bool = True, add_decoder: bool = True, vp_stage: Optional[int] = None, **kwargs):
-        super().__init__(config)
+                 add_encoder: bool = True, add_decoder: bool = True, pg_collection=None,
+                 vp_stage: Optional[int] = None, **kwargs):
+        super().__init__(config, pg_collection)
         if position_embedding_type != "learned_absolute":
             raise NotImplementedError(f"T5Model supports --position-embedding-type learned_absolute only, "
                                       f"got '{position_embedding_type}'")

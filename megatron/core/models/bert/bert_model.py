@@ -18,12 +18,12 @@ class BertModel(LanguageModule):
     def __init__(self, config, num_tokentypes: int, transformer_layer_spec: ModuleSpec, vocab_size: int,
                  max_sequence_length: int, pre_process: bool = True, post_process: bool = True,
                  fp16_lm_cross_entropy: bool = False, parallel_output: bool = True,
-                 share_embeddings_and_output_weights: bool = True,
+                 share_embeddings_and_output_weights: bool = False,
                  position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute",
                  rotary_percent: float = 1.0, seq_len_interpolation_factor: Optional[float] = None,
                  add_binary_head: bool = True, return_embeddings: bool = False, vp_stage: Optional[int] = None,
-                 **kwargs):
-        super().__init__(config)
+                 pg_collection=None, **kwargs):
+        super().__init__(config, pg_collection)
         if position_embedding_type != "learned_absolute":
             raise NotImplementedError(f"BertModel supports --position-embedding-type learned_absolute only, "
                                       f"got '{position_embedding_type}'")

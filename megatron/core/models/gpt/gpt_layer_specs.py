@@ -1,5 +1,5 @@
 """Layer specs for GPT: which classes make up a transformer layer (local torch implementation)."""
-from typing import Optional
+from typing import List, Optional
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -9,6 +9,11 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+    get_transformer_layer_offset,
+)
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
@@ -99,22 +104,87 @@ def get_local_layer_spec(attn_mask_type: AttnMaskType, norm=LNImpl, qk_norm=None
     )
 
 
-def get_gpt_decoder_block_spec(config, use_transformer_engine: bool = False, normalization: Optional[str] = None,
-                               qk_l2_norm: bool = False, vp_stage: Optional[int] = None, **kwargs):
-    """One layer spec per layer: MoE where ``config.moe_layer_freq`` says so (an int N: every N-th layer
-    from layer 0; a list: 1 = MoE, 0 = dense, e.g. DeepSeek's first dense layers), dense elsewhere."""
+# Megatron's other spec entry points. There is no Transformer Engine here: the TE variants return our
+# fastest spec, which is the local one (fused kernels are chosen by config flags, not by the spec).
+def get_gpt_layer_local_submodules(num_experts: Optional[int] = None, moe_grouped_gemm: Optional[bool] = False,
+                                   qk_layernorm: Optional[bool] = False,
+                                   multi_latent_attention: Optional[bool] = False, fp8: Optional[str] = None,
+                                   normalization: Optional[str] = None, qk_l2_norm: Optional[bool] = False,
+                                   use_kitchen: bool = False, use_kitchen_attention: bool = False,
+                                   kitchen_attention_backend: str = "sdpa") -> TransformerLayerSubmodules:
+    """The submodules of get_gpt_layer_local_spec."""
+    if use_kitchen_attention:
+        raise NotImplementedError("use_kitchen_attention (NVIDIA Kitchen) is not supported; drop it")
+    return get_gpt_layer_local_spec(num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention, fp8,
+                                    normalization=normalization, qk_l2_norm=qk_l2_norm,
+                                    use_kitchen=use_kitchen).submodules
+
+
+def get_gpt_layer_with_transformer_engine_submodules(
+        num_experts: Optional[int] = None, moe_grouped_gemm: Optional[bool] = False,
+        qk_layernorm: Optional[bool] = False, multi_latent_attention: Optional[bool] = False,
+        fp8: Optional[str] = None, qk_l2_norm: Optional[bool] = False, use_te_op_fuser: Optional[bool] = False,
+        use_kitchen: bool = False, use_te_activation_func: bool = False, use_kitchen_attention: bool = False,
+        kitchen_attention_backend: str = "sdpa", mla_down_proj_fusion: bool = False,
+        use_grouped_gemm_for_dense_mlp: bool = False) -> TransformerLayerSubmodules:
+    """Without Transformer Engine: the submodules of our fastest spec, the local one.
+
+    TE-only switches (op fuser, TE activation, MLA down-projection fusion, grouped GEMM for dense
+    MLPs) are refused when set; `fp8` is ignored as in Megatron (FP8 is a config setting)."""
+    te_only = dict(use_te_op_fuser=use_te_op_fuser, use_te_activation_func=use_te_activation_func,
+                   mla_down_proj_fusion=mla_down_proj_fusion,
+                   use_grouped_gemm_for_dense_mlp=use_grouped_gemm_for_dense_mlp)
+    for name, value in te_only.items():
+        if value:
+            raise NotImplementedError(f"{name} needs Transformer Engine, which this build does not use; drop it")
+    return get_gpt_layer_local_submodules(num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention,
+                                          qk_l2_norm=qk_l2_norm, use_kitchen=use_kitchen,
+                                          use_kitchen_attention=use_kitchen_attention,
+                                          kitchen_attention_backend=kitchen_attention_backend)
+
+
+def get_gpt_layer_with_transformer_engine_spec(
+        num_experts: Optional[int] = None, moe_grouped_gemm: Optional[bool] = False,
+        qk_layernorm: Optional[bool] = False, multi_latent_attention: Optional[bool] = False,
+        fp8: Optional[str] = None, qk_l2_norm: Optional[bool] = False, use_te_op_fuser: Optional[bool] = False,
+        use_kitchen: bool = False, use_te_activation_func: bool = False, use_kitchen_attention: bool = False,
+        kitchen_attention_backend: str = "sdpa", mla_down_proj_fusion: bool = False,
+        use_grouped_gemm_for_dense_mlp: bool = False) -> ModuleSpec:
+    """Our fastest GPT layer spec (the local spec: no Transformer Engine here), under Megatron's TE name
+    so that model providers written for Megatron run unchanged."""
+    return ModuleSpec(module=TransformerLayer, submodules=get_gpt_layer_with_transformer_engine_submodules(
+        num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention, fp8, qk_l2_norm, use_te_op_fuser,
+        use_kitchen, use_te_activation_func, use_kitchen_attention, kitchen_attention_backend,
+        mla_down_proj_fusion, use_grouped_gemm_for_dense_mlp))
+
+
+def get_gpt_decoder_layer_specs(config, use_transformer_engine: bool = False, normalization: Optional[str] = None,
+                                qk_l2_norm: Optional[bool] = False, vp_stage: Optional[int] = None,
+                                pp_rank: Optional[int] = None) -> List[ModuleSpec]:
+    """One layer spec per decoder layer (all num_layers of them): MoE where ``config.moe_layer_freq`` says so
+    (an int N: every N-th layer from layer 0; a list: 1 = MoE, 0 = dense, e.g. DeepSeek's first dense
+    layers), dense elsewhere."""
     from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-    mla = config.multi_latent_attention
+    mla = getattr(config, "multi_latent_attention", False)
     dense = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=normalization,
                                      qk_l2_norm=qk_l2_norm, multi_latent_attention=mla)
     if config.num_moe_experts is None:
-        return TransformerBlockSubmodules(layer_specs=[dense] * config.num_layers)
+        return [dense] * config.num_layers
     moe = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
                                    qk_layernorm=config.qk_layernorm, normalization=normalization,
                                    qk_l2_norm=qk_l2_norm, multi_latent_attention=mla)
-    pattern = moe_layer_pattern(config.moe_layer_freq, config.num_layers)
-    return TransformerBlockSubmodules(layer_specs=[moe if p else dense for p in pattern])
+    return [moe if p else dense for p in moe_layer_pattern(config.moe_layer_freq, config.num_layers)]
+
+
+def get_gpt_decoder_block_spec(config, use_transformer_engine: bool = False, normalization: Optional[str] = None,
+                               qk_l2_norm: Optional[bool] = False, vp_stage: Optional[int] = None,
+                               pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+    """The layer specs of this pipeline stage (and virtual stage) plus the final norm."""
+    specs = get_gpt_decoder_layer_specs(config, use_transformer_engine, normalization, qk_l2_norm)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    norm = ModuleSpec(module=LNImpl, params={"normalization": normalization}) if normalization else LNImpl
+    return TransformerBlockSubmodules(layer_specs=specs[offset:offset + count], layer_norm=norm)
 
 
 def get_gpt_mtp_block_spec(config, spec, use_transformer_engine: bool = False,

@@ -4,6 +4,7 @@ from typing import Literal, Optional
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.context_parallel.utils import local_rotary_pos_emb
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule, build_output_layer
@@ -25,6 +26,8 @@ class GPTModel(LanguageModule):
                  seq_len_interpolation_factor: Optional[float] = None, mtp_block_spec=None, pg_collection=None,
                  vp_stage: Optional[int] = None, **kwargs):
         super().__init__(config)
+        from megatron.core.process_groups_config import require_default_process_groups
+        require_default_process_groups(pg_collection, "GPTModel")
         if position_embedding_type not in ("learned_absolute", "rope", "yarn", "none"):
             raise ValueError(f"--position-embedding-type '{position_embedding_type}' unknown; use "
                              "learned_absolute, rope, yarn or none")
@@ -75,18 +78,31 @@ class GPTModel(LanguageModule):
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
                 inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
                 runtime_gather_output: Optional[bool] = None, loss_mask=None, **kwargs):
-        if inference_context is not None or packed_seq_params is not None:
-            raise NotImplementedError("inference contexts and packed sequences are not supported yet")
+        if inference_context is not None and packed_seq_params is not None:
+            raise NotImplementedError("generation with packed sequences is not supported")
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, h]
         rotary_pos_emb = None
-        if self.model_rotary:
+        if inference_context is not None:  # per-token positions; the context applies RoPE in attention
+            rope = self.rotary_pos_emb if self.position_embedding_type == "rope" else None
+            inference_context.begin_forward(rope, position_ids, getattr(self.config, "window_size", None))
+        elif self.model_rotary:
             seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, self.decoder, decoder_input, self.config)
-            rotary_pos_emb = self.rotary_pos_emb(seq_len)  # [s, 1, 1, d]
+            rotary_pos_emb = self.rotary_pos_emb(seq_len)  # [S, 1, 1, d], S: the whole (CP-joined) sequence
+            if self.config.context_parallel_size > 1 or packed_seq_params is not None:
+                batch = (decoder_input if decoder_input is not None else self.decoder.input_tensor).size(1)
+                rotary_pos_emb = local_rotary_pos_emb(rotary_pos_emb, self.config.context_parallel_size,
+                                                      packed_seq_params, batch)  # [s, 1 or b, 1, d]
         hidden = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
-                              rotary_pos_emb=rotary_pos_emb, **(extra_block_kwargs or {}))
+                              rotary_pos_emb=rotary_pos_emb, packed_seq_params=packed_seq_params,
+                              inference_context=inference_context,
+                              **(extra_block_kwargs or {}))
         if not self.post_process:
             return hidden
+        if inference_context is not None and inference_context.last_token_index is not None:
+            # Generation needs the next-token logits only: [s, b, h] -> [1, b, h] at each row's last token.
+            rows = torch.arange(hidden.size(1), device=hidden.device)
+            hidden = hidden[inference_context.last_token_index, rows].unsqueeze(0)
         # MTP trains only: evaluation and logits see the main prediction alone.
         mtp_hidden = []
         if self.mtp_process and labels is not None and self.training:

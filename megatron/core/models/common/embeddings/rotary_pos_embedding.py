@@ -27,6 +27,14 @@ class RotaryEmbedding(torch.nn.Module):
             inv_freq = llama3_scaled_inv_freq(inv_freq, rope_scaling_factor)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def _apply(self, fn, *args, **kwargs):
+        """Device moves apply, dtype casts do not: Float16Module casts the model to bf16, and a bf16 inv_freq
+        is off by up to 0.4%, i.e. whole radians of angle after a few hundred positions."""
+        fp32 = self.inv_freq
+        super()._apply(fn, *args, **kwargs)
+        self.inv_freq = fp32.to(self.inv_freq.device)
+        return self
+
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False) -> torch.Tensor:
         seq = torch.arange(max_seq_len, device=self.inv_freq.device, dtype=torch.float32) + offset
         if self.seq_len_interpolation_factor is not None:
@@ -40,14 +48,14 @@ class RotaryEmbedding(torch.nn.Module):
 
     def get_rotary_seq_len(self, inference_context, transformer, transformer_input, transformer_config,
                            packed_seq_params=None) -> int:
-        """Full sequence length seen by attention (undoing the SP split of the block input)."""
+        """Full sequence length seen by attention (undoing the SP and CP splits of the block input)."""
         if transformer is not None and transformer.input_tensor is not None:
             seq_len = transformer.input_tensor.size(0)
         else:
             seq_len = transformer_input.size(0)
         if transformer_config.sequence_parallel:
             seq_len *= parallel_state.get_tensor_model_parallel_world_size()
-        return seq_len
+        return seq_len * transformer_config.context_parallel_size  # CP ranks hold 1/CP of the sequence
 
 
 def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float = 1.0,

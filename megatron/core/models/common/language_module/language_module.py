@@ -18,6 +18,11 @@ def build_output_layer(config, vocab_size: int, bias: bool, parallel_output: boo
 
 
 class LanguageModule(MegatronModule):
+    def __init__(self, config, pg_collection=None):
+        super().__init__(config)
+        from megatron.core.process_groups_config import require_default_process_groups
+        require_default_process_groups(pg_collection, type(self).__name__)
+
     def finalize_parameters(self) -> None:
         """Last step of a subclass __init__: TP defaults and the DP all-reduce flag on every parameter,
         tied-weight marks, then layout-independent initialization."""
@@ -51,7 +56,7 @@ class LanguageModule(MegatronModule):
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Per-token loss [b, s] in fp32 from logits [s, b, V/tp] and labels [b, s]."""
         labels = labels.transpose(0, 1).contiguous()  # [s, b]
-        if getattr(self.config, "cross_entropy_loss_fusion", False):
+        if getattr(self.config, "cross_entropy_loss_fusion", False) or self._fused_loss_is_same(logits):
             from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
             loss = fused_vocab_parallel_cross_entropy(logits, labels)  # [s, b], no fp32 copy of logits
             return loss.transpose(0, 1).contiguous()  # [b, s]
@@ -59,6 +64,13 @@ class LanguageModule(MegatronModule):
             logits = logits.float()
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)  # [s, b]
         return loss.transpose(0, 1).contiguous()  # [b, s]
+
+    def _fused_loss_is_same(self, logits: torch.Tensor) -> bool:
+        """16-bit logits on CUDA: the chunked, compiled loss does the eager path's fp32 math (same numbers to
+        fp32 rounding, same bf16 gradient) without the fp32 copies of [s, b, V], so it is the default there."""
+        from megatron.core.fusions.compile import compile_available
+        return (logits.is_cuda and logits.dtype in (torch.bfloat16, torch.float16)
+                and not self.fp16_lm_cross_entropy and compile_available())
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor:
         """The word-embedding weight on the first stage, the output weight on the last one."""

@@ -1,0 +1,52 @@
+"""Core attention for long sequences: context parallelism (p2p / allgather / a2a) and packed documents.
+
+Called by DotProductAttention with Megatron's [s, b, n, d] tensors when the CP group has more than one
+rank or the batch carries document boundaries (PackedSeqParams).
+"""
+import torch
+import torch.nn.functional as F
+
+from megatron.core.context_parallel.all_gather import AllGatherAttention
+from megatron.core.context_parallel.all_to_all import seq_gather_head_scatter, seq_scatter_head_gather
+from megatron.core.context_parallel.documents import document_attention
+from megatron.core.context_parallel.ring import RingAttention
+from megatron.core.context_parallel.utils import document_layout
+
+CP_COMM_TYPES = ("p2p", "allgather", "a2a")
+
+
+def _causal_attention(q, k, v, scale, layout):
+    """Whole-sequence attention in [b, n, S, d]: plain causal SDPA, or per document."""
+    if layout is not None:
+        return document_attention(q, k, v, scale, layout)
+    if k.size(1) != q.size(1):
+        k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+        v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+# A compiled TransformerLayer (--torch-compile) breaks its graph here: the ring's send/recv and the
+# autograd Functions stay eager, FlexAttention compiles itself.
+@torch.compiler.disable
+def long_context_attention(query, key, value, scale, cp_group=None, cp_comm_type="p2p", packed_seq_params=None):
+    """[s_local, b, n, d] queries, [s_local, b, g, d] keys/values -> [s_local, b, n, d].
+
+    ``cp_group`` None or of size 1: no context parallelism (documents only)."""
+    cp = 1 if cp_group is None else torch.distributed.get_world_size(cp_group)
+    s, b = query.shape[:2]
+    layout = None if packed_seq_params is None else document_layout(packed_seq_params, b, s * cp)
+    if cp == 1 or cp_comm_type == "a2a":
+        if cp > 1:
+            n, g = query.size(2), key.size(2)
+            if g % cp:  # too few K/V heads to scatter: give each query head its own copy
+                key, value = (t.repeat_interleave(n // g, dim=2) for t in (key, value))
+            query, key, value = (seq_gather_head_scatter(t, cp_group) for t in (query, key, value))
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, S, d]
+        out = _causal_attention(q, k, v, scale, layout).permute(2, 0, 1, 3)  # [S, b, n, d]
+        return seq_scatter_head_gather(out, cp_group) if cp > 1 else out
+    if cp_comm_type not in ("p2p", "allgather"):
+        raise ValueError(f"--cp-comm-type '{cp_comm_type}' unknown; use one of {', '.join(CP_COMM_TYPES)}")
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s_local, d]
+    fn = RingAttention if cp_comm_type == "p2p" else AllGatherAttention
+    out = fn.apply(q, k, v, cp_group, scale, layout)
+    return out.permute(2, 0, 1, 3)  # [s_local, b, n, d]

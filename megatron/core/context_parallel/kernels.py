@@ -1,0 +1,189 @@
+"""Attention on one (query block, key/value block) pair that also returns the log-sum-exp (LSE).
+
+Context parallelism splits a row's softmax over several key/value blocks; each block's partial output is
+normalised by its own LSE, and ``merge`` combines them exactly. Backward of a block uses the *merged*
+output and LSE (the flash-attention identity dS = P * (dP - rowsum(dO * O)) with P normalised by the
+global LSE), so every block's gradient is exact without storing per-block results.
+
+Layout: ``[b, n, s, d]`` queries, ``[b, g, s, d]`` keys/values (GQA: g divides n). Kernels:
+  * flash: torch's flash-attention ops, no or causal mask (CUDA: FlashAttention-2, fp16/bf16, head dim
+    <= 256; CPU: its flash kernel);
+  * flex: FlexAttention with a document block mask (CUDA; compiled);
+  * math: explicit fp32 softmax (fp32 on CUDA, and documents on CPU: FlexAttention has no CPU backward).
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class BlockMask:
+    """Which (query, key) pairs of a block attend. ``causal``: the block is diagonal (same positions).
+    With documents (``q_doc`` set): pairs attend iff same document and key position <= query position;
+    ``*_doc`` are [b, s] document ids, ``*_pos`` [s] global positions."""
+
+    causal: bool = False
+    q_doc: Optional[torch.Tensor] = None
+    k_doc: Optional[torch.Tensor] = None
+    q_pos: Optional[torch.Tensor] = None
+    k_pos: Optional[torch.Tensor] = None
+
+    @property
+    def documents(self) -> bool:
+        return self.q_doc is not None
+
+    def dense(self) -> Optional[torch.Tensor]:
+        """Boolean [b|1, 1, sq, sk] mask, True = attend (math kernel only), or None for a full block."""
+        if self.documents:
+            same = self.q_doc[:, :, None] == self.k_doc[:, None, :]
+            return (same & (self.q_pos[:, None] >= self.k_pos[None, :]))[:, None]
+        return None
+
+
+def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    return t if t.size(1) == heads else t.repeat_interleave(heads // t.size(1), dim=1)
+
+
+def _fold_kv(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    b, n, s, d = grad.shape
+    return grad if n == groups else grad.view(b, groups, n // groups, s, d).sum(2)
+
+
+def _safe(lse: torch.Tensor) -> torch.Tensor:
+    """LSE with -inf (fully masked rows) replaced by 0, so exp(score - lse) stays 0 instead of NaN."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _math_scores(q, k, scale, mask: BlockMask):
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [b, n, sq, sk]
+    if mask.causal and not mask.documents:
+        sq, sk = s.shape[-2:]
+        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    dense = mask.dense()
+    if dense is not None:
+        s = s.masked_fill(~dense, float("-inf"))
+    return s
+
+
+def math_forward(q, k, v, scale, mask: BlockMask):
+    """(out [b, n, sq, d] fp32, lse [b, n, sq] fp32) by an explicit softmax."""
+    n = q.size(1)
+    s = _math_scores(q, _expand_kv(k, n), scale, mask)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - _safe(lse)[..., None])
+    return torch.matmul(p, _expand_kv(v, n).float()), lse
+
+
+def math_backward(dout, q, k, v, out, lse, scale, mask: BlockMask):
+    n, g = q.size(1), k.size(1)
+    ke, ve = _expand_kv(k, n).float(), _expand_kv(v, n).float()
+    p = torch.exp(_math_scores(q, ke, scale, mask) - _safe(lse)[..., None])  # globally normalised
+    dout = dout.float()
+    dv = torch.matmul(p.transpose(-1, -2), dout)
+    dp = torch.matmul(dout, ve.transpose(-1, -2))
+    ds = p * (dp - (dout * out.float()).sum(-1, keepdim=True))
+    dq = torch.matmul(ds, ke) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
+    return dq, _fold_kv(dk, g), _fold_kv(dv, g)
+
+
+def _flash_ops(q, ke, ve, causal, scale):
+    """(out, lse) of torch's flash-attention op for q's device (CUDA, or its CPU counterpart)."""
+    if q.device.type == "cuda":
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, ke, ve, 0.0, causal, False,
+                                                                           scale=scale)
+        return out, lse
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, ke, ve, 0.0, causal, scale=scale)
+
+
+def _flash_backward_ops(dout, q, ke, ve, out, lse, causal, scale):
+    if q.device.type == "cuda":
+        empty = torch.empty(0, device=q.device)
+        seed = torch.empty((), dtype=torch.int64, device=q.device)  # philox state: unused without dropout
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, ke, ve, out, lse, empty, empty, q.size(2), ke.size(2), 0.0, causal, seed, seed, scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, ke, ve, out, lse, 0.0, causal, scale=scale)
+
+
+def flash_forward(q, k, v, scale, mask: BlockMask):
+    n = q.size(1)
+    ke, ve = _expand_kv(k, n).contiguous(), _expand_kv(v, n).contiguous()
+    out, lse = _flash_ops(q.contiguous(), ke, ve, mask.causal, scale)
+    return out.float(), lse.float()
+
+
+def flash_backward(dout, q, k, v, out, lse, scale, mask: BlockMask):
+    n, g = q.size(1), k.size(1)
+    ke, ve = _expand_kv(k, n).contiguous(), _expand_kv(v, n).contiguous()
+    dq, dk, dv = _flash_backward_ops(dout.to(q.dtype).contiguous(), q.contiguous(), ke, ve,
+                                     out.to(q.dtype).contiguous(), lse.float().contiguous(), mask.causal, scale)
+    return dq.float(), _fold_kv(dk.float(), g), _fold_kv(dv.float(), g)
+
+
+_compiled_flex = None
+
+
+def flex_attention_lse(q, k, v, block_mask, scale):
+    """(out, lse) of FlexAttention, compiled once per process (eager flex materialises the scores)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.size(1) != q.size(1),
+                          return_lse=True)
+
+
+def document_block_mask(mask: BlockMask, sq: int, sk: int):
+    """FlexAttention BlockMask for same-document, causal-by-position pairs (built without an s x s tensor)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    q_doc, k_doc, q_pos, k_pos = mask.q_doc, mask.k_doc, mask.q_pos, mask.k_pos
+
+    def mask_mod(b, h, qi, ki):
+        return (q_doc[b, qi] == k_doc[b, ki]) & (q_pos[qi] >= k_pos[ki])
+    return create_block_mask(mask_mod, q_doc.size(0), None, sq, sk, device=q_doc.device, _compile=True)
+
+
+def flex_forward(q, k, v, scale, mask: BlockMask):
+    out, lse = flex_attention_lse(q, k, v, document_block_mask(mask, q.size(2), k.size(2)), scale)
+    return out.float(), lse.float()
+
+
+def flex_backward(dout, q, k, v, out, lse, scale, mask: BlockMask):
+    """Recompute the block with autograd and push the merge's gradients into (out_i, lse_i):
+    d out_i = w dO and d lse_i = w rowsum(dO * (out_i - out)), with w = exp(lse_i - lse)."""
+    with torch.enable_grad():
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        out_i, lse_i = flex_attention_lse(qg, kg, vg, document_block_mask(mask, q.size(2), k.size(2)), scale)
+        w = torch.exp(lse_i.float() - _safe(lse.float()))
+        g_out = (w[..., None] * dout.float()).to(out_i.dtype)
+        g_lse = w * (dout.float() * (out_i.float() - out.float())).sum(-1)
+        dq, dk, dv = torch.autograd.grad((out_i, lse_i), (qg, kg, vg), (g_out, g_lse.to(lse_i.dtype)))
+    return dq.float(), dk.float(), dv.float()
+
+
+def pick_kernel(q: torch.Tensor, mask: BlockMask):
+    """(forward, backward) for this block: flash / flex on CUDA where they apply, else math."""
+    if mask.documents:
+        return (flex_forward, flex_backward) if q.device.type == "cuda" else (math_forward, math_backward)
+    if q.device.type == "cpu" or (q.dtype in (torch.float16, torch.bfloat16) and q.size(-1) <= 256):
+        return flash_forward, flash_backward
+    return math_forward, math_backward
+
+
+def block_forward(q, k, v, scale, mask: BlockMask):
+    """(out fp32, lse fp32) of softmax(q k^T * scale + mask) v over this block only."""
+    return pick_kernel(q, mask)[0](q, k, v, scale, mask)
+
+
+def block_backward(dout, q, k, v, out, lse, scale, mask: BlockMask):
+    """(dq, dk, dv) in fp32 of this block's share of the merged attention (out, lse are the merged ones)."""
+    return pick_kernel(q, mask)[1](dout, q, k, v, out, lse, scale, mask)
+
+
+def merge(out, lse, out_b, lse_b):
+    """Combine two partial results of the same rows: softmax over the union of their keys."""
+    new = torch.logaddexp(lse, lse_b)
+    safe = _safe(new)
+    return (torch.exp(lse - safe)[..., None] * out + torch.exp(lse_b - safe)[..., None] * out_b), new

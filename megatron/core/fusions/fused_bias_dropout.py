@@ -1,0 +1,33 @@
+"""residual + dropout(x + bias), Megatron's bias-dropout-add ("bda") factories.
+
+There is no separate fused kernel here: the "fused" variants run the same eager expression, which
+torch.compile fuses when the layer is compiled (--bias-dropout-fusion has no other effect)."""
+from typing import Optional, Tuple
+
+import torch
+
+from megatron.core.transformer.transformer_layer import _bias_dropout_add
+
+
+def bias_dropout_add_unfused(training):
+    """bda(x_with_bias, residual, prob) with dropout active when `training`."""
+    def bda(x_with_bias, residual, prob):
+        return _bias_dropout_add(x_with_bias, residual, prob, training)
+    return bda
+
+
+def bias_dropout_add_fused_train(x_with_bias: Tuple[torch.Tensor, Optional[torch.Tensor]],
+                                 residual: torch.Tensor, prob: float) -> torch.Tensor:
+    return _bias_dropout_add(x_with_bias, residual, prob, True)
+
+
+def bias_dropout_add_fused_inference(x_with_bias: Tuple[torch.Tensor, Optional[torch.Tensor]],
+                                     residual: torch.Tensor, prob: float) -> torch.Tensor:
+    return _bias_dropout_add(x_with_bias, residual, prob, False)
+
+
+def get_bias_dropout_add(training, fused):
+    """The bda function for a layer: train/inference variant when `fused`, else a closure."""
+    if fused:
+        return bias_dropout_add_fused_train if training else bias_dropout_add_fused_inference
+    return bias_dropout_add_unfused(training)

@@ -1,0 +1,136 @@
+"""StaticInferenceContext: the KV cache of a generation run and the metadata of the forward in flight.
+
+The cache is preallocated per *slot* and maximum length: keys and values of each layer are
+``[slots, ng, max_len, hn]`` (ng = this rank's query groups). A request owns one slot from admission
+to finish, so requests of different lengths join and leave a running batch without moving anything.
+Positions at or beyond a slot's length hold stale values; no query reads them (prefill is causal, and
+a decode query at position p is masked to positions <= p after writing its own key at p).
+
+Two kinds of forward use it (GPTModel passes it down to attention as ``inference_context``):
+- prefill: ``slot_ids`` [b] prompts, right-padded to a common length s, write positions [0, s) of
+  their slots and attend causally among themselves;
+- decode: one token for each of slots 0..B-1 at ``decode_positions`` [B], attending over the cache
+  slice [0, kv_len) of those slots. Shapes depend only on (B, kv_len): a CUDA graph per pair replays it.
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+
+class StaticInferenceContext:
+    def __init__(self, max_batch_size: int, max_sequence_length: int,
+                 materialize_only_last_token_logits: bool = True):
+        self.max_batch_size, self.max_sequence_length = max_batch_size, max_sequence_length
+        self.materialize_only_last_token_logits = materialize_only_last_token_logits
+        self.key_value_memory_dict = {}  # layer_number -> (keys, values), allocated on first use
+        self._rotary = None  # (rotary module, [max_len, 1, 1, d] frequency table)
+        self._rope = None  # this forward's (freqs, cos, signed sin, interleaved), or None without RoPE
+        self.decode = False
+        self.slot_ids: Optional[torch.Tensor] = None  # prefill: [b] slots being filled
+        self.last_token_index: Optional[torch.Tensor] = None  # prefill: [b] each row's last prompt index
+        self.decode_positions: Optional[torch.Tensor] = None  # decode: [B] position of each new token
+        self.kv_len = 0  # decode: attend over cache positions [0, kv_len)
+        self.window_size = None  # (left, right) sliding window of the model (--window-size), or None
+        self._decode_mask = None
+        self._mask_dtype = torch.float32
+
+    def is_static_batching(self) -> bool:
+        return True
+
+    def is_decode_only(self) -> bool:
+        return self.decode
+
+    def set_prefill(self, slot_ids: torch.Tensor, last_token_index: Optional[torch.Tensor]) -> None:
+        """Next forward fills ``slot_ids``; logits only at ``last_token_index`` (None: every position)."""
+        self.decode, self.slot_ids, self.last_token_index = False, slot_ids, last_token_index
+
+    def set_decode(self, positions: torch.Tensor, kv_len: int, dtype: torch.dtype = torch.float32) -> None:
+        """Next forward decodes slots 0..B-1 (B = len(positions)); runs inside a captured graph too."""
+        self.decode, self.decode_positions, self.kv_len, self._mask_dtype = True, positions, kv_len, dtype
+        self.last_token_index = None
+
+    def begin_forward(self, rotary_module, position_ids: torch.Tensor, window_size=None) -> None:
+        """Called by the model before its layers: what every layer shares in this forward, computed once:
+        RoPE cos/sin for the [b, s] positions (``rotary_module`` None: no RoPE) and the decode mask."""
+        self.window_size = window_size
+        self._rope = None
+        if rotary_module is not None:
+            if self._rotary is None or self._rotary[0] is not rotary_module:
+                self._rotary = (rotary_module, rotary_module(self.max_sequence_length))  # [max_len, 1, 1, d] fp32
+            freqs = self._rotary[1][position_ids.t()].squeeze(2)  # [s, b, 1, d]
+            half = freqs.shape[-1] // 2
+            # rotate_half(t) = roll(t, d/2) with the first half negated: fold that sign into sin.
+            sign = torch.ones(freqs.shape[-1], device=freqs.device)
+            sign[:half] = -1
+            self._rope = [freqs, freqs.cos(), freqs.sin() * sign, rotary_module.rotary_interleaved]
+        if self.decode:
+            positions = self.decode_positions
+            cols = torch.arange(self.kv_len, device=positions.device)
+            allowed = cols[None, :] <= positions[:, None]
+            if window_size is not None and window_size[0] >= 0:  # sliding window: the last left+1 keys
+                allowed = allowed & (cols[None, :] >= positions[:, None] - window_size[0])
+            # Additive mask for every layer (SDPA would convert a boolean one in each call).
+            self._decode_mask = torch.zeros((), dtype=self._mask_dtype, device=positions.device).masked_fill(
+                ~allowed.view(-1, 1, 1, self.kv_len), float("-inf"))
+
+    def _apply_rope(self, t: torch.Tensor) -> torch.Tensor:
+        freqs, cos, sin, interleaved = self._rope
+        if interleaved or freqs.shape[-1] != t.shape[-1]:  # the general path (partial / interleaved)
+            return apply_rotary_pos_emb(t, freqs, rotary_interleaved=interleaved)
+        if cos.dtype != t.dtype:  # cast once per forward, by the first layer
+            self._rope[1], self._rope[2] = cos, sin = cos.to(t.dtype), sin.to(t.dtype)
+        return torch.addcmul(t * cos, torch.roll(t, t.shape[-1] // 2, dims=-1), sin)
+
+    def _cache(self, layer_number: int, k: torch.Tensor):
+        if layer_number not in self.key_value_memory_dict:
+            ng, hn = k.shape[2], k.shape[3]
+            shape = (self.max_batch_size, ng, self.max_sequence_length, hn)
+            self.key_value_memory_dict[layer_number] = (
+                torch.zeros(shape, dtype=k.dtype, device=k.device),
+                torch.zeros(shape, dtype=k.dtype, device=k.device))
+        return self.key_value_memory_dict[layer_number]
+
+    def attention(self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  softmax_scale: float) -> torch.Tensor:
+        """Store k/v in the cache and attend. q [s, b, np, hn], k/v [s, b, ng, hn] -> [s, b, np * hn]."""
+        if self._rope is not None:
+            q, k = self._apply_rope(q), self._apply_rope(k)
+        keys, values = self._cache(layer_number, k)
+        s, b, np_, hn = q.shape
+        ng = k.shape[2]
+        if not self.decode:
+            rows = self.slot_ids[:, None]  # [b, 1]
+            cols = torch.arange(s, device=q.device)[None, :]  # [1, s]
+            keys[rows, :, cols] = k.transpose(0, 1)  # [b, s, ng, hn] into [b, ng, s, hn] slices
+            values[rows, :, cols] = v.transpose(0, 1)
+            qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hn]
+            band = None
+            if self.window_size is not None and self.window_size[0] >= 0:
+                i = torch.arange(s, device=q.device)[:, None]
+                band = (cols <= i) & (cols >= i - self.window_size[0])  # [s, s], True = attend
+            ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=band, is_causal=band is None,
+                                                 scale=softmax_scale, enable_gqa=ng != np_)  # [b, np, s, hn]
+            return ctx.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
+        # Slot i's new key goes to position decode_positions[i].
+        if torch.compiler.is_compiling():  # an index_put on the whole cache: inductor updates it in place
+            rows = torch.arange(b, device=q.device)
+            keys[rows, :, self.decode_positions] = k[0]
+            values[rows, :, self.decode_positions] = v[0]
+        else:  # eager: one scatter kernel per tensor
+            index = self.decode_positions.view(b, 1, 1, 1).expand(b, ng, 1, hn)
+            keys[:b].scatter_(2, index, k[0].unsqueeze(2))
+            values[:b].scatter_(2, index, v[0].unsqueeze(2))
+        # GQA without copies: the np/ng query heads of a group act as that group's query "positions",
+        # all at the same sequence position, so one [B, ng, np/ng, L] attention covers them.
+        query = q[0].view(b, ng, np_ // ng, hn)
+        kh, vh = keys[:b, :, :self.kv_len], values[:b, :, :self.kv_len]  # [B, ng, L, hn] views
+        ctx = F.scaled_dot_product_attention(query, kh, vh, attn_mask=self._decode_mask, scale=softmax_scale)
+        return ctx.reshape(1, b, np_ * hn)  # heads in (group, member) order, as q was split
+
+    def reset(self) -> None:
+        """Drop the cache (a new run with other shapes); slots are managed by the engine."""
+        self.key_value_memory_dict.clear()
+        self._rotary = self._rope = None

@@ -1,0 +1,323 @@
+"""InferenceEngine: continuous batching of generation requests over one GPTModel.
+
+Each ``step()`` admits waiting requests into free KV-cache slots (one batched prefill, which also
+samples their first token), then runs one decode step for every active slot. Requests of any length
+join and leave between steps. On every TP rank the engine runs the same steps on the same requests
+(the server broadcasts them), so TP collectives inside the model pair up and all ranks agree on tokens:
+full logits are all-gathered and sampling is deterministic given the per-request uniforms.
+
+Decode state lives in device buffers indexed by slot (last token, position, sampling parameters) and
+a step updates them in place (next token, position + 1), so on CUDA the whole step, sampling included,
+is one replayed graph and the host reads back only the sampled tokens.
+"""
+import itertools
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Union
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.inference.cuda_graphs import DecodeGraphs, bucket
+from megatron.core.inference.inference_request import InferenceRequest, Status
+from megatron.core.inference.sampling import sample_tokens, token_log_probs
+from megatron.core.inference.sampling_params import SamplingParams
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):  # Float16Module / DDP: the bare GPTModel (params already cast)
+        model = model.module
+    return model
+
+
+def _compiled(step_fn, backend: str = "inductor"):
+    """torch.compile(step_fn) with dynamic batch / KV length (one compile serves every graph bucket);
+    on a compile error, a warning and the eager step from then on."""
+    from megatron.core.fusions.compile import _raise_recompile_limit
+    _raise_recompile_limit()
+    compiled = torch.compile(step_fn, dynamic=True, backend=backend)
+    state = {"fn": compiled}
+
+    def run(*args):
+        try:
+            return state["fn"](*args)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: keep generating, eagerly
+            if state["fn"] is step_fn:
+                raise
+            print(f"WARNING: torch.compile of the decode step failed ({type(e).__name__}: {str(e)[:200]}); "
+                  "decoding eagerly", flush=True)
+            state["fn"] = step_fn
+            return step_fn(*args)
+    return run
+
+
+@dataclass
+class _InFlight:
+    """A launched decode step: its requests (slot order of the batch) and its tokens on their way to the host."""
+    requests: List[InferenceRequest]
+    batch: int
+    want_lp: bool
+    tokens: Optional[torch.Tensor] = None
+    log_probs: Optional[torch.Tensor] = None
+    event: Optional["torch.cuda.Event"] = None
+
+
+class InferenceEngine:
+    """``vocab_size``: the tokenizer's (padded vocab rows are never sampled); ``detokenize`` turns ids into
+    text for stop words and ``generated_text``; ``use_cuda_graphs`` defaults to True on CUDA;
+    ``compile_decode`` runs the decode step through torch.compile (CUDA only; falls back to eager if
+    compilation fails), fusing the element-wise work between the matmuls before graph capture."""
+
+    def __init__(self, model, max_batch_size: int = 8, max_sequence_length: int = 2560,
+                 vocab_size: Optional[int] = None, termination_id: Optional[int] = None,
+                 detokenize: Optional[Callable[[List[int]], str]] = None,
+                 use_cuda_graphs: Optional[bool] = None, compile_decode: bool = False,
+                 max_prefill_tokens: int = 16384):
+        if parallel_state.model_parallel_is_initialized() and \
+                parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            raise NotImplementedError("text generation runs with --pipeline-model-parallel-size 1 only; load the "
+                                      "checkpoint at PP=1 (torch_dist checkpoints reshard on load)")
+        self.model = _unwrap(model).eval()
+        param = next(self.model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.vocab_size = vocab_size or self.model.vocab_size
+        self.termination_id, self.detokenize = termination_id, detokenize
+        self.max_batch_size, self.max_sequence_length = max_batch_size, max_sequence_length
+        self.max_prefill_tokens = max_prefill_tokens
+        self.context = StaticInferenceContext(max_batch_size, max_sequence_length)
+        self.slots: List[Optional[InferenceRequest]] = [None] * max_batch_size
+        self.waiting: deque = deque()
+        self._ids = itertools.count()
+        self.peak_active = 0  # most requests decoded together so far (a serving statistic)
+        n, dev = max_batch_size, self.device
+        self.tokens = torch.zeros(n, dtype=torch.long, device=dev)  # last token of each slot
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)  # its position
+        self.temperature = torch.ones(n, dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros(n, dtype=torch.long, device=dev)
+        self.top_p = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.uniform = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.out_tokens = torch.zeros(n, dtype=torch.long, device=dev)
+        self.out_log_probs = torch.zeros(n, dtype=torch.float32, device=dev)
+        self._in_flight: Optional[_InFlight] = None
+        self._flip = 0
+        if dev.type == "cuda":
+            self._host_tokens = [torch.empty(n, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            self._host_log_probs = [torch.empty(n, dtype=torch.float32, pin_memory=True) for _ in range(2)]
+        if use_cuda_graphs is None:
+            use_cuda_graphs = dev.type == "cuda"
+        self._step_fn = self._decode_step
+        if compile_decode and dev.type == "cuda":
+            self._step_fn = _compiled(self._decode_step)
+        self.graphs = DecodeGraphs(self._step_fn, [self.tokens, self.positions]) if use_cuda_graphs else None
+
+    # ---------------------------------------------------------------- requests
+    def check_request(self, num_prompt_tokens: int, sampling_params: SamplingParams) -> None:
+        """Raise ValueError (a one-line reason) when a request cannot run; touches no engine state."""
+        sampling_params.validate()
+        n, m = num_prompt_tokens, sampling_params.num_tokens_to_generate
+        if n == 0:
+            raise ValueError("the prompt is empty (send text, or set add_BOS)")
+        if n + m > self.max_sequence_length:
+            raise ValueError(f"prompt ({n} tokens) + tokens_to_generate ({m}) exceeds the context of "
+                             f"{self.max_sequence_length} tokens")
+        if m == 0 and not sampling_params.return_log_probs:
+            raise ValueError("tokens_to_generate=0 only makes sense with logprobs=true")
+
+    def add_request(self, prompt_tokens: Sequence[int], sampling_params: SamplingParams,
+                    done=None) -> InferenceRequest:
+        """Queue a prompt (``done``: an Event to set when it finishes); ValueError when it cannot run."""
+        self.check_request(len(prompt_tokens), sampling_params)
+        req = InferenceRequest(next(self._ids), [int(t) for t in prompt_tokens], sampling_params)
+        if done is not None:
+            req.done = done
+        self.waiting.append(req)
+        return req
+
+    def abort_all(self, reason: str) -> None:
+        """Finish every waiting and active request with ``reason`` (after a failed step) and start clean."""
+        for req in list(self.waiting) + [r for r in self.slots if r is not None]:
+            req.finish_reason, req.status = reason, Status.COMPLETED
+            req.done.set()
+        self.waiting.clear()
+        self.slots = [None] * self.max_batch_size
+        self._in_flight = None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(r is not None for r in self.slots) or self._in_flight is not None
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams]]) -> List[InferenceRequest]:
+        """Run ``prompts`` (token lists) to completion; returns their requests in order."""
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else sampling_params
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while not all(r.status is Status.COMPLETED for r in reqs):
+            self.step()
+        if self._in_flight is not None and not self.waiting and all(r is None for r in self.slots):
+            self.step()  # collect the step still in flight (a request stopped by EOD before it)
+        return reqs
+
+    @torch.inference_mode()
+    def step(self) -> List[InferenceRequest]:
+        """Admit what fits, then decode one token for every active request; returns the finished ones."""
+        finished: List[InferenceRequest] = []
+        admitted = []
+        while self.waiting and None in self.slots:
+            req = self.waiting.popleft()
+            req.slot, req.status = self.slots.index(None), Status.ACTIVE
+            self.slots[req.slot] = req
+            admitted.append(req)
+        if admitted:
+            self._prefill(admitted, finished)
+        # Launch this step before reading the previous one's tokens: the host's bookkeeping then overlaps
+        # the device's work. A request is known finished one step late; its extra token is dropped.
+        active = [r for r in self.slots if r is not None]
+        ahead = set(map(id, self._in_flight.requests)) if self._in_flight is not None else set()
+        # No step when the one in flight completes every request's length budget anyway.
+        needed = any(len(r.generated_tokens) + (id(r) in ahead) < r.sampling_params.num_tokens_to_generate
+                     and r.length + (id(r) in ahead) < self.max_sequence_length for r in active)
+        launched = self._launch(active, ahead) if needed else None
+        if self._in_flight is not None:
+            self._collect(self._in_flight, finished)
+        self._in_flight = launched
+        return finished
+
+    # ---------------------------------------------------------------- prefill
+    def _prefill(self, reqs: List[InferenceRequest], finished) -> None:
+        """Batched prefill of requests that need only next-token logits; one by one for prompt log-probs."""
+        batch, budget = [], 0
+        for req in sorted(reqs, key=lambda r: len(r.prompt_tokens)):
+            if req.sampling_params.return_log_probs:
+                self._prefill_batch([req], finished, all_logits=True)
+                continue
+            if batch and (len(batch) + 1) * len(req.prompt_tokens) > self.max_prefill_tokens:
+                self._prefill_batch(batch, finished, all_logits=False)
+                batch = []
+            batch.append(req)
+        if batch:
+            self._prefill_batch(batch, finished, all_logits=False)
+
+    def _prefill_batch(self, reqs: List[InferenceRequest], finished, all_logits: bool) -> None:
+        lengths = [len(r.prompt_tokens) for r in reqs]
+        s, dev = max(lengths), self.device
+        tokens = torch.tensor([r.prompt_tokens + [0] * (s - len(r.prompt_tokens)) for r in reqs], device=dev)
+        positions = torch.arange(s, device=dev).expand(len(reqs), s)
+        slots = torch.tensor([r.slot for r in reqs], device=dev)
+        last = torch.tensor([n - 1 for n in lengths], device=dev)
+        self.context.set_prefill(slots, None if all_logits else last)
+        logits = self._forward(tokens, positions)  # [b, s or 1, V]
+        if all_logits:  # one request: its prompt log-probs too
+            req, n = reqs[0], lengths[0]
+            prompt = torch.tensor(req.prompt_tokens[1:], device=dev)
+            req.prompt_log_probs = token_log_probs(logits[0, :n - 1], prompt).tolist()
+            logits = logits[:, n - 1]
+        else:
+            logits = logits[:, -1]
+        params = [r.sampling_params for r in reqs]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        uniform = torch.tensor([r.rng.random() for r in reqs], dtype=torch.float32, device=dev)
+        first = sample_tokens(logits, temperature, top_k, top_p, uniform, all(p.greedy for p in params))
+        log_probs = token_log_probs(logits, first)
+        # Seed each slot's decode state: its first token, at position len(prompt).
+        self.tokens[slots] = first
+        self.positions[slots] = torch.tensor(lengths, device=dev)
+        self.temperature[slots], self.top_k[slots], self.top_p[slots] = temperature, top_k, top_p
+        for req, token, lp in zip(reqs, first.tolist(), log_probs.tolist()):
+            if req.sampling_params.num_tokens_to_generate == 0:
+                self._finish(req, "length", finished)
+            else:
+                self._append(req, token, lp, finished)
+
+    # ---------------------------------------------------------------- decode
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        logits = self.model(tokens, positions, None, inference_context=self.context, runtime_gather_output=True)
+        return logits[..., :self.vocab_size].float()
+
+    def _decode_step(self, batch: int, kv_len: int, greedy_only: bool) -> None:
+        """One token for slots 0..batch-1: static shapes, buffers only (the body of a CUDA graph)."""
+        positions = self.positions[:batch]
+        self.context.set_decode(positions, kv_len, self.dtype)
+        logits = self._forward(self.tokens[:batch, None], positions[:, None])[:, -1]  # [B, V]
+        nxt = sample_tokens(logits, self.temperature[:batch], self.top_k[:batch], self.top_p[:batch],
+                            self.uniform[:batch], greedy_only)
+        self.out_log_probs[:batch].copy_(token_log_probs(logits, nxt))
+        self.out_tokens[:batch].copy_(nxt)
+        self.tokens[:batch].copy_(nxt)
+        # Idle slots in the batch keep stepping on garbage; clamping keeps their writes in the cache.
+        self.positions[:batch].copy_((positions + 1).clamp_max(self.max_sequence_length - 1))
+
+    def _launch(self, active: List[InferenceRequest], ahead) -> _InFlight:
+        """Queue one decode step for ``active`` and an asynchronous copy of its tokens to the host;
+        ``ahead``: ids of the requests with a token in the step still in flight."""
+        self.peak_active = max(self.peak_active, len(active))
+        eager = self.graphs is None
+        top = max(r.slot for r in active) + 1
+        # The fed token sits at position length - 1, counting the token of the step still in flight.
+        longest = min(max(r.length + (id(r) in ahead) for r in active), self.max_sequence_length)
+        batch = top if eager else bucket(top, self.max_batch_size)
+        kv_len = longest if eager else bucket(longest, self.max_sequence_length, minimum=64)
+        greedy_only = all(r.sampling_params.greedy for r in active)
+        if not greedy_only:
+            draws = [0.5] * batch
+            for r in active:
+                draws[r.slot] = r.rng.random()
+            self.uniform[:batch].copy_(torch.tensor(draws, dtype=torch.float32))
+        if eager:
+            self._step_fn(batch, kv_len, greedy_only)
+        else:
+            self.graphs.run(batch, kv_len, greedy_only)
+        want_lp = any(r.sampling_params.return_log_probs for r in active)
+        out = _InFlight(list(active), batch, want_lp)
+        if self.device.type == "cuda":  # pinned double buffers: the next step's copy must not overwrite these
+            self._flip ^= 1
+            out.tokens = self._host_tokens[self._flip][:batch].copy_(self.out_tokens[:batch], non_blocking=True)
+            if want_lp:
+                out.log_probs = self._host_log_probs[self._flip][:batch].copy_(self.out_log_probs[:batch],
+                                                                               non_blocking=True)
+            out.event = torch.cuda.Event()
+            out.event.record()
+        else:
+            out.tokens = self.out_tokens[:batch].clone()
+            out.log_probs = self.out_log_probs[:batch].clone() if want_lp else None
+        return out
+
+    def _collect(self, step: _InFlight, finished) -> None:
+        """Append a launched step's tokens (the one host sync per step); requests that finished while it
+        was in flight computed one token too many, which is dropped here."""
+        if step.event is not None:
+            step.event.synchronize()
+        tokens = step.tokens.tolist()
+        log_probs = step.log_probs.tolist() if step.want_lp else None
+        for r in step.requests:
+            if r.status is Status.ACTIVE:
+                self._append(r, tokens[r.slot], log_probs[r.slot] if step.want_lp else None, finished)
+
+    # ---------------------------------------------------------------- bookkeeping
+    def _append(self, req: InferenceRequest, token: int, log_prob, finished) -> None:
+        req.generated_tokens.append(token)
+        if log_prob is not None and req.sampling_params.return_log_probs:
+            req.generated_log_probs.append(log_prob)
+        sp = req.sampling_params
+        if self.termination_id is not None and token == self.termination_id:
+            self._finish(req, "stop", finished)
+        elif sp.stop_words and self.detokenize is not None and \
+                any(w in self.detokenize(req.generated_tokens) for w in sp.stop_words):
+            self._finish(req, "stop", finished)
+        elif len(req.generated_tokens) >= sp.num_tokens_to_generate or req.length >= self.max_sequence_length:
+            self._finish(req, "length", finished)
+
+    def _finish(self, req: InferenceRequest, reason: str, finished) -> None:
+        req.finish_reason, req.status = reason, Status.COMPLETED
+        self.slots[req.slot] = None
+        if self.detokenize is not None:
+            ids = req.generated_tokens
+            if ids and self.termination_id is not None and ids[-1] == self.termination_id:
+                ids = ids[:-1]
+            text = self.detokenize(ids)
+            cuts = [text.index(w) for w in req.sampling_params.stop_words if w and w in text]
+            req.generated_text = text[:min(cuts)] if cuts else text  # up to the first stop word
+        finished.append(req)
+        req.done.set()

@@ -1,0 +1,50 @@
+"""OptimizerConfig fields of Megatron Core 0.19.2 without a counterpart here, at Megatron's defaults
+(accepted there, refused elsewhere: see megatron/core/_compat_fields.py)."""
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Literal, Optional, Tuple, Union
+
+import torch
+
+
+@dataclass
+class OptimizerConfigCompat:
+    """OptimizerConfig fields of Megatron Core 0.19.2 that have no counterpart here."""
+
+    apply_wd_to_qk_layernorm: bool = False
+    fp8_recipe: Optional[str] = None
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    use_precision_aware_optimizer: bool = False
+    store_param_remainders: bool = True
+    main_grads_dtype: torch.dtype = torch.float32
+    main_params_dtype: torch.dtype = torch.float32
+    exp_avg_dtype: torch.dtype = torch.float32
+    exp_avg_sq_dtype: torch.dtype = torch.float32
+    decoupled_weight_decay: bool = True
+    muon_momentum: float = 0.95
+    muon_split_qkv: bool = True
+    muon_nesterov: bool = False
+    muon_scale_mode: str = 'spectral'
+    muon_fp32_matmul_prec: str = 'medium'
+    muon_coefficient_type: str = 'quintic'
+    muon_num_ns_steps: int = 5
+    muon_tp_mode: str = 'blockwise'
+    muon_extra_scale_factor: float = 1.0
+    muon_scalar_optimizer: str = 'adam'
+    lion_beta1: float = 0.95
+    lion_beta2: float = 0.98
+    soap_shampoo_beta: float = 0.95
+    soap_precondition_frequency: int = 1
+    soap_use_kl_shampoo: bool = True
+    adaptive_muon_moment2_method: str = 'adamuon'
+    adaptive_muon_beta2: float = 0.95
+    adaptive_muon_eps: float = 1e-08
+    use_layer_wise_distributed_optimizer: bool = False
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 0.0
+    use_torch_optimizer_for_cpu_offload: bool = False
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    pin_cpu_grads: bool = True
+    pin_cpu_params: bool = True
+    grad_norm_skip_threshold: float = float('inf')
+    config_logger_dir: str = ''
+    optimizer_cuda_graph: bool = False

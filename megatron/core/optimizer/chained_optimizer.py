@@ -1,0 +1,86 @@
+"""ChainedOptimizer: several MegatronOptimizers (e.g. dense and expert params, or two optimizer
+types) stepped as one, with one global gradient norm and one clip coefficient."""
+import math
+from typing import Dict, List
+
+import torch
+
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+
+class ChainedOptimizer:
+    """Steps `chained_optimizers` together: a skipped step (inf/nan in any) skips all of them; the
+    grad norm is the L2 norm over all their grads and each clips with it."""
+
+    def __init__(self, chained_optimizers: List):
+        self.chained_optimizers = list(chained_optimizers)
+        self.config = self.chained_optimizers[0].config if self.chained_optimizers else None
+
+    @property
+    def param_groups(self) -> List[Dict]:
+        return [g for opt in self.chained_optimizers for g in opt.param_groups]
+
+    @property
+    def state(self):
+        return {k: v for opt in self.chained_optimizers for k, v in opt.state.items()}
+
+    def get_parameters(self) -> List[torch.Tensor]:
+        return [p for opt in self.chained_optimizers for p in opt.get_parameters()]
+
+    def zero_grad(self, set_to_none: bool = True):
+        for opt in self.chained_optimizers:
+            opt.zero_grad(set_to_none)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self.chained_optimizers[0].get_loss_scale()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.chained_optimizers[0].scale_loss(loss)
+
+    def reload_model_params(self):
+        for opt in self.chained_optimizers:
+            opt.reload_model_params()
+
+    def get_grad_norm(self) -> float:
+        return math.sqrt(sum(opt.get_grad_norm() ** 2 for opt in self.chained_optimizers))
+
+    @torch.no_grad()
+    def step(self):
+        """(update_successful, grad_norm, num_zeros_in_grad), as MegatronOptimizer.step."""
+        found_inf = False
+        for opt in self.chained_optimizers:
+            opt._copy_model_grads_to_main_grads()
+            if opt.grad_scaler is not None:
+                inf = opt._unscale_and_check_for_inf()
+                opt.grad_scaler.update(inf)
+                found_inf = found_inf or inf
+        if found_inf:
+            return False, None, None
+        grad_norm = self.get_grad_norm()
+        for opt in self.chained_optimizers:
+            if opt.config.clip_grad > 0.0:
+                grads = [p.grad for p in opt.get_parameters() if p.grad is not None]
+                clip_grad_by_total_norm_fp32(grads, opt.config.clip_grad, grad_norm)
+        num_zeros = None
+        if self.config.log_num_zeros_in_grad:
+            num_zeros = sum(opt.count_zeros() for opt in self.chained_optimizers)
+        for opt in self.chained_optimizers:
+            opt._inner_step()
+            opt._copy_main_params_to_model_params()
+            opt._after_step()
+        return True, grad_norm, num_zeros
+
+    def state_dict(self) -> List[Dict]:
+        return [opt.state_dict() for opt in self.chained_optimizers]
+
+    def load_state_dict(self, state_dict: List[Dict]):
+        if len(state_dict) != len(self.chained_optimizers):
+            raise ValueError(f"ChainedOptimizer: checkpoint has {len(state_dict)} optimizer states, this "
+                             f"optimizer chains {len(self.chained_optimizers)}")
+        for opt, sd in zip(self.chained_optimizers, state_dict):
+            opt.load_state_dict(sd)
+
+    def sharded_state_dict(self, model_sharded_state_dict: Dict, is_loading: bool = False, **kwargs) -> Dict:
+        """{index: that optimizer's sharded state dict} (their params, hence keys, are disjoint)."""
+        return {i: opt.sharded_state_dict(model_sharded_state_dict, is_loading)
+                for i, opt in enumerate(self.chained_optimizers)}

@@ -1,0 +1,69 @@
+"""Shared start-up of the generation tools: flags, process groups, model + checkpoint, engine."""
+import sys
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.inference import InferenceEngine
+from megatron.training.arguments import parse_args
+from megatron.training.arguments.inference_args import add_text_generate_args
+from megatron.training.global_vars import get_args, get_tokenizer
+from megatron.training.initialize import initialize_megatron
+from megatron.training.utils import print_rank_0
+
+
+def initialize_generation(extra_args_provider=add_text_generate_args):
+    """initialize_megatron for inference: no training run, data or optimizer state needed."""
+    args = parse_args(extra_args_provider)
+    args.skip_train = True
+    has_data = args.mock_data or args.data_path or args.data_args_path or args.train_data_path \
+        or args.valid_data_path or args.test_data_path or args.per_split_data_args_path
+    if not has_data:
+        args.mock_data = True  # no data is read; this only satisfies the training-data check
+    if args.load is not None:
+        args.exit_on_missing_checkpoint = True
+    initialize_megatron(parsed_args=args, args_defaults={"micro_batch_size": 1, "no_load_rng": True,
+                                                         "no_load_optim": True})
+    args = get_args()
+    # Generation feeds one token per step: activations cannot be split along the sequence.
+    args.sequence_parallel = False
+    return args
+
+
+def build_engine(args, model_provider) -> InferenceEngine:
+    """Model from ``model_provider`` (+ --load), wrapped in an engine sized by the inference flags."""
+    from megatron.training.model_setup import get_model
+    if args.virtual_pipeline_model_parallel_size is not None:
+        sys.exit("error: text generation does not support virtual pipeline stages; drop "
+                 "--num-layers-per-virtual-pipeline-stage")
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        sys.exit("error: --pipeline-model-parallel-size > 1: text generation runs on PP=1 (use TP, and load the "
+                 "checkpoint at PP=1: torch_dist checkpoints reshard on load)")
+    # --torch-compile compiles the engine's whole decode step (below), not each layer as in training.
+    compile_decode, args.torch_compile = args.torch_compile, False
+    model = get_model(model_provider, wrap_with_ddp=False)
+    if args.load is not None:
+        from megatron.training.checkpointing import load_checkpoint
+        load_checkpoint(model, None, None, strict=True)
+    else:
+        print_rank_0("WARNING: no --load: generating from randomly initialized weights")
+    tokenizer = get_tokenizer()
+    max_len = args.inference_max_seq_length
+    if args.position_embedding_type == "learned_absolute":
+        max_len = min(max_len, args.max_position_embeddings)  # no position table beyond this
+    graphs = None if args.inference_cuda_graph_scope is None else args.inference_cuda_graph_scope != "none"
+    engine = InferenceEngine(model[0], max_batch_size=args.inference_max_requests, max_sequence_length=max_len,
+                             vocab_size=tokenizer.vocab_size, termination_id=_eod(tokenizer),
+                             detokenize=tokenizer.detokenize, use_cuda_graphs=graphs, compile_decode=compile_decode)
+    if engine.device.type == "cuda" and engine.dtype == torch.float32:
+        print_rank_0("WARNING: generating in fp32 on the GPU; pass --bf16 (half the bytes read per token)")
+    print_rank_0(f"> generation engine: {args.inference_max_requests} slots x {max_len} tokens, "
+                 f"{engine.dtype}, CUDA graphs {'on' if engine.graphs is not None else 'off'}")
+    return engine
+
+
+def _eod(tokenizer):
+    try:
+        return tokenizer.eod
+    except (AttributeError, NotImplementedError, ValueError):
+        return None

@@ -1,0 +1,50 @@
+"""Text-generation flags: Megatron's inference group (every entry point) and the generation tools' own
+flags (tools/run_text_generation_server.py, tools/generate.py), with Megatron 0.19.2's names."""
+
+
+def add_inference_args(parser):
+    g = parser.add_argument_group(title="inference")
+    g.add_argument("--inference-max-requests", type=int, default=8,
+                   help="KV-cache slots: requests decoded together (continuous batching).")
+    g.add_argument("--inference-max-seq-length", type=int, default=2560,
+                   help="Longest prompt + generation per request (KV-cache length per slot).")
+    g.add_argument("--inference-cuda-graph-scope", type=str, default=None, choices=["none", "layer", "block"],
+                   help="none: decode eagerly. Otherwise (default) each decode step on CUDA replays one CUDA "
+                        "graph of the whole model and the sampling (layer and block both select it).")
+    return parser
+
+
+def add_text_generate_args(parser):
+    """The generation tools' flags (Megatron's tools/run_text_generation_server.py)."""
+    g = parser.add_argument_group(title="text generation")
+    g.add_argument("--port", type=int, default=5000, help="Port for the text generation server.")
+    g.add_argument("--temperature", type=float, default=1.0,
+                   help="Sampling temperature; the server's default for requests that do not set one.")
+    g.add_argument("--top_k", type=int, default=1, help="Top-k sampling (1 = greedy); server default too.")
+    g.add_argument("--top_p", type=float, default=0.0, help="Top-p sampling (0 = off); server default too.")
+    g.add_argument("--return-log-probs", action="store_true", default=True,
+                   help="tools/generate.py prints the log-probabilities of the generated tokens.")
+    g.add_argument("--num-tokens-to-generate", type=int, default=30, help="Tokens to generate per prompt.")
+    g.add_argument("--prompts", metavar="N", type=str, nargs="+", help="Prompts (tools/generate.py).")
+    g.add_argument("--prompt", type=str, action="append", help="One prompt (tools/generate.py); repeatable.")
+    g.add_argument("--max-batch-size", type=int, default=None, help="Deprecated: --inference-max-requests.")
+    return parser
+
+
+def validate_inference_args(args, require):
+    """``require(cond, message)`` raises the argument error of validate_args."""
+    require(args.inference_max_requests >= 1,
+            f"--inference-max-requests ({args.inference_max_requests}) must be >= 1")
+    require(args.inference_max_seq_length >= 2,
+            f"--inference-max-seq-length ({args.inference_max_seq_length}) must be >= 2")
+    if getattr(args, "max_batch_size", None) is not None:
+        require(args.max_batch_size >= 1, f"--max-batch-size ({args.max_batch_size}) must be >= 1")
+        args.inference_max_requests = args.max_batch_size
+    if getattr(args, "top_k", None) is not None:
+        require(args.top_k >= 0, f"--top_k ({args.top_k}) must be >= 0")
+        require(0.0 <= args.top_p <= 1.0, f"--top_p ({args.top_p}) must be in [0, 1]")
+        require(args.top_k <= 1 or args.top_p == 0.0, "--top_k > 1 and --top_p > 0 are exclusive; pass one")
+        require(0.0 <= args.temperature <= 100.0, f"--temperature ({args.temperature}) must be in [0, 100]")
+        require(args.num_tokens_to_generate >= 0,
+                f"--num-tokens-to-generate ({args.num_tokens_to_generate}) must be >= 0")
+        require(1 <= args.port <= 65535, f"--port ({args.port}) must be in 1..65535")

@@ -1,0 +1,261 @@
+"""Every flag of Megatron-LM 0.19.2's parser, recognized with Megatron's dest, type, default and choices.
+
+`add_megatron_flags(parser)` runs after all our argument adders (and the entry point's extra ones). A flag
+our parser already defines *works*. Every other option string of `megatron_flags_0.19.2.tsv` is added here:
+- an option whose dest one of our flags already owns (`--no-barrier-with-level-1-timing`,
+  `--disable-log-loss-scale-to-tensorboard`) sets that dest: it *works* as an alias;
+- a flag of `NO_EFFECT` selects a Megatron kernel or implementation detail with no counterpart here: the
+  run is the same with or without it; it is accepted and listed once in the start-up log;
+- any other flag is *not supported yet*: accepted at its default, refused by `validate_args` with
+  `--flag is not supported yet: <reason>` at any other value.
+Statuses are computed each time a parser is built, so a flag another module starts defining (and deletes
+from `UNSUPPORTED_FLAGS`) becomes "works" with no edit here.
+
+`python -m megatron.training.arguments.megatron_flags_docs --write-docs` regenerates the table in
+docs/migrating.md.
+"""
+import argparse
+import ast
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from .unsupported import UNSUPPORTED_FLAGS
+
+TSV_PATH = os.path.join(os.path.dirname(__file__), "megatron_flags_0.19.2.tsv")
+WORKS, NO_EFFECT_HERE, NOT_SUPPORTED = "works", "no effect here", "not supported yet"
+_SEEN = "_megatron_flags_seen"  # namespace attribute: {dest: (option, status, default, reason)}
+
+# Megatron kernel/implementation switches with no counterpart here: the run is the same with or without.
+NO_EFFECT = {
+    "--use-mcore-models": "the models here are Megatron Core models; there is no legacy model",
+    "--disable-jit-fuser": "no TorchScript fuser is used; fusions are Triton/torch.compile with eager fallbacks",
+    "--te-rng-tracker": "no Transformer Engine: dropout always draws from our RNG tracker (CUDA-graph safe)",
+    "--use-te-activation-func": "no Transformer Engine: the activation is the same torch function",
+    "--use-transformer-engine-op-fuser": "no Transformer Engine: layers are our torch modules",
+    "--flash-attention-version": "attention runs through torch SDPA, which picks its kernel",
+    "--fp8-interval": "deprecated and ignored in Megatron too (tensorwise scaling updates every step)",
+    "--no-tp-comm-bulk-wgrad": "Transformer Engine userbuffer knob; only read with --tp-comm-overlap",
+    "--no-tp-comm-bulk-dgrad": "Transformer Engine userbuffer knob; only read with --tp-comm-overlap",
+    "--no-tp-comm-overlap-ag": "Transformer Engine userbuffer knob; only read with --tp-comm-overlap",
+    "--no-tp-comm-overlap-rs": "Transformer Engine userbuffer knob; only read with --tp-comm-overlap",
+    "--tp-comm-overlap-rs-dgrad": "Transformer Engine userbuffer knob; only read with --tp-comm-overlap",
+    "--no-tp-comm-split-ag": "Transformer Engine userbuffer knob; only read with --tp-comm-overlap",
+    "--no-tp-comm-split-rs": "Transformer Engine userbuffer knob; only read with --tp-comm-overlap",
+    "--tp-comm-bootstrap-backend": "Transformer Engine userbuffer knob; only read with --tp-comm-overlap",
+    "--use-ring-exchange-p2p": "pipeline send/recv are torch.distributed P2P ops; results are the same",
+    "--no-clone-scatter-output-in-embedding": "a memory workaround of Megatron's embedding; ours has no clone",
+    "--ckpt-fully-parallel-save": "torch_dist saves already spread replicated tensors over ranks (DCP planner)",
+    "--no-ckpt-fully-parallel-save": "torch_dist saves already spread replicated tensors over ranks (DCP planner)",
+    "--ckpt-fully-parallel-load": "torch_dist loads read each rank's own shards; the loaded values are the same",
+    "--ckpt-fully-parallel-save-process-group": "only tunes --ckpt-fully-parallel-save (no effect here)",
+    "--ckpt-fully-parallel-load-process-group": "only tunes --ckpt-fully-parallel-load (no effect here)",
+    "--ckpt-fully-parallel-load-exchange-algo": "only tunes --ckpt-fully-parallel-load (no effect here)",
+    "--ckpt-assume-constant-structure": "a save-plan cache; checkpoint contents are the same",
+    "--no-ckpt-load-validate-sharding-integrity": "skips a load-time check that torch_dist loads do not run",
+    "--use-persistent-ckpt-worker": "--async-save writes from a background thread; same files either way",
+    "--async-strategy": "--async-save has one implementation (a background thread); same files",
+    "--no-use-tokenizer-model-from-checkpoint-args": "--use-checkpoint-args never takes --tokenizer-model "
+                                                     "from the checkpoint here",
+    "--no-align-grad-reduce": "only moves when bucket reductions are launched; gradients are the same",
+    "--no-align-param-gather": "only moves when param all-gathers are launched; params are the same",
+    "--ddp-pad-buckets-for-high-nccl-busbw": "bucket padding for NCCL bandwidth; gradients are the same",
+    "--no-pin-cpu-grads": "only read with --optimizer-cpu-offload, which is not supported",
+    "--no-pin-cpu-params": "only read with --optimizer-cpu-offload, which is not supported",
+    "--no-one-logger": "there is no One Logger telemetry here",
+    "--disable-msc": "there is no Multi-Storage Client here; paths are local files",
+}
+
+# Megatron's reasons for a few deprecated flags, and flags that only another entry point reads.
+REASONS = {
+    "--batch-size": "use --micro-batch-size (as Megatron says)",
+    "--warmup": "use --lr-warmup-fraction or --lr-warmup-iters (as Megatron says)",
+    "--checkpoint-activations": "use --recompute-activations or --recompute-granularity full",
+    "--model-parallel-size": "use --tensor-model-parallel-size",
+    "--ckpt-convert-format": "convert checkpoints with tools/checkpoint/convert.py",
+    "--padded-vocab-size": "the vocabulary is padded from --make-vocab-size-divisible-by",
+}
+OTHER_ENTRY_POINTS = {
+    "--mask-prob": "pretrain_bert.py and pretrain_t5.py", "--short-seq-prob": "pretrain_bert.py and pretrain_t5.py",
+    "--bert-no-binary-head": "pretrain_bert.py", "--encoder-num-layers": "pretrain_t5.py",
+    "--decoder-num-layers": "pretrain_t5.py", "--decoder-seq-length": "pretrain_t5.py",
+}
+_GROUP_REASONS = {
+    "moe": "MoE is not built yet", "mla": "multi-latent attention is not built yet",
+    "rl": "RL training is not part of this project", "vision": "vision models are not part of this project",
+    "biencoder": "retrieval models are not part of this project",
+    "inference": "Megatron's inference engine is not built; tools/run_text_generation_server.py serves models",
+    "In-process restart": "in-process restart is not supported", "ft_package": "fault tolerance is not supported",
+    "one logger": "there is no One Logger telemetry here", "profiling": "profiling hooks are not built yet",
+    "Logits Distillation": "logit distillation is not supported", "Transformer-Engine": "needs Transformer Engine",
+    "fault injector": "fault injection is not supported", "straggler": "straggler detection is not built yet",
+    "rerun engine": "the rerun state machine is not built yet", "msc": "there is no Multi-Storage Client here",
+    "experimental_attention_variant": "experimental attention variants are not built",
+    "heterogeneous architecture": "heterogeneous layers are not supported",
+}
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    """One row of the tsv: Megatron's argparse action for one or more option strings."""
+    options: Tuple[str, ...]
+    dest: str
+    action: str
+    type: str
+    default: object
+    choices: Optional[tuple]
+    nargs: Optional[str]
+    group: str
+
+
+def _literal(text):
+    enum = re.fullmatch(r"<\w+\.(\w+): [^>]*>", text)  # <Signals.SIGTERM: 15> -> 'SIGTERM'
+    if enum:
+        return enum.group(1)
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def _freq(text):
+    """Megatron's moe/la/no-rope frequency types: an int, or a Python list expression kept as text."""
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def _int_tuple(text):
+    return tuple(int(v) for v in text.strip("()[] ").split(","))
+
+
+def _bool(text):
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+_TYPES = {"int": int, "float": float, "str": str, "bool": _bool, "": None, "moe_freq_type": _freq,
+          "la_freq_type": _freq, "no_rope_freq_type": _freq, "tuple_type": _int_tuple,
+          "_parse_cuda_graph_modules_arg": str, "enum_type_handler": str}
+
+
+def load_specs(path=TSV_PATH):
+    """The tsv rows as FlagSpecs, in Megatron's parser order."""
+    specs = []
+    with open(path) as f:
+        lines = [line.rstrip("\n") for line in f if not line.startswith("#")]
+    for line in lines[1:]:
+        options, dest, action, type_, default, choices, nargs, group = line.split("\t")
+        convert = _TYPES[type_] or str
+        choice_list = tuple(convert(c) for c in choices.split("|")) if choices and type_ != "enum_type_handler" \
+            else None
+        specs.append(FlagSpec(tuple(options.split()), dest, action, type_, _literal(default), choice_list,
+                              nargs or None, group))
+    return specs
+
+
+def _recording(action_cls):
+    """An argparse action that also notes, on the namespace, which registered flag the user set."""
+    class Recording(action_cls):
+        def __call__(self, parser, namespace, values, option_string=None):
+            super().__call__(parser, namespace, values, option_string)
+            record_use(namespace, self, option_string)
+    Recording.__name__ = action_cls.__name__
+    return Recording
+
+
+def record_use(namespace, action, option_string):
+    """Remember that ``option_string`` (or a YAML key) set a registered flag; validate_args checks it."""
+    seen = namespace.__dict__.setdefault(_SEEN, {})
+    seen[action.dest] = (option_string or action.option_strings[0], action.megatron_status,
+                         action.megatron_default, action.megatron_reason)
+
+
+_ACTIONS = {"Store": argparse._StoreAction, "StoreTrue": argparse._StoreTrueAction,
+            "StoreFalse": argparse._StoreFalseAction, "BooleanOptional": argparse.BooleanOptionalAction}
+
+
+def _reason(spec):
+    flag = spec.options[0]
+    if flag in UNSUPPORTED_FLAGS:
+        return UNSUPPORTED_FLAGS[flag][1]
+    if flag in REASONS:
+        return REASONS[flag]
+    if flag in OTHER_ENTRY_POINTS:
+        return f"only {OTHER_ENTRY_POINTS[flag]} read it"
+    return _GROUP_REASONS.get(spec.group, f"not built here yet (Megatron's '{spec.group}' group)")
+
+
+def _kwargs(spec):
+    kw = dict(dest=spec.dest, default=spec.default)
+    if spec.action == "Store":
+        kw.update(type=_TYPES[spec.type], choices=spec.choices, nargs=spec.nargs)
+        kw = {k: v for k, v in kw.items() if v is not None or k == "default"}
+    return dict(kw, action=_recording(_ACTIONS[spec.action]))
+
+
+def add_megatron_flags(parser):
+    """Add every tsv flag the parser lacks; ``parser.megatron_flags`` maps each option string to
+    (status, note). Call after all other adders."""
+    defined = {o: a for a in parser._actions for o in a.option_strings}
+    our_dests = {a.dest: a for a in parser._actions}
+    added = {}  # dest -> the first action this registry added for it
+    table, group = {}, parser.add_argument_group(title="other Megatron-LM flags (see docs/migrating.md)")
+    for spec in load_specs():
+        missing = [o for o in spec.options if o not in defined]
+        table.update({o: (WORKS, "") for o in spec.options if o in defined})
+        if not missing or spec.action == "Help":
+            continue
+        owner = next((defined[o] for o in spec.options if o in defined), None) or our_dests.get(spec.dest)
+        if owner is not None:  # an alias of one of our flags: it sets the dest our code reads
+            action = _alias_action(spec, missing, owner)
+            group.add_argument(*missing, dest=owner.dest, default=argparse.SUPPRESS, help=f"Alias of "
+                               f"{owner.option_strings[0]}.", **action)
+            table.update({o: (WORKS, f"alias of `{owner.option_strings[0]}`") for o in missing})
+            continue
+        status = NO_EFFECT_HERE if spec.options[0] in NO_EFFECT else NOT_SUPPORTED
+        reason = NO_EFFECT.get(spec.options[0]) or _reason(spec)
+        kw = _kwargs(spec)
+        first = added.get(spec.dest)
+        if first is not None:  # a second flag for one dest (a --X / --no-X pair): the first sets the default
+            kw["default"] = argparse.SUPPRESS
+        # BooleanOptionalAction makes the --no- form itself.
+        options = [o for o in missing if spec.action != "BooleanOptional" or not o.startswith("--no-")]
+        action = group.add_argument(*options, help=f"{status}: {reason}".replace("%", "%%"), **kw)
+        action.megatron_status, action.megatron_reason = status, reason
+        action.megatron_default = spec.default if first is None else first.megatron_default
+        added.setdefault(spec.dest, action)
+        table.update({o: (status, reason) for o in missing})
+    parser.megatron_flags = table
+    return parser
+
+
+def _alias_action(spec, missing, owner):
+    """argparse kwargs for extra option strings of a dest we own: the no-form stores False."""
+    if spec.action == "StoreFalse" or (spec.action == "BooleanOptional" and missing[0].startswith("--no-")):
+        return dict(action="store_false")
+    if spec.action in ("StoreTrue", "BooleanOptional"):
+        return dict(action="store_true")
+    return dict(type=owner.type, nargs=owner.nargs, choices=owner.choices)
+
+
+def is_default(value, default):
+    """Megatron's defaults of nargs flags may be scalars ('aux_loss' for a list of one) or tuples."""
+    if isinstance(value, (list, tuple)):
+        return list(value) == (list(default) if isinstance(default, (list, tuple)) else [default])
+    return value == default
+
+
+def check_megatron_flags(args):
+    """Refuse a not-supported flag set to a non-default value; list no-effect flags once (rank 0)."""
+    seen = args.__dict__.pop(_SEEN, {})
+    for dest, (option, status, default, reason) in seen.items():
+        if is_default(getattr(args, dest, default), default):
+            continue
+        if status == NOT_SUPPORTED:
+            from .validation import ArgumentError
+            raise ArgumentError(f"{option} is not supported yet: {reason}")
+        if status == NO_EFFECT_HERE and getattr(args, "rank", 0) == 0:
+            print(f"{option} has no effect here (same result): {reason}", flush=True)

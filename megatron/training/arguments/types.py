@@ -1,0 +1,53 @@
+"""argparse `type=` converters of Megatron's flags, and parse_and_validate_args."""
+import ast
+
+
+def _pattern(text: str):
+    """A Python list expression of 0/1 such as "([1]*3+[0])*2" -> [1, 1, 1, 0, 1, 1, 1, 0]."""
+    value = eval(text, {"__builtins__": {}}, {})  # literal arithmetic on lists only: no names available
+    if not isinstance(value, list) or not all(v in (0, 1) for v in value):
+        raise ValueError(f"layer pattern '{text}' must evaluate to a list of 0/1")
+    return value
+
+
+def _int_or_pattern(x, allow_none: bool):
+    if (x is None and allow_none) or isinstance(x, int):
+        return x
+    return _pattern(x) if "[" in x else int(x)
+
+
+def moe_freq_type(x):
+    """--moe-layer-freq: N (one MoE layer every N layers) or a 0/1 list expression (1 = MoE layer)."""
+    return _int_or_pattern(x, allow_none=False)
+
+
+def no_rope_freq_type(x):
+    """--no-rope-freq: N (skip RoPE every N-th layer) or a 0/1 list expression (1 = no RoPE)."""
+    return _int_or_pattern(x, allow_none=True)
+
+
+def la_freq_type(x):
+    """Linear-attention layer frequency: N or a 0/1 list expression (1 = linear attention)."""
+    return _int_or_pattern(x, allow_none=True)
+
+
+def tuple_type(x):
+    """"1,2,3" or "(1,2,3)" -> (1, 2, 3)."""
+    if x is None or isinstance(x, tuple):
+        return x
+    value = ast.literal_eval(x if x.strip().startswith("(") else f"({x},)")
+    return tuple(int(v) for v in value)
+
+
+def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False, args_defaults={}):
+    """Parse the flags, restore checkpoint args when asked, validate, and set the global args."""
+    from megatron.training.arguments import parse_args
+    from megatron.training.arguments.validation import validate_args
+    from megatron.training.global_vars import set_global_variables
+    args = parse_args(extra_args_provider, ignore_unknown_args)
+    if getattr(args, "use_checkpoint_args", False) or args_defaults.get("use_checkpoint_args", False):
+        from megatron.training.checkpointing.args import load_args_from_checkpoint
+        load_args_from_checkpoint(args)
+    validate_args(args, args_defaults)
+    set_global_variables(args)
+    return args

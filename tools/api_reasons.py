@@ -1,0 +1,177 @@
+"""Why a Megatron Core 0.19.2 name is absent here, or why its signature differs (read by
+tools/api_report.py). Keys are `module:name`, `*:name` or `module:*`; the first match wins in that order.
+"""
+C = "megatron.core."
+T = "megatron.training."
+
+GTP = "generalized tensor parallelism / weight rematerialisation (gtp_remat) is not implemented"
+MOE = "MoE token dispatch and expert-parallel overrides belong to the MoE change (megatron/core/transformer/moe)"
+CP = "hierarchical / hybrid context parallelism and packed-sequence batches belong to the context-parallel change"
+MLA = "multi-latent attention and MTP belong to the MLA change"
+INFER = "inference (KV cache, inference-optimized layers) belongs to the inference change"
+TYPES = "typing Protocol used only for static type checks of spec builders in Megatron; specs here are plain classes"
+CG = "CUDA-graph scopes of Megatron's TE/local graph capture; here only --cuda-graph-impl full_iteration exists"
+DEFER_WGRAD = "deferred embedding weight-gradient compute (--defer-embedding-wgrad-compute) is not implemented"
+CKPT_STRATEGY = ("torch_dist checkpoints are written by megatron.core.dist_checkpointing.strategies.torch's own "
+                 "dcp_write / tensor_shards helpers; Megatron's planner and strategy classes are internals")
+VALIDATION = ("dist_checkpointing.validation (integrity manifests, strict-load reports) is not implemented; "
+              "load(strict=...) accepts Megatron's strict values")
+OVERRIDES = ("Megatron 0.19's per-parameter optimizer overrides (ParamKey -> override dict) are not "
+             "implemented; get_megatron_optimizer takes no_weight_decay_cond / scale_lr_cond / lr_mult")
+INIT_STATE = ("optimizer state is created lazily and initialised by the checkpoint loader, so no "
+              "init_state_fn argument; the grad scaler is the third positional argument")
+CONFIG_CONTAINER = "Megatron 0.19's config containers (GPTModelConfig, pretrain/inference containers) are not implemented"
+DATA_CFG = ("dataset config fields for object-storage / fast-cache loading and CP-aware packing "
+            "(defer_npy_index_mmap, fast_cache_load, context/data_parallel_size...) are not implemented")
+
+REASONS = {
+    # megatron.core
+    C[:-1] + ":InferenceParams": INFER,
+    C[:-1] + ":register_safe_globals": "torch.load(weights_only) allow-listing of Megatron classes is not needed: "
+                                        "checkpoints here load with weights_only=False from trusted paths",
+    C[:-1] + ":safe_load_from_bytes": "see register_safe_globals",
+    C + "model_parallel_config:resolve_tensor_parallel_weight_shards": GTP,
+    C + "enums:Fp4Recipe": "FP4 training needs Transformer Engine, which is not used",
+    C + "enums:Fp8Recipe": "the 'custom' recipe (user quantizer factories) needs Transformer Engine",
+    C + "process_groups_config:MultiModuleProcessGroupCollection": "multi-module (MIMO / vision+language) models are not implemented",
+    C + "process_groups_config:ProcessGroupHelperMeta": "internal metaclass of Megatron's collection",
+    # parallel_state
+    C + "parallel_state:create_all_gather_groups": "NCCL all-gather side groups of Megatron-FSDP are not built",
+    C + "parallel_state:create_hierarchical_groups": CP,
+    C + "parallel_state:create_hybrid_dp_cp_groups": CP,
+    C + "parallel_state:get_hierarchical_context_parallel_groups": CP,
+    C + "parallel_state:get_hybrid_data_context_parallel_groups": CP,
+    C + "parallel_state:set_data_parallel_rank": "Megatron stores this value but never reads it",
+    C + "parallel_state:set_expert_model_parallel_rank": MOE,
+    C + "parallel_state:set_expert_model_parallel_world_size": MOE,
+    C + "parallel_state:set_expert_tensor_parallel_rank": MOE,
+    C + "parallel_state:set_expert_tensor_parallel_world_size": MOE,
+    # tensor_parallel
+    C + "tensor_parallel:all_to_all": MOE, C + "tensor_parallel.mappings:all_to_all": MOE,
+    C + "tensor_parallel:all_to_all_hp2sp": MOE, C + "tensor_parallel.mappings:all_to_all_hp2sp": MOE,
+    C + "tensor_parallel:all_to_all_sp2hp": MOE, C + "tensor_parallel.mappings:all_to_all_sp2hp": MOE,
+    C + "tensor_parallel:all_gather_last_dim_from_tensor_parallel_region": MOE,
+    C + "tensor_parallel.mappings:all_gather_last_dim_from_tensor_parallel_region": MOE,
+    C + "tensor_parallel:reduce_scatter_last_dim_to_tensor_parallel_region": MOE,
+    C + "tensor_parallel.mappings:reduce_scatter_last_dim_to_tensor_parallel_region": MOE,
+    C + "tensor_parallel:InferenceColumnParallelLinear": INFER,
+    C + "tensor_parallel:InferenceLayerNormColumnParallelLinear": INFER,
+    C + "tensor_parallel:InferenceRowParallelLinear": INFER,
+    "*:copy_gtp_attributes": GTP, "*:param_is_not_gtp_duplicate": GTP, "*:get_gtp_remat_rng_tracker_name": GTP,
+    "*:CheckpointWithoutOutput": "output-discarding recompute (used by Megatron's MLA/MoE recompute modules) is not implemented",
+    C + "tensor_parallel.random:CheckpointWithoutOutputFunction": "see CheckpointWithoutOutput",
+    "*:convert_cuda_rng_state": "graph-safe RNG states are handled inside CudaRNGStatesTracker (use_cudagraphable_rng)",
+    "*:is_graph_safe_cuda_rng_tracker": "see convert_cuda_rng_state",
+    C + "tensor_parallel.random:get_all_rng_states": "RNG states are saved through get_cuda_rng_tracker().get_states()",
+    C + "tensor_parallel.random:initialize_rng_tracker": "the tracker is created at import and reset by model_parallel_cuda_manual_seed",
+    C + "tensor_parallel.random:is_checkpointing": "activation-recompute state is not exposed",
+    C + "tensor_parallel.cross_entropy:VocabParallelCrossEntropy": "the math lives in an autograd function; use vocab_parallel_cross_entropy",
+    C + "tensor_parallel.layers:LinearWithFrozenWeight": "frozen-weight linears are not implemented (set requires_grad=False)",
+    C + "tensor_parallel.layers:linear_with_frozen_weight": "see LinearWithFrozenWeight",
+    # transformer
+    "*:MLATransformerConfig": MLA,
+    C + "transformer:TransformerConfig": "fp8_recipe defaults to 'tensorwise', the one FP8 recipe without Transformer Engine",
+    C + "transformer.transformer_config:TransformerConfig": "fp8_recipe defaults to 'tensorwise', the one FP8 recipe without Transformer Engine",
+    C + "transformer.enums:AttnMaskType": "causal_bottom_right (TE's KV-cache mask) needs Transformer Engine attention",
+    C + "transformer.enums:LayerType": "embedding/loss/mtp entries serve --pipeline-model-parallel-layout, not implemented",
+    C + "transformer.enums:CudaGraphModule": CG, C + "transformer.enums:CudaGraphScope": CG,
+    C + "transformer.enums:InferenceCudaGraphScope": CG,
+    C + "transformer.attention:Attention": "SelfAttention and CrossAttention are separate classes here, without the abstract base",
+    C + "transformer.attention:SelfAttention": "pp_layer_offset/name belong to MTP and TE naming; extra keyword arguments are accepted and unused",
+    C + "transformer.attention:CrossAttention": "name is TE's module name; extra keyword arguments are accepted and unused",
+    C + "transformer.transformer_layer:TransformerLayer": "is_mtp_layer/add_layer_offset/pp_layer_offset belong to MTP; extra keyword arguments are accepted and unused",
+    C + "transformer:TransformerLayer": "is_mtp_layer/add_layer_offset/pp_layer_offset belong to MTP; extra keyword arguments are accepted and unused",
+    C + "transformer.transformer_layer:BaseTransformerLayer": "abstract base of Megatron's layer classes; not needed here",
+    C + "transformer.transformer_layer:MoETransformerLayer": MOE,
+    C + "transformer.mlp:MLP": "name is TE's module name; extra keyword arguments are accepted and unused",
+    C + "transformer.mlp:MLPSubmodules": "the activation is chosen by config.activation_func, not by the spec",
+    C + "transformer.mlp:apply_swiglu_sharded_factory": "SwiGLU fc1 weights are saved as one tensor with an interleave stride",
+    C + "transformer.mlp:*": TYPES, C + "transformer.attention:*": TYPES, C + "transformer.torch_norm:*": TYPES,
+    C + "transformer.transformer_layer:*": TYPES,
+    C + "transformer.torch_norm:L2Norm": "qk_l2_norm is not implemented",
+    C + "transformer.module:GraphableMegatronModule": CG,
+    C + "transformer.spec_utils:get_submodules": "spec submodules are read directly (spec.submodules)",
+    C + "transformer.transformer_block:TransformerBlockSubmodules": "layer_specs defaults to an empty list instead of None",
+    # models
+    C + "models.gpt.gpt_layer_specs:get_gpt_layer_with_inference_spec": INFER,
+    C + "models.gpt.gpt_layer_specs:get_gpt_layer_with_inference_submodules": INFER,
+    C + "models.gpt.gpt_layer_specs:get_gpt_mtp_block_spec": MLA,
+    C + "models.gpt.gpt_layer_specs:get_gpt_mtp_block_spec_for_backend": MLA,
+    C + "models.gpt.gpt_layer_specs:get_mlp_module_spec_for_backend": "backend spec providers (TE / Kitchen / local) are not implemented: one local backend",
+    C + "models.gpt.gpt_layer_specs:get_mlp_module_spec": "use_te defaults to False: the local MLP is the only one",
+    C + "models.gpt.gpt_layer_specs:get_gpt_layer_local_spec": "NVIDIA Kitchen attention is not implemented",
+    C + "models.bert.pooler:Pooler": "BertModel's binary head pools the first token itself",
+    C + "models.T5.t5_model:t5_extended_attention_mask": "t5_attention_masks builds all three T5 masks",
+    C + "models.T5.t5_model:t5_position_ids": "T5Model computes its position ids internally",
+    C + "models.common.embeddings.rotary_pos_embedding:MultimodalRotaryEmbedding": "multimodal (mRoPE) models are not implemented",
+    # optimizer
+    C + "optimizer:*": OVERRIDES,
+    C + "optimizer.optimizer_config:*": OVERRIDES,
+    C + "optimizer_param_scheduler:*": OVERRIDES,
+    C + "optimizer:AdamOptimizerConfig": "OptimizerConfig(optimizer='adam') holds the Adam settings",
+    C + "optimizer:SGDOptimizerConfig": "OptimizerConfig(optimizer='sgd') holds the SGD settings",
+    C + "optimizer:HAVE_EMERGING_OPTIMIZERS": "Muon/SOAP/Lion (emerging optimizers) are not implemented",
+    C + "optimizer:HybridDeviceOptimizer": "CPU-offloaded optimizer steps are not implemented",
+    C + "optimizer:LayerWiseDistributedOptimizer": "the layer-wise distributed optimizer (for Muon) is not implemented",
+    C + "optimizer:is_managed_by_layer_wise_optimizer": "see LayerWiseDistributedOptimizer",
+    "*:MegatronOptimizer": INIT_STATE, "*:FP32Optimizer": INIT_STATE,
+    "*:Float16OptimizerWithFloat16Params": INIT_STATE,
+    "*:DistributedOptimizer": INIT_STATE + "; buffers and groups come from the DDP-wrapped model chunks",
+    C + "optimizer.optimizer:MixedPrecisionOptimizer": "Float16OptimizerWithFloat16Params holds the mixed-precision logic",
+    C + "optimizer.optimizer:ProxyDict": "ChainedOptimizer exposes its state by merging the inner dicts",
+    C + "optimizer.optimizer:copy_optimizer_param_metadata": "parameter metadata is copied where main params are created",
+    C + "optimizer.distrib_optimizer:Range": "the distributed optimizer keeps (start, end) tuples",
+    C + "optimizer.clip_grads:*": "takes the gradient tensors themselves (Megatron: parameters + use_decoupled_grad)",
+    C + "optimizer_param_scheduler:get_canonical_lr_for_logging": "the log line reads the LR of the first param group",
+    # distributed
+    C + "distributed:FullyShardedDataParallel": "Megatron-FSDP is not implemented (torch FSDP2 is, via --use-torch-fsdp2)",
+    C + "distributed:TorchFullyShardedDataParallelConfig": "FSDP2 is configured from DistributedDataParallelConfig",
+    C + "distributed.finalize_model_grads:reset_model_temporary_tensors": "no temporary per-step model tensors to reset",
+    C + "distributed.param_and_grad_buffer:*": "the grad buffer's internals (bucket partitioning, buffer types) differ",
+    # pipeline
+    C + "pipeline_parallel.schedules:*": "internal helper of Megatron's schedule implementation",
+    C + "pipeline_parallel.schedules:deallocate_output_tensor": "takes `deallocate` (config.deallocate_pipeline_outputs) positionally",
+    C + "pipeline_parallel.schedules:forward_step": "internal per-microbatch helper with its own (smaller) argument list",
+    C + "pipeline_parallel.schedules:clear_embedding_activation_buffer": DEFER_WGRAD,
+    C + "pipeline_parallel.schedules:finish_embedding_wgrad_compute": DEFER_WGRAD,
+    C + "pipeline_parallel.schedules:backward_step_multimodule": "multi-module pipelines are not implemented",
+    C + "pipeline_parallel.p2p_communication:is_single_shape": "P2PCommunicator sends one tensor shape per stage",
+    # dist_checkpointing
+    C + "dist_checkpointing.strategies.torch:*": CKPT_STRATEGY,
+    C + "dist_checkpointing.validation:*": VALIDATION,
+    "*:LocalNonpersistentObject": "non-persistent entries are dropped by the caller before saving",
+    "*:remove_sharded_tensors": "checkpoints are not edited in place; re-save instead",
+    C + "dist_checkpointing.serialization:load_sharded_metadata": "load_tensors_metadata returns shapes and dtypes of every tensor",
+    C + "dist_checkpointing.mapping:ShardedTensorFactory": "factories (build/merge transforms) are not implemented: modules return ShardedTensors",
+    C + "dist_checkpointing.mapping:apply_factories": "see ShardedTensorFactory",
+    C + "dist_checkpointing.mapping:apply_factory_merges": "see ShardedTensorFactory",
+    C + "dist_checkpointing.strategies.async_utils:*": "async saves run through AsyncRequest / AsyncCallsQueue only (no persistent worker)",
+    # datasets
+    C + "datasets.blended_megatron_dataset_config:*": DATA_CFG, C + "datasets.gpt_dataset:*": DATA_CFG,
+    C + "datasets.bert_dataset:*": DATA_CFG, C + "datasets.t5_dataset:*": DATA_CFG,
+    C + "datasets.masked_dataset:*": DATA_CFG, C + "datasets.indexed_dataset:*": DATA_CFG,
+    # fusions, utils
+    C + "fusions.fused_cross_entropy:*": "the fused cross entropy is one compiled function; its Megatron building blocks are not separate",
+    C + "utils:StragglerDetector": "--log-straggler (per-rank CUDA-event timing reports) is not implemented",
+    C + "utils:drain_embedding_wgrad_compute": DEFER_WGRAD,
+    C + "utils:prepare_input_tensors_for_wgrad_compute": DEFER_WGRAD,
+    C + "utils:flatten_batch_for_packed_sequences": CP, C + "utils:get_batch_on_this_cp_rank": CP,
+    C + "utils:get_batch_on_this_tp_rank": "pretrain_gpt.get_batch broadcasts the batch over TP itself",
+    # training
+    T[:-1] + ":set_startup_timestamps": "startup timing is printed by pretrain itself",
+    T + "argument_utils:*": CONFIG_CONTAINER,
+    T + "argument_utils:ArgumentGroupFactory": "flags are declared in megatron/training/arguments/*_args.py",
+    T + "argument_utils:TypeInferenceError": "see ArgumentGroupFactory",
+    T + "arguments:validate_model_config_args_from_heterogeneous_config": "heterogeneous (per-layer) model configs are not implemented",
+    T + "utils:append_to_progress_log": "--log-progress is not implemented",
+    T + "utils:calc_dtensor_params_l2_norm": "calc_params_l2_norm handles DTensor (FSDP2) params",
+    T + "utils:check_adlr_autoresume_termination": "ADLR autoresume is not implemented",
+    T + "utils:start_memory_history_recording": "--record-memory-history is not implemented",
+}
+
+
+def reason_for(module, name):
+    for key in (f"{module}:{name}", f"*:{name}", f"{module}:*"):
+        if key in REASONS:
+            return REASONS[key]
+    return "not implemented yet"
