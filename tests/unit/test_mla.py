@@ -188,6 +188,8 @@ def _args(extra, world_size=1):
     ("--mtp-num-layers 1 --pipeline-model-parallel-size 2", 2, "--mtp-num-layers is not supported with "
                                                                 "--pipeline-model-parallel-size > 1"),
     ("--group-query-attention --num-query-groups 2", 1, "--group-query-attention cannot be combined"),
+    ("--context-parallel-size 2 --attention-dropout 0", 2,
+     "--multi-latent-attention is not supported with --context-parallel-size"),
 ])
 def test_bad_mla_and_mtp_flags_get_one_line(extra, world_size, message):
     from megatron.training.arguments import ArgumentError

@@ -52,7 +52,7 @@ def save_global(tensors: Iterable[LazyTensor], checkpoint_dir: str, common: Dict
     with warnings.catch_warnings():  # DCP warns that it runs without a process group: intended here
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp_save({}, storage_writer=writer, planner=_LazySavePlanner(shards, makers), no_dist=True)
-    save_config(checkpoint_dir)  # metadata.json last: marks the checkpoint complete
+    save_config(None, checkpoint_dir)  # metadata.json last: marks the checkpoint complete
 
 
 def read_global(checkpoint_dir: str, names: List[Tuple[str, int]], metadata: Dict) -> Dict[str, torch.Tensor]:

@@ -222,6 +222,8 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
             return
         if self.mtp_num_layers < 1:
             raise ValueError(f"--mtp-num-layers ({self.mtp_num_layers}) must be >= 1")
+        if self.context_parallel_size > 1:
+            raise NotImplementedError("--mtp-num-layers with --context-parallel-size > 1 is not supported yet")
         if self.pipeline_model_parallel_size > 1:
             raise NotImplementedError("--mtp-num-layers with --pipeline-model-parallel-size > 1 is not supported "
                                       "(the MTP layers need the word embedding on the last stage); use PP=1")
@@ -313,6 +315,8 @@ class MLATransformerConfig(TransformerConfig):
             raise ValueError(f"--qk-pos-emb-head-dim ({self.qk_pos_emb_head_dim}) must be even (RoPE rotates pairs)")
         if self.rope_type not in ("rope", "yarn"):
             raise ValueError(f"--rope-type '{self.rope_type}' unknown for multi-latent attention; use rope or yarn")
+        if self.context_parallel_size > 1:
+            raise NotImplementedError("--multi-latent-attention with --context-parallel-size > 1 is not supported yet")
         if self.cache_mla_latents:
             raise NotImplementedError("--cache-mla-latents belongs to the dynamic inference engine; drop the flag")
         if self.num_query_groups != self.num_attention_heads:

@@ -66,6 +66,8 @@ def validate_mla_args(args, require):
                               "use rope for standard attention")
         require(args.rope_type in (None, "rope"), f"--rope-type {args.rope_type} needs --multi-latent-attention")
     else:
+        require(getattr(args, "context_parallel_size", 1) == 1,
+                "--multi-latent-attention is not supported with --context-parallel-size > 1 yet; use CP=1")
         require(args.kv_lora_rank is not None and args.kv_lora_rank > 0,
                 f"--kv-lora-rank ({args.kv_lora_rank}) must be set to a positive rank with --multi-latent-attention")
         require(args.q_lora_rank is None or args.q_lora_rank > 0,
@@ -88,6 +90,9 @@ def validate_mla_args(args, require):
                 f"({q_dim}); use --attention-backend auto or unfused")
     if args.mtp_num_layers is not None:
         require(args.mtp_num_layers >= 1, f"--mtp-num-layers ({args.mtp_num_layers}) must be >= 1")
+        require(getattr(args, "context_parallel_size", 1) == 1,
+                "--mtp-num-layers is not supported with --context-parallel-size > 1 yet (rolling the tokens "
+                "crosses CP ranks); use CP=1")
         require(args.pipeline_model_parallel_size == 1,
                 "--mtp-num-layers is not supported with --pipeline-model-parallel-size > 1 (the MTP depths need "
                 "the word embedding on the last stage); use pipeline size 1")
