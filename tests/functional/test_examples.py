@@ -107,6 +107,9 @@ def test_example_flags_parse_and_validate(script, tmp_path, monkeypatch, capsys)
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(os.path, "isfile", lambda p: True)  # data/tokenizer files: see the module docstring
     monkeypatch.setattr(os.path, "exists", lambda p: True)
+    # The input-file checks (data, tokenizer, --load/--save directories) are the user's files too.
+    import megatron.training.arguments.validation as validation
+    monkeypatch.setattr(validation, "validate_inputs", lambda args, require: None)
     for argv in commands:
         entry, flags, world = _split(argv, tasks)
         assert os.path.isfile(os.path.join(ROOT, os.path.basename(entry))), entry
