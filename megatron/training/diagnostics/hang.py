@@ -31,8 +31,9 @@ from megatron.training.diagnostics import errors
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                "broadcast", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "barrier",
-               "all_gather_object", "broadcast_object_list", "gather_object", "send", "recv", "isend", "irecv",
-               "batch_isend_irecv")
+               "all_gather_object", "broadcast_object_list", "gather_object", "send", "recv", "batch_isend_irecv")
+# isend / irecv stay unwrapped: torch.distributed.P2POp accepts only those very functions as its op (the
+# pipeline schedules build P2POps from them); their batches are recorded through batch_isend_irecv.
 HISTORY = 64
 _ORIGINALS = {}
 _STATE = None
