@@ -23,6 +23,7 @@ def _worker(rank, world_size, port, fn, args, kwargs, queue):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MEGATRON_RAISE_ERRORS="1",  # an error inside pretrain() reaches the queue below instead of exiting
     )
     torch.set_num_threads(1)
     try:

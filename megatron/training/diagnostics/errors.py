@@ -87,6 +87,8 @@ def report_errors():
         raise
     except BaseException as exc:
         report(exc)
+        if os.environ.get("MEGATRON_RAISE_ERRORS") == "1":
+            raise  # library mode: pretrain() called in-process by code that handles the exception itself
         exit_now(exit_code(exc))
 
 
