@@ -15,13 +15,35 @@ _WD_STYLES = ("constant", "linear", "cosine")
 
 
 class ParamGroupOverride(TypedDict, total=False):
-    """Megatron's per-param-group override keys (a type). max_lr, min_lr and wd_mult are read from a group
-    here; per-group start_wd/end_wd are not (the scheduler's own weight-decay schedule applies)."""
+    """Megatron's per-param-group override keys (a type), read from each group by the scheduler: max_lr,
+    min_lr (get_lr), start_wd, end_wd (get_wd), wd_mult (step); `optimizer` must equal the config's."""
     max_lr: float
     min_lr: float
     start_wd: float
     end_wd: float
     wd_mult: float
+    optimizer: str
+
+
+def combine_param_group_overrides(param_group_overrides) -> ParamGroupOverride:
+    """Merge the overrides of every ParamKey a param matches (None entries skipped); a key set to two
+    different values is a conflict."""
+    combined = ParamGroupOverride()
+    for override in param_group_overrides:
+        for key, value in (override or {}).items():
+            if key in combined and combined[key] != value:
+                raise ValueError(f"Conflicting overrides for {key}: {combined[key]} and {value}")
+            combined[key] = value
+    return combined
+
+
+def get_canonical_lr_for_logging(param_groups) -> Optional[float]:
+    """LR of the first group on the default schedule (`default_config`), what the log line shows; None
+    when every group has its own LR override."""
+    for group in param_groups:
+        if group.get("default_config", False):
+            return group.get("lr")
+    return None
 
 
 def param_group_override_to_tuple(param_group_override: Optional[ParamGroupOverride]):
@@ -69,16 +91,19 @@ class OptimizerParamScheduler:
         self.num_steps = 0
         self.step(0)
 
-    def get_wd(self) -> float:
-        """Weight decay at `num_steps`: start_wd -> end_wd over wd_incr_steps, then end_wd."""
+    def get_wd(self, param_group: Optional[dict] = None) -> float:
+        """Weight decay at `num_steps`: start_wd -> end_wd over wd_incr_steps, then end_wd (a group's own
+        start_wd / end_wd when it has them)."""
+        group = param_group or {}
+        start_wd, end_wd = group.get("start_wd", self.start_wd), group.get("end_wd", self.end_wd)
         if self.num_steps > self.wd_incr_steps or self.wd_incr_style == "constant":
-            return self.end_wd
+            return end_wd
         ratio = self.num_steps / self.wd_incr_steps
         if self.wd_incr_style == "linear":
             coeff = ratio
         else:
             coeff = 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
-        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+        return start_wd + coeff * (end_wd - start_wd)
 
     def get_lr(self, param_group: dict) -> float:
         """LR at `num_steps` for a group (its own max_lr/min_lr when set)."""
@@ -121,10 +146,9 @@ class OptimizerParamScheduler:
     def step(self, increment: int):
         """Advance by `increment` samples and set every group's lr and weight_decay."""
         self.num_steps += increment
-        new_wd = self.get_wd()
         for group in self.optimizer.param_groups:
             group["lr"] = self.get_lr(group) * group.get("lr_mult", 1.0)
-            group["weight_decay"] = new_wd * group.get("wd_mult", 1.0)
+            group["weight_decay"] = self.get_wd(group) * group.get("wd_mult", 1.0)
 
     def state_dict(self) -> dict:
         return {"max_lr": self.max_lr, "lr_warmup_steps": self.lr_warmup_steps, "num_steps": self.num_steps,

@@ -7,6 +7,7 @@ axis: the dense one (tp, cp, dp, pp) and the expert one (expert-tp, ep, expert-d
 Without ``initialize_model_parallel`` (e.g. a single-process unit test) every size getter returns 1,
 every rank getter 0 and every group getter None, so models build and run unchanged on one process.
 """
+import sys
 from datetime import timedelta
 from typing import Callable, Dict, List, Optional
 
@@ -107,11 +108,13 @@ def initialize_model_parallel(
 ) -> None:
     """Build every process group for the given degrees (all ranks must call this in the same order).
 
-    `local_world_size` (GPUs per node, for NCCL tuning) has no effect here."""
-    _check_unsupported(use_sharp=(use_sharp, False), hybrid_context_parallel=(hybrid_context_parallel, False),
+    `hierarchical_context_parallel_sizes` / `hybrid_context_parallel` build Megatron's extra CP groups
+    (get_hierarchical_context_parallel_groups / get_hybrid_data_context_parallel_groups); the attention
+    variants that use them (a2a+p2p, dynamic CP) are not implemented. `local_world_size` (GPUs per node,
+    for NCCL tuning) has no effect here."""
+    _check_unsupported(use_sharp=(use_sharp, False),
                        gtp_remat_size=(gtp_remat_size, 1), expert_gtp_remat_size=(expert_gtp_remat_size, 1),
                        sharp_enabled_group=(sharp_enabled_group, None), rank_offset=(rank_offset, 0),
-                       hierarchical_context_parallel_sizes=(hierarchical_context_parallel_sizes, None),
                        num_distributed_optimizer_instances=(num_distributed_optimizer_instances, 1),
                        nccl_communicator_config_path=(nccl_communicator_config_path, None),
                        high_priority_stream_groups=(high_priority_stream_groups or None, None))
@@ -181,6 +184,9 @@ def initialize_model_parallel(
     build("tp_ep", expert.get_ranks("tp-ep"))
     build("tp_ep_pp", expert.get_ranks("tp-ep-pp"))
     build("edp", expert.get_ranks("dp"), gloo_name="edp_gloo")
+    from megatron.core import _parallel_state_groups
+    _parallel_state_groups.build_grid_extras(dense, expert, hierarchical_context_parallel_sizes, hybrid_context_parallel,
+                             create_gloo_process_groups, timeout)
 
 
 def _default_embedding_ranks(pp_ranks: List[int]) -> List[int]:
@@ -198,6 +204,9 @@ def destroy_model_parallel() -> None:
     _GROUPS.clear()
     _RANKS.clear()
     _OVERRIDES.clear()
+    extra_groups = sys.modules.get("megatron.core._parallel_state_groups")
+    if extra_groups is not None:
+        extra_groups._STATE.clear()
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = None
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = None
 
@@ -360,7 +369,13 @@ def get_data_parallel_world_size(with_context_parallel: bool = False, with_gtp_r
 
 def get_data_parallel_rank(with_context_parallel: bool = False, with_gtp_remat: bool = True,
                            partial_data_parallel: bool = False) -> int:
+    if "dp_rank" in _OVERRIDES:  # set_data_parallel_rank wins for every variant, as in Megatron
+        return _OVERRIDES["dp_rank"]
     return _rank("dp_cp" if with_context_parallel else "dp")
+
+
+def set_data_parallel_rank(rank: Optional[int]) -> None:
+    _set_override("dp_rank", rank)
 
 
 def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
@@ -519,3 +534,4 @@ def get_expert_data_parallel_rank(with_gtp_remat: bool = True, partial_expert_da
 
 
 from megatron.core._parallel_state_extras import *  # noqa: E402,F401,F403  (less common getters)
+from megatron.core._parallel_state_groups import *  # noqa: E402,F401,F403  (extra CP / all-gather groups)

@@ -165,6 +165,8 @@ def get_tensor_list(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
 
 
 from megatron.core._utils_extras import *  # noqa: E402,F401,F403  (less common helpers)
+from megatron.core._utils_batch import *  # noqa: E402,F401,F403  (TP batch broadcast, packed-batch flattening)
+from megatron.core._utils_wgrad import *  # noqa: E402,F401,F403  (deferred embedding wgrad helpers)
 
 
 class StragglerDetector:

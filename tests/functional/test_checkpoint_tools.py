@@ -23,7 +23,7 @@ def _full_tensors(ckpt_dir):
     from megatron.core import dist_checkpointing as dc
     from megatron.core.dist_checkpointing import ShardedTensor
     meta = dc.load_tensors_metadata(ckpt_dir)
-    sd = {k: ShardedTensor.from_rank_offsets(k, torch.empty(shape, dtype=dtype)) for k, (shape, dtype) in meta.items()}
+    sd = {k: ShardedTensor.from_rank_offsets(k, torch.empty(m.global_shape, dtype=m.dtype)) for k, m in meta.items()}
     return dc.load(sd, ckpt_dir, strict="assume_ok_unexpected"), meta
 
 

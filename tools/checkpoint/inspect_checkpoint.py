@@ -50,7 +50,7 @@ def describe(checkpoint_dir):
     if fmt == "torch_dist":
         common = dist_checkpointing.load_common_state_dict(checkpoint_dir)
         meta = dist_checkpointing.load_tensors_metadata(checkpoint_dir)
-        return fmt, common, sorted((k, shape, dtype) for k, (shape, dtype) in meta.items())
+        return fmt, common, sorted((k, tuple(sh.global_shape), sh.dtype) for k, sh in meta.items())
     if fmt == "torch":
         rows, common = [], None
         for name in sorted(n for n in os.listdir(checkpoint_dir) if n.startswith("mp_rank_")):

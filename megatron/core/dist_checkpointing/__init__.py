@@ -1,16 +1,18 @@
 """Layout-independent checkpoints: sharded state dicts saved and loaded through torch.distributed.checkpoint."""
 from .core import CheckpointingException, check_is_distributed_checkpoint
-from .mapping import LocalNonpersistentObject, ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
+from .mapping import (
+    LocalNonpersistentObject, ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, ShardedTensorFactory)
 from .serialization import (
     load,
     load_common_state_dict,
     load_content_metadata,
     load_plain_tensors,
+    load_sharded_metadata,
     load_tensors_metadata,
     save,
 )
 from .strategies.async_utils import AsyncCallsQueue, AsyncRequest
 
-__all__ = ["ShardedTensor", "ShardedObject", "ShardedStateDict", "save", "load", "load_common_state_dict",
-           "load_tensors_metadata", "load_plain_tensors", "load_content_metadata", "ShardedBase", "check_is_distributed_checkpoint", "CheckpointingException",
+__all__ = ["ShardedTensor", "ShardedObject", "ShardedTensorFactory", "ShardedStateDict", "save", "load", "load_common_state_dict",
+           "load_tensors_metadata", "load_sharded_metadata", "load_plain_tensors", "load_content_metadata", "ShardedBase", "check_is_distributed_checkpoint", "CheckpointingException",
            "AsyncCallsQueue", "AsyncRequest"]

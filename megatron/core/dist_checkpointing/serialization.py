@@ -12,7 +12,9 @@ from torch.distributed.checkpoint.api import CheckpointException as DCPException
 
 from . import dict_utils
 from .core import CONFIG_FNAME, CheckpointingException, maybe_load_config, save_config
-from .mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict, ShardedTensor
+from .mapping import (
+    LocalNonpersistentObject, ShardedObject, ShardedStateDict, ShardedTensor, ShardedTensorFactory, apply_factories,
+    apply_factory_merges)
 from .strategies import torch as torch_strategy
 from .strategies.async_utils import AsyncRequest
 
@@ -74,8 +76,8 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
 
     `content_metadata` is stored with the common state (read back by load_content_metadata);
     `async_strategy` names Megatron's async backends and has no effect (async saves run through
-    AsyncRequest/AsyncCallsQueue); the common-state consistency check and the integrity manifest
-    (`verify_integrity`) are refused.
+    AsyncRequest/AsyncCallsQueue); `verify_integrity` writes integrity.json (SHA-256 per file) for
+    load(verify_integrity=True); the common-state consistency check is refused.
 
     Only main replicas (``replica_id == 0``) are written. With ``async_sharded_save`` tensors are copied to
     host memory now and an `AsyncRequest` is returned whose function writes them (run it with an
@@ -86,9 +88,10 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
         raise ValueError(f"sharded_strategy {sharded_strategy!r} is not supported; use None, 'torch_dist' or "
                          "a TorchDistSaveShardedStrategy")
     thread_count = getattr(sharded_strategy, "thread_count", 1)
-    if preprocess_common_before_consistancy_check is not None or verify_integrity:
-        raise NotImplementedError("dist_checkpointing.save: the common-state consistency check and "
-                                  "verify_integrity are not supported; leave them at None / False")
+    if preprocess_common_before_consistancy_check is not None:
+        raise NotImplementedError("dist_checkpointing.save: the common-state consistency check "
+                                  "(preprocess_common_before_consistancy_check) is not supported; leave it None")
+    apply_factories(sharded_state_dict)  # in place, as Megatron
     sharded_state_dict, _ = _split_nonpersistent(sharded_state_dict)
     if content_metadata is not None:
         sharded_state_dict = {**sharded_state_dict, _CONTENT_METADATA_KEY: content_metadata}
@@ -106,6 +109,9 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     def finalize():
         if _rank() == 0:
             save_config(None, checkpoint_dir)
+            if verify_integrity:
+                from .validation import save_integrity_manifest
+                save_integrity_manifest(checkpoint_dir)
 
     if async_sharded_save:
         return AsyncRequest(write, finalize_fns=[finalize], description=checkpoint_dir)
@@ -131,7 +137,31 @@ def load_common_state_dict(checkpoint_dir: str) -> Dict[str, Any]:
     return objs["common_state"]
 
 
-def load_tensors_metadata(checkpoint_dir: str, sharded_strategy=None) -> Dict[str, Any]:
+def load_tensors_metadata(checkpoint_dir: str, sharded_strategy=None) -> Dict[str, ShardedTensor]:
+    """``{key: ShardedTensor without data}`` for every tensor of the checkpoint (unsharded: global_shape
+    and dtype are what they tell), without reading tensor data."""
+    from .validation import verify_checkpoint
+    verify_checkpoint(checkpoint_dir)
+    return {key: ShardedTensor.from_rank_offsets(key, torch.empty(shape, dtype=dtype, device="meta")).without_data()
+            for key, (shape, dtype) in tensor_shapes(checkpoint_dir).items()}
+
+
+def load_sharded_metadata(checkpoint_dir: str, sharded_strategy=None) -> Dict[str, Any]:
+    """load_tensors_metadata plus a data-less ShardedObject per saved object shard (keyed by its
+    unique_key)."""
+    from .validation import verify_checkpoint
+    verify_checkpoint(checkpoint_dir)
+    md = _read_dcp_metadata(checkpoint_dir)
+    out = {}
+    for key, v in md.state_dict_metadata.items():
+        if not hasattr(v, "size") and "/shard_" in key:
+            obj = ShardedObject.empty_from_unique_key(key)
+            out[obj.unique_key] = obj
+    out.update(load_tensors_metadata(checkpoint_dir, sharded_strategy))
+    return out
+
+
+def tensor_shapes(checkpoint_dir: str) -> Dict[str, Any]:
     """``{key: (global_shape, dtype)}`` for every tensor in the checkpoint, without reading data."""
     md = _read_dcp_metadata(checkpoint_dir)
     out = {}
@@ -196,20 +226,23 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     ShardedTensors ask for, so the saving layout may differ from the loading one.
     """
     if verify_integrity:
-        raise NotImplementedError("dist_checkpointing.load(verify_integrity=True): integrity manifests are "
-                                  "not supported; leave it False")
+        from .validation import verify_integrity_manifest
+        verify_integrity_manifest(checkpoint_dir)
     if sharded_strategy not in (None, "torch_dist") and not isinstance(
             sharded_strategy, (tuple, torch_strategy.TorchDistLoadShardedStrategy)):
         raise ValueError(f"sharded_strategy {sharded_strategy!r} is not supported; use None, 'torch_dist' or "
                          "a TorchDistLoadShardedStrategy")
     from .validation import parse_strict_flag
     strict = parse_strict_flag(strict).value
+    factories, _ = dict_utils.extract_matching_values(
+        sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True)
+    apply_factories(sharded_state_dict)
     sharded_state_dict, local = _split_nonpersistent(sharded_state_dict)
     common = load_common_state_dict(checkpoint_dir)
     if isinstance(common, dict):
         common.pop(_CONTENT_METADATA_KEY, None)
     _, sharded = dict_utils.split_common(sharded_state_dict)
-    md_keys = set(load_tensors_metadata(checkpoint_dir)) if strict not in _RAISE_ON_MISSING else None
+    md_keys = set(tensor_shapes(checkpoint_dir)) if strict not in _RAISE_ON_MISSING else None
     tensors, paths, objects = [], [], []
     result = {}
     for path, sh in sharded:
@@ -234,7 +267,7 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
         dict_utils.set_path(merged, path, value)
     for path, value in local:
         dict_utils.set_path(merged, path, value.unwrap())
-    return merged
+    return apply_factory_merges(merged, factories) if factories else merged
 
 
 def _empty_like_shard(sh: ShardedTensor) -> torch.Tensor:
@@ -254,7 +287,7 @@ def load_content_metadata(checkpoint_dir: Optional[str] = None, preloaded_state_
 def load_plain_tensors(checkpoint_dir: str) -> Dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, whole (unsharded), keyed by its global key (collective)."""
     request = {key: ShardedTensor.from_rank_offsets(key, torch.empty(shape, dtype=dtype))
-               for key, (shape, dtype) in load_tensors_metadata(checkpoint_dir).items()}
+               for key, (shape, dtype) in tensor_shapes(checkpoint_dir).items()}
     loaded = load(request, checkpoint_dir, validate_access_integrity=False)
     return {key: loaded[key] for key in request}
 

@@ -8,7 +8,7 @@ every bucket. With the distributed optimizer the updated params come back with o
 """
 import enum
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -221,3 +221,37 @@ class _ParamAndGradBuffer:
         self.grad_data.zero_()
         for bucket in self.buckets:
             bucket.reset()
+
+
+class BufferKey(NamedTuple):
+    """Which flat buffer a param goes to: one per distinct combination of these."""
+    param_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    is_expert_parallel: bool
+    is_managed_by_layer_wise_optimizer: bool = False
+
+
+def group_params_for_buffers(params: List[torch.nn.Parameter], grad_reduce_in_fp32: bool):
+    """{BufferKey: (params, indices)}: params split by (dtype, grad dtype: fp32 with
+    `grad_reduce_in_fp32`, expert or dense); each param's index counts the params before it with the
+    same key. Params are trainable (requires_grad)."""
+    out = {}
+    for param in params:
+        if not param.requires_grad:
+            raise ValueError("group_params_for_buffers: got a param that does not require grad")
+        key = BufferKey(param.dtype, torch.float32 if grad_reduce_in_fp32 else param.dtype,
+                        not getattr(param, "allreduce", True),
+                        bool(getattr(param, "is_managed_by_layer_wise_optimizer", False)))
+        group, indices = out.setdefault(key, ([], []))
+        indices.append(len(group))
+        group.append(param)
+    return out
+
+
+def shard_buffer(buffer: torch.Tensor, data_parallel_world_size: int) -> List[torch.Tensor]:
+    """Views of the DP ranks' equal, contiguous shards of a flat buffer (its size is a multiple of DP)."""
+    if buffer.numel() % data_parallel_world_size:
+        raise ValueError(f"shard_buffer: {buffer.numel()} elements do not split into {data_parallel_world_size} "
+                         "equal shards")
+    size = buffer.numel() // data_parallel_world_size
+    return [buffer[r * size:(r + 1) * size] for r in range(data_parallel_world_size)]

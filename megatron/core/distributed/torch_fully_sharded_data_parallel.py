@@ -46,6 +46,8 @@ class TorchFullyShardedDataParallel(WrappedModule):
         if ddp_config.use_distributed_optimizer:
             raise ValueError("--use-torch-fsdp2 already shards optimizer state; drop --use-distributed-optimizer")
         self.config, self.ddp_config, self.module = config, ddp_config, module
+        # A TorchFullyShardedDataParallelConfig carries the setting itself (Megatron's interface).
+        reshard_after_forward = getattr(ddp_config, "reshard_after_forward", reshard_after_forward)
         self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         for param in module.parameters():  # identical start on every replica before sharding
             dist.broadcast(param.data, src=dist.get_global_rank(self.dp_group, 0), group=self.dp_group)

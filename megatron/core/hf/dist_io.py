@@ -61,7 +61,8 @@ def read_global(checkpoint_dir: str, names: List[Tuple[str, int]], metadata: Dic
     for name, _ in names:
         if name not in metadata:
             raise KeyError(f"checkpoint {checkpoint_dir} has no tensor {name} (not the architecture it claims?)")
-        shape, dtype = metadata[name]
+        entry = metadata[name]  # a data-less ShardedTensor (load_tensors_metadata) or (shape, dtype)
+        shape, dtype = (entry.global_shape, entry.dtype) if hasattr(entry, "global_shape") else entry
         shards[name] = [((0,) * len(shape), torch.empty(shape, dtype=dtype), tuple(shape))]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")

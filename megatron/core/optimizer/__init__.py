@@ -6,10 +6,13 @@ import torch
 
 from megatron.core.optimizer.chained_optimizer import ChainedOptimizer
 from megatron.core.optimizer.clip_grads import clip_grad_norm_fp32, count_zeros_fp32, get_grad_norm_fp32
+from megatron.core.optimizer.config_overrides import (
+    check_config_overrides_consistency, get_mup_config_overrides, get_standard_config_overrides,
+    param_groups_from_overrides, trainable_named_parameters)
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.optimizer.optimizer import (
-    Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer)
+    Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer, param_group_identifier_keys)
 from megatron.core.optimizer.optimizer_config import (  # noqa: F401
     AdamOptimizerConfig, OptimizerConfig, ParamKey, ParamPredicate, ParamWithNamePredicate, SGDOptimizerConfig)
 
@@ -28,22 +31,17 @@ def _get_param_groups(model_chunks, config: OptimizerConfig, no_weight_decay_con
     """Group params by (wd_mult, lr_mult, expert, decoupled LR); each group carries its own
     max_lr/min_lr/wd_mult/lr_mult for the LR scheduler. Biases and 1-D params get no weight decay."""
     groups: Dict[tuple, List] = {}
-    seen = set()
-    for chunk in model_chunks:
-        for name, param in chunk.named_parameters():
-            if not param.requires_grad or id(param) in seen:
-                continue
-            seen.add(id(param))
-            if no_weight_decay_cond is not None:
-                no_wd = no_weight_decay_cond(name, param)
-            else:
-                no_wd = name.endswith(".bias") or param.dim() == 1
-            scale_lr = scale_lr_cond(name, param) if scale_lr_cond is not None else False
-            wd_mult = 0.0 if no_wd else 1.0
-            group_lr_mult = lr_mult if scale_lr else 1.0
-            expert = not getattr(param, "allreduce", True)
-            decoupled = config.decoupled_lr is not None and _is_embedding_or_output(name, param)
-            groups.setdefault((wd_mult, group_lr_mult, expert, decoupled), []).append(param)
+    for name, param in trainable_named_parameters(model_chunks):
+        if no_weight_decay_cond is not None:
+            no_wd = no_weight_decay_cond(name, param)
+        else:
+            no_wd = name.endswith(".bias") or param.dim() == 1
+        scale_lr = scale_lr_cond(name, param) if scale_lr_cond is not None else False
+        wd_mult = 0.0 if no_wd else 1.0
+        group_lr_mult = lr_mult if scale_lr else 1.0
+        expert = not getattr(param, "allreduce", True)
+        decoupled = config.decoupled_lr is not None and _is_embedding_or_output(name, param)
+        groups.setdefault((wd_mult, group_lr_mult, expert, decoupled), []).append(param)
     out = []
     for (wd_mult, group_lr_mult, expert, decoupled), params in groups.items():
         max_lr = config.decoupled_lr if decoupled else config.lr
@@ -51,6 +49,7 @@ def _get_param_groups(model_chunks, config: OptimizerConfig, no_weight_decay_con
         if decoupled and config.decoupled_min_lr is not None:
             min_lr = config.decoupled_min_lr
         out.append({"params": params, "wd_mult": wd_mult, "lr_mult": group_lr_mult,
+                    "default_config": not decoupled and group_lr_mult == 1.0,
                     "is_expert_parallel": expert, "is_decoupled_lr": decoupled,
                     "max_lr": max_lr, "min_lr": min_lr if min_lr is not None else 0.0,
                     "lr": (max_lr or 0.0) * group_lr_mult, "weight_decay": config.weight_decay * wd_mult})
@@ -87,25 +86,33 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
                            scale_lr_cond: Optional[Callable] = None, lr_mult: float = 1.0) -> MegatronOptimizer:
     """Build the optimizer for `model_chunks` (DDP-wrapped for the distributed optimizer).
 
-    Per-parameter overrides come from the keyword-only `no_weight_decay_cond(name, param)`,
-    `scale_lr_cond(name, param)` and `lr_mult` (Megatron's pre-0.16 interface); Megatron 0.19's
-    `config_overrides` (ParamKey -> override dict), explicit process groups and the param-group dump are
-    refused. `use_gloo_process_groups` has no effect (the groups come from parallel_state)."""
-    refused = dict(config_overrides=config_overrides, pg_collection=pg_collection,
-                   dump_param_to_param_group_map=dump_param_to_param_group_map)
+    Per-parameter settings: Megatron 0.19's `config_overrides` (ParamKey -> ParamGroupOverride; start
+    from get_standard_config_overrides(config) to keep the default no-weight-decay and decoupled-LR
+    rules), or the keyword-only `no_weight_decay_cond(name, param)`, `scale_lr_cond(name, param)` and
+    `lr_mult` (Megatron's pre-0.16 interface); with neither, the standard rules apply. Explicit process
+    groups and the param-group dump are refused; `use_gloo_process_groups` has no effect (the groups
+    come from parallel_state)."""
+    refused = dict(pg_collection=pg_collection, dump_param_to_param_group_map=dump_param_to_param_group_map)
     for name, value in refused.items():
         if value is not None:
-            raise NotImplementedError(f"get_megatron_optimizer({name}=...) is not supported; use "
-                                      "no_weight_decay_cond / scale_lr_cond / lr_mult instead")
+            raise NotImplementedError(f"get_megatron_optimizer({name}=...) is not supported; leave it None")
+    legacy = no_weight_decay_cond is not None or scale_lr_cond is not None or lr_mult != 1.0
+    if config_overrides is not None and legacy:
+        raise ValueError("get_megatron_optimizer: pass config_overrides or no_weight_decay_cond / scale_lr_cond "
+                         "/ lr_mult, not both")
+    check_config_overrides_consistency(config, config_overrides)
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr (--lr) must be set")
     if not isinstance(model_chunks, (list, tuple)):
         model_chunks = [model_chunks]
-    param_groups = _get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
+    if config_overrides is not None:
+        param_groups = param_groups_from_overrides(model_chunks, config, config_overrides)
+    else:
+        param_groups = _get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
     inner = _inner_optimizer(config, param_groups)
     scaler = _grad_scaler(config)
     if config.use_distributed_optimizer:
-        opt = DistributedOptimizer(inner, config, scaler, list(model_chunks))
+        opt = DistributedOptimizer(inner, config, scaler, None, list(model_chunks))
     elif config.fp16 or config.bf16 or any(p.dtype != torch.float32 for g in param_groups for p in g["params"]):
         opt = Float16OptimizerWithFloat16Params(inner, config, scaler)
     else:
@@ -129,4 +136,6 @@ __all__ = [
     "OptimizerConfig", "get_megatron_optimizer", "MegatronOptimizer", "FP32Optimizer",
     "Float16OptimizerWithFloat16Params", "DistributedOptimizer", "ChainedOptimizer", "ConstantGradScaler", "DynamicGradScaler",
     "MegatronGradScaler", "clip_grad_norm_fp32", "count_zeros_fp32", "get_grad_norm_fp32",
+    "get_standard_config_overrides", "get_mup_config_overrides", "check_config_overrides_consistency",
+    "param_group_identifier_keys",
 ]

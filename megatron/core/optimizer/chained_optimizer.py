@@ -22,7 +22,9 @@ class ChainedOptimizer:
 
     @property
     def state(self):
-        return {k: v for opt in self.chained_optimizers for k, v in opt.state.items()}
+        """The inner optimizers' states as one mapping keyed (optimizer index, param)."""
+        from megatron.core.optimizer.optimizer import ProxyDict
+        return ProxyDict([opt.state for opt in self.chained_optimizers])
 
     def get_parameters(self) -> List[torch.Tensor]:
         return [p for opt in self.chained_optimizers for p in opt.get_parameters()]
@@ -59,8 +61,7 @@ class ChainedOptimizer:
         grad_norm = self.get_grad_norm()
         for opt in self.chained_optimizers:
             if opt.config.clip_grad > 0.0:
-                grads = [p.grad for p in opt.get_parameters() if p.grad is not None]
-                clip_grad_by_total_norm_fp32(grads, opt.config.clip_grad, grad_norm)
+                clip_grad_by_total_norm_fp32(opt.get_parameters(), opt.config.clip_grad, grad_norm)
         num_zeros = None
         if self.config.log_num_zeros_in_grad:
             num_zeros = sum(opt.count_zeros() for opt in self.chained_optimizers)

@@ -74,14 +74,26 @@ def clip_coefficient(max_norm: float, total_norm: float) -> float:
     return max_norm / (total_norm + 1.0e-6)
 
 
-def clip_grad_by_total_norm_fp32(grads: Iterable[torch.Tensor], max_norm: float, total_norm: float):
-    """Scale grads in place by max_norm / (total_norm + 1e-6) when that is below 1."""
+def _grads_of(parameters, use_decoupled_grad=False) -> List[torch.Tensor]:
+    """The (local shard of the) gradient of each param that has one: `.grad`, or `.decoupled_grad`."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr, None) for p in parameters]
+    return [g.to_local() if hasattr(g, "to_local") else g for g in grads if g is not None]
+
+
+def clip_grad_by_total_norm_fp32(parameters, max_norm: Union[int, float], total_norm: float,
+                                 use_decoupled_grad: bool = False):
+    """Scale the params' grads (`.decoupled_grad` with `use_decoupled_grad`) in place by
+    max_norm / (total_norm + 1e-6) when that is below 1. `total_norm` may be a tensor (no host sync)."""
+    grads = [g.detach() for g in _grads_of(parameters, use_decoupled_grad)]
     clip_coeff = clip_coefficient(max_norm, total_norm)
-    if clip_coeff < 1.0:
-        grads = [g.detach() for g in grads]
-        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        if local:  # a DistOpt rank may own no grads
-            torch._foreach_mul_(local, clip_coeff)
+    if isinstance(clip_coeff, torch.Tensor):
+        if grads:
+            torch._foreach_mul_(grads, clip_coeff.clamp_max(1.0).to(grads[0].device))
+    elif clip_coeff < 1.0 and grads:  # a DistOpt rank may own no grads
+        torch._foreach_mul_(grads, clip_coeff)
 
 
 def clip_grad_norm_fp32(parameters, max_norm: float, norm_type: Union[int, float] = 2,
@@ -93,12 +105,26 @@ def clip_grad_norm_fp32(parameters, max_norm: float, norm_type: Union[int, float
     grads_for_norm = [p.grad for p in params if param_counts_for_grad_stats(p)]
     total = get_grad_norm_fp32(grads_for_norm, norm_type, grad_stats_parallel_group)
     if max_norm > 0:
-        clip_grad_by_total_norm_fp32([p.grad for p in params], max_norm, total)
+        clip_grad_by_total_norm_fp32(params, max_norm, total)
     return total
 
 
-def count_zeros_fp32(grads_for_count: Sequence[torch.Tensor], grad_stats_parallel_group=None) -> float:
-    """Number of exactly-zero grad elements across the given group(s) (`--log-num-zeros-in-grad`)."""
+def count_zeros_fp32(parameters, grad_stats_parallel_group, use_decoupled_grad: bool = False, tp_group=None,
+                     expert_tp_group=None) -> float:
+    """Number of exactly-zero grad elements across `grad_stats_parallel_group` (`--log-num-zeros-in-grad`),
+    each element counted once: shared params on the first stage, TP-replicated ones on TP rank 0
+    (of `tp_group` / `expert_tp_group` when given)."""
+    from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate as not_tp_dup
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    counted = [p for p in parameters if param_is_not_shared(p)
+               and (not_tp_dup(p, tp_group, expert_tp_group) if tp_group is not None or expert_tp_group is not None
+                    else param_is_not_tensor_parallel_duplicate(p))]
+    return count_zeros_in_grads(_grads_of(counted, use_decoupled_grad), grad_stats_parallel_group)
+
+
+def count_zeros_in_grads(grads_for_count: Sequence[torch.Tensor], grad_stats_parallel_group=None) -> float:
+    """Zero elements of the given gradient tensors, summed over the given group(s)."""
     device = grads_for_count[0].device if grads_for_count else _default_device()
     total = torch.zeros(1, dtype=torch.float32, device=device)
     for g in grads_for_count:

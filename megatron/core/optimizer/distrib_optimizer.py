@@ -5,13 +5,14 @@ The fp32 main params and the optimizer state exist only for that range; after th
 updated bf16/fp16/fp32 model params are all-gathered bucket by bucket (asynchronously, waited on by
 forward pre-hooks, with `overlap_param_gather`).
 """
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.optimizer.optimizer import MegatronOptimizer, _model_grad, copy_tensor_model_parallel_attributes
+from megatron.core.optimizer.optimizer import (
+    MixedPrecisionOptimizer, _model_grad, copy_optimizer_param_metadata, copy_tensor_model_parallel_attributes)
 
 # all_gather_single is newer than torch 2.4; all_gather_into_tensor is the same operation.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -34,16 +35,34 @@ class Range:
         return f"{self.start},{self.end} [{self.size}]"
 
 
-class DistributedOptimizer(MegatronOptimizer):
-    def __init__(self, optimizer, config, grad_scaler, model_chunks: List[torch.nn.Module]):
-        super().__init__(optimizer, config, grad_scaler=grad_scaler)
-        self.model_chunks = model_chunks
-        self.param_to_buffer_bucket = {}
-        for chunk in model_chunks:
+class DistributedOptimizer(MixedPrecisionOptimizer):
+    """Megatron's constructor: the inner optimizer's params must live in `per_model_buffers`
+    ({chunk index: [grad buffers]}, default: every buffer of `model_chunks`, dense and expert) and
+    each buffer's DP group must be `data_parallel_group` when both are given. State gathers run over
+    the buffers' own groups, so `data_parallel_group_gloo` and `data_parallel_group_idx` have no effect;
+    there is one optimizer instance (`distributed_optimizer_instance_id` 0)."""
+
+    def __init__(self, optimizer, config, grad_scaler, init_state_fn=None, model_chunks: List[torch.nn.Module] = (),
+                 per_model_buffers: Optional[Dict[int, list]] = None, data_parallel_group=None,
+                 data_parallel_group_gloo=None, data_parallel_group_idx: int = 0,
+                 distributed_optimizer_instance_id: int = 0):
+        super().__init__(optimizer, config, grad_scaler, init_state_fn)
+        if distributed_optimizer_instance_id != 0:
+            raise NotImplementedError("DistributedOptimizer: one optimizer instance only "
+                                      "(--num-distributed-optimizer-instances 1); distributed_optimizer_instance_id "
+                                      f"is {distributed_optimizer_instance_id}")
+        self.model_chunks = list(model_chunks)
+        for chunk in self.model_chunks:
             if not hasattr(chunk, "buffers") or not chunk.ddp_config.use_distributed_optimizer:
                 raise ValueError("--use-distributed-optimizer needs the model wrapped in DistributedDataParallel "
                                  "built with use_distributed_optimizer=True")
-            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+        if per_model_buffers is None:
+            per_model_buffers = {i: c.buffers + c.expert_parallel_buffers for i, c in enumerate(self.model_chunks)}
+        self.per_model_buffers = per_model_buffers
+        self.param_to_buffer_bucket = {}
+        for buffers in per_model_buffers.values():
+            for buffer in buffers:
+                _check_group(buffer, data_parallel_group)
                 for param, (start, end, bucket_id) in buffer.param_index_map.items():
                     self.param_to_buffer_bucket[param] = (buffer, buffer.buckets[bucket_id], start, end)
         # main param shard -> (model param, start, end) with [start, end) into model_param.view(-1)
@@ -57,6 +76,9 @@ class DistributedOptimizer(MegatronOptimizer):
             group["params"] = mains
 
     def _make_main_shard(self, param):
+        if param not in self.param_to_buffer_bucket:
+            raise ValueError("DistributedOptimizer: a param of the inner optimizer is in none of the given grad "
+                             "buffers (per_model_buffers / the DDP-wrapped model_chunks)")
         buffer, bucket, start, end = self.param_to_buffer_bucket[param]
         shard_start, shard_end = bucket.shard_range()
         shard_start, shard_end = bucket.offset + shard_start, bucket.offset + shard_end
@@ -67,6 +89,7 @@ class DistributedOptimizer(MegatronOptimizer):
         # fp32 model params are updated in place (the shard view aliases the param buffer).
         main = local if param.dtype == torch.float32 else local.clone().float()
         copy_tensor_model_parallel_attributes(main, param)
+        copy_optimizer_param_metadata(main, param)
         self.main_to_model[main] = param
         self.shard_ranges[main] = (param, lo - start, hi - start)
         return main
@@ -156,6 +179,15 @@ class DistributedOptimizer(MegatronOptimizer):
         self._copy_main_params_to_model_params()
         for chunk in self.model_chunks:
             chunk.start_param_sync(force_sync=True)
+
+
+def _check_group(buffer, data_parallel_group):
+    if data_parallel_group is None:
+        return
+    ranks = dist.get_process_group_ranks
+    if ranks(buffer.data_parallel_group) != ranks(data_parallel_group):
+        raise ValueError("DistributedOptimizer: data_parallel_group is not the DP group of the given buffers "
+                         "(expert buffers use the expert-DP group; pass them to their own optimizer)")
 
 
 def _agree_on_keys(keys):

@@ -15,12 +15,55 @@ from megatron.core import parallel_state
 from megatron.core.distributed.torch_fsdp2_state import full_local_tensor, shard_like
 from megatron.core.optimizer import optimizer_state
 from megatron.core.optimizer.clip_grads import (
-    clip_coefficient, clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32, param_counts_for_grad_stats)
+    clip_coefficient, clip_grad_by_total_norm_fp32, count_zeros_in_grads, get_grad_norm_fp32, param_counts_for_grad_stats)
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 
 def _model_grad(param):
     return param.main_grad if hasattr(param, "main_grad") else param.grad
+
+
+# The param-group keys that tell groups apart (checkpoint loading matches groups by them): the
+# user-overridable ParamGroupOverride keys, then the optimizer's own structural flags.
+param_group_identifier_keys = ("end_wd", "max_lr", "min_lr", "optimizer", "start_wd", "wd_mult",
+                               "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+
+
+def copy_optimizer_param_metadata(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Carry the tags the optimizer groups and counts params by (`allreduce`: dense or expert; `shared`:
+    a tied weight; `grad_norm_group`) over to a copy or view of a param, e.g. its fp32 main param."""
+    for attr in ("allreduce", "shared", "grad_norm_group"):
+        if hasattr(source, attr):
+            setattr(destination, attr, getattr(source, attr))
+
+
+class ProxyDict:
+    """A dict view over a list of dicts, keyed (index, inner key): ChainedOptimizer.state, where the
+    inner optimizers' states stay separate."""
+
+    def __init__(self, inner_dicts: List[dict]):
+        self._inner_dicts = inner_dicts
+
+    def __getitem__(self, key):
+        idx, inner_key = key
+        return self._inner_dicts[idx].get(inner_key)
+
+    def __setitem__(self, key, value):
+        idx, inner_key = key
+        self._inner_dicts[idx][inner_key] = value
+
+    def __len__(self) -> int:
+        return sum(len(d) for d in self._inner_dicts)
+
+    def __iter__(self):
+        for idx, inner in enumerate(self._inner_dicts):
+            for inner_key in inner:
+                yield idx, inner_key
+
+    def items(self):
+        for idx, inner in enumerate(self._inner_dicts):
+            for inner_key, value in inner.items():
+                yield (idx, inner_key), value
 
 
 def copy_tensor_model_parallel_attributes(dst, src):
@@ -136,8 +179,7 @@ class MegatronOptimizer:
                 device = self.get_parameters()[0].device
                 self._clip_grad_scale = torch.tensor(1.0 / coeff, dtype=torch.float32, device=device)
             else:
-                clip_grad_by_total_norm_fp32([p.grad for p in self.get_parameters() if p.grad is not None],
-                                             clip_grad, grad_norm)
+                clip_grad_by_total_norm_fp32(self.get_parameters(), clip_grad, grad_norm)
         return grad_norm
 
     def _inner_step_unscales_grads(self) -> bool:
@@ -162,9 +204,9 @@ class MegatronOptimizer:
 
     def count_zeros(self) -> float:
         if not self.has_expert_params:
-            return count_zeros_fp32(self._main_grads_for_stats(), self.get_grad_stats_parallel_group())
-        return (count_zeros_fp32(self._main_grads_for_stats(expert=False), self.get_grad_stats_parallel_group())
-                + count_zeros_fp32(self._main_grads_for_stats(expert=True),
+            return count_zeros_in_grads(self._main_grads_for_stats(), self.get_grad_stats_parallel_group())
+        return (count_zeros_in_grads(self._main_grads_for_stats(expert=False), self.get_grad_stats_parallel_group())
+                + count_zeros_in_grads(self._main_grads_for_stats(expert=True),
                                    self.get_expert_grad_stats_parallel_group()))
 
     def _unscale_and_check_for_inf(self) -> bool:
@@ -286,17 +328,28 @@ class MegatronOptimizer:
         self._copy_main_params_to_model_params()
 
 
-class Float16OptimizerWithFloat16Params(MegatronOptimizer):
+class MixedPrecisionOptimizer(MegatronOptimizer):
+    """A MegatronOptimizer whose grads may need loss scaling: fp16 requires a `grad_scaler`; bf16 and
+    fp32 may go without one. Base of the fp16/bf16 and distributed optimizers."""
+
+    def __init__(self, optimizer, config, grad_scaler, init_state_fn):
+        if grad_scaler is None and config.fp16:
+            raise ValueError("fp16 training needs a grad scaler (OptimizerConfig.loss_scale or dynamic scaling)")
+        super().__init__(optimizer, config, init_state_fn=init_state_fn, grad_scaler=grad_scaler)
+
+
+class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
     """bf16/fp16 model params with fp32 main copies (fp32 model params are their own main params)."""
 
     def __init__(self, optimizer, config, grad_scaler=None, init_state_fn=None):
-        super().__init__(optimizer, config, init_state_fn=init_state_fn, grad_scaler=grad_scaler)
+        super().__init__(optimizer, config, grad_scaler, init_state_fn)
         for group in self.optimizer.param_groups:
             mains = []
             for param in group["params"]:
                 if param.dtype in (torch.float16, torch.bfloat16):
                     main = param.detach().clone().float()
                     copy_tensor_model_parallel_attributes(main, param)
+                    copy_optimizer_param_metadata(main, param)
                     param.main_param = main
                 else:
                     main = param

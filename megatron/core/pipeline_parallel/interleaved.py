@@ -6,7 +6,7 @@ order and its senders produce them in the same order, so the queue head is alway
 """
 from collections import deque
 
-from megatron.core.pipeline_parallel.schedules import _GradSync, backward_step, forward_step
+from megatron.core.pipeline_parallel.schedules import _GradSync, _forward_step, backward_step
 from megatron.core.pipeline_parallel.utils import deallocate_output_tensor, incoming
 
 
@@ -55,8 +55,8 @@ def run_interleaved(forward_step_func, iterators, models, comm, plan_of, state, 
             funcs[c if len(funcs) > 1 else 0](models[c].parameters())
         started.add(c)
         inp = None if is_first_vstage(c) else q.inputs[c].popleft()
-        out = forward_step(forward_step_func, iterators[c], models[c], inp, state,
-                           is_last_vstage(c))
+        out = _forward_step(forward_step_func, iterators[c], models[c], inp, state,
+                            is_last_vstage(c))
         if not state.forward_only:
             q.in_flight[c].append((inp, out))
         return out if plan.sends_next(call) is not None else None

@@ -74,8 +74,8 @@ class _RunState:
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=current_device())
 
 
-def forward_step(forward_step_func: Callable, data_iterator, model, input_tensor, state: _RunState,
-                 is_last_stage: bool) -> torch.Tensor:
+def _forward_step(forward_step_func: Callable, data_iterator, model, input_tensor, state: _RunState,
+                  is_last_stage: bool, checkpoint_activations_microbatch=None) -> torch.Tensor:
     """Run one micro-batch through one model chunk; on the last stage turn the output into the
     (scaled) loss that backward starts from, and record its loss dict."""
     config = state.config
@@ -86,7 +86,10 @@ def forward_step(forward_step_func: Callable, data_iterator, model, input_tensor
     if getattr(config, "enable_autocast", False):
         autocast = torch.autocast(current_device().type, dtype=config.autocast_dtype)
     with autocast:
-        output_tensor, loss_func = forward_step_func(data_iterator, model)
+        if checkpoint_activations_microbatch is None:
+            output_tensor, loss_func = forward_step_func(data_iterator, model)
+        else:
+            output_tensor, loss_func = forward_step_func(data_iterator, model, checkpoint_activations_microbatch)
     if is_last_stage:
         output_tensor = _apply_loss(loss_func, output_tensor, state)
     if getattr(config, "num_moe_experts", None):
@@ -109,6 +112,9 @@ def _set_moe_aux_loss_scale(config, state: _RunState):
 
 def _apply_loss(loss_func, output_tensor, state: _RunState) -> torch.Tensor:
     config = state.config
+    if loss_func is None:  # no loss: the output itself is the result (Megatron's inference path)
+        state.forward_data_store.append(output_tensor)
+        return output_tensor
     if state.collect_non_loss_data and state.forward_only:
         state.forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
         return output_tensor
@@ -237,7 +243,7 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[It
     for i in range(num_microbatches):
         if i == num_microbatches - 1:
             sync.enable(0)  # the last micro-batch's backward launches the grad reduction
-        output = forward_step(forward_step_func, data_iterator, model, None, state, True)
+        output = _forward_step(forward_step_func, data_iterator, model, None, state, True)
         if not forward_only:
             backward_step(None, output, None, config)
     sync.finish()
@@ -288,7 +294,7 @@ def forward_backward_pipelining_without_interleaving(
 
     for _ in range(num_warmup):
         inp = comm.recv_forward(recv_shape)
-        out = forward_step(forward_step_func, data_iterator, model, inp, state, last)
+        out = _forward_step(forward_step_func, data_iterator, model, inp, state, last)
         comm.send_forward(out, send_shape)
         if not forward_only:
             deallocate_output_tensor(out, dealloc and not last)
@@ -297,7 +303,7 @@ def forward_backward_pipelining_without_interleaving(
     inp = comm.recv_forward(recv_shape) if num_steady > 0 else None
     for i in range(num_steady):
         final = i == num_steady - 1
-        out = forward_step(forward_step_func, data_iterator, model, inp, state, last)
+        out = _forward_step(forward_step_func, data_iterator, model, inp, state, last)
         if forward_only:
             comm.send_forward(out, send_shape)
             inp = None if final else comm.recv_forward(recv_shape)
@@ -382,3 +388,8 @@ def forward_backward_pipelining_with_interleaving(
     run_interleaved(forward_step_func, iterators, models, comm, plan_of, state,
                     get_tensor_shape(config, seq_length, micro_batch_size))
     return _finish(config, models, state, timer)
+
+
+from megatron.core.pipeline_parallel.schedule_api import (  # noqa: E402,F401  (Megatron's public helpers)
+    check_first_val_step, clear_embedding_activation_buffer, finish_embedding_wgrad_compute, forward_step,
+    forward_step_calc_loss, get_pp_rank_microbatches, get_schedule_table, get_tensor_device, get_tensor_shapes)

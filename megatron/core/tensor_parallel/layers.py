@@ -32,6 +32,21 @@ def param_is_not_tensor_parallel_duplicate(param, tp_group=None, expert_tp_group
     return (group.rank() if group is not None else parallel_state.get_tensor_model_parallel_rank()) == 0
 
 
+def param_is_not_gtp_duplicate(param) -> bool:
+    """True when the param's gradient is counted once across Megatron's generalized-TP (weight
+    rematerialisation) axis. That axis is always of size 1 here (gtp_remat is not implemented), so
+    every param is counted."""
+    return True
+
+
+def copy_gtp_attributes(destination, source) -> None:
+    """Carry Megatron's generalized-TP tags (`is_gtp_weight_remat`, `allreduce`) over to a copy of a param
+    (e.g. an fp32 main param), so code that classifies params sees the same tags on both."""
+    for attr in ("is_gtp_weight_remat", "allreduce"):
+        if hasattr(source, attr):
+            setattr(destination, attr, getattr(source, attr))
+
+
 def set_tensor_model_parallel_attributes(tensor, is_parallel: bool, dim: int, stride: int) -> None:
     """Record how ``tensor`` is split over TP: ``dim`` and ``stride`` (stride > 1: the global tensor is
     ``stride`` interleaved blocks along ``dim``, each split across TP, e.g. SwiGLU's [gate; up])."""
@@ -163,6 +178,42 @@ def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradi
         input = copy_to_tensor_model_parallel_region(input, tp_group)  # backward: all-reduce dL/dX
     return LinearWithGradAccumulationAndAsyncCommunication.apply(
         input, weight, bias, gradient_accumulation_fusion, sequence_parallel, tp_group)
+
+
+class LinearWithFrozenWeight(torch.autograd.Function):
+    """Y = X W^T + b for a weight that is not trained: saves only W, returns no weight gradient.
+    `allreduce_dgrad` all-reduces dL/dX over `tp_group` in backward."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, allreduce_dgrad, tp_group):
+        ctx.save_for_backward(weight)
+        ctx.allreduce_dgrad, ctx.tp_group = allreduce_dgrad, tp_group
+        out = torch.matmul(input, weight.t())
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (weight,) = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight)
+        if ctx.allreduce_dgrad and ctx.tp_group is not None and ctx.tp_group.size() > 1:
+            torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
+        return grad_input, None, None, None, None
+
+
+def linear_with_frozen_weight(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                              sequence_parallel, tp_group, grad_output_buffer=None, wgrad_deferral_limit=None,
+                              gtp_remat_size=1):
+    """Linear layer for a frozen weight (same forward and dL/dX as the trainable path, no dL/dW).
+    `gradient_accumulation_fusion` has no effect (there is no weight gradient); under
+    `sequence_parallel` the input is all-gathered along the sequence and dL/dX reduce-scattered."""
+    if grad_output_buffer is not None or wgrad_deferral_limit is not None or gtp_remat_size != 1:
+        raise NotImplementedError("linear_with_frozen_weight: grad_output_buffer / wgrad_deferral_limit / "
+                                  "gtp_remat_size belong to the trainable path; leave them at None / None / 1")
+    tp_group = parallel_state.get_tensor_model_parallel_group() if tp_group is None else tp_group
+    if sequence_parallel:
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+        input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+    return LinearWithFrozenWeight.apply(input, weight, bias, allreduce_dgrad, tp_group)
 
 
 _FP8_FALLBACKS_REPORTED = set()

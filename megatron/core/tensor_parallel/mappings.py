@@ -84,68 +84,36 @@ def _reduce_scatter_along_first_dim(x, group):
     return out
 
 
-class _CopyToModelParallelRegion(torch.autograd.Function):
-    """Identity forward; all-reduce of the gradient backward."""
-
-    @staticmethod
+def _conjugate_pair(name, forward_op, backward_op, doc):
+    """An autograd function: `forward_op(x, group)` forward, its adjoint `backward_op(grad, group)` backward."""
     def forward(ctx, x, group):
         ctx.group = group
-        return x
+        return forward_op(x, group)
 
-    @staticmethod
     def backward(ctx, grad):
-        return _reduce(grad, ctx.group), None
+        return backward_op(grad, ctx.group), None
+
+    return type(name, (torch.autograd.Function,),
+                {"__doc__": doc, "forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
-class _ReduceFromModelParallelRegion(torch.autograd.Function):
-    """All-reduce forward; identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return _reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+def _identity(x, group):
+    return x
 
 
-class _ScatterToModelParallelRegion(torch.autograd.Function):
-    """Keep this rank's chunk of the last dim; all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_along_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_along_last_dim(grad, ctx.group), None
-
-
-class _GatherFromModelParallelRegion(torch.autograd.Function):
-    """All-gather along the last dim; split backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_along_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_along_last_dim(grad, ctx.group), None
-
-
-class _ScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Keep this rank's chunk of the sequence (first) dim; all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_along_first_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_along_first_dim(grad, ctx.group), None
+_CopyToModelParallelRegion = _conjugate_pair(
+    "_CopyToModelParallelRegion", _identity, _reduce, "Identity forward; all-reduce of the gradient backward.")
+_ReduceFromModelParallelRegion = _conjugate_pair(
+    "_ReduceFromModelParallelRegion", _reduce, _identity, "All-reduce forward; identity backward.")
+_ScatterToModelParallelRegion = _conjugate_pair(
+    "_ScatterToModelParallelRegion", _split_along_last_dim, _gather_along_last_dim,
+    "Keep this rank's chunk of the last dim; all-gather backward.")
+_GatherFromModelParallelRegion = _conjugate_pair(
+    "_GatherFromModelParallelRegion", _gather_along_last_dim, _split_along_last_dim,
+    "All-gather along the last dim; split backward.")
+_ScatterToSequenceParallelRegion = _conjugate_pair(
+    "_ScatterToSequenceParallelRegion", _split_along_first_dim, _gather_along_first_dim,
+    "Keep this rank's chunk of the sequence (first) dim; all-gather backward.")
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
@@ -164,17 +132,9 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
         return _split_along_first_dim(grad, ctx.group), None, None
 
 
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Reduce-scatter along the sequence dim; all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_along_first_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_along_first_dim(grad, ctx.group), None
+_ReduceScatterToSequenceParallelRegion = _conjugate_pair(
+    "_ReduceScatterToSequenceParallelRegion", _reduce_scatter_along_first_dim, _gather_along_first_dim,
+    "Reduce-scatter along the sequence dim; all-gather backward.")
 
 
 def _even_split_only(name, split_sizes):
@@ -229,6 +189,25 @@ def _all_to_all(x, group, output_split_sizes, input_split_sizes):
     return out
 
 
+def _reduce_scatter_along_last_dim(x, group):
+    """Sum over ``group``, keep this rank's chunk of the last dim (reduce-scatter along dim 0 of the
+    transposed tensor, the adjoint of _gather_along_last_dim)."""
+    n = _size(group)
+    if n == 1:
+        return x
+    if x.size(-1) % n != 0:
+        raise ValueError(f"last dimension {x.size(-1)} is not divisible by the group size {n}")
+    return _reduce_scatter_along_first_dim(x.movedim(-1, 0).contiguous(), group).movedim(0, -1).contiguous()
+
+
+_AllGatherFromTensorParallelRegion = _conjugate_pair(
+    "_AllGatherFromTensorParallelRegion", _gather_along_last_dim, _reduce_scatter_along_last_dim,
+    "All-gather along the last dim; reduce-scatter along the last dim backward.")
+_ReduceScatterToTensorParallelRegion = _conjugate_pair(
+    "_ReduceScatterToTensorParallelRegion", _reduce_scatter_along_last_dim, _gather_along_last_dim,
+    "Reduce-scatter along the last dim; all-gather along the last dim backward.")
+
+
 class _AllToAll(torch.autograd.Function):
     """All-to-all along dim 0 with per-rank split sizes; backward is the all-to-all with the splits swapped."""
 
@@ -242,6 +221,44 @@ class _AllToAll(torch.autograd.Function):
         return None, _all_to_all(grad, ctx.group, ctx.input_split_sizes, ctx.output_split_sizes), None, None
 
 
-def all_to_all(group, input_, output_split_sizes=None, input_split_sizes=None):
-    """Rank r sends rows [sum(input_split_sizes[:j]), +input_split_sizes[j]) to rank j (equal splits if None)."""
-    return _AllToAll.apply(group, input_, output_split_sizes, input_split_sizes)
+def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None, use_nccl_stream=False):
+    """Rank r sends rows [sum(input_split_sizes[:j]), +input_split_sizes[j]) to rank j (equal splits if None).
+    `use_nccl_stream` (run the exchange on NCCL's own CUDA stream) has no effect here: the collective
+    runs on the current stream."""
+    if group is None:
+        raise ValueError("all_to_all: pass the process group to exchange over (group=None)")
+    return _AllToAll.apply(group, input_, output_split_sizes_, input_split_sizes)
+
+
+def all_gather_last_dim_from_tensor_parallel_region(input_, group=None):
+    """[..., h/tp] -> [..., h]: all-gather along the last dim; backward reduce-scatters the gradient."""
+    return _AllGatherFromTensorParallelRegion.apply(input_, _tp_group(group))
+
+
+def reduce_scatter_last_dim_to_tensor_parallel_region(input_, group=None):
+    """[..., h] partial sums -> [..., h/tp] summed chunk of this rank; backward all-gathers."""
+    return _ReduceScatterToTensorParallelRegion.apply(input_, _tp_group(group))
+
+
+def _tokens_2d(input_, group):
+    """(TP group, its size, input as [tokens, hidden])."""
+    group = _tp_group(group)
+    return group, _size(group), input_.reshape(-1, input_.shape[-1])
+
+
+def all_to_all_sp2hp(input_, group=None):
+    """[num_tokens/tp, h] (split by sequence) -> [num_tokens, h/tp] (split by hidden), over the TP group."""
+    group, n, x = _tokens_2d(input_, group)
+    if n == 1:
+        return x
+    # Column chunk j goes to rank j; stacking the chunks along rows makes that a plain dim-0 all-to-all.
+    return all_to_all(group, torch.cat(torch.split(x, x.shape[-1] // n, dim=1), dim=0))
+
+
+def all_to_all_hp2sp(input_, group=None):
+    """[num_tokens, h/tp] (split by hidden) -> [num_tokens/tp, h] (split by sequence); inverse of sp2hp."""
+    group, n, x = _tokens_2d(input_, group)
+    if n == 1:
+        return x
+    y = all_to_all(group, x)  # row block j now holds rank j's hidden chunk of this rank's tokens
+    return torch.cat(torch.split(y, y.shape[0] // n, dim=0), dim=-1)

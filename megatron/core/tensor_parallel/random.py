@@ -157,6 +157,27 @@ def initialize_rng_tracker(use_te_rng_tracker: bool = False, inference_rng_track
         tracker.set_graph_safe(use_cudagraphable_rng)
 
 
+def convert_cuda_rng_state(state, to_graphable: bool = False):
+    """A generator-state tensor -> a graph-safe generator-state object (`to_graphable`), or back."""
+    if not isinstance(state, (torch.Tensor, torch.Generator)):
+        raise ValueError(f"convert_cuda_rng_state: expected a state tensor or torch.Generator, got {type(state)}")
+    if not to_graphable:
+        return state.get_state() if isinstance(state, torch.Generator) else state
+    if isinstance(state, torch.Generator):
+        return state
+    if not torch.cuda.is_available():
+        raise RuntimeError("convert_cuda_rng_state(to_graphable=True): graph-safe RNG states need a CUDA device")
+    generator = _default_cuda_generator().clone_state()
+    generator.set_state(state)
+    return generator
+
+
+def is_graph_safe_cuda_rng_tracker(cuda_rng_tracker) -> bool:
+    """True when the tracker keeps graph-safe generator objects (use_cudagraphable_rng)."""
+    return bool(getattr(cuda_rng_tracker, "graph_safe", False)
+                or getattr(cuda_rng_tracker, "use_cudagraphable_rng", False))
+
+
 def get_expert_parallel_rng_tracker_name() -> str:
     return _EXPERT_PARALLEL_RNG_TRACKER_NAME
 
@@ -201,6 +222,24 @@ def _restore_rng(states):
     get_cuda_rng_tracker().set_states(tracker)
 
 
+_IS_CHECKPOINTING = False
+
+
+@contextlib.contextmanager
+def _checkpointing():
+    global _IS_CHECKPOINTING
+    previous, _IS_CHECKPOINTING = _IS_CHECKPOINTING, True
+    try:
+        yield
+    finally:
+        _IS_CHECKPOINTING = previous
+
+
+def is_checkpointing() -> bool:
+    """True while a recomputed function runs: its no-grad forward and its recompute in backward."""
+    return _IS_CHECKPOINTING
+
+
 class CheckpointFunction(torch.autograd.Function):
     """Run ``function`` without saving activations; recompute it in backward under the same RNG states."""
 
@@ -210,7 +249,7 @@ class CheckpointFunction(torch.autograd.Function):
             raise NotImplementedError("--distribute-saved-activations is not supported; drop the flag")
         ctx.run_function = run_function
         ctx.rng_states = _capture_rng()
-        with torch.no_grad():
+        with torch.no_grad(), _checkpointing():
             outputs = run_function(*args)
         tensors = [a if torch.is_tensor(a) else None for a in args]
         ctx.others = [None if torch.is_tensor(a) else a for a in args]
@@ -230,7 +269,7 @@ class CheckpointFunction(torch.autograd.Function):
                 inputs.append(other)
         now = _capture_rng()
         _restore_rng(ctx.rng_states)
-        with torch.enable_grad():
+        with torch.enable_grad(), _checkpointing():
             outputs = ctx.run_function(*inputs)
         _restore_rng(now)
         if torch.is_tensor(outputs):
@@ -244,3 +283,87 @@ class CheckpointFunction(torch.autograd.Function):
 def checkpoint(function, distribute_saved_activations: bool, *args):
     """Activation recompute of ``function(*args)`` (Megatron's ``tensor_parallel.checkpoint``)."""
     return CheckpointFunction.apply(function, distribute_saved_activations, *args)
+
+
+def _detached(args):
+    return tuple(a.detach().requires_grad_(a.requires_grad) if torch.is_tensor(a) else a for a in args)
+
+
+class CheckpointWithoutOutputFunction(torch.autograd.Function):
+    """Forward of CheckpointWithoutOutput: runs ``run_function`` without a graph and keeps its inputs.
+    Backward back-propagates through the graph that the recompute hook built."""
+
+    @staticmethod
+    def forward(ctx, run_function, checkpoint_without_output_obj, *args):
+        with torch.no_grad(), _checkpointing():
+            outputs = run_function(*args)
+        ctx.save_for_backward(*[a for a in args if torch.is_tensor(a)])
+        ctx.non_tensors = [None if torch.is_tensor(a) else a for a in args]
+        ctx.recomputed = None  # (inputs, outputs), set by the recompute hook
+        checkpoint_without_output_obj.ctx = ctx
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.recomputed is None:
+            raise RuntimeError("CheckpointWithoutOutput: backward reached the checkpointed function before its "
+                               "recompute ran; call discard_output_and_register_recompute(hook_tensor) with a "
+                               "tensor whose gradient is computed first")
+        inputs, outputs = ctx.recomputed
+        ctx.recomputed = None
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None) + tuple(i.grad if torch.is_tensor(i) else None for i in inputs)
+
+
+class CheckpointWithoutOutput:
+    """Recompute whose outputs are freed too, not only its intermediates.
+
+    ``out = ckpt.checkpoint(fn, *args)``; once the next op has consumed ``out`` (and saved it for its own
+    backward), ``ckpt.discard_output_and_register_recompute(next_out)`` frees ``out``'s storage and
+    recomputes it, under the forward's RNG states, when the gradient of ``next_out`` is computed,
+    before the next op's backward reads it. `fp8` has no effect here: the recompute runs the same code,
+    FP8 included."""
+
+    def __init__(self, fp8=False):
+        self.fp8 = fp8 is not None
+        self.run_function, self.rng_states, self.ctx, self.outputs = None, None, None, None
+
+    def checkpoint(self, run_function, *args):
+        self.run_function = run_function
+        self.rng_states = _capture_rng()
+        outputs = CheckpointWithoutOutputFunction.apply(run_function, self, *args)
+        self.outputs = (outputs,) if torch.is_tensor(outputs) else tuple(outputs)
+        return outputs
+
+    def _recompute(self, _):
+        if self.ctx is None:
+            return  # already recomputed
+        saved = iter(self.ctx.saved_tensors)
+        inputs = _detached([next(saved) if a is None else a for a in self.ctx.non_tensors])
+        now = _capture_rng()
+        _restore_rng(self.rng_states)
+        try:
+            with torch.enable_grad(), _checkpointing():
+                outputs = self.run_function(*inputs)
+        finally:
+            _restore_rng(now)
+        outputs = (outputs,) if torch.is_tensor(outputs) else tuple(outputs)
+        # Refill the freed storages in place through `.data`, which does not bump the version counter,
+        # so the consumers that saved these tensors for backward accept them.
+        for old, new in zip(self.outputs, outputs):
+            old.untyped_storage().resize_(old.numel() * old.element_size())
+            old.data.copy_(new.detach())
+        self.ctx.recomputed = (inputs, outputs)
+        self.ctx, self.outputs, self.run_function, self.rng_states = None, None, None, None
+
+    def discard_output_and_register_recompute(self, hook_tensor):
+        """Free the outputs' storage (their shapes stay) and recompute them when ``hook_tensor``'s
+        gradient is computed."""
+        for out in self.outputs:
+            if out.storage_offset() != 0 or not out.is_contiguous():
+                raise ValueError("CheckpointWithoutOutput: outputs must be contiguous tensors that own their "
+                                 "storage to be discarded")
+            out.untyped_storage().resize_(0)
+        if hook_tensor.requires_grad:
+            hook_tensor.register_hook(self._recompute)

@@ -193,14 +193,14 @@ def _export(args, src, checkpoint_path, out_dir, vocab_size, family, max_shard_b
         fam = _infer_family(args)
     vocab = int(vocab_size or getattr(args, "vocab_size", None) or args.padded_vocab_size)
     meta = load_tensors_metadata(src)
-    dtype = meta["embedding.word_embeddings.weight"][1]
+    dtype = meta["embedding.word_embeddings.weight"].dtype
     cfg = fam.args_to_config(args, vocab)
     cfg = dict(base, **cfg) if base else cfg
     if not cfg.get("rope_scaling"):
         cfg.pop("rope_scaling", None)
     cfg["torch_dtype"] = cfg["dtype"] = str(dtype).replace("torch.", "")
     flags = fam.config_to_flags(cfg)
-    shapes = shapes_from_flags(flags, vocab, meta["embedding.word_embeddings.weight"][0][0])
+    shapes = shapes_from_flags(flags, vocab, meta["embedding.word_embeddings.weight"].global_shape[0])
     writer = ShardedSafetensorsWriter(out_dir, max_shard_bytes)
     for name, tensor in ours_to_hf(fam, cfg, shapes, lambda names: read_global(src, names, meta)):
         writer.add(name, tensor)
