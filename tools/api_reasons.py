@@ -34,7 +34,6 @@ REASONS = {
     C[:-1] + ":register_safe_globals": "torch.load(weights_only) allow-listing of Megatron classes is not needed: "
                                         "checkpoints here load with weights_only=False from trusted paths",
     C[:-1] + ":safe_load_from_bytes": "see register_safe_globals",
-    C + "model_parallel_config:resolve_tensor_parallel_weight_shards": GTP,
     C + "enums:Fp4Recipe": "FP4 training needs Transformer Engine, which is not used",
     C + "enums:Fp8Recipe": "the 'custom' recipe (user quantizer factories) needs Transformer Engine",
     C + "process_groups_config:MultiModuleProcessGroupCollection": "multi-module (MIMO / vision+language) models are not implemented",
@@ -48,7 +47,6 @@ REASONS = {
     C + "tensor_parallel:InferenceColumnParallelLinear": INFER,
     C + "tensor_parallel:InferenceLayerNormColumnParallelLinear": INFER,
     C + "tensor_parallel:InferenceRowParallelLinear": INFER,
-    "*:copy_gtp_attributes": GTP, "*:param_is_not_gtp_duplicate": GTP, "*:get_gtp_remat_rng_tracker_name": GTP,
     # transformer
     "*:MLATransformerConfig": MLA,
     C + "transformer:TransformerConfig": "fp8_recipe defaults to 'tensorwise', the one FP8 recipe without Transformer Engine",
@@ -85,7 +83,6 @@ REASONS = {
     C + "optimizer:HAVE_EMERGING_OPTIMIZERS": "Muon/SOAP/Lion (emerging optimizers) are not implemented",
     C + "optimizer:HybridDeviceOptimizer": "CPU-offloaded optimizer steps are not implemented",
     C + "optimizer:LayerWiseDistributedOptimizer": "the layer-wise distributed optimizer (for Muon) is not implemented",
-    C + "optimizer:is_managed_by_layer_wise_optimizer": "see LayerWiseDistributedOptimizer",
     C + "optimizer.distrib_optimizer:Range": "the distributed optimizer keeps (start, end) tuples",
     # distributed
     C + "distributed:FullyShardedDataParallel": "Megatron-FSDP is not implemented (torch FSDP2 is, via --use-torch-fsdp2)",
@@ -94,17 +91,15 @@ REASONS = {
                                                                 "(no _ParamAndGradBucketGroup; no FP8 param buffers)",
     # pipeline
     C + "pipeline_parallel.schedules:*": "internal helper of Megatron's schedule implementation",
-    C + "pipeline_parallel.schedules:backward_step_multimodule": "multi-module pipelines are not implemented",
     C + "pipeline_parallel.p2p_communication:is_single_shape": "P2PCommunicator sends one tensor shape per stage",
     # dist_checkpointing
     C + "dist_checkpointing.strategies.torch:*": CKPT_STRATEGY,
+    C + "dist_checkpointing.strategies.torch:get_async_strategy": (
+        "returns Megatron's async writer modules (nvidia-resiliency-ext or its own FileSystemWriterAsync / "
+        "state_dict_saver); async saves here are AsyncRequest / AsyncCallsQueue threads without those modules"),
     "*:LocalNonpersistentObject": "non-persistent entries are dropped by the caller before saving",
     "*:remove_sharded_tensors": ("torch_dist files here are per rank (__R_0.distcp), not per key prefix, so keys "
                                  "cannot be dropped by deleting files; load and re-save without them"),
-    C + "dist_checkpointing.strategies.async_utils:*": ("async saves run in a background thread per request "
-                                                         "(AsyncRequest / AsyncCallsQueue); Megatron's process-based "
-                                                         "callers (a fork per save, a persistent worker) are not "
-                                                         "implemented"),
     # datasets
     C + "datasets.blended_megatron_dataset_config:*": DATA_CFG, C + "datasets.gpt_dataset:*": DATA_CFG,
     C + "datasets.bert_dataset:*": DATA_CFG, C + "datasets.t5_dataset:*": DATA_CFG,
@@ -116,13 +111,8 @@ REASONS = {
     # training
     T[:-1] + ":set_startup_timestamps": "startup timing is printed by pretrain itself",
     T + "argument_utils:*": CONFIG_CONTAINER,
-    T + "argument_utils:ArgumentGroupFactory": "flags are declared in megatron/training/arguments/*_args.py",
-    T + "argument_utils:TypeInferenceError": "see ArgumentGroupFactory",
     T + "arguments:validate_model_config_args_from_heterogeneous_config": "heterogeneous (per-layer) model configs are not implemented",
-    T + "utils:append_to_progress_log": "--log-progress is not implemented",
-    T + "utils:calc_dtensor_params_l2_norm": "calc_params_l2_norm handles DTensor (FSDP2) params",
     T + "utils:check_adlr_autoresume_termination": "ADLR autoresume is not implemented",
-    T + "utils:start_memory_history_recording": "--record-memory-history is not implemented",
 }
 
 

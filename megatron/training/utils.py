@@ -224,3 +224,54 @@ def has_nvrx_checkpointing_async_support():
 
 def is_gtp_remat_active():
     return False  # weight rematerialisation groups are never built here
+
+
+def append_to_progress_log(save_dir: str, string: str, barrier: bool = True) -> None:
+    """Append '<time>\\tJob ID: <SLURM_JOB_ID>\\t# GPUs: <world size>\\t<string>' to <save_dir>/progress.txt
+    (rank 0 writes, after a barrier unless `barrier` is False); nothing without a save directory."""
+    import datetime
+    import os
+    if save_dir is None:
+        return
+    if barrier and _dist():
+        torch.distributed.barrier()
+    if get_rank_safe() == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        with open(os.path.join(save_dir, "progress.txt"), "a+") as f:
+            stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+            f.write(f"{stamp}\tJob ID: {os.getenv('SLURM_JOB_ID', '')}\t# GPUs: {get_world_size_safe()}\t{string}\n")
+
+
+def calc_dtensor_params_l2_norm(params):
+    """L2 norm of DTensor (FSDP2) params: each local shard's sum of squares, summed over the mesh
+    dimensions the tensor is sharded on (replicated dimensions hold the same values)."""
+    by_spec = {}
+    for p in params:
+        by_spec.setdefault((p.device_mesh, tuple(p.placements)), []).append(p.to_local())
+    total = 0.0
+    for (mesh, placements), locals_ in by_spec.items():
+        sq = torch.zeros((), dtype=torch.float32, device=locals_[0].device)
+        for t in locals_:
+            sq += t.detach().float().pow(2).sum()
+        for group, placement in zip(mesh.get_all_groups(), placements):
+            if placement.is_shard():
+                torch.distributed.all_reduce(sq, group=group)
+            elif not placement.is_replicate():
+                raise RuntimeError(f"calc_dtensor_params_l2_norm: unsupported placement {placement}")
+        total += sq.item()
+    return total ** 0.5
+
+
+def start_memory_history_recording(profiling) -> None:
+    """Turn on the CUDA caching allocator's event history (what memory snapshots show as a timeline)
+    when `profiling.record_memory_history` is set and this rank is in `profiling.profile_ranks` (all
+    ranks when empty). `profiling` is any object with those attributes (Megatron's ProfilingConfig or
+    args)."""
+    if profiling is None or not getattr(profiling, "record_memory_history", False):
+        return
+    ranks = getattr(profiling, "profile_ranks", None) or []
+    if ranks and get_rank_safe() not in ranks:
+        return
+    if not torch.cuda.is_available():
+        raise RuntimeError("record_memory_history: the allocator history is CUDA's; there is no CUDA device here")
+    torch.cuda.memory._record_memory_history(True, trace_alloc_max_entries=100_000, trace_alloc_record_context=True)

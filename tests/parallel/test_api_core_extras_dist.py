@@ -1,7 +1,7 @@
 """Megatron Core names that need ranks, one 4-rank gloo world: the last-dim and sp<->hp mappings against
 the unsharded tensors, the extra CP / all-gather groups, set_data_parallel_rank, the TP batch broadcast,
-the frozen-weight linear under sequence parallelism, zero counting over TP, and DistributedOptimizer
-built with Megatron's constructor. Values are exact (copies and fp32 sums of a few terms: 1e-6)."""
+the frozen-weight linear under sequence parallelism, zero counting over TP, DistributedOptimizer built
+with Megatron's constructor, and the DTensor parameter norm. Values are exact (copies and fp32 sums of a few terms: 1e-6)."""
 import torch
 import torch.distributed as dist
 
@@ -122,8 +122,20 @@ def _distributed_optimizer(rank):
     ps.destroy_model_parallel()
 
 
+def _dtensor_norm(rank, n):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from megatron.training.utils import calc_dtensor_params_l2_norm
+    mesh = init_device_mesh("cpu", (n,))
+    a, b = _full(8, 3, seed=5), _full(5, seed=6)
+    params = [distribute_tensor(a, mesh, [Shard(0)]), distribute_tensor(b, mesh, [Replicate()])]
+    expect = (a.pow(2).sum() + b.pow(2).sum()).sqrt().item()
+    assert abs(calc_dtensor_params_l2_norm(params) - expect) < 1e-5 * expect
+
+
 def _world():
     rank, n = dist.get_rank(), dist.get_world_size()
+    _dtensor_norm(rank, n)
     _mappings(rank, n)
     _groups(rank)
     _tp_pieces(rank)

@@ -97,16 +97,20 @@ def _tagged_all_reduce(value, delay, results, key, group=None):
 
 def _two_pending_writes():
     rank = torch.distributed.get_rank()
-    q, results = dc.AsyncCallsQueue(), {}
-    # Were both writes in flight at once, rank 0 would reach b's collective first and rank 1 a's, so
-    # they would pair up on the shared group (a == b == 11).
-    q.schedule_async_request(dc.AsyncRequest(_tagged_all_reduce, (1, 0.5 if rank == 0 else 0.0, results, "a")))
-    q.schedule_async_request(dc.AsyncRequest(_tagged_all_reduce, (10, 0.0 if rank == 0 else 0.2, results, "b")))
-    done = q.maybe_finalize_async_calls(blocking=True)
-    return done, results
+    out = []
+    for persistent in (False, True):  # a worker per save, or one persistent worker
+        q, results = dc.AsyncCallsQueue(persistent=persistent), {}
+        # Were both writes in flight at once, rank 0 would reach b's collective first and rank 1 a's, so
+        # they would pair up on the shared group (a == b == 11).
+        q.schedule_async_request(dc.AsyncRequest(_tagged_all_reduce, (1, 0.5 if rank == 0 else 0.0, results, "a")))
+        q.schedule_async_request(dc.AsyncRequest(_tagged_all_reduce, (10, 0.0 if rank == 0 else 0.2, results, "b")))
+        out.append((q.maybe_finalize_async_calls(blocking=True), results))
+        q.close()
+    return out
 
 
 def test_async_writes_run_in_schedule_order():
     """Back-to-back saves: each write's collectives run after the previous write's, on every rank."""
-    for done, results in run_distributed(_two_pending_writes, 2):
-        assert done == [0, 1] and results == {"a": 2.0, "b": 20.0}
+    for per_rank in run_distributed(_two_pending_writes, 2):
+        for done, results in per_rank:
+            assert done == [0, 1] and results == {"a": 2.0, "b": 20.0}

@@ -1,7 +1,9 @@
 """Megatron Core names used the way Megatron's code and docs use them, single process: recompute without
 output, the frozen-weight linear, the cross-entropy steps, schedule helpers, optimizer config overrides,
 clipping and zero counting by parameters, checkpoint factories / validation / integrity, batch helpers."""
+import dataclasses
 import os
+import typing
 
 import pytest
 import torch
@@ -211,3 +213,109 @@ def test_batch_buffer_and_wgrad_helpers():
     assert prepare_input_tensors_for_wgrad_compute(gs[0], xs[0])[0].shape == (2, 5)
     drain_embedding_wgrad_compute(_tiny_gpt_config(), list(xs), list(gs), w, None)
     torch.testing.assert_close(w.main_grad, expected)
+
+
+def test_megatron_metadata_class_unpickles(tmp_path):
+    """A .metadata pickled as Megatron Core 0.15's MCoreMetadata (optimizer-state checkpoints) loads."""
+    import pickle
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreMetadata
+    ckpt = str(tmp_path / "c")
+    w = torch.randn(4, 2)
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, ckpt)
+    path = os.path.join(ckpt, ".metadata")
+    with open(path, "rb") as f:
+        md = pickle.load(f)
+    legacy = MCoreMetadata()
+    legacy.__dict__.update(vars(md))
+    with open(path, "wb") as f:
+        pickle.dump(legacy, f)
+    assert torch.equal(dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 2))}, ckpt)["w"], w)
+
+
+def test_async_callers_single_process():
+    from megatron.core.dist_checkpointing.strategies.async_utils import (AsyncRequest, PersistentAsyncCaller,
+                                                                          TemporalAsyncCaller)
+    order = []
+    for caller in (TemporalAsyncCaller(), PersistentAsyncCaller()):
+        for tag in ("a", "b"):
+            caller.schedule_async_call(AsyncRequest(order.append, (tag,)))
+            assert caller.is_current_async_call_done(blocking=True, no_dist=True)
+        caller.close()
+    assert order == ["a", "b", "a", "b"]
+
+
+def test_small_training_and_core_helpers(tmp_path):
+    import argparse
+    from megatron.core.model_parallel_config import resolve_tensor_parallel_weight_shards
+    from megatron.core.optimizer import is_managed_by_layer_wise_optimizer
+    from megatron.core.pipeline_parallel.schedules import backward_step_multimodule
+    from megatron.core.tensor_parallel.random import (get_cuda_rng_tracker, get_data_parallel_rng_tracker_name,
+                                                      model_parallel_cuda_manual_seed)
+    from megatron.core.dist_checkpointing.strategies.torch import flatten_state_dict
+    from megatron.training.argument_utils import ArgumentGroupFactory, TypeInferenceError
+    from megatron.training.utils import append_to_progress_log
+    assert resolve_tensor_parallel_weight_shards(2, None, 1) == (2, 1)
+    assert resolve_tensor_parallel_weight_shards(2, 8, 1) == (8, 4)
+    with pytest.raises(ValueError, match="multiple"):
+        resolve_tensor_parallel_weight_shards(4, 6, 1)
+    emb = torch.nn.Parameter(torch.zeros(3, 2))
+    emb.is_embedding_or_output_parameter = True
+    assert is_managed_by_layer_wise_optimizer(torch.nn.Parameter(torch.zeros(3, 2)))
+    assert not is_managed_by_layer_wise_optimizer(emb) and not is_managed_by_layer_wise_optimizer(torch.zeros(3))
+    # Dict-of-modules backward: the language model's loss alone on the last stage.
+    enc_in, lm_in = torch.randn(2, requires_grad=True), torch.randn(2, requires_grad=True)
+    loss = (enc_in * 3).sum() + (lm_in * 2).sum()
+    grads = backward_step_multimodule({"enc": enc_in, "lm": [lm_in]}, loss, None, _tiny_gpt_config(), "lm")
+    assert torch.equal(grads["enc"], torch.full((2,), 3.0)) and torch.equal(grads["lm"], torch.full((2,), 2.0))
+    model_parallel_cuda_manual_seed(5)
+    with get_cuda_rng_tracker().fork(get_data_parallel_rng_tracker_name()):
+        a = torch.rand(3)
+    torch.manual_seed(5)
+    assert torch.equal(a, torch.rand(3))  # the data-parallel state is the plain seed, as in Megatron
+    get_cuda_rng_tracker().reset()  # leave no seeded tracker behind for other tests
+    flat, paths = flatten_state_dict({"a": {"b": 1}, "l": [{"c": 2}]})
+    assert flat == {"a.b": 1, "l.0.c": 2} and paths["l.0.c"] == ("l", 0, "c")
+    parser = argparse.ArgumentParser()
+    ArgumentGroupFactory(_FlagsConfig, exclude=["skip"]).build_group(parser, "demo")
+    args = parser.parse_args(["--num-layers", "3", "--no-use-bias", "--sizes", "4", "5", "--mode", "b"])
+    assert (args.num_layers, args.use_bias, args.sizes, args.mode, args.fast) == (3, False, [4, 5], "b", False)
+    assert "Layers to build." in parser.format_help() and not hasattr(args, "skip")
+    with pytest.raises(TypeInferenceError):
+        ArgumentGroupFactory(_BadConfig).build_group(argparse.ArgumentParser())
+    append_to_progress_log(str(tmp_path), "Starting job")
+    line = open(tmp_path / "progress.txt").read()
+    assert line.endswith("\tStarting job\n") and "# GPUs: 1" in line
+
+
+def test_reset_model_temporary_tensors_clears_router_counts():
+    from megatron.core.distributed.finalize_model_grads import reset_model_temporary_tensors
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4, moe_router_topk=2,
+                            moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
+                            moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.01,
+                            use_cpu_initialization=True)
+    router = TopKRouter(cfg)
+    router.set_layer_number(1)
+    router(torch.randn(5, 1, 8))
+    assert router.local_tokens_per_expert.sum() == 10 and router.ga_steps == 1  # 5 tokens x top-2
+    reset_model_temporary_tensors(cfg, [router])
+    assert router.local_tokens_per_expert.sum() == 0 and router.global_tokens_per_expert.sum() == 0
+    assert router.ga_steps == 0
+
+
+@dataclasses.dataclass
+class _FlagsConfig:  # module level: ArgumentGroupFactory reads field docstrings from the source
+    """Demo flags."""
+    num_layers: int = 2
+    """Layers to build."""
+    use_bias: bool = True
+    fast: bool = False
+    sizes: typing.List[int] = dataclasses.field(default_factory=lambda: [1])
+    mode: typing.Literal["a", "b"] = "a"
+    skip: typing.Union[int, str] = 0
+
+
+@dataclasses.dataclass
+class _BadConfig:
+    either: typing.Union[int, str] = 0

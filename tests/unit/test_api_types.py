@@ -126,7 +126,6 @@ def test_modules_refuse_features_they_lack():
 
 def test_loaders_refuse_missing_backends(tmp_path):
     from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
     from megatron.core.utils import get_batch_on_this_cp_rank
     prefix = str(tmp_path / "d")
     builder = IndexedDatasetBuilder(prefix + ".bin")
@@ -136,8 +135,6 @@ def test_loaders_refuse_missing_backends(tmp_path):
     assert len(IndexedDataset(prefix, object_storage_config=None, fast_cache_load=False)) == 1
     with pytest.raises(NotImplementedError, match="S3"):
         IndexedDataset(prefix, s3_config={"bucket": "b"})
-    with pytest.raises(NotImplementedError, match="persistent"):
-        AsyncCallsQueue(persistent=True)
     batch = {"tokens": torch.arange(8).view(1, 8)}
     assert get_batch_on_this_cp_rank(batch, False)["tokens"] is batch["tokens"]  # CP size 1: unchanged
     with pytest.raises(NotImplementedError, match="hybrid"):

@@ -8,7 +8,7 @@ from megatron.core.optimizer.chained_optimizer import ChainedOptimizer
 from megatron.core.optimizer.clip_grads import clip_grad_norm_fp32, count_zeros_fp32, get_grad_norm_fp32
 from megatron.core.optimizer.config_overrides import (
     check_config_overrides_consistency, get_mup_config_overrides, get_standard_config_overrides,
-    param_groups_from_overrides, trainable_named_parameters)
+    is_managed_by_layer_wise_optimizer, param_groups_from_overrides, trainable_named_parameters)
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.optimizer.optimizer import (

@@ -29,6 +29,12 @@ def get_standard_config_overrides(config: OptimizerConfig) -> Dict:
     return overrides
 
 
+def is_managed_by_layer_wise_optimizer(param) -> bool:
+    """Megatron's routing rule for Muon's layer-wise optimizer: 2-D weights other than the embedding and
+    output weights (the rest goes to Adam). That optimizer is not implemented here; the rule is."""
+    return param.dim() == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
+
+
 def _is_vector_like(param, name) -> bool:
     """Embeddings and 1-D params keep the base LR under MuP."""
     if getattr(param, "shared_embedding", False):

@@ -156,3 +156,28 @@ def finish_embedding_wgrad_compute(config, embedding_module, is_last_stage, tp_g
         if embedding_module.share_embeddings_and_output_weights else embedding_module.output_layer.weight
     drain_embedding_wgrad_compute(config, embedding_module.embedding_activation_buffer,
                                   embedding_module.grad_output_buffer, weight, tp_group)
+
+
+def backward_step_multimodule(input_tensor, output_tensor, output_tensor_grad, config, language_model_module_name):
+    """backward_step over {module name: tensor} dicts (a stage holding several modules, e.g. an encoder
+    and a language model). On the last stage `output_tensor` is the language model's loss alone (fp16
+    loss-scaled); modules without an output that needs grad are skipped. Returns {name: input grad}."""
+    from megatron.core.pipeline_parallel.utils import custom_backward
+    single = lambda t: t[0] if isinstance(t, list) else t  # noqa: E731
+    for tensor in input_tensor.values():
+        if single(tensor) is not None:
+            single(tensor).retain_grad()
+    if not isinstance(output_tensor, dict):
+        output_tensor = {language_model_module_name: output_tensor}
+    output_tensor_grad = output_tensor_grad or {name: None for name in output_tensor}
+    for name in output_tensor:
+        out, grad = single(output_tensor[name]), single(output_tensor_grad[name])
+        if grad is None and getattr(config, "grad_scale_func", None) is not None:
+            out = config.grad_scale_func(out)
+        if out is None or not out.requires_grad:
+            continue
+        if getattr(config, "deallocate_pipeline_outputs", False):
+            custom_backward(out, grad)
+        else:
+            torch.autograd.backward(out, grad_tensors=grad)
+    return {name: None if single(t) is None else single(t).grad for name, t in input_tensor.items()}

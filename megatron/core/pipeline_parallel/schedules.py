@@ -391,5 +391,5 @@ def forward_backward_pipelining_with_interleaving(
 
 
 from megatron.core.pipeline_parallel.schedule_api import (  # noqa: E402,F401  (Megatron's public helpers)
-    check_first_val_step, clear_embedding_activation_buffer, finish_embedding_wgrad_compute, forward_step,
+    backward_step_multimodule, check_first_val_step, clear_embedding_activation_buffer, finish_embedding_wgrad_compute, forward_step,
     forward_step_calc_loss, get_pp_rank_microbatches, get_schedule_table, get_tensor_device, get_tensor_shapes)

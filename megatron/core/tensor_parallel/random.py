@@ -182,6 +182,13 @@ def get_expert_parallel_rng_tracker_name() -> str:
     return _EXPERT_PARALLEL_RNG_TRACKER_NAME
 
 
+def get_gtp_remat_rng_tracker_name(is_expert: bool = False) -> str:
+    """Name of Megatron's weight-rematerialisation (generalized TP) init RNG state. As in Megatron, the
+    state exists only when that axis is larger than 1, which it never is here (gtp_remat is not
+    implemented), so forking it raises."""
+    return "egtp-remat-rng" if is_expert else "gtp-remat-rng"
+
+
 def get_data_parallel_rng_tracker_name() -> str:
     return _DATA_PARALLEL_RNG_TRACKER_NAME
 
@@ -190,10 +197,11 @@ def model_parallel_cuda_manual_seed(seed: int, te_rng_tracker: bool = False, inf
                                     use_cudagraphable_rng: bool = False, tp_rank: Optional[int] = None,
                                     ep_rank: Optional[int] = None, etp_rank: Optional[int] = None,
                                     force_reset_rng: bool = False) -> None:
-    """Seed the default device generator with ``seed`` and the tracker's TP / expert states.
+    """Seed the default device generator with ``seed`` and the tracker's data-parallel / TP / expert states.
 
-    TP state: seed + 2718 + tp_rank; expert state: seed + 1024 + 100 * ep_rank + expert_tp_rank. Ranks
-    default to parallel_state's (pass them to seed without process groups).
+    Data-parallel state: seed (same on every rank); TP state: seed + 2718 + tp_rank; expert state:
+    seed + 1024 + 100 * ep_rank + expert_tp_rank. Ranks default to parallel_state's (pass them to seed
+    without process groups).
     """
     if te_rng_tracker:
         raise NotImplementedError("--te-rng-tracker needs Transformer Engine, which is not supported; drop the flag")
@@ -204,6 +212,7 @@ def model_parallel_cuda_manual_seed(seed: int, te_rng_tracker: bool = False, inf
     tracker.reset()
     tracker.set_graph_safe(use_cudagraphable_rng)  # --cuda-graph-impl full_iteration
     _manual_seed(seed)
+    tracker.add(_DATA_PARALLEL_RNG_TRACKER_NAME, seed)
     tracker.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
     tracker.add(_EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
 

@@ -22,6 +22,16 @@ from torch.distributed.checkpoint.planner_helpers import (_create_read_item_for_
 from ..core import CheckpointingException
 from ..mapping import ShardedObject, ShardedTensor
 
+class MCoreMetadata:
+    """Unpickling target only: `.metadata` files written by Megatron Core 0.15 with optimizer state
+    pickle an object of this class path; its attributes (state_dict_metadata, storage_data...) are
+    restored as they were saved, which is all reading needs."""
+
+
+class MCoreSavePlan:
+    """Unpickling target only, for the save plans some older Megatron checkpoints pickle."""
+
+
 # fqn -> [(global offset, local tensor with prepended axes, global shape)]
 Shards = Dict[str, List[Tuple[Tuple[int, ...], torch.Tensor, Tuple[int, ...]]]]
 
@@ -179,3 +189,27 @@ def read_metadata(checkpoint_dir: str):
 
 def object_shards(objects: List[ShardedObject]) -> Dict[str, object]:
     return {o.unique_key: o.data for o in objects}
+
+
+def flatten_state_dict(state_dict):
+    """(one-level dict keyed by dotted paths, {dotted path: path tuple}) of a nested state dict.
+    Tensors and ShardedTensors/Objects are leaves, as are lists holding only plain values; other
+    lists are walked by index."""
+    from ..mapping import ShardedBase
+    flat, paths = {}, {}
+
+    def walk(value, path):
+        plain_list = isinstance(value, list) and not any(isinstance(v, (dict, list, torch.Tensor, ShardedBase))
+                                                         for v in value)
+        if isinstance(value, dict) or (isinstance(value, list) and not plain_list):
+            for k, v in (value.items() if isinstance(value, dict) else enumerate(value)):
+                walk(v, path + (k,))
+            return
+        fqn = ".".join(map(str, path))
+        if fqn in flat:
+            raise ValueError(f"duplicated flatten key {fqn}")
+        flat[fqn], paths[fqn] = value, path
+
+    for key, value in state_dict.items():
+        walk(value, (key,))
+    return flat, paths
