@@ -242,6 +242,13 @@ def test_async_callers_single_process():
             assert caller.is_current_async_call_done(blocking=True, no_dist=True)
         caller.close()
     assert order == ["a", "b", "a", "b"]
+    # Megatron's field order: (fn, args, finalize_fns, kwargs); preload_fn's result becomes args[1].
+    got = []
+    request = AsyncRequest(lambda a, b, k=0: got.append((a, b, k)), (1, 2), [], {"k": 5}, lambda: 9).freeze()
+    request.execute_sync()
+    assert got == [(1, 9, 5)]
+    with pytest.raises(RuntimeError, match="frozen"):
+        request.add_finalize_fn(print)
 
 
 def test_small_training_and_core_helpers(tmp_path):
@@ -319,3 +326,12 @@ class _FlagsConfig:  # module level: ArgumentGroupFactory reads field docstrings
 @dataclasses.dataclass
 class _BadConfig:
     either: typing.Union[int, str] = 0
+
+
+def test_save_refuses_an_incomplete_sharding(tmp_path):
+    """One of two chunks described (validate_access_integrity, on by default): nothing is written."""
+    half = ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, 0, 2))
+    with pytest.raises(dc.CheckpointingException, match="w"):
+        dc.save({"w": half}, str(tmp_path / "c"))
+    assert not os.path.exists(tmp_path / "c" / ".metadata")
+    dc.save({"w": half}, str(tmp_path / "d"), validate_access_integrity=False)  # the caller's call

@@ -59,6 +59,23 @@ def _split_nonpersistent(sharded_state_dict: ShardedStateDict):
                                  sharded_state_dict), local
 
 
+def _check_sharding(sharded_state_dict, process_group) -> None:
+    """Every chunk of every tensor written by exactly one rank: the group's first rank checks, every rank
+    raises the same CheckpointingException (none is left waiting in a collective)."""
+    from .validation import determine_global_metadata, sharding_error
+    _, global_metadata = determine_global_metadata(sharded_state_dict, process_group)
+    verdict = [sharding_error(global_metadata) if _rank_in(process_group) == 0 else None]
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size(process_group) > 1:
+        src = torch.distributed.get_global_rank(process_group, 0) if process_group is not None else 0
+        torch.distributed.broadcast_object_list(verdict, src=src, group=process_group)
+    if verdict[0] is not None:
+        raise CheckpointingException(verdict[0])
+
+
+def _rank_in(group) -> int:
+    return torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
+
+
 def _write_common(checkpoint_dir: str, common: Dict[str, Any]) -> None:
     if _rank() != 0:
         return
@@ -74,7 +91,9 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
          process_group=None) -> Optional[AsyncRequest]:
     """Save ``sharded_state_dict`` into ``checkpoint_dir`` (collective over all ranks).
 
-    `content_metadata` is stored with the common state (read back by load_content_metadata);
+    `validate_access_integrity` checks, before writing, that the main replicas of all ranks cover every
+    tensor's chunk grid exactly once (a CheckpointingException otherwise); `content_metadata` is stored
+    with the common state (read back by load_content_metadata);
     `async_strategy` names Megatron's async backends and has no effect (async saves run through
     AsyncRequest/AsyncCallsQueue); `verify_integrity` writes integrity.json (SHA-256 per file) for
     load(verify_integrity=True); the common-state consistency check is refused.
@@ -93,6 +112,8 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
                                   "(preprocess_common_before_consistancy_check) is not supported; leave it None")
     apply_factories(sharded_state_dict)  # in place, as Megatron
     sharded_state_dict, _ = _split_nonpersistent(sharded_state_dict)
+    if validate_access_integrity:
+        _check_sharding(sharded_state_dict, process_group)
     if content_metadata is not None:
         sharded_state_dict = {**sharded_state_dict, _CONTENT_METADATA_KEY: content_metadata}
     if _rank() == 0:

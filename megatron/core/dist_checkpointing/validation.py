@@ -174,9 +174,16 @@ def validate_sharding_integrity(global_metadata, common_state_dict=None) -> None
     dtype and shape, and every ShardedObject shard is written once. CheckpointingException otherwise.
     `common_state_dict` (the state rank 0 writes unsharded) is accepted and not compared across ranks."""
     from .core import CheckpointingException
-    from .mapping import ShardedObject
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
+    error = sharding_error(global_metadata)
+    if error:
+        raise CheckpointingException(error)
+
+
+def sharding_error(global_metadata) -> Optional[str]:
+    """validate_sharding_integrity's verdict as a message (None when the pattern is valid), on any rank."""
+    from .mapping import ShardedObject
     by_key = {}
     for rank_metadata in global_metadata:
         for sh in rank_metadata:
@@ -184,8 +191,7 @@ def validate_sharding_integrity(global_metadata, common_state_dict=None) -> None
     errors = []
     for key, shards in by_key.items():
         errors += _object_errors(key, shards) if isinstance(shards[0], ShardedObject) else _sharding_errors(key, shards)
-    if errors:
-        raise CheckpointingException("Invalid sharding pattern: " + "; ".join(errors))
+    return "Invalid sharding pattern: " + "; ".join(errors) if errors else None
 
 
 # ---- integrity manifest: sha256 of every file, written after a save, checked before a load -------------

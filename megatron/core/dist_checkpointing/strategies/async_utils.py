@@ -12,8 +12,8 @@ import logging
 import queue
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from dataclasses import dataclass, field, replace
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -22,13 +22,41 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class AsyncRequest:
+    """A background write: `async_fn(*async_fn_args, **async_fn_kwargs)` runs in the background, then
+    `finalize_fns` run on every rank once all ranks finished. With `preload_fn`, its result replaces
+    `async_fn_args[1]` when the write starts (Megatron stages the tensors to write that way)."""
     async_fn: Optional[Callable]
     async_fn_args: tuple = ()
     finalize_fns: List[Callable] = field(default_factory=list)
+    async_fn_kwargs: Dict = field(default_factory=dict)
+    preload_fn: Optional[Callable] = None
+    is_frozen: bool = False
+    call_idx: int = 0
     description: str = ""
 
     def add_finalize_fn(self, fn: Callable) -> None:
+        if self.is_frozen:
+            raise RuntimeError("Cannot add finalization functions to a frozen AsyncRequest")
         self.finalize_fns.append(fn)
+
+    def freeze(self) -> "AsyncRequest":
+        """A copy to which no finalize function can be added."""
+        return replace(self, is_frozen=True)
+
+    def call_args(self) -> list:
+        args = list(self.async_fn_args)
+        if self.preload_fn is not None:
+            args[1] = self.preload_fn()
+        return args
+
+    def execute_sync(self) -> None:
+        """Run the request in the foreground: the write, a barrier, the finalize functions."""
+        if self.async_fn is not None:
+            self.async_fn(*self.call_args(), **self.async_fn_kwargs)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        for fn in self.finalize_fns:
+            fn()
 
 
 class _Job:
@@ -43,8 +71,8 @@ class _Job:
             after.wait()
         try:
             if self.request.async_fn is not None:
-                kwargs = {"group": group} if group is not None else {}
-                self.request.async_fn(*self.request.async_fn_args, **kwargs)
+                kwargs = dict(self.request.async_fn_kwargs, **({"group": group} if group is not None else {}))
+                self.request.async_fn(*self.request.call_args(), **kwargs)
         except BaseException as e:  # reported by the finalize step on every rank
             self.error = e
         finally:
