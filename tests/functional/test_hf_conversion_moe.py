@@ -24,7 +24,7 @@ from tests.parallel.dist_utils import run_distributed  # noqa: E402
 
 # fp32 on CPU, same operations as transformers in another order (TP/PP/EP splits, expert loops vs grouped
 # tensors): measured ~3e-7 relative. Routing is discrete, so the router weights are drawn large enough that no
-# token's top-k is within rounding of a tie; a wrong router semantics (pre-softmax or not) moves logits ~1e-1.
+# token's top-k is within rounding of a tie; the wrong router semantics (pre-softmax or not) moves them 3e-3.
 RTOL = 1e-5
 MOE = ["mixtral", "qwen3_moe"]
 
@@ -169,6 +169,13 @@ def test_moe_flags_rebuild_the_architecture(world):
         assert cfg[k] == hf[k], k
     mix = open(os.path.join(world["dirs"]["mixtral"] + "_tp1", "model_args.sh")).read()
     assert "--window-size 6,0" in mix and "--moe-router-pre-softmax" not in mix and "--moe-layer-freq" not in mix
+    mix_args, _ = read_checkpoint_args(world["dirs"]["mixtral"] + "_tp1")
+    cfg = FAMILIES["mixtral"].args_to_config(mix_args, VOCAB)
+    hf = json.load(open(os.path.join(world["dirs"]["mixtral"], "config.json")))
+    for k in ("num_local_experts", "num_experts_per_tok", "intermediate_size", "sliding_window", "router_aux_loss_coef"):
+        assert cfg[k] == hf[k], k
+    with pytest.raises(ValueError, match="no Mixtral counterpart"):  # dense layers, pre-softmax routing
+        FAMILIES["mixtral"].args_to_config(saved, VOCAB)
 
 
 def test_qwen3_moe_layer_pattern_matches_transformers():
