@@ -73,10 +73,11 @@ def load_ours(ckpt, tp, pp, ep=1, extra=()):
     from megatron.training.global_vars import set_args
     from megatron.training.model_setup import get_model
     from pretrain_gpt import model_provider
-    args = parse_args(argv=["--load", ckpt, "--use-checkpoint-args", "--micro-batch-size", "2", "--seq-length", str(SEQ),
-                            "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-                            "--expert-model-parallel-size", str(ep), "--lr", "0", "--train-iters", "1", "--mock-data",
-                            "--exit-on-missing-checkpoint", "--auto-detect-ckpt-format", *extra])
+    args = parse_args(argv=["--load", ckpt, "--use-checkpoint-args", "--micro-batch-size", "2",
+                            "--seq-length", str(SEQ), "--tensor-model-parallel-size", str(tp),
+                            "--pipeline-model-parallel-size", str(pp), "--expert-model-parallel-size", str(ep),
+                            "--lr", "0", "--train-iters", "1", "--mock-data", "--exit-on-missing-checkpoint",
+                            "--auto-detect-ckpt-format", *extra])
     args.rank, args.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     load_args_from_checkpoint(args)
     set_args(validate_args(args))

@@ -172,7 +172,8 @@ def test_moe_flags_rebuild_the_architecture(world):
     mix_args, _ = read_checkpoint_args(world["dirs"]["mixtral"] + "_tp1")
     cfg = FAMILIES["mixtral"].args_to_config(mix_args, VOCAB)
     hf = json.load(open(os.path.join(world["dirs"]["mixtral"], "config.json")))
-    for k in ("num_local_experts", "num_experts_per_tok", "intermediate_size", "sliding_window", "router_aux_loss_coef"):
+    for k in ("num_local_experts", "num_experts_per_tok", "intermediate_size", "sliding_window",
+              "router_aux_loss_coef"):
         assert cfg[k] == hf[k], k
     with pytest.raises(ValueError, match="no Mixtral counterpart"):  # dense layers, pre-softmax routing
         FAMILIES["mixtral"].args_to_config(saved, VOCAB)
@@ -242,6 +243,8 @@ def test_bad_inputs_of_every_family(world, tmp_path):
         expect(shard, FileNotFoundError, "model-00002-of-00002.safetensors is missing (listed in")
         expect(copy(family, "shape", _SHAPE_EDITS[family]), ValueError, "do not match config.json (expected")
         expect(dirs[family], ValueError, "--tp 3 must divide the attention heads (4) and KV groups", tp=3)
+        if json.load(open(os.path.join(dirs[family], "config.json"))).get("num_key_value_heads") == 2:
+            expect(dirs[family], ValueError, "--tp 4 must divide the attention heads (4) and KV groups (2)", tp=4)
         if family in ("mixtral", "qwen3_moe", "deepseek_v3"):
             experts = 8 if family == "deepseek_v3" else 4
             expect(dirs[family], ValueError, f"--ep 3 must divide the number of experts ({experts})", ep=3)

@@ -37,6 +37,9 @@ def _hf(opts):
     if not ((opts.loader in HF_LOADERS and opts.saver in CORE) or (opts.loader in CORE and opts.saver == "hf")):
         raise SystemExit(f"error: --loader {opts.loader} --saver {opts.saver} is not a supported pair; use "
                          f"--loader hf --saver core (import) or --loader core --saver hf (export)")
+    if opts.saver == "hf" and (opts.target_expert_parallel_size not in (None, 1) or opts.moe_grouped_gemm):
+        raise SystemExit("error: --target-expert-parallel-size / --moe-grouped-gemm apply to imports (--saver core); "
+                         "export reads any layout")
     try:
         if opts.saver in CORE:
             import_hf_checkpoint(opts.load_dir, opts.save_dir, tp=opts.target_tensor_parallel_size or 1,
