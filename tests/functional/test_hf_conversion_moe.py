@@ -248,6 +248,7 @@ def test_bad_inputs_of_every_family(world, tmp_path):
         if family in ("mixtral", "qwen3_moe", "deepseek_v3"):
             experts = 8 if family == "deepseek_v3" else 4
             expect(dirs[family], ValueError, f"--ep 3 must divide the number of experts ({experts})", ep=3)
+            expect(dirs[family], ValueError, "--ep 2 with the torch format is not supported", ep=2, fmt="torch")
         else:
             expect(dirs[family], ValueError, "needs a mixture-of-experts model", ep=2)
             expect(dirs[family], ValueError, "--moe-grouped-gemm: ", moe_grouped_gemm=True)

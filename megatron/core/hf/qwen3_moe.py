@@ -44,10 +44,7 @@ def rules(cfg: dict):
                           moe.routed_rules(num_experts(cfg), "mlp.experts.{e}."))
     pattern = layer_pattern(cfg)
 
-    def layer_rules(i):
-        return [Rule(r.ours.format(i=i), tuple(n.format(i=i) for n in r.hf), r.transform, r.stride)
-                for r in attention + (sparse if pattern[i] else dense)]
-    return glob, layer_rules
+    return glob, lambda i: attention + (sparse if pattern[i] else dense)  # names keep {i}: see state.py
 
 
 def config_to_flags(cfg: dict):
