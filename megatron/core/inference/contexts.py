@@ -26,6 +26,7 @@ class StaticInferenceContext:
         self.max_batch_size, self.max_sequence_length = max_batch_size, max_sequence_length
         self.materialize_only_last_token_logits = materialize_only_last_token_logits
         self.key_value_memory_dict = {}  # layer_number -> (keys, values), allocated on first use
+        self._kv = {}  # layer_number -> the [slots, ng, max_len, 2, hn] buffer behind those two views
         self._rotary = None  # (rotary module, [max_len, 1, 1, d] frequency table)
         self._rope = None  # this forward's (freqs, cos, signed sin, interleaved), or None without RoPE
         self.decode = False
@@ -85,12 +86,14 @@ class StaticInferenceContext:
         return torch.addcmul(t * cos, torch.roll(t, t.shape[-1] // 2, dims=-1), sin)
 
     def _cache(self, layer_number: int, k: torch.Tensor):
+        """(keys, values) views [slots, ng, max_len, hn] of one [slots, ng, max_len, 2, hn] buffer: a
+        decode step writes a token's key and value, adjacent in the fused projection, with one scatter."""
         if layer_number not in self.key_value_memory_dict:
-            ng, hn = k.shape[2], k.shape[3]
-            shape = (self.max_batch_size, ng, self.max_sequence_length, hn)
-            self.key_value_memory_dict[layer_number] = (
-                torch.zeros(shape, dtype=k.dtype, device=k.device),
-                torch.zeros(shape, dtype=k.dtype, device=k.device))
+            ng, hn = k.shape[-2], k.shape[-1]
+            kv = torch.zeros((self.max_batch_size, ng, self.max_sequence_length, 2, hn), dtype=k.dtype,
+                             device=k.device)
+            self._kv[layer_number] = kv
+            self.key_value_memory_dict[layer_number] = (kv[..., 0, :], kv[..., 1, :])
         return self.key_value_memory_dict[layer_number]
 
     def attention(self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -130,7 +133,39 @@ class StaticInferenceContext:
         ctx = F.scaled_dot_product_attention(query, kh, vh, attn_mask=self._decode_mask, scale=softmax_scale)
         return ctx.reshape(1, b, np_ * hn)  # heads in (group, member) order, as q was split
 
+    def attention_from_qkv(self, layer_number: int, mixed: torch.Tensor, ng: int, hn: int,
+                           softmax_scale: float) -> torch.Tensor:
+        """``attention`` from the fused QKV projection [s, b, ng * (np/ng + 2) * hn] (SelfAttention's layout:
+        per group its queries, key, value). An eager decode step works on it in place, in 5 kernels where
+        the split tensors take 9: RoPE on queries and key together, written back into the projection
+        (3), one scatter of each slot's key and value into the cache, and attention reading the queries
+        where they lie (the graph of a batch-1 step is ~20 kernels per layer, most of them this small)."""
+        s, b = mixed.shape[:2]
+        x = mixed.view(s, b, ng, -1, hn)  # [s, b, ng, np/ng + 2, hn]
+        rep = x.shape[3] - 2
+        general_rope = self._rope is not None and (self._rope[3] or self._rope[0].shape[-1] != hn)
+        if not self.decode or general_rope or torch.compiler.is_compiling():
+            q = x[:, :, :, :rep].reshape(s, b, ng * rep, hn)
+            return self.attention(layer_number, q, x[:, :, :, rep], x[:, :, :, rep + 1], softmax_scale)
+        if self._rope is not None:
+            _, cos, sin, _ = self._rope  # [1, B, 1, hn]
+            if cos.dtype != mixed.dtype:
+                self._rope[1], self._rope[2] = cos, sin = cos.to(mixed.dtype), sin.to(mixed.dtype)
+            qk = x[:, :, :, :rep + 1]  # [1, B, ng, np/ng + 1, hn]: every query and the key of each group
+            rolled = torch.roll(qk, hn // 2, dims=-1)
+            torch.addcmul(qk * cos.unsqueeze(3), rolled, sin.unsqueeze(3), out=qk)  # the same ops as _apply_rope
+        self._cache(layer_number, x[:, :, :, rep])
+        kv = self._kv[layer_number]  # [slots, ng, max_len, 2, hn]
+        index = self.decode_positions.view(b, 1, 1, 1, 1).expand(b, ng, 1, 2, hn)
+        kv[:b].scatter_(2, index, x[0, :, :, rep:].unsqueeze(2))  # slot i's key and value at its position
+        keys, values = self.key_value_memory_dict[layer_number]
+        query = x[0, :, :, :rep]  # [B, ng, np/ng, hn]: the group's query heads as its query rows (see above)
+        ctx = F.scaled_dot_product_attention(query, keys[:b, :, :self.kv_len], values[:b, :, :self.kv_len],
+                                             attn_mask=self._decode_mask, scale=softmax_scale)
+        return ctx.reshape(1, b, ng * rep * hn)
+
     def reset(self) -> None:
         """Drop the cache (a new run with other shapes); slots are managed by the engine."""
         self.key_value_memory_dict.clear()
+        self._kv.clear()
         self._rotary = self._rope = None
