@@ -85,66 +85,74 @@ class StaticInferenceContext:
             self._rope[1], self._rope[2] = cos, sin = cos.to(t.dtype), sin.to(t.dtype)
         return torch.addcmul(t * cos, torch.roll(t, t.shape[-1] // 2, dims=-1), sin)
 
-    def _cache(self, layer_number: int, k: torch.Tensor):
-        """(keys, values) views [slots, ng, max_len, hn] of one [slots, ng, max_len, 2, hn] buffer: a
-        decode step writes a token's key and value, adjacent in the fused projection, with one scatter."""
-        if layer_number not in self.key_value_memory_dict:
+    def _cache(self, layer_number: int, k: torch.Tensor) -> torch.Tensor:
+        """The layer's [slots, ng, max_len, 2, hn] buffer (``key_value_memory_dict`` holds its key and value
+        views): a decode step writes a token's key and value, adjacent in the fused projection, with one
+        scatter."""
+        if layer_number not in self._kv:
             ng, hn = k.shape[-2], k.shape[-1]
             kv = torch.zeros((self.max_batch_size, ng, self.max_sequence_length, 2, hn), dtype=k.dtype,
                              device=k.device)
             self._kv[layer_number] = kv
             self.key_value_memory_dict[layer_number] = (kv[..., 0, :], kv[..., 1, :])
-        return self.key_value_memory_dict[layer_number]
+        return self._kv[layer_number]
 
     def attention(self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   softmax_scale: float) -> torch.Tensor:
         """Store k/v in the cache and attend. q [s, b, np, hn], k/v [s, b, ng, hn] -> [s, b, np * hn]."""
         if self._rope is not None:
             q, k = self._apply_rope(q), self._apply_rope(k)
-        keys, values = self._cache(layer_number, k)
+        kv = self._cache(layer_number, k)
         s, b, np_, hn = q.shape
         ng = k.shape[2]
-        if not self.decode:
-            rows = self.slot_ids[:, None]  # [b, 1]
-            cols = torch.arange(s, device=q.device)[None, :]  # [1, s]
-            keys[rows, :, cols] = k.transpose(0, 1)  # [b, s, ng, hn] into [b, ng, s, hn] slices
-            values[rows, :, cols] = v.transpose(0, 1)
-            qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hn]
-            band = None
-            if self.window_size is not None and self.window_size[0] >= 0:
-                i = torch.arange(s, device=q.device)[:, None]
-                band = (cols <= i) & (cols >= i - self.window_size[0])  # [s, s], True = attend
-            ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=band, is_causal=band is None,
-                                                 scale=softmax_scale, enable_gqa=ng != np_)  # [b, np, s, hn]
-            return ctx.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
-        # Slot i's new key goes to position decode_positions[i].
-        if torch.compiler.is_compiling():  # an index_put on the whole cache: inductor updates it in place
-            rows = torch.arange(b, device=q.device)
-            keys[rows, :, self.decode_positions] = k[0]
-            values[rows, :, self.decode_positions] = v[0]
-        else:  # eager: one scatter kernel per tensor
-            index = self.decode_positions.view(b, 1, 1, 1).expand(b, ng, 1, hn)
-            keys[:b].scatter_(2, index, k[0].unsqueeze(2))
-            values[:b].scatter_(2, index, v[0].unsqueeze(2))
-        # GQA without copies: the np/ng query heads of a group act as that group's query "positions",
-        # all at the same sequence position, so one [B, ng, np/ng, L] attention covers them.
-        query = q[0].view(b, ng, np_ // ng, hn)
-        kh, vh = keys[:b, :, :self.kv_len], values[:b, :, :self.kv_len]  # [B, ng, L, hn] views
-        ctx = F.scaled_dot_product_attention(query, kh, vh, attn_mask=self._decode_mask, scale=softmax_scale)
-        return ctx.reshape(1, b, np_ * hn)  # heads in (group, member) order, as q was split
+        keys, values = kv[..., 0, :], kv[..., 1, :]  # [slots, ng, max_len, hn] each
+        if self.decode:
+            if torch.compiler.is_compiling():  # an index_put on the whole cache: inductor updates it in place
+                rows = torch.arange(b, device=q.device)  # slot i's key and value at decode_positions[i]
+                kv[rows, :, self.decode_positions] = torch.stack((k[0], v[0]), dim=2)  # [B, ng, 2, hn]
+            else:  # eager: one scatter kernel per tensor
+                index = self.decode_positions.view(b, 1, 1, 1).expand(b, ng, 1, hn)
+                keys[:b].scatter_(2, index, k[0].unsqueeze(2))
+                values[:b].scatter_(2, index, v[0].unsqueeze(2))
+            return self._attend_decode(kv, q[0].view(b, ng, np_ // ng, hn), softmax_scale)
+        rows = self.slot_ids[:, None]  # [b, 1]
+        cols = torch.arange(s, device=q.device)[None, :]  # [1, s]
+        keys[rows, :, cols] = k.transpose(0, 1)  # [b, s, ng, hn] into [b, ng, s, hn] slices
+        values[rows, :, cols] = v.transpose(0, 1)
+        qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hn]
+        band = None
+        if self.window_size is not None and self.window_size[0] >= 0:
+            i = torch.arange(s, device=q.device)[:, None]
+            band = (cols <= i) & (cols >= i - self.window_size[0])  # [s, s], True = attend
+        ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=band, is_causal=band is None,
+                                             scale=softmax_scale, enable_gqa=ng != np_)  # [b, np, s, hn]
+        return ctx.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
+
+    def _attend_decode(self, kv: torch.Tensor, query: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+        """query [B, ng, np/ng, hn] over the cache slice [0, kv_len) of slots 0..B-1 -> [1, B, np * hn].
+
+        GQA without copies: the np/ng query heads of a group act as that group's query "positions", all
+        at the same sequence position, so one [B, ng, np/ng, L] attention covers them. The key and value
+        views are taken here from the one cache buffer (also inside a compiled step: two aliasing views
+        as graph inputs, one of them written, would make the compiler copy the whole buffer)."""
+        b = query.shape[0]
+        window = kv[:b, :, :self.kv_len]  # [B, ng, L, 2, hn]
+        ctx = F.scaled_dot_product_attention(query, window[..., 0, :], window[..., 1, :],
+                                             attn_mask=self._decode_mask, scale=softmax_scale)
+        return ctx.reshape(1, b, -1)  # heads in (group, member) order, as the projection lays them out
 
     def attention_from_qkv(self, layer_number: int, mixed: torch.Tensor, ng: int, hn: int,
                            softmax_scale: float) -> torch.Tensor:
         """``attention`` from the fused QKV projection [s, b, ng * (np/ng + 2) * hn] (SelfAttention's layout:
         per group its queries, key, value). An eager decode step works on it in place, in 5 kernels where
-        the split tensors take 9: RoPE on queries and key together, written back into the projection
+        the split tensors take 9: RoPE on the queries and key together, written back into the projection
         (3), one scatter of each slot's key and value into the cache, and attention reading the queries
-        where they lie (the graph of a batch-1 step is ~20 kernels per layer, most of them this small)."""
+        where they lie (a batch-1 graph replays ~20 kernels per layer, most of them this small)."""
         s, b = mixed.shape[:2]
         x = mixed.view(s, b, ng, -1, hn)  # [s, b, ng, np/ng + 2, hn]
         rep = x.shape[3] - 2
         general_rope = self._rope is not None and (self._rope[3] or self._rope[0].shape[-1] != hn)
-        if not self.decode or general_rope or torch.compiler.is_compiling():
+        if not self.decode or general_rope or torch.compiler.is_compiling():  # the compiler fuses the split path
             q = x[:, :, :, :rep].reshape(s, b, ng * rep, hn)
             return self.attention(layer_number, q, x[:, :, :, rep], x[:, :, :, rep + 1], softmax_scale)
         if self._rope is not None:
@@ -153,16 +161,11 @@ class StaticInferenceContext:
                 self._rope[1], self._rope[2] = cos, sin = cos.to(mixed.dtype), sin.to(mixed.dtype)
             qk = x[:, :, :, :rep + 1]  # [1, B, ng, np/ng + 1, hn]: every query and the key of each group
             rolled = torch.roll(qk, hn // 2, dims=-1)
-            torch.addcmul(qk * cos.unsqueeze(3), rolled, sin.unsqueeze(3), out=qk)  # the same ops as _apply_rope
-        self._cache(layer_number, x[:, :, :, rep])
-        kv = self._kv[layer_number]  # [slots, ng, max_len, 2, hn]
+            torch.addcmul(qk * cos.unsqueeze(3), rolled, sin.unsqueeze(3), out=qk)  # _apply_rope's ops
+        kv = self._cache(layer_number, x[:, :, :, rep])  # [slots, ng, max_len, 2, hn]
         index = self.decode_positions.view(b, 1, 1, 1, 1).expand(b, ng, 1, 2, hn)
         kv[:b].scatter_(2, index, x[0, :, :, rep:].unsqueeze(2))  # slot i's key and value at its position
-        keys, values = self.key_value_memory_dict[layer_number]
-        query = x[0, :, :, :rep]  # [B, ng, np/ng, hn]: the group's query heads as its query rows (see above)
-        ctx = F.scaled_dot_product_attention(query, keys[:b, :, :self.kv_len], values[:b, :, :self.kv_len],
-                                             attn_mask=self._decode_mask, scale=softmax_scale)
-        return ctx.reshape(1, b, ng * rep * hn)
+        return self._attend_decode(kv, x[0, :, :, :rep], softmax_scale)
 
     def reset(self) -> None:
         """Drop the cache (a new run with other shapes); slots are managed by the engine."""

@@ -32,8 +32,9 @@ def _unwrap(model):
 
 
 def _compiled(step_fn, backend: str = "inductor"):
-    """torch.compile(step_fn) with dynamic batch / KV length (one compile serves every graph bucket);
-    on a compile error, a warning and the eager step from then on."""
+    """torch.compile(step_fn) with dynamic batch / KV length (one compile serves every graph bucket but
+    batch 1, which torch specializes); on a compile error, a warning and the eager step from then on
+    (``run.fell_back`` then says so)."""
     from megatron.core.fusions.compile import _raise_recompile_limit
     _raise_recompile_limit()
     compiled = torch.compile(step_fn, dynamic=True, backend=backend)
@@ -48,7 +49,9 @@ def _compiled(step_fn, backend: str = "inductor"):
             print(f"WARNING: torch.compile of the decode step failed ({type(e).__name__}: {str(e)[:200]}); "
                   "decoding eagerly", flush=True)
             state["fn"] = step_fn
+            run.fell_back = True
             return step_fn(*args)
+    run.fell_back = False
     return run
 
 
