@@ -56,6 +56,7 @@ def build_model(shape, device, dtype):
                             num_attention_heads=shape["heads"], num_query_groups=shape["groups"],
                             normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
                             add_bias_linear=False, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+                            bias_activation_fusion=True,  # --bias-swiglu-fusion, on by default in Megatron
                             perform_initialization=False, use_cpu_initialization=device.type == "cpu")
     model = GPTModel(cfg, get_gpt_layer_local_spec(), shape["vocab"], 8192, position_embedding_type="rope",
                      rotary_base=shape["theta"], share_embeddings_and_output_weights=False)

@@ -78,3 +78,26 @@ def test_graph_decode_64_steps_equals_eager_and_takes_graphs():
     _, exact_tokens, exact_lp = run(model, graphs=False)
     assert tokens == exact_tokens
     torch.testing.assert_close(lp, exact_lp, rtol=0, atol=1e-4)  # fp32; TF32 is off by default
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_rope_and_store_equals_eager(dtype):
+    """The compiled decode fusion writes the cache where the eager one does (and nowhere else) and
+    returns the same queries; bf16 within one rounding (the compiled kernel rounds once, eager per op)."""
+    from megatron.core.inference.decode_fusions import rope_and_store
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, 4, 2, 6, 128, device="cuda", generator=g).to(dtype)
+    angles = torch.rand(1, 4, 1, 1, 128, device="cuda", generator=g) * 6
+    sign = torch.cat([-torch.ones(64, device="cuda"), torch.ones(64, device="cuda")])
+    cos, sin = angles.cos().to(dtype), (angles.sin() * sign).to(dtype)
+    kv = torch.randn(8, 2, 64, 2, 128, device="cuda", generator=g).to(dtype)
+    positions = torch.tensor([5, 0, 63, 17], device="cuda")
+    kv_eager = kv.clone()
+    q_eager = rope_and_store.eager(x, cos, sin, kv_eager, positions)
+    q = rope_and_store(x, cos, sin, kv, positions)
+    tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
+    torch.testing.assert_close(q, q_eager, **tol)
+    torch.testing.assert_close(kv, kv_eager, **tol)
+    untouched = torch.ones(8, 64, dtype=torch.bool, device="cuda")
+    untouched[torch.arange(4, device="cuda"), positions] = False
+    assert torch.equal(kv.permute(0, 2, 1, 3, 4)[untouched], kv_eager.permute(0, 2, 1, 3, 4)[untouched])

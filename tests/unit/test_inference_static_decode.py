@@ -1,9 +1,9 @@
 """The decode step a CUDA graph replays, run eagerly on CPU (fp32): batch and KV length rounded up to
-buckets, attention over the padded cache with a mask built on device, the fused-QKV in-place path
-(RoPE written back into the projection, one scatter for key and value). It must equal the exact-shape
-eager decode token for token and in log-probs, and the full forward in logits.
+buckets, attention over the padded cache with a mask built on device, the fused-QKV path (RoPE on
+queries and keys together, key and value written into the cache at once). It must equal the
+exact-shape eager decode token for token and in log-probs, and the full forward in logits.
 
-Tolerance 1e-5: the padded KV length and the in-place RoPE change only summation order and which
+Tolerance 1e-5: the padded KV length and the fused RoPE change only summation order and which
 masked (exp(-inf) = 0) terms take part; fp32 results differ by ~1e-7.
 """
 import pytest
@@ -61,7 +61,7 @@ def test_padded_decode_logits_equal_full_recompute(interleaved):
                     tokens[slot], positions[slot] = seq[-1], len(seq) - 1
                 ctx.set_decode(positions, kv_len or int(positions.max()) + 1)
                 logits = model(tokens[:, None], positions[:, None], None, inference_context=ctx)[:, -1][slots]
-            # The fused path wrote the key and value of every decoded token into one cache buffer.
+            # Keys and values share one buffer, interleaved per position (one write per decoded token).
             keys, values = ctx.key_value_memory_dict[1]
             assert keys.data_ptr() == ctx._kv[1].data_ptr() and values.data_ptr() == keys.data_ptr() + 4 * 8
 

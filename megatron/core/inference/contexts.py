@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.inference.decode_fusions import rope_and_store
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
 
@@ -144,28 +145,25 @@ class StaticInferenceContext:
     def attention_from_qkv(self, layer_number: int, mixed: torch.Tensor, ng: int, hn: int,
                            softmax_scale: float) -> torch.Tensor:
         """``attention`` from the fused QKV projection [s, b, ng * (np/ng + 2) * hn] (SelfAttention's layout:
-        per group its queries, key, value). An eager decode step works on it in place, in 5 kernels where
-        the split tensors take 9: RoPE on the queries and key together, written back into the projection
-        (3), one scatter of each slot's key and value into the cache, and attention reading the queries
-        where they lie (a batch-1 graph replays ~20 kernels per layer, most of them this small)."""
+        per group its queries, key, value). A decode step hands it whole to ``rope_and_store`` (RoPE on
+        the queries and keys together, key and value into the cache in one write: one compiled kernel
+        on CUDA) and attends with the queries where they lie, without splitting or copying them."""
         s, b = mixed.shape[:2]
         x = mixed.view(s, b, ng, -1, hn)  # [s, b, ng, np/ng + 2, hn]
         rep = x.shape[3] - 2
         general_rope = self._rope is not None and (self._rope[3] or self._rope[0].shape[-1] != hn)
-        if not self.decode or general_rope or torch.compiler.is_compiling():  # the compiler fuses the split path
+        if not self.decode or general_rope:
             q = x[:, :, :, :rep].reshape(s, b, ng * rep, hn)
             return self.attention(layer_number, q, x[:, :, :, rep], x[:, :, :, rep + 1], softmax_scale)
+        cos = sin = None
         if self._rope is not None:
             _, cos, sin, _ = self._rope  # [1, B, 1, hn]
-            if cos.dtype != mixed.dtype:
+            if cos.dtype != mixed.dtype:  # cast once per forward, by the first layer
                 self._rope[1], self._rope[2] = cos, sin = cos.to(mixed.dtype), sin.to(mixed.dtype)
-            qk = x[:, :, :, :rep + 1]  # [1, B, ng, np/ng + 1, hn]: every query and the key of each group
-            rolled = torch.roll(qk, hn // 2, dims=-1)
-            torch.addcmul(qk * cos.unsqueeze(3), rolled, sin.unsqueeze(3), out=qk)  # _apply_rope's ops
+            cos, sin = cos.unsqueeze(3), sin.unsqueeze(3)  # [1, B, 1, 1, hn]
         kv = self._cache(layer_number, x[:, :, :, rep])  # [slots, ng, max_len, 2, hn]
-        index = self.decode_positions.view(b, 1, 1, 1, 1).expand(b, ng, 1, 2, hn)
-        kv[:b].scatter_(2, index, x[0, :, :, rep:].unsqueeze(2))  # slot i's key and value at its position
-        return self._attend_decode(kv, x[0, :, :, :rep], softmax_scale)
+        query = rope_and_store(x, cos, sin, kv, self.decode_positions)  # [B, ng, np/ng, hn]
+        return self._attend_decode(kv, query, softmax_scale)
 
     def reset(self) -> None:
         """Drop the cache (a new run with other shapes); slots are managed by the engine."""
