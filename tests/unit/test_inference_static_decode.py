@@ -88,3 +88,24 @@ def test_bucketed_static_steps_equal_exact_eager_decode():
     assert tokens == exact_tokens and [len(t) for t in tokens] == [24, 9, 24]
     for a, b in zip(lp, exact_lp):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_decode_step_traces_as_one_graph():
+    """--torch-compile compiles the whole decode step: it must trace without a graph break (fullgraph) and,
+    traced (aot_eager: the graph torch.compile would hand to inductor, run eagerly), give the eager tokens."""
+    import torch._dynamo
+
+    model = build_llama()
+    ps = _prompts([6, 9], seed=2)
+    params = SamplingParams(top_k=1, num_tokens_to_generate=6, return_log_probs=True)
+    ref = InferenceEngine(model, max_batch_size=2, max_sequence_length=64, use_cuda_graphs=True).generate(ps, params)
+    engine = InferenceEngine(model, max_batch_size=2, max_sequence_length=64, use_cuda_graphs=True)
+    torch._dynamo.reset()
+    step = torch.compile(engine._decode_step, dynamic=True, backend="aot_eager", fullgraph=True)
+    engine._step_fn = engine.graphs.step_fn = step
+    out = engine.generate(ps, params)
+    torch._dynamo.reset()
+    assert [r.generated_tokens for r in out] == [r.generated_tokens for r in ref]
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(torch.tensor(a.generated_log_probs), torch.tensor(b.generated_log_probs),
+                                   rtol=0, atol=1e-5)
