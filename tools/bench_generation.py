@@ -1,6 +1,7 @@
 """Generation benchmark: our engine vs transformers' generate on the same weights, and the server.
 
     python tools/bench_generation.py --out gen.json          # Llama-3-8B shape, bf16, one GPU, ~6-9 min
+    python tools/bench_generation.py --decode-only           # batch-1 / small-batch decode only, ~2-3 min
     python tools/bench_generation.py --tiny                  # a seconds-long smoke run (CPU or GPU)
 
 Measures (prompt 128 tokens, 128 new tokens, greedy, random weights):
@@ -10,7 +11,8 @@ Measures (prompt 128 tokens, 128 new tokens, greedy, random weights):
 - batch-32 decode tokens/s, prefill tokens/s (batch 1 and 32);
 - transformers' generate on a LlamaForCausalLM holding the same weights (dynamic and static cache);
 - the REST server: aggregate generated tokens/s of 16 concurrent clients vs one client;
-- our decode step under torch.compile + CUDA graphs (last: it compiles).
+- batch-1 and small-batch decode three ways: CUDA graphs (the default), eager, and torch.compile + graphs
+  (last: it compiles), with a kernel profile of one eager and one compiled step.
 Each result prints as soon as it is measured, so a cut-short run still reports what it finished.
 """
 import argparse
@@ -261,17 +263,17 @@ def bench_decode(model, shape, prompts, args, device, bound, batches, with_graph
     """Batch-1 and small-batch decode with CUDA graphs, without (eager), and compiled before capture."""
     from megatron.core.inference import InferenceEngine
     from megatron.core.inference.cuda_graphs import bucket
-    variants = [("ours", {})] if with_graphs else []
-    variants.append(("ours eager", {"use_cuda_graphs": False}))
-    if "compile" not in args.skip and device.type == "cuda":
-        variants.append(("ours+compile", {"compile_decode": True}))
+    variants = [("ours", {}, batches)] if with_graphs else []
+    variants.append(("ours eager", {"use_cuda_graphs": False}, batches))
+    if "compile" not in args.skip and device.type == "cuda":  # batch 1 and batch >= 2 are two compiles
+        variants.append(("ours+compile", {"compile_decode": True}, batches if args.compile_small_batch else [1]))
     max_len = args.prompt_len + args.new_tokens
     kv_len = bucket(max_len, max_len, minimum=64)  # the KV bucket of the last steps (the graph shape)
-    for tag, kw in variants:
+    for tag, kw, sizes in variants:
         t = time.perf_counter()
         engine = InferenceEngine(model, max_batch_size=max(batches), max_sequence_length=max_len,
                                  vocab_size=shape["vocab"], **kw)
-        for b in batches:
+        for b in sizes:
             _, step = bench_engine(engine, prompts[:b], args.new_tokens, device, tag)
             report(f"{tag} b{b} % of bandwidth bound", 100 * bound(b) / step, "(target >= 75)" if b == 1 else "")
         if "compile" in kw:
@@ -290,6 +292,8 @@ def main():
     p.add_argument("--decode-only", action="store_true",
                    help="only batch-1 / small-batch decode: graphs, eager, compiled, with the bound (~3 min)")
     p.add_argument("--small-batch", type=int, default=8, help="the small batch measured beside batch 1")
+    p.add_argument("--compile-small-batch", action="store_true",
+                   help="the compiled step at the small batch too (a second compile, ~1 more minute)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=32)
