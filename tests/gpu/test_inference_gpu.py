@@ -42,12 +42,16 @@ def test_graphs_greedy_equal_full_recompute_and_joining_requests():
     assert joined == alone
 
 
-def test_compiled_decode_close_to_eager():
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_compiled_decode_close_to_eager(qk_norm):
     """torch.compile fuses the element-wise work (other summation orders): log-probs within 1e-4 in fp32,
-    far below the gaps between a random model's top logits, so the tokens agree."""
-    model = build_tiny_gpt("llama").cuda()
+    far below the gaps between a random model's top logits, so the tokens agree. Without qk-norm the
+    attention takes the fused-QKV path (``rope_and_store`` inlined in the compiled step)."""
+    from tests.unit.test_inference_static_decode import build_llama
+    model = (build_tiny_gpt("llama") if qk_norm else build_llama()).cuda()
     _, eager_tokens, eager_lp = _run(model, use_cuda_graphs=False)
-    _, tokens, lp = _run(model, compile_decode=True)
+    engine, tokens, lp = _run(model, compile_decode=True)
+    assert not engine._step_fn.fell_back
     assert tokens == eager_tokens
     torch.testing.assert_close(lp, eager_lp, rtol=0, atol=1e-4)
 
