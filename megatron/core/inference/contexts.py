@@ -1,7 +1,8 @@
 """StaticInferenceContext: the KV cache of a generation run and the metadata of the forward in flight.
 
 The cache is preallocated per *slot* and maximum length: keys and values of each layer are
-``[slots, ng, max_len, hn]`` (ng = this rank's query groups). A request owns one slot from admission
+``[slots, ng, max_len, hn]`` views of one ``[slots, ng, max_len, 2, hn]`` buffer (ng = this rank's query
+groups). A request owns one slot from admission
 to finish, so requests of different lengths join and leave a running batch without moving anything.
 Positions at or beyond a slot's length hold stale values; no query reads them (prefill is causal, and
 a decode query at position p is masked to positions <= p after writing its own key at p).
@@ -88,8 +89,7 @@ class StaticInferenceContext:
 
     def _cache(self, layer_number: int, k: torch.Tensor) -> torch.Tensor:
         """The layer's [slots, ng, max_len, 2, hn] buffer (``key_value_memory_dict`` holds its key and value
-        views): a decode step writes a token's key and value, adjacent in the fused projection, with one
-        scatter."""
+        views): a decode step writes a token's key and value, adjacent in the fused projection, at once."""
         if layer_number not in self._kv:
             ng, hn = k.shape[-2], k.shape[-1]
             kv = torch.zeros((self.max_batch_size, ng, self.max_sequence_length, 2, hn), dtype=k.dtype,
