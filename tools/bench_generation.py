@@ -252,7 +252,8 @@ def kernel_profile(engine, device, batch, kv_len, tag, steps=3):
                 engine._step_fn(batch, kv_len, True)
             sync(device)
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-    time_of = lambda e: getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)  # noqa: E731
+    def time_of(e):  # us; the attribute's name changed across torch versions
+        return max(getattr(e, a, 0) or 0 for a in ("self_device_time_total", "device_time_total"))
     report(f"{tag} b{batch} kernels per step", sum(e.count for e in kernels) / steps)
     report(f"{tag} b{batch} kernel time ms/step", sum(time_of(e) for e in kernels) / steps / 1e3)
     for e in sorted(kernels, key=time_of, reverse=True)[:8]:
