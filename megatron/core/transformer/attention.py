@@ -93,6 +93,11 @@ class SelfAttention(MegatronModule):
     def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None,
                 packed_seq_params=None, sequence_len_offset=None, **kwargs):
+        if inference_context is not None and self.q_layernorm is None and self.k_layernorm is None \
+                and hasattr(inference_context, "attention_from_qkv"):  # generation: the fused layout as is
+            mixed, _ = self.linear_qkv(hidden_states)  # [s, b, ng * (np/ng + 2) * hn]
+            return self.linear_proj(inference_context.attention_from_qkv(
+                self.layer_number, mixed, self.ng, self.hn, self.core_attention.softmax_scale))
         q, k, v = self.get_query_key_value_tensors(hidden_states)
         if rotary_pos_emb is not None:
             q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
