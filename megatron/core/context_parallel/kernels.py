@@ -89,7 +89,9 @@ def math_backward(dout, q, k, v, out, lse, scale, mask: BlockMask):
     return dq, _fold_kv(dk, g), _fold_kv(dv, g)
 
 
-_CUDNN = {"ok": None}  # None: not tried yet; False: failed once on this process, FlashAttention-2 from then on
+# None: not tried yet; False: failed once on this process. "ok": cuDNN at all (else FlashAttention-2);
+# "gqa": cuDNN on K/V with fewer heads than Q (else K/V are repeated to Q's heads first).
+_CUDNN = {"ok": None, "gqa": None}
 
 
 def _use_cudnn(q) -> bool:
@@ -149,8 +151,22 @@ def _flash_backward_ops(dout, q, ke, ve, out, lse, causal, scale):
         dout, q, ke, ve, out, lse, 0.0, causal, scale=scale)
 
 
+def _native_gqa(q, k) -> bool:
+    return q.size(1) != k.size(1) and q.device.type == "cuda" and _CUDNN["gqa"] is not False and _use_cudnn(q)
+
+
 def flash_forward(q, k, v, scale, mask: BlockMask):
     n = q.size(1)
+    if _native_gqa(q, k):
+        try:
+            out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                q.contiguous(), k.contiguous(), v.contiguous(), None, True, 0.0, mask.causal, False, scale=scale)
+            _CUDNN["gqa"] = True
+            return out.float(), lse.reshape(q.shape[:3]).float()
+        except RuntimeError:
+            if _CUDNN["gqa"]:
+                raise
+            _CUDNN["gqa"] = False  # this cuDNN wants equal heads: repeat K/V below
     ke, ve = _expand_kv(k, n).contiguous(), _expand_kv(v, n).contiguous()
     out, lse = _flash_ops(q.contiguous(), ke, ve, mask.causal, scale)
     return out.float(), lse.float()
@@ -158,6 +174,13 @@ def flash_forward(q, k, v, scale, mask: BlockMask):
 
 def flash_backward(dout, q, k, v, out, lse, scale, mask: BlockMask):
     n, g = q.size(1), k.size(1)
+    if _CUDNN["gqa"] and _native_gqa(q, k):
+        seed, offset = _dropout_words(q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout.to(q.dtype).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+            out.to(q.dtype).contiguous(), lse.float()[..., None].contiguous(), seed, offset, None, None, None,
+            q.size(2), k.size(2), 0.0, mask.causal, scale=scale)
+        return dq.float(), dk.float(), dv.float()
     ke, ve = _expand_kv(k, n).contiguous(), _expand_kv(v, n).contiguous()
     dq, dk, dv = _flash_backward_ops(dout.to(q.dtype).contiguous(), q.contiguous(), ke, ve,
                                      out.to(q.dtype).contiguous(), lse.float().contiguous(), mask.causal, scale)
