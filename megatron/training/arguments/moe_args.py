@@ -65,6 +65,11 @@ def add_moe_args(parser):
                    help="torch.compile'd token permutation on CUDA (index-based eager fallback).")
     g.add_argument("--moe-per-layer-logging", action="store_true", help="MoE losses per layer in TensorBoard/W&B.")
     g.add_argument("--moe-input-jitter-eps", type=float, default=None, help="Multiplicative router input jitter.")
+    g.add_argument("--moe-router-force-load-balancing", action="store_true",
+                   help="Benchmark aid: random router logits, so experts get a balanced load.")
+    g.add_argument("--moe-router-force-biased", type=float, default=None,
+                   help="Benchmark aid: random router logits plus a random per-expert bias of this std shared "
+                        "by all ranks (negative: drawn once per layer), for a skewed load.")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="Tensor parallelism inside experts (default: --tensor-model-parallel-size).")
     return parser

@@ -19,7 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import (
     _all_to_all, _gather_along_first_dim, all_to_all, gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region)
-from megatron.core.transformer.moe.moe_utils import fused_permute_fns, permute, sort_chunks_by_idxs, unpermute
+from megatron.core.transformer.moe.moe_utils import _permute, _sort_chunks, _unpermute, fused_permute_fns
 
 
 def _size(group) -> int:
@@ -81,7 +81,7 @@ class MoETokenDispatcher:
         self.etp_size, self.etp_rank = _size(self.etp_group), _rank(self.etp_group)
         self.tp_ep_size = _size(self.tp_ep_group)
         fused = config.moe_permute_fusion
-        self._permute, self._unpermute = fused_permute_fns() if fused else (permute, unpermute)
+        self._permute, self._unpermute = fused_permute_fns() if fused else (_permute, _unpermute)
 
     def _num_out_tokens(self, num_tokens: int):
         """Rows after permutation when known without reading the map: T * k with no dropping, E * capacity
@@ -160,7 +160,7 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         self.chunk_sizes = [C[u][j][m * El + l] for u in range(self.etp_size) for j in range(ep) for l in range(El)]
         self.sorted_idxs = [(u * ep + j) * El + l for l in range(El) for u in range(self.etp_size) for j in range(ep)]
         if El > 1:
-            y = sort_chunks_by_idxs(y, self.chunk_sizes, self.sorted_idxs)
+            y = _sort_chunks(y, self.chunk_sizes, self.sorted_idxs)
         tokens_per_expert = [sum(C[u][j][m * El + l] for u in range(self.etp_size) for j in range(ep))
                              for l in range(El)]
         return y, torch.tensor(tokens_per_expert, dtype=torch.int64)
@@ -172,7 +172,7 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         elif self.num_local_experts > 1:
             sorted_sizes = [self.chunk_sizes[i] for i in self.sorted_idxs]
             inverse = sorted(range(len(self.sorted_idxs)), key=lambda i: self.sorted_idxs[i])
-            y = sort_chunks_by_idxs(y, sorted_sizes, inverse)  # back to [u][j][l]
+            y = _sort_chunks(y, sorted_sizes, inverse)  # back to [u][j][l]
         if self.etp_size > 1:
             y = _ReduceScatterV.apply(y, self.etp_group, self.etp_sizes)  # sum the expert-TP partials
         if not self.local_only:
