@@ -144,3 +144,51 @@ def test_tracker_names_and_log_string():
     line = mu.track_moe_metrics(1.0, 1, total_loss_dict=totals, track_names=["load_balancing_loss"], num_layers=2)
     assert float(totals["load_balancing_loss"]) == 1.0  # mean over the 2 MoE layers
     assert "moe max load" in line and "load_balancing_loss" not in line
+
+
+def _moe_config(**kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    base = dict(num_layers=2, hidden_size=H, num_attention_heads=2, num_moe_experts=E, moe_router_topk=K,
+                hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False, moe_ffn_hidden_size=16,
+                moe_shared_expert_intermediate_size=16)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def test_experts_apply_permuted_probs_like_megatrons_interface():
+    """experts(x, counts, probs) == experts(x * 1, counts) rows scaled by probs (linear fc2, no bias)."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer.spec_utils import build_module
+    torch.manual_seed(6)
+    x, counts, probs = torch.randn(10, H), torch.tensor([3, 0, 5, 2]), torch.rand(10)
+    for grouped in (False, True):
+        experts = build_module(LocalSpecProvider().grouped_mlp_modules(grouped), E, _moe_config(), name="experts")
+        plain, _ = experts(x, counts)
+        scaled, _ = experts(x, counts, probs)
+        torch.testing.assert_close(scaled, plain * probs.unsqueeze(-1), rtol=1e-5, atol=1e-6)  # fp32 reordering
+
+
+def test_moe_spec_for_backend_shared_gate_and_forced_balancing():
+    from megatron.core.models.backends import LocalSpecProvider, get_backend
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec, get_moe_module_spec_for_backend
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+    from megatron.core.transformer.spec_utils import build_module
+    torch.manual_seed(7)
+    config = _moe_config(moe_shared_expert_gate=True, moe_grouped_gemm=True)
+    layer = build_module(get_moe_module_spec_for_backend(get_backend("transformer_engine"), E, True), config=config,
+                         layer_number=1)
+    assert isinstance(layer.experts, TEGroupedMLP) and layer.shared_experts.gate_weight.shape == (1, H)
+    x = torch.randn(4, 2, H)
+    shared = layer.shared_experts
+    ungated = super(type(shared), shared).forward(x)[0]
+    gate = torch.sigmoid(x @ shared.gate_weight.t())
+    torch.testing.assert_close(shared(x), ungated * gate)
+    # Random router logits (benchmark aid): every expert gets tokens, gradients still reach the router.
+    forced = build_module(get_moe_module_spec(True, E, False), config=_moe_config(moe_router_force_load_balancing=True),
+                          layer_number=1)
+    out, _ = forced(torch.randn(64, 2, H))
+    out.sum().backward()
+    assert forced.router.weight.grad is not None
+    probs, routing_map = forced.router(torch.randn(64, 2, H))
+    assert (routing_map.sum(0) > 0).all()
+    assert LocalSpecProvider().layer_norm(rms_norm=True) is LocalSpecProvider().layer_norm()

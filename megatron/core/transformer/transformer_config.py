@@ -79,6 +79,7 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     moe_ffn_hidden_size: Optional[int] = None
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_overlap: bool = False
+    moe_shared_expert_gate: bool = False  # sigmoid gate on the shared experts' output (Qwen2-MoE)
     moe_router_load_balancing_type: Union[str, List[str]] = "aux_loss"
     moe_router_topk: int = 2
     moe_router_num_groups: Optional[int] = None

@@ -31,6 +31,8 @@ def add_moe_args(parser):
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="Expert FFN size (default --ffn-hidden-size).")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                    help="FFN size of the shared expert(s) every token passes through.")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="Scale the shared experts' output per token by a learned sigmoid gate (Qwen2-MoE).")
     g.add_argument("--moe-shared-expert-overlap", action="store_true",
                    help="Run the shared expert on a side CUDA stream, overlapping the token dispatch.")
     g.add_argument("--moe-router-load-balancing-type", type=str, nargs="+", default="aux_loss",

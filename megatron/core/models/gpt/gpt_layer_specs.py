@@ -1,6 +1,8 @@
 """Layer specs for GPT: which classes make up a transformer layer (local torch implementation)."""
 from typing import List, Optional
 
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec, get_moe_module_spec_for_backend  # noqa: F401
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -31,23 +33,24 @@ def get_mlp_module_spec(use_te: bool = True, num_experts: Optional[int] = None,
     (our fastest; no Transformer Engine here)."""
     if fp8 or use_te_op_fuser:
         raise NotImplementedError("get_mlp_module_spec(fp8/use_te_op_fuser) needs Transformer Engine")
-    linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-    if num_experts is None:
-        return ModuleSpec(module=MLP, submodules=linears)
-    return get_moe_module_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
+    return get_mlp_module_spec_for_backend(LocalSpecProvider(), num_experts, moe_grouped_gemm)
 
 
-def get_moe_module_spec(use_te: bool = False, num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
-                        moe_use_legacy_grouped_gemm: bool = False, **kwargs) -> ModuleSpec:
-    """MoELayer with grouped-GEMM experts (``moe_grouped_gemm``) or a loop of MLPs, plus shared experts
-    (built only when the config sets moe_shared_expert_intermediate_size)."""
-    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
-    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
-    linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-    experts = GroupedMLP if moe_grouped_gemm else ModuleSpec(module=SequentialMLP, submodules=linears)
-    shared = ModuleSpec(module=SharedExpertMLP, params={"gate": False}, submodules=linears)
-    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=experts, shared_experts=shared))
+def get_mlp_module_spec_for_backend(backend, num_experts: Optional[int] = None,
+                                    moe_grouped_gemm: Optional[bool] = False, use_te_op_fuser: Optional[bool] = False,
+                                    use_te_activation_func: bool = False,
+                                    use_grouped_gemm_for_dense_mlp: bool = False) -> ModuleSpec:
+    """Dense MLP from ``backend``'s linears, or its MoE layer when ``num_experts`` is set. The TE op fuser,
+    TE activation and grouped GEMM for dense MLPs need Transformer Engine and are refused when set."""
+    for name, value in (("use_te_op_fuser", use_te_op_fuser), ("use_te_activation_func", use_te_activation_func),
+                        ("use_grouped_gemm_for_dense_mlp", use_grouped_gemm_for_dense_mlp)):
+        if value:
+            raise NotImplementedError(f"{name} needs Transformer Engine, which this build does not use; drop it")
+    if num_experts is not None:
+        return get_moe_module_spec_for_backend(backend, num_experts, moe_grouped_gemm)
+    fc1 = (backend.column_parallel_layer_norm_linear() if backend.fuse_layernorm_and_linear()
+           else backend.column_parallel_linear())
+    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=backend.row_parallel_linear()))
 
 
 def get_gpt_layer_local_spec(num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,

@@ -107,7 +107,9 @@ class MoELayer(BaseMoELayer):
         self.token_dispatcher = dispatcher(self.num_local_experts, self.local_expert_indices, config)
         self.experts = build_module(submodules.experts, self.num_local_experts, config)
         if config.moe_shared_expert_intermediate_size:
-            self.shared_experts = build_module(submodules.shared_experts, config=config)
+            spec = submodules.shared_experts
+            gate = {} if "gate" in getattr(spec, "params", {}) else {"gate": config.moe_shared_expert_gate}
+            self.shared_experts = build_module(spec, config=config, pg_collection=pg_collection, **gate)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self._side_stream = None

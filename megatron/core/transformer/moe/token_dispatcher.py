@@ -66,12 +66,12 @@ class _ReduceScatterV(torch.autograd.Function):
 
 
 class MoETokenDispatcher:
-    """Common state: expert layout and the expert groups."""
+    """Common state: the expert groups (parallel_state's; a ``pg_collection`` must hold the same ones)."""
 
-    def __init__(self, num_local_experts: int, local_expert_indices: List[int], config, pg_collection=None):
+    def __init__(self, config, pg_collection=None):
+        from megatron.core.process_groups_config import require_default_process_groups
+        require_default_process_groups(pg_collection, type(self).__name__)
         self.config = config
-        self.num_local_experts = num_local_experts
-        self.local_expert_indices = list(local_expert_indices)
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.ep_group = parallel_state.get_expert_model_parallel_group()
@@ -97,7 +97,16 @@ class MoETokenDispatcher:
         return None
 
 
-class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
+class _LocalExpertsDispatcher(MoETokenDispatcher):
+    """A dispatcher for the local experts ``local_expert_indices`` (contiguous global expert ids)."""
+
+    def __init__(self, num_local_experts: int, local_expert_indices: List[int], config, pg_collection=None):
+        super().__init__(config, pg_collection)
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = list(local_expert_indices)
+
+
+class MoEAllGatherTokenDispatcher(_LocalExpertsDispatcher):
     def token_permutation(self, hidden_states, probs, routing_map):
         """hidden [s, b, h] -> (tokens for the local experts grouped by expert [N, h], tokens_per_expert)."""
         self.hidden_shape = hidden_states.shape
@@ -123,7 +132,7 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         return out.view(self.hidden_shape), None
 
 
-class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
+class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
     def _gather_counts(self, routing_map) -> List:
         """C[u][j][e]: tokens that the rank at expert-TP u, EP j routes to expert e (one host read)."""
         counts = routing_map.sum(dim=0).to(torch.int64)  # [E]
