@@ -300,6 +300,7 @@ class MLATransformerConfig(TransformerConfig):
     mscale_all_dim: float = 0.0
     correction_range_round_to_int: bool = True
     cache_mla_latents: bool = False
+    mla_down_proj_fusion: bool = False  # one fused q+kv down projection (Transformer Engine): refused
 
     def __post_init__(self):
         if self.kv_channels is None:  # unused by MLA; keeps hidden % heads from mattering
@@ -322,6 +323,9 @@ class MLATransformerConfig(TransformerConfig):
             raise NotImplementedError("--multi-latent-attention with --context-parallel-size > 1 is not supported yet")
         if self.cache_mla_latents:
             raise NotImplementedError("--cache-mla-latents belongs to the dynamic inference engine; drop the flag")
+        if self.mla_down_proj_fusion:
+            raise NotImplementedError("--mla-down-proj-fusion (one fused q+kv down projection) needs Transformer "
+                                      "Engine; drop the flag")
         if self.num_query_groups != self.num_attention_heads:
             raise ValueError("--group-query-attention cannot be combined with --multi-latent-attention")
         tp = self.tensor_model_parallel_size

@@ -196,21 +196,28 @@ def get_gpt_decoder_block_spec(config, use_transformer_engine: bool = False, nor
     return TransformerBlockSubmodules(layer_specs=specs[offset:offset + count], layer_norm=norm)
 
 
-def get_gpt_mtp_block_spec(config, spec, use_transformer_engine: bool = False,
-                           vp_stage: Optional[int] = None, **kwargs) -> Optional[ModuleSpec]:
-    """The multi-token prediction block: ``config.mtp_num_layers`` depths, each around the transformer
-    layer spec ``spec`` (the last layer's spec when ``spec`` is a block spec); None without MTP."""
+def get_gpt_mtp_block_spec(config, spec, use_transformer_engine: bool = False, vp_stage: Optional[int] = None,
+                           pp_rank: Optional[int] = None) -> Optional[ModuleSpec]:
+    """The multi-token prediction block (``use_transformer_engine`` picks the same local modules, our
+    fastest); None where this stage builds no MTP layer."""
+    return get_gpt_mtp_block_spec_for_backend(config, spec, LocalSpecProvider(), vp_stage=vp_stage,
+                                              pp_rank=pp_rank)
+
+
+def get_gpt_mtp_block_spec_for_backend(config, spec, backend, vp_stage: Optional[int] = None,
+                                       pp_rank: Optional[int] = None) -> Optional[ModuleSpec]:
+    """``config.mtp_num_layers`` depths, each around the transformer layer spec ``spec`` (the last layer's
+    spec when ``spec`` is a block spec), on the last pipeline stage; None elsewhere or without MTP."""
     from megatron.core.transformer.multi_token_prediction import (
-        MultiTokenPredictionBlock, MultiTokenPredictionBlockSubmodules, get_mtp_layer_spec)
+        MultiTokenPredictionBlock, MultiTokenPredictionBlockSubmodules, get_mtp_layer_spec_for_backend,
+        get_mtp_num_layers_to_build)
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-    if not config.mtp_num_layers:
+    if not config.mtp_num_layers or get_mtp_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank) == 0:
         return None
-    if use_transformer_engine:
-        raise NotImplementedError("Transformer Engine MTP specs are not supported; use the local spec")
     if isinstance(spec, ModuleSpec) and isinstance(spec.submodules, TransformerBlockSubmodules):
         spec = spec.submodules
     if isinstance(spec, TransformerBlockSubmodules):
         spec = spec.layer_specs[-1]
-    layer = get_mtp_layer_spec(spec)
+    layer = get_mtp_layer_spec_for_backend(spec, backend)
     return ModuleSpec(module=MultiTokenPredictionBlock,
                       submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * config.mtp_num_layers))
