@@ -33,9 +33,6 @@ DATA_CFG = ("dataset config fields for object-storage / fast-cache loading and C
 REASONS = {
     # megatron.core
     C[:-1] + ":InferenceParams": INFER,
-    C[:-1] + ":register_safe_globals": "torch.load(weights_only) allow-listing of Megatron classes is not needed: "
-                                        "checkpoints here load with weights_only=False from trusted paths",
-    C[:-1] + ":safe_load_from_bytes": "see register_safe_globals",
     C + "model_parallel_config:resolve_tensor_parallel_weight_shards": GTP,
     C + "enums:Fp4Recipe": "FP4 training needs Transformer Engine, which is not used",
     C + "enums:Fp8Recipe": "the 'custom' recipe (user quantizer factories) needs Transformer Engine",
@@ -88,7 +85,6 @@ REASONS = {
     C + "transformer.mlp:MLP": "name is TE's module name; extra keyword arguments are accepted and unused",
     C + "transformer.mlp:MLPSubmodules": "the activation is chosen by config.activation_func, not by the spec",
     C + "transformer.mlp:apply_swiglu_sharded_factory": "SwiGLU fc1 weights are saved as one tensor with an interleave stride",
-    C + "transformer.torch_norm:L2Norm": "qk_l2_norm is not implemented",
     C + "transformer.module:GraphableMegatronModule": CG,
     # MoE, MLA, MTP
     C + "transformer.moe.experts:InferenceGroupedMLP": INFER,
@@ -169,7 +165,6 @@ REASONS = {
     C + "datasets.bert_dataset:*": DATA_CFG, C + "datasets.t5_dataset:*": DATA_CFG,
     C + "datasets.masked_dataset:*": DATA_CFG, C + "datasets.indexed_dataset:*": DATA_CFG,
     # fusions, utils
-    C + "fusions.fused_cross_entropy:*": "the fused cross entropy is one compiled function; its Megatron building blocks are not separate",
     C + "utils:StragglerDetector": "--log-straggler (per-rank CUDA-event timing reports) is not implemented",
     C + "utils:drain_embedding_wgrad_compute": DEFER_WGRAD,
     C + "utils:prepare_input_tensors_for_wgrad_compute": DEFER_WGRAD,

@@ -66,7 +66,7 @@ MODULES = [
     C + "transformer.moe.moe_layer", C + "transformer.moe.router", C + "transformer.moe.token_dispatcher",
     C + "transformer.moe.experts", C + "transformer.moe.moe_utils", C + "transformer.moe.shared_experts",
     C + "models.gpt.moe_module_specs", C + "models.backends", C + "transformer.multi_latent_attention",
-    C + "transformer.multi_token_prediction",
+    C + "transformer.multi_token_prediction", C + "inference.sampling_params",
     "megatron.training", T + "global_vars", T + "arguments", T + "argument_utils", T + "utils",
 ]
 

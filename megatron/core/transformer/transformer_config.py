@@ -103,6 +103,9 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     moe_router_force_load_balancing: bool = False  # random router logits: balanced load for benchmarks
     moe_router_force_biased: Optional[float] = None  # random logits + a shared per-expert bias of this std
 
+    # Query/key L2 norm (Llama 4): chosen by the layer spec (get_gpt_layer_*_spec(qk_l2_norm=True))
+    qk_l2_norm: bool = False
+
     # Multi-latent attention (shapes in MLATransformerConfig) and multi-token prediction
     multi_latent_attention: bool = False
     mtp_num_layers: Optional[int] = None

@@ -16,7 +16,7 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
     get_transformer_layer_offset,
 )
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.torch_norm import L2Norm, WrappedTorchNorm
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
@@ -61,14 +61,17 @@ def get_gpt_layer_local_spec(num_experts: Optional[int] = None, moe_grouped_gemm
                              **kwargs) -> ModuleSpec:
     """Pre-norm GPT layer on plain torch + our TP layers (Megatron's 'local' spec).
     ``kitchen_attention_backend`` only matters with ``use_kitchen_attention``, which is refused."""
-    if qk_l2_norm or use_kitchen or use_kitchen_attention or fp8:
-        raise NotImplementedError("qk_l2_norm / kitchen / fp8 layer specs are not supported")
+    if use_kitchen or use_kitchen_attention or fp8:
+        raise NotImplementedError("kitchen / fp8 layer specs are not supported (FP8 is a config setting)")
     # An explicit `normalization` overrides config.normalization for this spec's norms (as Megatron).
     norm = ModuleSpec(module=LNImpl, params={"normalization": normalization}) if normalization else LNImpl
     mlp = get_mlp_module_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
     if multi_latent_attention:
+        if qk_l2_norm:
+            raise ValueError("qk_l2_norm is not supported with multi-latent attention")
         return get_mla_layer_spec(norm=norm, qk_norm=norm if qk_layernorm else None, mlp=mlp)
-    return get_local_layer_spec(AttnMaskType.causal, norm=norm, qk_norm=norm if qk_layernorm else None, mlp=mlp)
+    qk_norm = L2Norm if qk_l2_norm else (norm if qk_layernorm else None)
+    return get_local_layer_spec(AttnMaskType.causal, norm=norm, qk_norm=qk_norm, mlp=mlp)
 
 
 def get_mla_layer_spec(norm=LNImpl, qk_norm=None, mlp: Optional[ModuleSpec] = None) -> ModuleSpec:
