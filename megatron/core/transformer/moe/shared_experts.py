@@ -12,8 +12,6 @@ from megatron.core.transformer.mlp import MLP
 
 class SharedExpertMLP(MLP):
     def __init__(self, config, submodules, gate: bool = False, pg_collection=None, name: Optional[str] = None):
-        if config.add_bias_linear:
-            raise ValueError("shared experts have no biases; pass --disable-bias-linear")
         super().__init__(config, submodules, ffn_hidden_size=config.moe_shared_expert_intermediate_size, name=name)
         self.use_shared_expert_gate = gate
         self.gate_weight = None
