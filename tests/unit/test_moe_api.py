@@ -192,3 +192,17 @@ def test_moe_spec_for_backend_shared_gate_and_forced_balancing():
     probs, routing_map = forced.router(torch.randn(64, 2, H))
     assert (routing_map.sum(0) > 0).all()
     assert LocalSpecProvider().layer_norm(rms_norm=True) is LocalSpecProvider().layer_norm()
+
+
+def test_sqrtsoftplus_router_with_expert_bias():
+    from megatron.core.transformer.moe.router import TopKRouter
+    torch.manual_seed(8)
+    router = TopKRouter(_moe_config(moe_router_score_function="sqrtsoftplus", moe_router_enable_expert_bias=True))
+    router.set_layer_number(1)
+    x = torch.randn(5, 2, H)
+    probs, routing_map = router(x)
+    scores = torch.nn.functional.softplus(x.reshape(-1, H) @ router.weight.t()).sqrt()
+    top = scores.topk(K, dim=1)
+    ref = torch.zeros_like(scores).scatter(1, top.indices, top.values / top.values.sum(-1, keepdim=True))
+    torch.testing.assert_close(probs, ref)
+    assert torch.equal(routing_map, ref > 0)
