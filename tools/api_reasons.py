@@ -37,7 +37,6 @@ REASONS = {
     C + "enums:Fp4Recipe": "FP4 training needs Transformer Engine, which is not used",
     C + "enums:Fp8Recipe": "the 'custom' recipe (user quantizer factories) needs Transformer Engine",
     C + "process_groups_config:MultiModuleProcessGroupCollection": "multi-module (MIMO / vision+language) models are not implemented",
-    C + "process_groups_config:ProcessGroupHelperMeta": "internal metaclass of Megatron's collection",
     # parallel_state
     C + "parallel_state:create_all_gather_groups": "NCCL all-gather side groups of Megatron-FSDP are not built",
     C + "parallel_state:create_hierarchical_groups": CP,

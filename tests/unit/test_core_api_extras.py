@@ -94,3 +94,14 @@ def test_sampling_params_token_counts_and_termination_id():
     for bad in (dict(top_n_logprobs=2), dict(return_segments=True), dict(num_tokens_total=2)):
         with pytest.raises(ValueError):
             engine.check_request(len(prompt), SamplingParams(**bad))
+
+
+def test_process_group_helper_meta_guards_vpp_size():
+    from megatron.core.process_groups_config import ProcessGroupHelperMeta
+
+    class Holder(metaclass=ProcessGroupHelperMeta):
+        pass
+
+    Holder.other = 1
+    with pytest.raises(AttributeError, match="set_virtual_pipeline_model_parallel_size"):
+        Holder.virtual_pipeline_model_parallel_size = 2
