@@ -76,7 +76,6 @@ REASONS = {
     C + "transformer.transformer_config:TransformerConfig": "fp8_recipe defaults to 'tensorwise', the one FP8 recipe without Transformer Engine",
     C + "transformer.enums:AttnMaskType": "causal_bottom_right (TE's KV-cache mask) needs Transformer Engine attention",
     C + "transformer.enums:LayerType": "embedding/loss/mtp entries serve --pipeline-model-parallel-layout, not implemented",
-    C + "transformer.attention:Attention": "SelfAttention and CrossAttention are separate classes here, without the abstract base",
     C + "transformer.attention:SelfAttention": "pp_layer_offset/name belong to MTP and TE naming; extra keyword arguments are accepted and unused",
     C + "transformer.attention:CrossAttention": "name is TE's module name; extra keyword arguments are accepted and unused",
     C + "transformer.transformer_layer:TransformerLayer": "pp_layer_offset (Megatron's per-stage KV-cache index) is refused: the KV cache is indexed by the global layer number",

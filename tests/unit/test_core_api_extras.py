@@ -105,3 +105,40 @@ def test_process_group_helper_meta_guards_vpp_size():
     Holder.other = 1
     with pytest.raises(AttributeError, match="set_virtual_pipeline_model_parallel_size"):
         Holder.virtual_pipeline_model_parallel_size = 2
+
+
+def test_attention_base_runs_a_subclass_like_self_attention():
+    """A subclass of Megatron's abstract Attention with three separate q/k/v projections, given the
+    slices of a SelfAttention's fused QKV weight, computes the same output (fp32 rounding)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.attention import Attention, SelfAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    class SeparateQKV(Attention):
+        def __init__(self, config, submodules, layer_number):
+            super().__init__(config, submodules, layer_number, AttnMaskType.causal, "self")
+            kw = dict(config=config, init_method=config.init_method, gather_output=False, bias=False)
+            self.q, self.k, self.v = (ColumnParallelLinear(config.hidden_size, self.query_projection_size, **kw)
+                                      for _ in range(3))
+            self._build_core_and_proj()
+
+        def get_query_key_value_tensors(self, hidden_states, key_value_states=None):
+            s, b = hidden_states.shape[:2]
+            return tuple(proj(hidden_states)[0].view(s, b, self.np, self.hn) for proj in (self.q, self.k, self.v))
+
+    torch.manual_seed(1)
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, add_bias_linear=False,
+                               attention_dropout=0.0)
+    submodules = get_gpt_layer_local_spec().submodules.self_attention.submodules
+    fused = SelfAttention(config, submodules, 1, AttnMaskType.causal)
+    separate = SeparateQKV(config, submodules, 1)
+    w = fused.linear_qkv.weight.detach().view(2, 3, 8, 16)  # [group, (q, k, v), hn, h]
+    with torch.no_grad():
+        for i, proj in enumerate((separate.q, separate.k, separate.v)):
+            proj.weight.copy_(w[:, i].reshape(16, 16))
+        separate.linear_proj.weight.copy_(fused.linear_proj.weight)
+    x = torch.randn(5, 2, 16)
+    torch.testing.assert_close(separate(x)[0], fused(x)[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError):
+        Attention(config, submodules, 1, AttnMaskType.causal, "self")  # abstract
