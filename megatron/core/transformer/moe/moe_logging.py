@@ -36,7 +36,9 @@ def save_expert_load(tokens_per_expert: torch.Tensor, layer_number: int, num_lay
     entry = _TRACKER.setdefault("_expert_load", {"counts": {}})
     counts = entry["counts"]
     t = tokens_per_expert.detach().float()
-    counts[layer_number] = t if layer_number not in counts else counts[layer_number] + t
+    previous = counts.get(layer_number)
+    # Another model's counts (a different expert count) are replaced, not added to.
+    counts[layer_number] = t if previous is None or previous.shape != t.shape else previous + t
     entry["reduce_group"] = reduce_group
 
 
