@@ -10,6 +10,7 @@ Decode state lives in device buffers indexed by slot (last token, position, samp
 a step updates them in place (next token, position + 1), so on CUDA the whole step, sampling included,
 is one replayed graph and the host reads back only the sampled tokens.
 """
+import dataclasses
 import itertools
 from collections import deque
 from dataclasses import dataclass
@@ -122,7 +123,11 @@ class InferenceEngine:
     def check_request(self, num_prompt_tokens: int, sampling_params: SamplingParams) -> None:
         """Raise ValueError (a one-line reason) when a request cannot run; touches no engine state."""
         sampling_params.validate()
-        n, m = num_prompt_tokens, sampling_params.num_tokens_to_generate
+        n = num_prompt_tokens
+        m = sampling_params.tokens_to_generate(n, self.max_sequence_length)
+        if m < 0:
+            raise ValueError(f"num_tokens_total ({sampling_params.num_tokens_total}) is shorter than the prompt "
+                             f"({n} tokens)")
         if n == 0:
             raise ValueError("the prompt is empty (send text, or set add_BOS)")
         if n + m > self.max_sequence_length:
@@ -135,6 +140,9 @@ class InferenceEngine:
                     done=None) -> InferenceRequest:
         """Queue a prompt (``done``: an Event to set when it finishes); ValueError when it cannot run."""
         self.check_request(len(prompt_tokens), sampling_params)
+        # The request keeps its own copy with the token count resolved (None: up to the max length).
+        sampling_params = dataclasses.replace(sampling_params, num_tokens_total=None, num_tokens_to_generate=(
+            sampling_params.tokens_to_generate(len(prompt_tokens), self.max_sequence_length)))
         req = InferenceRequest(next(self._ids), [int(t) for t in prompt_tokens], sampling_params)
         if done is not None:
             req.done = done
@@ -314,7 +322,8 @@ class InferenceEngine:
         if log_prob is not None and req.sampling_params.return_log_probs:
             req.generated_log_probs.append(log_prob)
         sp = req.sampling_params
-        if self.termination_id is not None and token == self.termination_id:
+        termination_id = self._termination_id(sp)
+        if termination_id is not None and token == termination_id:
             self._finish(req, "stop", finished)
         elif sp.stop_words and self.detokenize is not None and \
                 any(w in self.detokenize(req.generated_tokens) for w in sp.stop_words):
@@ -322,15 +331,20 @@ class InferenceEngine:
         elif len(req.generated_tokens) >= sp.num_tokens_to_generate or req.length >= self.max_sequence_length:
             self._finish(req, "length", finished)
 
+    def _termination_id(self, sp: SamplingParams):
+        """The request's own termination id, else the engine's (end of document)."""
+        return sp.termination_id if sp.termination_id is not None else self.termination_id
+
     def _finish(self, req: InferenceRequest, reason: str, finished) -> None:
         req.finish_reason, req.status = reason, Status.COMPLETED
         self.slots[req.slot] = None
         if self.detokenize is not None:
             ids = req.generated_tokens
-            if ids and self.termination_id is not None and ids[-1] == self.termination_id:
+            termination_id = self._termination_id(req.sampling_params)
+            if ids and termination_id is not None and ids[-1] == termination_id:
                 ids = ids[:-1]
             text = self.detokenize(ids)
-            cuts = [text.index(w) for w in req.sampling_params.stop_words if w and w in text]
+            cuts = [text.index(w) for w in req.sampling_params.stop_words or [] if w and w in text]
             req.generated_text = text[:min(cuts)] if cuts else text  # up to the first stop word
         finished.append(req)
         req.done.set()

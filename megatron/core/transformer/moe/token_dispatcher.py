@@ -19,7 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import (
     _all_to_all, _gather_along_first_dim, all_to_all, gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region)
-from megatron.core.transformer.moe.moe_utils import fused_permute_fns, permute, sort_chunks_by_idxs, unpermute
+from megatron.core.transformer.moe.moe_utils import _permute, _sort_chunks, _unpermute, fused_permute_fns
 
 
 def _size(group) -> int:
@@ -66,12 +66,12 @@ class _ReduceScatterV(torch.autograd.Function):
 
 
 class MoETokenDispatcher:
-    """Common state: expert layout and the expert groups."""
+    """Common state: the expert groups (parallel_state's; a ``pg_collection`` must hold the same ones)."""
 
-    def __init__(self, num_local_experts: int, local_expert_indices: List[int], config, pg_collection=None):
+    def __init__(self, config, pg_collection=None):
+        from megatron.core.process_groups_config import require_default_process_groups
+        require_default_process_groups(pg_collection, type(self).__name__)
         self.config = config
-        self.num_local_experts = num_local_experts
-        self.local_expert_indices = list(local_expert_indices)
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.ep_group = parallel_state.get_expert_model_parallel_group()
@@ -81,7 +81,7 @@ class MoETokenDispatcher:
         self.etp_size, self.etp_rank = _size(self.etp_group), _rank(self.etp_group)
         self.tp_ep_size = _size(self.tp_ep_group)
         fused = config.moe_permute_fusion
-        self._permute, self._unpermute = fused_permute_fns() if fused else (permute, unpermute)
+        self._permute, self._unpermute = fused_permute_fns() if fused else (_permute, _unpermute)
 
     def _num_out_tokens(self, num_tokens: int):
         """Rows after permutation when known without reading the map: T * k with no dropping, E * capacity
@@ -97,7 +97,16 @@ class MoETokenDispatcher:
         return None
 
 
-class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
+class _LocalExpertsDispatcher(MoETokenDispatcher):
+    """A dispatcher for the local experts ``local_expert_indices`` (contiguous global expert ids)."""
+
+    def __init__(self, num_local_experts: int, local_expert_indices: List[int], config, pg_collection=None):
+        super().__init__(config, pg_collection)
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = list(local_expert_indices)
+
+
+class MoEAllGatherTokenDispatcher(_LocalExpertsDispatcher):
     def token_permutation(self, hidden_states, probs, routing_map):
         """hidden [s, b, h] -> (tokens for the local experts grouped by expert [N, h], tokens_per_expert)."""
         self.hidden_shape = hidden_states.shape
@@ -123,7 +132,7 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         return out.view(self.hidden_shape), None
 
 
-class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
+class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
     def _gather_counts(self, routing_map) -> List:
         """C[u][j][e]: tokens that the rank at expert-TP u, EP j routes to expert e (one host read)."""
         counts = routing_map.sum(dim=0).to(torch.int64)  # [E]
@@ -160,7 +169,7 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         self.chunk_sizes = [C[u][j][m * El + l] for u in range(self.etp_size) for j in range(ep) for l in range(El)]
         self.sorted_idxs = [(u * ep + j) * El + l for l in range(El) for u in range(self.etp_size) for j in range(ep)]
         if El > 1:
-            y = sort_chunks_by_idxs(y, self.chunk_sizes, self.sorted_idxs)
+            y = _sort_chunks(y, self.chunk_sizes, self.sorted_idxs)
         tokens_per_expert = [sum(C[u][j][m * El + l] for u in range(self.etp_size) for j in range(ep))
                              for l in range(El)]
         return y, torch.tensor(tokens_per_expert, dtype=torch.int64)
@@ -172,7 +181,7 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         elif self.num_local_experts > 1:
             sorted_sizes = [self.chunk_sizes[i] for i in self.sorted_idxs]
             inverse = sorted(range(len(self.sorted_idxs)), key=lambda i: self.sorted_idxs[i])
-            y = sort_chunks_by_idxs(y, sorted_sizes, inverse)  # back to [u][j][l]
+            y = _sort_chunks(y, sorted_sizes, inverse)  # back to [u][j][l]
         if self.etp_size > 1:
             y = _ReduceScatterV.apply(y, self.etp_group, self.etp_sizes)  # sum the expert-TP partials
         if not self.local_only:
