@@ -209,19 +209,73 @@ def _permute_indices(routing_map: torch.Tensor, num_out_tokens: Optional[int]):
     return torch.argsort((~flat).to(torch.int8), stable=True)[:num_out_tokens]
 
 
-def _permute(tokens, routing_map, probs: Optional[torch.Tensor] = None, num_out_tokens: Optional[int] = None):
+class _RepeatRows(torch.autograd.Function):
+    """``tokens[sorted_indices]`` where every token appears exactly k times. Backward gathers each token's k
+    row gradients (``order``: the rows token-major) and sums them in fp32: no atomic ``index_add``, which
+    contends on the k copies of a row and rounds after every add in bf16."""
+
+    @staticmethod
+    def forward(ctx, tokens, sorted_indices, order, k):
+        ctx.save_for_backward(order)
+        ctx.k = k
+        return tokens.index_select(0, sorted_indices)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        rows = grad.index_select(0, order)
+        return rows.view(-1, ctx.k, rows.shape[-1]).sum(1), None, None, None
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x[idx]`` for a permutation ``idx`` of the rows; backward is the gather by its inverse ``inv``."""
+
+    @staticmethod
+    def forward(ctx, x, idx, inv):
+        ctx.save_for_backward(inv)
+        return x.index_select(0, idx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inv,) = ctx.saved_tensors
+        return grad.index_select(0, inv), None, None
+
+
+def _token_major_order(sorted_indices: torch.Tensor) -> torch.Tensor:
+    """Row positions sorted by source token (stable: expert order within a token)."""
+    return torch.argsort(sorted_indices, stable=True)
+
+
+def _permute(tokens, routing_map, probs: Optional[torch.Tensor] = None, num_out_tokens: Optional[int] = None,
+             topk: Optional[int] = None):
     """Group the rows of ``tokens`` [T, h] by expert. Returns (permuted [N, h], permuted probs [N] or None,
-    sorted_indices [N]: the source token of each row). The dispatchers' form of `permute`."""
+    sorted_indices [N]: the source token of each row). The dispatchers' form of `permute`. ``topk``: every
+    token has exactly that many rows (all experts in the map, no dropping): the backward gathers instead of
+    scattering."""
     num_tokens = routing_map.shape[0]
     flat_index = _permute_indices(routing_map, num_out_tokens)
     sorted_indices = flat_index % num_tokens
-    permuted = tokens.index_select(0, sorted_indices)
+    if topk is not None and tokens.requires_grad:
+        permuted = _RepeatRows.apply(tokens, sorted_indices, _token_major_order(sorted_indices), topk)
+    else:
+        permuted = tokens.index_select(0, sorted_indices)
     permuted_probs = None if probs is None else probs.t().reshape(-1).index_select(0, flat_index)
     return permuted, permuted_probs, sorted_indices
 
 
-def _unpermute(permuted_tokens, sorted_indices, restore_shape, probs: Optional[torch.Tensor] = None):
-    """Inverse of `_permute`: each row (times its permuted prob [N]) is added back to its source token."""
+def _unpermute(permuted_tokens, sorted_indices, restore_shape, probs: Optional[torch.Tensor] = None,
+               topk: Optional[int] = None):
+    """Inverse of `_permute`: each row (times its permuted prob [N]) is added back to its source token.
+    ``topk`` (every token has exactly that many rows): the rows are gathered token-major and their k-way sum
+    is one reduction with fp32 accumulation, instead of an ``index_add`` scatter."""
+    if topk is not None:
+        n = sorted_indices.numel()
+        order = _token_major_order(sorted_indices)
+        inv = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=order.device))
+        rows = _PermuteRows.apply(permuted_tokens, order, inv).view(-1, topk, permuted_tokens.shape[-1])
+        if probs is not None:
+            rows = rows * probs.index_select(0, order).view(-1, topk, 1).to(rows.dtype)
+        return rows.sum(1).view(restore_shape)
     if probs is not None:
         permuted_tokens = permuted_tokens * probs.unsqueeze(-1).to(permuted_tokens.dtype)
     out = torch.zeros(restore_shape, dtype=permuted_tokens.dtype, device=permuted_tokens.device)

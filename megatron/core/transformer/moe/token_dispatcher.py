@@ -83,6 +83,14 @@ class MoETokenDispatcher:
         fused = config.moe_permute_fusion
         self._permute, self._unpermute = fused_permute_fns() if fused else (_permute, _unpermute)
 
+    def _exact_topk(self, local_experts_only: bool = False):
+        """k when every token gets exactly k rows from the permutation (the map holds all experts and no
+        token is dropped or padded), else None."""
+        c = self.config
+        if local_experts_only or c.moe_expert_capacity_factor is not None or c.moe_pad_expert_input_to_capacity:
+            return None
+        return self.topk
+
     def _num_out_tokens(self, num_tokens: int):
         """Rows after permutation when known without reading the map: T * k with no dropping, E * capacity
         when padded to capacity; None (count on the host) when tokens may be dropped."""
@@ -121,12 +129,14 @@ class MoEAllGatherTokenDispatcher(_LocalExpertsDispatcher):
         num_out = None
         if self.num_local_experts == self.num_experts:
             num_out = self._num_out_tokens(x.shape[0])
+        self.exact_topk = self._exact_topk(self.num_local_experts != self.num_experts)
         permuted, self.permuted_probs, self.sorted_indices = self._permute(
-            x, local_map, probs[:, lo:hi], num_out_tokens=num_out)
+            x, local_map, probs[:, lo:hi], num_out_tokens=num_out, topk=self.exact_topk)
         return permuted, local_map.sum(dim=0)
 
     def token_unpermutation(self, expert_output, bias=None):
-        out = self._unpermute(expert_output, self.sorted_indices, self.gathered_shape, probs=self.permuted_probs)
+        out = self._unpermute(expert_output, self.sorted_indices, self.gathered_shape, probs=self.permuted_probs,
+                              topk=self.exact_topk)
         if self.tp_ep_size > 1:
             out = reduce_scatter_to_sequence_parallel_region(out, group=self.tp_ep_group)  # sum over EP x ETP
         return out.view(self.hidden_shape), None
@@ -150,15 +160,16 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
         self.hidden_shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_shape[-1])
         self.local_only = self.ep_size * self.etp_size == 1
+        self.exact_topk = self._exact_topk()
         if self.local_only:  # every expert is here: no exchange, and no host read of the counts
             permuted, self.permuted_probs, self.sorted_indices = self._permute(
-                x, routing_map, probs, num_out_tokens=self._num_out_tokens(x.shape[0]))
+                x, routing_map, probs, num_out_tokens=self._num_out_tokens(x.shape[0]), topk=self.exact_topk)
             return permuted, routing_map.sum(dim=0)
         C = self._gather_counts(routing_map)
         t, m, El, ep = self.etp_rank, self.ep_rank, self.num_local_experts, self.ep_size
         mine = C[t][m]
         permuted, self.permuted_probs, self.sorted_indices = self._permute(
-            x, routing_map, probs, num_out_tokens=sum(mine))
+            x, routing_map, probs, num_out_tokens=sum(mine), topk=self.exact_topk)
         self.input_splits = [sum(mine[j * El:(j + 1) * El]) for j in range(ep)]
         self.output_splits = [sum(C[t][j][m * El:(m + 1) * El]) for j in range(ep)]
         y = all_to_all(self.ep_group, permuted, self.output_splits, self.input_splits)  # chunks [ep j][l]
@@ -188,5 +199,5 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
             y = all_to_all(self.ep_group, y, self.input_splits, self.output_splits)
         num_tokens = self.hidden_shape.numel() // self.hidden_shape[-1]
         out = self._unpermute(y, self.sorted_indices, (num_tokens, self.hidden_shape[-1]),
-                              probs=self.permuted_probs)
+                              probs=self.permuted_probs, topk=self.exact_topk)
         return out.view(self.hidden_shape), None
