@@ -24,10 +24,11 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
     print_rank_0("building GPT model ...")
     config = core_transformer_config_from_args(args)
     layer_spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization,
-                                          multi_latent_attention=args.multi_latent_attention)
+                                          multi_latent_attention=args.multi_latent_attention,
+                                          qk_l2_norm=args.qk_l2_norm)
     if args.num_experts is not None:  # MoE: one spec per layer (dense where --moe-layer-freq says so)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-        layer_spec = get_gpt_decoder_block_spec(config, normalization=args.normalization)
+        layer_spec = get_gpt_decoder_block_spec(config, normalization=args.normalization, qk_l2_norm=args.qk_l2_norm)
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,

@@ -8,8 +8,8 @@ GTP = "generalized tensor parallelism / weight rematerialisation (gtp_remat) is 
 MOE = ("not implemented: Megatron's last-dim and sp<->hp all-to-all mappings; MoE token dispatch has its own "
        "all_to_all (megatron/core/transformer/moe)")
 CP = "hierarchical (a2a+p2p) and hybrid (dynamic) context parallelism are not implemented"
-MLA = ("MLA and MTP are implemented (MLATransformerConfig, get_gpt_mtp_block_spec) without Megatron's fused "
-       "MLA down-projection (mla_down_proj_fusion) and per-pipeline-rank MTP placement (pp_rank)")
+MLA = ("MLATransformerConfig inherits TransformerConfig's fp8_recipe default ('tensorwise', the one FP8 recipe "
+       "without Transformer Engine)")
 INFER = ("not implemented: the generation engine (megatron/core/inference) keeps its own KV cache and runs "
          "the training layers, without Megatron's inference-optimized layers or InferenceParams")
 CG = "CUDA-graph scopes of Megatron's TE/local graph capture; here only --cuda-graph-impl full_iteration exists"
@@ -25,19 +25,17 @@ INIT_STATE = ("the distributed optimizer takes (optimizer, config, grad_scaler, 
               "DP groups come from the DDP-wrapped model chunks, and its state is created by the checkpoint "
               "loader (no init_state_fn)")
 CONFIG_CONTAINER = "Megatron 0.19's config containers (GPTModelConfig, pretrain/inference containers) are not implemented"
+SHARED_OVERLAP = ("--moe-shared-expert-overlap runs the shared experts on a side CUDA stream inside MoELayer; "
+                  "Megatron's staged overlap (state machine split across the token dispatcher) is not used")
 DATA_CFG = ("dataset config fields for object-storage / fast-cache loading and CP-aware packing "
             "(defer_npy_index_mmap, fast_cache_load, context/data_parallel_size...) are not implemented")
 
 REASONS = {
     # megatron.core
     C[:-1] + ":InferenceParams": INFER,
-    C[:-1] + ":register_safe_globals": "torch.load(weights_only) allow-listing of Megatron classes is not needed: "
-                                        "checkpoints here load with weights_only=False from trusted paths",
-    C[:-1] + ":safe_load_from_bytes": "see register_safe_globals",
     C + "enums:Fp4Recipe": "FP4 training needs Transformer Engine, which is not used",
     C + "enums:Fp8Recipe": "the 'custom' recipe (user quantizer factories) needs Transformer Engine",
     C + "process_groups_config:MultiModuleProcessGroupCollection": "multi-module (MIMO / vision+language) models are not implemented",
-    C + "process_groups_config:ProcessGroupHelperMeta": "internal metaclass of Megatron's collection",
     # parallel_state
     C + "parallel_state:set_expert_model_parallel_rank": MOE,
     C + "parallel_state:set_expert_model_parallel_world_size": MOE,
@@ -53,23 +51,42 @@ REASONS = {
     C + "transformer.transformer_config:TransformerConfig": "fp8_recipe defaults to 'tensorwise', the one FP8 recipe without Transformer Engine",
     C + "transformer.enums:AttnMaskType": "causal_bottom_right (TE's KV-cache mask) needs Transformer Engine attention",
     C + "transformer.enums:LayerType": "embedding/loss/mtp entries serve --pipeline-model-parallel-layout, not implemented",
-    C + "transformer.attention:Attention": "SelfAttention and CrossAttention are separate classes here, without the abstract base",
     C + "transformer.attention:SelfAttention": "pp_layer_offset/name belong to MTP and TE naming; extra keyword arguments are accepted and unused",
     C + "transformer.attention:CrossAttention": "name is TE's module name; extra keyword arguments are accepted and unused",
-    C + "transformer.transformer_layer:TransformerLayer": "layer_number is global here (TransformerBlock adds the pipeline-stage offset before building the layer), so add_layer_offset has no counterpart; is_mtp_layer/pp_layer_offset are refused (MTP layers are built by MultiTokenPredictionLayer)",
+    C + "transformer.transformer_layer:TransformerLayer": "pp_layer_offset (Megatron's per-stage KV-cache index) is refused: the KV cache is indexed by the global layer number",
     C + "transformer:TransformerLayer": "see megatron.core.transformer.transformer_layer.TransformerLayer",
-    C + "transformer.transformer_layer:MoETransformerLayer": "an MoE layer is a TransformerLayer whose MLP spec is an MoELayer",
     C + "transformer.mlp:MLP": "name is TE's module name; extra keyword arguments are accepted and unused",
     C + "transformer.mlp:MLPSubmodules": "the activation is chosen by config.activation_func, not by the spec",
     C + "transformer.mlp:apply_swiglu_sharded_factory": "SwiGLU fc1 weights are saved as one tensor with an interleave stride",
-    C + "transformer.torch_norm:L2Norm": "qk_l2_norm is not implemented",
     C + "transformer.module:GraphableMegatronModule": CG,
+    # MoE, MLA, MTP
+    C + "transformer.moe.experts:InferenceGroupedMLP": INFER,
+    C + "transformer.moe.router:InferenceTopKRouter": INFER,
+    C + "models.gpt.moe_module_specs:get_inference_optimized_moe_spec": INFER,
+    C + "models.backends:InferenceSpecProvider": INFER,
+    C + "transformer.moe.token_dispatcher:MoEFlexTokenDispatcher": "the flex dispatcher needs DeepEP / HybridEP "
+        "kernels, which this build does not have (--moe-token-dispatcher-type allgather or alltoall)",
+    C + "transformer.moe.moe_utils:MoECudaGraphPartialCaptureSignal": CG,
+    C + "transformer.moe.moe_utils:MoECudaGraphTensorStore": CG,
+    C + "transformer.moe.moe_utils:maybe_skip_or_early_return_by_cudagraph": CG,
+    C + "transformer.moe.moe_utils:qb_dual_update": "quantile-balancing routing "
+        "(--moe-router-load-balancing-type quantile_balancing) is not implemented",
+    C + "transformer.moe.shared_experts:FusedSharedExpertMLP": "shared experts through the routed experts' "
+        "grouped GEMM (use_grouped_gemm_for_shared_expert) are not implemented",
+    C + "transformer.moe.shared_experts:SharedExpertState": SHARED_OVERLAP,
+    C + "transformer.moe.shared_experts:overlap_state_check": SHARED_OVERLAP,
+    C + "transformer.moe.shared_experts:set_tensor_grad_fn_sequence_sr": SHARED_OVERLAP,
+    C + "transformer.multi_latent_attention:FusedMLASelfAttention": "the fused MLA down projection "
+        "(mla_down_proj_fusion) needs Transformer Engine",
+    C + "transformer.multi_token_prediction:MTPLossLoggingHelper": "MTP losses reach the log line through the loss "
+        "function's dict (`mtp_<k> loss`, as pretrain_gpt.py reports them); Megatron's tracker helper and its "
+        "acceptance rates are not implemented",
+    C + "transformer.multi_token_prediction:process_mtp_loss": "GPTModel attaches the MTP losses to its per-token "
+        "loss from the depth outputs (loss, mtp_hidden_states, labels, loss_mask, output_layer, output_weight, "
+        "compute_language_model_loss, config); Megatron attaches them to the hidden states",
     # models
     C + "models.gpt.gpt_layer_specs:get_gpt_layer_with_inference_spec": INFER,
     C + "models.gpt.gpt_layer_specs:get_gpt_layer_with_inference_submodules": INFER,
-    C + "models.gpt.gpt_layer_specs:get_gpt_mtp_block_spec": MLA,
-    C + "models.gpt.gpt_layer_specs:get_gpt_mtp_block_spec_for_backend": MLA,
-    C + "models.gpt.gpt_layer_specs:get_mlp_module_spec_for_backend": "backend spec providers (TE / Kitchen / local) are not implemented: one local backend",
     C + "models.gpt.gpt_layer_specs:get_mlp_module_spec": "use_te defaults to False: the local MLP is the only one",
     C + "models.gpt.gpt_layer_specs:get_gpt_layer_local_spec": "NVIDIA Kitchen attention is not implemented",
     C + "models.bert.pooler:Pooler": "BertModel's binary head pools the first token itself",
@@ -105,7 +122,6 @@ REASONS = {
     C + "datasets.bert_dataset:*": DATA_CFG, C + "datasets.t5_dataset:*": DATA_CFG,
     C + "datasets.masked_dataset:*": DATA_CFG, C + "datasets.indexed_dataset:*": DATA_CFG,
     # fusions, utils
-    C + "fusions.fused_cross_entropy:*": "the fused cross entropy is one compiled function; its Megatron building blocks are not separate",
     C + "utils:StragglerDetector": "--log-straggler (per-rank CUDA-event timing reports) is not implemented",
     C + "utils:get_batch_on_this_cp_rank": CP,
     # training

@@ -62,6 +62,11 @@ MODULES = [
     C + "datasets.masked_dataset", C + "datasets.indexed_dataset", C + "datasets.megatron_dataset",
     C + "datasets.blended_dataset", C + "datasets.utils", C + "datasets.helpers",
     C + "fusions.fused_bias_dropout", C + "fusions.fused_cross_entropy",
+    # Mixture of Experts, multi-latent attention, multi-token prediction.
+    C + "transformer.moe.moe_layer", C + "transformer.moe.router", C + "transformer.moe.token_dispatcher",
+    C + "transformer.moe.experts", C + "transformer.moe.moe_utils", C + "transformer.moe.shared_experts",
+    C + "models.gpt.moe_module_specs", C + "models.backends", C + "transformer.multi_latent_attention",
+    C + "transformer.multi_token_prediction", C + "inference.sampling_params",
     "megatron.training", T + "global_vars", T + "arguments", T + "argument_utils", T + "utils",
 ]
 

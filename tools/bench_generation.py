@@ -1,6 +1,7 @@
 """Generation benchmark: our engine vs transformers' generate on the same weights, and the server.
 
     python tools/bench_generation.py --out gen.json          # Llama-3-8B shape, bf16, one GPU, ~6-9 min
+    python tools/bench_generation.py --decode-only           # batch-1 / small-batch decode only, ~2-3 min
     python tools/bench_generation.py --tiny                  # a seconds-long smoke run (CPU or GPU)
 
 Measures (prompt 128 tokens, 128 new tokens, greedy, random weights):
@@ -10,7 +11,8 @@ Measures (prompt 128 tokens, 128 new tokens, greedy, random weights):
 - batch-32 decode tokens/s, prefill tokens/s (batch 1 and 32);
 - transformers' generate on a LlamaForCausalLM holding the same weights (dynamic and static cache);
 - the REST server: aggregate generated tokens/s of 16 concurrent clients vs one client;
-- our decode step under torch.compile + CUDA graphs (last: it compiles).
+- batch-1 and small-batch decode three ways: CUDA graphs (the default), eager, and torch.compile + graphs
+  (last: it compiles), with a kernel profile of one eager and one compiled step.
 Each result prints as soon as it is measured, so a cut-short run still reports what it finished.
 """
 import argparse
@@ -56,6 +58,7 @@ def build_model(shape, device, dtype):
                             num_attention_heads=shape["heads"], num_query_groups=shape["groups"],
                             normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
                             add_bias_linear=False, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+                            bias_activation_fusion=True,  # --bias-swiglu-fusion, on by default in Megatron
                             perform_initialization=False, use_cpu_initialization=device.type == "cpu")
     model = GPTModel(cfg, get_gpt_layer_local_spec(), shape["vocab"], 8192, position_embedding_type="rope",
                      rotary_base=shape["theta"], share_embeddings_and_output_weights=False)
@@ -235,14 +238,68 @@ def run_clients(args):
     print(json.dumps({"tokens": sum(total), "seconds": time.perf_counter() - t}))
 
 
+def kernel_profile(engine, device, batch, kv_len, tag, steps=3):
+    """The kernels of ``engine``'s decode step (eager, or compiled when the engine compiles) at this graph
+    bucket: per step, how many and their summed device time, and the costliest. Graph replay ms minus
+    this sum is what launch gaps still cost; eager ms minus it is the host's share."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    with torch.inference_mode():
+        engine._step_fn(batch, kv_len, True)  # warm (a compiled step compiles here if it has not yet)
+        sync(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine._step_fn(batch, kv_len, True)
+            sync(device)
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    def time_of(e):  # us; the attribute's name changed across torch versions
+        return max(getattr(e, a, 0) or 0 for a in ("self_device_time_total", "device_time_total"))
+    report(f"{tag} b{batch} kernels per step", sum(e.count for e in kernels) / steps)
+    report(f"{tag} b{batch} kernel time ms/step", sum(time_of(e) for e in kernels) / steps / 1e3)
+    for e in sorted(kernels, key=time_of, reverse=True)[:8]:
+        print(f"    {time_of(e) / steps:9.1f} us/step {e.count / steps:6.1f} x  {e.key[:90]}", flush=True)
+
+
+def bench_decode(model, shape, prompts, args, device, bound, batches, with_graphs=True):
+    """Batch-1 and small-batch decode with CUDA graphs, without (eager), and compiled before capture."""
+    from megatron.core.inference import InferenceEngine
+    from megatron.core.inference.cuda_graphs import bucket
+    variants = [("ours", {}, batches)] if with_graphs else []
+    variants.append(("ours eager", {"use_cuda_graphs": False}, batches))
+    if "compile" not in args.skip and device.type == "cuda":  # batch 1 and batch >= 2 are two compiles
+        variants.append(("ours+compile", {"compile_decode": True}, batches if args.compile_small_batch else [1]))
+    max_len = args.prompt_len + args.new_tokens
+    kv_len = bucket(max_len, max_len, minimum=64)  # the KV bucket of the last steps (the graph shape)
+    for tag, kw, sizes in variants:
+        t = time.perf_counter()
+        engine = InferenceEngine(model, max_batch_size=max(batches), max_sequence_length=max_len,
+                                 vocab_size=shape["vocab"], **kw)
+        for b in sizes:
+            _, step = bench_engine(engine, prompts[:b], args.new_tokens, device, tag)
+            report(f"{tag} b{b} % of bandwidth bound", 100 * bound(b) / step, "(target >= 75)" if b == 1 else "")
+        if "compile" in kw:
+            report("ours+compile fell back to eager", int(engine._step_fn.fell_back))
+        if device.type == "cuda" and "profile" not in args.skip and tag != "ours":  # graphs replay eager's kernels
+            kernel_profile(engine, device, 1, kv_len, tag)
+        report(f"{tag} seconds (with captures / compiles)", time.perf_counter() - t)
+        del engine
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny model smoke run")
+    p.add_argument("--layers", type=int, default=None,
+                   help="fewer layers than the Llama-3-8B shape (faster compiles); the bound is this model's")
+    p.add_argument("--decode-only", action="store_true",
+                   help="only batch-1 / small-batch decode: graphs, eager, compiled, with the bound (~3 min)")
+    p.add_argument("--small-batch", type=int, default=8, help="the small batch measured beside batch 1")
+    p.add_argument("--compile-small-batch", action="store_true",
+                   help="the compiled step at the small batch too (a second compile, ~1 more minute)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--clients", type=int, default=16)
-    p.add_argument("--skip", nargs="*", default=[], choices=["hf", "hf-static", "server", "compile"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["hf", "hf-static", "server", "compile", "profile"])
     p.add_argument("--out", type=str, default=None, help="write the results as JSON here")
     p.add_argument("--client", type=str, default=None, help=argparse.SUPPRESS)
     p.add_argument("--requests-per-client", type=int, default=1, help=argparse.SUPPRESS)
@@ -254,13 +311,16 @@ def main():
     OUT = args.out
     from megatron.core.inference import InferenceEngine, SamplingParams
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    shape = TINY if args.tiny else LLAMA3_8B
+    start = time.perf_counter()
+    shape = dict(TINY if args.tiny else LLAMA3_8B)
+    if args.layers is not None:
+        shape["layers"] = args.layers
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model_parallel_cuda_manual_seed(0)
     model = build_model(shape, device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params / 1e9:.2f}B parameters, {dtype}, {device}"
+    print(f"model: {n_params / 1e9:.2f}B parameters, {shape['layers']} layers, {dtype}, {device}"
           f" ({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}), torch {torch.__version__}")
     bw = copy_bandwidth(device, 0.0625 if args.tiny else 2.0)
     report("copy bandwidth GB/s (read+write)", bw / 1e9)
@@ -268,43 +328,48 @@ def main():
     weights = (n_params - model.embedding.word_embeddings.weight.numel()) * elem
     kv_per_token = shape["layers"] * 2 * shape["groups"] * (shape["hidden"] // shape["heads"]) * elem
     ctx = args.prompt_len + args.new_tokens / 2  # mean context over the decode steps
+
+    def bound(b):  # seconds per decode step: every weight once, each sequence's KV cache once
+        return (weights + kv_per_token * ctx * b) / bw
+    report("b1 bound ms/step (bytes read / copy bw)", bound(1) * 1e3, f"{(weights + kv_per_token * ctx) / 1e9:.2f} GB")
     max_len = args.prompt_len + args.new_tokens
     gen = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, shape["vocab"] - 1, (args.batch, args.prompt_len), generator=gen).tolist()
+    n_prompts = max(args.batch, args.small_batch)
+    prompts = torch.randint(0, shape["vocab"] - 1, (n_prompts, args.prompt_len), generator=gen).tolist()
+    if args.decode_only:
+        bench_decode(model, shape, prompts, args, device, bound, [1, args.small_batch])
+        report("total seconds", time.perf_counter() - start)
+        return
     engine = InferenceEngine(model, max_batch_size=max(args.batch, args.clients), max_sequence_length=max_len,
                              vocab_size=shape["vocab"])
     _, step1 = bench_engine(engine, prompts[:1], args.new_tokens, device, "ours")
-    bound1 = (weights + kv_per_token * ctx) / bw
-    report("b1 bound ms/step (bytes read / copy bw)", bound1 * 1e3, f"{(weights + kv_per_token * ctx) / 1e9:.2f} GB")
-    report("ours b1 % of bandwidth bound", 100 * bound1 / step1, "(target >= 75)")
-    _, step_b = bench_engine(engine, prompts, args.new_tokens, device, "ours")
-    bound_b = (weights + kv_per_token * ctx * args.batch) / bw
-    report(f"ours b{args.batch} % of bandwidth bound", 100 * bound_b / step_b)
+    report("ours b1 % of bandwidth bound", 100 * bound(1) / step1, "(target >= 75)")
+    _, step_s = bench_engine(engine, prompts[:args.small_batch], args.new_tokens, device, "ours")
+    report(f"ours b{args.small_batch} % of bandwidth bound", 100 * bound(args.small_batch) / step_s)
+    _, step_b = bench_engine(engine, prompts[:args.batch], args.new_tokens, device, "ours")
+    report(f"ours b{args.batch} % of bandwidth bound", 100 * bound(args.batch) / step_b)
     ours_tokens = engine.generate(prompts[:1], SamplingParams(top_k=1, num_tokens_to_generate=8))[0].generated_tokens
     if "server" not in args.skip:
         bench_server(engine, shape["vocab"], args)
+    del engine
     if "hf" not in args.skip:
         import transformers
         hf = to_hf(model, shape, device, dtype)
         print(f"transformers {transformers.__version__}", flush=True)
         hf_tokens = bench_hf(hf, prompts[:1], args.new_tokens, device, "dynamic", "hf dynamic")
         report("greedy tokens equal to transformers (of 8)", sum(a == b for a, b in zip(ours_tokens, hf_tokens[0])))
-        bench_hf(hf, prompts, args.new_tokens, device, "dynamic", "hf dynamic")
+        bench_hf(hf, prompts[:args.batch], args.new_tokens, device, "dynamic", "hf dynamic")
         if "hf-static" not in args.skip:
             bench_hf(hf, prompts[:1], args.new_tokens, device, "static", "hf static")
-            bench_hf(hf, prompts, args.new_tokens, device, "static", "hf static")
+            bench_hf(hf, prompts[:args.batch], args.new_tokens, device, "static", "hf static")
             key = f"hf static b{args.batch} decode tokens/s"
             report(f"ours / hf static b{args.batch} decode", RESULTS[f"ours b{args.batch} decode tokens/s"] /
                    RESULTS[key], "(target >= 1.5)")
         report("ours / hf b1 prefill", RESULTS["ours b1 prefill tokens/s"] / RESULTS["hf dynamic b1 prefill tokens/s"],
                "(target >= 1)")
         del hf
-    if "compile" not in args.skip and device.type == "cuda":
-        compiled = InferenceEngine(model, max_batch_size=args.batch, max_sequence_length=max_len,
-                                   vocab_size=shape["vocab"], compile_decode=True)
-        _, step_c = bench_engine(compiled, prompts[:1], args.new_tokens, device, "ours+compile")
-        report("ours+compile b1 % of bandwidth bound", 100 * bound1 / step_c)
-        bench_engine(compiled, prompts, args.new_tokens, device, "ours+compile")
+    bench_decode(model, shape, prompts, args, device, bound, [1, args.small_batch], with_graphs=False)
+    report("total seconds", time.perf_counter() - start)
 
 
 if __name__ == "__main__":

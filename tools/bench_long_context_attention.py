@@ -136,6 +136,17 @@ def ring(a, device, dtype):
         if rank == 0:
             print(f"  same blocks without send/recv: {alone:.3f} ms -> exposed communication "
                   f"{max(with_comm - alone, 0):.3f} ms ({max(with_comm - alone, 0) / with_comm * 100:.1f}%)")
+    if rank == 0:
+        # The yardstick: one device running causal attention over the whole sequence. With the causal load
+        # balance each CP rank does 1/CP of its work, so ideal CP time = full / CP.
+        fq, fk, fv = _qkv(a.seq, a.heads, a.groups, a.dim, device, dtype)
+        rep = a.heads // a.groups
+
+        def full_causal(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=rep > 1)
+        full = _time(_fwd_bwd(full_causal, fq, fk, fv, torch.randn_like(fq)), a.iters)
+        print(f"  one device, whole sequence {a.seq}: {full:.3f} ms -> CP efficiency "
+              f"{full / cp / with_comm * 100:.1f}% (full / CP / ring time)")
     torch.distributed.destroy_process_group()
 
 

@@ -9,6 +9,8 @@ _NAMES = {
     "ModelParallelConfig": ("megatron.core.model_parallel_config", "ModelParallelConfig"),
     "Timers": ("megatron.core.timers", "Timers"),
     "is_torch_min_version": ("megatron.core.utils", "is_torch_min_version"),
+    "register_safe_globals": ("megatron.core.safe_globals", "register_safe_globals"),
+    "safe_load_from_bytes": ("megatron.core.safe_globals", "safe_load_from_bytes"),
 }
 __all__ = list(_SUBMODULES) + list(_NAMES)
 

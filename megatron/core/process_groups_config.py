@@ -12,6 +12,17 @@ from megatron.core import parallel_state as ps
 _PG = torch.distributed.ProcessGroup
 
 
+class ProcessGroupHelperMeta(type):
+    """A metaclass whose classes refuse a direct class-level assignment of
+    virtual_pipeline_model_parallel_size (it must go through a setter), as Megatron's."""
+
+    def __setattr__(cls, name, value):
+        if name == "virtual_pipeline_model_parallel_size":
+            raise AttributeError(f"Cannot set '{name}' directly. Use set_virtual_pipeline_model_parallel_size() "
+                                 "method instead.")
+        super().__setattr__(name, value)
+
+
 @dataclass
 class ProcessGroupCollection:
     """Named process groups (tp, pp, cp, dp, dp_cp, ep, ...); unset names read as None."""

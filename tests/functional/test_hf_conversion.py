@@ -65,45 +65,58 @@ def _hf_logits(model, tokens):
         return model(tokens).logits
 
 
-def our_logits(phases, tokens):
-    """On each rank: for each (tp, pp, checkpoints) phase, load every checkpoint the way a training run
-    does (--use-checkpoint-args) and return the full-vocab logits of the last stage (None elsewhere)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region, model_parallel_cuda_manual_seed
+def load_ours(ckpt, tp, pp, ep=1, extra=()):
+    """Our model chunks (eval mode) on this rank, loaded the way a training run does (--use-checkpoint-args)."""
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.checkpointing import load_checkpoint
     from megatron.training.checkpointing.args import load_args_from_checkpoint
     from megatron.training.global_vars import set_args
     from megatron.training.model_setup import get_model
     from pretrain_gpt import model_provider
+    args = parse_args(argv=["--load", ckpt, "--use-checkpoint-args", "--micro-batch-size", "2",
+                            "--seq-length", str(SEQ), "--tensor-model-parallel-size", str(tp),
+                            "--pipeline-model-parallel-size", str(pp), "--expert-model-parallel-size", str(ep),
+                            "--lr", "0", "--train-iters", "1", "--mock-data", "--exit-on-missing-checkpoint",
+                            "--auto-detect-ckpt-format", *extra])
+    args.rank, args.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    load_args_from_checkpoint(args)
+    set_args(validate_args(args))
+    model = get_model(model_provider, wrap_with_ddp=False)
+    load_checkpoint(model, None, None)
+    for chunk in model:
+        chunk.eval()  # dropout off (--use-checkpoint-args does not carry dropout rates)
+    return model
+
+
+def forward_logits(model, tokens):
+    """Full-vocab logits on the last stage's TP rank 0, None elsewhere."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     def step(data, model):
         toks = next(data)
         out = model(toks, torch.arange(toks.shape[1]).expand_as(toks), None)
         return out, lambda o, non_loss_data=False: gather_from_tensor_model_parallel_region(o)
 
+    out = get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iter([tokens]), model=model, num_microbatches=1,
+        seq_length=SEQ, micro_batch_size=tokens.shape[0], forward_only=True, collect_non_loss_data=True)
+    last = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    return out[0][..., :VOCAB].detach().clone() if last and out else None
+
+
+def our_logits(phases, tokens):
+    """On each rank: for each (tp, pp, checkpoints) phase, load every checkpoint and return the full-vocab
+    logits of the last stage (None elsewhere)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     results = []
     for tp, pp, ckpts in phases:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         model_parallel_cuda_manual_seed(1)
         for ckpt in ckpts:
-            args = parse_args(argv=["--load", ckpt, "--use-checkpoint-args", "--micro-batch-size", "2",
-                                    "--seq-length", str(SEQ), "--tensor-model-parallel-size", str(tp),
-                                    "--pipeline-model-parallel-size", str(pp), "--lr", "0", "--train-iters", "1",
-                                    "--mock-data", "--exit-on-missing-checkpoint", "--auto-detect-ckpt-format"])
-            args.rank, args.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-            load_args_from_checkpoint(args)
-            set_args(validate_args(args))
-            model = get_model(model_provider, wrap_with_ddp=False)
-            load_checkpoint(model, None, None)
-            for chunk in model:
-                chunk.eval()  # dropout off (--use-checkpoint-args does not carry dropout rates)
-            out = get_forward_backward_func()(
-                forward_step_func=step, data_iterator=iter([tokens]), model=model, num_microbatches=1,
-                seq_length=SEQ, micro_batch_size=tokens.shape[0], forward_only=True, collect_non_loss_data=True)
-            last = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-            results.append(out[0][..., :VOCAB].detach().clone() if last and out else None)
+            results.append(forward_logits(load_ours(ckpt, tp, pp), tokens))
         ps.destroy_model_parallel()
     return results
 

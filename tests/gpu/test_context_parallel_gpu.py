@@ -36,10 +36,17 @@ def _assert_close(got, ref, name):
         assert err < 3e-2 * max(1.0, r.abs().max().item()), f"{name} {what}: max abs error {err}"  # bf16
 
 
-def test_flash_blocks_merge_to_causal_attention():
+@pytest.mark.parametrize("kernel", ["cudnn_gqa", "cudnn", "flash2"])
+def test_flash_blocks_merge_to_causal_attention(kernel, monkeypatch):
     """Causal attention as three blocks (the ring's split of one rank's work) merged by LSE, backward
-    per block from the merged output and LSE, against SDPA on the whole sequence."""
+    per block from the merged output and LSE, against SDPA on the whole sequence; with cuDNN's fused
+    attention (Hopper) and with FlashAttention-2."""
+    from megatron.core.context_parallel import kernels
     from megatron.core.context_parallel.kernels import BlockMask, block_backward, block_forward, merge
+    if kernel.startswith("cudnn") and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuDNN attention blocks run on Hopper or newer")
+    monkeypatch.setitem(kernels._CUDNN, "ok", None if kernel.startswith("cudnn") else False)
+    monkeypatch.setitem(kernels._CUDNN, "gqa", None if kernel == "cudnn_gqa" else False)
     q, k, v, dout = _qkv()
     h, scale = q.size(2) // 2, q.size(-1) ** -0.5
     f, s = slice(0, h), slice(h, None)
@@ -57,7 +64,9 @@ def test_flash_blocks_merge_to_causal_attention():
         dq[:, :, qs] += a[0]
         dk[:, :, ks] += a[1]
         dv[:, :, ks] += a[2]
-    _assert_close((out, dq, dk, dv), _sdpa(q, k, v, dout), "flash blocks")
+    _assert_close((out, dq, dk, dv), _sdpa(q, k, v, dout), f"{kernel} blocks")
+    # The kernel asked for is the one that ran (K/V with 2 heads for Q's 8: GQA in the kernel or repeated).
+    assert kernels._CUDNN["ok"] is (kernel == "cudnn") or kernels._CUDNN["gqa"] is (kernel == "cudnn_gqa")
 
 
 def test_flex_document_attention_matches_dense_mask():

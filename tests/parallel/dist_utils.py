@@ -45,7 +45,19 @@ def _worker(rank, world_size, port, fn, args, kwargs, queue):
 
 
 def run_distributed(fn, world_size, *args, timeout=300, **kwargs):
-    """Call ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the list of results by rank."""
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the list of results by rank.
+    The free port is only free when it is picked: if another process takes it before rank 0 listens
+    (parallel test workers), the world is started again on a new port (nothing of ``fn`` ran yet)."""
+    for attempt in range(3):
+        try:
+            return _run_once(fn, world_size, args, kwargs, timeout)
+        except RuntimeError as e:
+            rendezvous = "in _worker\n    torch.distributed.init_process_group" in str(e)
+            if not (rendezvous and "EADDRINUSE" in str(e)) or attempt == 2:
+                raise
+
+
+def _run_once(fn, world_size, args, kwargs, timeout):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

@@ -10,7 +10,7 @@ from tools.api_report import JSON_PATH, MD_PATH
 
 # Fraction of Megatron Core 0.19.2's public names (of the modules in tools/api_report.py) present
 # with Megatron's signature. Raise it as names land; a drop means a signature regressed.
-COVERAGE_FLOOR = 0.92
+COVERAGE_FLOOR = 0.93
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,13 @@ def test_coverage_floor(results):
     "megatron.core.optimizer.ChainedOptimizer", "megatron.core.optimizer.get_megatron_optimizer",
     "megatron.core.dist_checkpointing.load_plain_tensors",
     "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.models.gpt.moe_module_specs.get_moe_module_spec",
+    "megatron.core.models.backends.LocalSpecProvider",
+    "megatron.core.transformer.moe.moe_utils.permute",
+    "megatron.core.transformer.moe.experts.TEGroupedMLP",
+    "megatron.core.transformer.multi_token_prediction.get_mtp_layer_spec",
+    "megatron.core.transformer.attention.Attention",
+    "megatron.core.inference.sampling_params.SamplingParams",
 
     "megatron.training.get_args", "megatron.training.pretrain", "megatron.training.print_rank_0",
 ])

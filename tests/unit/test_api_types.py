@@ -111,8 +111,10 @@ def test_modules_refuse_features_they_lack():
     spec = get_gpt_layer_local_spec()
     layer = build_module(spec, config=config, layer_number=1, name="decoder.layers.0")
     assert layer.name == "decoder.layers.0"
-    with pytest.raises(NotImplementedError, match="is_mtp_layer"):
-        build_module(spec, config=config, layer_number=1, is_mtp_layer=True)
+    mtp_layer = build_module(spec, config=config, layer_number=1, is_mtp_layer=True)
+    assert mtp_layer.is_mtp_layer and mtp_layer.layer_number == 1
+    with pytest.raises(NotImplementedError, match="pp_layer_offset"):
+        build_module(spec, config=config, layer_number=1, pp_layer_offset=2)
     with pytest.raises(NotImplementedError, match="pp_layer_offset"):
         build_module(spec.submodules.self_attention, config=config, layer_number=1, pp_layer_offset=2)
     subs = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear, activation_func=torch.nn.GELU)

@@ -22,6 +22,9 @@ NO_DROPOUT = "--attention-dropout 0 "
     ("--cp-comm-type ring", 1, "--cp-comm-type 'ring' unknown"),
     (NO_DROPOUT + "--context-parallel-size 8 --cp-comm-type a2a", 8, "--cp-comm-type a2a splits the 4 attention heads"),
     ("--reset-attention-mask --no-create-attention-mask-in-dataloader", 1, "pass --attention-dropout 0"),
+    ("--seq-length 131072 --max-position-embeddings 131072", 1,
+     "GiB [s, s] attention mask per micro-batch, which attention here never needs; pass "
+     "--no-create-attention-mask-in-dataloader"),
 ])
 def test_context_parallel_errors(extra, world, needle):
     with pytest.raises(ArgumentError) as e:

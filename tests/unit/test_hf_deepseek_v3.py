@@ -54,37 +54,42 @@ def _our_model(ckpt_dir):
     model = pretrain_gpt.model_provider().eval()
     src = paths.get_checkpoint_name(ckpt_dir, iteration, return_base_dir=True)
     state = model.state_dict()
-    names = [(n, getattr(t, "partition_stride", 1)) for n, t in model.named_parameters()]
-    names += [(n, 1) for n in state if n.endswith("expert_bias")]
-    tensors = read_global(src, names, load_tensors_metadata(src))
-    model.load_state_dict({**state, **tensors})
+    names = [(n, 1) for n, _ in model.named_parameters()] + [(n, 1) for n in state if n.endswith("expert_bias")]
+    tensors = read_global(src, names, load_tensors_metadata(src))  # gated fc1 stored [(E,) 2, f, h]
+    model.load_state_dict({**state, **{n: t.reshape(state[n].shape) for n, t in tensors.items()}})
     return model, args
 
 
 def _round_trip(tmp):
+    """SequentialMLP experts, then --moe-grouped-gemm's GroupedMLP: logits in and out, tensors back."""
     from megatron.core import parallel_state as ps
     from megatron.training.checkpointing.hf import export_hf_checkpoint, import_hf_checkpoint
     from transformers import DeepseekV3ForCausalLM
     ps.initialize_model_parallel()
     hf = _hf_model()
     hf.save_pretrained(os.path.join(tmp, "hf"))
-    import_hf_checkpoint(os.path.join(tmp, "hf"), os.path.join(tmp, "ours"))
-    ours, args = _our_model(os.path.join(tmp, "ours"))
     ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        ref = hf(ids).logits
-        got = ours(ids, torch.arange(S).expand(B, S), None)[..., :VOCAB]
-        export_hf_checkpoint(os.path.join(tmp, "ours"), os.path.join(tmp, "back"))
-        back = DeepseekV3ForCausalLM.from_pretrained(os.path.join(tmp, "back")).float().eval()
-        again = back(ids).logits
-    same = {n: torch.equal(t, back.state_dict()[n]) for n, t in hf.state_dict().items()}
-    return ref, got, again, same, args.multi_latent_attention and args.num_experts
+    out = []
+    for grouped in (False, True):
+        ours_dir, back_dir = os.path.join(tmp, f"ours{int(grouped)}"), os.path.join(tmp, f"back{int(grouped)}")
+        import_hf_checkpoint(os.path.join(tmp, "hf"), ours_dir, moe_grouped_gemm=grouped)
+        ours, args = _our_model(ours_dir)
+        with torch.no_grad():
+            ref = hf(ids).logits
+            got = ours(ids, torch.arange(S).expand(B, S), None)[..., :VOCAB]
+            export_hf_checkpoint(ours_dir, back_dir)
+            back = DeepseekV3ForCausalLM.from_pretrained(back_dir).float().eval()
+            again = back(ids).logits
+        same = {n: torch.equal(t, back.state_dict()[n]) for n, t in hf.state_dict().items()}
+        out.append((ref, got, again, same, args.multi_latent_attention and args.num_experts and
+                    args.moe_grouped_gemm == grouped))
+    return out
 
 
 def test_deepseek_v3_converts_both_ways(tmp_path):
-    ref, got, again, same, shape_ok = run_distributed(_round_trip, 1, str(tmp_path))[0]
-    assert shape_ok
-    scale = ref.abs().max()
-    assert (got - ref).abs().max() <= 1e-4 * scale, float((got - ref).abs().max() / scale)
-    assert (again - ref).abs().max() <= 1e-4 * scale
-    assert all(same.values()), [n for n, ok in same.items() if not ok]
+    for ref, got, again, same, shape_ok in run_distributed(_round_trip, 1, str(tmp_path))[0]:
+        assert shape_ok
+        scale = ref.abs().max()
+        assert (got - ref).abs().max() <= 1e-4 * scale, float((got - ref).abs().max() / scale)
+        assert (again - ref).abs().max() <= 1e-4 * scale
+        assert all(same.values()), [n for n, ok in same.items() if not ok]

@@ -124,3 +124,20 @@ def test_same_seed_same_weights_and_load_state_dict():
     assert torch.equal(pa[name], pc[name]) and not torch.equal(pa[name], pb[name])
     b.load_state_dict(a.state_dict())
     assert torch.equal(dict(b.named_parameters())[name], pa[name])
+
+
+def test_rope_fusion_flag_selects_the_fused_kernel(monkeypatch):
+    """Megatron's default (rope fusion on) reaches the config and picks the compiled RoPE (eager on CPU,
+    so equal here); --no-rope-fusion picks the eager one."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.training.arguments import core_transformer_config_from_args
+    from tests.unit.test_arguments import _args
+    on = core_transformer_config_from_args(_args(""))
+    off = core_transformer_config_from_args(_args("--no-rope-fusion"))
+    assert on.apply_rope_fusion and not off.apply_rope_fusion
+    calls = []
+    monkeypatch.setattr(rope_utils, "_rope_fused", lambda *a: calls.append(1) or rope_utils._rope(*a))
+    t, freqs = torch.randn(8, 2, 4, 16), torch.randn(8, 1, 1, 12)
+    torch.testing.assert_close(rope_utils.apply_rotary_pos_emb(t, freqs, config=on),
+                               rope_utils.apply_rotary_pos_emb(t, freqs, config=off))
+    assert calls == [1]

@@ -117,6 +117,8 @@ def main():
     tokens = torch.randint(0, 1000 if o.tiny else 128000, (1, o.seq), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = hf(tokens.to(device)).logits.float().cpu()
+        # bf16's own error: the same HF model run in fp32 is the yardstick for "within bf16 tolerance".
+        ref32 = hf.float()(tokens.to(device)).logits.float().cpu()
     del hf
     torch.cuda.empty_cache() if device == "cuda" else None
     res["import_s"], res["import_peak_rss_gib"] = _child(
@@ -131,7 +133,11 @@ def main():
     diff = (ours - ref).abs()
     res.update(logits_max_abs_diff=round(diff.max().item(), 4), logits_mean_abs_diff=round(diff.mean().item(), 5),
                logits_max_abs=round(ref.abs().max().item(), 3),
-               argmax_agreement=round((ours.argmax(-1) == ref.argmax(-1)).float().mean().item(), 4))
+               argmax_agreement=round((ours.argmax(-1) == ref.argmax(-1)).float().mean().item(), 4),
+               hf_bf16_vs_fp32_mean_abs_diff=round((ref - ref32).abs().mean().item(), 5),
+               ours_bf16_vs_hf_fp32_mean_abs_diff=round((ours - ref32).abs().mean().item(), 5),
+               hf_bf16_argmax_agreement_with_fp32=round((ref.argmax(-1) == ref32.argmax(-1)).float().mean().item(), 4),
+               ours_argmax_agreement_with_fp32=round((ours.argmax(-1) == ref32.argmax(-1)).float().mean().item(), 4))
     res["ru_maxrss_self_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2)
     print(json.dumps(res))
 

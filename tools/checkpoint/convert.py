@@ -7,6 +7,7 @@ Hugging Face in and out (Megatron's spelling; loaders llama_mistral and mixtral_
     python tools/checkpoint/convert.py --model-type GPT --loader hf --saver core --load-dir HF_DIR \\
         --save-dir OUT --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
     python tools/checkpoint/convert.py --model-type GPT --loader core --saver hf --load-dir CKPT --save-dir HF_DIR
+MoE (Mixtral, Qwen3-MoE, DeepSeek-V3) imports also take --target-expert-parallel-size E and --moe-grouped-gemm.
 
 Layout conversions spawn one gloo process per target model-parallel rank (see
 megatron/training/checkpointing/convert.py); optimizer and RNG state are not converted, so a run
@@ -33,16 +34,18 @@ def _hf(opts):
     if opts.checkpoint_type == "meta":
         raise SystemExit("error: --checkpoint-type meta (consolidated.*.pth) is not supported; convert the "
                          "Hugging Face release (config.json + safetensors) with --checkpoint-type hf")
-    if opts.target_expert_parallel_size not in (None, 1):
-        raise SystemExit("error: --target-expert-parallel-size > 1 needs MoE, which is not built yet; use 1")
     if not ((opts.loader in HF_LOADERS and opts.saver in CORE) or (opts.loader in CORE and opts.saver == "hf")):
         raise SystemExit(f"error: --loader {opts.loader} --saver {opts.saver} is not a supported pair; use "
                          f"--loader hf --saver core (import) or --loader core --saver hf (export)")
+    if opts.saver == "hf" and (opts.target_expert_parallel_size not in (None, 1) or opts.moe_grouped_gemm):
+        raise SystemExit("error: --target-expert-parallel-size / --moe-grouped-gemm apply to imports (--saver core); "
+                         "export reads any layout")
     try:
         if opts.saver in CORE:
             import_hf_checkpoint(opts.load_dir, opts.save_dir, tp=opts.target_tensor_parallel_size or 1,
                                  pp=opts.target_pipeline_parallel_size or 1, fmt=opts.target_format or "torch_dist",
-                                 make_vocab_size_divisible_by=opts.make_vocab_size_divisible_by)
+                                 make_vocab_size_divisible_by=opts.make_vocab_size_divisible_by,
+                                 ep=opts.target_expert_parallel_size or 1, moe_grouped_gemm=opts.moe_grouped_gemm)
         else:
             export_hf_checkpoint(opts.load_dir, opts.save_dir, iteration=opts.iteration,
                                  vocab_size=opts.true_vocab_size)
@@ -59,7 +62,10 @@ def main(argv=None):
                         help="Our checkpoint format to write (default torch_dist with --saver core).")
     parser.add_argument("--target-tensor-parallel-size", type=int, default=None, help="Default: the source's.")
     parser.add_argument("--target-pipeline-parallel-size", type=int, default=None, help="Default: the source's.")
-    parser.add_argument("--target-expert-parallel-size", type=int, default=None, help="Only 1 (no MoE yet).")
+    parser.add_argument("--target-expert-parallel-size", type=int, default=None,
+                        help="MoE import: expert-parallel size recorded in the args (torch_dist loads under any).")
+    parser.add_argument("--moe-grouped-gemm", action="store_true",
+                        help="MoE import: write GroupedMLP's stacked expert tensors (train with --moe-grouped-gemm).")
     parser.add_argument("--iteration", type=int, default=None, help="Source iteration (default: latest).")
     parser.add_argument("--model-type", default="GPT", choices=["GPT", "BERT"], help="Only GPT for --loader/--saver.")
     parser.add_argument("--loader", default=None, choices=HF_LOADERS + CORE,
@@ -90,6 +96,9 @@ def main(argv=None):
             return _hf(opts)
     if opts.target_format is None:
         parser.error("--target-format is required for a layout/format conversion")
+    if opts.target_expert_parallel_size not in (None, 1) or opts.moe_grouped_gemm:
+        parser.error("--target-expert-parallel-size / --moe-grouped-gemm apply to Hugging Face imports only "
+                     "(a torch_dist checkpoint loads under any --expert-model-parallel-size)")
     convert(opts.load_dir, opts.save_dir, opts.target_format, opts.target_tensor_parallel_size,
             opts.target_pipeline_parallel_size, opts.iteration)
 

@@ -1,11 +1,12 @@
 """Hugging Face <-> Megatron checkpoints (Megatron Bridge's spelling), offline on CPU.
 
     python tools/checkpoint/hf.py import --hf-model-path HF_DIR --output-path OUT [--tp 2 --pp 2] [--format torch]
+        [--ep 2] [--moe-grouped-gemm]
     python tools/checkpoint/hf.py export --checkpoint-path OUT --output-path HF_DIR
 
 Import writes OUT/iter_0000000 (+ tracker), the args for --use-checkpoint-args, OUT/model_args.sh with
 the equivalent flags, and the tokenizer files (--tokenizer-type HuggingFaceTokenizer --tokenizer-model OUT).
-Supported: GPT-2, Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3.
+Supported: GPT-2, Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V3.
 """
 import argparse
 import os
@@ -24,6 +25,9 @@ def main(argv=None):
     imp.add_argument("--pp", type=int, default=1, help="Pipeline-parallel size recorded in the args.")
     imp.add_argument("--format", default="torch_dist", choices=["torch_dist", "torch"], help="Checkpoint format.")
     imp.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    imp.add_argument("--ep", type=int, default=1, help="MoE: expert-parallel size recorded in the args.")
+    imp.add_argument("--moe-grouped-gemm", action="store_true",
+                     help="MoE: write GroupedMLP's stacked expert tensors (train with --moe-grouped-gemm).")
     exp = sub.add_parser("export", help="our checkpoint -> HF model directory")
     exp.add_argument("--checkpoint-path", required=True, help="Our --save directory (any format and layout).")
     exp.add_argument("--output-path", required=True, help="HF directory to write (config.json, safetensors).")
@@ -35,7 +39,8 @@ def main(argv=None):
     try:
         if opts.command == "import":
             out = import_hf_checkpoint(opts.hf_model_path, opts.output_path, tp=opts.tp, pp=opts.pp, fmt=opts.format,
-                                       make_vocab_size_divisible_by=opts.make_vocab_size_divisible_by)
+                                       make_vocab_size_divisible_by=opts.make_vocab_size_divisible_by, ep=opts.ep,
+                                       moe_grouped_gemm=opts.moe_grouped_gemm)
             print(f"imported {opts.hf_model_path} -> {out}; flags in {os.path.join(opts.output_path, 'model_args.sh')}")
         else:
             out = export_hf_checkpoint(opts.checkpoint_path, opts.output_path, iteration=opts.iteration,

@@ -6,8 +6,9 @@ output and LSE (the flash-attention identity dS = P * (dP - rowsum(dO * O)) with
 global LSE), so every block's gradient is exact without storing per-block results.
 
 Layout: ``[b, n, s, d]`` queries, ``[b, g, s, d]`` keys/values (GQA: g divides n). Kernels:
-  * flash: torch's flash-attention ops, no or causal mask (CUDA: FlashAttention-2, fp16/bf16, head dim
-    <= 256; CPU: its flash kernel);
+  * flash: torch's fused attention ops, no or causal mask (CUDA: cuDNN's fused attention where it runs, the
+    kernel SDPA itself picks on Hopper and about twice FlashAttention-2's speed there, else FlashAttention-2;
+    fp16/bf16, head dim <= 256; CPU: its flash kernel);
   * flex: FlexAttention with a document block mask (CUDA; compiled);
   * math: explicit fp32 softmax (fp32 on CUDA, and documents on CPU: FlexAttention has no CPU backward).
 """
@@ -88,9 +89,42 @@ def math_backward(dout, q, k, v, out, lse, scale, mask: BlockMask):
     return dq, _fold_kv(dk, g), _fold_kv(dv, g)
 
 
+# None: not tried yet; False: failed once on this process. "ok": cuDNN at all (else FlashAttention-2);
+# "gqa": cuDNN on K/V with fewer heads than Q (else K/V are repeated to Q's heads first).
+_CUDNN = {"ok": None, "gqa": None}
+
+
+def _use_cudnn(q) -> bool:
+    """cuDNN attention for this block: Hopper or newer, head dim <= 128, SDPA's cuDNN backend enabled, and
+    not under deterministic algorithms (its backward is not guaranteed deterministic)."""
+    if _CUDNN["ok"] is False or not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
+        return False
+    return (torch.backends.cuda.cudnn_sdp_enabled() and torch.cuda.get_device_capability(q.device) >= (9, 0)
+            and q.size(-1) <= 128 and not torch.are_deterministic_algorithms_enabled())
+
+
+def _dropout_words(device):
+    """Philox seed/offset placeholders: the kernels read them only with dropout (never here)."""
+    return torch.empty(2, dtype=torch.uint64, device=device), torch.empty((), dtype=torch.uint64, device=device)
+
+
 def _flash_ops(q, ke, ve, causal, scale):
-    """(out, lse) of torch's flash-attention op for q's device (CUDA, or its CPU counterpart)."""
+    """(out, lse [b, n, s]) of torch's fused attention op for q's device (CUDA: cuDNN or FlashAttention-2;
+    CPU: its flash kernel)."""
     if q.device.type == "cuda":
+        if _use_cudnn(q):
+            try:
+                out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                    q, ke, ve, None, True, 0.0, causal, False, scale=scale)
+                _CUDNN["ok"] = True
+                return out, lse.reshape(q.shape[:3])  # cuDNN's stats may carry a trailing 1
+            except RuntimeError as e:
+                if _CUDNN["ok"]:
+                    raise  # it ran before: a real error, not an unsupported configuration
+                import warnings
+                warnings.warn(f"context parallelism: cuDNN attention unavailable ({str(e)[:120]}); "
+                              "using FlashAttention-2")
+                _CUDNN["ok"] = False
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, ke, ve, 0.0, causal, False,
                                                                            scale=scale)
         return out, lse
@@ -99,18 +133,40 @@ def _flash_ops(q, ke, ve, causal, scale):
 
 def _flash_backward_ops(dout, q, ke, ve, out, lse, causal, scale):
     if q.device.type == "cuda":
-        # No cumulative sequence lengths (None: not the varlen kernel); the philox seed/offset are read
-        # only with dropout, shaped as the forward returns them.
-        seed = torch.empty(2, dtype=torch.uint64, device=q.device)
-        offset = torch.empty((), dtype=torch.uint64, device=q.device)
+        seed, offset = _dropout_words(q.device)
+        if _CUDNN["ok"] and _use_cudnn(q):
+            try:
+                return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                    dout, q, ke, ve, out, lse[..., None].contiguous(), seed, offset, None, None, None, q.size(2),
+                    ke.size(2), 0.0, causal, scale=scale)
+            except RuntimeError as e:  # the LSE is the same quantity for both kernels: FlashAttention-2 goes on
+                import warnings
+                warnings.warn(f"context parallelism: cuDNN attention backward failed ({str(e)[:160]}); "
+                              "using FlashAttention-2")
+                _CUDNN["ok"] = False
+        # No cumulative sequence lengths (None: not the varlen kernel).
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout, q, ke, ve, out, lse, None, None, q.size(2), ke.size(2), 0.0, causal, seed, offset, scale=scale)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, ke, ve, out, lse, 0.0, causal, scale=scale)
 
 
+def _native_gqa(q, k) -> bool:
+    return q.size(1) != k.size(1) and q.device.type == "cuda" and _CUDNN["gqa"] is not False and _use_cudnn(q)
+
+
 def flash_forward(q, k, v, scale, mask: BlockMask):
     n = q.size(1)
+    if _native_gqa(q, k):
+        try:
+            out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                q.contiguous(), k.contiguous(), v.contiguous(), None, True, 0.0, mask.causal, False, scale=scale)
+            _CUDNN["gqa"] = True
+            return out.float(), lse.reshape(q.shape[:3]).float()
+        except RuntimeError:
+            if _CUDNN["gqa"]:
+                raise
+            _CUDNN["gqa"] = False  # this cuDNN wants equal heads: repeat K/V below
     ke, ve = _expand_kv(k, n).contiguous(), _expand_kv(v, n).contiguous()
     out, lse = _flash_ops(q.contiguous(), ke, ve, mask.causal, scale)
     return out.float(), lse.float()
@@ -118,6 +174,13 @@ def flash_forward(q, k, v, scale, mask: BlockMask):
 
 def flash_backward(dout, q, k, v, out, lse, scale, mask: BlockMask):
     n, g = q.size(1), k.size(1)
+    if _CUDNN["gqa"] and _native_gqa(q, k):
+        seed, offset = _dropout_words(q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout.to(q.dtype).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+            out.to(q.dtype).contiguous(), lse.float()[..., None].contiguous(), seed, offset, None, None, None,
+            q.size(2), k.size(2), 0.0, mask.causal, scale=scale)
+        return dq.float(), dk.float(), dv.float()
     ke, ve = _expand_kv(k, n).contiguous(), _expand_kv(v, n).contiguous()
     dq, dk, dv = _flash_backward_ops(dout.to(q.dtype).contiguous(), q.contiguous(), ke, ve,
                                      out.to(q.dtype).contiguous(), lse.float().contiguous(), mask.causal, scale)

@@ -94,3 +94,47 @@ def fused_vocab_parallel_cross_entropy(vocab_parallel_logits, target, tp_group=N
     if tp_group is None:
         tp_group = parallel_state.get_tensor_model_parallel_group()
     return _FusedVocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group)
+
+
+# ---- Megatron's building blocks of its fused cross entropy (same math, same in-place updates), for code
+# that assembles its own vocab-parallel loss from them. The whole-tensor fp32 steps are what the chunked
+# function above avoids.
+
+def calculate_logits_max(vocab_parallel_logits: torch.Tensor):
+    """(logits as fp32, their max over the local vocab slice [..])."""
+    logits = vocab_parallel_logits.float()
+    return logits, logits.amax(dim=-1)
+
+
+def calculate_predicted_logits(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, logits_max: torch.Tensor,
+                               vocab_start_index: int, vocab_end_index: int):
+    """(target_mask, masked_target_1d, cat([target logit - max, sum exp]) to all-reduce, exp(logits - max)).
+
+    Shifts ``vocab_parallel_logits`` by the (all-reduced) max and exponentiates it in place. Targets outside
+    [vocab_start_index, vocab_end_index) contribute 0 here (another TP rank holds them)."""
+    vocab_parallel_logits -= logits_max.unsqueeze(-1)
+    target_mask = (target < vocab_start_index) | (target >= vocab_end_index)
+    masked_target_1d = (target - vocab_start_index).masked_fill(target_mask, 0).reshape(-1)
+    logits_2d = vocab_parallel_logits.view(-1, vocab_parallel_logits.size(-1))
+    predicted = logits_2d.gather(1, masked_target_1d.unsqueeze(1)).view_as(target).masked_fill(target_mask, 0.0)
+    exp_logits = torch.exp(vocab_parallel_logits, out=vocab_parallel_logits)
+    return target_mask, masked_target_1d, torch.cat((predicted, exp_logits.sum(dim=-1))), exp_logits
+
+
+def calculate_cross_entropy_loss(exp_logits: torch.Tensor, predicted_logits_sum_exp_logits: torch.Tensor):
+    """(softmax, written over exp_logits in place; loss = log(sum exp) - target logit) after the all-reduce."""
+    predicted, sum_exp = torch.split(predicted_logits_sum_exp_logits, predicted_logits_sum_exp_logits.size(0) // 2)
+    loss = torch.log(sum_exp) - predicted
+    exp_logits.div_(sum_exp.unsqueeze(-1))
+    return exp_logits, loss
+
+
+def calculate_gradients(softmax: torch.Tensor, grad_output: torch.Tensor, target_mask: torch.Tensor,
+                        masked_target_1d: torch.Tensor) -> torch.Tensor:
+    """d loss / d logits = (softmax - onehot(target)) * grad_output, computed in place over ``softmax``;
+    returned in bf16, as Megatron's fused path (built for bf16 training) does."""
+    grad_2d = softmax.view(-1, softmax.size(-1))
+    rows = torch.arange(grad_2d.size(0), device=grad_2d.device)
+    grad_2d[rows, masked_target_1d] -= 1.0 - target_mask.view(-1).float()
+    softmax.mul_(grad_output.unsqueeze(-1))
+    return softmax.to(torch.bfloat16)

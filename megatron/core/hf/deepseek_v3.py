@@ -19,13 +19,14 @@ MoE (sigmoid router with a score-correction bias, group-limited routing, shared 
 
 With ``rope_interleave`` (DeepSeek's layout) the rotary dims of each query head and of the shared rope key
 are stored as pairs (x0, x1), (x2, x3)...; ours rotate halves (x_j, x_{j+d/2}), so those rows are reordered
-evens-then-odds on import and back on export. Experts use the SequentialMLP names (no --moe-grouped-gemm).
+evens-then-odds on import and back on export. Routed experts as in moe.py (SequentialMLP or grouped GEMM).
 The multi-token prediction depth is not converted (transformers does not build it).
 """
 import torch
 
 from .family import Family, Rule, need, rope_scaling, rope_theta
-from .layout import COPY, GATE_UP, VOCAB, Transform
+from .layout import COPY, VOCAB, Transform
+from .moe import mlp_rules
 
 
 def _rope_perm(pe: int) -> torch.Tensor:
@@ -75,8 +76,7 @@ def _layer_rules(cfg: dict, i: int):
 
 
 def _mlp_rules(ours: str, hf: str):
-    return [Rule(ours + "linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"), GATE_UP, stride=2),
-            Rule(ours + "linear_fc2.weight", (hf + "down_proj.weight",))]
+    return mlp_rules(ours, hf + "gate_proj.weight", hf + "up_proj.weight", hf + "down_proj.weight")
 
 
 def rules(cfg: dict):

@@ -22,8 +22,8 @@ class Rule:
 class Family:
     name: str
     architectures: Tuple[str, ...]
-    # config -> (global rules, per-layer rules with {i}, or a function of the layer index for families
-    # whose layers differ, e.g. DeepSeek's dense then MoE layers)
+    # config -> (global rules, per-layer rules with {i}, or a function of the layer index returning them for
+    # families whose layers differ, e.g. DeepSeek's dense then MoE layers)
     rules: Callable[[dict], Tuple[List[Rule], object]]
     config_to_flags: Callable[[dict], List[Tuple[str, object]]]  # config -> [(flag, value or None)]
     args_to_config: Callable[[object, int], Dict]  # (args, vocab_size) -> config.json fields

@@ -8,6 +8,8 @@ import torch
 from .dist_io import LazyTensor
 from .family import Family, Rule
 from .layout import Dims
+from .moe import expected_shape as expert_shape
+from .moe import group_experts
 
 
 @dataclass(frozen=True)
@@ -19,6 +21,9 @@ class Shapes:
     glu: bool
     positions: int
     dims: Dims
+    experts: int = 0
+    moe_ffn: int = 0
+    grouped_experts: bool = False  # --moe-grouped-gemm: GroupedMLP's stacked [E, ...] expert tensors
 
 
 def shapes_from_flags(flags: List[Tuple[str, object]], vocab_size: int, padded_vocab_size: int) -> Shapes:
@@ -27,8 +32,9 @@ def shapes_from_flags(flags: List[Tuple[str, object]], vocab_size: int, padded_v
     hidden = int(f["--hidden-size"])
     dims = Dims(heads, int(f.get("--num-query-groups", heads)), int(f.get("--kv-channels", hidden // heads)),
                 vocab_size, padded_vocab_size)
-    return Shapes(int(f["--num-layers"]), hidden, int(f["--ffn-hidden-size"]), "--swiglu" in f,
-                  int(f["--max-position-embeddings"]), dims)
+    ffn = int(f["--ffn-hidden-size"])
+    return Shapes(int(f["--num-layers"]), hidden, ffn, "--swiglu" in f, int(f["--max-position-embeddings"]), dims,
+                  int(f.get("--num-experts") or 0), int(f.get("--moe-ffn-hidden-size", ffn)), "--moe-grouped-gemm" in f)
 
 
 def expected_shape(name: str, s: Shapes) -> Tuple[int, ...]:
@@ -46,34 +52,47 @@ def expected_shape(name: str, s: Shapes) -> Tuple[int, ...]:
     return (s.hidden,)  # the norms
 
 
-def _named_rules(family: Family, cfg: dict, layers: int) -> Iterator[Tuple[int, Rule, str, List[str]]]:
+def _named_rules(family: Family, cfg: dict, shapes: Shapes) -> Iterator[Tuple[int, Rule, str, List[str]]]:
     """(layer or -1, rule, our name, HF names) in file order: embeddings, layers, final norm / head."""
     glob, layer = family.rules(cfg)
     first = [r for r in glob if r.ours.startswith("embedding.")]
     for r in first:
         yield -1, r, r.ours, list(r.hf)
-    for i in range(layers):
-        for r in (layer(i) if callable(layer) else layer):
-            yield i, r, r.ours.format(i=i), [n.format(i=i) for n in r.hf]
+    for i in range(shapes.layers):
+        rules = [Rule(r.ours.format(i=i), tuple(n.format(i=i) for n in r.hf), r.transform, r.stride)
+                 for r in (layer(i) if callable(layer) else layer)]
+        for r in (group_experts(rules) if shapes.grouped_experts else rules):
+            yield i, r, r.ours, list(r.hf)
     for r in glob:
         if r not in first:
             yield -1, r, r.ours, list(r.hf)
+
+
+def _want(family: Family, cfg: dict, name: str, s: Shapes) -> Tuple[int, ...]:
+    shape = expert_shape(name, s.experts, s.moe_ffn, s.hidden, s.glu) if s.experts else None
+    if shape is not None:
+        return shape
+    if family.expected_shape:
+        return family.expected_shape(name, cfg, s.hidden, s.dims.padded_vocab_size)
+    return expected_shape(name, s)
 
 
 def hf_to_ours(family: Family, cfg: dict, shapes: Shapes, reader, where: str) -> List[LazyTensor]:
     """(our global name, shape, dtype, stride, make) per tensor. Shapes are checked up front on meta
     tensors (header only); ``make()`` reads the HF tensors and builds ours when the writer needs it."""
     out = []
-    for _, rule, name, hf_names in _named_rules(family, cfg, shapes.layers):
+    for _, rule, name, hf_names in _named_rules(family, cfg, shapes):
         metas = [reader.meta(n) for n in hf_names]
-        want = (family.expected_shape(name, cfg, shapes.hidden, shapes.dims.padded_vocab_size)
-                if family.expected_shape else expected_shape(name, shapes))
+        want = _want(family, cfg, name, shapes)
         try:
             result, detail = rule.transform.to_ours(metas, shapes.dims), ""
         except (RuntimeError, ValueError) as e:
             result, detail = None, str(e).splitlines()[0]
         if result is None or tuple(result.shape) != want:
             got = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(hf_names, metas))
+            if len(hf_names) > 4:  # stacked experts: name the range and the shapes seen
+                got = (f"{hf_names[0]} .. {hf_names[-1]} (shapes "
+                       f"{', '.join(str(x) for x in sorted({tuple(t.shape) for t in metas}))})")
             raise ValueError(f"{where}: {got} do not match config.json (expected {name} of shape {want}) {detail}".strip())
         make = partial(_make, rule.transform, hf_names, reader.get, shapes.dims)
         out.append((name, want, result.dtype, rule.stride, make))
@@ -88,7 +107,7 @@ def ours_to_hf(family: Family, cfg: dict, shapes: Shapes, get_layer: Callable[[L
                ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor); ``get_layer([(name, stride)])`` reads one layer's (or the globals') tensors."""
     batches: Dict[int, list] = {}
-    for i, rule, name, hf_names in _named_rules(family, cfg, shapes.layers):
+    for i, rule, name, hf_names in _named_rules(family, cfg, shapes):
         batches.setdefault(i, []).append((rule, name, hf_names))
     for i in [-1] + list(range(shapes.layers)):
         items = batches.get(i, [])

@@ -1,7 +1,8 @@
 """StaticInferenceContext: the KV cache of a generation run and the metadata of the forward in flight.
 
 The cache is preallocated per *slot* and maximum length: keys and values of each layer are
-``[slots, ng, max_len, hn]`` (ng = this rank's query groups). A request owns one slot from admission
+``[slots, ng, max_len, hn]`` views of one ``[slots, ng, max_len, 2, hn]`` buffer (ng = this rank's query
+groups). A request owns one slot from admission
 to finish, so requests of different lengths join and leave a running batch without moving anything.
 Positions at or beyond a slot's length hold stale values; no query reads them (prefill is causal, and
 a decode query at position p is masked to positions <= p after writing its own key at p).
@@ -17,6 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.inference.decode_fusions import rope_and_store
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
 
@@ -26,6 +28,7 @@ class StaticInferenceContext:
         self.max_batch_size, self.max_sequence_length = max_batch_size, max_sequence_length
         self.materialize_only_last_token_logits = materialize_only_last_token_logits
         self.key_value_memory_dict = {}  # layer_number -> (keys, values), allocated on first use
+        self._kv = {}  # layer_number -> the [slots, ng, max_len, 2, hn] buffer behind those two views
         self._rotary = None  # (rotary module, [max_len, 1, 1, d] frequency table)
         self._rope = None  # this forward's (freqs, cos, signed sin, interleaved), or None without RoPE
         self.decode = False
@@ -84,53 +87,86 @@ class StaticInferenceContext:
             self._rope[1], self._rope[2] = cos, sin = cos.to(t.dtype), sin.to(t.dtype)
         return torch.addcmul(t * cos, torch.roll(t, t.shape[-1] // 2, dims=-1), sin)
 
-    def _cache(self, layer_number: int, k: torch.Tensor):
-        if layer_number not in self.key_value_memory_dict:
-            ng, hn = k.shape[2], k.shape[3]
-            shape = (self.max_batch_size, ng, self.max_sequence_length, hn)
-            self.key_value_memory_dict[layer_number] = (
-                torch.zeros(shape, dtype=k.dtype, device=k.device),
-                torch.zeros(shape, dtype=k.dtype, device=k.device))
-        return self.key_value_memory_dict[layer_number]
+    def _cache(self, layer_number: int, k: torch.Tensor) -> torch.Tensor:
+        """The layer's [slots, ng, max_len, 2, hn] buffer (``key_value_memory_dict`` holds its key and value
+        views): a decode step writes a token's key and value, adjacent in the fused projection, at once."""
+        if layer_number not in self._kv:
+            ng, hn = k.shape[-2], k.shape[-1]
+            kv = torch.zeros((self.max_batch_size, ng, self.max_sequence_length, 2, hn), dtype=k.dtype,
+                             device=k.device)
+            self._kv[layer_number] = kv
+            self.key_value_memory_dict[layer_number] = (kv[..., 0, :], kv[..., 1, :])
+        return self._kv[layer_number]
 
     def attention(self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   softmax_scale: float) -> torch.Tensor:
         """Store k/v in the cache and attend. q [s, b, np, hn], k/v [s, b, ng, hn] -> [s, b, np * hn]."""
         if self._rope is not None:
             q, k = self._apply_rope(q), self._apply_rope(k)
-        keys, values = self._cache(layer_number, k)
+        kv = self._cache(layer_number, k)
         s, b, np_, hn = q.shape
         ng = k.shape[2]
-        if not self.decode:
-            rows = self.slot_ids[:, None]  # [b, 1]
-            cols = torch.arange(s, device=q.device)[None, :]  # [1, s]
-            keys[rows, :, cols] = k.transpose(0, 1)  # [b, s, ng, hn] into [b, ng, s, hn] slices
-            values[rows, :, cols] = v.transpose(0, 1)
-            qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hn]
-            band = None
-            if self.window_size is not None and self.window_size[0] >= 0:
-                i = torch.arange(s, device=q.device)[:, None]
-                band = (cols <= i) & (cols >= i - self.window_size[0])  # [s, s], True = attend
-            ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=band, is_causal=band is None,
-                                                 scale=softmax_scale, enable_gqa=ng != np_)  # [b, np, s, hn]
-            return ctx.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
-        # Slot i's new key goes to position decode_positions[i].
-        if torch.compiler.is_compiling():  # an index_put on the whole cache: inductor updates it in place
-            rows = torch.arange(b, device=q.device)
-            keys[rows, :, self.decode_positions] = k[0]
-            values[rows, :, self.decode_positions] = v[0]
-        else:  # eager: one scatter kernel per tensor
-            index = self.decode_positions.view(b, 1, 1, 1).expand(b, ng, 1, hn)
-            keys[:b].scatter_(2, index, k[0].unsqueeze(2))
-            values[:b].scatter_(2, index, v[0].unsqueeze(2))
-        # GQA without copies: the np/ng query heads of a group act as that group's query "positions",
-        # all at the same sequence position, so one [B, ng, np/ng, L] attention covers them.
-        query = q[0].view(b, ng, np_ // ng, hn)
-        kh, vh = keys[:b, :, :self.kv_len], values[:b, :, :self.kv_len]  # [B, ng, L, hn] views
-        ctx = F.scaled_dot_product_attention(query, kh, vh, attn_mask=self._decode_mask, scale=softmax_scale)
-        return ctx.reshape(1, b, np_ * hn)  # heads in (group, member) order, as q was split
+        keys, values = kv[..., 0, :], kv[..., 1, :]  # [slots, ng, max_len, hn] each
+        if self.decode:
+            if torch.compiler.is_compiling():  # an index_put on the whole cache: inductor updates it in place
+                rows = torch.arange(b, device=q.device)  # slot i's key and value at decode_positions[i]
+                kv[rows, :, self.decode_positions] = torch.stack((k[0], v[0]), dim=2)  # [B, ng, 2, hn]
+            else:  # eager: one scatter kernel per tensor
+                index = self.decode_positions.view(b, 1, 1, 1).expand(b, ng, 1, hn)
+                keys[:b].scatter_(2, index, k[0].unsqueeze(2))
+                values[:b].scatter_(2, index, v[0].unsqueeze(2))
+            return self._attend_decode(kv, q[0].view(b, ng, np_ // ng, hn), softmax_scale)
+        rows = self.slot_ids[:, None]  # [b, 1]
+        cols = torch.arange(s, device=q.device)[None, :]  # [1, s]
+        keys[rows, :, cols] = k.transpose(0, 1)  # [b, s, ng, hn] into [b, ng, s, hn] slices
+        values[rows, :, cols] = v.transpose(0, 1)
+        qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hn]
+        band = None
+        if self.window_size is not None and self.window_size[0] >= 0:
+            i = torch.arange(s, device=q.device)[:, None]
+            band = (cols <= i) & (cols >= i - self.window_size[0])  # [s, s], True = attend
+        ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=band, is_causal=band is None,
+                                             scale=softmax_scale, enable_gqa=ng != np_)  # [b, np, s, hn]
+        return ctx.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
+
+    def _attend_decode(self, kv: torch.Tensor, query: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+        """query [B, ng, np/ng, hn] over the cache slice [0, kv_len) of slots 0..B-1 -> [1, B, np * hn].
+
+        GQA without copies: the np/ng query heads of a group act as that group's query "positions", all
+        at the same sequence position, so one [B, ng, np/ng, L] attention covers them. The key and value
+        views are taken here from the one cache buffer (also inside a compiled step: two aliasing views
+        as graph inputs, one of them written, would make the compiler copy the whole buffer)."""
+        b = query.shape[0]
+        window = kv[:b, :, :self.kv_len]  # [B, ng, L, 2, hn]
+        ctx = F.scaled_dot_product_attention(query, window[..., 0, :], window[..., 1, :],
+                                             attn_mask=self._decode_mask, scale=softmax_scale)
+        return ctx.reshape(1, b, -1)  # heads in (group, member) order, as the projection lays them out
+
+    def attention_from_qkv(self, layer_number: int, mixed: torch.Tensor, ng: int, hn: int,
+                           softmax_scale: float) -> torch.Tensor:
+        """``attention`` from the fused QKV projection [s, b, ng * (np/ng + 2) * hn] (SelfAttention's layout:
+        per group its queries, key, value). A decode step hands it whole to ``rope_and_store`` (RoPE on
+        the queries and keys together, key and value into the cache in one write: one compiled kernel
+        on CUDA) and attends with the queries where they lie, without splitting or copying them."""
+        s, b = mixed.shape[:2]
+        x = mixed.view(s, b, ng, -1, hn)  # [s, b, ng, np/ng + 2, hn]
+        rep = x.shape[3] - 2
+        general_rope = self._rope is not None and (self._rope[3] or self._rope[0].shape[-1] != hn)
+        if not self.decode or general_rope:
+            q = x[:, :, :, :rep].reshape(s, b, ng * rep, hn)
+            return self.attention(layer_number, q, x[:, :, :, rep], x[:, :, :, rep + 1], softmax_scale)
+        cos = sin = None
+        if self._rope is not None:
+            _, cos, sin, _ = self._rope  # [1, B, 1, hn]
+            if cos.dtype != mixed.dtype:  # cast once per forward, by the first layer
+                self._rope[1], self._rope[2] = cos, sin = cos.to(mixed.dtype), sin.to(mixed.dtype)
+            cos, sin = cos.unsqueeze(3), sin.unsqueeze(3)  # [1, B, 1, 1, hn]
+        kv = self._cache(layer_number, x[:, :, :, rep])  # [slots, ng, max_len, 2, hn]
+        query = rope_and_store(x, cos, sin, kv, self.decode_positions)  # [B, ng, np/ng, hn]
+        return self._attend_decode(kv, query, softmax_scale)
 
     def reset(self) -> None:
         """Drop the cache (a new run with other shapes); slots are managed by the engine."""
         self.key_value_memory_dict.clear()
+        self._kv.clear()
         self._rotary = self._rope = None

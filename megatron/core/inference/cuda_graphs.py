@@ -16,14 +16,22 @@ def bucket(n: int, cap: int, minimum: int = 1) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, step_fn, state_buffers):
+    """``capture`` False (CPU): each bucketed step runs eagerly, the very calls a graph would record."""
+
+    def __init__(self, step_fn, state_buffers, capture: bool = True):
         self.step_fn = step_fn  # step_fn(B, kv_len, greedy_only) runs one decode step on the buffers
         self.state_buffers = state_buffers  # buffers a step updates in place (restored after warm-up)
+        self.capture = capture
         self.graphs = {}
         self.pool = None
+        self.replays = 0  # decode steps run through here (tests check that decoding really took this path)
 
     def run(self, batch: int, kv_len: int, greedy_only: bool) -> None:
         key = (batch, kv_len, greedy_only)
+        self.replays += 1
+        if not self.capture:
+            self.step_fn(*key)
+            return
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = self._capture(key)

@@ -10,6 +10,7 @@ Decode state lives in device buffers indexed by slot (last token, position, samp
 a step updates them in place (next token, position + 1), so on CUDA the whole step, sampling included,
 is one replayed graph and the host reads back only the sampled tokens.
 """
+import dataclasses
 import itertools
 from collections import deque
 from dataclasses import dataclass
@@ -32,8 +33,9 @@ def _unwrap(model):
 
 
 def _compiled(step_fn, backend: str = "inductor"):
-    """torch.compile(step_fn) with dynamic batch / KV length (one compile serves every graph bucket);
-    on a compile error, a warning and the eager step from then on."""
+    """torch.compile(step_fn) with dynamic batch / KV length (one compile serves every graph bucket but
+    batch 1, which torch specializes); on a compile error, a warning and the eager step from then on
+    (``run.fell_back`` then says so)."""
     from megatron.core.fusions.compile import _raise_recompile_limit
     _raise_recompile_limit()
     compiled = torch.compile(step_fn, dynamic=True, backend=backend)
@@ -48,7 +50,9 @@ def _compiled(step_fn, backend: str = "inductor"):
             print(f"WARNING: torch.compile of the decode step failed ({type(e).__name__}: {str(e)[:200]}); "
                   "decoding eagerly", flush=True)
             state["fn"] = step_fn
+            run.fell_back = True
             return step_fn(*args)
+    run.fell_back = False
     return run
 
 
@@ -65,7 +69,9 @@ class _InFlight:
 
 class InferenceEngine:
     """``vocab_size``: the tokenizer's (padded vocab rows are never sampled); ``detokenize`` turns ids into
-    text for stop words and ``generated_text``; ``use_cuda_graphs`` defaults to True on CUDA;
+    text for stop words and ``generated_text``; ``use_cuda_graphs`` (default: True on CUDA) decodes in
+    static-shape steps (batch and KV length rounded up to buckets) replayed from CUDA graphs; on CPU
+    it runs those same bucketed steps eagerly, which is how the tests check what a graph replays;
     ``compile_decode`` runs the decode step through torch.compile (CUDA only; falls back to eager if
     compilation fails), fusing the element-wise work between the matmuls before graph capture."""
 
@@ -104,18 +110,24 @@ class InferenceEngine:
         if dev.type == "cuda":
             self._host_tokens = [torch.empty(n, dtype=torch.long, pin_memory=True) for _ in range(2)]
             self._host_log_probs = [torch.empty(n, dtype=torch.float32, pin_memory=True) for _ in range(2)]
+            self._host_uniform = [torch.empty(n, dtype=torch.float32, pin_memory=True) for _ in range(2)]
         if use_cuda_graphs is None:
             use_cuda_graphs = dev.type == "cuda"
         self._step_fn = self._decode_step
         if compile_decode and dev.type == "cuda":
             self._step_fn = _compiled(self._decode_step)
-        self.graphs = DecodeGraphs(self._step_fn, [self.tokens, self.positions]) if use_cuda_graphs else None
+        self.graphs = DecodeGraphs(self._step_fn, [self.tokens, self.positions],
+                                   capture=dev.type == "cuda") if use_cuda_graphs else None
 
     # ---------------------------------------------------------------- requests
     def check_request(self, num_prompt_tokens: int, sampling_params: SamplingParams) -> None:
         """Raise ValueError (a one-line reason) when a request cannot run; touches no engine state."""
         sampling_params.validate()
-        n, m = num_prompt_tokens, sampling_params.num_tokens_to_generate
+        n = num_prompt_tokens
+        m = sampling_params.tokens_to_generate(n, self.max_sequence_length)
+        if m < 0:
+            raise ValueError(f"num_tokens_total ({sampling_params.num_tokens_total}) is shorter than the prompt "
+                             f"({n} tokens)")
         if n == 0:
             raise ValueError("the prompt is empty (send text, or set add_BOS)")
         if n + m > self.max_sequence_length:
@@ -128,6 +140,9 @@ class InferenceEngine:
                     done=None) -> InferenceRequest:
         """Queue a prompt (``done``: an Event to set when it finishes); ValueError when it cannot run."""
         self.check_request(len(prompt_tokens), sampling_params)
+        # The request keeps its own copy with the token count resolved (None: up to the max length).
+        sampling_params = dataclasses.replace(sampling_params, num_tokens_total=None, num_tokens_to_generate=(
+            sampling_params.tokens_to_generate(len(prompt_tokens), self.max_sequence_length)))
         req = InferenceRequest(next(self._ids), [int(t) for t in prompt_tokens], sampling_params)
         if done is not None:
             req.done = done
@@ -260,19 +275,25 @@ class InferenceEngine:
         batch = top if eager else bucket(top, self.max_batch_size)
         kv_len = longest if eager else bucket(longest, self.max_sequence_length, minimum=64)
         greedy_only = all(r.sampling_params.greedy for r in active)
+        cuda = self.device.type == "cuda"
+        if cuda:  # pinned double buffers: the copies of the step before may still be pending on the other one
+            self._flip ^= 1
         if not greedy_only:
             draws = [0.5] * batch
             for r in active:
                 draws[r.slot] = r.rng.random()
-            self.uniform[:batch].copy_(torch.tensor(draws, dtype=torch.float32))
+            draws = torch.tensor(draws, dtype=torch.float32)
+            if cuda:  # a pageable host->device copy would wait for the step in flight; this one queues behind it
+                self.uniform[:batch].copy_(self._host_uniform[self._flip][:batch].copy_(draws), non_blocking=True)
+            else:
+                self.uniform[:batch].copy_(draws)
         if eager:
             self._step_fn(batch, kv_len, greedy_only)
         else:
             self.graphs.run(batch, kv_len, greedy_only)
         want_lp = any(r.sampling_params.return_log_probs for r in active)
         out = _InFlight(list(active), batch, want_lp)
-        if self.device.type == "cuda":  # pinned double buffers: the next step's copy must not overwrite these
-            self._flip ^= 1
+        if cuda:
             out.tokens = self._host_tokens[self._flip][:batch].copy_(self.out_tokens[:batch], non_blocking=True)
             if want_lp:
                 out.log_probs = self._host_log_probs[self._flip][:batch].copy_(self.out_log_probs[:batch],
@@ -301,7 +322,8 @@ class InferenceEngine:
         if log_prob is not None and req.sampling_params.return_log_probs:
             req.generated_log_probs.append(log_prob)
         sp = req.sampling_params
-        if self.termination_id is not None and token == self.termination_id:
+        termination_id = self._termination_id(sp)
+        if termination_id is not None and token == termination_id:
             self._finish(req, "stop", finished)
         elif sp.stop_words and self.detokenize is not None and \
                 any(w in self.detokenize(req.generated_tokens) for w in sp.stop_words):
@@ -309,15 +331,20 @@ class InferenceEngine:
         elif len(req.generated_tokens) >= sp.num_tokens_to_generate or req.length >= self.max_sequence_length:
             self._finish(req, "length", finished)
 
+    def _termination_id(self, sp: SamplingParams):
+        """The request's own termination id, else the engine's (end of document)."""
+        return sp.termination_id if sp.termination_id is not None else self.termination_id
+
     def _finish(self, req: InferenceRequest, reason: str, finished) -> None:
         req.finish_reason, req.status = reason, Status.COMPLETED
         self.slots[req.slot] = None
         if self.detokenize is not None:
             ids = req.generated_tokens
-            if ids and self.termination_id is not None and ids[-1] == self.termination_id:
+            termination_id = self._termination_id(req.sampling_params)
+            if ids and termination_id is not None and ids[-1] == termination_id:
                 ids = ids[:-1]
             text = self.detokenize(ids)
-            cuts = [text.index(w) for w in req.sampling_params.stop_words if w and w in text]
+            cuts = [text.index(w) for w in req.sampling_params.stop_words or [] if w and w in text]
             req.generated_text = text[:min(cuts)] if cuts else text  # up to the first stop word
         finished.append(req)
         req.done.set()

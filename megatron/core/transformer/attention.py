@@ -1,4 +1,5 @@
 """Self-attention with grouped query attention, fused QKV and optional QK-norm."""
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -24,22 +25,24 @@ class SelfAttentionSubmodules:
     k_layernorm: Union[ModuleSpec, type] = None
 
 
-class SelfAttention(MegatronModule):
-    """x -> QKV (column-parallel) -> RoPE -> core attention per local head -> proj (row-parallel).
+class Attention(MegatronModule, ABC):
+    """What self- and cross-attention share (Megatron's base class): the core attention over local heads
+    and the row-parallel output projection; subclasses build the query/key/value projections and
+    implement `get_query_key_value_tensors`. ``pp_layer_offset`` (Megatron's per-stage KV-cache index) is
+    refused: the KV cache here is indexed by the global layer number. ``name`` is a label only (Megatron
+    hands it to Transformer Engine)."""
 
-    The fused QKV output is laid out per query group, [ng, (np/ng + 2) * hn]: each group's queries,
-    then its key, then its value. TP splits whole groups, so a rank's slice is the same layout.
-    """
+    _proj_buffer_name = "proj"
 
-    def __init__(self, config, submodules: SelfAttentionSubmodules, layer_number: int,
-                 attn_mask_type: AttnMaskType = AttnMaskType.padding, cp_comm_type: Optional[str] = None,
-                 pg_collection=None, pp_layer_offset: Optional[int] = None, name: Optional[str] = None, **kwargs):
+    def __init__(self, config, submodules, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 cp_comm_type: Optional[str] = None, pg_collection=None, pp_layer_offset: Optional[int] = None,
+                 name: Optional[str] = None):
         super().__init__(config)
         if pp_layer_offset is not None:
-            raise NotImplementedError("SelfAttention(pp_layer_offset=...) (MTP layer offsets) is not supported")
-        self.name = name  # a label only (Megatron hands it to Transformer Engine)
-        self.layer_number = layer_number
-        self.attn_mask_type = attn_mask_type
+            raise NotImplementedError(f"{type(self).__name__}(pp_layer_offset=...) is not supported: the KV cache "
+                                      "is indexed by the global layer number")
+        self.name = name
+        self.layer_number, self.attn_mask_type, self.attention_type = layer_number, attn_mask_type, attention_type
         tp = parallel_state.get_tensor_model_parallel_world_size()
         if config.num_attention_heads % tp or config.num_query_groups % tp:
             raise ValueError(f"num_attention_heads ({config.num_attention_heads}) and num_query_groups "
@@ -49,51 +52,36 @@ class SelfAttention(MegatronModule):
         self.ng = config.num_query_groups // tp  # local query groups
         self.query_projection_size = config.kv_channels * config.num_attention_heads
         self.kv_projection_size = config.kv_channels * config.num_query_groups
+        self._submodules, self._cp_comm_type = submodules, cp_comm_type
 
-        self.linear_qkv = build_module(
-            submodules.linear_qkv, config.hidden_size, self.query_projection_size + 2 * self.kv_projection_size,
-            config=config, init_method=config.init_method, gather_output=False,
-            bias=config.add_bias_linear or config.add_qkv_bias, skip_bias_add=False, is_expert=False,
-            tp_comm_buffer_name="qkv")
-        self.core_attention = build_module(submodules.core_attention, config=config, layer_number=layer_number,
-                                           attn_mask_type=attn_mask_type, attention_type="self",
-                                           cp_comm_type=cp_comm_type)
+    def _build_core_and_proj(self):
+        """Core attention and linear_proj (called by subclasses after their input projections, keeping
+        the module order of the checkpoints)."""
+        config, submodules = self.config, self._submodules
+        self.core_attention = build_module(submodules.core_attention, config=config, layer_number=self.layer_number,
+                                           attn_mask_type=self.attn_mask_type, attention_type=self.attention_type,
+                                           cp_comm_type=self._cp_comm_type)
         self.linear_proj = build_module(
             submodules.linear_proj, self.query_projection_size, config.hidden_size, config=config,
             init_method=config.output_layer_init_method, bias=config.add_bias_linear, input_is_parallel=True,
-            skip_bias_add=True, is_expert=False, tp_comm_buffer_name="proj")
-        self.q_layernorm = self._build_qk_norm(submodules.q_layernorm)
-        self.k_layernorm = self._build_qk_norm(submodules.k_layernorm)
+            skip_bias_add=True, is_expert=False, tp_comm_buffer_name=self._proj_buffer_name)
         self.checkpoint_core_attention = (config.recompute_granularity == "selective"
                                           and "core_attn" in (config.recompute_modules or []))
 
-    def _build_qk_norm(self, spec):
-        if spec is None:
-            return None
-        norm = build_module(spec, config=self.config, hidden_size=self.hn, eps=self.config.layernorm_epsilon)
-        # Each TP rank normalises different heads, so these grads are partial sums over TP
-        # (with or without SP): flag them for the TP all-reduce in finalize_model_grads.
-        for p in norm.parameters():
-            p.sequence_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
-        return norm
-
-    def get_query_key_value_tensors(self, hidden_states):
-        mixed, _ = self.linear_qkv(hidden_states)  # [s, b, ng * (np/ng + 2) * hn]
-        s, b = mixed.shape[:2]
-        per_group = self.np // self.ng
-        mixed = mixed.view(s, b, self.ng, (per_group + 2) * self.hn)  # [s, b, ng, (np/ng + 2) * hn]
-        q, k, v = torch.split(mixed, [per_group * self.hn, self.hn, self.hn], dim=3)
-        q = q.reshape(s, b, self.np, self.hn)  # [s, b, np, hn]
-        if self.q_layernorm is not None:
-            q = self.q_layernorm(q)
-        if self.k_layernorm is not None:
-            k = self.k_layernorm(k)  # [s, b, ng, hn]
-        return q, k, v
+    @abstractmethod
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None):
+        """(q [s, b, np, hn], k, v [sk, b, ng, hn]) from the input (and the encoder output)."""
 
     def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None,
                 packed_seq_params=None, sequence_len_offset=None, **kwargs):
-        q, k, v = self.get_query_key_value_tensors(hidden_states)
+        if (inference_context is not None and key_value_states is None and hasattr(self, "linear_qkv")
+                and getattr(self, "q_layernorm", None) is None and getattr(self, "k_layernorm", None) is None
+                and hasattr(inference_context, "attention_from_qkv")):  # generation: the fused layout as is
+            mixed, _ = self.linear_qkv(hidden_states)  # [s, b, ng * (np/ng + 2) * hn]
+            return self.linear_proj(inference_context.attention_from_qkv(
+                self.layer_number, mixed, self.ng, self.hn, self.core_attention.softmax_scale))
+        q, k, v = self.get_query_key_value_tensors(hidden_states, key_value_states)
         if rotary_pos_emb is not None:
             q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
             q = apply_rotary_pos_emb(q, q_emb, config=self.config)
@@ -109,5 +97,100 @@ class SelfAttention(MegatronModule):
         return self.linear_proj(ctx)  # (output, bias)
 
 
-# Megatron also exposes the cross-attention classes from this module.
-from megatron.core.transformer.cross_attention import CrossAttention, CrossAttentionSubmodules  # noqa: E402,F401
+class SelfAttention(Attention):
+    """x -> QKV (column-parallel) -> RoPE -> core attention per local head -> proj (row-parallel).
+
+    The fused QKV output is laid out per query group, [ng, (np/ng + 2) * hn]: each group's queries,
+    then its key, then its value. TP splits whole groups, so a rank's slice is the same layout.
+    """
+
+    def __init__(self, config, submodules: SelfAttentionSubmodules, layer_number: int,
+                 attn_mask_type: AttnMaskType = AttnMaskType.padding, cp_comm_type: Optional[str] = None,
+                 pg_collection=None, pp_layer_offset: Optional[int] = None, name: Optional[str] = None, **kwargs):
+        super().__init__(config, submodules, layer_number, attn_mask_type, "self", cp_comm_type, pg_collection,
+                         pp_layer_offset, name)
+        self.linear_qkv = build_module(
+            submodules.linear_qkv, config.hidden_size, self.query_projection_size + 2 * self.kv_projection_size,
+            config=config, init_method=config.init_method, gather_output=False,
+            bias=config.add_bias_linear or config.add_qkv_bias, skip_bias_add=False, is_expert=False,
+            tp_comm_buffer_name="qkv")
+        self._build_core_and_proj()
+        self.q_layernorm = self._build_qk_norm(submodules.q_layernorm)
+        self.k_layernorm = self._build_qk_norm(submodules.k_layernorm)
+
+    def _build_qk_norm(self, spec):
+        if spec is None:
+            return None
+        norm = build_module(spec, config=self.config, hidden_size=self.hn, eps=self.config.layernorm_epsilon)
+        # Each TP rank normalises different heads, so these grads are partial sums over TP
+        # (with or without SP): flag them for the TP all-reduce in finalize_model_grads.
+        for p in norm.parameters():
+            p.sequence_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
+        return norm
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None):
+        mixed, _ = self.linear_qkv(hidden_states)  # [s, b, ng * (np/ng + 2) * hn]
+        s, b = mixed.shape[:2]
+        per_group = self.np // self.ng
+        mixed = mixed.view(s, b, self.ng, (per_group + 2) * self.hn)  # [s, b, ng, (np/ng + 2) * hn]
+        q, k, v = torch.split(mixed, [per_group * self.hn, self.hn, self.hn], dim=3)
+        q = q.reshape(s, b, self.np, self.hn)  # [s, b, np, hn]
+        if self.q_layernorm is not None:
+            q = self.q_layernorm(q)
+        if self.k_layernorm is not None:
+            k = self.k_layernorm(k)  # [s, b, ng, hn]
+        return q, k, v
+
+
+@dataclass
+class CrossAttentionSubmodules:
+    linear_q: Union[ModuleSpec, type] = None
+    linear_kv: Union[ModuleSpec, type] = None
+    core_attention: Union[ModuleSpec, type] = None
+    linear_proj: Union[ModuleSpec, type] = None
+
+
+class CrossAttention(Attention):
+    """Cross-attention (T5 decoder): x -> Q (column-parallel); the encoder output -> KV (column-parallel);
+    core attention; proj (row-parallel).
+
+    linear_kv's output is laid out per head, [np, 2 * hn] (each head's key then its value), so a TP
+    split of whole heads keeps the layout. No GQA here, as in Megatron.
+    """
+
+    _proj_buffer_name = None
+
+    def __init__(self, config, submodules: CrossAttentionSubmodules, layer_number: int,
+                 attn_mask_type: AttnMaskType = AttnMaskType.padding, cp_comm_type=None, pg_collection=None,
+                 name: Optional[str] = None, **kwargs):
+        if config.num_query_groups != config.num_attention_heads:
+            raise ValueError("cross attention does not support grouped-query attention; drop "
+                             "--group-query-attention for encoder-decoder models")
+        super().__init__(config, submodules, layer_number, attn_mask_type, "cross", cp_comm_type, pg_collection,
+                         name=name)
+        bias = config.add_bias_linear or config.add_qkv_bias
+        self.linear_q = build_module(
+            submodules.linear_q, config.hidden_size, self.query_projection_size, config=config,
+            init_method=config.init_method, gather_output=False, bias=bias, skip_bias_add=False, is_expert=False)
+        self.linear_kv = build_module(
+            submodules.linear_kv, config.hidden_size, 2 * self.query_projection_size, config=config,
+            init_method=config.init_method, gather_output=False, bias=bias, skip_bias_add=False, is_expert=False)
+        self._build_core_and_proj()
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None):
+        q, _ = self.linear_q(hidden_states)  # [sq, b, np * hn]
+        sq, b = q.shape[:2]
+        q = q.view(sq, b, self.np, self.hn)  # [sq, b, np, hn]
+        kv, _ = self.linear_kv(key_value_states)  # [sk, b, np * 2 * hn]
+        kv = kv.view(kv.shape[0], b, self.np, 2 * self.hn)  # [sk, b, np, 2 * hn]
+        k, v = kv.split(self.hn, dim=3)  # [sk, b, np, hn] each
+        return q, k, v
+
+    def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
+                rotary_pos_emb=None, attention_bias=None, packed_seq_params=None, **kwargs):
+        if key_value_states is None:
+            raise ValueError("CrossAttention needs key_value_states (the encoder output)")
+        if inference_context is not None or rotary_pos_emb is not None:
+            raise NotImplementedError("cross attention with a KV cache or rotary embeddings is not supported")
+        return super().forward(hidden_states, attention_mask, key_value_states, attention_bias=attention_bias,
+                               packed_seq_params=packed_seq_params)

@@ -56,14 +56,19 @@ class MLP(MegatronModule):
             skip_bias_add=True, is_expert=is_expert, tp_comm_buffer_name="fc2")
 
     def forward(self, hidden_states, per_token_scale=None):
+        """``per_token_scale`` [tokens] multiplies each token's activation before fc2 (an expert's routing
+        probability, as Megatron's experts apply it)."""
         h, bias = self.linear_fc1(hidden_states)  # [s, b, (2)f/tp]
         if self.fused_activation is not None:
-            return self.linear_fc2(self.fused_activation(h, bias))  # (output, bias)
-        if bias is not None:
-            h = h + bias
-        if self.config.gated_linear_unit:
-            gate, up = torch.chunk(h, 2, dim=-1)  # [s, b, f/tp] each
-            h = self.activation_func(gate) * up
+            h = self.fused_activation(h, bias)
         else:
-            h = self.activation_func(h)
+            if bias is not None:
+                h = h + bias
+            if self.config.gated_linear_unit:
+                gate, up = torch.chunk(h, 2, dim=-1)  # [s, b, f/tp] each
+                h = self.activation_func(gate) * up
+            else:
+                h = self.activation_func(h)
+        if per_token_scale is not None:
+            h = h * per_token_scale.unsqueeze(-1).to(h.dtype)
         return self.linear_fc2(h)  # (output, bias)

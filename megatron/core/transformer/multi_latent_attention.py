@@ -40,6 +40,7 @@ class MLASelfAttentionSubmodules:
     linear_q_up_proj: Union[ModuleSpec, type] = None
     linear_kv_down_proj: Union[ModuleSpec, type] = None
     linear_kv_up_proj: Union[ModuleSpec, type] = None
+    linear_qkv_down_proj: Union[ModuleSpec, type] = None  # Megatron's fused q+kv down projection: refused
     core_attention: Union[ModuleSpec, type] = None
     linear_proj: Union[ModuleSpec, type] = None
     q_layernorm: Union[ModuleSpec, type] = None
@@ -57,8 +58,15 @@ class MultiLatentAttention(MegatronModule):
 
     def __init__(self, config, submodules: MLASelfAttentionSubmodules, layer_number: int,
                  attn_mask_type: AttnMaskType, attention_type: str, cp_comm_type: Optional[str] = None,
-                 pg_collection=None):
+                 pg_collection=None, pp_layer_offset: Optional[int] = None, name: Optional[str] = None):
+        """``pp_layer_offset`` indexes Megatron's inference KV cache, which MLA does not use here (no effect);
+        ``name`` is a label (Megatron hands it to Transformer Engine)."""
         super().__init__(config)
+        if getattr(submodules, "linear_qkv_down_proj", None) is not None:
+            raise NotImplementedError("MLASelfAttentionSubmodules.linear_qkv_down_proj (fused MLA down "
+                                      "projection, mla_down_proj_fusion) is not supported; use the separate "
+                                      "linear_q_down_proj / linear_kv_down_proj")
+        self.pp_layer_offset, self.name = pp_layer_offset, name
         if not getattr(config, "multi_latent_attention", False) or not hasattr(config, "kv_lora_rank"):
             raise ValueError("multi-latent attention needs an MLATransformerConfig (--multi-latent-attention)")
         self.layer_number, self.attn_mask_type, self.attention_type = layer_number, attn_mask_type, attention_type
@@ -114,8 +122,9 @@ class MLASelfAttention(MultiLatentAttention):
 
     def __init__(self, config, submodules: MLASelfAttentionSubmodules, layer_number: int,
                  attn_mask_type: AttnMaskType = AttnMaskType.padding, cp_comm_type: Optional[str] = None,
-                 pg_collection=None, **kwargs):
-        super().__init__(config, submodules, layer_number, attn_mask_type, "self", cp_comm_type, pg_collection)
+                 pg_collection=None, pp_layer_offset: Optional[int] = None, name: Optional[str] = None, **kwargs):
+        super().__init__(config, submodules, layer_number, attn_mask_type, "self", cp_comm_type, pg_collection,
+                         pp_layer_offset, name)
         c, heads = config, config.num_attention_heads
         if c.q_lora_rank is None:
             self.linear_q_proj = _column_linear(submodules.linear_q_proj, c, c.hidden_size, heads * self.q_head_dim,

@@ -15,6 +15,7 @@ from typing import List, Optional, Union
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -25,11 +26,88 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import make_viewless_tensor
 
 
-def roll_tensor(tensor: torch.Tensor, shifts: int = -1, dims: int = -1):
-    """Roll left along ``dims`` and zero the rolled-in slot; returns (rolled, its sum)."""
+def roll_tensor(tensor: torch.Tensor, shifts: int = -1, dims: int = -1, cp_group=None, packed_seq_params=None):
+    """Roll left along ``dims`` and zero the rolled-in slot; returns (rolled, its sum), (None, None) for None.
+    With ``packed_seq_params`` each packed sequence (cu_seqlens_q) rolls within its own bounds. A context
+    parallel group of size > 1 is refused: MTP runs without context parallelism here."""
+    if tensor is None:
+        return None, None
+    if cp_group is not None and cp_group.size() > 1:
+        raise NotImplementedError("roll_tensor across context-parallel ranks is not supported (MTP with "
+                                  "--context-parallel-size > 1)")
+    if packed_seq_params is not None:
+        if shifts != -1 or dims not in (-1, tensor.dim() - 1):
+            raise ValueError("packed-sequence roll_tensor supports shifts=-1 along the last dim only")
+        rolled = tensor.clone()
+        bounds = packed_seq_params.cu_seqlens_q.tolist()
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            seq = torch.roll(tensor[..., start:end], shifts=-1, dims=-1)
+            seq[..., -1:] = 0
+            rolled[..., start:end] = seq
+        return rolled, rolled.sum()
     rolled = torch.roll(tensor, shifts=shifts, dims=dims)
     rolled.select(dims, shifts).fill_(0)
     return rolled, rolled.sum()
+
+
+# ---- placement: without a custom pipeline layout (not implemented here) MTP sits on the last stage ----
+def _no_custom_layout(layout):
+    if layout is not None:
+        raise NotImplementedError("--pipeline-model-parallel-layout is not supported: MTP layers sit on the "
+                                  "last pipeline stage")
+
+
+def mtp_on_this_rank(layout=None, mtp_num_layers: Optional[int] = None, ignore_virtual: Optional[bool] = True,
+                     vp_stage: Optional[int] = None) -> bool:
+    """Whether this rank builds MTP layers: the last pipeline stage (last virtual stage unless
+    ``ignore_virtual``) when ``mtp_num_layers`` is set."""
+    _no_custom_layout(layout)
+    return mtp_num_layers is not None and parallel_state.is_pipeline_last_stage(
+        ignore_virtual=ignore_virtual, vp_stage=vp_stage)
+
+
+def get_mtp_ranks(pp_ranks: List[int], config) -> List[int]:
+    """The ranks of ``pp_ranks`` (one pipeline) that hold MTP layers: the last one, or none."""
+    _no_custom_layout(config.pipeline_model_parallel_layout)
+    return [] if config.mtp_num_layers is None else [pp_ranks[-1]]
+
+
+def get_mtp_layer_offset(config, vp_stage: Optional[int] = None) -> int:
+    """Index of this stage's first MTP layer: all of them sit on one stage, so 0."""
+    _no_custom_layout(config.pipeline_model_parallel_layout)
+    return 0
+
+
+def get_mtp_num_layers_to_build(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None) -> int:
+    """config.mtp_num_layers on the last (virtual) pipeline stage, else 0 (``pp_rank`` is not consulted,
+    as in Megatron without a custom layout)."""
+    _no_custom_layout(config.pipeline_model_parallel_layout)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage):
+        return config.mtp_num_layers or 0
+    return 0
+
+
+def _tie_replica(sharded_state_dict, weight, key, tp_group, dp_cp_group):
+    """Replace ``key`` by a TP-sharded tensor marked as a second copy (replica_id (1, 0, dp rank)): the
+    checkpoint keeps the embedding / output-layer copy of the stage that owns it."""
+    from megatron.core.utils import get_pg_rank, make_tp_sharded_tensor_for_checkpoint
+    if key not in sharded_state_dict:
+        raise KeyError(f"{key} is not in the sharded state dict")
+    sharded_state_dict[key] = make_tp_sharded_tensor_for_checkpoint(
+        tensor=weight, key=key, replica_id=(1, 0, get_pg_rank(dp_cp_group)), allow_shape_mismatch=True, tp_group=tp_group,
+        dp_cp_group=dp_cp_group)
+
+
+def tie_word_embeddings_state_dict(sharded_state_dict, word_emb_weight, word_emb_weight_key: str, tp_group,
+                                   dp_cp_group) -> None:
+    """In place: the MTP stage's word-embedding entry becomes a replica of the first stage's."""
+    _tie_replica(sharded_state_dict, word_emb_weight, word_emb_weight_key, tp_group, dp_cp_group)
+
+
+def tie_output_layer_state_dict(sharded_state_dict, output_layer_weight, output_layer_weight_key: str, tp_group,
+                                dp_cp_group) -> None:
+    """In place: the MTP stage's output-layer entry becomes a replica of the last stage's."""
+    _tie_replica(sharded_state_dict, output_layer_weight, output_layer_weight_key, tp_group, dp_cp_group)
 
 
 class MTPLossAutoScaler(torch.autograd.Function):
@@ -54,19 +132,32 @@ class MTPLossAutoScaler(torch.autograd.Function):
 
 @dataclass
 class MultiTokenPredictionLayerSubmodules:
+    """``mtp_model_layer`` is Megatron 0.19's name for the depth's transformer layer spec;
+    ``transformer_layer`` (its earlier name) is accepted too. The built module is ``transformer_layer``
+    (checkpoint keys mtp.layers.<d>.transformer_layer.*)."""
     enorm: Union[ModuleSpec, type] = None
     hnorm: Union[ModuleSpec, type] = None
     eh_proj: Union[ModuleSpec, type] = None
     transformer_layer: Union[ModuleSpec, type] = None
     layer_norm: Union[ModuleSpec, type] = None
+    mtp_model_layer: Union[ModuleSpec, type] = None
+
+
+def _refuse_hybrid(mtp_layer_pattern, hybrid_submodules, mamba_submodules):
+    if mtp_layer_pattern is not None or hybrid_submodules is not None or mamba_submodules is not None:
+        raise NotImplementedError("hybrid (Mamba) MTP layers (mtp_layer_pattern / hybrid_submodules / "
+                                  "mamba_submodules) are not supported: MTP depths are transformer layers")
 
 
 class MultiTokenPredictionLayer(MegatronModule):
     """One prediction depth: norms, the [embedding; hidden] -> hidden projection, a transformer layer."""
 
     def __init__(self, config, submodules: MultiTokenPredictionLayerSubmodules, layer_number: int = 1,
-                 vp_stage: Optional[int] = None, pg_collection=None, **kwargs):
+                 vp_stage: Optional[int] = None, pg_collection=None, mtp_layer_pattern: Optional[str] = None,
+                 hybrid_submodules=None, mamba_submodules=None, name: Optional[str] = None, **kwargs):
         super().__init__(config)
+        _refuse_hybrid(mtp_layer_pattern, hybrid_submodules, mamba_submodules)
+        self.name = name
         self.layer_number = layer_number  # 1-based depth; names checkpoint keys mtp.layers.<depth - 1>
         h, eps = config.hidden_size, config.layernorm_epsilon
         self.enorm = build_module(submodules.enorm, config=config, hidden_size=h, eps=eps)
@@ -74,8 +165,11 @@ class MultiTokenPredictionLayer(MegatronModule):
         self.eh_proj = build_module(submodules.eh_proj, 2 * h, h, config=config, init_method=config.init_method,
                                     gather_output=False, bias=False, skip_bias_add=False, is_expert=False,
                                     tp_comm_buffer_name="mtp_eh_proj")
-        self.transformer_layer = build_module(submodules.transformer_layer, config=config,
-                                              layer_number=layer_number, vp_stage=vp_stage)
+        layer_spec = submodules.mtp_model_layer if submodules.mtp_model_layer is not None \
+            else submodules.transformer_layer
+        # Numbered by depth (1..D), without the stage offset; its metrics keep the decoder's slots 1..D.
+        self.transformer_layer = build_module(layer_spec, config=config, layer_number=layer_number,
+                                              vp_stage=vp_stage, add_layer_offset=False)
         self.final_layernorm = build_module(submodules.layer_norm, config=config, hidden_size=h, eps=eps)
 
     def forward(self, input_ids, position_ids, hidden_states, attention_mask, rotary_pos_emb=None,
@@ -104,13 +198,19 @@ class MultiTokenPredictionBlockSubmodules:
 class MultiTokenPredictionBlock(MegatronModule):
     """The D prediction depths; forward returns [h; h_1; ...; h_D] concatenated along the sequence dim."""
 
-    def __init__(self, config, spec, vp_stage: Optional[int] = None, pg_collection=None, **kwargs):
+    def __init__(self, config, spec, vp_stage: Optional[int] = None, pg_collection=None,
+                 mtp_layer_pattern: Optional[str] = None, mtp_num_depths: int = 0, hybrid_submodules=None,
+                 mamba_submodules=None, name: Optional[str] = None, **kwargs):
+        """``mtp_num_depths`` > 0 overrides the number of depths (Megatron: for a repeated layer, which is
+        not implemented here), so it must equal config.mtp_num_layers."""
         super().__init__(config)
+        _refuse_hybrid(mtp_layer_pattern, hybrid_submodules, mamba_submodules)
+        self.name = name
         submodules = spec.submodules if isinstance(spec, ModuleSpec) else spec
         specs = submodules.layer_specs
-        if len(specs) != config.mtp_num_layers:
-            raise ValueError(f"MTP block spec has {len(specs)} layer specs; --mtp-num-layers is "
-                             f"{config.mtp_num_layers}")
+        if len(specs) != config.mtp_num_layers or mtp_num_depths not in (0, config.mtp_num_layers):
+            raise ValueError(f"MTP block spec has {len(specs)} layer specs (mtp_num_depths {mtp_num_depths}); "
+                             f"--mtp-num-layers is {config.mtp_num_layers}")
         self.layers = torch.nn.ModuleList(
             build_module(s, config=config, layer_number=i + 1, vp_stage=vp_stage) for i, s in enumerate(specs))
 
@@ -145,11 +245,16 @@ def process_mtp_loss(loss: torch.Tensor, mtp_hidden_states: List[torch.Tensor], 
     return MTPLossAutoScaler.apply(loss, scale * total), stats
 
 
-def get_mtp_layer_spec(transformer_layer_spec: ModuleSpec, norm=None, linear=None) -> ModuleSpec:
-    """One MTP depth around ``transformer_layer_spec`` with local norms and a column-parallel eh_proj."""
-    if norm is None:
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm as norm
-    if linear is None:
-        from megatron.core.tensor_parallel.layers import ColumnParallelLinear as linear
+def get_mtp_layer_spec(mtp_model_layer_spec: ModuleSpec, use_transformer_engine: bool = True) -> ModuleSpec:
+    """One MTP depth around ``mtp_model_layer_spec``; ``use_transformer_engine`` picks the same (local)
+    modules, our fastest: no Transformer Engine here."""
+    from megatron.core.models.backends import LocalSpecProvider
+    return get_mtp_layer_spec_for_backend(mtp_model_layer_spec, LocalSpecProvider())
+
+
+def get_mtp_layer_spec_for_backend(mtp_model_layer_spec: ModuleSpec, backend) -> ModuleSpec:
+    """One MTP depth with ``backend``'s norm and column-parallel eh_proj."""
+    norm = backend.layer_norm()
     return ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
-        enorm=norm, hnorm=norm, eh_proj=linear, transformer_layer=transformer_layer_spec, layer_norm=norm))
+        enorm=norm, hnorm=norm, eh_proj=backend.column_parallel_linear(), mtp_model_layer=mtp_model_layer_spec,
+        layer_norm=norm))

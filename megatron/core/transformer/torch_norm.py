@@ -57,6 +57,19 @@ class RMSNorm(_Norm):
         return y.to(x.dtype) * gamma
 
 
+class L2Norm(torch.nn.Module):
+    """x / sqrt(mean(x^2) + eps) over the last dim, in fp32, without a learned scale: the query/key norm of
+    --qk-l2-norm (Llama 4). ``hidden_size`` is kept for the spec interface only."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, **kwargs):
+        super().__init__()
+        self.hidden_size, self.eps = hidden_size, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+
 class WrappedTorchNorm:
     """Factory: ``WrappedTorchNorm(config, hidden_size, eps)`` builds the norm named by the config."""
 

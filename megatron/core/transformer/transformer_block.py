@@ -117,7 +117,7 @@ class TransformerBlock(MegatronModule):
         elif len(specs) != num_layers:
             raise ValueError(f"block spec has {len(specs)} layer specs; expected {config.num_layers} or {num_layers}")
         self.layers = torch.nn.ModuleList(
-            build_module(s, config=config, layer_number=offset + i + 1, vp_stage=vp_stage)
+            build_module(s, config=config, layer_number=i + 1, vp_stage=vp_stage)  # the layer adds `offset`
             for i, s in enumerate(specs))
         self.final_layernorm = None
         if post_process and post_layer_norm:

@@ -79,6 +79,7 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     moe_ffn_hidden_size: Optional[int] = None
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_overlap: bool = False
+    moe_shared_expert_gate: bool = False  # sigmoid gate on the shared experts' output (Qwen2-MoE)
     moe_router_load_balancing_type: Union[str, List[str]] = "aux_loss"
     moe_router_topk: int = 2
     moe_router_num_groups: Optional[int] = None
@@ -99,6 +100,11 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     moe_pad_expert_input_to_capacity: bool = False
     moe_token_drop_policy: str = "probs"
     moe_permute_fusion: bool = False
+    moe_router_force_load_balancing: bool = False  # random router logits: balanced load for benchmarks
+    moe_router_force_biased: Optional[float] = None  # random logits + a shared per-expert bias of this std
+
+    # Query/key L2 norm (Llama 4): chosen by the layer spec (get_gpt_layer_*_spec(qk_l2_norm=True))
+    qk_l2_norm: bool = False
 
     # Multi-latent attention (shapes in MLATransformerConfig) and multi-token prediction
     multi_latent_attention: bool = False
@@ -297,6 +303,7 @@ class MLATransformerConfig(TransformerConfig):
     mscale_all_dim: float = 0.0
     correction_range_round_to_int: bool = True
     cache_mla_latents: bool = False
+    mla_down_proj_fusion: bool = False  # one fused q+kv down projection (Transformer Engine): refused
 
     def __post_init__(self):
         if self.kv_channels is None:  # unused by MLA; keeps hidden % heads from mattering
@@ -319,6 +326,9 @@ class MLATransformerConfig(TransformerConfig):
             raise NotImplementedError("--multi-latent-attention with --context-parallel-size > 1 is not supported yet")
         if self.cache_mla_latents:
             raise NotImplementedError("--cache-mla-latents belongs to the dynamic inference engine; drop the flag")
+        if self.mla_down_proj_fusion:
+            raise NotImplementedError("--mla-down-proj-fusion (one fused q+kv down projection) needs Transformer "
+                                      "Engine; drop the flag")
         if self.num_query_groups != self.num_attention_heads:
             raise ValueError("--group-query-attention cannot be combined with --multi-latent-attention")
         tp = self.tensor_model_parallel_size

@@ -50,14 +50,23 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
 
     def __init__(self, config, submodules: TransformerLayerSubmodules, layer_number: int = 1,
                  hidden_dropout: Optional[float] = None, pg_collection=None, vp_stage: Optional[int] = None,
-                 is_mtp_layer: bool = False, pp_layer_offset: Optional[int] = None, name: Optional[str] = None,
-                 **kwargs):
+                 is_mtp_layer: bool = False, add_layer_offset: bool = True, pp_layer_offset: Optional[int] = None,
+                 name: Optional[str] = None, **kwargs):
+        """``layer_number`` counts from 1 within this pipeline stage (as TransformerBlock passes it): the
+        stage's offset is added unless ``add_layer_offset`` is False or this is an MTP depth's layer
+        (``is_mtp_layer``, numbered within MTP; its MoE router logs after the decoder's layers).
+        ``pp_layer_offset`` indexes Megatron's inference KV cache by stage; the generation engine here
+        keys its cache by global layer number, so only None is accepted."""
         super().__init__(config)
-        if is_mtp_layer or pp_layer_offset is not None:
-            raise NotImplementedError("TransformerLayer(is_mtp_layer/pp_layer_offset) is not supported: MTP "
-                                      "layers are built by MultiTokenPredictionLayer")
+        if pp_layer_offset is not None:
+            raise NotImplementedError("TransformerLayer(pp_layer_offset=...) is not supported: the KV cache is "
+                                      "indexed by the global layer number")
         self.name = name  # a label only (Megatron hands it to Transformer Engine)
         self.submodules_config = submodules
+        self.is_mtp_layer = is_mtp_layer
+        if add_layer_offset and not is_mtp_layer:
+            from megatron.core.transformer.transformer_block import get_transformer_layer_offset
+            layer_number = layer_number + get_transformer_layer_offset(config, vp_stage)
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
         eps = config.layernorm_epsilon
@@ -72,7 +81,7 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         self.cross_attn_bda = build_module(submodules.cross_attn_bda)
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config=config,
                                               hidden_size=config.hidden_size, eps=eps)
-        self.mlp = build_module(submodules.mlp, config=config)
+        self.mlp = build_module(submodules.mlp, config=config, **({"is_mtp_layer": True} if is_mtp_layer else {}))
         if hasattr(self.mlp, "set_layer_number"):  # MoE layers log their losses per layer
             self.mlp.set_layer_number(layer_number)
         self.mlp_bda = build_module(submodules.mlp_bda)
@@ -126,6 +135,16 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
             residual = x
         hidden_states = self._bda(self.mlp_bda)(mlp_out, residual, self.hidden_dropout)
         return hidden_states, context
+
+
+class MoETransformerLayer(TransformerLayer):
+    """A TransformerLayer of an MoE model, Megatron's type for MoE layers (its partial CUDA-graph capture
+    of router / experts / post-processing is not implemented: --cuda-graph-impl full_iteration only)."""
+
+    def __init__(self, *args, **kwargs):
+        self.is_moe_layer = True
+        self.use_partial_cudagraphs = False
+        super().__init__(*args, **kwargs)
 
 
 # Megatron's path for the layer-offset helper (it lives with the block that uses it).

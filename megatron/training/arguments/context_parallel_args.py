@@ -35,6 +35,13 @@ def validate_context_parallel_args(args, require, warn):
                 f"--cp-comm-type a2a splits the {heads} attention heads per TP rank over --context-parallel-size "
                 f"({cp}), which must divide them; use p2p or allgather")
     if not args.reset_attention_mask:
+        # Megatron's loader builds a plain causal [s, s] mask per sample by default; our attention is causal
+        # without it. At long sequences that mask alone (s^2 bytes: 16 GiB at 128k) kills the loader workers.
+        mask_bytes = args.seq_length ** 2 * args.micro_batch_size
+        require(not args.create_attention_mask_in_dataloader or mask_bytes < 2 ** 32,
+                f"--seq-length {args.seq_length} makes the data loader build a {mask_bytes / 2 ** 30:.0f} GiB "
+                "[s, s] attention mask per micro-batch, which attention here never needs; pass "
+                "--no-create-attention-mask-in-dataloader")
         return
     if args.attention_dropout == 0 or cp > 1:
         args.create_attention_mask_in_dataloader = False  # samples carry cu_seqlens

@@ -44,6 +44,8 @@ def add_network_size_args(parser):
                    help="Remove biases from all linear layers.")
     g.add_argument("--add-qkv-bias", action="store_true", help="Bias on the QKV projection only.")
     g.add_argument("--qk-layernorm", action="store_true", help="Normalize queries and keys per head.")
+    g.add_argument("--qk-l2-norm", action="store_true",
+                   help="L2-normalize queries and keys per head, without a learned scale (Llama 4).")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="Pad the vocabulary to a multiple of this times the TP size.")
     g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],

@@ -31,6 +31,8 @@ def add_moe_args(parser):
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="Expert FFN size (default --ffn-hidden-size).")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                    help="FFN size of the shared expert(s) every token passes through.")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="Scale the shared experts' output per token by a learned sigmoid gate (Qwen2-MoE).")
     g.add_argument("--moe-shared-expert-overlap", action="store_true",
                    help="Run the shared expert on a side CUDA stream, overlapping the token dispatch.")
     g.add_argument("--moe-router-load-balancing-type", type=str, nargs="+", default="aux_loss",
@@ -39,8 +41,8 @@ def add_moe_args(parser):
     g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0, help="Aux loss coefficient(s).")
     g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="Router z-loss coefficient.")
     g.add_argument("--moe-router-topk", type=int, default=2, help="Experts per token.")
-    g.add_argument("--moe-router-score-function", type=str, default="softmax", choices=["softmax", "sigmoid"],
-                   help="Router score function.")
+    g.add_argument("--moe-router-score-function", type=str, default="softmax", choices=["softmax", "sigmoid", "sqrtsoftplus"],
+                   help="Router score function (sqrtsoftplus: sqrt(softplus(logit)) per expert, like sigmoid).")
     g.add_argument("--moe-router-pre-softmax", action="store_true", help="Softmax over all experts before top-k.")
     g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
                    help="Multiply the top-k routing weights by this factor.")
@@ -65,6 +67,11 @@ def add_moe_args(parser):
                    help="torch.compile'd token permutation on CUDA (index-based eager fallback).")
     g.add_argument("--moe-per-layer-logging", action="store_true", help="MoE losses per layer in TensorBoard/W&B.")
     g.add_argument("--moe-input-jitter-eps", type=float, default=None, help="Multiplicative router input jitter.")
+    g.add_argument("--moe-router-force-load-balancing", action="store_true",
+                   help="Benchmark aid: random router logits, so experts get a balanced load.")
+    g.add_argument("--moe-router-force-biased", type=float, default=None,
+                   help="Benchmark aid: random router logits plus a random per-expert bias of this std shared "
+                        "by all ranks (negative: drawn once per layer), for a skewed load.")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="Tensor parallelism inside experts (default: --tensor-model-parallel-size).")
     return parser

@@ -25,7 +25,13 @@ MODEL_ARGS = [("num_layers", False), ("hidden_size", False), ("ffn_hidden_size",
               ("swiglu", True), ("squared_relu", True), ("untie_embeddings_and_output_weights", True),
               ("add_bias_linear", True), ("add_qkv_bias", True), ("qk_layernorm", True),
               ("use_rope_scaling", True), ("rope_scaling_factor", True), ("openai_gelu", True),
-              ("window_size", False)]
+              ("window_size", False),
+              # MoE: experts, layer pattern, router semantics and the expert layout (the checkpoint's tensor names)
+              ("num_experts", False), ("moe_ffn_hidden_size", False), ("moe_layer_freq", True),
+              ("moe_router_topk", True), ("moe_router_pre_softmax", True), ("moe_router_score_function", True),
+              ("moe_router_topk_scaling_factor", False), ("moe_router_enable_expert_bias", True),
+              ("moe_router_num_groups", False), ("moe_router_group_topk", False),
+              ("moe_shared_expert_intermediate_size", False), ("moe_grouped_gemm", True)]
 
 
 def _legacy_file(checkpoint_dir: str) -> str:

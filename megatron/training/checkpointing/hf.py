@@ -44,7 +44,7 @@ def _padded(vocab: int, divisible_by: int, tp: int) -> int:
     return int(math.ceil(vocab / multiple) * multiple)
 
 
-def _check_layout(flags, tp: int, pp: int) -> None:
+def _check_layout(flags, tp: int, pp: int, ep: int = 1) -> None:
     f = dict(flags)
     heads, layers = int(f["--num-attention-heads"]), int(f["--num-layers"])
     groups = int(f.get("--num-query-groups", heads))
@@ -52,6 +52,14 @@ def _check_layout(flags, tp: int, pp: int) -> None:
         raise ValueError(f"--tp {tp} must divide the attention heads ({heads}) and KV groups ({groups})")
     if layers % pp:
         raise ValueError(f"--pp {pp} must divide the number of layers ({layers})")
+    experts = int(f.get("--num-experts") or 0)
+    if ep > 1 and not experts:
+        raise ValueError(f"--ep {ep} needs a mixture-of-experts model; this one is dense")
+    if experts and experts % ep:
+        raise ValueError(f"--ep {ep} must divide the number of experts ({experts})")
+    moe_ffn = int(f.get("--moe-ffn-hidden-size") or 0)
+    if experts and moe_ffn % tp:
+        raise ValueError(f"--tp {tp} must divide the expert FFN size ({moe_ffn}; expert TP defaults to --tp)")
 
 
 def _tokenizer_argv(hf_dir: str, out_dir: str, vocab: int):
@@ -60,17 +68,18 @@ def _tokenizer_argv(hf_dir: str, out_dir: str, vocab: int):
     return ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab)]
 
 
-def build_args(flags, tp, pp, fmt, out_dir, tokenizer_argv, vocab, padded, divisible_by):
+def build_args(flags, tp, pp, fmt, out_dir, tokenizer_argv, vocab, padded, divisible_by, ep=1):
     """The full args namespace a training run with these flags would have (saved for --use-checkpoint-args)."""
     from megatron.training.arguments import parse_args, validate_args
     seq = min(int(dict(flags)["--max-position-embeddings"]), 4096)
     argv = _argv(flags) + tokenizer_argv + [
         "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+        "--expert-model-parallel-size", str(ep),
         "--make-vocab-size-divisible-by", str(divisible_by), "--seq-length", str(seq), "--micro-batch-size", "1",
         "--ckpt-format", fmt, "--no-save-optim", "--no-save-rng",
         "--train-iters", "1", "--lr", "0.0", "--mock-data"]
     args = parse_args(argv=argv)
-    args.rank, args.world_size = 0, tp * pp
+    args.rank, args.world_size = 0, tp * pp * ep
     validate_args(args)
     args.vocab_size, args.padded_vocab_size = vocab, padded
     args.save = args.load = out_dir
@@ -99,14 +108,24 @@ def _write_sidecars(hf_dir, out_dir, cfg, flags, tokenizer_argv):
 
 
 def import_hf_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, fmt: str = "torch_dist",
-                         make_vocab_size_divisible_by: int = 128) -> str:
-    """Convert a HF model directory into our checkpoint under ``out_dir``; returns the checkpoint dir."""
+                         make_vocab_size_divisible_by: int = 128, ep: int = 1, moe_grouped_gemm: bool = False) -> str:
+    """Convert a HF model directory into our checkpoint under ``out_dir``; returns the checkpoint dir.
+
+    MoE models: ``ep`` is the recorded expert-parallel size (torch_dist loads under any); ``moe_grouped_gemm``
+    writes GroupedMLP's stacked expert tensors (train with --moe-grouped-gemm) instead of SequentialMLP's."""
     if fmt not in ("torch_dist", "torch"):
         raise ValueError(f"format {fmt!r} is not supported; use torch_dist or torch")
     cfg = read_config(hf_dir)
     family = family_for_config(cfg)
     flags = family.config_to_flags(cfg)
-    _check_layout(flags, tp, pp)
+    if moe_grouped_gemm:
+        if "--num-experts" not in dict(flags):
+            raise ValueError(f"--moe-grouped-gemm: {hf_dir} is a dense model (no experts)")
+        flags.append(("--moe-grouped-gemm", None))
+    if fmt == "torch" and ep > 1:
+        raise ValueError(f"--ep {ep} with the torch format is not supported (its files are per layout); "
+                         f"import as torch_dist, which loads under any --expert-model-parallel-size")
+    _check_layout(flags, tp, pp, ep)
     vocab = int(cfg["vocab_size"])
     padded = _padded(vocab, make_vocab_size_divisible_by, tp)
     shapes = shapes_from_flags(flags, vocab, padded)
@@ -116,7 +135,7 @@ def import_hf_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, fm
     if os.path.exists(final):
         raise FileExistsError(f"{final} already exists; pass an empty output directory")
     tok = _tokenizer_argv(hf_dir, out_dir, vocab)
-    args = build_args(flags, tp, pp, fmt, out_dir, tok, vocab, padded, make_vocab_size_divisible_by)
+    args = build_args(flags, tp, pp, fmt, out_dir, tok, vocab, padded, make_vocab_size_divisible_by, ep)
     _write_sidecars(hf_dir, out_dir, cfg, flags, tok)
     common = {"args": args, "checkpoint_version": 3.0, "iteration": 0, "num_floating_point_operations_so_far": 0}
     if fmt == "torch_dist":
@@ -141,6 +160,8 @@ def import_hf_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, fm
 def _infer_family(args):
     if getattr(args, "multi_latent_attention", False):
         return FAMILIES["deepseek_v3"]
+    if getattr(args, "num_experts", None):
+        return FAMILIES["qwen3_moe" if args.qk_layernorm else "mixtral"]
     if args.normalization == "LayerNorm":
         return FAMILIES["gpt2"]
     if getattr(args, "window_size", None) is not None:
@@ -200,6 +221,8 @@ def _export(args, src, checkpoint_path, out_dir, vocab_size, family, max_shard_b
         cfg.pop("rope_scaling", None)
     cfg["torch_dtype"] = cfg["dtype"] = str(dtype).replace("torch.", "")
     flags = fam.config_to_flags(cfg)
+    if any(k.endswith("experts.weight1") for k in meta):  # trained with --moe-grouped-gemm
+        flags.append(("--moe-grouped-gemm", None))
     shapes = shapes_from_flags(flags, vocab, meta["embedding.word_embeddings.weight"].global_shape[0])
     writer = ShardedSafetensorsWriter(out_dir, max_shard_bytes)
     for name, tensor in ours_to_hf(fam, cfg, shapes, lambda names: read_global(src, names, meta)):

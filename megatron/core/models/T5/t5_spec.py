@@ -3,7 +3,7 @@ cross-attention to the encoder output), local torch implementation."""
 from megatron.core.models.bert.bert_layer_specs import get_bert_layer_local_spec
 from megatron.core.models.gpt.gpt_layer_specs import LNImpl, get_local_layer_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.cross_attention import CrossAttention, CrossAttentionSubmodules
+from megatron.core.transformer.attention import CrossAttention, CrossAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec

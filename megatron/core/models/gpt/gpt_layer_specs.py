@@ -1,6 +1,8 @@
 """Layer specs for GPT: which classes make up a transformer layer (local torch implementation)."""
 from typing import List, Optional
 
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec, get_moe_module_spec_for_backend  # noqa: F401
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -14,7 +16,7 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
     get_transformer_layer_offset,
 )
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.torch_norm import L2Norm, WrappedTorchNorm
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
@@ -31,23 +33,24 @@ def get_mlp_module_spec(use_te: bool = True, num_experts: Optional[int] = None,
     (our fastest; no Transformer Engine here)."""
     if fp8 or use_te_op_fuser:
         raise NotImplementedError("get_mlp_module_spec(fp8/use_te_op_fuser) needs Transformer Engine")
-    linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-    if num_experts is None:
-        return ModuleSpec(module=MLP, submodules=linears)
-    return get_moe_module_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
+    return get_mlp_module_spec_for_backend(LocalSpecProvider(), num_experts, moe_grouped_gemm)
 
 
-def get_moe_module_spec(use_te: bool = False, num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
-                        moe_use_legacy_grouped_gemm: bool = False, **kwargs) -> ModuleSpec:
-    """MoELayer with grouped-GEMM experts (``moe_grouped_gemm``) or a loop of MLPs, plus shared experts
-    (built only when the config sets moe_shared_expert_intermediate_size)."""
-    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
-    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
-    linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-    experts = GroupedMLP if moe_grouped_gemm else ModuleSpec(module=SequentialMLP, submodules=linears)
-    shared = ModuleSpec(module=SharedExpertMLP, params={"gate": False}, submodules=linears)
-    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=experts, shared_experts=shared))
+def get_mlp_module_spec_for_backend(backend, num_experts: Optional[int] = None,
+                                    moe_grouped_gemm: Optional[bool] = False, use_te_op_fuser: Optional[bool] = False,
+                                    use_te_activation_func: bool = False,
+                                    use_grouped_gemm_for_dense_mlp: bool = False) -> ModuleSpec:
+    """Dense MLP from ``backend``'s linears, or its MoE layer when ``num_experts`` is set. The TE op fuser,
+    TE activation and grouped GEMM for dense MLPs need Transformer Engine and are refused when set."""
+    for name, value in (("use_te_op_fuser", use_te_op_fuser), ("use_te_activation_func", use_te_activation_func),
+                        ("use_grouped_gemm_for_dense_mlp", use_grouped_gemm_for_dense_mlp)):
+        if value:
+            raise NotImplementedError(f"{name} needs Transformer Engine, which this build does not use; drop it")
+    if num_experts is not None:
+        return get_moe_module_spec_for_backend(backend, num_experts, moe_grouped_gemm)
+    fc1 = (backend.column_parallel_layer_norm_linear() if backend.fuse_layernorm_and_linear()
+           else backend.column_parallel_linear())
+    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=backend.row_parallel_linear()))
 
 
 def get_gpt_layer_local_spec(num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
@@ -58,14 +61,17 @@ def get_gpt_layer_local_spec(num_experts: Optional[int] = None, moe_grouped_gemm
                              **kwargs) -> ModuleSpec:
     """Pre-norm GPT layer on plain torch + our TP layers (Megatron's 'local' spec).
     ``kitchen_attention_backend`` only matters with ``use_kitchen_attention``, which is refused."""
-    if qk_l2_norm or use_kitchen or use_kitchen_attention or fp8:
-        raise NotImplementedError("qk_l2_norm / kitchen / fp8 layer specs are not supported")
+    if use_kitchen or use_kitchen_attention or fp8:
+        raise NotImplementedError("kitchen / fp8 layer specs are not supported (FP8 is a config setting)")
     # An explicit `normalization` overrides config.normalization for this spec's norms (as Megatron).
     norm = ModuleSpec(module=LNImpl, params={"normalization": normalization}) if normalization else LNImpl
     mlp = get_mlp_module_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
     if multi_latent_attention:
+        if qk_l2_norm:
+            raise ValueError("qk_l2_norm is not supported with multi-latent attention")
         return get_mla_layer_spec(norm=norm, qk_norm=norm if qk_layernorm else None, mlp=mlp)
-    return get_local_layer_spec(AttnMaskType.causal, norm=norm, qk_norm=norm if qk_layernorm else None, mlp=mlp)
+    qk_norm = L2Norm if qk_l2_norm else (norm if qk_layernorm else None)
+    return get_local_layer_spec(AttnMaskType.causal, norm=norm, qk_norm=qk_norm, mlp=mlp)
 
 
 def get_mla_layer_spec(norm=LNImpl, qk_norm=None, mlp: Optional[ModuleSpec] = None) -> ModuleSpec:
@@ -193,21 +199,28 @@ def get_gpt_decoder_block_spec(config, use_transformer_engine: bool = False, nor
     return TransformerBlockSubmodules(layer_specs=specs[offset:offset + count], layer_norm=norm)
 
 
-def get_gpt_mtp_block_spec(config, spec, use_transformer_engine: bool = False,
-                           vp_stage: Optional[int] = None, **kwargs) -> Optional[ModuleSpec]:
-    """The multi-token prediction block: ``config.mtp_num_layers`` depths, each around the transformer
-    layer spec ``spec`` (the last layer's spec when ``spec`` is a block spec); None without MTP."""
+def get_gpt_mtp_block_spec(config, spec, use_transformer_engine: bool = False, vp_stage: Optional[int] = None,
+                           pp_rank: Optional[int] = None) -> Optional[ModuleSpec]:
+    """The multi-token prediction block (``use_transformer_engine`` picks the same local modules, our
+    fastest); None where this stage builds no MTP layer."""
+    return get_gpt_mtp_block_spec_for_backend(config, spec, LocalSpecProvider(), vp_stage=vp_stage,
+                                              pp_rank=pp_rank)
+
+
+def get_gpt_mtp_block_spec_for_backend(config, spec, backend, vp_stage: Optional[int] = None,
+                                       pp_rank: Optional[int] = None) -> Optional[ModuleSpec]:
+    """``config.mtp_num_layers`` depths, each around the transformer layer spec ``spec`` (the last layer's
+    spec when ``spec`` is a block spec), on the last pipeline stage; None elsewhere or without MTP."""
     from megatron.core.transformer.multi_token_prediction import (
-        MultiTokenPredictionBlock, MultiTokenPredictionBlockSubmodules, get_mtp_layer_spec)
+        MultiTokenPredictionBlock, MultiTokenPredictionBlockSubmodules, get_mtp_layer_spec_for_backend,
+        get_mtp_num_layers_to_build)
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-    if not config.mtp_num_layers:
+    if not config.mtp_num_layers or get_mtp_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank) == 0:
         return None
-    if use_transformer_engine:
-        raise NotImplementedError("Transformer Engine MTP specs are not supported; use the local spec")
     if isinstance(spec, ModuleSpec) and isinstance(spec.submodules, TransformerBlockSubmodules):
         spec = spec.submodules
     if isinstance(spec, TransformerBlockSubmodules):
         spec = spec.layer_specs[-1]
-    layer = get_mtp_layer_spec(spec)
+    layer = get_mtp_layer_spec_for_backend(spec, backend)
     return ModuleSpec(module=MultiTokenPredictionBlock,
                       submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * config.mtp_num_layers))

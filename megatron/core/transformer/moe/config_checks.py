@@ -52,11 +52,11 @@ def _check_router(c, E, k):
                          "--moe-router-load-balancing-type entries; give one or one per type")
     if "sinkhorn" in types and len(types) > 1:
         raise ValueError("--moe-router-load-balancing-type sinkhorn cannot be combined with other types")
-    if c.moe_router_score_function not in ("softmax", "sigmoid"):
-        raise NotImplementedError(f"--moe-router-score-function {c.moe_router_score_function} is not "
-                                  "supported; use softmax or sigmoid")
-    if c.moe_router_enable_expert_bias and c.moe_router_score_function != "sigmoid":
-        raise ValueError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
+    if c.moe_router_score_function not in ("softmax", "sigmoid", "sqrtsoftplus"):
+        raise ValueError(f"--moe-router-score-function {c.moe_router_score_function} unknown; use softmax, "
+                         "sigmoid or sqrtsoftplus")
+    if c.moe_router_enable_expert_bias and c.moe_router_score_function == "softmax":
+        raise ValueError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid or sqrtsoftplus")
     if c.moe_router_dtype not in (None, "fp32", "fp64"):
         raise ValueError(f"--moe-router-dtype {c.moe_router_dtype}: use fp32 or fp64")
     groups, group_topk = c.moe_router_num_groups, c.moe_router_group_topk

@@ -3,17 +3,61 @@
 - GroupedMLP: all local experts' weights in two stacked tensors; on Hopper-class GPUs in bf16 both
   GEMMs are one ``torch._grouped_mm`` each (no per-expert launch), elsewhere a loop over experts.
 - SequentialMLP: one of our MLPs per expert (Megatron's local-spec experts), run in a loop.
+- TEGroupedMLP: Megatron's Transformer Engine experts' name and constructor, built as a GroupedMLP (the
+  grouped GEMM takes the place of TE's grouped linears).
+
+Called with ``permuted_probs`` (each row's routing weight, Megatron's experts interface) the experts
+scale each row's activation by it before fc2; our dispatchers apply the weights when combining instead.
 
 Expert weights are split over the expert-TP group like a dense MLP (fc1 by columns, fc2 by rows); the
 partial fc2 sums are added by the token dispatcher, so the expert linears do no TP communication.
 """
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Protocol, Tuple, Union
+
 import torch
 
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import _make_param, set_tensor_model_parallel_attributes
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import divide
+
+
+# Megatron's typing Protocols for TE's grouped linears (types only, see transformer/spec_protocols.py).
+class GroupedLinearFc1Interface(Protocol):
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: List[int], /
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]: ...
+
+
+class GroupedLinearFc1Builder(Protocol):
+    def __call__(self, num_local_experts: int, input_size: int, output_size: int, /, *, config,
+                 init_method: Callable[[torch.Tensor], None], bias: bool, skip_bias_add: bool, is_expert: bool,
+                 tp_comm_buffer_name: Optional[str], pg_collection, name: Optional[str] = None
+                 ) -> GroupedLinearFc1Interface: ...
+
+
+class GroupedLinearFc2Interface(Protocol):
+    def forward(self, intermediate_parallel: torch.Tensor, tokens_per_expert: List[int], /
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]: ...
+
+
+class GroupedLinearFc2Builder(Protocol):
+    def __call__(self, num_local_experts: int, input_size: int, output_size: int, /, *, config,
+                 init_method: Callable[[torch.Tensor], None], bias: bool, skip_bias_add: bool, is_expert: bool,
+                 tp_comm_buffer_name: Optional[str], pg_collection, name: Optional[str] = None
+                 ) -> GroupedLinearFc2Interface: ...
+
+
+@dataclass
+class GroupedMLPSubmodules:
+    """TEGroupedMLP's spec: Transformer Engine's grouped linears in Megatron. Here the grouped GEMM of
+    GroupedMLP replaces them whatever they name; ``activation_func`` (a TE activation module) is used
+    only with use_te_activation_func, which this build refuses."""
+    linear_fc1: Union[ModuleSpec, type] = None
+    linear_fc2: Union[ModuleSpec, type] = None
+    activation_func: Union[ModuleSpec, type] = None
 
 
 def _glu_activation(h, config):
@@ -90,33 +134,49 @@ class GroupedMLP(MegatronModule):
             w.expert_dim = 0
             w.per_expert_name = name  # initialized like SequentialMLP's expert linears
 
-    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor):
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: Optional[torch.Tensor] = None):
         x = permuted_local_hidden_states  # [N, h]
         offs = None
         if grouped_mm_available(x, x.shape[-1], self.weight1.shape[1], self.weight2.shape[2]):
             offs = torch.cumsum(tokens_per_expert.to(x.device, non_blocking=True), 0).to(torch.int32)
         h = grouped_gemm(x, self.weight1, tokens_per_expert, offs)  # [N, (2)f/etp]
         h = _glu_activation(h, self.config)
+        if permuted_probs is not None:
+            h = h * permuted_probs.unsqueeze(-1).to(h.dtype)
         return grouped_gemm(h, self.weight2, tokens_per_expert, offs), None  # [N, h], partial over etp
 
 
-TEGroupedMLP = GroupedMLP  # no Transformer Engine here: the name users import maps to the grouped GEMM
+class TEGroupedMLP(GroupedMLP):
+    """Megatron's name and constructor for grouped-GEMM experts (no Transformer Engine here: the
+    ``submodules`` name TE's grouped linears, which the grouped GEMM replaces; same parameters and
+    checkpoint layout as GroupedMLP)."""
+
+    def __init__(self, num_local_experts: int, config, submodules: Optional[GroupedMLPSubmodules] = None,
+                 pg_collection=None, name: Optional[str] = None):
+        super().__init__(num_local_experts, config, pg_collection)
+        self.name = name
 
 
 class SequentialMLP(MegatronModule):
     """A loop over ``local_experts`` (each our MLP with ``is_expert=True``)."""
 
-    def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None):
+    def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None,
+                 name: Optional[str] = None):
         super().__init__(config)
+        self.name = name
         self.num_local_experts = num_local_experts
         self.local_experts = torch.nn.ModuleList(
             MLP(config, submodules, is_expert=True, ffn_hidden_size=config.moe_ffn_hidden_size)
             for _ in range(num_local_experts))
 
-    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor):
-        chunks = torch.split(permuted_local_hidden_states, tokens_per_expert.tolist(), dim=0)
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: Optional[torch.Tensor] = None):
+        counts = tokens_per_expert.tolist()
+        chunks = torch.split(permuted_local_hidden_states, counts, dim=0)
+        scales = [None] * len(chunks) if permuted_probs is None else torch.split(permuted_probs, counts)
         outputs = []
-        for expert, chunk in zip(self.local_experts, chunks):
-            out, bias = expert(chunk)
+        for expert, chunk, scale in zip(self.local_experts, chunks, scales):
+            out, bias = expert(chunk, per_token_scale=scale)
             outputs.append(out if bias is None else out + bias)
         return torch.cat(outputs, dim=0), None

@@ -6,7 +6,7 @@ otherwise each TP rank takes its 1/tp of the sequence here and the outputs are a
 So every rank of the expert grid routes distinct tokens and no expert work is duplicated across TP.
 """
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Protocol, Tuple, Union
 
 import torch
 
@@ -20,17 +20,54 @@ from megatron.core.transformer.moe.token_dispatcher import (
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 
+# Megatron's typing Protocols for the MoE spec (types only, see megatron/core/transformer/spec_protocols.py).
+class ExpertsInterface(Protocol):
+    """Tokens grouped by expert [N, h], tokens per local expert, each row's routing prob -> (out, bias)."""
+
+    def forward(self, dispatched_input: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor, /) -> Tuple[torch.Tensor, Optional[torch.Tensor]]: ...
+
+
+class ExpertsBuilder(Protocol):
+    def __call__(self, num_local_experts: int, config, /, *, pg_collection,
+                 name: Optional[str] = None) -> ExpertsInterface: ...
+
+
+class SharedExpertsInterface(Protocol):
+    def forward(self, hidden_states: torch.Tensor, /) -> torch.Tensor: ...
+
+
+class SharedExpertsBuilder(Protocol):
+    def __call__(self, *, config, pg_collection, gate: bool, name: Optional[str] = None) -> SharedExpertsInterface: ...
+
+
+class RouterInterface(Protocol):
+    """input -> (probs, routing_map), both [tokens, experts]."""
+
+    def forward(self, input: torch.Tensor, /) -> Tuple[torch.Tensor, torch.Tensor]: ...
+
+    def set_layer_number(self, layer_number: int) -> None: ...
+
+
+class RouterBuilder(Protocol):
+    def __call__(self, /, *, config, pg_collection) -> RouterInterface: ...
+
+
 @dataclass
 class MoESubmodules:
     experts: Union[ModuleSpec, type] = None
     shared_experts: Union[ModuleSpec, type] = None
+    router: Union[ModuleSpec, type] = TopKRouter
 
 
 class BaseMoELayer(MegatronModule):
-    """Expert layout: EP rank m holds the global experts [m * E_local, (m + 1) * E_local)."""
+    """Expert layout: EP rank m holds the global experts [m * E_local, (m + 1) * E_local).
+    ``is_mtp_layer``: the MoE layer of a multi-token-prediction depth (its router logs after the decoder's
+    layers)."""
 
-    def __init__(self, config, layer_number: Optional[int] = None, pg_collection=None):
+    def __init__(self, config, layer_number: Optional[int] = None, pg_collection=None, is_mtp_layer: bool = False):
         super().__init__(config)
+        self.is_mtp_layer = is_mtp_layer
         ep_size = parallel_state.get_expert_model_parallel_world_size()
         ep_rank = parallel_state.get_expert_model_parallel_rank()
         if config.num_moe_experts % ep_size:
@@ -51,9 +88,13 @@ class BaseMoELayer(MegatronModule):
 
 class MoELayer(BaseMoELayer):
     def __init__(self, config, submodules: Optional[MoESubmodules] = None, layer_number: Optional[int] = None,
-                 pg_collection=None, **kwargs):
-        super().__init__(config, layer_number, pg_collection)
-        self.router = TopKRouter(config)
+                 pg_collection=None, is_mtp_layer: bool = False, name: Optional[str] = None, **kwargs):
+        super().__init__(config, layer_number, pg_collection, is_mtp_layer)
+        self.name = name  # a label only (Megatron hands it to Transformer Engine)
+        if submodules is None:
+            submodules = MoESubmodules()
+        self.router = build_module(submodules.router, config=config, pg_collection=pg_collection,
+                                   is_mtp_layer=is_mtp_layer)
         self.router.set_layer_number(layer_number)
         kind = config.moe_token_dispatcher_type
         if kind == "allgather":
@@ -66,7 +107,9 @@ class MoELayer(BaseMoELayer):
         self.token_dispatcher = dispatcher(self.num_local_experts, self.local_expert_indices, config)
         self.experts = build_module(submodules.experts, self.num_local_experts, config)
         if config.moe_shared_expert_intermediate_size:
-            self.shared_experts = build_module(submodules.shared_experts, config=config)
+            spec = submodules.shared_experts
+            gate = {} if "gate" in getattr(spec, "params", {}) else {"gate": config.moe_shared_expert_gate}
+            self.shared_experts = build_module(spec, config=config, pg_collection=pg_collection, **gate)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self._side_stream = None

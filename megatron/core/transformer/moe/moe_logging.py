@@ -21,8 +21,10 @@ def save_to_aux_losses_tracker(name: str, loss: torch.Tensor, layer_number: int,
     if layer_number is None:
         return
     entry = _TRACKER.get(name)
-    if entry is None or entry["values"].numel() != num_layers or entry["values"].device != loss.device:
+    if entry is None or entry["values"].device != loss.device:
         entry = _TRACKER[name] = {"values": torch.zeros(num_layers, device=loss.device)}
+    elif entry["values"].numel() < num_layers:  # MTP layers' slots follow the decoder's: grow, keep values
+        entry["values"] = torch.cat([entry["values"], entry["values"].new_zeros(num_layers - entry["values"].numel())])
     entry["values"][layer_number - 1] += loss.detach().float().reshape(())
     entry.update(reduce_group=reduce_group, avg_group=avg_group, reduce_group_has_dp=reduce_group_has_dp)
 
@@ -34,7 +36,9 @@ def save_expert_load(tokens_per_expert: torch.Tensor, layer_number: int, num_lay
     entry = _TRACKER.setdefault("_expert_load", {"counts": {}})
     counts = entry["counts"]
     t = tokens_per_expert.detach().float()
-    counts[layer_number] = t if layer_number not in counts else counts[layer_number] + t
+    previous = counts.get(layer_number)
+    # Another model's counts (a different expert count) are replaced, not added to.
+    counts[layer_number] = t if previous is None or previous.shape != t.shape else previous + t
     entry["reduce_group"] = reduce_group
 
 
@@ -55,8 +59,11 @@ def _reduce(t, group, op=dist.ReduceOp.SUM):
     return t
 
 
-def reduce_aux_losses_tracker_across_ranks(track_names: Optional[List[str]] = None):
-    """Sum each metric over PP and its reduce group, then average over DP (or its avg group)."""
+def reduce_aux_losses_tracker_across_ranks(track_names: Optional[List[str]] = None, pg_collection=None):
+    """Sum each metric over PP and its reduce group, then average over DP (or its avg group).
+    ``pg_collection`` must hold parallel_state's groups (the ones used here)."""
+    from megatron.core.process_groups_config import require_default_process_groups
+    require_default_process_groups(pg_collection, "reduce_aux_losses_tracker_across_ranks")
     names = track_names if track_names is not None else [n for n in _TRACKER if not n.startswith("_")]
     for name in names:
         entry = _TRACKER[name]

@@ -10,20 +10,30 @@ import torch
 
 
 def switch_load_balancing_loss_func(probs, tokens_per_expert, total_num_tokens: int, topk: int,
-                                    num_experts: int, moe_aux_loss_coeff: float) -> torch.Tensor:
+                                    num_experts: int, moe_aux_loss_coeff: float, fused: bool = False,
+                                    padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Switch-Transformer loss E * sum_i f_i * P_i with f_i = tokens_i / (T k) and P_i = sum(probs_i) / T.
 
     ``probs`` are this rank's tokens only while ``tokens_per_expert`` / ``total_num_tokens`` may cover a
     larger group (SP/TP ranks, a sequence, the global batch): summing the per-rank losses over that group
-    gives the loss of the whole group, so the gradient is the same however the tokens are split."""
+    gives the loss of the whole group, so the gradient is the same however the tokens are split.
+    ``padding_mask`` [T] is True for tokens that count. ``fused`` (Transformer Engine's kernel for the
+    same formula) computes the same value here."""
+    if padding_mask is not None:
+        probs = probs * padding_mask.unsqueeze(-1)
     aggregated = probs.sum(dim=0)
     scale = num_experts * moe_aux_loss_coeff / (topk * total_num_tokens * total_num_tokens)
     return torch.sum(aggregated * tokens_per_expert) * scale
 
 
-def z_loss_func(logits: torch.Tensor, z_loss_coeff: float) -> torch.Tensor:
-    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2, times the coefficient."""
-    return torch.mean(torch.square(torch.logsumexp(logits, dim=-1))) * z_loss_coeff
+def z_loss_func(logits: torch.Tensor, z_loss_coeff: float, padding_mask: Optional[torch.Tensor] = None):
+    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2, times the coefficient.
+    ``padding_mask`` [T] is True for padding tokens (Megatron's convention here), left out of the mean."""
+    z = torch.square(torch.logsumexp(logits, dim=-1))
+    if padding_mask is None:
+        return torch.mean(z) * z_loss_coeff
+    valid = ~padding_mask
+    return (z * valid).sum() / torch.clamp(valid.sum(), min=1.0) * z_loss_coeff
 
 
 def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
@@ -88,49 +98,79 @@ def _topk(scores, topk, num_groups, group_topk):
     return torch.topk(scores, k=topk, dim=1)
 
 
+def _select(scores, topk, num_groups, group_topk, precomputed_indices):
+    """(selected scores, indices) [T, k]: the caller's indices when given, else the (group-limited) top-k."""
+    if precomputed_indices is not None:
+        return torch.gather(scores, dim=1, index=precomputed_indices), precomputed_indices
+    return _topk(scores, topk, num_groups, group_topk)
+
+
+def _positive_scores(logits, score_function):
+    if score_function == "sigmoid":
+        return torch.sigmoid(logits.float())
+    if score_function == "sqrtsoftplus":
+        return torch.nn.functional.softplus(logits.float()).sqrt()
+    raise ValueError(f"moe_router_score_function '{score_function}' unknown; use softmax, sigmoid or sqrtsoftplus")
+
+
 def topk_routing_with_score_function(logits, topk: int, use_pre_softmax: bool = False,
                                      num_groups: Optional[int] = None, group_topk: Optional[int] = None,
                                      scaling_factor: Optional[float] = None, score_function: str = "softmax",
-                                     expert_bias: Optional[torch.Tensor] = None):
+                                     expert_bias: Optional[torch.Tensor] = None, fused: bool = False,
+                                     router_replay=None, dense_output: bool = False,
+                                     precomputed_indices: Optional[torch.Tensor] = None):
     """(routing_probs [T, E], routing_map [T, E]) from router logits; scores computed in fp32.
 
-    softmax: over all experts before top-k (pre_softmax) or over the k selected logits. sigmoid: per-expert
-    scores, the selection optionally shifted by ``expert_bias`` (aux-loss-free balancing, which changes
-    which experts win, never the weights), the k kept scores normalised to sum to one when k > 1."""
+    softmax: over all experts before top-k (pre_softmax) or over the k selected logits. sigmoid /
+    sqrtsoftplus: per-expert scores, the selection optionally shifted by ``expert_bias`` (aux-loss-free
+    balancing, which changes which experts win, never the weights), the k kept scores normalised to sum to
+    one when k > 1. ``precomputed_indices`` [T, k] replaces the top-k selection; ``dense_output`` returns
+    (probs [T, k], indices [T, k]) instead. ``fused`` (Transformer Engine's kernel) gives the same result
+    here; ``router_replay`` (recorded routing, a debugging aid) is not implemented."""
+    if router_replay is not None:
+        raise NotImplementedError("router_replay (--moe-enable-routing-replay) is not implemented; pass None")
+    if fused and precomputed_indices is not None:
+        raise ValueError("precomputed_indices is not supported with the fused top-k score function")
+    idx = precomputed_indices
     if score_function == "softmax":
         if use_pre_softmax:
-            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-            probs, top_indices = _topk(scores, topk, num_groups, group_topk)
+            probs, top_indices = _select(torch.softmax(logits, dim=-1, dtype=torch.float32), topk, num_groups,
+                                         group_topk, idx)
         else:
-            scores, top_indices = _topk(logits, topk, num_groups, group_topk)
+            scores, top_indices = _select(logits, topk, num_groups, group_topk, idx)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    elif score_function == "sigmoid":
-        scores = torch.sigmoid(logits.float())
-        if expert_bias is not None:
+    else:
+        scores = _positive_scores(logits, score_function)
+        if expert_bias is not None and idx is None:
             _, top_indices = _topk(scores + expert_bias.float(), topk, num_groups, group_topk)
             scores = torch.gather(scores, dim=1, index=top_indices)
         else:
-            scores, top_indices = _topk(scores, topk, num_groups, group_topk)
+            scores, top_indices = _select(scores, topk, num_groups, group_topk, idx)
         probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else scores
-    else:
-        raise ValueError(f"moe_router_score_function '{score_function}' unknown; use softmax or sigmoid")
     if scaling_factor:
         probs = probs * scaling_factor
     probs = probs.type_as(logits)
+    if dense_output:
+        return probs, top_indices
     routing_probs = torch.zeros_like(logits).scatter(1, top_indices, probs)
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_indices, True)
     return routing_probs, routing_map
 
 
-def compute_routing_scores_for_aux_loss(logits, topk: int, score_function: str):
-    """(routing_map, scores) for the balancing losses: plain top-k over normalised scores, no bias or groups."""
+def compute_routing_scores_for_aux_loss(logits, topk: int, score_function: str, fused: bool = False,
+                                        padding_mask: Optional[torch.Tensor] = None):
+    """(routing_map, scores) for the balancing losses: plain top-k over normalised scores, no bias or groups.
+    Rows where ``padding_mask`` [T] is True (padding) are zeroed; ``fused`` gives the same result here."""
     if score_function == "softmax":
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
     else:
-        scores = torch.sigmoid(logits.float())
+        scores = _positive_scores(logits, score_function)
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     _, top_indices = torch.topk(scores, k=topk, dim=1)
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_indices, True)
+    if padding_mask is not None:
+        valid = (~padding_mask).unsqueeze(-1)
+        routing_map, scores = routing_map & valid, scores * valid
     return routing_map, scores
 
 
@@ -169,23 +209,127 @@ def _permute_indices(routing_map: torch.Tensor, num_out_tokens: Optional[int]):
     return torch.argsort((~flat).to(torch.int8), stable=True)[:num_out_tokens]
 
 
-def permute(tokens, routing_map, probs: Optional[torch.Tensor] = None, num_out_tokens: Optional[int] = None):
+class _RepeatRows(torch.autograd.Function):
+    """``tokens[sorted_indices]`` where every token appears exactly k times. Backward gathers each token's k
+    row gradients (``order``: the rows token-major) and sums them in fp32: no atomic ``index_add``, which
+    contends on the k copies of a row and rounds after every add in bf16."""
+
+    @staticmethod
+    def forward(ctx, tokens, sorted_indices, order, k):
+        ctx.save_for_backward(order)
+        ctx.k = k
+        return tokens.index_select(0, sorted_indices)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        rows = grad.index_select(0, order)
+        return rows.view(-1, ctx.k, rows.shape[-1]).sum(1), None, None, None
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x[idx]`` for a permutation ``idx`` of the rows; backward is the gather by its inverse ``inv``."""
+
+    @staticmethod
+    def forward(ctx, x, idx, inv):
+        ctx.save_for_backward(inv)
+        return x.index_select(0, idx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inv,) = ctx.saved_tensors
+        return grad.index_select(0, inv), None, None
+
+
+def _token_major_order(sorted_indices: torch.Tensor) -> torch.Tensor:
+    """Row positions sorted by source token (stable: expert order within a token)."""
+    return torch.argsort(sorted_indices, stable=True)
+
+
+def _permute(tokens, routing_map, probs: Optional[torch.Tensor] = None, num_out_tokens: Optional[int] = None,
+             topk: Optional[int] = None):
     """Group the rows of ``tokens`` [T, h] by expert. Returns (permuted [N, h], permuted probs [N] or None,
-    sorted_indices [N]: the source token of each row)."""
+    sorted_indices [N]: the source token of each row). The dispatchers' form of `permute`. ``topk``: every
+    token has exactly that many rows (all experts in the map, no dropping): the backward gathers instead of
+    scattering."""
     num_tokens = routing_map.shape[0]
     flat_index = _permute_indices(routing_map, num_out_tokens)
     sorted_indices = flat_index % num_tokens
-    permuted = tokens.index_select(0, sorted_indices)
+    if topk is not None and tokens.requires_grad:
+        permuted = _RepeatRows.apply(tokens, sorted_indices, _token_major_order(sorted_indices), topk)
+    else:
+        permuted = tokens.index_select(0, sorted_indices)
     permuted_probs = None if probs is None else probs.t().reshape(-1).index_select(0, flat_index)
     return permuted, permuted_probs, sorted_indices
 
 
-def unpermute(permuted_tokens, sorted_indices, restore_shape, probs: Optional[torch.Tensor] = None):
-    """Inverse of `permute`: each row (times its prob) is added back to its source token; [T, h]."""
+def _unpermute(permuted_tokens, sorted_indices, restore_shape, probs: Optional[torch.Tensor] = None,
+               topk: Optional[int] = None):
+    """Inverse of `_permute`: each row (times its permuted prob [N]) is added back to its source token.
+    ``topk`` (every token has exactly that many rows): the rows are gathered token-major and their k-way sum
+    is one reduction with fp32 accumulation, instead of an ``index_add`` scatter."""
+    if topk is not None:
+        n = sorted_indices.numel()
+        order = _token_major_order(sorted_indices)
+        inv = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=order.device))
+        rows = _PermuteRows.apply(permuted_tokens, order, inv).view(-1, topk, permuted_tokens.shape[-1])
+        if probs is not None:
+            rows = rows * probs.index_select(0, order).view(-1, topk, 1).to(rows.dtype)
+        return rows.sum(1).view(restore_shape)
     if probs is not None:
         permuted_tokens = permuted_tokens * probs.unsqueeze(-1).to(permuted_tokens.dtype)
     out = torch.zeros(restore_shape, dtype=permuted_tokens.dtype, device=permuted_tokens.device)
     return out.index_add(0, sorted_indices, permuted_tokens)
+
+
+def _padded_flat_index(routing_map, capacity: int):
+    """drop_and_pad: every expert holds exactly ``capacity`` tokens; [E * capacity] indices into map.T."""
+    num_tokens, num_experts = routing_map.shape
+    rows = torch.argsort(routing_map.t().to(torch.int8), dim=-1, descending=True, stable=True)[:, :capacity]
+    experts = torch.arange(num_experts, device=routing_map.device).unsqueeze(-1)
+    return (experts * num_tokens + rows).reshape(-1)
+
+
+def permute(tokens, routing_map, probs: Optional[torch.Tensor] = None, num_out_tokens: Optional[int] = None,
+            fused: bool = False, drop_and_pad: bool = False, tokens_per_expert: Optional[torch.Tensor] = None,
+            align_size: int = 0):
+    """Megatron's permute: (permuted tokens [N, h], permuted probs [N] or None, sorted_indices [N] (the
+    source token of each row), pad_offsets (None: no padded kernel here), tokens_per_expert as given).
+
+    Rows are expert-major, token order within an expert. ``drop_and_pad``: each column of the map holds
+    exactly num_out_tokens / E entries (padded capacity). ``fused`` and ``align_size`` select Transformer
+    Engine's permute(-and-pad) kernels in Megatron; here the index path gives the same rows."""
+    num_tokens = routing_map.shape[0]
+    if drop_and_pad and num_out_tokens is not None:
+        flat_index = _padded_flat_index(routing_map, num_out_tokens // routing_map.shape[1])
+    else:
+        flat_index = _permute_indices(routing_map.bool(), num_out_tokens)
+    sorted_indices = flat_index % num_tokens
+    permuted_probs = None if probs is None else probs.t().reshape(-1).index_select(0, flat_index)
+    return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices, None, tokens_per_expert
+
+
+def unpermute(permuted_tokens, sorted_indices, restore_shape, probs: Optional[torch.Tensor] = None,
+              routing_map: Optional[torch.Tensor] = None, fused: bool = False, drop_and_pad: bool = False,
+              pad_offsets: Optional[torch.Tensor] = None):
+    """Inverse of `permute`: rows are summed back into their source tokens ([T, h], the input dtype), each
+    first weighted by its token's prob when ``probs`` [T, E] is given (needs ``routing_map``). ``fused`` /
+    ``pad_offsets`` belong to Transformer Engine's kernels; the result is the same here."""
+    dtype = permuted_tokens.dtype
+    if probs is not None:
+        if routing_map is None:
+            raise ValueError("unpermute: routing_map is required with probs")
+        if drop_and_pad:
+            # Row r belongs to expert r // capacity: its prob sits at [expert, source token] of probs.T.
+            capacity = sorted_indices.numel() // routing_map.shape[1]
+            experts = torch.arange(sorted_indices.numel(), device=sorted_indices.device) // capacity
+            flat_index = experts * probs.shape[0] + sorted_indices
+            permuted_probs = probs.t().reshape(-1).index_select(0, flat_index)
+        else:
+            permuted_probs = probs.t().contiguous().masked_select(routing_map.t().contiguous().bool())
+        permuted_tokens = permuted_tokens * permuted_probs.unsqueeze(-1)
+    out = torch.zeros(restore_shape, dtype=permuted_tokens.dtype, device=permuted_tokens.device)
+    return out.index_add(0, sorted_indices, permuted_tokens).to(dtype)
 
 
 _COMPILED = {}
@@ -195,12 +339,12 @@ def fused_permute_fns():
     """torch.compile'd `permute` / `unpermute` (--moe-permute-fusion) on CUDA with Triton; the eager
     index-based versions elsewhere, or when compilation is unavailable."""
     if "fns" not in _COMPILED:
-        fns = (permute, unpermute)
+        fns = (_permute, _unpermute)
         try:
             import triton  # noqa: F401
             if torch.cuda.is_available():
-                fns = (_with_eager_fallback(torch.compile(permute, dynamic=True), permute),
-                       _with_eager_fallback(torch.compile(unpermute, dynamic=True), unpermute))
+                fns = (_with_eager_fallback(torch.compile(_permute, dynamic=True), _permute),
+                       _with_eager_fallback(torch.compile(_unpermute, dynamic=True), _unpermute))
         except ImportError:
             pass
         _COMPILED["fns"] = fns
@@ -228,10 +372,22 @@ def _with_eager_fallback(compiled, eager):
     return call
 
 
-def sort_chunks_by_idxs(input: torch.Tensor, split_sizes, sorted_idxs):
+def _sort_chunks(input: torch.Tensor, split_sizes, sorted_idxs):
     """Reorder the row chunks of ``input`` (sizes ``split_sizes``, host ints) into the order ``sorted_idxs``."""
     chunks = torch.split(input, list(split_sizes), dim=0)
     return torch.cat([chunks[i] for i in sorted_idxs], dim=0)
+
+
+def _host_list(values):
+    return values.tolist() if torch.is_tensor(values) else list(values)
+
+
+def sort_chunks_by_idxs(input: torch.Tensor, split_sizes, sorted_idxs, probs: Optional[torch.Tensor] = None,
+                        fused: bool = False):
+    """Megatron's form: (reordered input, probs reordered alike or None); sizes and order may be tensors.
+    ``fused`` (Transformer Engine's kernel) gives the same result here."""
+    sizes, order = _host_list(split_sizes), _host_list(sorted_idxs)
+    return _sort_chunks(input, sizes, order), None if probs is None else _sort_chunks(probs, sizes, order)
 
 
 def moe_layer_pattern(moe_layer_freq, num_layers: int):
@@ -246,3 +402,14 @@ def moe_layer_pattern(moe_layer_freq, num_layers: int):
         raise ValueError(f"--moe-layer-freq pattern {pattern} must list one 0 (dense) or 1 (MoE) per layer "
                          f"({num_layers} layers)")
     return pattern
+
+
+# Megatron's remaining moe_utils names (defined beside their users; imported last: no import cycle).
+from megatron.core.transformer.moe.moe_helpers import (  # noqa: E402,F401
+    RandomSTE, RandomSTEShared, RouterGatingLinearFunction, apply_biased_logits, apply_random_logits,
+    get_align_size_for_quantization, get_default_pg_collection, get_tokens_per_expert_and_token_count,
+    get_updated_expert_bias, maybe_move_tensor_to_cpu, pad_routing_map, router_gating_linear,
+    skip_routed_expert_padding, track_moe_metrics)
+from megatron.core.transformer.moe.moe_logging import (  # noqa: E402,F401
+    clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker, reduce_aux_losses_tracker_across_ranks,
+    save_to_aux_losses_tracker)

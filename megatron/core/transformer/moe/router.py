@@ -17,6 +17,8 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import _make_param
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_helpers import (
+    apply_biased_logits, apply_random_logits, get_updated_expert_bias, router_gating_linear)
 from megatron.core.transformer.moe.moe_logging import save_expert_load, save_to_aux_losses_tracker
 from megatron.core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler, apply_router_token_dropping, compute_routing_scores_for_aux_loss, sinkhorn,
@@ -30,11 +32,15 @@ def _as_list(value) -> List:
 
 
 class Router(MegatronModule):
-    """The gate: logits = x W^T with W [num_experts, hidden] (replicated on every rank)."""
+    """The gate: logits = x W^T with W [num_experts, hidden] (replicated on every rank).
 
-    def __init__(self, config, pg_collection=None):
+    ``is_mtp_layer``: the router of a multi-token-prediction layer; its metrics are logged in the slots
+    after the decoder's layers (layer_number + num_layers), as Megatron does."""
+
+    def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False):
         super().__init__(config)
         self.num_experts = config.num_moe_experts
+        self.is_mtp_layer = is_mtp_layer
         self.layer_number = None
         self.weight = _make_param((self.num_experts, config.hidden_size), config, config.init_method)
         # Each TP rank routes a different slice of the tokens: the weight's gradient is summed over TP.
@@ -46,13 +52,22 @@ class Router(MegatronModule):
         self.layer_number = layer_number
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
-        dtype = _ROUTER_DTYPES.get(self.config.moe_router_dtype, input.dtype)
-        return F.linear(input.to(dtype), self.weight.to(dtype))
+        dtype = _ROUTER_DTYPES.get(self.config.moe_router_dtype)
+        if dtype is None:
+            return F.linear(input, self.weight.to(input.dtype))
+        return router_gating_linear(input, self.weight, None, dtype)
+
+    def _log_slot(self):
+        """(layer slot, slots) of this router's metrics: MTP layers come after the decoder's layers."""
+        num_layers = self.config.num_layers
+        if self.is_mtp_layer and self.layer_number is not None:
+            return self.layer_number + num_layers, num_layers + (self.config.mtp_num_layers or 0)
+        return self.layer_number, num_layers
 
 
 class TopKRouter(Router):
-    def __init__(self, config, pg_collection=None):
-        super().__init__(config, pg_collection)
+    def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False):
+        super().__init__(config, pg_collection, is_mtp_layer)
         self.topk = config.moe_router_topk
         self.score_function = config.moe_router_score_function
         self.routing_type = _as_list(config.moe_router_load_balancing_type)
@@ -91,7 +106,7 @@ class TopKRouter(Router):
 
     def _attach(self, probs, coeff, aux_loss, name, reduce_group, has_dp=False):
         """Log ``aux_loss / coeff`` under ``name`` and make backward add its gradient (scaled like lm loss)."""
-        save_to_aux_losses_tracker(name, aux_loss / coeff, self.layer_number, self.config.num_layers,
+        save_to_aux_losses_tracker(name, aux_loss / coeff, *self._log_slot(),
                                    reduce_group=reduce_group, reduce_group_has_dp=has_dp)
         return MoEAuxLossAutoScaler.apply(probs, aux_loss)
 
@@ -115,8 +130,7 @@ class TopKRouter(Router):
         # Tokens are split over TP: each rank's mean is over its share, so the coefficient is shared too.
         z_loss = z_loss_func(logits, coeff / self.tp_size)
         logits = MoEAuxLossAutoScaler.apply(logits, z_loss)
-        save_to_aux_losses_tracker("z_loss", z_loss / coeff, self.layer_number, self.config.num_layers,
-                                   reduce_group=self.tp_group)
+        save_to_aux_losses_tracker("z_loss", z_loss / coeff, *self._log_slot(), reduce_group=self.tp_group)
         return logits
 
     # -- load balancing -------------------------------------------------------------------------
@@ -185,7 +199,7 @@ class TopKRouter(Router):
                 counts = routing_map.sum(dim=0).float()
                 if self.enable_expert_bias:
                     self.local_tokens_per_expert += counts
-                save_expert_load(counts, self.layer_number, self.config.num_layers, reduce_group=self.tp_group)
+                save_expert_load(counts, *self._log_slot(), reduce_group=self.tp_group)
         return probs, routing_map
 
     def forward(self, input: torch.Tensor):
@@ -193,6 +207,10 @@ class TopKRouter(Router):
         seq_length, bsz = input.shape[0], (input.shape[1] if input.dim() == 3 else 1)
         input = self.apply_input_jitter(input)
         logits = self.gating(input).reshape(-1, self.num_experts)
+        if self.config.moe_router_force_load_balancing:
+            logits = apply_random_logits(logits)
+        if self.config.moe_router_force_biased is not None:
+            logits = apply_biased_logits(logits, self.config.moe_router_force_biased, self.layer_number)
         return self.routing(logits, seq_length, bsz)
 
 
@@ -212,12 +230,11 @@ def finalize_router_state(model_chunks, config):
     biased = [r for r in routers if r.enable_expert_bias]
     if biased:
         counts = torch.stack([r.local_tokens_per_expert for r in biased])
-        group = parallel_state.get_tensor_and_data_parallel_group()
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(counts, group=group)
-        offset = counts.mean(dim=-1, keepdim=True) - counts
-        for r, off in zip(biased, offset):
-            r.expert_bias += torch.sign(off) * config.moe_router_bias_update_rate
+        biases = torch.stack([r.expert_bias for r in biased])
+        updated = get_updated_expert_bias(counts, biases, config.moe_router_bias_update_rate,
+                                          parallel_state.get_tensor_and_data_parallel_group())
+        for r, bias in zip(biased, updated):
+            r.expert_bias.copy_(bias)
             r.local_tokens_per_expert.zero_()
     for r in routers:
         if "global_aux_loss" in r.routing_type:

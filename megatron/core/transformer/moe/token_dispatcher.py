@@ -19,7 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import (
     _all_to_all, _gather_along_first_dim, all_to_all, gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region)
-from megatron.core.transformer.moe.moe_utils import fused_permute_fns, permute, sort_chunks_by_idxs, unpermute
+from megatron.core.transformer.moe.moe_utils import _permute, _sort_chunks, _unpermute, fused_permute_fns
 
 
 def _size(group) -> int:
@@ -66,12 +66,12 @@ class _ReduceScatterV(torch.autograd.Function):
 
 
 class MoETokenDispatcher:
-    """Common state: expert layout and the expert groups."""
+    """Common state: the expert groups (parallel_state's; a ``pg_collection`` must hold the same ones)."""
 
-    def __init__(self, num_local_experts: int, local_expert_indices: List[int], config, pg_collection=None):
+    def __init__(self, config, pg_collection=None):
+        from megatron.core.process_groups_config import require_default_process_groups
+        require_default_process_groups(pg_collection, type(self).__name__)
         self.config = config
-        self.num_local_experts = num_local_experts
-        self.local_expert_indices = list(local_expert_indices)
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.ep_group = parallel_state.get_expert_model_parallel_group()
@@ -81,7 +81,15 @@ class MoETokenDispatcher:
         self.etp_size, self.etp_rank = _size(self.etp_group), _rank(self.etp_group)
         self.tp_ep_size = _size(self.tp_ep_group)
         fused = config.moe_permute_fusion
-        self._permute, self._unpermute = fused_permute_fns() if fused else (permute, unpermute)
+        self._permute, self._unpermute = fused_permute_fns() if fused else (_permute, _unpermute)
+
+    def _exact_topk(self, local_experts_only: bool = False):
+        """k when every token gets exactly k rows from the permutation (the map holds all experts and no
+        token is dropped or padded), else None."""
+        c = self.config
+        if local_experts_only or c.moe_expert_capacity_factor is not None or c.moe_pad_expert_input_to_capacity:
+            return None
+        return self.topk
 
     def _num_out_tokens(self, num_tokens: int):
         """Rows after permutation when known without reading the map: T * k with no dropping, E * capacity
@@ -97,7 +105,16 @@ class MoETokenDispatcher:
         return None
 
 
-class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
+class _LocalExpertsDispatcher(MoETokenDispatcher):
+    """A dispatcher for the local experts ``local_expert_indices`` (contiguous global expert ids)."""
+
+    def __init__(self, num_local_experts: int, local_expert_indices: List[int], config, pg_collection=None):
+        super().__init__(config, pg_collection)
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = list(local_expert_indices)
+
+
+class MoEAllGatherTokenDispatcher(_LocalExpertsDispatcher):
     def token_permutation(self, hidden_states, probs, routing_map):
         """hidden [s, b, h] -> (tokens for the local experts grouped by expert [N, h], tokens_per_expert)."""
         self.hidden_shape = hidden_states.shape
@@ -112,18 +129,20 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         num_out = None
         if self.num_local_experts == self.num_experts:
             num_out = self._num_out_tokens(x.shape[0])
+        self.exact_topk = self._exact_topk(self.num_local_experts != self.num_experts)
         permuted, self.permuted_probs, self.sorted_indices = self._permute(
-            x, local_map, probs[:, lo:hi], num_out_tokens=num_out)
+            x, local_map, probs[:, lo:hi], num_out_tokens=num_out, topk=self.exact_topk)
         return permuted, local_map.sum(dim=0)
 
     def token_unpermutation(self, expert_output, bias=None):
-        out = self._unpermute(expert_output, self.sorted_indices, self.gathered_shape, probs=self.permuted_probs)
+        out = self._unpermute(expert_output, self.sorted_indices, self.gathered_shape, probs=self.permuted_probs,
+                              topk=self.exact_topk)
         if self.tp_ep_size > 1:
             out = reduce_scatter_to_sequence_parallel_region(out, group=self.tp_ep_group)  # sum over EP x ETP
         return out.view(self.hidden_shape), None
 
 
-class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
+class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
     def _gather_counts(self, routing_map) -> List:
         """C[u][j][e]: tokens that the rank at expert-TP u, EP j routes to expert e (one host read)."""
         counts = routing_map.sum(dim=0).to(torch.int64)  # [E]
@@ -141,15 +160,16 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         self.hidden_shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_shape[-1])
         self.local_only = self.ep_size * self.etp_size == 1
+        self.exact_topk = self._exact_topk()
         if self.local_only:  # every expert is here: no exchange, and no host read of the counts
             permuted, self.permuted_probs, self.sorted_indices = self._permute(
-                x, routing_map, probs, num_out_tokens=self._num_out_tokens(x.shape[0]))
+                x, routing_map, probs, num_out_tokens=self._num_out_tokens(x.shape[0]), topk=self.exact_topk)
             return permuted, routing_map.sum(dim=0)
         C = self._gather_counts(routing_map)
         t, m, El, ep = self.etp_rank, self.ep_rank, self.num_local_experts, self.ep_size
         mine = C[t][m]
         permuted, self.permuted_probs, self.sorted_indices = self._permute(
-            x, routing_map, probs, num_out_tokens=sum(mine))
+            x, routing_map, probs, num_out_tokens=sum(mine), topk=self.exact_topk)
         self.input_splits = [sum(mine[j * El:(j + 1) * El]) for j in range(ep)]
         self.output_splits = [sum(C[t][j][m * El:(m + 1) * El]) for j in range(ep)]
         y = all_to_all(self.ep_group, permuted, self.output_splits, self.input_splits)  # chunks [ep j][l]
@@ -160,7 +180,7 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         self.chunk_sizes = [C[u][j][m * El + l] for u in range(self.etp_size) for j in range(ep) for l in range(El)]
         self.sorted_idxs = [(u * ep + j) * El + l for l in range(El) for u in range(self.etp_size) for j in range(ep)]
         if El > 1:
-            y = sort_chunks_by_idxs(y, self.chunk_sizes, self.sorted_idxs)
+            y = _sort_chunks(y, self.chunk_sizes, self.sorted_idxs)
         tokens_per_expert = [sum(C[u][j][m * El + l] for u in range(self.etp_size) for j in range(ep))
                              for l in range(El)]
         return y, torch.tensor(tokens_per_expert, dtype=torch.int64)
@@ -172,12 +192,12 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         elif self.num_local_experts > 1:
             sorted_sizes = [self.chunk_sizes[i] for i in self.sorted_idxs]
             inverse = sorted(range(len(self.sorted_idxs)), key=lambda i: self.sorted_idxs[i])
-            y = sort_chunks_by_idxs(y, sorted_sizes, inverse)  # back to [u][j][l]
+            y = _sort_chunks(y, sorted_sizes, inverse)  # back to [u][j][l]
         if self.etp_size > 1:
             y = _ReduceScatterV.apply(y, self.etp_group, self.etp_sizes)  # sum the expert-TP partials
         if not self.local_only:
             y = all_to_all(self.ep_group, y, self.input_splits, self.output_splits)
         num_tokens = self.hidden_shape.numel() // self.hidden_shape[-1]
         out = self._unpermute(y, self.sorted_indices, (num_tokens, self.hidden_shape[-1]),
-                              probs=self.permuted_probs)
+                              probs=self.permuted_probs, topk=self.exact_topk)
         return out.view(self.hidden_shape), None
