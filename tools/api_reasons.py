@@ -102,7 +102,6 @@ REASONS = {
     C + "optimizer:LayerWiseDistributedOptimizer": "the layer-wise distributed optimizer (for Muon) is not implemented",
     C + "optimizer.distrib_optimizer:Range": "the distributed optimizer keeps (start, end) tuples",
     # distributed
-    C + "distributed:FullyShardedDataParallel": "Megatron-FSDP is not implemented (torch FSDP2 is, via --use-torch-fsdp2)",
     C + "distributed.param_and_grad_buffer:partition_buckets": "buckets are not grouped for communication: each "
                                                                 "bucket is its own all-reduce / reduce-scatter unit "
                                                                 "(no _ParamAndGradBucketGroup; no FP8 param buffers)",

@@ -119,6 +119,28 @@ def _distributed_optimizer(rank):
         model.finish_param_sync()
         results.append(torch.cat([p.detach().reshape(-1) for p in model.module.parameters()]))
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+    # Megatron-FSDP's constructor: every sharding strategy takes the step plain DDP takes (fp32 sums in
+    # another order: 1e-6).
+    from megatron.core.distributed import FullyShardedDataParallel, TorchFullyShardedDataParallel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+    steps = {}
+    for strategy in ("no_shard", "optim", "optim_grads", "optim_grads_params"):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        ddp_config = DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy)
+        model = FullyShardedDataParallel(cfg, ddp_config, net)
+        assert isinstance(model, TorchFullyShardedDataParallel) == strategy.startswith("optim_grads")
+        opt = get_megatron_optimizer(config, [model])  # use_distributed_optimizer=True, as Megatron-FSDP scripts
+        model.zero_grad_buffer()
+        model(_full(3, 4, seed=rank)).pow(2).sum().backward()
+        model.finish_grad_sync()
+        assert opt.step()[0]
+        model.finish_param_sync() if hasattr(model, "finish_param_sync") else None
+        steps[strategy] = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
+                                     for p in model.module.parameters()])
+    for strategy, params in steps.items():
+        torch.testing.assert_close(params, steps["no_shard"], rtol=1e-6, atol=1e-6, msg=strategy)
     ps.destroy_model_parallel()
 
 

@@ -15,8 +15,6 @@ class DistributedDataParallelConfigCompat:
     param_name_patterns_for_fp32_local_accumulation: Tuple[str, ...] = ()
     fp4_param_gather: bool = False
     reuse_grad_buf_for_mxfp8_param_ag: bool = False
-    use_megatron_fsdp: bool = False
-    data_parallel_sharding_strategy: str = 'no_shard'
     gradient_reduce_div_fusion: bool = True
     suggested_communication_unit_size: int = None
     keep_fp8_transpose_cache: bool = False

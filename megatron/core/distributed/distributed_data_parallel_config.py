@@ -48,6 +48,14 @@ class DistributedDataParallelConfig(DistributedDataParallelConfigCompat):
     use_custom_fsdp: bool = False
     """Megatron FSDP is not supported (use torch FSDP2: `--use-torch-fsdp2`)."""
 
+    use_megatron_fsdp: bool = False
+    """Set by Megatron-FSDP code next to wrapping the model in FullyShardedDataParallel; no effect on the
+    config itself (DistributedDataParallel ignores it, as in Megatron)."""
+
+    data_parallel_sharding_strategy: str = "no_shard"
+    """What FullyShardedDataParallel shards: no_shard, optim, optim_grads, optim_grads_params (ZeRO 0-3);
+    DistributedDataParallel ignores it, as in Megatron."""
+
     def __post_init__(self):
         check_compat_fields(self, DistributedDataParallelConfigCompat)
         if self.num_distributed_optimizer_instances != 1:
@@ -59,5 +67,9 @@ class DistributedDataParallelConfig(DistributedDataParallelConfigCompat):
             raise NotImplementedError("--fp8-param-gather is not supported; drop the flag")
         if self.use_custom_fsdp:
             raise NotImplementedError("--use-megatron-fsdp is not supported; use --use-torch-fsdp2")
+        strategies = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+        if self.data_parallel_sharding_strategy not in strategies:
+            raise ValueError(f"--data-parallel-sharding-strategy {self.data_parallel_sharding_strategy!r}: use one "
+                             f"of {', '.join(strategies)}")
         if self.bucket_size is not None and self.bucket_size <= 0:
             raise ValueError("--ddp-bucket-size must be a positive number of parameters")

@@ -111,7 +111,7 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
         param_groups = _get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
     inner = _inner_optimizer(config, param_groups)
     scaler = _grad_scaler(config)
-    if config.use_distributed_optimizer:
+    if config.use_distributed_optimizer and not _sharding_decided_by_strategy(model_chunks):
         opt = DistributedOptimizer(inner, config, scaler, None, list(model_chunks))
     elif config.fp16 or config.bf16 or any(p.dtype != torch.float32 for g in param_groups for p in g["params"]):
         opt = Float16OptimizerWithFloat16Params(inner, config, scaler)
@@ -119,6 +119,12 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
         opt = FP32Optimizer(inner, config, grad_scaler=scaler)
     opt.has_expert_params = _is_moe(model_chunks)
     return opt
+
+
+def _sharding_decided_by_strategy(model_chunks) -> bool:
+    """Chunks from FullyShardedDataParallel whose sharding strategy is not `optim`: as with Megatron-FSDP,
+    the strategy decides what is sharded, and use_distributed_optimizer adds no ZeRO-1 optimizer."""
+    return all(getattr(chunk, "data_parallel_sharding_strategy", "optim") != "optim" for chunk in model_chunks)
 
 
 def _is_moe(model_chunks) -> bool:
