@@ -4,26 +4,14 @@ tools/api_report.py). Keys are `module:name`, `*:name` or `module:*`; the first 
 C = "megatron.core."
 T = "megatron.training."
 
-GTP = "generalized tensor parallelism / weight rematerialisation (gtp_remat) is not implemented"
-MOE = ("not implemented: Megatron's last-dim and sp<->hp all-to-all mappings; MoE token dispatch has its own "
-       "all_to_all (megatron/core/transformer/moe)")
-CP = "hierarchical (a2a+p2p) and hybrid (dynamic) context parallelism are not implemented"
 MLA = ("MLATransformerConfig inherits TransformerConfig's fp8_recipe default ('tensorwise', the one FP8 recipe "
        "without Transformer Engine)")
 INFER = ("not implemented: the generation engine (megatron/core/inference) keeps its own KV cache and runs "
          "the training layers, without Megatron's inference-optimized layers or InferenceParams")
 CG = "CUDA-graph scopes of Megatron's TE/local graph capture; here only --cuda-graph-impl full_iteration exists"
-DEFER_WGRAD = "deferred embedding weight-gradient compute (--defer-embedding-wgrad-compute) is not implemented"
 CKPT_STRATEGY = ("torch_dist checkpoints are written by megatron.core.dist_checkpointing.strategies.torch's own "
                  "dcp_write / tensor_shards helpers and planners; Megatron's planner classes and state-dict "
                  "conversions are internals (the TorchDist*ShardedStrategy objects are accepted by save/load)")
-VALIDATION = ("dist_checkpointing.validation (integrity manifests, strict-load reports) is not implemented; "
-              "load(strict=...) accepts Megatron's strict values")
-OVERRIDES = ("Megatron 0.19's per-parameter optimizer overrides (ParamKey -> override dict) are not "
-             "implemented; get_megatron_optimizer takes no_weight_decay_cond / scale_lr_cond / lr_mult")
-INIT_STATE = ("the distributed optimizer takes (optimizer, config, grad_scaler, model_chunks): its buffers and "
-              "DP groups come from the DDP-wrapped model chunks, and its state is created by the checkpoint "
-              "loader (no init_state_fn)")
 CONFIG_CONTAINER = "Megatron 0.19's config containers (GPTModelConfig, pretrain/inference containers) are not implemented"
 SHARED_OVERLAP = ("--moe-shared-expert-overlap runs the shared experts on a side CUDA stream inside MoELayer; "
                   "Megatron's staged overlap (state machine split across the token dispatcher) is not used")
@@ -36,15 +24,12 @@ REASONS = {
     C + "enums:Fp4Recipe": "FP4 training needs Transformer Engine, which is not used",
     C + "enums:Fp8Recipe": "the 'custom' recipe (user quantizer factories) needs Transformer Engine",
     C + "process_groups_config:MultiModuleProcessGroupCollection": "multi-module (MIMO / vision+language) models are not implemented",
-    # parallel_state
-    C + "parallel_state:set_expert_model_parallel_rank": MOE,
-    C + "parallel_state:set_expert_model_parallel_world_size": MOE,
-    C + "parallel_state:set_expert_tensor_parallel_rank": MOE,
-    C + "parallel_state:set_expert_tensor_parallel_world_size": MOE,
     # tensor_parallel
-    C + "tensor_parallel:InferenceColumnParallelLinear": INFER,
-    C + "tensor_parallel:InferenceLayerNormColumnParallelLinear": INFER,
-    C + "tensor_parallel:InferenceRowParallelLinear": INFER,
+    **{C + "tensor_parallel:" + n: ("Megatron's inference linears subclass Transformer Engine's layers (with "
+                                    "symmetric-memory all-gathers); Transformer Engine is not used, and the "
+                                    "generation engine runs the training layers")
+       for n in ("InferenceColumnParallelLinear", "InferenceLayerNormColumnParallelLinear",
+                 "InferenceRowParallelLinear")},
     # transformer
     "*:MLATransformerConfig": MLA,
     C + "transformer:TransformerConfig": "fp8_recipe defaults to 'tensorwise', the one FP8 recipe without Transformer Engine",
@@ -94,7 +79,6 @@ REASONS = {
     C + "models.T5.t5_model:t5_position_ids": "T5Model computes its position ids internally",
     C + "models.common.embeddings.rotary_pos_embedding:MultimodalRotaryEmbedding": "multimodal (mRoPE) models are not implemented",
     # optimizer
-    C + "optimizer.optimizer_config:*": OVERRIDES,
     C + "optimizer:AdamOptimizerConfig": "OptimizerConfig(optimizer='adam') holds the Adam settings",
     C + "optimizer:SGDOptimizerConfig": "OptimizerConfig(optimizer='sgd') holds the SGD settings",
     C + "optimizer:HAVE_EMERGING_OPTIMIZERS": "Muon/SOAP/Lion (emerging optimizers) are not implemented",
@@ -122,7 +106,6 @@ REASONS = {
     C + "datasets.masked_dataset:*": DATA_CFG, C + "datasets.indexed_dataset:*": DATA_CFG,
     # fusions, utils
     C + "utils:StragglerDetector": "--log-straggler (per-rank CUDA-event timing reports) is not implemented",
-    C + "utils:get_batch_on_this_cp_rank": CP,
     # training
     T[:-1] + ":set_startup_timestamps": "startup timing is printed by pretrain itself",
     T + "argument_utils:*": CONFIG_CONTAINER,
