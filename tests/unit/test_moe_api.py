@@ -117,8 +117,11 @@ def test_expert_bias_step_and_small_helpers():
     from megatron.core.transformer.transformer_config import TransformerConfig
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4)
     assert mu.get_align_size_for_quantization(config) == 0 and not mu.skip_routed_expert_padding(config)
-    pgs = mu.get_default_pg_collection()  # parallel_state not initialized: no groups
-    assert pgs.tp is None and pgs.ep is None
+    from megatron.core import parallel_state as ps
+    pgs = mu.get_default_pg_collection()  # parallel_state's groups (None where not initialized)
+    initialized = ps.model_parallel_is_initialized()
+    assert pgs.tp is (ps.get_tensor_model_parallel_group() if initialized else None)
+    assert pgs.ep is (ps.get_expert_model_parallel_group() if initialized else None)
 
 
 def test_random_logits_keep_router_gradient_and_bias_is_cached():
