@@ -10,9 +10,8 @@ from megatron.core.context_parallel.all_gather import AllGatherAttention
 from megatron.core.context_parallel.all_to_all import seq_gather_head_scatter, seq_scatter_head_gather
 from megatron.core.context_parallel.documents import document_attention
 from megatron.core.context_parallel.ring import RingAttention
-from megatron.core.context_parallel.utils import document_layout
+from megatron.core.context_parallel.utils import CP_COMM_TYPES, document_layout
 
-CP_COMM_TYPES = ("p2p", "allgather", "a2a")
 
 
 def _causal_attention(q, k, v, scale, layout):

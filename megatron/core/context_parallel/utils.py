@@ -7,6 +7,8 @@ from typing import Dict, Optional
 
 import torch
 
+CP_COMM_TYPES = ("p2p", "allgather", "a2a")  # --cp-comm-type values (Megatron's names)
+
 
 def cp_chunk_ids(cp_size: int, cp_rank: int):
     """The two global chunk indices held by ``cp_rank``, in local order."""

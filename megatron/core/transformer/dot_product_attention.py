@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
-from megatron.core.context_parallel import long_context_attention
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -143,6 +142,8 @@ class DotProductAttention(MegatronModule):
             raise NotImplementedError("attention dropout is not supported with context parallelism or packed "
                                       "sequences; pass --attention-dropout 0")
         sq, b, np_, hn = query.shape
+        # Imported here: its @torch.compiler.disable pulls in torch._dynamo (~1.5 s per process start).
+        from megatron.core.context_parallel.attention import long_context_attention
         ctx = long_context_attention(query, key, value, self.softmax_scale, cp_group, self.cp_comm_type,
                                      packed_seq_params)  # [s, b, np, hn]
         return ctx.reshape(sq, b, np_ * hn)

@@ -5,8 +5,6 @@ refused (never silently replaced by local layers). --use-flash-attn selects torc
 """
 import importlib.util
 
-from megatron.core.fp8 import FP8_RECIPES
-
 
 class TransformerEngineNotIntegrated(NotImplementedError):
     """Transformer Engine is installed, but this build has no TE layer implementation."""
@@ -31,6 +29,7 @@ def validate_fast_path_args(args, require):
                 f"--use-flash-attn conflicts with --attention-backend {args.attention_backend}; pass one of them")
         args.attention_backend = "flash"
     if args.fp8 is not None:
+        from megatron.core.fp8 import FP8_RECIPES
         require(args.fp8_recipe in FP8_RECIPES,
                 f"--fp8-recipe {args.fp8_recipe} is not supported without Transformer Engine; use "
                 "--fp8-recipe tensorwise")
