@@ -36,31 +36,45 @@ def checkpoint(tmp_path_factory):
     return path
 
 
+def _start_server(checkpoint, log_path):
+    """(process, url) of a server that answers, or None when its port was taken before it bound it (a free
+    port is only free when picked; parallel test workers start processes too)."""
+    port = free_port()
+    with open(log_path, "w") as log:  # a file, not a pipe: a full pipe would block the server's prints
+        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "run_text_generation_server.py"),
+                                 "--load", checkpoint, "--use-checkpoint-args", *TOKENIZER, "--port", str(port)],
+                                cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(240):
+        if proc.poll() is not None:
+            text = open(log_path).read()
+            if "Address already in use" in text:
+                return None
+            raise AssertionError(f"server exited: {text[-3000:]}")
+        try:
+            urllib.request.urlopen(url, timeout=1).read()
+            return proc, url
+        except OSError:
+            time.sleep(0.25)
+    proc.terminate()
+    raise AssertionError("server did not come up in 60 s")
+
+
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    port = free_port()
     log_path = os.path.join(os.path.dirname(checkpoint), "server.log")
-    log = open(log_path, "w")  # a file, not a pipe: a full pipe would block the server's prints
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "run_text_generation_server.py"),
-                             "--load", checkpoint, "--use-checkpoint-args", *TOKENIZER, "--port", str(port)],
-                            cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    started = None
+    for _ in range(3):
+        started = _start_server(checkpoint, log_path)
+        if started is not None:
+            break
+    assert started is not None, "three free ports were taken before the server bound them"
+    proc, url = started
     try:
-        for _ in range(240):
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited: {open(log_path).read()[-3000:]}")
-            try:
-                urllib.request.urlopen(url, timeout=1).read()
-                break
-            except OSError:
-                time.sleep(0.25)
-        else:
-            raise AssertionError("server did not come up in 60 s")
         yield url
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-        log.close()
 
 
 def _call(url, path, body, method="PUT"):
