@@ -67,6 +67,24 @@ def test_rope_relative_and_interleaved():
     torch.testing.assert_close(half[..., 4:], q[..., 4:])
 
 
+def test_rope_half_by_half_equals_textbook_form():
+    """The eager path (--no-rope-fusion) rotates half by half; it must equal t*cos + rotate_half(t)*sin,
+    values and gradients, also for a strided view (q out of a fused QKV), partial rotary and cos/sin whose
+    halves differ."""
+    from megatron.core.models.common.embeddings import rope_utils
+    g = torch.Generator().manual_seed(0)
+    for rot in (16, 12):
+        qkv = torch.randn(5, 2, 3, 48, dtype=torch.float64, generator=g, requires_grad=True)
+        q = qkv[..., :16]  # strided view
+        freqs = torch.randn(5, 1, 1, rot, dtype=torch.float64, generator=g)
+        ref = rope_utils._rope(q, freqs, 0.7, False)
+        out = rope_utils._rope_eager(q, freqs, 0.7, False)
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+        grad = torch.randn(ref.shape, dtype=torch.float64, generator=g)
+        (g_ref,), (g_out,) = (torch.autograd.grad(y, qkv, grad) for y in (ref, out))
+        torch.testing.assert_close(g_out, g_ref, rtol=1e-12, atol=1e-12)
+
+
 def _gpt(cfg, **kw):
     return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=S, **kw)
 
