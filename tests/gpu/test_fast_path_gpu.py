@@ -154,3 +154,30 @@ def test_fused_rope_matches_eager(interleaved):
         outs.append((y.float(), x.grad.float()))
     for a, b in zip(*outs):
         assert (a - b).abs().max().item() <= 2e-2 * max(1.0, b.abs().max().item())
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_cudnn_gqa_attention_matches_repeated_kv(causal):
+    """GQA through cuDNN with K/V at their own head count equals attention over K/V repeated to every
+    query head (fp64 reference), output and q/k/v gradients, within bf16 rounding; the path is taken."""
+    from megatron.core.transformer import dot_product_attention as dpa
+    from megatron.core.transformer.enums import AttnMaskType
+    cfg = TransformerConfig(num_layers=1, hidden_size=1024, num_attention_heads=8, num_query_groups=2,
+                            attention_dropout=0.0)
+    mask = AttnMaskType.causal if causal else AttnMaskType.no_mask
+    attn = dpa.DotProductAttention(cfg, 1, mask)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    qkv = [torch.randn(512, 2, n, 128, device="cuda", generator=gen).bfloat16().requires_grad_() for n in (8, 2, 2)]
+    out = attn(*qkv)
+    assert dpa._CUDNN_GQA["ok"] is True
+    ref_in = [t.detach().double().requires_grad_() for t in qkv]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in ref_in)
+    k, v = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    ref = ref.permute(2, 0, 1, 3).reshape(512, 2, 1024)
+    dout = torch.randn(ref.shape, device="cuda", generator=gen, dtype=torch.float64)
+    out.backward(dout.bfloat16())
+    ref.backward(dout)
+    assert _rel(out, ref) < 1e-2
+    for a, b in zip(qkv, ref_in):
+        assert _rel(a.grad, b.grad) < 2e-2

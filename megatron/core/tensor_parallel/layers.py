@@ -367,6 +367,34 @@ class RowParallelLinear(torch.nn.Module):
         return (out + self.bias if self.bias is not None else out), None
 
 
+class _EmbeddingWithGradAccumulation(torch.autograd.Function):
+    """Embedding lookup whose weight gradient goes straight into ``weight.main_grad`` (the DDP buffer) as
+    a sorted, deterministic row accumulation of the [tokens, h] output gradient (``index_put_`` with
+    ``accumulate``), instead of a dense [vocab, h] 16-bit gradient that DDP then adds to the fp32 buffer:
+    with a 128k vocabulary that is ~6 GB of memory traffic per micro-batch saved. Without ``main_grad``
+    (no DDP wrapper), for a tied embedding (its gradient also comes through ``.grad``), or under
+    deterministic algorithms, the ordinary dense gradient."""
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids)
+        ctx.weight = weight
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (ids,) = ctx.saved_tensors
+        weight = ctx.weight
+        g2d = grad_output.reshape(-1, grad_output.shape[-1])
+        main_grad = getattr(weight, "main_grad", None)
+        if (main_grad is None or getattr(weight, "zero_out_wgrad", False)
+                or torch.are_deterministic_algorithms_enabled()):
+            return None, torch.ops.aten.embedding_dense_backward(grad_output, ids, weight.size(0), -1, False)
+        main_grad.index_put_((ids.reshape(-1),), g2d.to(main_grad.dtype), accumulate=True)
+        grad_weight = main_grad_placeholder(weight) if hasattr(weight, "grad_added_to_main_grad") else None
+        return None, grad_weight
+
+
 class VocabParallelEmbedding(torch.nn.Module):
     """Embedding with the vocabulary split across TP: each rank looks up the ids it owns, zeroes the
     rest, and the partial rows are summed over TP (reduce-scattered along the sequence with
@@ -389,6 +417,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.weight = _make_param((self.num_embeddings_per_partition, embedding_dim), config, init_method)
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
         self._tp = tp
+        self._fuse_wgrad = bool(getattr(config, "gradient_accumulation_fusion", False))
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         if self._tp > 1:
@@ -396,7 +425,10 @@ class VocabParallelEmbedding(torch.nn.Module):
             ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
         else:
             ids = input_
-        out = F.embedding(ids, self.weight)  # [b, s, h]
+        if self._fuse_wgrad and torch.is_grad_enabled() and self.weight.requires_grad:
+            out = _EmbeddingWithGradAccumulation.apply(ids, self.weight)
+        else:
+            out = F.embedding(ids, self.weight)  # [b, s, h]
         if self._tp > 1:
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.reduce_scatter_embeddings:

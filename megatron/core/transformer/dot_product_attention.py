@@ -27,6 +27,60 @@ _NONDETERMINISTIC = ("CUDNN_ATTENTION",)
 _MASKED_DETERMINISTIC = ("EFFICIENT_ATTENTION", "MATH")  # flash takes no explicit mask
 
 
+_CUDNN_GQA = {"ok": None}  # None: not tried yet; False: this torch/cuDNN refused it once
+
+
+def _cudnn_gqa_applies(q, v, backends) -> bool:
+    """GQA attention straight through cuDNN (Hopper+, 16-bit, head dim <= 128, cuDNN first in the allowed
+    backends, so never under deterministic mode), outside torch.compile (which traces SDPA itself)."""
+    from torch.nn.attention import SDPBackend
+    return (q.is_cuda and _CUDNN_GQA["ok"] is not False and q.dtype in (torch.bfloat16, torch.float16)
+            and q.size(-1) <= 128 and v.size(-1) == q.size(-1) and backends
+            and backends[0] == SDPBackend.CUDNN_ATTENTION and not torch.compiler.is_compiling()
+            and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
+            and torch.cuda.get_device_capability(q.device) >= (9, 0))
+
+
+class _CudnnGQAAttention(torch.autograd.Function):
+    """cuDNN's fused attention with K/V at their own (fewer) head count. SDPA's dispatcher only takes GQA
+    through FlashAttention-2 or by repeating K/V to every query head (two [b, n, s, d] copies forward and
+    a reduction of their gradients backward); cuDNN's kernel reads each K/V head once per group and
+    accumulates dK/dV over the group itself."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout.stride() != out.stride():  # the kernel reads dO in O's layout
+            dout = torch.empty_like(out).copy_(dout)
+        seed = torch.empty(2, dtype=torch.uint64, device=q.device)  # Philox words: read only with dropout
+        offset = torch.empty((), dtype=torch.uint64, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse, seed, offset, None, None, None, q.size(2), k.size(2), 0.0, ctx.causal,
+            scale=ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def _cudnn_gqa_attention(q, k, v, causal: bool, scale):
+    """[b, n, s, d] output, or None where this cuDNN refuses the configuration (then never tried again)."""
+    try:
+        out = _CudnnGQAAttention.apply(q, k, v, causal, scale)
+    except RuntimeError:
+        if _CUDNN_GQA["ok"]:
+            raise  # it ran before: a real error
+        _CUDNN_GQA["ok"] = False
+        return None
+    _CUDNN_GQA["ok"] = True
+    return out
+
+
 def sdpa_backends(attention_backend: str, deterministic: bool = False):
     """The ``torch.nn.attention.SDPBackend`` list for a Megatron ``--attention-backend`` value."""
     from torch.nn.attention import SDPBackend
@@ -102,6 +156,13 @@ class DotProductAttention(MegatronModule):
             return self._long_context(query, key, value, cp_group, packed_seq_params, mask_type)
         # [s, b, n, hn] -> [b, n, s, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        dropout_p = self.dropout_p if self.training else 0.0
+        if (k.size(1) != q.size(1) and q.size(2) == k.size(2) and attention_mask is None and dropout_p == 0.0 and self.window_size is None
+                and mask_type in (AttnMaskType.causal, AttnMaskType.no_mask, AttnMaskType.padding_causal)
+                and _cudnn_gqa_applies(q, v, self.sdpa_backends)):
+            ctx = _cudnn_gqa_attention(q, k, v, mask_type is not AttnMaskType.no_mask, self.softmax_scale)
+            if ctx is not None:
+                return ctx.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
         if k.size(1) != q.size(1):
             rep = q.size(1) // k.size(1)
             k = k.repeat_interleave(rep, dim=1)  # [b, np, sk, hn]
@@ -113,7 +174,6 @@ class DotProductAttention(MegatronModule):
             if is_causal:
                 band = band & _cached_band(sq, k.size(2), (-1, 0), q.device)
             attn_mask, is_causal = band if attn_mask is None else attn_mask & band, False
-        dropout_p = self.dropout_p if self.training else 0.0
         # Heads are split over TP, so each rank needs its own dropout stream (no stream without dropout:
         # forking the RNG state would also break a compiled layer's graph for nothing).
         rng = get_cuda_rng_tracker().fork() if dropout_p > 0 else nullcontext()
