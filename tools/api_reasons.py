@@ -42,7 +42,6 @@ REASONS = {
     C + "transformer:TransformerLayer": "see megatron.core.transformer.transformer_layer.TransformerLayer",
     C + "transformer.mlp:MLP": "name is TE's module name; extra keyword arguments are accepted and unused",
     C + "transformer.mlp:MLPSubmodules": "the activation is chosen by config.activation_func, not by the spec",
-    C + "transformer.mlp:apply_swiglu_sharded_factory": "SwiGLU fc1 weights are saved as one tensor with an interleave stride",
     C + "transformer.module:GraphableMegatronModule": CG,
     # MoE, MLA, MTP
     C + "transformer.moe.experts:InferenceGroupedMLP": INFER,
@@ -98,8 +97,6 @@ REASONS = {
         "returns Megatron's async writer modules (nvidia-resiliency-ext or its own FileSystemWriterAsync / "
         "state_dict_saver); async saves here are AsyncRequest / AsyncCallsQueue threads without those modules"),
     "*:LocalNonpersistentObject": "non-persistent entries are dropped by the caller before saving",
-    "*:remove_sharded_tensors": ("torch_dist files here are per rank (__R_0.distcp), not per key prefix, so keys "
-                                 "cannot be dropped by deleting files; load and re-save without them"),
     # datasets
     C + "datasets.blended_megatron_dataset_config:*": DATA_CFG, C + "datasets.gpt_dataset:*": DATA_CFG,
     C + "datasets.bert_dataset:*": DATA_CFG, C + "datasets.t5_dataset:*": DATA_CFG,
