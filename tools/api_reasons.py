@@ -62,9 +62,6 @@ REASONS = {
     C + "transformer.moe.shared_experts:set_tensor_grad_fn_sequence_sr": SHARED_OVERLAP,
     C + "transformer.multi_latent_attention:FusedMLASelfAttention": "the fused MLA down projection "
         "(mla_down_proj_fusion) needs Transformer Engine",
-    C + "transformer.multi_token_prediction:MTPLossLoggingHelper": "MTP losses reach the log line through the loss "
-        "function's dict (`mtp_<k> loss`, as pretrain_gpt.py reports them); Megatron's tracker helper and its "
-        "acceptance rates are not implemented",
     C + "transformer.multi_token_prediction:process_mtp_loss": "GPTModel attaches the MTP losses to its per-token "
         "loss from the depth outputs (loss, mtp_hidden_states, labels, loss_mask, output_layer, output_weight, "
         "compute_language_model_loss, config); Megatron attaches them to the hidden states",
@@ -107,7 +104,6 @@ REASONS = {
     T[:-1] + ":set_startup_timestamps": "startup timing is printed by pretrain itself",
     T + "argument_utils:*": CONFIG_CONTAINER,
     T + "arguments:validate_model_config_args_from_heterogeneous_config": "heterogeneous (per-layer) model configs are not implemented",
-    T + "utils:check_adlr_autoresume_termination": "ADLR autoresume is not implemented",
 }
 
 

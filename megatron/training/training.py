@@ -22,7 +22,7 @@ from megatron.training.initialize import initialize_megatron
 from megatron.training.log_line import training_log
 from megatron.training.model_setup import get_model, print_startup_banner, setup_model_and_optimizer  # noqa: F401
 from megatron.training.train_step import get_training_forward_backward_func, train_step
-from megatron.training.utils import calc_params_l2_norm, print_rank_0
+from megatron.training.utils import calc_params_l2_norm, check_adlr_autoresume_termination, print_rank_0
 
 _TRAIN_START_TIME = time.time()
 _STARTUP_TIMESTAMPS = {"program_start": None, "main_entry": None}
@@ -200,6 +200,8 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             timers("interval-time").start()
         if args.async_save:
             _finalize_async_saves(blocking=False)
+        if args.adlr_autoresume and iteration % args.adlr_autoresume_interval == 0:
+            check_adlr_autoresume_termination(iteration, model, optimizer, opt_param_scheduler)
         if _checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration):
             return iteration, True
     return iteration, False
