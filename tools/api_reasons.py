@@ -12,7 +12,7 @@ CG = "CUDA-graph scopes of Megatron's TE/local graph capture; here only --cuda-g
 CKPT_STRATEGY = ("torch_dist checkpoints are written by megatron.core.dist_checkpointing.strategies.torch's own "
                  "dcp_write / tensor_shards helpers and planners; Megatron's planner classes and state-dict "
                  "conversions are internals (the TorchDist*ShardedStrategy objects are accepted by save/load)")
-CONFIG_CONTAINER = "Megatron 0.19's config containers (GPTModelConfig, pretrain/inference containers) are not implemented"
+HYBRID = "hybrid (Mamba) models are not implemented, so there is no HybridModelConfig to build"
 SHARED_OVERLAP = ("--moe-shared-expert-overlap runs the shared experts on a side CUDA stream inside MoELayer; "
                   "Megatron's staged overlap (state machine split across the token dispatcher) is not used")
 DATA_CFG = ("dataset config fields for object-storage / fast-cache loading and CP-aware packing "
@@ -102,7 +102,7 @@ REASONS = {
     C + "utils:StragglerDetector": "--log-straggler (per-rank CUDA-event timing reports) is not implemented",
     # training
     T[:-1] + ":set_startup_timestamps": "startup timing is printed by pretrain itself",
-    T + "argument_utils:*": CONFIG_CONTAINER,
+    T + "argument_utils:hybrid_config_from_args": HYBRID,
     T + "arguments:validate_model_config_args_from_heterogeneous_config": "heterogeneous (per-layer) model configs are not implemented",
 }
 
