@@ -81,10 +81,6 @@ REASONS = {
     C + "optimizer:HybridDeviceOptimizer": "CPU-offloaded optimizer steps are not implemented",
     C + "optimizer:LayerWiseDistributedOptimizer": "the layer-wise distributed optimizer (for Muon) is not implemented",
     C + "optimizer.distrib_optimizer:Range": "the distributed optimizer keeps (start, end) tuples",
-    # distributed
-    C + "distributed.param_and_grad_buffer:partition_buckets": "buckets are not grouped for communication: each "
-                                                                "bucket is its own all-reduce / reduce-scatter unit "
-                                                                "(no _ParamAndGradBucketGroup; no FP8 param buffers)",
     # pipeline
     C + "pipeline_parallel.schedules:*": "internal helper of Megatron's schedule implementation",
     C + "pipeline_parallel.p2p_communication:is_single_shape": "P2PCommunicator sends one tensor shape per stage",

@@ -1,5 +1,6 @@
-"""MultimodalRotaryEmbedding against the per-section mRoPE formula, and MTPLossLoggingHelper's
-accumulation, reduction (2 gloo ranks) and logging."""
+"""MultimodalRotaryEmbedding against the per-section mRoPE formula; MTPLossLoggingHelper's
+accumulation, reduction (2 gloo ranks) and logging; partition_buckets and DDP's bucket groups
+(2 gloo ranks: which buckets launch together, and grads equal to the mean of the ranks' grads)."""
 import math
 
 import pytest
@@ -107,11 +108,52 @@ def _two_ranks():
     pos = _positions(b=1, s=8)
     local = MultimodalRotaryEmbedding(KV, 1.0, cp_group=world)(pos, SECTION)
     full = MultimodalRotaryEmbedding(KV, 1.0)(pos, SECTION, cp_group=None)
-    return writer.scalars, local, full
+    return writer.scalars, local, full, _bucket_groups()
+
+
+def _net():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
+    net[1].to(torch.float64)  # a second dtype: a second buffer
+    for p in net.parameters():
+        p.tensor_model_parallel, p.partition_dim, p.partition_stride = False, -1, 1
+    return net
+
+
+def _grads(net, x):
+    """Plain autograd grads of one rank's batch (the reference)."""
+    net.zero_grad()
+    net[1](net[0](x).double()).sum().backward()
+    return [p.grad.clone() for p in net.parameters()]
+
+
+def _bucket_groups():
+    """DDP with overlap: tiny buckets (one per param) in two buffers."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.param_and_grad_buffer import partition_buckets
+    parallel_state.initialize_model_parallel(1, 1)
+    rank = torch.distributed.get_rank()
+    cfg = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=1)
+    out = {}
+    xs = [torch.randn(5, 4, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    for disable in (False, True):
+        model = DistributedDataParallel(None, cfg, _net(), disable_bucketing=disable)
+        buckets = [b for buf in model.buffers for b in buf.buckets]
+        sizes = [len(g.buckets) for g in model.bucket_groups]
+        model.zero_grad_buffer()
+        model.module[1](model.module[0](xs[rank]).double()).sum().backward()
+        launched = all(b.grad_reduce_handle is not None for b in buckets)  # by the hooks, in backward
+        model.finish_grad_sync()
+        out[disable] = (len(model.buffers), len(buckets), sizes, launched,
+                        [p.main_grad.clone() for p in model.module.parameters()])
+        assert len(partition_buckets(model.buffers, force_single_bucket_group=True)) == 1
+    ref = [(a + b) / 2 for a, b in zip(*[_grads(_net(), x) for x in xs])]
+    return out, ref
 
 
 def test_mtp_logging_reduction_and_mrope_cp_on_two_ranks():
-    (s0, local0, full), (s1, local1, _) = run_distributed(_two_ranks, 2)
+    (s0, local0, full, (groups, ref)), (s1, local1, _, _) = run_distributed(_two_ranks, 2)
     assert s0 == s1
     assert s0[("mtp_1 loss", 1)] == 1.5  # averaged over the group
     assert s0[("mtp_1_acceptance_rate", 1)] == 25.0  # counts summed: 1 of 4
@@ -119,3 +161,11 @@ def test_mtp_logging_reduction_and_mrope_cp_on_two_ranks():
     assert math.isclose(s0[("mtp_1_cumulative_acceptance_rate", 2)], 3 / 6 * 100.0)
     torch.testing.assert_close(local0, torch.cat([full[0:2], full[6:8]]))
     torch.testing.assert_close(local1, torch.cat([full[2:4], full[4:6]]))
+
+    # partition_buckets: one group per bucket (2 buffers, 1 bucket per param with bucket_size=1), or with
+    # disable_bucketing (one bucket per buffer) both buffers' buckets in one group; grads reduced either way.
+    for disable, (num_buffers, num_buckets, sizes, launched, grads) in groups.items():
+        assert num_buffers == 2 and num_buckets == (2 if disable else 4) and launched
+        assert sizes == ([2] if disable else [1, 1, 1, 1])
+        for g, r in zip(grads, ref):
+            torch.testing.assert_close(g, r.to(g.dtype), rtol=1e-6, atol=1e-6)  # the mean of two sums
