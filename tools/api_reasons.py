@@ -53,8 +53,6 @@ REASONS = {
     C + "transformer.moe.moe_utils:MoECudaGraphPartialCaptureSignal": CG,
     C + "transformer.moe.moe_utils:MoECudaGraphTensorStore": CG,
     C + "transformer.moe.moe_utils:maybe_skip_or_early_return_by_cudagraph": CG,
-    C + "transformer.moe.moe_utils:qb_dual_update": "quantile-balancing routing "
-        "(--moe-router-load-balancing-type quantile_balancing) is not implemented",
     C + "transformer.moe.shared_experts:FusedSharedExpertMLP": "shared experts through the routed experts' "
         "grouped GEMM (use_grouped_gemm_for_shared_expert) are not implemented",
     C + "transformer.moe.shared_experts:SharedExpertState": SHARED_OVERLAP,

@@ -169,3 +169,26 @@ def test_mtp_logging_reduction_and_mrope_cp_on_two_ranks():
         assert sizes == ([2] if disable else [1, 1, 1, 1])
         for g, r in zip(grads, ref):
             torch.testing.assert_close(g, r.to(g.dtype), rtol=1e-6, atol=1e-6)  # the mean of two sums
+
+
+def test_qb_dual_update_against_per_column_quantiles():
+    """Indices: each token's k best biased scores (by sorting); new bias: per expert, the (target+1)-th
+    largest of scores - alpha over tokens (alpha: each token's (k+1)-th best biased score)."""
+    from megatron.core.transformer.moe.moe_utils import qb_dual_update
+    m, n, k = 12, 4, 2
+    g = torch.Generator().manual_seed(3)
+    scores, beta = torch.randn(m, n, generator=g), torch.randn(n, generator=g) * 0.1
+    indices, new_beta = qb_dual_update(scores, k, beta)
+    biased = (scores - beta).tolist()
+    alpha = []
+    for t in range(m):
+        order = sorted(range(n), key=lambda j: -biased[t][j])
+        assert indices[t].tolist() == order[:k]
+        alpha.append(biased[t][order[k]])
+    target = m * k // n  # tokens per expert
+    expected = [sorted((float(scores[t, j]) - alpha[t] for t in range(m)), reverse=True)[target] for j in range(n)]
+    torch.testing.assert_close(new_beta, torch.tensor(expected))
+    same_indices, unchanged = qb_dual_update(scores, k, beta, update_beta=False)
+    assert torch.equal(same_indices, indices) and unchanged is beta
+    with pytest.raises(ValueError, match="do not split evenly"):
+        qb_dual_update(scores[:11], k, beta)
