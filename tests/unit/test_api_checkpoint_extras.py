@@ -59,7 +59,9 @@ def test_swiglu_factory_reshards_and_remove_sharded_tensors(tmp_path):
     out = dc.load(target, ckpt)
     assert torch.equal(out["fc1"], full) and torch.equal(out["single"], full) and out["iteration"] == 5
 
-    # Dropping the optimizer state: the rest loads unchanged, the dropped key is gone.
+    # Dropping the optimizer state: the rest loads unchanged, the dropped key is gone, other files stay.
+    os.makedirs(os.path.join(ckpt, "extra"))
+    open(os.path.join(ckpt, "extra", "note.txt"), "w").write("kept")
     size_before = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt))
     dc.remove_sharded_tensors(ckpt, "optimizer.")
     assert "optimizer.exp_avg" not in dc.load_tensors_metadata(ckpt)
@@ -68,6 +70,7 @@ def test_swiglu_factory_reshards_and_remove_sharded_tensors(tmp_path):
     assert set(after) == set(plain) - {"optimizer.exp_avg"}
     assert all(torch.equal(after[k], plain[k]) for k in after)
     assert dc.load_common_state_dict(ckpt)["iteration"] == 5
+    assert open(os.path.join(ckpt, "extra", "note.txt")).read() == "kept"
     with pytest.warns(UserWarning, match="no entries"):
         remove_from_serialization(ckpt, "optimizer.")
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no temporary directory left behind

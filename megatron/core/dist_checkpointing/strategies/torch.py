@@ -194,10 +194,12 @@ class TorchDistLoadShardedStrategy:
         try:
             os.makedirs(tmp)
             dcp_write(tmp, shards, objects, no_dist=True)
-            for name in os.listdir(checkpoint_dir):  # common state, metadata.json and the like
-                src = os.path.join(checkpoint_dir, name)
-                if os.path.isfile(src) and not name.endswith(".distcp") and name != ".metadata":
-                    shutil.copy2(src, os.path.join(tmp, name))
+            for name in os.listdir(checkpoint_dir):  # common state, metadata.json and anything else
+                src, dst = os.path.join(checkpoint_dir, name), os.path.join(tmp, name)
+                if os.path.isdir(src):
+                    shutil.copytree(src, dst)
+                elif not name.endswith(".distcp") and name != ".metadata":
+                    shutil.copy2(src, dst)
             if os.path.exists(os.path.join(tmp, "integrity.json")):
                 from ..validation import save_integrity_manifest
                 save_integrity_manifest(tmp)
