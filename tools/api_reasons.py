@@ -12,7 +12,7 @@ CG = "CUDA-graph scopes of Megatron's TE/local graph capture; here only --cuda-g
 CKPT_STRATEGY = ("torch_dist checkpoints are written by megatron.core.dist_checkpointing.strategies.torch's own "
                  "dcp_write / tensor_shards helpers and planners; Megatron's planner classes and state-dict "
                  "conversions are internals (the TorchDist*ShardedStrategy objects are accepted by save/load)")
-CONFIG_CONTAINER = "Megatron 0.19's config containers (GPTModelConfig, pretrain/inference containers) are not implemented"
+HYBRID = "hybrid (Mamba) models are not implemented, so there is no HybridModelConfig to build"
 SHARED_OVERLAP = ("--moe-shared-expert-overlap runs the shared experts on a side CUDA stream inside MoELayer; "
                   "Megatron's staged overlap (state machine split across the token dispatcher) is not used")
 DATA_CFG = ("dataset config fields for object-storage / fast-cache loading and CP-aware packing "
@@ -42,7 +42,6 @@ REASONS = {
     C + "transformer:TransformerLayer": "see megatron.core.transformer.transformer_layer.TransformerLayer",
     C + "transformer.mlp:MLP": "name is TE's module name; extra keyword arguments are accepted and unused",
     C + "transformer.mlp:MLPSubmodules": "the activation is chosen by config.activation_func, not by the spec",
-    C + "transformer.mlp:apply_swiglu_sharded_factory": "SwiGLU fc1 weights are saved as one tensor with an interleave stride",
     C + "transformer.module:GraphableMegatronModule": CG,
     # MoE, MLA, MTP
     C + "transformer.moe.experts:InferenceGroupedMLP": INFER,
@@ -54,8 +53,6 @@ REASONS = {
     C + "transformer.moe.moe_utils:MoECudaGraphPartialCaptureSignal": CG,
     C + "transformer.moe.moe_utils:MoECudaGraphTensorStore": CG,
     C + "transformer.moe.moe_utils:maybe_skip_or_early_return_by_cudagraph": CG,
-    C + "transformer.moe.moe_utils:qb_dual_update": "quantile-balancing routing "
-        "(--moe-router-load-balancing-type quantile_balancing) is not implemented",
     C + "transformer.moe.shared_experts:FusedSharedExpertMLP": "shared experts through the routed experts' "
         "grouped GEMM (use_grouped_gemm_for_shared_expert) are not implemented",
     C + "transformer.moe.shared_experts:SharedExpertState": SHARED_OVERLAP,
@@ -63,9 +60,6 @@ REASONS = {
     C + "transformer.moe.shared_experts:set_tensor_grad_fn_sequence_sr": SHARED_OVERLAP,
     C + "transformer.multi_latent_attention:FusedMLASelfAttention": "the fused MLA down projection "
         "(mla_down_proj_fusion) needs Transformer Engine",
-    C + "transformer.multi_token_prediction:MTPLossLoggingHelper": "MTP losses reach the log line through the loss "
-        "function's dict (`mtp_<k> loss`, as pretrain_gpt.py reports them); Megatron's tracker helper and its "
-        "acceptance rates are not implemented",
     C + "transformer.multi_token_prediction:process_mtp_loss": "GPTModel attaches the MTP losses to its per-token "
         "loss from the depth outputs (loss, mtp_hidden_states, labels, loss_mask, output_layer, output_weight, "
         "compute_language_model_loss, config); Megatron attaches them to the hidden states",
@@ -85,10 +79,6 @@ REASONS = {
     C + "optimizer:HybridDeviceOptimizer": "CPU-offloaded optimizer steps are not implemented",
     C + "optimizer:LayerWiseDistributedOptimizer": "the layer-wise distributed optimizer (for Muon) is not implemented",
     C + "optimizer.distrib_optimizer:Range": "the distributed optimizer keeps (start, end) tuples",
-    # distributed
-    C + "distributed.param_and_grad_buffer:partition_buckets": "buckets are not grouped for communication: each "
-                                                                "bucket is its own all-reduce / reduce-scatter unit "
-                                                                "(no _ParamAndGradBucketGroup; no FP8 param buffers)",
     # pipeline
     C + "pipeline_parallel.schedules:*": "internal helper of Megatron's schedule implementation",
     C + "pipeline_parallel.p2p_communication:is_single_shape": "P2PCommunicator sends one tensor shape per stage",
@@ -98,8 +88,6 @@ REASONS = {
         "returns Megatron's async writer modules (nvidia-resiliency-ext or its own FileSystemWriterAsync / "
         "state_dict_saver); async saves here are AsyncRequest / AsyncCallsQueue threads without those modules"),
     "*:LocalNonpersistentObject": "non-persistent entries are dropped by the caller before saving",
-    "*:remove_sharded_tensors": ("torch_dist files here are per rank (__R_0.distcp), not per key prefix, so keys "
-                                 "cannot be dropped by deleting files; load and re-save without them"),
     # datasets
     C + "datasets.blended_megatron_dataset_config:*": DATA_CFG, C + "datasets.gpt_dataset:*": DATA_CFG,
     C + "datasets.bert_dataset:*": DATA_CFG, C + "datasets.t5_dataset:*": DATA_CFG,
@@ -108,9 +96,8 @@ REASONS = {
     C + "utils:StragglerDetector": "--log-straggler (per-rank CUDA-event timing reports) is not implemented",
     # training
     T[:-1] + ":set_startup_timestamps": "startup timing is printed by pretrain itself",
-    T + "argument_utils:*": CONFIG_CONTAINER,
+    T + "argument_utils:hybrid_config_from_args": HYBRID,
     T + "arguments:validate_model_config_args_from_heterogeneous_config": "heterogeneous (per-layer) model configs are not implemented",
-    T + "utils:check_adlr_autoresume_termination": "ADLR autoresume is not implemented",
 }
 
 

@@ -1,5 +1,6 @@
-"""Megatron's megatron.training.argument_utils: the args -> config builders, and ArgumentGroupFactory,
-which turns a config dataclass into an argparse group (one flag per field)."""
+"""Megatron's megatron.training.argument_utils: the args -> config builders (TransformerConfig, GPTModelConfig,
+the pretrain / inference config containers), and ArgumentGroupFactory, which turns a config dataclass into
+an argparse group (one flag per field)."""
 import ast
 import dataclasses
 import enum
@@ -9,7 +10,12 @@ import typing
 from argparse import ArgumentParser
 from typing import Any, Dict, Optional
 
-from megatron.training.arguments.configs import core_transformer_config_from_args  # noqa: F401
+from megatron.training.arguments.configs import core_transformer_config_from_args
+from megatron.training.config import (
+    CheckpointConfig, DistributedInitConfig, InferenceConfigContainer, InferenceSetupConfig, LoggerConfig,
+    PretrainConfigContainer, ProfilingConfig, RerunStateMachineConfig, RNGConfig, SchedulerConfig,
+    StragglerDetectionConfig, TokenizerConfig, TrainingConfig, ValidationConfig)
+from megatron.training.models import GPTModelConfig
 
 
 class TypeInferenceError(Exception):
@@ -91,3 +97,89 @@ class ArgumentGroupFactory:
                         and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str):
                     docs[a.target.id] = " ".join(inspect.cleandoc(b.value.value).split())
         return docs
+
+
+# ------------------------------------------------ Megatron 0.19's config containers from parsed args
+
+
+def _default_config_from_args(cls: type, args, return_instance: bool = True):
+    """``cls`` (or its kwargs) with every field that ``args`` has under the same name."""
+    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.init and hasattr(args, f.name)}
+    return cls(**kwargs) if return_instance else kwargs
+
+
+def gpt_config_from_args(args, config=None, model_config_cls: type = GPTModelConfig):
+    """A GPTModelConfig (or a subclass adding no fields) from args; ``config``: the TransformerConfig
+    to use instead of the one the flags describe."""
+    if not issubclass(model_config_cls, GPTModelConfig):
+        raise TypeError(f"gpt_config_from_args: {model_config_cls.__name__} is not a GPTModelConfig")
+    kwargs = {"transformer": config if config is not None else core_transformer_config_from_args(args)}
+    if getattr(args, "spec", None):
+        from megatron.core.transformer.spec_utils import import_module
+        kwargs["transformer_layer_spec"] = import_module(args.spec)
+    padded = getattr(args, "padded_vocab_size", None)
+    if padded is None and args.vocab_size is None:
+        raise ValueError("gpt_config_from_args: either --padded-vocab-size or --vocab-size must be specified")
+    return model_config_cls(
+        **kwargs, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        seq_length=args.max_position_embeddings,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        vocab_size=padded if padded is not None else args.vocab_size, should_pad_vocab=padded is None)
+
+
+def _checkpoint_and_profiling(args):
+    ckpt = _default_config_from_args(CheckpointConfig, args, return_instance=False)
+    ckpt.update(save_optim=not args.no_save_optim, save_rng=not args.no_save_rng, load_optim=not args.no_load_optim,
+                load_rng=not args.no_load_rng, fully_parallel_save=args.ckpt_fully_parallel_save,
+                fully_parallel_load=args.ckpt_fully_parallel_load)
+    prof = _default_config_from_args(ProfilingConfig, args, return_instance=False)
+    prof["use_nsys_profiler"] = args.profile
+    return CheckpointConfig(**ckpt), ProfilingConfig(**prof)
+
+
+def pretrain_cfg_container_from_args(args, model_cfg=None) -> PretrainConfigContainer:
+    """Every section of a pretraining run from the parsed args (``model_cfg``: e.g. gpt_config_from_args(args);
+    None keeps the model to a model_provider function, with Megatron's warning)."""
+    import warnings
+
+    from megatron.training.arguments import ddp_config_from_args, optimizer_config_from_args
+    if model_cfg is None:
+        warnings.warn("It is recommended to use a ModelConfig (e.g. megatron.training.models.GPTModelConfig) "
+                      "instead of a model builder/model provider function pointer.")
+    checkpoint, profiling = _checkpoint_and_profiling(args)
+    rerun = _default_config_from_args(RerunStateMachineConfig, args, return_instance=False)
+    rerun["check_for_nan_in_loss"] = args.check_for_nan_in_loss_and_grad
+    return PretrainConfigContainer(
+        train=_default_config_from_args(TrainingConfig, args),
+        validation=_default_config_from_args(ValidationConfig, args), model=model_cfg,
+        optimizer=optimizer_config_from_args(args), scheduler=_default_config_from_args(SchedulerConfig, args),
+        ddp=ddp_config_from_args(args), dist=_default_config_from_args(DistributedInitConfig, args),
+        rng=_default_config_from_args(RNGConfig, args), logger=_default_config_from_args(LoggerConfig, args),
+        checkpoint=checkpoint, profiling=profiling, tokenizer=_default_config_from_args(TokenizerConfig, args),
+        rerun_state_machine=RerunStateMachineConfig(**rerun),
+        straggler=_default_config_from_args(StragglerDetectionConfig, args))
+
+
+def inference_cfg_from_args(args) -> InferenceSetupConfig:
+    """The inference flags as one InferenceSetupConfig (field names are the flags' destinations)."""
+    return _default_config_from_args(InferenceSetupConfig, args)
+
+
+def inference_cfg_container_from_args(args, model_cfg=None) -> InferenceConfigContainer:
+    """What an inference entry point needs (no optimizer, schedule, training loop or DDP sections);
+    ``model_cfg`` None: gpt_config_from_args(args)."""
+    if model_cfg is None:
+        if getattr(args, "hybrid_layer_pattern", None) is not None:
+            raise ValueError("inference_cfg_container_from_args: --hybrid-layer-pattern (hybrid Mamba models) is "
+                             "not supported; build a GPT model")
+        model_cfg = gpt_config_from_args(args)
+    checkpoint, profiling = _checkpoint_and_profiling(args)
+    return InferenceConfigContainer(
+        model=model_cfg, checkpoint=checkpoint, inference=inference_cfg_from_args(args),
+        dist=_default_config_from_args(DistributedInitConfig, args), rng=_default_config_from_args(RNGConfig, args),
+        tokenizer=_default_config_from_args(TokenizerConfig, args),
+        logger=_default_config_from_args(LoggerConfig, args), profiling=profiling)

@@ -3,6 +3,7 @@
 Only `megatron/training` uses these; `megatron/core` receives configs and process groups instead.
 """
 import os
+import sys
 
 from megatron.core import num_microbatches_calculator as mbc
 from megatron.core.timers import Timers
@@ -13,6 +14,7 @@ _GLOBAL_TENSORBOARD_WRITER = None
 _GLOBAL_WANDB_WRITER = None
 _GLOBAL_TIMERS = None
 _GLOBAL_SIGNAL_HANDLER = None
+_GLOBAL_ADLR_AUTORESUME = None
 
 
 def _ensure(var, name):
@@ -78,6 +80,26 @@ def set_global_variables(args, build_tokenizer=True):
     _set_wandb_writer(args)
     if args.exit_signal_handler:
         _set_signal_handler(args.exit_signal)
+    _set_adlr_autoresume(args)
+
+
+def _set_adlr_autoresume(args):
+    """--adlr-autoresume: the cluster's ``userlib.auto_resume.AutoResume``, imported from the
+    directory named by $SUBMIT_SCRIPTS (default: the working directory), as Megatron finds it."""
+    global _GLOBAL_ADLR_AUTORESUME
+    _GLOBAL_ADLR_AUTORESUME = None
+    if not getattr(args, "adlr_autoresume", False):
+        return
+    from megatron.core.errors import InputError
+    path = os.environ.get("SUBMIT_SCRIPTS", ".")
+    if path not in sys.path:
+        sys.path.append(path)
+    try:
+        from userlib.auto_resume import AutoResume
+    except ImportError as e:
+        raise InputError(f"--adlr-autoresume: cannot import userlib.auto_resume.AutoResume from SUBMIT_SCRIPTS="
+                         f"{path} ({e}); point SUBMIT_SCRIPTS at the directory holding userlib/ or drop the flag")
+    _GLOBAL_ADLR_AUTORESUME = AutoResume
 
 
 def _build_tokenizer(args):
@@ -126,7 +148,7 @@ def _set_signal_handler(signal_name):
 def destroy_global_vars():
     """Forget every singleton (tests run several trainings in one process)."""
     global _GLOBAL_ARGS, _GLOBAL_TOKENIZER, _GLOBAL_TENSORBOARD_WRITER, _GLOBAL_WANDB_WRITER
-    global _GLOBAL_TIMERS, _GLOBAL_SIGNAL_HANDLER
+    global _GLOBAL_TIMERS, _GLOBAL_SIGNAL_HANDLER, _GLOBAL_ADLR_AUTORESUME
     if _GLOBAL_TENSORBOARD_WRITER is not None:
         _GLOBAL_TENSORBOARD_WRITER.close()
     if _GLOBAL_WANDB_WRITER is not None:
@@ -134,7 +156,7 @@ def destroy_global_vars():
     if _GLOBAL_SIGNAL_HANDLER is not None:
         _GLOBAL_SIGNAL_HANDLER.release()
     _GLOBAL_ARGS = _GLOBAL_TOKENIZER = _GLOBAL_TENSORBOARD_WRITER = _GLOBAL_WANDB_WRITER = None
-    _GLOBAL_TIMERS = _GLOBAL_SIGNAL_HANDLER = None
+    _GLOBAL_TIMERS = _GLOBAL_SIGNAL_HANDLER = _GLOBAL_ADLR_AUTORESUME = None
     mbc.unset_num_microbatches_calculator()
 
 
@@ -151,13 +173,14 @@ def rebuild_tokenizer(args):
     return _GLOBAL_TOKENIZER
 
 
-# Optional integrations that this application does not ship (one-logger, ADLR autoresume, the energy
-# monitor): their getters return None, which is what Megatron returns when they are not enabled.
-def get_one_logger():
-    return None
-
-
 def get_adlr_autoresume():
+    """The AutoResume class under --adlr-autoresume, else None."""
+    return _GLOBAL_ADLR_AUTORESUME
+
+
+# Optional integrations that this application does not ship (one-logger, the energy monitor): their
+# getters return None, which is what Megatron returns when they are not enabled.
+def get_one_logger():
     return None
 
 

@@ -63,8 +63,21 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
         _set_random_seed(args.seed, args.data_parallel_random_init,
                          use_cudagraphable_rng=getattr(args, "cuda_graph_impl", "none") == "full_iteration")
     _compile_dataset_helpers()
+    _init_autoresume()
     hang.install(args)
     return None
+
+
+def _init_autoresume():
+    """--adlr-autoresume: start the service's clock once every rank is up."""
+    from megatron.training.global_vars import get_adlr_autoresume
+    autoresume = get_adlr_autoresume()
+    if autoresume:
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        autoresume.init()
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
 
 
 def _fail_start(exc, args):

@@ -22,7 +22,7 @@ from megatron.training.initialize import initialize_megatron
 from megatron.training.log_line import training_log
 from megatron.training.model_setup import get_model, print_startup_banner, setup_model_and_optimizer  # noqa: F401
 from megatron.training.train_step import get_training_forward_backward_func, train_step
-from megatron.training.utils import calc_params_l2_norm, print_rank_0
+from megatron.training.utils import calc_params_l2_norm, check_adlr_autoresume_termination, print_rank_0
 
 _TRAIN_START_TIME = time.time()
 _STARTUP_TIMESTAMPS = {"program_start": None, "main_entry": None}
@@ -45,11 +45,26 @@ def print_datetime(string):
     print_rank_0(f"[{string}] datetime: {datetime.now().strftime('%Y-%m-%d %H:%M:%S')} ")
 
 
-def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
-             process_non_loss_data_func=None, extra_args_provider=None, args_defaults={},
-             get_embedding_ranks=None, get_position_embedding_ranks=None, non_loss_data_func=None):
-    """Megatron's classic entry: everything from flags to the final test evaluation. An error on any rank
-    ends the run there with `[rank R] Type: message` and a non-zero exit (diagnostics.errors)."""
+def pretrain(*args, **kwargs):
+    """Everything from flags to the final test evaluation, in either of Megatron's forms:
+
+    - Megatron 0.19: ``pretrain(cfg_container, train_valid_test_dataset_provider, model_type,
+      forward_step_func, model_provider=None, ...)`` with a PretrainConfigContainer (see
+      `_pretrain_from_container`);
+    - classic: ``pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+      process_non_loss_data_func=None, extra_args_provider=None, args_defaults={}, ...)``.
+
+    An error on any rank ends the run there with `[rank R] Type: message` and a non-zero exit
+    (diagnostics.errors)."""
+    from megatron.training.config import PretrainConfigContainer
+    if isinstance(args[0] if args else kwargs.get("cfg_container"), PretrainConfigContainer):
+        return _pretrain_from_container(*args, **kwargs)
+    return _pretrain_classic(*args, **kwargs)
+
+
+def _pretrain_classic(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                      process_non_loss_data_func=None, extra_args_provider=None, args_defaults={},
+                      get_embedding_ranks=None, get_position_embedding_ranks=None, non_loss_data_func=None):
     with report_errors():
         _pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
                   process_non_loss_data_func, extra_args_provider, args_defaults, get_embedding_ranks,
@@ -57,13 +72,48 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     hang.uninstall()  # a finished run stops watching (the process may go on, e.g. in tests)
 
 
+def _pretrain_from_container(cfg_container, train_valid_test_dataset_provider, model_type, forward_step_func,
+                             model_provider=None, process_non_loss_data_func=None, get_embedding_ranks=None,
+                             get_position_embedding_ranks=None, non_loss_data_func=None, store=None,
+                             inprocess_call_wrapper=None, p2p_communicator=None, pg_collection=None,
+                             skip_model_parallel_init=False):
+    """Megatron 0.19's pretrain: the flags are those already parsed by parse_and_validate_args (else the
+    command line's); ``cfg_container.model`` (a GPTModelConfig), when set, builds the model through its
+    builder in place of ``model_provider``. The other sections mirror the flags, which the run reads,
+    as Megatron's pretrain does."""
+    from megatron.training import global_vars
+    for name, value in (("store", store), ("inprocess_call_wrapper", inprocess_call_wrapper),
+                        ("p2p_communicator", p2p_communicator), ("pg_collection", pg_collection)):
+        if value is not None:
+            raise NotImplementedError(f"pretrain({name}=...) is not supported; leave it None (default groups)")
+    if skip_model_parallel_init:
+        raise NotImplementedError("pretrain(skip_model_parallel_init=True) is not supported")
+    model_cfg = cfg_container.model
+    if model_cfg is not None:
+        if model_cfg.pre_wrap_hooks or model_cfg.post_wrap_hooks:
+            raise NotImplementedError("pretrain: ModelConfig pre_wrap_hooks / post_wrap_hooks are not supported")
+        model_cfg.finalize()
+        builder = model_cfg.get_builder_cls()(model_cfg)
+
+        def model_provider(pre_process=True, post_process=True, vp_stage=None):
+            return builder.build_model(None, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+    elif model_provider is None:
+        raise ValueError("pretrain: give cfg_container.model (a GPTModelConfig) or a model_provider")
+    with report_errors():
+        _pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                  process_non_loss_data_func, None, {}, get_embedding_ranks, get_position_embedding_ranks,
+                  parsed_args=global_vars._GLOBAL_ARGS)
+    hang.uninstall()
+
+
 def _pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
               process_non_loss_data_func, extra_args_provider, args_defaults, get_embedding_ranks,
-              get_position_embedding_ranks):
+              get_position_embedding_ranks, parsed_args=None):
     if get_embedding_ranks is not None or get_position_embedding_ranks is not None:
         raise NotImplementedError("pretrain(get_embedding_ranks=...) is not supported; use the default ranks")
     start = _STARTUP_TIMESTAMPS["program_start"] or time.time()
-    initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=args_defaults)
+    initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=args_defaults,
+                        parsed_args=parsed_args)
     args, timers = get_args(), get_timers()
     _initialize_rerun_state_machine(args)
     _report_init_time(start)
@@ -200,6 +250,8 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             timers("interval-time").start()
         if args.async_save:
             _finalize_async_saves(blocking=False)
+        if args.adlr_autoresume and iteration % args.adlr_autoresume_interval == 0:
+            check_adlr_autoresume_termination(iteration, model, optimizer, opt_param_scheduler)
         if _checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration):
             return iteration, True
     return iteration, False

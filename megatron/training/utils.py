@@ -275,3 +275,27 @@ def start_memory_history_recording(profiling) -> None:
     if not torch.cuda.is_available():
         raise RuntimeError("record_memory_history: the allocator history is CUDA's; there is no CUDA device here")
     torch.cuda.memory._record_memory_history(True, trace_alloc_max_entries=100_000, trace_alloc_record_context=True)
+
+
+def check_adlr_autoresume_termination(iteration, model, optimizer, opt_param_scheduler):
+    """--adlr-autoresume: when the cluster's service asks this job to stop, save a checkpoint (with
+    --save), request the job's resumption (rank 0) and exit 0. Collective: every rank calls it."""
+    import sys
+
+    from megatron.training.global_vars import get_adlr_autoresume, get_args
+    args = get_args()
+    autoresume = get_adlr_autoresume()
+    if _dist():
+        torch.distributed.barrier()  # every rank asks the service at the same iteration
+    if autoresume.termination_requested():
+        if args.save:
+            from megatron.training.async_utils import maybe_finalize_async_save
+            from megatron.training.checkpointing import save_checkpoint
+            save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
+                            args.num_floating_point_operations_so_far)
+            maybe_finalize_async_save(blocking=True, terminate=True)  # the process ends next
+        print_rank_0(">>> autoresume termination request found!")
+        if get_rank_safe() == 0:
+            autoresume.request_resume()
+        print_rank_0(">>> training terminated. Returning")
+        sys.exit(0)

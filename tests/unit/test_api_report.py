@@ -10,7 +10,7 @@ from tools.api_report import JSON_PATH, MD_PATH
 
 # Fraction of Megatron Core 0.19.2's public names (of the modules in tools/api_report.py) present
 # with Megatron's signature. Raise it as names land; a drop means a signature regressed.
-COVERAGE_FLOOR = 0.93
+COVERAGE_FLOOR = 0.95
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,11 @@ from .serialization import (
     load_plain_tensors,
     load_sharded_metadata,
     load_tensors_metadata,
+    remove_sharded_tensors,
     save,
 )
 from .strategies.async_utils import AsyncCallsQueue, AsyncRequest
 
 __all__ = ["ShardedTensor", "ShardedObject", "ShardedTensorFactory", "ShardedStateDict", "save", "load", "load_common_state_dict",
-           "load_tensors_metadata", "load_sharded_metadata", "load_plain_tensors", "load_content_metadata", "ShardedBase", "check_is_distributed_checkpoint", "CheckpointingException",
+           "load_tensors_metadata", "load_sharded_metadata", "load_plain_tensors", "load_content_metadata", "remove_sharded_tensors", "ShardedBase", "check_is_distributed_checkpoint", "CheckpointingException",
            "AsyncCallsQueue", "AsyncRequest"]

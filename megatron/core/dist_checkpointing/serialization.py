@@ -313,6 +313,14 @@ def load_plain_tensors(checkpoint_dir: str) -> Dict[str, torch.Tensor]:
     return {key: loaded[key] for key in request}
 
 
+def remove_sharded_tensors(checkpoint_dir: str, key_prefix: str):
+    """Drop the tensors and objects whose keys start with ``key_prefix`` from a saved checkpoint
+    (e.g. optimizer state before sharing weights). Run it on one process."""
+    from .validation import verify_checkpoint
+    verify_checkpoint(checkpoint_dir)
+    torch_strategy.TorchDistLoadShardedStrategy().remove_sharded_tensors(checkpoint_dir, key_prefix)
+
+
 def get_default_save_sharded_strategy(backend: str = "torch_dist"):
     """The save strategy for `backend`: only 'torch_dist' exists here."""
     if backend != "torch_dist":

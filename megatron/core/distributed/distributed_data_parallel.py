@@ -7,13 +7,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed.wrapped_module import WrappedModule
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
+from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer, partition_buckets
 
 
 class DistributedDataParallel(WrappedModule):
     """Wraps `module`: every param gets `.main_grad` (a view into a flat per-dtype buffer); backward
-    hooks accumulate `param.grad` into it and, with `overlap_grad_reduce`, launch each bucket's
-    collective as soon as the bucket's last grad is in. Grads end up averaged over the DP x CP group."""
+    hooks accumulate `param.grad` into it and, with `overlap_grad_reduce`, launch each bucket group's
+    collectives as soon as the group's last grad is in (one bucket per group; all buckets in one group
+    with `disable_bucketing`). Grads end up averaged over the DP x CP group."""
 
     def __init__(self, config, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
                  disable_bucketing: bool = False, pg_collection=None, full_param_layout=None):
@@ -61,6 +62,11 @@ class DistributedDataParallel(WrappedModule):
         self.param_to_bucket = {}
         for buffer in self.buffers + self.expert_parallel_buffers:
             self.param_to_bucket.update(buffer.param_to_bucket)
+        self.bucket_groups = partition_buckets(self.buffers, force_single_bucket_group=disable_bucketing)
+        self.expert_parallel_bucket_groups = partition_buckets(self.expert_parallel_buffers,
+                                                               force_single_bucket_group=disable_bucketing)
+        self.param_to_bucket_group = {p: group for group in self.bucket_groups + self.expert_parallel_bucket_groups
+                                      for p in group.params}
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_hook)
                             for p in self.param_to_bucket]
         self._param_gather_hooks = {}
@@ -89,7 +95,7 @@ class DistributedDataParallel(WrappedModule):
                 param.main_grad.add_(param.grad.data)
             param.grad = None
         if self.ddp_config.overlap_grad_reduce:
-            self.param_to_bucket[param].register_grad_ready(param)
+            self.param_to_bucket_group[param].register_grad_ready(param)
 
     def forward(self, *inputs, **kwargs):
         return self.module(*inputs, **kwargs)
@@ -98,24 +104,26 @@ class DistributedDataParallel(WrappedModule):
     @contextmanager
     def no_sync(self):
         """Accumulate grads locally (no collective) inside this context: all but the last microbatch."""
-        for bucket in self._all_buckets():
-            bucket.is_last_microbatch = False
+        for group in self._bucket_groups():
+            group.is_last_microbatch = False
         try:
             yield
         finally:
-            for bucket in self._all_buckets():
-                bucket.is_last_microbatch = True
+            for group in self._bucket_groups():
+                group.is_last_microbatch = True
+
+    def _bucket_groups(self):
+        return self.bucket_groups + self.expert_parallel_bucket_groups
 
     def start_grad_sync(self, *unused):
         """Launch every bucket's collective that has not been launched yet."""
-        for bucket in self._all_buckets():
-            if bucket.grad_reduce_handle is None:
-                bucket.start_grad_sync()
+        for group in self._bucket_groups():
+            group.start_grad_sync()
 
     def finish_grad_sync(self):
         """Complete the DP reduction of all grads (launching what overlap did not launch)."""
-        for bucket in self._all_buckets():
-            bucket.finish_grad_sync()
+        for group in self._bucket_groups():
+            group.finish_grad_sync()
 
     def scale_gradients(self, scaling_factor: float):
         for buffer in self.buffers + self.expert_parallel_buffers:
@@ -127,6 +135,8 @@ class DistributedDataParallel(WrappedModule):
             param.grad_added_to_main_grad = False
         for buffer in self.buffers + self.expert_parallel_buffers:
             buffer.reset()
+        for group in self._bucket_groups():
+            group.reset()
 
     def broadcast_params(self):
         """Copy DP rank 0's params to the other DP ranks (identical start on every replica)."""
@@ -139,17 +149,12 @@ class DistributedDataParallel(WrappedModule):
     # -- parameter all-gather (distributed optimizer) -------------------------------------------
     def start_param_sync(self, *unused, force_sync: bool = False):
         """All-gather updated param shards; async (waited on in forward pre-hooks) with overlap_param_gather."""
-        async_op = self.ddp_config.overlap_param_gather and not force_sync
-        for bucket in self._all_buckets():
-            bucket.finish_param_sync()
-            bucket.start_param_sync(async_op=async_op)
-        if not async_op:
-            for bucket in self._all_buckets():
-                bucket.finish_param_sync()
+        for group in self._bucket_groups():
+            group.start_param_sync(force_sync=force_sync)
 
     def finish_param_sync(self):
-        for bucket in self._all_buckets():
-            bucket.finish_param_sync()
+        for group in self._bucket_groups():
+            group.finish_param_sync()
 
     def enable_forward_pre_hook(self):
         """Before each submodule runs, wait for the all-gathers of the buckets holding its params."""

@@ -45,12 +45,10 @@ class _ParamAndGradBucket:
         self.param_to_name = param_to_name
         self.dp_size = dist.get_world_size(group=data_parallel_group)
         self.dp_rank = dist.get_rank(group=data_parallel_group)
-        self.is_last_microbatch = True
         self.grad_reduce_handle = None
         self.param_gather_handle = None
         self._gather_input = None
         self._reduce_output = None
-        self.params_with_grad = set()
 
     # -- shards (distributed optimizer) --------------------------------------------------------
     def shard_range(self, rank=None):
@@ -68,10 +66,6 @@ class _ParamAndGradBucket:
         return self.param_data[start:end]
 
     # -- gradient reduction --------------------------------------------------------------------
-    def reset(self):
-        self.params_with_grad = set()
-        self.is_last_microbatch = True
-
     def check_for_nan(self):
         norm = self.grad_data.float().norm(p=2)
         if not torch.isfinite(norm):
@@ -118,16 +112,6 @@ class _ParamAndGradBucket:
             if self._reduce_output is not shard:
                 shard.copy_(self._reduce_output)
             self._reduce_output = None
-
-    def register_grad_ready(self, param):
-        """Called by the backward hook; launches the bucket's collective when its last grad is in."""
-        assert self.ddp_config.overlap_grad_reduce
-        if not self.is_last_microbatch:
-            return
-        assert param not in self.params_with_grad, "param's grad reported ready twice in one backward"
-        self.params_with_grad.add(param)
-        if len(self.params_with_grad) == len(self.params):
-            self.start_grad_sync()
 
     # -- parameter all-gather (distributed optimizer) -------------------------------------------
     def start_param_sync(self, async_op: bool):
@@ -217,10 +201,83 @@ class _ParamAndGradBuffer:
         self.grad_data.mul_(scaling_factor)
 
     def reset(self):
-        """Zero the grad buffer and forget which grads arrived (start of an iteration)."""
+        """Zero the grad buffer (start of an iteration)."""
         self.grad_data.zero_()
+
+
+class _ParamAndGradBucketGroup:
+    """Buckets whose collectives launch together: once every param of every bucket in the group has its
+    grad (with overlap_grad_reduce), or at finish_grad_sync. DDP drives its buckets through groups."""
+
+    def __init__(self, buckets: List[_ParamAndGradBucket], ddp_config, collective_group,
+                 collective_group_size: int):
+        self.buckets = list(buckets)
+        self.ddp_config = ddp_config
+        self.data_parallel_group = collective_group
+        self.data_parallel_world_size = collective_group_size
+        self.params = {p for bucket in self.buckets for p in bucket.params}
+        self.params_with_grad = set()
+        self.is_last_microbatch = True
+
+    def reset(self):
+        self.params_with_grad = set()
+        self.is_last_microbatch = True
+
+    def start_grad_sync(self):
         for bucket in self.buckets:
-            bucket.reset()
+            if bucket.grad_reduce_handle is None:
+                bucket.start_grad_sync()
+
+    def finish_grad_sync(self):
+        for bucket in self.buckets:
+            bucket.finish_grad_sync()
+
+    def register_grad_ready(self, param):
+        """Called by the backward hook; launches the group's collectives when its last grad is in."""
+        assert self.ddp_config.overlap_grad_reduce
+        if not self.is_last_microbatch:
+            return
+        assert param in self.params, "param is not in this bucket group"
+        assert param not in self.params_with_grad, "param's grad reported ready twice in one backward"
+        self.params_with_grad.add(param)
+        if len(self.params_with_grad) == len(self.params):
+            self.start_grad_sync()
+
+    def start_param_sync(self, force_sync: bool = False):
+        async_op = self.ddp_config.overlap_param_gather and not force_sync
+        for bucket in self.buckets:
+            bucket.finish_param_sync()
+            bucket.start_param_sync(async_op=async_op)
+        if not async_op:
+            self.finish_param_sync()
+
+    def finish_param_sync(self):
+        for bucket in self.buckets:
+            bucket.finish_param_sync()
+
+
+def partition_buckets(buffers: List[_ParamAndGradBuffer], force_single_bucket_group: bool = False,
+                      reduce_scatter_with_fp32_accumulation: bool = False) -> List[_ParamAndGradBucketGroup]:
+    """Group the buckets of ``buffers`` for communication: one group per bucket, or, with
+    ``force_single_bucket_group`` (DDP's disable_bucketing), every bucket of every buffer in one group
+    (the buffers must share the DDP config and group). Megatron's third case (FP8 parameter buffers,
+    whose non-FP8 buckets join the last FP8 group) does not arise: parameters are never stored in FP8."""
+    if reduce_scatter_with_fp32_accumulation:
+        raise NotImplementedError("partition_buckets(reduce_scatter_with_fp32_accumulation=True) is not "
+                                  "supported; use grad_reduce_in_fp32 for fp32 reductions")
+    if not buffers:
+        return []
+    if any(buffer.param_dtype == torch.uint8 for buffer in buffers):
+        raise NotImplementedError("partition_buckets: FP8 (uint8) parameter buffers do not exist here")
+    first = buffers[0]
+    if force_single_bucket_group:
+        for buffer in buffers[1:]:
+            if buffer.ddp_config != first.ddp_config or buffer.data_parallel_group != first.data_parallel_group:
+                raise ValueError("partition_buckets: buffers of one group must share the DDP config and group")
+        return [_ParamAndGradBucketGroup([b for buffer in buffers for b in buffer.buckets], first.ddp_config,
+                                         first.data_parallel_group, first.dp_size)]
+    return [_ParamAndGradBucketGroup([bucket], buffer.ddp_config, buffer.data_parallel_group, buffer.dp_size)
+            for buffer in buffers for bucket in buffer.buckets]
 
 
 class BufferKey(NamedTuple):

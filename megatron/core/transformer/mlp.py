@@ -72,3 +72,62 @@ class MLP(MegatronModule):
         if per_token_scale is not None:
             h = h * per_token_scale.unsqueeze(-1).to(h.dtype)
         return self.linear_fc2(h)  # (output, bias)
+
+
+def apply_swiglu_sharded_factory(original_sh_ten, sharded_offsets, singleton_local_shards: bool = False,
+                                 tp_group=None, dp_group=None):
+    """Save a TP-local fused SwiGLU fc1 tensor [gate_r; up_r] as Megatron lays it out: a
+    ShardedTensorFactory whose build splits it into the gate and up halves, each sharded over TP,
+    and whose merge concatenates them again on load, so the checkpoint reshards to any TP.
+
+    Global layout: one tensor ``key`` = [gate; up] (gate_r is fragment r, up_r fragment tp + r of
+    2 * tp along axis 0), or with ``singleton_local_shards`` two tensors ``key_w`` (gate) and
+    ``key_v`` (up). ``sharded_offsets`` are the prepended (e.g. per-layer) axes' offsets. A tensor
+    marked ``is_torch_fsdp2_param`` and sharded over ``dp_group`` (> 1 rank) saves its DP shard of
+    [gate_tp; up_tp] at its place in [gate; up]. (This application's own MLP keeps its fc1 as one
+    [2, ffn, hidden] tensor, the stride-2 view; use this for modules that want Megatron's layout.)
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    axis = len(sharded_offsets)  # axis 0 of the local tensor, after the prepended axes
+    local_axis_size = original_sh_ten.local_shape[0]
+    if original_sh_ten.global_offset[axis] % local_axis_size:
+        raise ValueError(f"{original_sh_ten.key}: global offset {original_sh_ten.global_offset[axis]} is not a "
+                         f"multiple of the local size {local_axis_size} along the SwiGLU axis")
+    axis_frag = original_sh_ten.axis_fragmentations[axis]
+    rank_offset = original_sh_ten.global_offset[axis] // local_axis_size
+    dp_size = dp_group.size() if dp_group is not None else 1
+    dp_sharded = getattr(original_sh_ten, "is_torch_fsdp2_param", False) and dp_size > 1
+
+    @torch.no_grad()
+    def build(key, t, replica_id, flattened_range):
+        if singleton_local_shards:
+            offsets = ((axis, rank_offset, axis_frag), (axis, rank_offset, axis_frag))
+            keys = (f"{key}_w", f"{key}_v")
+        else:
+            offsets = ((axis, rank_offset, 2 * axis_frag), (axis, rank_offset + axis_frag, 2 * axis_frag))
+            keys = (key, key)
+        halves = torch.chunk(t, 2, dim=0)
+        return [ShardedTensor.from_rank_offsets(k, h, *sharded_offsets, off, replica_id=replica_id,
+                                                prepend_axis_num=axis)
+                for k, h, off in zip(keys, halves, offsets)]
+
+    @torch.no_grad()
+    def build_dp_sharded(key, t, replica_id, flattened_range):
+        if singleton_local_shards:
+            raise ValueError(f"{key}: a DP-sharded SwiGLU fc1 cannot use singleton_local_shards")
+        tp_size, tp_rank = tp_group.size(), tp_group.rank()
+        half = original_sh_ten.global_shape[axis] // tp_size // 2  # one TP rank's gate (or up) rows
+        if half % local_axis_size:
+            raise ValueError(f"{key}: each DP shard must lie inside the gate or the up half")
+        per_half = half // local_axis_size
+        which, idx = divmod(dp_group.rank(), per_half)  # 0: gate, 1: up
+        shard = which * tp_size * per_half + tp_rank * per_half + idx
+        return [ShardedTensor.from_rank_offsets(key, t, *sharded_offsets, (axis, shard, axis_frag),
+                                                replica_id=replica_id, prepend_axis_num=axis)]
+
+    def merge(loaded):
+        return torch.cat(loaded, dim=0) if isinstance(loaded, (list, tuple)) else loaded
+
+    return ShardedTensorFactory(original_sh_ten.key, original_sh_ten.data,
+                                build_dp_sharded if dp_sharded else build, merge, original_sh_ten.replica_id,
+                                flattened_range=original_sh_ten.flattened_range)

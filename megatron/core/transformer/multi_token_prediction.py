@@ -22,6 +22,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.mtp_logging import MTPLossLoggingHelper  # noqa: F401  (Megatron's import path)
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import make_viewless_tensor
 

@@ -6,6 +6,7 @@
 import argparse
 import os
 
+from .autoresume_args import add_autoresume_args
 from .diagnostics_args import add_diagnostics_args
 from .context_parallel_args import add_context_parallel_args
 from .configs import core_transformer_config_from_args, ddp_config_from_args, optimizer_config_from_args
@@ -43,7 +44,8 @@ def build_parser(extra_args_provider=None):
                 add_inference_args,
                 add_mla_args,
                 add_dropin_args,
-                add_diagnostics_args):
+                add_diagnostics_args,
+                add_autoresume_args):
         parser = add(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)

@@ -7,6 +7,7 @@ import torch
 
 from megatron.core.errors import InputError
 
+from .autoresume_args import validate_autoresume_args
 from .diagnostics_args import validate_diagnostics_args
 from .dropin_args import validate_dropin_args
 from .context_parallel_args import validate_context_parallel_args
@@ -56,6 +57,7 @@ def validate_args(args, defaults={}):
     _validate_misc(args)
     validate_inference_args(args, _require)
     validate_diagnostics_args(args, _require)
+    validate_autoresume_args(args, _require)
     validate_inputs(args, _require)
     return args
 

@@ -5,6 +5,9 @@ describes global tensors independent of the layout that wrote them. Loading asks
 current layout needs; DCP reads the overlapping parts of whichever saved chunks cover it.
 """
 import io
+import os
+import shutil
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -159,12 +162,61 @@ class TorchDistLoadShardedStrategy:
             raise NotImplementedError("TorchDistLoadShardedStrategy(checkpoint_name=...) is not supported")
         self.backend, self.version = "torch_dist", 1
 
+    def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str):
+        """Remove every tensor and object whose key starts with ``key_prefix`` from the checkpoint.
+
+        Files here hold one rank's shards of all keys (``__{rank}_0.distcp``), not one key prefix each,
+        so the kept entries are read whole and written again into a sibling directory, which then
+        replaces ``checkpoint_dir``: a failure before the swap leaves the original untouched. Local to
+        the calling process (call it on one rank); the kept tensors are held in host memory meanwhile.
+        """
+        md = read_metadata(checkpoint_dir)
+        entries = md.state_dict_metadata
+        if not any(k.startswith(key_prefix) for k in entries):
+            warnings.warn(f'There are no entries in {checkpoint_dir} that begin with "{key_prefix}". '
+                          'Skipping removal.')
+            return
+        keep = [k for k in entries if not k.startswith(key_prefix)]
+        shards = {k: [((0,) * len(entries[k].size), torch.empty(tuple(entries[k].size),
+                                                                 dtype=entries[k].properties.dtype),
+                       tuple(entries[k].size))]
+                  for k in keep if not isinstance(entries[k], BytesStorageMetadata)}
+        object_keys = [k for k in keep if isinstance(entries[k], BytesStorageMetadata)]
+        # Empty tensors have no chunk to read; they are written back empty.
+        readable = {k: v for k, v in shards.items() if v[0][1].numel()}
+        objects = dcp_read(checkpoint_dir, readable, object_keys, no_dist=True) if readable or object_keys else {}
+        tmp = checkpoint_dir.rstrip(os.sep) + ".removing"
+        old = checkpoint_dir.rstrip(os.sep) + ".removed"
+        for d in (tmp, old):
+            if os.path.exists(d):
+                raise RuntimeError(f"remove_sharded_tensors: {d} exists (left by an interrupted removal); "
+                                   f"check it against {checkpoint_dir} and delete it")
+        try:
+            os.makedirs(tmp)
+            dcp_write(tmp, shards, objects, no_dist=True)
+            for name in os.listdir(checkpoint_dir):  # common state, metadata.json and anything else
+                src, dst = os.path.join(checkpoint_dir, name), os.path.join(tmp, name)
+                if os.path.isdir(src):
+                    shutil.copytree(src, dst)
+                elif not name.endswith(".distcp") and name != ".metadata":
+                    shutil.copy2(src, dst)
+            if os.path.exists(os.path.join(tmp, "integrity.json")):
+                from ..validation import save_integrity_manifest
+                save_integrity_manifest(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        os.rename(checkpoint_dir, old)
+        os.rename(tmp, checkpoint_dir)
+        shutil.rmtree(old)
+
 
 def dcp_write(checkpoint_dir: str, shards: Shards, objects: Dict[str, object], process_group=None,
-              thread_count: int = 1) -> None:
+              thread_count: int = 1, no_dist=None) -> None:
     """Write ``shards`` and ``objects`` (already deduplicated by replica) into ``checkpoint_dir``."""
     writer = FileSystemWriter(checkpoint_dir, single_file_per_rank=True, thread_count=thread_count)
-    no_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    if no_dist is None:
+        no_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     dcp_save(dict(objects), storage_writer=writer, planner=_SavePlanner(shards),
              process_group=process_group, no_dist=no_dist)
 

@@ -50,6 +50,27 @@ def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
     return d1 * cost * d0.unsqueeze(1)
 
 
+def qb_dual_update(scores: torch.Tensor, k: int, beta: torch.Tensor, update_beta: bool = True
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One dual coordinate-descent step of quantile-balancing routing: each of the m tokens picks the k
+    experts with the largest ``scores - beta`` ([m, n] scores, [n] per-expert bias), and, with
+    ``update_beta``, the new bias is each expert's column quantile of ``scores - alpha`` (alpha: a token's
+    (k+1)-th best biased score) that admits m * k / n tokens per expert. Returns (indices [m, k], the new
+    bias [n], or ``beta`` unchanged without update_beta). The router's quantile_balancing routing type is
+    not implemented here; this is the assignment step for code that routes with it."""
+    num_tokens, num_experts = scores.shape
+    top = (scores - beta).topk(k + 1, dim=1)
+    indices = top.indices[:, :-1]
+    if not update_beta:
+        return indices, beta
+    if (num_tokens * k) % num_experts:
+        raise ValueError(f"qb_dual_update: {num_tokens} tokens x top-{k} do not split evenly over "
+                         f"{num_experts} experts")
+    per_expert = num_tokens * k // num_experts
+    alpha = top.values[:, -1:]
+    return indices, (scores - alpha).topk(per_expert + 1, dim=0).values[-1].contiguous()
+
+
 def get_capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: Optional[int] = None):
     """Tokens one expert may take: ceil(num_tokens / num_experts * capacity_factor)."""
     capacity = math.ceil((num_tokens / num_experts) * capacity_factor)

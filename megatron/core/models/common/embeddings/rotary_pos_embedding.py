@@ -1,6 +1,6 @@
 """Rotary position embedding frequencies (RoPE)."""
 import math
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -56,6 +56,49 @@ class RotaryEmbedding(torch.nn.Module):
         if transformer_config.sequence_parallel:
             seq_len *= parallel_state.get_tensor_model_parallel_world_size()
         return seq_len * transformer_config.context_parallel_size  # CP ranks hold 1/CP of the sequence
+
+
+class MultimodalRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE (mRoPE, Qwen2-VL): each token has a (temporal, height, width) position, and the
+    rotary channels are split into ``mrope_section`` = [t, h, w] frequency bands (sum: rot_dim / 2),
+    band k rotating by position component k. Text tokens, with t = h = w, get plain RoPE.
+
+    ``forward(position_ids [3, b, s], mrope_section)`` returns angles ``[s, b, 1, rot_dim]`` for
+    ``apply_rotary_pos_emb``; with a context-parallel group of > 1 rank, this rank's two sequence
+    chunks (the causal load-balanced layout of the CP attention)."""
+
+    def __init__(self, kv_channels: int, rotary_percent: float, rotary_interleaved: bool = False,
+                 seq_len_interpolation_factor: Optional[float] = None, rotary_base: int = 10000,
+                 cp_group=None) -> None:
+        super().__init__(kv_channels, rotary_percent, rotary_interleaved=rotary_interleaved,
+                         seq_len_interpolation_factor=seq_len_interpolation_factor, rotary_base=rotary_base)
+        self.cp_group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group(
+            check_initialized=False)
+
+    def forward(self, position_ids: torch.Tensor, mrope_section: List[int], cp_group=None) -> torch.Tensor:
+        half = self.inv_freq.numel()
+        if position_ids.dim() != 3 or position_ids.size(0) != 3:
+            raise ValueError(f"mRoPE position_ids must be [3, batch, seq], got {tuple(position_ids.shape)}")
+        if sum(mrope_section) != half:
+            raise ValueError(f"mrope_section {list(mrope_section)} must sum to rot_dim / 2 = {half}")
+        seq = position_ids.to(device=self.inv_freq.device, dtype=torch.float32)
+        if self.seq_len_interpolation_factor is not None:
+            seq = seq / self.seq_len_interpolation_factor
+        freqs = seq[..., None] * self.inv_freq  # [3, b, s, rot_dim / 2]
+        # Frequency band j takes its angle from position component section_of(j).
+        section = torch.repeat_interleave(torch.arange(3, device=freqs.device),
+                                          torch.tensor(list(mrope_section), device=freqs.device))
+        freqs = freqs.gather(0, section.expand(1, *freqs.shape[1:-1], half)).squeeze(0)  # [b, s, rot_dim / 2]
+        if self.rotary_interleaved:
+            emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)  # f0 f0 f1 f1 ...
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)  # f0 f1 ... f0 f1 ...
+        emb = emb.transpose(0, 1)[:, :, None, :].contiguous()  # [s, b, 1, rot_dim]
+        cp_group = cp_group if cp_group is not None else self.cp_group
+        if cp_group is not None and cp_group.size() > 1:
+            from megatron.core.context_parallel.utils import cp_local_indices
+            emb = emb.index_select(0, cp_local_indices(emb.size(0), cp_group.size(), cp_group.rank(), emb.device))
+        return emb
 
 
 def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float = 1.0,
