@@ -114,6 +114,13 @@ def _check_embedding(tp, rank):
             torch.testing.assert_close(out, ref.detach(), **TOL)
             out.backward(dy)
         torch.testing.assert_close(emb.weight.grad, wr.grad.chunk(tp, 0)[rank], **TOL)
+    # Gradient-accumulation fusion: the rows this rank owns go straight into main_grad.
+    cfg = _cfg()
+    cfg.gradient_accumulation_fusion = True
+    emb = VocabParallelEmbedding(V, h, init_method=torch.nn.init.zeros_, config=cfg)
+    emb.weight.main_grad, emb.weight.grad_added_to_main_grad = torch.zeros(V // tp, h), False
+    emb(ids).backward(dy)
+    torch.testing.assert_close(emb.weight.main_grad, wr.grad.chunk(tp, 0)[rank], **TOL)
 
 
 def _check_cross_entropy(tp, rank):
@@ -134,6 +141,17 @@ def _check_cross_entropy(tp, rank):
         torch.testing.assert_close(loss, ref.detach(), **TOL)
         loss.backward(dl)
         torch.testing.assert_close(local.grad, lr.grad.chunk(tp, -1)[rank], **TOL)
+    # The chunked cross entropy (--cross-entropy-loss-fusion): per-rank max and exp-sum rescaled to the
+    # global max before the sum.
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+    lr = logits.clone().requires_grad_()
+    ref = F.cross_entropy(lr.reshape(-1, V), target.reshape(-1), reduction="none").view(s, b)
+    ref.backward(dl)
+    local = logits.chunk(tp, -1)[rank].clone().requires_grad_()
+    loss = fused_vocab_parallel_cross_entropy(local, target)
+    torch.testing.assert_close(loss, ref.detach(), **TOL)
+    loss.backward(dl)
+    torch.testing.assert_close(local.grad, lr.grad.chunk(tp, -1)[rank], **TOL)
 
 
 def _check_rng(tp, rank):

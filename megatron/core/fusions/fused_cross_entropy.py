@@ -24,25 +24,25 @@ def _all_reduce(t, op, group):
 
 
 @maybe_compile
-def _chunk_max(logits):
-    return logits.float().amax(dim=-1)  # [n]
-
-
-@maybe_compile
-def _chunk_sum_exp_and_target(logits, logits_max, masked_target, target_mask):
-    z = logits.float() - logits_max.unsqueeze(-1)
-    sum_exp = z.exp().sum(dim=-1)  # [n]
+def _chunk_stats(logits, masked_target, target_mask):
+    """(max, sum of exp(logit - max), target logit or 0 where another TP rank holds the target) per row,
+    in one compiled reduction over the chunk (the max and the exp-sum need not be separate passes)."""
+    z = logits.float()
+    local_max = z.amax(dim=-1)  # [n]
+    sum_exp = (z - local_max.unsqueeze(-1)).exp().sum(dim=-1)
     predicted = z.gather(-1, masked_target.unsqueeze(-1)).squeeze(-1).masked_fill(target_mask, 0.0)
-    return sum_exp, predicted
+    return local_max, sum_exp, predicted
 
 
 @maybe_compile
 def _chunk_grad(logits, lse, masked_target, target_mask, grad_output):
     # d loss / d z = softmax(z) - onehot(target), scaled by the incoming per-token grad
+    # The one-hot term is a comparison with the column index, not a scattered [n, V] tensor: compiled, the
+    # whole gradient is one element-wise pass over the logits.
     softmax = (logits.float() - lse.unsqueeze(-1)).exp()
-    onehot = torch.zeros_like(softmax).scatter_(-1, masked_target.unsqueeze(-1),
-                                                (~target_mask).float().unsqueeze(-1))
-    return ((softmax - onehot) * grad_output.unsqueeze(-1)).to(logits.dtype)
+    cols = torch.arange(logits.size(-1), device=logits.device)
+    onehot = (cols == masked_target.unsqueeze(-1)) & ~target_mask.unsqueeze(-1)
+    return ((softmax - onehot.float()) * grad_output.unsqueeze(-1)).to(logits.dtype)
 
 
 def _chunks(n_rows: int, vocab: int):
@@ -66,14 +66,15 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
         masked_target = (t - start).masked_fill(target_mask, 0)
 
         spans = _chunks(z.size(0), vocab_part)
-        logits_max = torch.cat([_chunk_max(z[a:b]) for a, b in spans])
-        logits_max = _all_reduce(logits_max, dist.ReduceOp.MAX, group)
-        parts = [_chunk_sum_exp_and_target(z[a:b], logits_max[a:b], masked_target[a:b], target_mask[a:b])
-                 for a, b in spans]
-        sum_exp = _all_reduce(torch.cat([p[0] for p in parts]), dist.ReduceOp.SUM, group)
-        predicted = _all_reduce(torch.cat([p[1] for p in parts]), dist.ReduceOp.SUM, group)
+        parts = [_chunk_stats(z[a:b], masked_target[a:b], target_mask[a:b]) for a, b in spans]
+        local_max, sum_exp, predicted = (torch.cat(p) if len(spans) > 1 else p[0] for p in zip(*parts))
+        logits_max = _all_reduce(local_max.clone(), dist.ReduceOp.MAX, group)
+        if world > 1:  # rescale each rank's exp-sum from its own max to the global one before summing
+            sum_exp = sum_exp * (local_max - logits_max).exp()
+        sum_exp = _all_reduce(sum_exp, dist.ReduceOp.SUM, group)
+        predicted = _all_reduce(predicted, dist.ReduceOp.SUM, group)
         lse = sum_exp.log() + logits_max  # [n] fp32
-        loss = lse - (predicted + logits_max)
+        loss = lse - predicted
         ctx.save_for_backward(logits, lse, masked_target, target_mask)
         ctx.spans = spans
         return loss.view(shape)
