@@ -19,7 +19,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, kwargs, queue):
+# Ranks are forked from a server process that has already imported torch and megatron (forkserver with
+# preloaded modules): a new rank starts in ~0.1 s instead of re-importing torch for ~3 s, which is most of
+# a small multi-rank test's cost on a 2-core machine. The server never runs torch ops, so forking it is
+# safe (no OpenMP or other threads to inherit), unlike forking the test process itself.
+_PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "torch._dynamo", "numpy",
+            "megatron.core", "megatron.core.parallel_state", "megatron.training"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _worker(rank, world_size, port, fn, args, kwargs, queue, env=None, cwd=None):
+    if env is not None:  # the server's environment is the one of its start: use the caller's current one
+        os.environ.clear()
+        os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
@@ -58,11 +77,12 @@ def run_distributed(fn, world_size, *args, timeout=300, **kwargs):
 
 
 def _run_once(fn, world_size, args, kwargs, timeout):
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
+    env, cwd = dict(os.environ), os.getcwd()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, queue), daemon=False)
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, queue, env, cwd), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:
