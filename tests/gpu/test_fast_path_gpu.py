@@ -181,3 +181,15 @@ def test_cudnn_gqa_attention_matches_repeated_kv(causal):
     assert _rel(out, ref) < 1e-2
     for a, b in zip(qkv, ref_in):
         assert _rel(a.grad, b.grad) < 2e-2
+
+
+def test_main_grad_accumulation_kernel_equals_add():
+    """The Triton accumulation into the fp32 DDP buffer is bitwise torch's mixed-dtype add_, also for a
+    size that is not a multiple of the block, and it is the path taken."""
+    from megatron.core.fusions import grad_accumulation as ga
+    for dtype in (torch.bfloat16, torch.float16):
+        main = torch.randn(3, 70001, device="cuda")
+        grad = torch.randn(3, 70001, device="cuda").to(dtype)
+        ref = main.clone().add_(grad)
+        ga.accumulate_into_main_grad(main, grad)
+        assert ga._STATE["impl"] and torch.equal(main, ref)

@@ -8,6 +8,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed.wrapped_module import WrappedModule
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer, partition_buckets
+from megatron.core.fusions.grad_accumulation import accumulate_into_main_grad
 
 
 class DistributedDataParallel(WrappedModule):
@@ -92,7 +93,7 @@ class DistributedDataParallel(WrappedModule):
             # A fused wgrad already went into main_grad (`.grad` is zeros), unless the param is also
             # used outside fused linears (`zero_out_wgrad`: tied embedding), whose grad is in `.grad`.
             if not getattr(param, "grad_added_to_main_grad", False) or getattr(param, "zero_out_wgrad", False):
-                param.main_grad.add_(param.grad.data)
+                accumulate_into_main_grad(param.main_grad, param.grad.data)
             param.grad = None
         if self.ddp_config.overlap_grad_reduce:
             self.param_to_bucket_group[param].register_grad_ready(param)
