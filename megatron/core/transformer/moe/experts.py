@@ -67,6 +67,44 @@ def _glu_activation(h, config):
     return config.activation_func(h)
 
 
+def _swiglu_scaled(h, probs):
+    gate, up = torch.chunk(h, 2, dim=-1)
+    out = torch.nn.functional.silu(gate) * up
+    return out if probs is None else out * probs.unsqueeze(-1).to(out.dtype)
+
+
+_FUSED_SWIGLU = {}
+
+
+def _fused_swiglu_scaled(h, probs):
+    """silu(gate) * up * routing prob as one compiled element-wise kernel per direction (CUDA, with
+    --bias-swiglu-fusion, Megatron's default): eager it is five passes forward and six backward over the
+    [tokens x top-k, 2f] expert activations. Compiled for a dynamic token count (it changes every
+    micro-batch); if compilation fails, the eager form from then on, said once."""
+    fn = _FUSED_SWIGLU.get("fn")
+    if fn is None:
+        fn = _FUSED_SWIGLU["fn"] = torch.compile(_swiglu_scaled, dynamic=True)
+    try:
+        return fn(h, probs)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 (any compiler failure)
+        if fn is _swiglu_scaled:
+            raise
+        import warnings
+        warnings.warn(f"--bias-swiglu-fusion for grouped experts: torch.compile failed ({type(e).__name__}); "
+                      "using the eager activation")
+        _FUSED_SWIGLU["fn"] = _swiglu_scaled
+        return _swiglu_scaled(h, probs)
+
+
+def _use_fused_swiglu(h, config) -> bool:
+    from megatron.core.fusions.compile import compile_available
+    return (h.is_cuda and config.gated_linear_unit and config.bias_activation_fusion
+            and config.activation_func is torch.nn.functional.silu and not torch.compiler.is_compiling()
+            and compile_available())
+
+
 def _etp_size() -> int:
     return parallel_state.get_expert_tensor_parallel_world_size()
 
@@ -141,9 +179,12 @@ class GroupedMLP(MegatronModule):
         if grouped_mm_available(x, x.shape[-1], self.weight1.shape[1], self.weight2.shape[2]):
             offs = torch.cumsum(tokens_per_expert.to(x.device, non_blocking=True), 0).to(torch.int32)
         h = grouped_gemm(x, self.weight1, tokens_per_expert, offs)  # [N, (2)f/etp]
-        h = _glu_activation(h, self.config)
-        if permuted_probs is not None:
-            h = h * permuted_probs.unsqueeze(-1).to(h.dtype)
+        if _use_fused_swiglu(h, self.config):
+            h = _fused_swiglu_scaled(h, permuted_probs)
+        else:
+            h = _glu_activation(h, self.config)
+            if permuted_probs is not None:
+                h = h * permuted_probs.unsqueeze(-1).to(h.dtype)
         return grouped_gemm(h, self.weight2, tokens_per_expert, offs), None  # [N, h], partial over etp
 
 
