@@ -320,11 +320,12 @@ class ColumnParallelLinear(torch.nn.Module):
             x = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
         bias = None if self.skip_bias_add else self.bias
         if self.tp_comm_overlap:
-            from megatron.core.tensor_parallel.overlap import ColumnParallelLinearWithOverlap
+            # Imported on use: its @torch.compiler.disable pulls in torch._dynamo (~1.5 s per process start).
+            from megatron.core.tensor_parallel.overlap import column_parallel_linear_with_overlap
             c = self.config
-            out = ColumnParallelLinearWithOverlap.apply(x, weight, bias, c.gradient_accumulation_fusion,
-                                                        self.tp_group, c.tp_comm_overlap_ag,
-                                                        c.tp_comm_bulk_dgrad, c.tp_comm_bulk_wgrad)
+            out = column_parallel_linear_with_overlap(x, weight, bias, c.gradient_accumulation_fusion, self.tp_group,
+                                                      c.tp_comm_overlap_ag, c.tp_comm_bulk_dgrad,
+                                                      c.tp_comm_bulk_wgrad)
         else:
             out = _linear_maybe_fp8(self.fp8_format, self.config, x, weight, bias,
                                     self.sequence_parallel, self.tp_group)  # [s, b, out/tp]
@@ -374,10 +375,10 @@ class RowParallelLinear(torch.nn.Module):
     def forward(self, input_: torch.Tensor):
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_, self.tp_group)
         if self.tp_comm_overlap:
-            from megatron.core.tensor_parallel.overlap import RowParallelLinearWithOverlap
+            from megatron.core.tensor_parallel.overlap import row_parallel_linear_with_overlap
             c = self.config
-            out = RowParallelLinearWithOverlap.apply(x, self.weight, c.gradient_accumulation_fusion, self.tp_group,
-                                                     c.tp_comm_overlap_rs, c.tp_comm_overlap_ag)  # [s/tp, b, h]
+            out = row_parallel_linear_with_overlap(x, self.weight, c.gradient_accumulation_fusion, self.tp_group,
+                                                   c.tp_comm_overlap_rs, c.tp_comm_overlap_ag)  # [s/tp, b, h]
             return _row_bias(out, self.bias, self.skip_bias_add)
         partial = _linear_maybe_fp8(self.fp8_format, self.config, x, self.weight, None)  # [s, b, h], partial sum
         if self.is_expert:

@@ -159,3 +159,15 @@ class RowParallelLinearWithOverlap(torch.autograd.Function):
             grad_input = total_grad.matmul(weight)
         grad_weight = _weight_grad(weight, ctx.fusion, total_grad, x)
         return grad_input, grad_weight, None, None, None, None
+
+
+# Under --torch-compile the ring runs between a layer's compiled pieces: dynamo does not trace
+# batch_isend_irecv, and a compiled graph would also fix the order of GEMMs and waits the ring relies on.
+@torch.compiler.disable
+def column_parallel_linear_with_overlap(x, weight, bias, fusion, group, overlap_ag, bulk_dgrad, bulk_wgrad):
+    return ColumnParallelLinearWithOverlap.apply(x, weight, bias, fusion, group, overlap_ag, bulk_dgrad, bulk_wgrad)
+
+
+@torch.compiler.disable
+def row_parallel_linear_with_overlap(x, weight, fusion, group, overlap_rs, overlap_ag):
+    return RowParallelLinearWithOverlap.apply(x, weight, fusion, group, overlap_rs, overlap_ag)
