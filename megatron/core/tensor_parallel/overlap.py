@@ -128,7 +128,9 @@ class ColumnParallelLinearWithOverlap(torch.autograd.Function):
         if ag is not None:
             ag.wait()
         grad_bias = grad_output.reshape(-1, grad_output.size(-1)).sum(dim=0) if ctx.use_bias else None
-        grad_weight = _weight_grad(weight, ctx.fusion, grad_output, total_x)  # runs while dX is reduced
+        grad_weight = None
+        if ctx.needs_input_grad[1]:  # runs while dX is reduce-scattered
+            grad_weight = _weight_grad(weight, ctx.fusion, grad_output, total_x)
         if rs is not None:
             rs.wait()
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
@@ -157,7 +159,7 @@ class RowParallelLinearWithOverlap(torch.autograd.Function):
         else:
             total_grad = _gather(grad_output, ctx.group, False)[0]  # [s, b, h]
             grad_input = total_grad.matmul(weight)
-        grad_weight = _weight_grad(weight, ctx.fusion, total_grad, x)
+        grad_weight = _weight_grad(weight, ctx.fusion, total_grad, x) if ctx.needs_input_grad[1] else None
         return grad_input, grad_weight, None, None, None, None
 
 
