@@ -43,6 +43,8 @@ case "$phase" in
     CONFIG=llama3-8b run llama8-tp2-sp 2 400 -- $L8 --tensor-model-parallel-size 2 --sequence-parallel
     CONFIG=llama3-8b run llama8-tp2-sp-overlap 2 400 -- $L8 --tensor-model-parallel-size 2 --sequence-parallel \
       --tp-comm-overlap
+    torchrun --nproc-per-node 2 tools/bench_tp_overlap.py > "$OUT/tp-overlap-layers.log" 2>&1  # one layer's linears
+    grep -E "^TP=|Error" "$OUT/tp-overlap-layers.log"
     ;;
 esac
 done
