@@ -1,7 +1,7 @@
 #!/bin/bash
 # Multi-GPU throughput of the gpt-1.3b config (tools/benchmark.py) under TP, PP and DP layouts on one
 # node of 4 GPUs, against 1 GPU. About 2-3 minutes per phase on 4 H200s (FAST=--fast adds the compile warm-up).
-#   OUT=/tmp/bench bash examples/benchmark_parallel.sh [tp] [dp] [pp]
+#   OUT=/tmp/bench bash examples/benchmark_parallel.sh [tp] [dp] [pp] [tp-overlap]
 # Results: one JSON line per run in $OUT/results.jsonl, logs in $OUT; a markdown table at the end.
 set -u
 OUT=${OUT:-/tmp/bench}; mkdir -p "$OUT"
@@ -36,6 +36,15 @@ case "$phase" in
     run dp4-overlap 4 150 -- --global-batch-size 16 --overlap-grad-reduce
     run dp4-distopt-overlap 4 150 -- --global-batch-size 16 --overlap-grad-reduce \
       --use-distributed-optimizer --overlap-param-gather
+    ;;
+  tp-overlap)  # Llama-3-8B shapes, 8 of 32 layers, gbs 4: TP=2 + SP with and without --tp-comm-overlap (2 GPUs)
+    L8="--num-layers 8 --global-batch-size 4 --use-distributed-optimizer"
+    CONFIG=llama3-8b run llama8-1gpu 1 400 -- $L8
+    CONFIG=llama3-8b run llama8-tp2-sp 2 400 -- $L8 --tensor-model-parallel-size 2 --sequence-parallel
+    CONFIG=llama3-8b run llama8-tp2-sp-overlap 2 400 -- $L8 --tensor-model-parallel-size 2 --sequence-parallel \
+      --tp-comm-overlap
+    torchrun --nproc-per-node 2 tools/bench_tp_overlap.py > "$OUT/tp-overlap-layers.log" 2>&1  # one layer's linears
+    grep -E "^TP=|Error" "$OUT/tp-overlap-layers.log"
     ;;
 esac
 done

@@ -67,7 +67,12 @@ class ModelParallelConfig(ModelParallelConfigCompat):
     gradient_accumulation_fusion: bool = False
     barrier_with_L1_time: bool = True
     async_tensor_model_parallel_allreduce: bool = False
+    # TP communication overlap (our chunked ring over torch.distributed; see tensor_parallel/overlap.py)
     tp_comm_overlap: bool = False
+    tp_comm_overlap_ag: bool = True  # all-gathers: column-parallel forward, row-parallel backward
+    tp_comm_overlap_rs: bool = True  # reduce-scatter of the row-parallel forward
+    tp_comm_bulk_dgrad: bool = True  # column backward: re-gather of X behind the dX GEMM
+    tp_comm_bulk_wgrad: bool = True  # column backward: dX reduce-scatter behind the wgrad GEMM
 
     def __post_init__(self):
         check_compat_fields(self, ModelParallelConfigCompat)
@@ -86,5 +91,6 @@ class ModelParallelConfig(ModelParallelConfigCompat):
             self.expert_tensor_parallel_size = self.tensor_model_parallel_size
         if self.microbatch_group_size_per_vp_stage is None:
             self.microbatch_group_size_per_vp_stage = self.pipeline_model_parallel_size
-        if self.tp_comm_overlap:
-            raise NotImplementedError("--tp-comm-overlap is not supported; drop the flag")
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            raise ValueError("tp_comm_overlap (--tp-comm-overlap) overlaps the sequence-parallel communication: "
+                             "it needs sequence_parallel and tensor_model_parallel_size > 1")

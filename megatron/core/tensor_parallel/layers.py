@@ -153,14 +153,15 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         g2d = grad_output.reshape(-1, grad_output.shape[-1])  # [s*b, out]
         x2d = x.reshape(-1, x.shape[-1])  # [s*b, in]
         grad_bias = g2d.sum(dim=0) if ctx.use_bias else None
-        if ctx.fusion and hasattr(weight, "main_grad"):
-            _accumulate_weight_grad(weight.main_grad, g2d, x2d)
-            grad_weight = None
-            if hasattr(weight, "grad_added_to_main_grad"):
-                grad_weight = main_grad_placeholder(weight)
-        else:
-            grad_weight = g2d.t() @ x2d
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, weight_grad(weight, ctx.fusion, g2d, x2d), grad_bias, None, None, None
+
+
+def weight_grad(weight, fusion, g2d, x2d):
+    """dL/dW = g^T x, or with ``fusion`` added into ``weight.main_grad`` (returning DDP's placeholder)."""
+    if fusion and hasattr(weight, "main_grad"):
+        _accumulate_weight_grad(weight.main_grad, g2d, x2d)
+        return main_grad_placeholder(weight) if hasattr(weight, "grad_added_to_main_grad") else None
+    return g2d.t() @ x2d
 
 
 def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradient_accumulation_fusion=False,
@@ -253,6 +254,12 @@ def _linear_maybe_fp8(fmt, config, x, weight, bias, sequence_parallel=False, tp_
                                                              sequence_parallel=sequence_parallel, tp_group=tp_group)
 
 
+def _overlaps(config, sequence_parallel, tp, fp8_format) -> bool:
+    """--tp-comm-overlap applies to this layer: SP over more than one rank, 16-bit GEMMs (the FP8
+    linears keep their own, non-overlapped communication)."""
+    return bool(getattr(config, "tp_comm_overlap", False)) and sequence_parallel and tp > 1 and fp8_format is None
+
+
 def _check_unsupported(embedding_activation_buffer, grad_output_buffer, keep_master_weight_for_test):
     if embedding_activation_buffer is not None or grad_output_buffer is not None:
         raise NotImplementedError("--defer-embedding-wgrad-compute is not supported; drop the flag")
@@ -291,6 +298,8 @@ class ColumnParallelLinear(torch.nn.Module):
             self.weight = _make_param((self.output_size_per_partition, input_size), config, init_method, is_expert)
             set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
         self.fp8_format = _fp8_format_for(config, input_size, self.output_size_per_partition, tp_comm_buffer_name)
+        self.tp_comm_overlap = _overlaps(config, self.sequence_parallel, tp, self.fp8_format) and (
+            config.tp_comm_overlap_ag or config.tp_comm_bulk_dgrad or config.tp_comm_bulk_wgrad)
         if bias:
             self.bias = _make_param((self.output_size_per_partition,), config, torch.nn.init.zeros_, is_expert)
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
@@ -310,8 +319,16 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             x = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        out = _linear_maybe_fp8(self.fp8_format, self.config, x, weight, bias,
-                                self.sequence_parallel, self.tp_group)  # [s, b, out/tp]
+        if self.tp_comm_overlap:
+            # Imported on use: its @torch.compiler.disable pulls in torch._dynamo (~1.5 s per process start).
+            from megatron.core.tensor_parallel.overlap import column_parallel_linear_with_overlap
+            c = self.config
+            out = column_parallel_linear_with_overlap(x, weight, bias, c.gradient_accumulation_fusion, self.tp_group,
+                                                      c.tp_comm_overlap_ag, c.tp_comm_bulk_dgrad,
+                                                      c.tp_comm_bulk_wgrad)
+        else:
+            out = _linear_maybe_fp8(self.fp8_format, self.config, x, weight, bias,
+                                    self.sequence_parallel, self.tp_group)  # [s, b, out/tp]
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
@@ -345,6 +362,8 @@ class RowParallelLinear(torch.nn.Module):
         self.weight = _make_param((output_size, self.input_size_per_partition), config, init_method, is_expert)
         set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
         self.fp8_format = _fp8_format_for(config, self.input_size_per_partition, output_size, tp_comm_buffer_name)
+        self.tp_comm_overlap = _overlaps(config, self.sequence_parallel, tp, self.fp8_format) and (
+            config.tp_comm_overlap_rs or config.tp_comm_overlap_ag)
         if bias:
             self.bias = _make_param((output_size,), config, torch.nn.init.zeros_, is_expert)
             set_defaults_if_not_set_tensor_model_parallel_attributes(self.bias)
@@ -355,6 +374,12 @@ class RowParallelLinear(torch.nn.Module):
 
     def forward(self, input_: torch.Tensor):
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_, self.tp_group)
+        if self.tp_comm_overlap:
+            from megatron.core.tensor_parallel.overlap import row_parallel_linear_with_overlap
+            c = self.config
+            out = row_parallel_linear_with_overlap(x, self.weight, c.gradient_accumulation_fusion, self.tp_group,
+                                                   c.tp_comm_overlap_rs, c.tp_comm_overlap_ag)  # [s/tp, b, h]
+            return _row_bias(out, self.bias, self.skip_bias_add)
         partial = _linear_maybe_fp8(self.fp8_format, self.config, x, self.weight, None)  # [s, b, h], partial sum
         if self.is_expert:
             out = partial  # the MoE token dispatcher sums expert-TP partials when it combines
@@ -362,9 +387,13 @@ class RowParallelLinear(torch.nn.Module):
             out = reduce_scatter_to_sequence_parallel_region(partial, group=self.tp_group)  # [s/tp, b, h]
         else:
             out = reduce_from_tensor_model_parallel_region(partial, group=self.tp_group)
-        if self.skip_bias_add:
-            return out, self.bias
-        return (out + self.bias if self.bias is not None else out), None
+        return _row_bias(out, self.bias, self.skip_bias_add)
+
+
+def _row_bias(out, bias, skip_bias_add):
+    if skip_bias_add:
+        return out, bias
+    return (out + bias if bias is not None else out), None
 
 
 class _EmbeddingWithGradAccumulation(torch.autograd.Function):

@@ -22,6 +22,7 @@ from .dropin_args import add_dropin_args
 from .megatron_flags import add_megatron_flags
 from .yaml_args import load_yaml_config
 from .window_args import add_window_args
+from .tp_overlap_args import add_tp_overlap_args
 from . import fast_path
 from .validation import ArgumentError, blend_prefixes, validate_args
 from .types import la_freq_type, moe_freq_type, no_rope_freq_type, parse_and_validate_args, tuple_type
@@ -45,7 +46,8 @@ def build_parser(extra_args_provider=None):
                 add_mla_args,
                 add_dropin_args,
                 add_diagnostics_args,
-                add_autoresume_args):
+                add_autoresume_args,
+                add_tp_overlap_args):
         parser = add(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)

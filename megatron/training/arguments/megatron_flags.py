@@ -36,14 +36,14 @@ NO_EFFECT = {
     "--use-transformer-engine-op-fuser": "no Transformer Engine: layers are our torch modules",
     "--flash-attention-version": "attention runs through torch SDPA, which picks its kernel",
     "--fp8-interval": "deprecated and ignored in Megatron too (tensorwise scaling updates every step)",
-    "--no-tp-comm-bulk-wgrad": "Transformer Engine userbuffer knob; only read with --tp-comm-overlap",
-    "--no-tp-comm-bulk-dgrad": "Transformer Engine userbuffer knob; only read with --tp-comm-overlap",
-    "--no-tp-comm-overlap-ag": "Transformer Engine userbuffer knob; only read with --tp-comm-overlap",
-    "--no-tp-comm-overlap-rs": "Transformer Engine userbuffer knob; only read with --tp-comm-overlap",
-    "--tp-comm-overlap-rs-dgrad": "Transformer Engine userbuffer knob; only read with --tp-comm-overlap",
-    "--no-tp-comm-split-ag": "Transformer Engine userbuffer knob; only read with --tp-comm-overlap",
-    "--no-tp-comm-split-rs": "Transformer Engine userbuffer knob; only read with --tp-comm-overlap",
-    "--tp-comm-bootstrap-backend": "Transformer Engine userbuffer knob; only read with --tp-comm-overlap",
+    "--tp-comm-overlap-rs-dgrad": "Transformer Engine userbuffer knob; --tp-comm-overlap here always runs the "
+                                  "dgrad reduce-scatter behind the wgrad GEMM",
+    "--no-tp-comm-split-ag": "Transformer Engine userbuffer knob; --tp-comm-overlap here is always a split "
+                             "(chunked ring) pipeline, no atomic GEMM",
+    "--no-tp-comm-split-rs": "Transformer Engine userbuffer knob; --tp-comm-overlap here is always a split "
+                             "(chunked ring) pipeline, no atomic GEMM",
+    "--tp-comm-bootstrap-backend": "Transformer Engine userbuffer bootstrap; --tp-comm-overlap here uses the "
+                                   "TP process group, no userbuffers",
     "--use-ring-exchange-p2p": "pipeline send/recv are torch.distributed P2P ops; results are the same",
     "--no-clone-scatter-output-in-embedding": "a memory workaround of Megatron's embedding; ours has no clone",
     "--ckpt-fully-parallel-save": "torch_dist saves already spread replicated tensors over ranks (DCP planner)",

@@ -17,6 +17,7 @@ from .inference_args import validate_inference_args
 from .mla_args import validate_mla_args
 from .moe_args import validate_moe_args
 from .window_args import validate_window_args
+from .tp_overlap_args import validate_tp_overlap_args
 from .moe_args import validate_moe_args
 from .input_checks import blend_prefixes_checked, validate_inputs
 
@@ -45,6 +46,7 @@ def validate_args(args, defaults={}):
     _validate_batch(args)
     _validate_model(args)
     validate_window_args(args, _require)
+    validate_tp_overlap_args(args, _require)
     validate_moe_args(args, _require)
     validate_fast_path_args(args, _require)
     validate_context_parallel_args(args, _require, _warn)
