@@ -88,14 +88,17 @@ def _train(extra):
     return losses
 
 
-def test_mixtral_grouped_gemm_training_matches_sequential_experts(monkeypatch):
+@pytest.mark.parametrize("activation", ["", "--no-bias-swiglu-fusion"], ids=["fused_swiglu", "eager_swiglu"])
+def test_mixtral_grouped_gemm_training_matches_sequential_experts(monkeypatch, activation):
+    """Both runs share the activation flag: with the default, grouped experts use the compiled
+    silu x up x prob and SequentialMLP's experts the compiled bias_swiglu; eager in both otherwise."""
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29733")
-    grouped = _train("--moe-grouped-gemm --moe-permute-fusion")
-    sequential = _train("")
+    grouped = _train(f"--moe-grouped-gemm --moe-permute-fusion {activation}")
+    sequential = _train(activation)
     assert len(grouped) == len(sequential) == 20
     assert grouped[-1] < grouped[0] - 5 and sequential[-1] < sequential[0] - 5
     # Iterations 1-5 see nearly the same weights: bf16 noise (GEMM summation order, the odd top-2 tie
