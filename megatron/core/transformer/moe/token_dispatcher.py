@@ -143,8 +143,10 @@ class MoEAllGatherTokenDispatcher(_LocalExpertsDispatcher):
 
 
 class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
-    def _gather_counts(self, routing_map) -> List:
-        """C[u][j][e]: tokens that the rank at expert-TP u, EP j routes to expert e (one host read)."""
+    def _start_counts(self, routing_map):
+        """Launch the gather of C[u][j][e] (tokens that the rank at expert-TP u, EP j routes to expert e) and
+        its copy to the host (non-blocking on CUDA: pinned memory and an event), so the host can queue more
+        GPU work before it must read them (`_read_counts`, the one host read per layer)."""
         counts = routing_map.sum(dim=0).to(torch.int64)  # [E]
         if self.ep_size > 1:
             out = counts.new_empty(self.ep_size * self.num_experts)
@@ -154,7 +156,19 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
             out = counts.new_empty(self.etp_size * counts.numel())
             dist.all_gather_into_tensor(out, counts, group=self.etp_group)
             counts = out
-        return counts.view(self.etp_size, self.ep_size, self.num_experts).tolist()
+        if not counts.is_cuda:
+            return counts, None
+        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        host.copy_(counts, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _read_counts(self, pending) -> List:
+        host, event = pending
+        if event is not None:
+            event.synchronize()
+        return host.view(self.etp_size, self.ep_size, self.num_experts).tolist()
 
     def token_permutation(self, hidden_states, probs, routing_map):
         self.hidden_shape = hidden_states.shape
@@ -165,11 +179,20 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
             permuted, self.permuted_probs, self.sorted_indices = self._permute(
                 x, routing_map, probs, num_out_tokens=self._num_out_tokens(x.shape[0]), topk=self.exact_topk)
             return permuted, routing_map.sum(dim=0)
-        C = self._gather_counts(routing_map)
+        pending = self._start_counts(routing_map)
         t, m, El, ep = self.etp_rank, self.ep_rank, self.num_local_experts, self.ep_size
-        mine = C[t][m]
-        permuted, self.permuted_probs, self.sorted_indices = self._permute(
-            x, routing_map, probs, num_out_tokens=sum(mine), topk=self.exact_topk)
+        if self.exact_topk is not None:
+            # Without dropping the permutation's size is T * k: queue it before the host waits for the
+            # counts, so the GPU permutes while the counts travel (the wait no longer idles the GPU).
+            permuted, self.permuted_probs, self.sorted_indices = self._permute(
+                x, routing_map, probs, num_out_tokens=x.shape[0] * self.topk, topk=self.exact_topk)
+            C = self._read_counts(pending)
+            mine = C[t][m]
+        else:
+            C = self._read_counts(pending)
+            mine = C[t][m]
+            permuted, self.permuted_probs, self.sorted_indices = self._permute(
+                x, routing_map, probs, num_out_tokens=sum(mine), topk=self.exact_topk)
         self.input_splits = [sum(mine[j * El:(j + 1) * El]) for j in range(ep)]
         self.output_splits = [sum(C[t][j][m * El:(m + 1) * El]) for j in range(ep)]
         y = all_to_all(self.ep_group, permuted, self.output_splits, self.input_splits)  # chunks [ep j][l]
