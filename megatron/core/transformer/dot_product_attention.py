@@ -60,8 +60,8 @@ class _CudnnGQAAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout.stride() != out.stride():  # the kernel reads dO in O's layout
             dout = torch.empty_like(out).copy_(dout)
-        seed = torch.empty(2, dtype=torch.uint64, device=q.device)  # Philox words: read only with dropout
-        offset = torch.empty((), dtype=torch.uint64, device=q.device)
+        from megatron.core.context_parallel.kernels import _dropout_words
+        seed, offset = _dropout_words(q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             dout, q, k, v, out, lse, seed, offset, None, None, None, q.size(2), k.size(2), 0.0, ctx.causal,
             scale=ctx.scale)

@@ -21,6 +21,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import _make_param, set_tensor_model_parallel_attributes
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import _with_eager_fallback
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import divide
 
@@ -81,21 +82,11 @@ def _fused_swiglu_scaled(h, probs):
     --bias-swiglu-fusion, Megatron's default): eager it is five passes forward and six backward over the
     [tokens x top-k, 2f] expert activations. Compiled for a dynamic token count (it changes every
     micro-batch); if compilation fails, the eager form from then on, said once."""
-    fn = _FUSED_SWIGLU.get("fn")
-    if fn is None:
-        fn = _FUSED_SWIGLU["fn"] = torch.compile(_swiglu_scaled, dynamic=True)
-    try:
-        return fn(h, probs)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as e:  # noqa: BLE001 (any compiler failure)
-        if fn is _swiglu_scaled:
-            raise
-        import warnings
-        warnings.warn(f"--bias-swiglu-fusion for grouped experts: torch.compile failed ({type(e).__name__}); "
-                      "using the eager activation")
-        _FUSED_SWIGLU["fn"] = _swiglu_scaled
-        return _swiglu_scaled(h, probs)
+    if "fn" not in _FUSED_SWIGLU:
+        _FUSED_SWIGLU["fn"] = _with_eager_fallback(torch.compile(_swiglu_scaled, dynamic=True), _swiglu_scaled,
+                                                   "--bias-swiglu-fusion for grouped experts",
+                                                   "the eager activation")
+    return _FUSED_SWIGLU["fn"](h, probs)
 
 
 def _use_fused_swiglu(h, config) -> bool:

@@ -372,9 +372,9 @@ def fused_permute_fns():
     return _COMPILED["fns"]
 
 
-def _with_eager_fallback(compiled, eager):
-    """Run ``compiled``; if compilation fails (no working compiler on this machine), say so once and use
-    the eager function from then on."""
+def _with_eager_fallback(compiled, eager, what="--moe-permute-fusion", instead="the eager permutation"):
+    """Run ``compiled``; if compilation fails (no working compiler on this machine), say so once (naming
+    ``what`` and ``instead``) and use the eager function from then on (``call.state["fn"]``: the one in use)."""
     state = {"fn": compiled}
 
     def call(*args, **kwargs):
@@ -386,10 +386,10 @@ def _with_eager_fallback(compiled, eager):
             if state["fn"] is eager:
                 raise
             import warnings
-            warnings.warn(f"--moe-permute-fusion: torch.compile failed ({type(e).__name__}); using the eager "
-                          "permutation")
+            warnings.warn(f"{what}: torch.compile failed ({type(e).__name__}); using {instead}")
             state["fn"] = eager
             return eager(*args, **kwargs)
+    call.state = state
     return call
 
 
