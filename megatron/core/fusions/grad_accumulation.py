@@ -7,18 +7,17 @@ GEMM. A flat Triton kernel with vector loads of both operands does the same fp32
 same result). Elsewhere (CPU, no Triton, strided or small tensors) ``Tensor.add_``."""
 import torch
 
+from megatron.core.fusions.triton_loader import triton_loader
+
 _MIN_NUMEL = 1 << 16  # below this a launch costs more than the bandwidth saves
-_STATE = {"impl": None}
 
 
-def _triton_impl():
-    if _STATE["impl"] is None:
-        try:
-            from megatron.core.fusions._triton_grad_accumulation import accumulate
-            _STATE["impl"] = accumulate
-        except Exception:  # no Triton (CPU builds), or one that cannot build kernels here
-            _STATE["impl"] = False
-    return _STATE["impl"]
+def _load():
+    from megatron.core.fusions._triton_grad_accumulation import accumulate
+    return accumulate
+
+
+_triton_impl = triton_loader(_load)
 
 
 def accumulate_into_main_grad(main_grad: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

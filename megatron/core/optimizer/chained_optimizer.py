@@ -5,7 +5,7 @@ from typing import Dict, List
 
 import torch
 
-from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+from megatron.core.optimizer.clip_grads import clip_coefficient, clip_grad_by_total_norm_fp32
 
 
 class ChainedOptimizer:
@@ -61,13 +61,18 @@ class ChainedOptimizer:
         grad_norm = self.get_grad_norm()
         for opt in self.chained_optimizers:
             if opt.config.clip_grad > 0.0:
-                clip_grad_by_total_norm_fp32(opt.get_parameters(), opt.config.clip_grad, grad_norm)
+                coeff = clip_coefficient(opt.config.clip_grad, grad_norm)
+                if coeff < 1.0 and opt._inner_step_unscales_grads():  # folded into the fused Adam's read
+                    device = opt.get_parameters()[0].device
+                    opt._clip_grad_scale = torch.tensor(1.0 / coeff, dtype=torch.float32, device=device)
+                else:
+                    clip_grad_by_total_norm_fp32(opt.get_parameters(), opt.config.clip_grad, grad_norm)
         num_zeros = None
         if self.config.log_num_zeros_in_grad:
             num_zeros = sum(opt.count_zeros() for opt in self.chained_optimizers)
         for opt in self.chained_optimizers:
-            opt._inner_step()
-            opt._copy_main_params_to_model_params()
+            if not opt._inner_step():
+                opt._copy_main_params_to_model_params()
             opt._after_step()
         return True, grad_norm, num_zeros
 

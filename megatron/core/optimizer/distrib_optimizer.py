@@ -109,6 +109,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             grad = _model_grad(model)
             main.grad = None if grad is None else grad.view(-1)[lo:hi].float()
 
+    def _model_param_copies(self):
+        copies = {}
+        for main, (model, lo, hi) in self.shard_ranges.items():
+            target = model.detach().view(-1)[lo:hi]
+            copies[main] = None if target.data_ptr() == main.data_ptr() else target
+        return copies
+
     def _copy_main_params_to_model_params(self):
         for main, (model, lo, hi) in self.shard_ranges.items():
             target = model.detach().view(-1)[lo:hi]

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed.torch_fsdp2_state import full_local_tensor, shard_like
 from megatron.core.optimizer import optimizer_state
+from megatron.core.optimizer.fused_adamw import triton_adamw_applies, triton_adamw_step
 from megatron.core.optimizer.clip_grads import (
     clip_coefficient, clip_grad_by_total_norm_fp32, count_zeros_in_grads, get_grad_norm_fp32, param_counts_for_grad_stats)
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
@@ -190,17 +191,30 @@ class MegatronOptimizer:
                 and self.grad_scaler is None and len(self.get_parameters()) > 0
                 and not any(hasattr(p, "to_local") for p in self.get_parameters()))
 
-    def _inner_step(self):
+    def _inner_step(self) -> bool:
+        """The inner optimizer's step (dividing grads by a pending clip factor); True when it also wrote
+        the 16-bit model params, so no copy pass is needed (the Triton AdamW of `fused_adamw`)."""
         scale = getattr(self, "_clip_grad_scale", None)
+        self._clip_grad_scale = None
+        if self.grad_scaler is None and triton_adamw_applies(self.optimizer):
+            copies = self._model_param_copies()
+            if copies is not None:
+                triton_adamw_step(self.optimizer, copies, scale)
+                return True
         if scale is None:
             self.optimizer.step()
-            return
-        self._clip_grad_scale = None
+            return False
         self.optimizer.grad_scale = scale
         try:
             self.optimizer.step()
         finally:
             del self.optimizer.grad_scale
+        return False
+
+    def _model_param_copies(self) -> Optional[Dict[torch.Tensor, Optional[torch.Tensor]]]:
+        """{main param: the contiguous 16-bit model tensor its update is copied into (None: main is the
+        model param)}, or None when some copy target is not a plain contiguous tensor."""
+        return {}
 
     def count_zeros(self) -> float:
         if not self.has_expert_params:
@@ -257,9 +271,10 @@ class MegatronOptimizer:
             with self._timed("optimizer-count-zeros"):
                 num_zeros = self.count_zeros()
         with self._timed("optimizer-inner-step"):
-            self._inner_step()
-        with self._timed("optimizer-copy-main-to-model-params"):
-            self._copy_main_params_to_model_params()
+            copied = self._inner_step()
+        if not copied:
+            with self._timed("optimizer-copy-main-to-model-params"):
+                self._copy_main_params_to_model_params()
         self._after_step()
         return True, grad_norm, num_zeros
 
@@ -366,6 +381,15 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
                 main.grad = grad if grad.dtype == torch.float32 else grad.float()
             else:
                 main.grad = grad.float()
+
+    def _model_param_copies(self):
+        copies = {}
+        for main, model in self.main_to_model.items():
+            if main is not model:
+                if not model.data.is_contiguous() or model.data.numel() != main.numel():
+                    return None
+                copies[main] = model.data
+        return copies
 
     def _copy_main_params_to_model_params(self):
         pairs = [(main, model) for main, model in self.main_to_model.items() if main is not model]

@@ -5,7 +5,8 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
-from megatron.core.fusions.fused_bias_activation import fused_bias_activation
+from megatron.core.fusions.fused_bias_activation import bias_swiglu, fused_bias_activation
+from megatron.core.fusions.swiglu import swiglu, triton_swiglu_available
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.spec_protocols import (  # noqa: F401  (Megatron's typing Protocols)
@@ -59,6 +60,9 @@ class MLP(MegatronModule):
         """``per_token_scale`` [tokens] multiplies each token's activation before fc2 (an expert's routing
         probability, as Megatron's experts apply it)."""
         h, bias = self.linear_fc1(hidden_states)  # [s, b, (2)f/tp]
+        if (per_token_scale is not None and bias is None and self.fused_activation is bias_swiglu
+                and triton_swiglu_available(h)):
+            return self.linear_fc2(swiglu(h, per_token_scale))  # the scale inside the activation kernel
         if self.fused_activation is not None:
             h = self.fused_activation(h, bias)
         else:

@@ -21,6 +21,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import _make_param, set_tensor_model_parallel_attributes
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.fusions.swiglu import swiglu, triton_swiglu_available
 from megatron.core.transformer.moe.moe_utils import _with_eager_fallback
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import divide
@@ -78,10 +79,13 @@ _FUSED_SWIGLU = {}
 
 
 def _fused_swiglu_scaled(h, probs):
-    """silu(gate) * up * routing prob as one compiled element-wise kernel per direction (CUDA, with
+    """silu(gate) * up * routing prob as one element-wise kernel per direction (CUDA, with
     --bias-swiglu-fusion, Megatron's default): eager it is five passes forward and six backward over the
-    [tokens x top-k, 2f] expert activations. Compiled for a dynamic token count (it changes every
-    micro-batch); if compilation fails, the eager form from then on, said once."""
+    [tokens x top-k, 2f] expert activations. The Triton kernels of `fusions.swiglu` where Triton runs;
+    else compiled for a dynamic token count (it changes every micro-batch), and if compilation fails,
+    the eager form from then on, said once."""
+    if triton_swiglu_available(h):
+        return swiglu(h, probs)
     if "fn" not in _FUSED_SWIGLU:
         _FUSED_SWIGLU["fn"] = _with_eager_fallback(torch.compile(_swiglu_scaled, dynamic=True), _swiglu_scaled,
                                                    "--bias-swiglu-fusion for grouped experts",
@@ -93,7 +97,7 @@ def _use_fused_swiglu(h, config) -> bool:
     from megatron.core.fusions.compile import compile_available
     return (h.is_cuda and config.gated_linear_unit and config.bias_activation_fusion
             and config.activation_func is torch.nn.functional.silu and not torch.compiler.is_compiling()
-            and compile_available())
+            and (triton_swiglu_available(h) or compile_available()))
 
 
 def _etp_size() -> int:

@@ -105,6 +105,7 @@ class MoELayer(BaseMoELayer):
             raise ValueError(f"--moe-token-dispatcher-type {kind}: use allgather or alltoall "
                              "(flex needs DeepEP/HybridEP kernels, which this build does not have)")
         self.token_dispatcher = dispatcher(self.num_local_experts, self.local_expert_indices, config)
+        self.token_dispatcher.probs_to_experts = True  # the experts scale their rows (fused in grouped SwiGLU)
         self.experts = build_module(submodules.experts, self.num_local_experts, config)
         if config.moe_shared_expert_intermediate_size:
             spec = submodules.shared_experts
@@ -141,7 +142,7 @@ class MoELayer(BaseMoELayer):
             else hidden_states  # [s/tp, b, h]
         probs, routing_map = self.router(x)
         dispatched, tokens_per_expert = self.token_dispatcher.token_permutation(x, probs, routing_map)
-        expert_out, mlp_bias = self.experts(dispatched, tokens_per_expert)
+        expert_out, mlp_bias = self.experts(dispatched, tokens_per_expert, self.token_dispatcher.expert_probs)
         out, _ = self.token_dispatcher.token_unpermutation(expert_out, mlp_bias)
         if split_here:
             # Downstream grads are replicated over TP: the backward keeps this rank's slice.

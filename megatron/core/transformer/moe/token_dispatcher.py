@@ -82,6 +82,14 @@ class MoETokenDispatcher:
         self.tp_ep_size = _size(self.tp_ep_group)
         fused = config.moe_permute_fusion
         self._permute, self._unpermute = fused_permute_fns() if fused else (_permute, _unpermute)
+        # True (MoELayer sets it): the experts scale each row by its routing prob (``expert_probs``, in
+        # the experts' row order), Megatron's place for it; unpermutation then only sums the rows. False
+        # (a dispatcher used on its own): unpermutation applies the probs.
+        self.probs_to_experts = False
+        self.expert_probs = None
+
+    def _unpermute_probs(self):
+        return None if self.probs_to_experts else self.permuted_probs
 
     def _exact_topk(self, local_experts_only: bool = False):
         """k when every token gets exactly k rows from the permutation (the map holds all experts and no
@@ -132,11 +140,12 @@ class MoEAllGatherTokenDispatcher(_LocalExpertsDispatcher):
         self.exact_topk = self._exact_topk(self.num_local_experts != self.num_experts)
         permuted, self.permuted_probs, self.sorted_indices = self._permute(
             x, local_map, probs[:, lo:hi], num_out_tokens=num_out, topk=self.exact_topk)
+        self.expert_probs = self.permuted_probs
         return permuted, local_map.sum(dim=0)
 
     def token_unpermutation(self, expert_output, bias=None):
-        out = self._unpermute(expert_output, self.sorted_indices, self.gathered_shape, probs=self.permuted_probs,
-                              topk=self.exact_topk)
+        out = self._unpermute(expert_output, self.sorted_indices, self.gathered_shape,
+                              probs=self._unpermute_probs(), topk=self.exact_topk)
         if self.tp_ep_size > 1:
             out = reduce_scatter_to_sequence_parallel_region(out, group=self.tp_ep_group)  # sum over EP x ETP
         return out.view(self.hidden_shape), None
@@ -178,6 +187,7 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
         if self.local_only:  # every expert is here: no exchange, and no host read of the counts
             permuted, self.permuted_probs, self.sorted_indices = self._permute(
                 x, routing_map, probs, num_out_tokens=self._num_out_tokens(x.shape[0]), topk=self.exact_topk)
+            self.expert_probs = self.permuted_probs
             return permuted, routing_map.sum(dim=0)
         pending = self._start_counts(routing_map)
         t, m, El, ep = self.etp_rank, self.ep_rank, self.num_local_experts, self.ep_size
@@ -195,18 +205,26 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
                 x, routing_map, probs, num_out_tokens=sum(mine), topk=self.exact_topk)
         self.input_splits = [sum(mine[j * El:(j + 1) * El]) for j in range(ep)]
         self.output_splits = [sum(C[t][j][m * El:(m + 1) * El]) for j in range(ep)]
-        y = all_to_all(self.ep_group, permuted, self.output_splits, self.input_splits)  # chunks [ep j][l]
         self.etp_sizes = [sum(sum(C[u][j][m * El:(m + 1) * El]) for j in range(ep)) for u in range(self.etp_size)]
-        if self.etp_size > 1:
-            y = _GatherV.apply(y, self.etp_group, self.etp_sizes)  # chunks [etp u][ep j][l]
         # Regroup the chunks expert-major: [l][u][j].
         self.chunk_sizes = [C[u][j][m * El + l] for u in range(self.etp_size) for j in range(ep) for l in range(El)]
         self.sorted_idxs = [(u * ep + j) * El + l for l in range(El) for u in range(self.etp_size) for j in range(ep)]
-        if El > 1:
-            y = _sort_chunks(y, self.chunk_sizes, self.sorted_idxs)
+        y = self._to_experts(permuted)
+        self.expert_probs = None
+        if self.probs_to_experts and self.permuted_probs is not None:
+            self.expert_probs = self._to_experts(self.permuted_probs)  # the rows' probs travel with them
         tokens_per_expert = [sum(C[u][j][m * El + l] for u in range(self.etp_size) for j in range(ep))
                              for l in range(El)]
         return y, torch.tensor(tokens_per_expert, dtype=torch.int64)
+
+    def _to_experts(self, rows):
+        """This rank's permuted rows (or their probs) -> the local experts' rows, expert-major."""
+        y = all_to_all(self.ep_group, rows, self.output_splits, self.input_splits)  # chunks [ep j][l]
+        if self.etp_size > 1:
+            y = _GatherV.apply(y, self.etp_group, self.etp_sizes)  # chunks [etp u][ep j][l]
+        if self.num_local_experts > 1:
+            y = _sort_chunks(y, self.chunk_sizes, self.sorted_idxs)
+        return y
 
     def token_unpermutation(self, expert_output, bias=None):
         y = expert_output
@@ -222,5 +240,5 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
             y = all_to_all(self.ep_group, y, self.input_splits, self.output_splits)
         num_tokens = self.hidden_shape.numel() // self.hidden_shape[-1]
         out = self._unpermute(y, self.sorted_indices, (num_tokens, self.hidden_shape[-1]),
-                              probs=self.permuted_probs, topk=self.exact_topk)
+                              probs=self._unpermute_probs(), topk=self.exact_topk)
         return out.view(self.hidden_shape), None
