@@ -45,7 +45,7 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         h2, p = ctx.saved_tensors
-        dout = grad.reshape(h2.shape[0], -1).contiguous()
+        dout = grad.reshape(h2.shape[0], h2.shape[1] // 2).contiguous()
         dh = torch.empty_like(h2)
         dp = None if p is None else torch.empty_like(p)
         _kernels().swiglu_backward(h2, p, dout, dh, dp)
