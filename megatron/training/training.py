@@ -15,6 +15,7 @@ from megatron.core.utils import get_device, get_model_config
 from megatron.training.diagnostics import hang, straggler
 from megatron.training.diagnostics.errors import report_errors
 from megatron.training.data_iterators import build_train_valid_test_data_iterators
+from megatron.training import gc_control
 from megatron.training.evaluate import evaluate_and_print_results
 from megatron.training.exit import duration_exceeded
 from megatron.training.global_vars import get_args, get_signal_handler, get_timers
@@ -223,37 +224,41 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                                if isinstance(train_data_iterator, list) else
                                RerunDataIterator(train_data_iterator) if train_data_iterator is not None else None)
     timers("interval-time", log_level=0).start(barrier=True)
-    while iteration < args.train_iters:
-        hang.heartbeat()
-        update_num_microbatches(args.consumed_train_samples, consistency_check=True)
-        straggler.step_start()
-        loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
-            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config,
-            forward_backward_func)
-        _maybe_stop_on_failed_validation(iteration, model, optimizer, opt_param_scheduler)
-        iteration += 1
-        straggler.step_end(iteration, args.log_interval)
-        args.iteration = iteration
-        batch_size = args.micro_batch_size * args.data_parallel_size * get_num_microbatches()
-        args.consumed_train_samples += batch_size
-        args.num_floating_point_operations_so_far += num_floating_point_operations(args, batch_size)
-        params_norm = calc_params_l2_norm(model) if args.log_params_norm else None
-        report_memory_flag = training_log(
-            loss_dict, total_loss_dict, _learning_rate(optimizer), iteration,
-            optimizer.get_loss_scale().item(), report_memory_flag, skipped_iter, grad_norm,
-            params_norm, num_zeros if args.log_num_zeros_in_grad else None)
-        if args.eval_interval and iteration % args.eval_interval == 0 and valid_data_iterator is not None \
-                and args.eval_iters > 0:
-            timers("interval-time").stop()
-            evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model,
-                                       iteration, process_non_loss_data_func, config)
-            timers("interval-time").start()
-        if args.async_save:
-            _finalize_async_saves(blocking=False)
-        if args.adlr_autoresume and iteration % args.adlr_autoresume_interval == 0:
-            check_adlr_autoresume_termination(iteration, model, optimizer, opt_param_scheduler)
-        if _checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration):
-            return iteration, True
+    with gc_control.training_gc(args):
+        while iteration < args.train_iters:
+            hang.heartbeat()
+            update_num_microbatches(args.consumed_train_samples, consistency_check=True)
+            straggler.step_start()
+            loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
+                forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config,
+                forward_backward_func)
+            _maybe_stop_on_failed_validation(iteration, model, optimizer, opt_param_scheduler)
+            iteration += 1
+            straggler.step_end(iteration, args.log_interval)
+            gc_control.after_iteration(args, iteration)
+            args.iteration = iteration
+            batch_size = args.micro_batch_size * args.data_parallel_size * get_num_microbatches()
+            args.consumed_train_samples += batch_size
+            args.num_floating_point_operations_so_far += num_floating_point_operations(args, batch_size)
+            params_norm = calc_params_l2_norm(model) if args.log_params_norm else None
+            report_memory_flag = training_log(
+                loss_dict, total_loss_dict, _learning_rate(optimizer), iteration,
+                optimizer.get_loss_scale().item(), report_memory_flag, skipped_iter, grad_norm,
+                params_norm, num_zeros if args.log_num_zeros_in_grad else None)
+            if args.eval_interval and iteration % args.eval_interval == 0 and valid_data_iterator is not None \
+                    and args.eval_iters > 0:
+                timers("interval-time").stop()
+                gc_control.around_evaluation(args)
+                evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model,
+                                           iteration, process_non_loss_data_func, config)
+                gc_control.around_evaluation(args, generation=0)
+                timers("interval-time").start()
+            if args.async_save:
+                _finalize_async_saves(blocking=False)
+            if args.adlr_autoresume and iteration % args.adlr_autoresume_interval == 0:
+                check_adlr_autoresume_termination(iteration, model, optimizer, opt_param_scheduler)
+            if _checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration):
+                return iteration, True
     return iteration, False
 
 

@@ -14,6 +14,13 @@ def add_training_args(parser):
     g.add_argument("--train-samples", type=int, default=None, help="Samples to train (sample-based run).")
     g.add_argument("--exit-interval", type=int, default=None, help="Exit when iteration %% N == 0.")
     g.add_argument("--exit-duration-in-mins", type=int, default=None, help="Exit after N minutes of training.")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Turn Python's automatic garbage collector off during training; collect every "
+                        "--manual-gc-interval iterations instead (the same iteration on every rank).")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="With --manual-gc: collect every N iterations (0: never during training).")
+    g.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                   help="With --manual-gc: do not collect around evaluations.")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="On --exit-signal, finish the step, save (with --save) and exit 0.")
     g.add_argument("--exit-signal", type=str, default="SIGTERM", help="Signal name for --exit-signal-handler.")

@@ -21,7 +21,6 @@ UNSUPPORTED_FLAGS = {
     "--use-pytorch-profiler": (dict(action="store_true"), "profiling hooks are not built yet"),
     "--log-progress": (dict(action="store_true"), "progress files are not written yet"),
     "--log-energy": (dict(action="store_true"), "energy monitoring is not supported"),
-    "--manual-gc": (dict(action="store_true"), "manual GC is not supported"),
     "--cpu-offloading-num-layers": (dict(type=int), "activation offloading is not supported"),
     "--fim-data": (dict(action="store_true"), "fill-in-the-middle data is not supported"),
     "--sft": (dict(action="store_true"), "SFT data is not supported"),

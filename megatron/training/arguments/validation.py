@@ -301,6 +301,7 @@ def _validate_run_length(args):
     for flag, value in (("--exit-interval", args.exit_interval), ("--exit-duration-in-mins",
                                                                    args.exit_duration_in_mins)):
         _require(value is None or value > 0, f"{flag} ({value}) must be > 0")
+    _require(args.manual_gc_interval >= 0, f"--manual-gc-interval ({args.manual_gc_interval}) must be >= 0")
 
 
 def _validate_checkpointing(args):
