@@ -6,6 +6,8 @@
 # (a local HuggingFace tokenizer.json or directory used to preprocess it).
 #
 #   bash examples/llama/train_llama3_8b.sh
+#   GPUS_PER_NODE=2 CKPT_DIR= bash examples/llama/train_llama3_8b.sh --global-batch-size 4 --train-iters 10
+#       (2 GPUs, TP=2: a quick trial without checkpoints; extra flags override the ones above)
 #   DATA_PATH=/data/fineweb_text_document TOKENIZER_MODEL=/models/llama3/tokenizer.json bash examples/llama/train_llama3_8b.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,7 +21,7 @@ MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
 TP=${TP:-2}
 PP=${PP:-1}
-CKPT_DIR=${CKPT_DIR:-checkpoints/llama3_8b}
+CKPT_DIR=${CKPT_DIR-checkpoints/llama3_8b}
 
 DISTRIBUTED_ARGS=(
     --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
@@ -45,17 +47,19 @@ PARALLEL_ARGS=(
     --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --sequence-parallel
     --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
 )
+if (( TP > 1 )); then  # the sequence-parallel all-gather / reduce-scatter overlapped with the GEMMs
+    PARALLEL_ARGS+=(--tp-comm-overlap)
+fi
 if [[ -n "${DATA_PATH:-}" ]]; then
     DATA_ARGS=(--data-path "$DATA_PATH" --split 99,1,0
                --tokenizer-type HuggingFaceTokenizer --tokenizer-model "${TOKENIZER_MODEL:?set TOKENIZER_MODEL}")
 else
     DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 128256)
 fi
-OUTPUT_ARGS=(
-    --log-interval 1 --log-throughput --eval-interval 1000 --eval-iters 5
-    --save "$CKPT_DIR" --load "$CKPT_DIR" --save-interval 1000
-    --tensorboard-dir "$CKPT_DIR/tensorboard"
-)
+OUTPUT_ARGS=(--log-interval 1 --log-throughput --eval-interval 1000 --eval-iters 5)
+if [[ -n "$CKPT_DIR" ]]; then  # CKPT_DIR= (empty): no checkpoints, no TensorBoard (a quick trial)
+    OUTPUT_ARGS+=(--save "$CKPT_DIR" --load "$CKPT_DIR" --save-interval 1000 --tensorboard-dir "$CKPT_DIR/tensorboard")
+fi
 
 torchrun "${DISTRIBUTED_ARGS[@]}" pretrain_gpt.py \
     "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"

@@ -114,6 +114,11 @@ def setup_model_and_optimizer(model_provider_func, model_type=ModelType.encoder_
     from megatron.core.optimizer import get_megatron_optimizer
     optimizer = get_megatron_optimizer(config, model, no_weight_decay_cond=no_wd_decay_cond,
                                        scale_lr_cond=scale_lr_cond, lr_mult=lr_mult)
+    # Adam's moments exist before the first step (zeros, what its first step would create): the first
+    # iteration then holds its steady-state memory, so the reported peak after iteration 1 is the run's
+    # peak and an out-of-memory shows in the first step, not the second.
+    from megatron.core.optimizer import optimizer_state
+    optimizer_state.init_state(optimizer)
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
     args.iteration, args.num_floating_point_operations_so_far = 0, 0
     if args.load is not None or args.pretrained_checkpoint is not None:

@@ -8,17 +8,10 @@ temporary directory. Optimizer and RNG state are not converted.
 import copy
 import os
 import shutil
-import socket
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_args(ckpt_args, load_dir, save_dir, fmt, tp, pp, iteration):
@@ -37,14 +30,16 @@ def _rank_args(ckpt_args, load_dir, save_dir, fmt, tp, pp, iteration):
     return args
 
 
-def _worker(rank, world, port, args, queue):
+def _worker(rank, world, rendezvous, args, queue):
     """One target rank: build the model under the target layout, load, save."""
     import torch
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+        # A file rendezvous: the ranks share this host, and no TCP port can be taken by another process
+        # between choosing it and binding it.
+        torch.distributed.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
+                                             world_size=world)
         args.rank = rank
         _convert_on_rank(args)
         queue.put((rank, None))
@@ -80,20 +75,25 @@ def run_ranks(args, world):
     """Run the conversion on ``world`` spawned gloo ranks; raise with the first failing rank's traceback."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    errors = []
-    for _ in range(world):
-        rank, err = queue.get(timeout=1800)
-        if err:
-            errors.append((rank, err))
-            break
-    for p in procs:
-        p.join(timeout=10 if errors else None)
-        if p.is_alive():
-            p.kill()
+    rendezvous_dir = tempfile.mkdtemp(prefix="ckpt_convert_rdzv_")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(rendezvous_dir, "store"), args, queue))
+             for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        errors = []
+        for _ in range(world):
+            rank, err = queue.get(timeout=1800)
+            if err:
+                errors.append((rank, err))
+                break
+        for p in procs:
+            p.join(timeout=10 if errors else None)
+            if p.is_alive():
+                p.kill()
+    finally:
+        shutil.rmtree(rendezvous_dir, ignore_errors=True)
     if errors:
         raise SystemExit(f"error: conversion failed on rank {errors[0][0]}:\n{errors[0][1]}")
 
