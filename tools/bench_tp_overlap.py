@@ -5,8 +5,7 @@
 
 Shapes default to Llama-3-8B (QKV 4096 -> 6144 with 8 KV groups, proj 4096 -> 4096, fc1 4096 -> 2 x 14336,
 fc2 14336 -> 4096), batch 1, bf16. Prints median ms per layer (CUDA events) and the share of the exposed
-communication the overlap hides, (plain - overlap) / (plain - GEMMs only), for the NCCL ring and for the
-default path (torch symmetric memory on CUDA). On CPU (gloo) it runs at toy
+communication the overlap hides: (plain - overlap) / (plain - GEMMs only). On CPU (gloo) it runs at toy
 size in fp32 as a smoke test. --trace writes a Chrome trace per rank of the overlapped run.
 """
 import argparse
@@ -85,9 +84,7 @@ def main():
     tp, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     torch.manual_seed(0)
     res = {}
-    from megatron.core.tensor_parallel import overlap as ovl
-    for name, overlap in (("plain", False), ("ring overlap", True), ("overlap", True)):
-        ovl._SYMM["off"] = name == "ring overlap"  # the NCCL ring, then the default (symmetric memory on CUDA)
+    for name, overlap in (("plain", False), ("overlap", True)):
         layers = _layers(a, tp, dtype, device, overlap)
         inputs = _inputs(layers, a, tp, dtype, device)
         res[name] = _median_ms(lambda: _step(layers, inputs), a.iters)
@@ -102,12 +99,10 @@ def main():
             prof.export_chrome_trace(os.path.join(a.trace, f"tp_overlap_rank{rank}.json"))
     if rank == 0:
         exposed = res["plain"] - res["gemms only"]
-        hidden = {k: (res["plain"] - res[k]) / exposed if exposed > 0 else float("nan")
-                  for k in ("ring overlap", "overlap")}
+        hidden = (res["plain"] - res["overlap"]) / exposed if exposed > 0 else float("nan")
         print(f"TP={tp} seq {a.seq} hidden {a.hidden} ffn {a.ffn} {str(dtype)[6:]} on {device.type}: "
-              + ", ".join(f"{k} {v:.2f} ms" for k, v in res.items()) + "; communication hidden: "
-              + ", ".join(f"{k} {100 * v:.0f}%" for k, v in hidden.items())
-              + f" (symmetric memory {'used' if cuda and not ovl._SYMM['off'] else 'not used'})", flush=True)
+              + ", ".join(f"{k} {v:.2f} ms" for k, v in res.items()) + f"; communication hidden {100 * hidden:.0f}%",
+              flush=True)
     torch.distributed.destroy_process_group()
 
 

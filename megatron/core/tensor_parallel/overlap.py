@@ -1,76 +1,21 @@
 """Sequence-parallel linears with their TP communication overlapped with the GEMMs (``--tp-comm-overlap``).
 
-No Transformer Engine userbuffers and no NVLink multicast. Under SP the column-parallel linears (QKV, fc1)
-all-gather X along the sequence before their GEMM and the row-parallel ones (proj, fc2) reduce-scatter Y
-after it. Here both are split into the TP ranks' sequence blocks and pipelined: while block i's GEMM runs,
-block i+1 travels. On CUDA with NCCL groups the transfers are torch's symmetric-memory fused ops
-(``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``): peer-to-peer copies
-over NVLink done by the copy engines, which run beside a GEMM that fills every SM. Elsewhere (gloo, or
-where symmetric memory cannot be set up: said once) a ring of ``batch_isend_irecv`` does the same
-pipelining; its NCCL kernels need SMs, so on a GPU they mostly wait for the GEMMs (measured: 7% of the
-communication hidden on one Llama-3-8B layer at TP=2). Backward of the column layer overlaps the re-gather
-of X with the dX GEMM and its reduce-scatter (fused, or behind the wgrad GEMM on the ring path).
+Our own implementation over plain torch.distributed (no Transformer Engine userbuffers, no NVLink
+multicast or symmetric memory). Under SP the column-parallel linears (QKV, fc1) all-gather X along the
+sequence before their GEMM and the row-parallel ones (proj, fc2) reduce-scatter Y after it. Here both are
+split into the TP ranks' sequence blocks and pipelined as a ring: while block i's GEMM runs, block i+1
+travels to the next rank (``batch_isend_irecv``). On CUDA the NCCL transfers run on NCCL's own stream
+and the GEMMs on the current one, so they proceed concurrently; ``work.wait()`` only makes the current
+stream wait where a block is consumed. Backward of the column layer uses Megatron's bulk overlaps: the
+re-gather of X runs behind the dX GEMM and the dX reduce-scatter behind the wgrad GEMM.
 
 The math is that of the plain path: the same GEMM, row block by row block (the all-gather side gives
 the same values), and for the reduce-scatter the same partial sums added in ring order.
 """
-import warnings
-
 import torch
 import torch.distributed as dist
 
 from megatron.core.tensor_parallel.mappings import _all_gather_single, _reduce_scatter_single
-
-_SYMM = {"off": False, "groups": set()}
-
-
-def _symm_group_name(x, group):
-    """The group's name when torch's symmetric-memory fused ops serve this call, else None."""
-    if _SYMM["off"] or not x.is_cuda or dist.get_backend(group) != "nccl":
-        return None
-    name = group.group_name
-    if name in _SYMM["groups"]:
-        return name
-    try:
-        from torch.distributed import _symmetric_memory as symm  # registers torch.ops.symm_mem
-        torch.ops.symm_mem.fused_all_gather_matmul  # noqa: B018  (present in this torch?)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # deprecated (no longer needed) in newer torch
-            symm.enable_symm_mem_for_group(name)
-    except Exception as e:  # noqa: BLE001
-        _symm_failed(e)
-        return None
-    _SYMM["groups"].add(name)
-    return name
-
-
-def _symm_failed(e):
-    _SYMM["off"] = True
-    warnings.warn(f"--tp-comm-overlap: torch symmetric memory is unavailable here ({type(e).__name__}: {e}); "
-                  "using the NCCL ring, which hides less of the communication on GPUs")
-
-
-def all_gather_mm(x, mat, group):
-    """(all_gather(x) @ mat, all_gather(x)) along dim 0, the transfers pipelined with the GEMM."""
-    name = _symm_group_name(x, group)
-    if name is not None:
-        try:
-            total, outs = torch.ops.symm_mem.fused_all_gather_matmul(x.contiguous(), [mat], 0, name)
-            return outs[0], total
-        except Exception as e:  # noqa: BLE001
-            _symm_failed(e)
-    return ring_all_gather_mm(x, mat, group)
-
-
-def mm_reduce_scatter(x, mat, group):
-    """reduce_scatter(x @ mat) along dim 0, the transfers pipelined with the GEMM."""
-    name = _symm_group_name(x, group)
-    if name is not None:
-        try:
-            return torch.ops.symm_mem.fused_matmul_reduce_scatter(x.contiguous(), mat, "sum", 0, name)
-        except Exception as e:  # noqa: BLE001
-            _symm_failed(e)
-    return ring_mm_reduce_scatter(x, mat, group)
 
 
 def _ring(group):
@@ -169,7 +114,7 @@ class ColumnParallelLinearWithOverlap(torch.autograd.Function):
         ctx.use_bias, ctx.fusion, ctx.group = bias is not None, fusion, group
         ctx.bulk_dgrad, ctx.bulk_wgrad = bulk_dgrad, bulk_wgrad
         if overlap_ag:
-            out, _ = all_gather_mm(x, weight.t(), group)  # [s, b, out/tp]
+            out, _ = ring_all_gather_mm(x, weight.t(), group)  # [s, b, out/tp]
         else:
             out = torch.matmul(_gather(x, group, False)[0], weight.t())
         return out.add_(bias) if bias is not None else out
@@ -179,10 +124,7 @@ class ColumnParallelLinearWithOverlap(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_output = grad_output.contiguous()
         total_x, ag = _gather(x, ctx.group, ctx.bulk_dgrad)  # [s, b, h], in flight during the dX GEMM
-        if ctx.bulk_wgrad and _symm_group_name(grad_output, ctx.group) is not None:
-            grad_input, rs = mm_reduce_scatter(grad_output, weight, ctx.group), None  # [s/tp, b, h], fused
-        else:
-            grad_input, rs = _reduce_scatter(grad_output.matmul(weight), ctx.group, ctx.bulk_wgrad)
+        grad_input, rs = _reduce_scatter(grad_output.matmul(weight), ctx.group, ctx.bulk_wgrad)  # [s/tp, b, h]
         if ag is not None:
             ag.wait()
         grad_bias = grad_output.reshape(-1, grad_output.size(-1)).sum(dim=0) if ctx.use_bias else None
@@ -205,7 +147,7 @@ class RowParallelLinearWithOverlap(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.fusion, ctx.group, ctx.overlap_ag = fusion, group, overlap_ag
         if overlap_rs:
-            return mm_reduce_scatter(x, weight.t(), group)  # [s/tp, b, h]
+            return ring_mm_reduce_scatter(x, weight.t(), group)  # [s/tp, b, h]
         return _reduce_scatter(torch.matmul(x, weight.t()), group, False)[0]
 
     @staticmethod
@@ -213,7 +155,7 @@ class RowParallelLinearWithOverlap(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_output = grad_output.contiguous()
         if ctx.overlap_ag:
-            grad_input, total_grad = all_gather_mm(grad_output, weight, ctx.group)
+            grad_input, total_grad = ring_all_gather_mm(grad_output, weight, ctx.group)
         else:
             total_grad = _gather(grad_output, ctx.group, False)[0]  # [s, b, h]
             grad_input = total_grad.matmul(weight)
