@@ -79,8 +79,11 @@ def parse_cli(argv):
 
 
 def megatron_argv(cli, extra):
-    flags = f"{_COMMON} {CONFIGS[cli.config]} {FAST_FLAGS if cli.fast else ''}".split() + list(extra)
-    return flags + ["--train-iters", str(cli.warmup + cli.iters)]
+    flags = f"{_COMMON} {CONFIGS[cli.config]} {FAST_FLAGS if cli.fast else ''}".split()
+    total = cli.warmup + cli.iters
+    if total <= 2:  # the LR warmup (2 iterations) must end before the run does
+        flags += ["--lr-warmup-iters", str(max(0, total - 1))]
+    return flags + list(extra) + ["--train-iters", str(total)]
 
 
 def _sync():

@@ -89,7 +89,7 @@ FLAG_CASES = [
     ("unsupported-flag", ["--fp4-format", "e2m1"], "--fp4-format is not supported yet"),
     ("exit-signal", ["--exit-signal", "SIGFOO"], "--exit-signal (SIGFOO)"),
     ("manual-gc-interval", ["--manual-gc", "--manual-gc-interval", "-1"], "--manual-gc-interval (-1)"),
-    ("warmup-past-decay", ["--lr-warmup-iters", "5"], "--lr-warmup-iters (5) must be smaller than the LR decay"),
+    ("warmup-past-decay", ["--lr-warmup-iters", "5"], "--lr-warmup-iters: the LR warmup must end before"),
     ("straggler-count", ["--log-straggler", "--straggler-minmax-count", "0"], "--straggler-minmax-count (0)"),
     ("straggler-port", ["--straggler-ctrlr-port", "70000"], "--straggler-ctrlr-port (70000)"),
     ("timeout-after-init", ["--distributed-timeout-seconds-after-init", "0"],

@@ -282,20 +282,12 @@ def _validate_run_length(args):
         _require(args.lr_warmup_samples == 0, "--lr-warmup-samples needs a sample-based run (--train-samples)")
         _require(args.lr_warmup_fraction is None or args.lr_warmup_iters == 0,
                  "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive; pass one")
-        horizon = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
-        _require(not horizon or horizon <= 0 or args.lr_warmup_iters < horizon,
-                 f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than the LR decay horizon, {horizon} "
-                 "iterations (--lr-decay-iters, by default --train-iters)")
     else:
         for flag, name in (("--lr-decay-iters", "lr_decay_iters"), ("--lr-wsd-decay-iters", "lr_wsd_decay_iters")):
             _require(getattr(args, name) is None, f"{flag} needs an iteration-based run (--train-iters)")
         _require(args.lr_warmup_iters == 0, "--lr-warmup-iters needs an iteration-based run (--train-iters)")
         _require(args.lr_warmup_fraction is None or args.lr_warmup_samples == 0,
                  "--lr-warmup-fraction and --lr-warmup-samples are mutually exclusive; pass one")
-        horizon = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
-        _require(not horizon or horizon <= 0 or args.lr_warmup_samples < horizon,
-                 f"--lr-warmup-samples ({args.lr_warmup_samples}) must be smaller than the LR decay horizon, "
-                 f"{horizon} samples (--lr-decay-samples, by default --train-samples)")
     _require(args.lr_warmup_fraction is None or 0.0 <= args.lr_warmup_fraction < 1.0,
              f"--lr-warmup-fraction ({args.lr_warmup_fraction}) must be in [0, 1)")
     if not args.skip_train:
