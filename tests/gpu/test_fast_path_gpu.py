@@ -295,3 +295,28 @@ def test_triton_swiglu_matches_fp32_reference(shape, with_probs):
     torch.testing.assert_close(x.grad.float(), xr.grad, rtol=8e-3, atol=1e-5)
     if p is not None:
         torch.testing.assert_close(pp.grad, pr.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+def test_fused_router_matches_eager(score_function):
+    """--moe-router-fusion's compiled routing and balancing scores equal the eager functions on CUDA
+    (the same selected experts; probabilities and their gradient within fp32 rounding), no fallback."""
+    from megatron.core.transformer.moe import moe_utils
+    route, scores = moe_utils.fused_router_fns()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(8192, 64, device="cuda", generator=gen)
+    bias = torch.randn(64, device="cuda", generator=gen) * 0.1 if score_function == "sigmoid" else None
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    probs, routing_map = route(a, 6, score_function=score_function, expert_bias=bias)
+    ref_probs, ref_map = moe_utils.topk_routing_with_score_function(b, 6, score_function=score_function,
+                                                                    expert_bias=bias)
+    assert torch.equal(routing_map, ref_map)
+    torch.testing.assert_close(probs, ref_probs, rtol=1e-5, atol=1e-6)
+    probs.pow(2).sum().backward()
+    ref_probs.pow(2).sum().backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+    m, s = scores(logits, 6, score_function)
+    rm, rs = moe_utils.compute_routing_scores_for_aux_loss(logits, 6, score_function)
+    assert torch.equal(m, rm)
+    torch.testing.assert_close(s, rs, rtol=1e-5, atol=1e-6)
+    assert route.state["fn"] is not moe_utils.topk_routing_with_score_function  # compiled, no fallback

@@ -65,6 +65,9 @@ def add_moe_args(parser):
                    help="All local experts in two grouped GEMMs (torch._grouped_mm on Hopper bf16).")
     g.add_argument("--moe-permute-fusion", action="store_true",
                    help="torch.compile'd token permutation on CUDA (index-based eager fallback).")
+    g.add_argument("--moe-router-fusion", action="store_true",
+                   help="Top-k routing and the balancing-loss scores compiled into few kernels on CUDA "
+                        "(torch.compile; the same math; eager fallback).")
     g.add_argument("--moe-per-layer-logging", action="store_true", help="MoE losses per layer in TensorBoard/W&B.")
     g.add_argument("--moe-input-jitter-eps", type=float, default=None, help="Multiplicative router input jitter.")
     g.add_argument("--moe-router-force-load-balancing", action="store_true",

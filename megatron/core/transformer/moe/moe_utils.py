@@ -356,6 +356,19 @@ def unpermute(permuted_tokens, sorted_indices, restore_shape, probs: Optional[to
 _COMPILED = {}
 
 
+def fused_router_fns():
+    """(routing, aux-loss scores) for --moe-router-fusion: `topk_routing_with_score_function` and
+    `compute_routing_scores_for_aux_loss` compiled for CUDA tensors (one static-shape graph per token
+    count), the chain of small fp32 kernels (softmax or sigmoid, top-k, normalisation, the scatters into
+    [T, E]) becoming a few; eager on CPU, and from then on where compilation fails (said once)."""
+    if "router" not in _COMPILED:
+        from megatron.core.fusions.compile import maybe_compile
+        _COMPILED["router"] = tuple(
+            _with_eager_fallback(maybe_compile(fn), fn, "--moe-router-fusion", "the eager router")
+            for fn in (topk_routing_with_score_function, compute_routing_scores_for_aux_loss))
+    return _COMPILED["router"]
+
+
 def fused_permute_fns():
     """torch.compile'd `permute` / `unpermute` (--moe-permute-fusion) on CUDA with Triton; the eager
     index-based versions elsewhere, or when compilation is unavailable."""

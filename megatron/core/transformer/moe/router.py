@@ -21,8 +21,8 @@ from megatron.core.transformer.moe.moe_helpers import (
     apply_biased_logits, apply_random_logits, get_updated_expert_bias, router_gating_linear)
 from megatron.core.transformer.moe.moe_logging import save_expert_load, save_to_aux_losses_tracker
 from megatron.core.transformer.moe.moe_utils import (
-    MoEAuxLossAutoScaler, apply_router_token_dropping, compute_routing_scores_for_aux_loss, sinkhorn,
-    switch_load_balancing_loss_func, topk_routing_with_score_function, z_loss_func)
+    MoEAuxLossAutoScaler, apply_router_token_dropping, compute_routing_scores_for_aux_loss, fused_router_fns,
+    sinkhorn, switch_load_balancing_loss_func, topk_routing_with_score_function, z_loss_func)
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -149,7 +149,8 @@ class TopKRouter(Router):
         return logits * routing_map, routing_map
 
     def _apply_aux_losses(self, probs, logits, seq_length: int, bsz: int):
-        routing_map, scores = compute_routing_scores_for_aux_loss(logits, self.topk, self.score_function)
+        scores_fn = fused_router_fns()[1] if self.config.moe_router_fusion else compute_routing_scores_for_aux_loss
+        routing_map, scores = scores_fn(logits, self.topk, self.score_function)
         E, k = self.num_experts, self.topk
         if "aux_loss" in self.routing_type:
             coeff = self.get_aux_loss_coeff("aux_loss")
@@ -184,7 +185,8 @@ class TopKRouter(Router):
             probs, routing_map = self.sinkhorn_load_balancing(logits)
         else:
             c = self.config
-            probs, routing_map = topk_routing_with_score_function(
+            route = fused_router_fns()[0] if c.moe_router_fusion else topk_routing_with_score_function
+            probs, routing_map = route(
                 logits, self.topk, use_pre_softmax=c.moe_router_pre_softmax, num_groups=c.moe_router_num_groups,
                 group_topk=c.moe_router_group_topk, scaling_factor=c.moe_router_topk_scaling_factor,
                 score_function=self.score_function, expert_bias=self.expert_bias)
