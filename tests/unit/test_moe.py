@@ -113,6 +113,26 @@ def test_moe_layer_matches_per_token_reference(dispatcher, grouped, capacity):
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_probs_on_input_matches_per_token_reference(dispatcher):
+    """--moe-apply-probs-on-input (top-1): token t's output is expert_e(p_t * x_t), not p_t * expert_e(x_t)."""
+    torch.manual_seed(4)
+    config = _config(moe_token_dispatcher_type=dispatcher, moe_router_topk=1, moe_apply_probs_on_input=True,
+                     moe_grouped_gemm=True)
+    layer = build_module(get_moe_module_spec(num_experts=E, moe_grouped_gemm=True), config=config)
+    x = torch.randn(6, 4, H)
+    out, _ = layer(x)
+    probs, routing_map = layer.router(x)
+    flat = x.reshape(-1, H)
+    experts = [_expert_fn(layer, e) for e in range(E)]
+    ref = torch.stack([sum(experts[e](probs[t, e] * flat[t]) for e in range(E) if routing_map[t, e])
+                       for t in range(flat.shape[0])])
+    torch.testing.assert_close(out.reshape(-1, H), ref.detach(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="--moe-apply-probs-on-input needs --moe-router-topk 1"):
+        from megatron.core.transformer.moe.config_checks import check_moe_config
+        check_moe_config(_config(moe_router_topk=2, moe_apply_probs_on_input=True))
+
+
 def test_grouped_and_sequential_experts_agree():
     torch.manual_seed(3)
     grouped = build_module(get_moe_module_spec(num_experts=E, moe_grouped_gemm=True),
@@ -135,6 +155,7 @@ def test_grouped_and_sequential_experts_agree():
     ("--num-experts 4 --moe-expert-capacity-factor 0", 1, "--moe-expert-capacity-factor (0.0) must be > 0"),
     ("--num-experts 4 --moe-token-dispatcher-type flex", 1, "flex needs DeepEP"),
     ("--expert-model-parallel-size 2", 2, "needs --num-experts"),
+    ("--num-experts 4 --moe-apply-probs-on-input", 1, "--moe-apply-probs-on-input needs --moe-router-topk 1"),
 ])
 def test_bad_moe_flags_give_one_line(flags, world, message):
     with pytest.raises(ArgumentError) as err:

@@ -129,7 +129,6 @@ class TransformerConfigCompat:
     moe_token_drop_policy: Any = 'probs'
     moe_layer_recompute: bool = False
     moe_permute_fusion: bool = False
-    moe_apply_probs_on_input: bool = False
     moe_latent_size: Optional[int] = None
     moe_flex_dispatcher_num_sms: Optional[int] = None
     moe_deepep_num_sms: Optional[int] = None

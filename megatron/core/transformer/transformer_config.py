@@ -101,6 +101,7 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     moe_token_drop_policy: str = "probs"
     moe_permute_fusion: bool = False
     moe_router_fusion: bool = False
+    moe_apply_probs_on_input: bool = False  # scale the expert input by the prob (top-1), not its activation
     moe_router_force_load_balancing: bool = False  # random router logits: balanced load for benchmarks
     moe_router_force_biased: Optional[float] = None  # random logits + a shared per-expert bias of this std
 

@@ -68,6 +68,9 @@ def add_moe_args(parser):
     g.add_argument("--moe-router-fusion", action="store_true",
                    help="Top-k routing and the balancing-loss scores compiled into few kernels on CUDA "
                         "(torch.compile; the same math; eager fallback).")
+    g.add_argument("--moe-apply-probs-on-input", action="store_true",
+                   help="Multiply each token's expert input by its routing probability instead of the "
+                        "expert's activation (needs --moe-router-topk 1).")
     g.add_argument("--moe-per-layer-logging", action="store_true", help="MoE losses per layer in TensorBoard/W&B.")
     g.add_argument("--moe-input-jitter-eps", type=float, default=None, help="Multiplicative router input jitter.")
     g.add_argument("--moe-router-force-load-balancing", action="store_true",

@@ -59,6 +59,9 @@ def _check_router(c, E, k):
         raise ValueError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid or sqrtsoftplus")
     if c.moe_router_dtype not in (None, "fp32", "fp64"):
         raise ValueError(f"--moe-router-dtype {c.moe_router_dtype}: use fp32 or fp64")
+    if c.moe_apply_probs_on_input and k != 1:
+        raise ValueError(f"--moe-apply-probs-on-input needs --moe-router-topk 1 (got {k}): with several experts "
+                         "per token the input cannot carry one probability")
     groups, group_topk = c.moe_router_num_groups, c.moe_router_group_topk
     if (groups is None) != (group_topk is None):
         raise ValueError("--moe-router-num-groups and --moe-router-group-topk must be given together")

@@ -142,7 +142,12 @@ class MoELayer(BaseMoELayer):
             else hidden_states  # [s/tp, b, h]
         probs, routing_map = self.router(x)
         dispatched, tokens_per_expert = self.token_dispatcher.token_permutation(x, probs, routing_map)
-        expert_out, mlp_bias = self.experts(dispatched, tokens_per_expert, self.token_dispatcher.expert_probs)
+        expert_probs = self.token_dispatcher.expert_probs
+        if self.config.moe_apply_probs_on_input and expert_probs is not None:
+            # --moe-apply-probs-on-input (top-1): the expert sees p * x and its output is not scaled again.
+            dispatched = dispatched * expert_probs.unsqueeze(-1).to(dispatched.dtype)
+            expert_probs = None
+        expert_out, mlp_bias = self.experts(dispatched, tokens_per_expert, expert_probs)
         out, _ = self.token_dispatcher.token_unpermutation(expert_out, mlp_bias)
         if split_here:
             # Downstream grads are replicated over TP: the backward keeps this rank's slice.
