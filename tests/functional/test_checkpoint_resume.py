@@ -29,9 +29,8 @@ def _env():
 def _launcher(nproc):
     if nproc == 1:
         return [sys.executable, os.path.join(ROOT, "pretrain_gpt.py")]
-    from tests.parallel.dist_utils import free_port
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-            str(free_port()), os.path.join(ROOT, "pretrain_gpt.py")]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+            os.path.join(ROOT, "pretrain_gpt.py")]
 
 
 ARCH = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]

@@ -22,10 +22,9 @@ RTOL = 1e-5
 
 
 def _run(tb_dir, extra):
-    from tests.parallel.dist_utils import free_port
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), os.path.join(ROOT, "pretrain_gpt.py")] + CMD.split() + [
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           os.path.join(ROOT, "pretrain_gpt.py")] + CMD.split() + [
            "--tensorboard-dir", str(tb_dir)] + extra
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

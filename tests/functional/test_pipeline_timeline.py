@@ -13,8 +13,7 @@ FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 1
 
 
 def test_two_stage_timeline(tmp_path):
-    from tests.parallel.dist_utils import free_port
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            os.path.join(ROOT, "tools", "pipeline_timeline.py"), "--out", str(tmp_path), "--skip", "2", "--",
            *FLAGS.split()]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}

@@ -27,10 +27,9 @@ def preprocess_corpus(out_dir, vocab, tokenizer_type):
 
 
 def torchrun(script, args, nproc=2):
-    from tests.parallel.dist_utils import free_port
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port()), os.path.join(ROOT, script)] + args
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+           os.path.join(ROOT, script)] + args
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
 
 

@@ -24,16 +24,11 @@ LINE = re.compile(
 def run_output(tmp_path_factory):
     tb = tmp_path_factory.mktemp("tb")
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(_free_port()), os.path.join(ROOT, "pretrain_gpt.py")] + CMD.split() + ["--tensorboard-dir", str(tb)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           os.path.join(ROOT, "pretrain_gpt.py")] + CMD.split() + ["--tensorboard-dir", str(tb)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout, tb
-
-
-def _free_port():
-    from tests.parallel.dist_utils import free_port
-    return free_port()
 
 
 def test_log_lines_and_loss_falls(run_output):
