@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+from tests.functional.torchrun import torchrun
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ITERS = 6
 CMD = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
@@ -27,10 +29,8 @@ def _env():
 
 
 def _launcher(nproc):
-    if nproc == 1:
-        return [sys.executable, os.path.join(ROOT, "pretrain_gpt.py")]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
-            os.path.join(ROOT, "pretrain_gpt.py")]
+    assert nproc == 1, "multi-rank runs go through tests.functional.torchrun"
+    return [sys.executable, os.path.join(ROOT, "pretrain_gpt.py")]
 
 
 ARCH = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
@@ -38,8 +38,11 @@ ARCH = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 
 def run(*extra, nproc=1, iters=ITERS, base=CMD):
     """Run pretrain_gpt.py; return (stdout, {iteration: loss text})."""
-    cmd = _launcher(nproc) + base + ["--train-iters", str(iters)] + list(extra)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=_env())
+    args = base + ["--train-iters", str(iters)] + list(extra)
+    if nproc == 1:
+        p = subprocess.run(_launcher(1) + args, capture_output=True, text=True, timeout=180, cwd=ROOT, env=_env())
+    else:
+        p = torchrun(nproc, [os.path.join(ROOT, "pretrain_gpt.py")] + args, timeout=180, cwd=ROOT, env=_env())
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout, {int(m.group(1)): m.group(2) for m in LOSS.finditer(p.stdout)}
 

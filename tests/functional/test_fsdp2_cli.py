@@ -6,11 +6,11 @@ layer and uses gradient-accumulation fusion, so this pins that DDP adds the embe
 (in `.grad`) on top of the fused output-layer wgrad (in `main_grad`), while FSDP2 reduces plain grads.
 """
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from tests.functional.torchrun import torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ITERS = 5
@@ -23,10 +23,8 @@ RTOL = 1e-5
 
 def _run(tb_dir, extra):
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           os.path.join(ROOT, "pretrain_gpt.py")] + CMD.split() + [
-           "--tensorboard-dir", str(tb_dir)] + extra
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    p = torchrun(2, [os.path.join(ROOT, "pretrain_gpt.py")] + CMD.split() + ["--tensorboard-dir", str(tb_dir)] + extra,
+                 timeout=240, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return _scalars(str(tb_dir))
 

@@ -2,8 +2,8 @@
 iteration, p2p kinds that match each stage's role, and a Chrome trace per rank."""
 import json
 import os
-import subprocess
-import sys
+
+from tests.functional.torchrun import torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
@@ -13,11 +13,9 @@ FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 1
 
 
 def test_two_stage_timeline(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           os.path.join(ROOT, "tools", "pipeline_timeline.py"), "--out", str(tmp_path), "--skip", "2", "--",
-           *FLAGS.split()]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    p = torchrun(2, [os.path.join(ROOT, "tools", "pipeline_timeline.py"), "--out", tmp_path, "--skip", "2", "--",
+                     *FLAGS.split()], timeout=240, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "| rank | pp stage | iteration | forward | backward |" in p.stdout
     rows = json.loads((tmp_path / "summary.json").read_text())

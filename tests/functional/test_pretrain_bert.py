@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests.functional.torchrun import torchrun as launch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ITERS = 20
 CMD = (f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
@@ -28,9 +30,7 @@ def preprocess_corpus(out_dir, vocab, tokenizer_type):
 
 def torchrun(script, args, nproc=2):
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
-           os.path.join(ROOT, script)] + args
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    return launch(nproc, [os.path.join(ROOT, script)] + args, timeout=240, cwd=ROOT, env=env)
 
 
 @pytest.fixture(scope="module")

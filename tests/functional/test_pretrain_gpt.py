@@ -2,10 +2,10 @@
 import math
 import os
 import re
-import subprocess
-import sys
 
 import pytest
+
+from tests.functional.torchrun import torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CMD = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
@@ -24,9 +24,8 @@ LINE = re.compile(
 def run_output(tmp_path_factory):
     tb = tmp_path_factory.mktemp("tb")
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           os.path.join(ROOT, "pretrain_gpt.py")] + CMD.split() + ["--tensorboard-dir", str(tb)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    p = torchrun(2, [os.path.join(ROOT, "pretrain_gpt.py")] + CMD.split() + ["--tensorboard-dir", str(tb)],
+                 timeout=240, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout, tb
 
