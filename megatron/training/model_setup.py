@@ -94,15 +94,13 @@ def get_optimizer_param_scheduler(optimizer):
                         else args.lr_warmup_samples)
     if 0 < decay_steps <= warmup_steps:
         from megatron.training.arguments.validation import ArgumentError
-        unit, flag = (("iterations", "--lr-warmup-iters") if args.train_samples is None
-                      else ("samples", "--lr-warmup-samples"))
-        if args.lr_warmup_fraction is not None:
-            flag = "--lr-warmup-fraction"
-        decay_flag = "--lr-decay-iters (by default --train-iters)" if args.train_samples is None \
-            else "--lr-decay-samples (by default --train-samples)"
-        horizon = args.lr_decay_iters if args.train_samples is None else args.lr_decay_samples
-        raise ArgumentError(f"{flag}: the LR warmup must end before the decay horizon of {horizon} {unit} "
-                            f"({decay_flag}); shorten the warmup or lengthen the run")
+        by_iters = args.train_samples is None
+        flag = ("--lr-warmup-fraction" if args.lr_warmup_fraction is not None
+                else "--lr-warmup-iters" if by_iters else "--lr-warmup-samples")
+        horizon = (f"{args.lr_decay_iters} iterations (--lr-decay-iters, by default --train-iters)" if by_iters
+                   else f"{args.lr_decay_samples} samples (--lr-decay-samples, by default --train-samples)")
+        raise ArgumentError(f"{flag}: the LR warmup must end before the decay horizon of {horizon}; "
+                            "shorten the warmup or lengthen the run")
     start_wd = args.start_weight_decay if args.start_weight_decay is not None else args.weight_decay
     end_wd = args.end_weight_decay if args.end_weight_decay is not None else args.weight_decay
     return OptimizerParamScheduler(

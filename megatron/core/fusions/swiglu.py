@@ -14,7 +14,6 @@ import torch
 from megatron.core.fusions.triton_loader import triton_loader
 
 
-
 def _load():
     from megatron.core.fusions import _triton_swiglu
     return _triton_swiglu

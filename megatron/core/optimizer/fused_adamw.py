@@ -18,7 +18,6 @@ import torch
 from megatron.core.fusions.triton_loader import triton_loader
 
 
-
 def _load():
     from megatron.core.fusions._triton_adamw import adamw_step
     return adamw_step

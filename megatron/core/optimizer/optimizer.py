@@ -14,9 +14,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed.torch_fsdp2_state import full_local_tensor, shard_like
 from megatron.core.optimizer import optimizer_state
-from megatron.core.optimizer.fused_adamw import triton_adamw_applies, triton_adamw_step
 from megatron.core.optimizer.clip_grads import (
     clip_coefficient, clip_grad_by_total_norm_fp32, count_zeros_in_grads, get_grad_norm_fp32, param_counts_for_grad_stats)
+from megatron.core.optimizer.fused_adamw import triton_adamw_applies, triton_adamw_step
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 

@@ -18,10 +18,10 @@ from typing import Callable, List, Optional, Protocol, Tuple, Union
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.fusions.swiglu import swiglu, triton_swiglu_available
 from megatron.core.tensor_parallel.layers import _make_param, set_tensor_model_parallel_attributes
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.fusions.swiglu import swiglu, triton_swiglu_available
 from megatron.core.transformer.moe.moe_utils import _with_eager_fallback
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import divide
