@@ -83,7 +83,8 @@ class CollectiveRecorder:
         now = time.time()
         out = []
         for c in calls:
-            state = ("issued (async)" if c["async"] and c["end"] is not None else
+            state = (f"FAILED after {c['failed'] - c['start']:.1f} s" if c.get("failed") else
+                     "issued (async)" if c["async"] and c["end"] is not None else
                      f"done in {c['end'] - c['start']:.3f} s" if c["end"] is not None else
                      f"WAITING for {now - c['start']:.1f} s")
             out.append(f"#{c['seq']:<6d} {c['op']:<22s} {c['tensor']:<36s} group={c['group']!s:<6s} "
@@ -98,9 +99,12 @@ def _wrap(name, fn, recorder):
             return fn(*args, **kwargs)
         entry = recorder.start(name, args, kwargs)
         try:
-            return fn(*args, **kwargs)
-        finally:
-            recorder.finish(entry)
+            result = fn(*args, **kwargs)
+        except BaseException:
+            entry["failed"] = time.time()  # stays in flight: the error report names the wait that failed
+            raise
+        recorder.finish(entry)
+        return result
     return recorded
 
 
@@ -238,6 +242,9 @@ def _dump_on_error(exc):
     state = _STATE
     if state is None:
         return
+    # A rank that was itself stopped (SIGSTOP, swapped out) meets the error as soon as it runs again, maybe
+    # before its watchdog thread looks: its stall is recorded first, as the watchdog would have.
+    _check_stall(state, time.monotonic() - state.recorder.last_progress)
     waiting = state.recorder.in_flight()
     # Only a wait that lasted (a timeout), not one a departed peer cut short: that is an error, not a hang.
     if waiting is not None and time.time() - waiting["start"] >= 0.5 * state.timeout_s:

@@ -1,0 +1,62 @@
+"""The hang dump of a rank that was itself stopped: its stall and the failed wait, whichever thread runs first."""
+import argparse
+import os
+
+import pytest
+import torch
+
+from megatron.training.diagnostics import errors, hang
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    hang.uninstall()
+    torch.distributed.destroy_process_group()
+
+
+def test_stopped_rank_dumps_its_stall_then_the_failed_wait(one_rank, tmp_path, capsys):
+    """SIGSTOP inside a collective, then the peer is gone: on thaw the main thread's wait fails at once,
+    before the watchdog polls. The error path must still write the stall and name the failed collective."""
+    args = argparse.Namespace(distributed_timeout_seconds_after_init=None, distributed_timeout_minutes=1,
+                              flight_recorder_dump_path=str(tmp_path / "hang_rank"))
+    hang.install(args)
+    state = hang._STATE
+    state.stop.set()  # the watchdog thread never looks: the main thread runs first after the thaw
+
+    def frozen_then_peer_gone(*_args, **_kwargs):
+        state.recorder.calls[-1]["start"] -= 100.0  # it started 100 s ago, then the process stood still
+        state.recorder.last_progress -= 100.0
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:28312")
+
+    wrapped = hang._wrap("all_gather", frozen_then_peer_gone, state.recorder)
+    with pytest.raises(RuntimeError) as failure:
+        wrapped(torch.zeros(3))
+    errors.report(failure.value)
+    err = capsys.readouterr().err
+    path = str(tmp_path / "hang_rank") + "0.stacks.txt"
+    assert f"[rank 0] hang: no progress for 100" in err and path in err
+    dump = open(path).read()
+    assert "waiting in all_gather #0" in dump  # the stall, as the watchdog would have written it
+    assert "all_gather #0 failed after 100" in dump and "## the failed call" in dump  # then the failure
+    assert "FAILED after 100" in dump and err.rstrip().endswith("RuntimeError: Connection closed by peer "
+                                                                 "[127.0.0.1]:28312")
+
+
+def test_a_short_failed_wait_is_an_error_not_a_hang(one_rank, tmp_path, capsys):
+    args = argparse.Namespace(distributed_timeout_seconds_after_init=None, distributed_timeout_minutes=1,
+                              flight_recorder_dump_path=str(tmp_path / "hang_rank"))
+    hang.install(args)
+    state = hang._STATE
+    state.stop.set()
+
+    def peer_gone(*_args, **_kwargs):
+        raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(RuntimeError) as failure:
+        hang._wrap("all_reduce", peer_gone, state.recorder)(torch.zeros(1))
+    errors.report(failure.value)
+    assert "hang:" not in capsys.readouterr().err
+    assert not os.path.exists(str(tmp_path / "hang_rank") + "0.stacks.txt")
