@@ -10,11 +10,16 @@ from megatron.training.diagnostics import errors, hang
 
 @pytest.fixture
 def one_rank(tmp_path):
-    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
-    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    """A one-rank gloo group (kept when an earlier test of this worker made one, as other tests do)."""
+    created = not torch.distributed.is_initialized()
+    if created:
+        store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+        torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    assert torch.distributed.get_world_size() == 1
     yield
     hang.uninstall()
-    torch.distributed.destroy_process_group()
+    if created:
+        torch.distributed.destroy_process_group()
 
 
 def test_stopped_rank_dumps_its_stall_then_the_failed_wait(one_rank, tmp_path, capsys):
