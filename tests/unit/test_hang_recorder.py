@@ -39,6 +39,8 @@ def test_stopped_rank_dumps_its_stall_then_the_failed_wait(one_rank, tmp_path, c
     wrapped = hang._wrap("all_gather", frozen_then_peer_gone, state.recorder)
     with pytest.raises(RuntimeError) as failure:
         wrapped(torch.zeros(3))
+    # A raised collective is no longer waited in; the error report finds it as the last failure.
+    assert state.recorder.in_flight() is None and state.recorder.last_failed()["op"] == "all_gather"
     errors.report(failure.value)
     err = capsys.readouterr().err
     path = str(tmp_path / "hang_rank") + "0.stacks.txt"

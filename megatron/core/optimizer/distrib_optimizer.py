@@ -117,9 +117,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return copies
 
     def _copy_main_params_to_model_params(self):
-        for main, (model, lo, hi) in self.shard_ranges.items():
-            target = model.detach().view(-1)[lo:hi]
-            if target.data_ptr() != main.data_ptr():
+        for main, target in self._model_param_copies().items():
+            if target is not None:
                 target.copy_(main.detach())
 
     def _after_step(self):

@@ -73,9 +73,15 @@ class CollectiveRecorder:
         self.last_progress = time.monotonic()
 
     def in_flight(self):
-        """The oldest synchronous collective that has not returned, or None."""
+        """The oldest synchronous collective that has not returned (nor raised), or None."""
         with self.lock:
-            return next((c for c in self.calls if c["end"] is None and not c["async"]), None)
+            return next((c for c in self.calls if c["end"] is None and not c["async"] and not c.get("failed")),
+                        None)
+
+    def last_failed(self):
+        """The newest collective that raised, or None."""
+        with self.lock:
+            return next((c for c in reversed(self.calls) if c.get("failed")), None)
 
     def lines(self):
         with self.lock:
@@ -101,7 +107,7 @@ def _wrap(name, fn, recorder):
         try:
             result = fn(*args, **kwargs)
         except BaseException:
-            entry["failed"] = time.time()  # stays in flight: the error report names the wait that failed
+            entry["failed"] = time.time()  # the error report names the wait that failed
             raise
         recorder.finish(entry)
         return result
@@ -204,15 +210,16 @@ def _watch(state):
         _check_stall(state, time.monotonic() - state.recorder.last_progress)
 
 
-def _check_stall(state, idle):
+def _check_stall(state, idle, waiting=None):
     """Dump once per stall: from the watchdog thread, or from the main thread at its next collective when
-    the whole process stood still (stopped, swapped out) and the watchdog could not run either."""
+    the whole process stood still (stopped, swapped out) and the watchdog could not run either.
+    ``waiting``: the collective the rank sat in (default: the oldest one in flight)."""
     if idle < 0.9 * state.timeout_s or state.dumped:
         return
     with state.dump_lock:
         if state.dumped:
             return
-        waiting = state.recorder.in_flight()
+        waiting = waiting or state.recorder.in_flight()
         where = (f"waiting in {waiting['op']} #{waiting['seq']}" if waiting else
                  "not in a collective (this rank may be the one the others wait for)")
         write_dump(state, f"no progress for {idle:.1f} s, {where}")
@@ -244,9 +251,10 @@ def _dump_on_error(exc):
         return
     # A rank that was itself stopped (SIGSTOP, swapped out) meets the error as soon as it runs again, maybe
     # before its watchdog thread looks: its stall is recorded first, as the watchdog would have.
-    _check_stall(state, time.monotonic() - state.recorder.last_progress)
-    waiting = state.recorder.in_flight()
+    waiting = state.recorder.last_failed() or state.recorder.in_flight()
+    _check_stall(state, time.monotonic() - state.recorder.last_progress, waiting)
     # Only a wait that lasted (a timeout), not one a departed peer cut short: that is an error, not a hang.
-    if waiting is not None and time.time() - waiting["start"] >= 0.5 * state.timeout_s:
-        write_dump(state, f"{waiting['op']} #{waiting['seq']} failed after {time.time() - waiting['start']:.1f} s: "
-                          f"{errors.error_line(exc)}", exc)
+    waited = (waiting.get("failed") or time.time()) - waiting["start"] if waiting is not None else 0.0
+    if waited >= 0.5 * state.timeout_s:
+        write_dump(state, f"{waiting['op']} #{waiting['seq']} failed after {waited:.1f} s: {errors.error_line(exc)}",
+                   exc)
