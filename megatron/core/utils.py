@@ -1,10 +1,32 @@
 """Small helpers shared across megatron.core: devices, tensor utilities, model unwrapping."""
-import os
-from functools import reduce
+import importlib
 import operator
+import os
+import sys
+from functools import reduce
 from typing import Any, List, Optional
 
 import torch
+
+
+def lazy_names(host: str, table: dict):
+    """A PEP 562 module ``__getattr__`` for ``host`` that resolves each name in ``table`` on first use.
+
+    ``table`` maps an attribute name to the module that defines it (``{"name": "megatron.core._compat.x"}``).
+    This is how Megatron's import paths reach the compatibility rooms (``megatron/*/_compat/``) without a
+    working module importing them: the room is imported only when a user's code asks for one of its
+    names. The resolved value is cached on the host module.
+    """
+
+    def __getattr__(name: str):
+        target = table.get(name)
+        if target is None:
+            raise AttributeError(f"module {host!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(target), name)
+        setattr(sys.modules[host], name, value)
+        return value
+
+    return __getattr__
 
 
 def get_current_device_type() -> str:
