@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the checkpoint pickles the run's args, whose classes live in megatron
 FLAGS = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
          "--micro-batch-size 2 --global-batch-size 8 --train-iters 12 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
          "--lr-warmup-iters 2 --weight-decay 0.01 --clip-grad 1.0 --mock-data --tokenizer-type NullTokenizer "
