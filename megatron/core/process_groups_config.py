@@ -175,6 +175,7 @@ def _registry_axes():
         "ep": (ps.get_expert_model_parallel_world_size, ps.get_expert_model_parallel_rank),
         "expt_tp": (ps.get_expert_tensor_parallel_world_size, ps.get_expert_tensor_parallel_rank),
         "expt_dp": (ps.get_expert_data_parallel_world_size, ps.get_expert_data_parallel_rank),
+        "dp": (ps.get_data_parallel_world_size, ps.get_data_parallel_rank),
         "dp_cp": (partial(ps.get_data_parallel_world_size, **dp_cp), partial(ps.get_data_parallel_rank, **dp_cp)),
     }
 

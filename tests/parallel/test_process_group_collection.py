@@ -5,8 +5,8 @@ parallel_state's default groups (fp32, dropout 0, 1e-5 relative: the layouts onl
 
 parallel_state itself is initialised with TP=4 over the whole world, a layout neither pair uses: a module
 that fell back to the registry would mix the two pairs' activations (or mis-shape its weights) and miss
-its reference. Layouts on each pair: TP=2 + SP; PP=2 with tied embeddings (1F1B); MoE with TP=2 x EP=2
-(expert-TP 1); MoE with EP=2 x DP=2 (DDP over the explicit DP group).
+its reference. Layouts on each pair: TP=2 + SP; PP=2 with tied embeddings (1F1B); CP=2 (DDP over DP x CP);
+MoE with TP=2 x EP=2 (expert-TP 1); MoE with EP=2 x DP=2 (DDP over the explicit DP group).
 """
 import os
 
@@ -26,6 +26,8 @@ LAYOUTS = {
                dict(tp="pair", cp="self", pp="self", dp="self", dp_cp="self")),
     "pp2_tied": ("dense", dict(pipeline_model_parallel_size=2),
                  dict(tp="self", cp="self", pp="pair", embd="pair", dp="self", dp_cp="self")),
+    "cp2": ("dense", dict(context_parallel_size=2),
+            dict(tp="self", cp="pair", pp="self", dp="self", dp_cp="pair")),
     "moe_tp2_ep2": ("moe", dict(tensor_model_parallel_size=2, expert_model_parallel_size=2,
                                 expert_tensor_parallel_size=1),
                     dict(tp="pair", cp="self", pp="self", dp="self", dp_cp="self", ep="pair", expt_tp="self",
@@ -56,34 +58,39 @@ def _model(config, pg_collection, pp_rank=0, pp_size=1):
                     pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1, pg_collection=pg_collection)
 
 
-def _micro_batches(seed, dp_rank, dp_size):
+def _micro_batches(seed, dp_rank, dp_size, cp_rank, cp_size):
     """Per iteration, this DP rank's share of the global batch as micro-batches of MICRO samples (the
-    same micro-batches as the single-process run, so per-micro-batch MoE losses match too)."""
+    same micro-batches as the single-process run, so per-micro-batch MoE losses match too), each cut to
+    this CP rank's part of the sequence."""
+    from megatron.core.context_parallel.utils import get_batch_on_this_cp_rank
+
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(ITERS):
         # Ids from an eighth of the vocabulary: a model learns that within a few steps (it shows it trains).
         tokens = torch.randint(0, VOCAB // 8, (BATCH, SEQ + 1), generator=gen)
         mine = tokens.chunk(dp_size)[dp_rank]
-        out.append(list(mine.split(MICRO)))
+        out.append([get_batch_on_this_cp_rank({"tokens": t[:, :-1], "labels": t[:, 1:],
+                                               "position_ids": torch.arange(SEQ).expand(t.size(0), SEQ)},
+                                              cp_size, cp_rank) for t in mine.split(MICRO)])
     return out
 
 
 def _forward_step(data_iterator, model):
-    tokens = next(data_iterator)
-    pos = torch.arange(SEQ).expand(tokens.size(0), SEQ)
-    out = model(tokens[:, :-1], pos, None, labels=tokens[:, 1:])
+    batch = next(data_iterator)
+    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
 
     def loss_func(per_token_loss):
-        loss = per_token_loss.mean()
-        return loss, {"lm loss": loss.detach()}
+        # (sum, tokens): the schedule divides by the tokens over CP, so CP ranks share one mean.
+        total, count = per_token_loss.sum(), torch.tensor(per_token_loss.numel())
+        return total, count, {"lm loss": torch.stack([total.detach(), count.float()])}
 
     return out, loss_func
 
 
 def _train(arch, seed, sizes, pg_collection=None):
-    """ITERS Adam steps through DDP + the schedule; per-iteration lm loss averaged over DP (None on
-    pipeline stages without the loss)."""
+    """ITERS Adam steps through DDP + the schedule; per-iteration lm loss, the mean over the tokens of all
+    DP and CP ranks (None on pipeline stages without the loss)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -101,11 +108,11 @@ def _train(arch, seed, sizes, pg_collection=None):
     ddp.broadcast_params()
     config.finalize_model_grads_func = finalize_model_grads
     opt = torch.optim.Adam(ddp.parameters(), lr=3e-3)
-    dp_group, dp_rank, dp = get_pg(pg_collection, "dp_cp"), get_pg_rank(pg_collection, "dp_cp"), \
-        get_pg_size(pg_collection, "dp_cp")
+    coords = [get_pg_rank(pg_collection, name) for name in ("dp", "cp")]
+    sizes = [get_pg_size(pg_collection, name) for name in ("dp", "cp")]
     schedule = get_forward_backward_func(schedule_pg_collection=pg_collection)
     losses = []
-    for micro in _micro_batches(seed, dp_rank, dp):
+    for micro in _micro_batches(seed, coords[0], sizes[0], coords[1], sizes[1]):
         ddp.zero_grad_buffer()
         opt.zero_grad()
         stats = schedule(forward_step_func=_forward_step, data_iterator=iter(micro), model=[ddp],
@@ -115,11 +122,10 @@ def _train(arch, seed, sizes, pg_collection=None):
             p.grad = p.main_grad
         opt.step()
         if pp_rank == pp_size - 1:
-            loss = torch.stack([s["lm loss"] for s in stats]).mean()
-            if dp > 1:
-                dist.all_reduce(loss, group=dp_group)
-                loss /= dp
-            losses.append(loss.item())
+            total = torch.stack([s["lm loss"] for s in stats]).sum(dim=0)  # [loss sum, tokens]
+            if sizes[0] * sizes[1] > 1:
+                dist.all_reduce(total, group=get_pg(pg_collection, "dp_cp"))
+            losses.append((total[0] / total[1]).item())
     return losses or None
 
 
