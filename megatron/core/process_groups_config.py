@@ -134,9 +134,9 @@ def _mpu_getters():
 
 
 def require_default_process_groups(pg_collection, owner: str) -> None:
-    """Modules here take their groups from parallel_state. A collection holding those same groups
-    (e.g. ProcessGroupCollection.use_mpu_process_groups()) gives the same result and is accepted;
-    one with other groups is refused in one line."""
+    """For the modules that still read parallel_state's groups (T5, BERT, the FSDP2 engine): a collection
+    holding those same groups (e.g. ProcessGroupCollection.use_mpu_process_groups()) gives the same result
+    and is accepted; one with other groups is refused in one line."""
     if pg_collection is None:
         return
     getters = _mpu_getters()
@@ -144,3 +144,82 @@ def require_default_process_groups(pg_collection, owner: str) -> None:
         if name in getters and group is not None and group is not getters[name]():
             raise NotImplementedError(f"{owner}(pg_collection=...): its '{name}' group differs from "
                                       "parallel_state's; only parallel_state's groups are supported")
+
+
+
+# ---- explicit groups, parallel_state's by default ----------------------------------------------------
+# Modules take a `pg_collection` and fall back to parallel_state's groups when it is None, as
+# ColumnParallelLinear(tp_group=) does. A group a module communicates over must be set in an explicit
+# collection (a one-rank group where that axis is not split): everywhere below, a None group stands for
+# parallel_state's (torch's collectives read it as the whole world), so leaving it out would silently
+# leave the explicit groups.
+
+def group_size(group) -> int:
+    """Ranks in ``group``; None (no group) counts as one."""
+    return 1 if group is None else group.size()
+
+
+def group_rank(group) -> int:
+    """This rank's index in ``group``; 0 without a group."""
+    return 0 if group is None else group.rank()
+
+
+def _registry_axes():
+    """Collection field -> parallel_state's (world size, rank) getters, which honour its test overrides
+    (set_tensor_model_parallel_world_size ...)."""
+    dp_cp = dict(with_context_parallel=True)
+    return {
+        "tp": (ps.get_tensor_model_parallel_world_size, ps.get_tensor_model_parallel_rank),
+        "cp": (ps.get_context_parallel_world_size, ps.get_context_parallel_rank),
+        "pp": (ps.get_pipeline_model_parallel_world_size, ps.get_pipeline_model_parallel_rank),
+        "ep": (ps.get_expert_model_parallel_world_size, ps.get_expert_model_parallel_rank),
+        "expt_tp": (ps.get_expert_tensor_parallel_world_size, ps.get_expert_tensor_parallel_rank),
+        "expt_dp": (ps.get_expert_data_parallel_world_size, ps.get_expert_data_parallel_rank),
+        "dp": (ps.get_data_parallel_world_size, ps.get_data_parallel_rank),
+        "dp_cp": (partial(ps.get_data_parallel_world_size, **dp_cp), partial(ps.get_data_parallel_rank, **dp_cp)),
+    }
+
+
+def get_pg(pg_collection, name: str, owner: str = "pg_collection"):
+    """The ``name`` group of ``pg_collection`` (which must hold it), or parallel_state's when the
+    collection is None."""
+    if pg_collection is None:
+        return _mpu_getters()[name]()
+    group = getattr(pg_collection, name)
+    if group is None:
+        raise ValueError(f"{owner}: the explicit pg_collection has no '{name}' group, which it communicates "
+                         "over; set it (a one-rank group if that axis is not split)")
+    return group
+
+
+def get_pg_size(pg_collection, name: str, owner: str = "pg_collection") -> int:
+    """Ranks along axis ``name``: the collection's group, or parallel_state's size (overrides included)."""
+    if pg_collection is None:
+        return _registry_axes()[name][0]()
+    return get_pg(pg_collection, name, owner).size()
+
+
+def get_pg_rank(pg_collection, name: str, owner: str = "pg_collection") -> int:
+    """This rank's index along axis ``name``: in the collection's group, or parallel_state's rank."""
+    if pg_collection is None:
+        return _registry_axes()[name][1]()
+    return get_pg(pg_collection, name, owner).rank()
+
+
+_CONFIG_SIZES = (("tp", "tensor_model_parallel_size"), ("cp", "context_parallel_size"),
+                 ("pp", "pipeline_model_parallel_size"))
+_EXPERT_CONFIG_SIZES = (("ep", "expert_model_parallel_size"), ("expt_tp", "expert_tensor_parallel_size"))
+
+
+def check_collection_sizes(pg_collection, config, owner: str) -> None:
+    """An explicit collection must split the model as ``config`` says: each group (tp, cp, pp; ep and
+    expt_tp with experts) is set and has the config's parallel size. One line naming the group otherwise."""
+    if pg_collection is None:
+        return
+    pairs = _CONFIG_SIZES + (_EXPERT_CONFIG_SIZES if getattr(config, "num_moe_experts", None) else ())
+    for name, field_name in pairs:
+        want = getattr(config, field_name, None) or 1
+        got = get_pg_size(pg_collection, name, owner)
+        if got != want:
+            raise ValueError(f"{owner}: the '{name}' group of pg_collection has {got} rank(s) but "
+                             f"config.{field_name} is {want}")

@@ -93,17 +93,19 @@ def document_layout(packed_seq_params, batch: int, seq_len: int) -> DocumentLayo
     return cache[key]
 
 
-def local_rotary_pos_emb(freqs: torch.Tensor, cp_size: int, packed_seq_params=None, batch: int = 1):
+def local_rotary_pos_emb(freqs: torch.Tensor, cp_size: int, packed_seq_params=None, batch: int = 1,
+                         cp_rank: Optional[int] = None):
     """RoPE angles of this rank's tokens from the table of positions 0..S-1 ([S, 1, 1, d]).
 
     Packed documents restart at position 0 (Megatron's THD RoPE): rows become [S, b, 1, d]. Under CP the
-    rows of this rank's two chunks are kept."""
+    rows of this rank's two chunks are kept (``cp_rank``: in an explicit CP group; parallel_state's when None)."""
     seq_len = freqs.size(0)
     if packed_seq_params is not None:
         pos = document_layout(packed_seq_params, batch, seq_len).pos_in_doc  # [b, S]
         freqs = freqs[:, 0, 0][pos.t()][:, :, None, :]  # [S, b, 1, d]
     if cp_size > 1:
         from megatron.core import parallel_state
-        idx = cp_local_indices(seq_len, cp_size, parallel_state.get_context_parallel_rank(), freqs.device)
+        cp_rank = parallel_state.get_context_parallel_rank() if cp_rank is None else cp_rank
+        idx = cp_local_indices(seq_len, cp_size, cp_rank, freqs.device)
         freqs = freqs.index_select(0, idx)
     return freqs

@@ -9,18 +9,20 @@ from megatron.core.distributed.wrapped_module import WrappedModule
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer, partition_buckets
 from megatron.core.fusions.grad_accumulation import accumulate_into_main_grad
+from megatron.core.process_groups_config import get_pg
 
 
 class DistributedDataParallel(WrappedModule):
     """Wraps `module`: every param gets `.main_grad` (a view into a flat per-dtype buffer); backward
     hooks accumulate `param.grad` into it and, with `overlap_grad_reduce`, launch each bucket group's
     collectives as soon as the group's last grad is in (one bucket per group; all buckets in one group
-    with `disable_bucketing`). Grads end up averaged over the DP x CP group."""
+    with `disable_bucketing`). Grads end up averaged over the DP x CP group.
+
+    ``pg_collection``: explicit groups, ``dp_cp`` for the dense grads and ``expt_dp`` for the expert grads
+    (parallel_state's when None)."""
 
     def __init__(self, config, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
                  disable_bucketing: bool = False, pg_collection=None, full_param_layout=None):
-        from megatron.core.process_groups_config import require_default_process_groups
-        require_default_process_groups(pg_collection, "DistributedDataParallel")
         if full_param_layout is not None:
             raise NotImplementedError("DistributedDataParallel(full_param_layout=...) is not supported; "
                                       "buffers use the default layout")
@@ -28,8 +30,9 @@ class DistributedDataParallel(WrappedModule):
         self.config = config
         self.ddp_config = ddp_config
         self.module = module
+        self.pg_collection = pg_collection
 
-        dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        dp_group = self._dp_group(expert=False)
         dp_size = dist.get_world_size(group=dp_group)
         bucket_size = ddp_config.bucket_size
         if bucket_size is None:
@@ -50,7 +53,7 @@ class DistributedDataParallel(WrappedModule):
         self.buffers = self._make_buffers(dense, dp_group, dense_scale, param_to_name)
         self.expert_parallel_buffers = []
         if expert:
-            edp_group = parallel_state.get_expert_data_parallel_group()
+            edp_group = self._dp_group(expert=True)
             edp_size = dist.get_world_size(group=edp_group)
             # Expert grads are summed over the expert-DP group, whose ranks saw different tokens of
             # the same DP-sized batch (EP takes ranks out of DP, TP splits the tokens in MoE layers):
@@ -73,6 +76,13 @@ class DistributedDataParallel(WrappedModule):
         self._param_gather_hooks = {}
         if ddp_config.overlap_param_gather:
             self.enable_forward_pre_hook()
+
+    def _dp_group(self, expert: bool):
+        """The group a grad is reduced over: expert-DP for expert params, DP x CP for the others."""
+        if self.pg_collection is None:
+            return (parallel_state.get_expert_data_parallel_group() if expert
+                    else parallel_state.get_data_parallel_group(with_context_parallel=True))
+        return get_pg(self.pg_collection, "expt_dp" if expert else "dp_cp", "DistributedDataParallel")
 
     def _make_buffers(self, params, group, scaling, param_to_name):
         by_dtype = {}
@@ -142,9 +152,7 @@ class DistributedDataParallel(WrappedModule):
     def broadcast_params(self):
         """Copy DP rank 0's params to the other DP ranks (identical start on every replica)."""
         for param in self.module.parameters():
-            expert = not getattr(param, "allreduce", True)
-            group = (parallel_state.get_expert_data_parallel_group() if expert
-                     else parallel_state.get_data_parallel_group(with_context_parallel=True))
+            group = self._dp_group(expert=not getattr(param, "allreduce", True))
             dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
 
     # -- parameter all-gather (distributed optimizer) -------------------------------------------

@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.distributed.torch_fsdp2_state import local_tensor
+from megatron.core.process_groups_config import get_pg, get_pg_size
 
 
 def _unwrap(model_chunk):
@@ -54,9 +55,9 @@ def _allreduce_grads_coalesced(grads, group):
         offset += g.numel()
 
 
-def _allreduce_layernorm_grads(model: List[torch.nn.Module], config):
+def _allreduce_layernorm_grads(model: List[torch.nn.Module], config, pg_collection=None):
     """Sequence parallelism leaves partial grads on TP-replicated params (norms, row-parallel bias)."""
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+    if get_pg_size(pg_collection, "tp", "finalize_model_grads") == 1:
         return
     # MoE routers see a TP slice of the tokens with or without SP (router weight: sequence_parallel).
     if not (getattr(config, "sequence_parallel", False) or getattr(config, "qk_layernorm", False)
@@ -66,15 +67,22 @@ def _allreduce_layernorm_grads(model: List[torch.nn.Module], config):
     # replicated (attention flags them). MLA's latent norms see replicated inputs: flagged under SP only.
     grads = [_grad_of(p) for chunk in model for p in chunk.parameters()
              if p.requires_grad and _grad_of(p) is not None and getattr(p, "sequence_parallel", False)]
-    _allreduce_grads_coalesced(grads, parallel_state.get_tensor_model_parallel_group())
+    _allreduce_grads_coalesced(grads, get_pg(pg_collection, "tp", "finalize_model_grads"))
 
 
-def _allreduce_embedding_grads(model: List[torch.nn.Module], config):
-    """Tied word embeddings live on the first and last PP stage: sum their grads over both."""
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+def _allreduce_embedding_grads(model: List[torch.nn.Module], config, pg_collection=None):
+    """Tied word embeddings live on the first and last PP stage: sum their grads over both (over the
+    ``embd`` group of an explicit collection, left unset on the ranks holding no embedding)."""
+    if get_pg_size(pg_collection, "pp", "finalize_model_grads") == 1:
         return
-    if not parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
-        return
+    if pg_collection is None:
+        if not parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
+            return
+        group = parallel_state.get_embedding_group()
+    else:
+        group = pg_collection.embd
+        if group is None:
+            return
     grads = []
     for chunk in model:
         for param in chunk.parameters():
@@ -82,16 +90,15 @@ def _allreduce_embedding_grads(model: List[torch.nn.Module], config):
                 grad = _grad_of(param)
                 if grad is not None and not any(grad is g for g in grads):
                     grads.append(grad)
-    _allreduce_grads_coalesced(grads, parallel_state.get_embedding_group())
+    _allreduce_grads_coalesced(grads, group)
 
 
 def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torch.Tensor] = None,
                          pg_collection=None, force_all_reduce: bool = False):
     """Finish DP grad sync, reduce SP-replicated and tied-embedding grads, and (per-token loss)
-    divide every grad by the global number of tokens. Groups come from parallel_state (an explicit
-    `pg_collection` and `force_all_reduce` are refused)."""
-    from megatron.core.process_groups_config import require_default_process_groups
-    require_default_process_groups(pg_collection, "finalize_model_grads")
+    divide every grad by the global number of tokens. Groups: ``pg_collection``'s tp, pp, embd (on the
+    ranks holding tied embeddings) and dp_cp, else parallel_state's (the DP reduction itself runs over
+    the groups each DDP chunk was built with). `force_all_reduce` is refused."""
     if force_all_reduce:
         raise NotImplementedError("finalize_model_grads(force_all_reduce=True) is not supported; leave it False")
     config = getattr(_unwrap(model[0]), "config", None) or getattr(model[0], "config", None)
@@ -102,11 +109,11 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
     _stop(config, "all-grads-sync")
 
     _start(config, "layernorm-grads-all-reduce")
-    _allreduce_layernorm_grads(model, config)
+    _allreduce_layernorm_grads(model, config, pg_collection)
     _stop(config, "layernorm-grads-all-reduce")
 
     _start(config, "embedding-grads-all-reduce")
-    _allreduce_embedding_grads(model, config)
+    _allreduce_embedding_grads(model, config, pg_collection)
     _stop(config, "embedding-grads-all-reduce")
 
     if getattr(config, "num_moe_experts", None):
@@ -115,9 +122,14 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
 
     if num_tokens is not None:
         # Only the last stage counted tokens: share its count along the pipeline, then sum over DP x CP.
-        dist.broadcast(num_tokens, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                       group=parallel_state.get_pipeline_model_parallel_group())
-        dist.all_reduce(num_tokens, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        if pg_collection is None:
+            dist.broadcast(num_tokens, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                           group=parallel_state.get_pipeline_model_parallel_group())
+            dist.all_reduce(num_tokens, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        else:
+            pp_group = get_pg(pg_collection, "pp", "finalize_model_grads")
+            dist.broadcast(num_tokens, src=dist.get_global_rank(pp_group, pp_group.size() - 1), group=pp_group)
+            dist.all_reduce(num_tokens, group=get_pg(pg_collection, "dp_cp", "finalize_model_grads"))
         if num_tokens.item() > 0:
             scaling = 1.0 / num_tokens.item()
             for chunk in model:

@@ -26,15 +26,17 @@ class FullyShardedDataParallel:
     def __new__(cls, config, ddp_config, module, fsdp_unit_modules=None, disable_bucketing=False, device=None,
                 pg_collection=None):
         from megatron.core.process_groups_config import require_default_process_groups
-        require_default_process_groups(pg_collection, "FullyShardedDataParallel")
         strategy = ddp_config.data_parallel_sharding_strategy
         if strategy not in _STRATEGIES:
             raise ValueError(f"data_parallel_sharding_strategy {strategy!r}: use one of {', '.join(_STRATEGIES)}")
+        if strategy not in ("no_shard", "optim"):  # DDP takes explicit groups; the FSDP2 engine reads parallel_state's
+            require_default_process_groups(pg_collection, f"FullyShardedDataParallel({strategy})")
         if device is not None:
             module = module.to(device)
         if strategy in ("no_shard", "optim"):
             ddp_config = dataclasses.replace(ddp_config, use_distributed_optimizer=strategy == "optim")
-            engine = DistributedDataParallel(config, ddp_config, module, disable_bucketing=disable_bucketing)
+            engine = DistributedDataParallel(config, ddp_config, module, disable_bucketing=disable_bucketing,
+                                             pg_collection=pg_collection)
         else:
             ddp_config = dataclasses.replace(ddp_config, use_distributed_optimizer=False, overlap_grad_reduce=False,
                                              overlap_param_gather=False)  # FSDP2 overlaps its own communication

@@ -105,6 +105,7 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
         raise ValueError("OptimizerConfig.lr (--lr) must be set")
     if not isinstance(model_chunks, (list, tuple)):
         model_chunks = [model_chunks]
+    _refuse_explicit_group_models(model_chunks)
     if config_overrides is not None:
         param_groups = param_groups_from_overrides(model_chunks, config, config_overrides)
     else:
@@ -119,6 +120,19 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
         opt = FP32Optimizer(inner, config, grad_scaler=scaler)
     opt.has_expert_params = _is_moe(model_chunks)
     return opt
+
+
+def _refuse_explicit_group_models(model_chunks) -> None:
+    """The grad norm, clipping and the distributed optimizer's shards read parallel_state's groups, so a
+    model (or its DDP wrapper) built on an explicit pg_collection is refused in one line rather than
+    clipped with another model's norm."""
+    for chunk in model_chunks:
+        while chunk is not None:
+            if getattr(chunk, "pg_collection", None) is not None:
+                raise NotImplementedError("get_megatron_optimizer: a model chunk was built on an explicit "
+                                          "pg_collection; the optimizer's grad norm and sharding read "
+                                          "parallel_state's groups (use a torch optimizer on its main grads)")
+            chunk = getattr(chunk, "module", None)
 
 
 def _sharding_decided_by_strategy(model_chunks) -> bool:

@@ -17,14 +17,17 @@ from megatron.core.pipeline_parallel.p2p_communication import (
     P2PCommunicator, default_communicator, get_tensor_shape)
 from megatron.core.pipeline_parallel.utils import (
     current_device, custom_backward, deallocate_output_tensor, make_plan)
+from megatron.core.process_groups_config import get_pg, get_pg_size
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 
 def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None,
                               schedule_pg_collection=None):
     """The schedule for the layout: PP=1, PP>1, or PP>1 with virtual stages. `pp_size`/`vp_size`
-    override parallel_state's sizes; explicit process-group collections are refused."""
-    _refuse_explicit_groups(pg_collection=schedule_pg_collection)
+    override parallel_state's sizes; so does the `pp` group of an explicit `schedule_pg_collection`
+    (hand the collection to the schedule too, as `pg_collection`)."""
+    if pp_size is None and schedule_pg_collection is not None:
+        pp_size = get_pg_size(schedule_pg_collection, "pp", "get_forward_backward_func")
     pp = pp_size if pp_size is not None else parallel_state.get_pipeline_model_parallel_world_size()
     vp = vp_size if vp_size is not None else parallel_state.get_virtual_pipeline_model_parallel_world_size()
     if pp > 1:
@@ -34,13 +37,19 @@ def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[i
     return forward_backward_no_pipelining
 
 
-def _refuse_explicit_groups(pg_collection=None, force_all_reduce=False):
-    """Schedules take their groups from parallel_state (a collection of those same groups is accepted);
-    forced all-reduce (instead of the distributed optimizer's reduce-scatter) is not implemented."""
-    from megatron.core.process_groups_config import require_default_process_groups
-    require_default_process_groups(pg_collection, "forward_backward_func")
+def _refuse_force_all_reduce(force_all_reduce=False):
+    """Forced all-reduce (instead of the distributed optimizer's reduce-scatter) is not implemented."""
     if force_all_reduce:
         raise NotImplementedError("pipeline schedules: force_all_reduce=True is not supported; leave it False")
+
+
+def _communicator(p2p_communicator, pg_collection, config) -> P2PCommunicator:
+    """The given communicator, else one on the explicit collection's pp group, else parallel_state's."""
+    if p2p_communicator is not None:
+        return p2p_communicator
+    if pg_collection is not None:
+        return P2PCommunicator(get_pg(pg_collection, "pp", "forward_backward_func"), config)
+    return default_communicator(config)
 
 
 # ---- shared helpers --------------------------------------------------------------------------------
@@ -63,10 +72,12 @@ def _as_list(x) -> list:
 
 
 class _RunState:
-    """What one call of a schedule accumulates: loss dicts and the token count."""
+    """What one call of a schedule accumulates: loss dicts and the token count; and the explicit process
+    groups it runs on (None: parallel_state's)."""
 
-    def __init__(self, config, num_microbatches, forward_only, collect_non_loss_data):
+    def __init__(self, config, num_microbatches, forward_only, collect_non_loss_data, pg_collection=None):
         self.config = config
+        self.pg_collection = pg_collection
         self.num_microbatches = num_microbatches
         self.forward_only = forward_only
         self.collect_non_loss_data = collect_non_loss_data
@@ -124,7 +135,8 @@ def _apply_loss(loss_func, output_tensor, state: _RunState) -> torch.Tensor:
         state.total_num_tokens += torch.as_tensor(num_tokens, device=state.total_num_tokens.device,
                                                   dtype=state.total_num_tokens.dtype)
         if not getattr(config, "calculate_per_token_loss", False):
-            loss = loss / _tokens_over_context_parallel(num_tokens, config) / state.num_microbatches
+            tokens = _tokens_over_context_parallel(num_tokens, config, state.pg_collection)
+            loss = loss / tokens / state.num_microbatches
     elif len(outputs) == 2:  # legacy (loss, dict): loss already averaged over the micro-batch
         loss, loss_reduced = outputs
         loss = loss * getattr(config, "context_parallel_size", 1) / state.num_microbatches
@@ -135,7 +147,7 @@ def _apply_loss(loss_func, output_tensor, state: _RunState) -> torch.Tensor:
     return loss
 
 
-def _tokens_over_context_parallel(num_tokens, config):
+def _tokens_over_context_parallel(num_tokens, config, pg_collection=None):
     """Token count that makes the micro-batch loss a mean over the whole sequence under CP. Each CP rank
     holds part of the tokens; DDP averages grads over DP x CP, so rank i's loss is
     sum_i / (sum of counts over CP) x CP, and the CP average is the exact token mean."""
@@ -143,7 +155,8 @@ def _tokens_over_context_parallel(num_tokens, config):
     if cp == 1:
         return num_tokens
     total = torch.as_tensor(num_tokens, device=current_device()).clone().float()
-    torch.distributed.all_reduce(total, group=parallel_state.get_context_parallel_group())
+    group = parallel_state.get_context_parallel_group() if pg_collection is None else get_pg(pg_collection, "cp")
+    torch.distributed.all_reduce(total, group=group)
     return total / cp
 
 
@@ -201,7 +214,9 @@ def _finish(config, model_chunks, state: _RunState, timer):
     timer.stop()
     if not state.forward_only and getattr(config, "finalize_model_grads_func", None) is not None:
         per_token = getattr(config, "calculate_per_token_loss", False)
-        config.finalize_model_grads_func(model_chunks, state.total_num_tokens if per_token else None)
+        # The explicit groups go on to finalize_model_grads (a default run calls it as it always has).
+        groups = {} if state.pg_collection is None else {"pg_collection": state.pg_collection}
+        config.finalize_model_grads_func(model_chunks, state.total_num_tokens if per_token else None, **groups)
     return state.forward_data_store
 
 
@@ -227,8 +242,9 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[It
     """Gradient accumulation over micro-batches on a single stage (PP=1).
 
     ``first_val_step`` only matters for FP8 weight caching, which this build does not have.
+    ``pg_collection``: explicit groups (cp for the token count, and handed to finalize_model_grads_func).
     """
-    _refuse_explicit_groups(pg_collection, force_all_reduce)
+    _refuse_force_all_reduce(force_all_reduce)
     models, iterators = _check_common(model, data_iterator)
     if len(models) != 1:
         raise ValueError("forward_backward_no_pipelining takes one model chunk; set "
@@ -237,7 +253,7 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[It
     config = get_model_config(model)
     timer = _timer(config, "forward-backward", log_level=1)
     timer.start()
-    state = _RunState(config, num_microbatches, forward_only, collect_non_loss_data)
+    state = _RunState(config, num_microbatches, forward_only, collect_non_loss_data, pg_collection)
     sync = _GradSync(config, models)
     sync.disable_all()
     for i in range(num_microbatches):
@@ -261,22 +277,24 @@ def forward_backward_pipelining_without_interleaving(
         adjust_tensor_shapes_fn=None, p2p_communicator: Optional[P2PCommunicator] = None,
         pg_collection=None, force_all_reduce: bool = False):
     """1F1B: (PP - rank - 1) warm-up forwards, then one forward + one backward per micro-batch
-    in steady state, then the remaining backwards. At most PP micro-batches are in flight."""
-    _refuse_explicit_groups(pg_collection, force_all_reduce)
+    in steady state, then the remaining backwards. At most PP micro-batches are in flight.
+    ``pg_collection``: explicit groups (pp for the stage-to-stage exchange unless `p2p_communicator` is
+    given, cp, and handed to finalize_model_grads_func)."""
+    _refuse_force_all_reduce(force_all_reduce)
     models, iterators = _check_common(model, data_iterator)
     if len(models) != 1:
         raise ValueError("non-interleaved pipeline takes one model chunk per rank; use "
                          "forward_backward_pipelining_with_interleaving for virtual stages")
     model, data_iterator = models[0], iterators[0]
     config = get_model_config(model)
-    comm = p2p_communicator or default_communicator(config)
+    comm = _communicator(p2p_communicator, pg_collection, config)
     shape = get_tensor_shape(config, seq_length, micro_batch_size)
     recv_shape, send_shape = shape, shape
     if adjust_tensor_shapes_fn is not None:
         recv_shape, send_shape = _adjusted_shapes(adjust_tensor_shapes_fn, shape)
     timer = _timer(config, "forward-backward", log_level=1)
     timer.start()
-    state = _RunState(config, num_microbatches, forward_only, collect_non_loss_data)
+    state = _RunState(config, num_microbatches, forward_only, collect_non_loss_data, pg_collection)
     sync = _GradSync(config, models)
     sync.disable_all()
     dealloc = getattr(config, "deallocate_pipeline_outputs", False)
@@ -366,8 +384,9 @@ def forward_backward_pipelining_with_interleaving(
         pg_collection=None, force_all_reduce: bool = False):
     """Interleaved 1F1B over virtual stages (``model`` is a list of chunks; chunk c on PP rank r
     is virtual stage c * PP + r). Warm-up = 2 * (PP - rank - 1) + (chunks - 1) * group_size forwards,
-    groups of ``microbatch_group_size_per_vp_stage`` micro-batches go through each chunk in turn."""
-    _refuse_explicit_groups(pg_collection, force_all_reduce)
+    groups of ``microbatch_group_size_per_vp_stage`` micro-batches go through each chunk in turn.
+    ``pg_collection``: explicit groups, as for the non-interleaved schedule."""
+    _refuse_force_all_reduce(force_all_reduce)
     from megatron.core.pipeline_parallel.interleaved import run_interleaved
 
     models, iterators = _check_common(model, data_iterator)
@@ -377,12 +396,12 @@ def forward_backward_pipelining_with_interleaving(
     config = get_model_config(models[0])
     if getattr(config, "overlap_p2p_comm", False):
         raise NotImplementedError("--overlap-p2p-communication is not supported; drop the flag")
-    comm = p2p_communicator or default_communicator(config)
+    comm = _communicator(p2p_communicator, pg_collection, config)
     group_size = getattr(config, "microbatch_group_size_per_vp_stage", None) or comm.world_size
     check_interleaved_microbatches(num_microbatches, comm.world_size, group_size)
     timer = _timer(config, "forward-backward", log_level=1)
     timer.start()
-    state = _RunState(config, num_microbatches, forward_only, collect_non_loss_data)
+    state = _RunState(config, num_microbatches, forward_only, collect_non_loss_data, pg_collection)
     plan_of = lambda r: _plan(comm.world_size, r, num_microbatches, len(models), group_size,  # noqa: E731
                               forward_only)
     run_interleaved(forward_step_func, iterators, models, comm, plan_of, state,

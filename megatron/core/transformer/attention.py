@@ -5,8 +5,8 @@ from typing import Optional, Union
 
 import torch
 
-from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.process_groups_config import get_pg_size
 from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -30,7 +30,8 @@ class Attention(MegatronModule, ABC):
     and the row-parallel output projection; subclasses build the query/key/value projections and
     implement `get_query_key_value_tensors`. ``pp_layer_offset`` (Megatron's per-stage KV-cache index) is
     refused: the KV cache here is indexed by the global layer number. ``name`` is a label only (Megatron
-    hands it to Transformer Engine)."""
+    hands it to Transformer Engine). ``pg_collection``: its ``tp`` group splits the heads (the linears get
+    it as ``tp_group``) and core attention gets the collection (parallel_state's groups when None)."""
 
     _proj_buffer_name = "proj"
 
@@ -43,7 +44,12 @@ class Attention(MegatronModule, ABC):
                                       "is indexed by the global layer number")
         self.name = name
         self.layer_number, self.attn_mask_type, self.attention_type = layer_number, attn_mask_type, attention_type
-        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.pg_collection = pg_collection
+        tp = self._tp = get_pg_size(pg_collection, "tp", type(self).__name__)
+        # The linears and core attention get the explicit groups only when given: specs may name modules
+        # that take none, and the default build stays as it was.
+        self._tp_kwargs = {} if pg_collection is None else {"tp_group": pg_collection.tp}
+        self._pg_kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
         if config.num_attention_heads % tp or config.num_query_groups % tp:
             raise ValueError(f"num_attention_heads ({config.num_attention_heads}) and num_query_groups "
                              f"({config.num_query_groups}) must be divisible by the TP size ({tp})")
@@ -60,11 +66,11 @@ class Attention(MegatronModule, ABC):
         config, submodules = self.config, self._submodules
         self.core_attention = build_module(submodules.core_attention, config=config, layer_number=self.layer_number,
                                            attn_mask_type=self.attn_mask_type, attention_type=self.attention_type,
-                                           cp_comm_type=self._cp_comm_type)
+                                           cp_comm_type=self._cp_comm_type, **self._pg_kwargs)
         self.linear_proj = build_module(
             submodules.linear_proj, self.query_projection_size, config.hidden_size, config=config,
             init_method=config.output_layer_init_method, bias=config.add_bias_linear, input_is_parallel=True,
-            skip_bias_add=True, is_expert=False, tp_comm_buffer_name=self._proj_buffer_name)
+            skip_bias_add=True, is_expert=False, tp_comm_buffer_name=self._proj_buffer_name, **self._tp_kwargs)
         self.checkpoint_core_attention = (config.recompute_granularity == "selective"
                                           and "core_attn" in (config.recompute_modules or []))
 
@@ -113,7 +119,7 @@ class SelfAttention(Attention):
             submodules.linear_qkv, config.hidden_size, self.query_projection_size + 2 * self.kv_projection_size,
             config=config, init_method=config.init_method, gather_output=False,
             bias=config.add_bias_linear or config.add_qkv_bias, skip_bias_add=False, is_expert=False,
-            tp_comm_buffer_name="qkv")
+            tp_comm_buffer_name="qkv", **self._tp_kwargs)
         self._build_core_and_proj()
         self.q_layernorm = self._build_qk_norm(submodules.q_layernorm)
         self.k_layernorm = self._build_qk_norm(submodules.k_layernorm)
@@ -125,7 +131,7 @@ class SelfAttention(Attention):
         # Each TP rank normalises different heads, so these grads are partial sums over TP
         # (with or without SP): flag them for the TP all-reduce in finalize_model_grads.
         for p in norm.parameters():
-            p.sequence_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
+            p.sequence_parallel = self._tp > 1
         return norm
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None):
@@ -171,10 +177,12 @@ class CrossAttention(Attention):
         bias = config.add_bias_linear or config.add_qkv_bias
         self.linear_q = build_module(
             submodules.linear_q, config.hidden_size, self.query_projection_size, config=config,
-            init_method=config.init_method, gather_output=False, bias=bias, skip_bias_add=False, is_expert=False)
+            init_method=config.init_method, gather_output=False, bias=bias, skip_bias_add=False, is_expert=False,
+            **self._tp_kwargs)
         self.linear_kv = build_module(
             submodules.linear_kv, config.hidden_size, 2 * self.query_projection_size, config=config,
-            init_method=config.init_method, gather_output=False, bias=bias, skip_bias_add=False, is_expert=False)
+            init_method=config.init_method, gather_output=False, bias=bias, skip_bias_add=False, is_expert=False,
+            **self._tp_kwargs)
         self._build_core_and_proj()
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None):

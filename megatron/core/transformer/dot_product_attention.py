@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.process_groups_config import get_pg, get_pg_size
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -123,6 +124,8 @@ class DotProductAttention(MegatronModule):
     SDPA's ``is_causal`` path (flash / memory-efficient kernels); an explicit mask is passed as is.
     ``config.window_size`` (sliding window) adds a banded [s, s] mask, built once per shape and shared by
     all layers; SDPA then runs its masked kernels (memory-efficient on CUDA, not flash).
+    ``pg_collection``: its ``tp`` group splits the heads and its ``cp`` group the sequence (parallel_state's
+    groups when None).
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
@@ -133,7 +136,10 @@ class DotProductAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
-        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.pg_collection = pg_collection
+        tp = get_pg_size(pg_collection, "tp", "DotProductAttention")
+        if pg_collection is not None and config.context_parallel_size > 1:
+            get_pg(pg_collection, "cp", "DotProductAttention")  # missing: fail at build, not in forward
         self.num_heads_per_partition = config.num_attention_heads // tp
         self.num_groups_per_partition = config.num_query_groups // tp
         backend = getattr(config.attention_backend, "name", config.attention_backend)
@@ -151,7 +157,10 @@ class DotProductAttention(MegatronModule):
         if mask_type is AttnMaskType.causal_bottom_right:
             raise NotImplementedError("AttnMaskType.causal_bottom_right needs Transformer Engine attention")
         sq, b, np_, hn = query.shape
-        cp_group = parallel_state.get_context_parallel_group() if self.config.context_parallel_size > 1 else None
+        cp_group = None
+        if self.config.context_parallel_size > 1:
+            cp_group = (parallel_state.get_context_parallel_group() if self.pg_collection is None
+                        else self.pg_collection.cp)
         if cp_group is not None or packed_seq_params is not None:
             return self._long_context(query, key, value, cp_group, packed_seq_params, mask_type)
         # [s, b, n, hn] -> [b, n, s, hn]

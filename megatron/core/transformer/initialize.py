@@ -55,33 +55,51 @@ def _name_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def tp_rank_and_size(param):
+def _coords(pg_collection, name: str, rank_getter, size_getter):
+    """(rank, size) along axis ``name``: in the explicit collection's group, else parallel_state's."""
+    if pg_collection is None:
+        return rank_getter(), size_getter()
+    group = getattr(pg_collection, name)
+    if group is None:
+        raise ValueError(f"initialize_parameters: the explicit pg_collection has no '{name}' group, which "
+                         "slices the parameters; set it (a one-rank group if that axis is not split)")
+    return group.rank(), group.size()
+
+
+def tp_rank_and_size(param, pg_collection=None):
     """TP coordinates of a parameter (expert params live on the expert-TP group)."""
     if getattr(param, "allreduce", True):
-        return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
-    return parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size()
+        return _coords(pg_collection, "tp", parallel_state.get_tensor_model_parallel_rank,
+                       parallel_state.get_tensor_model_parallel_world_size)
+    return _coords(pg_collection, "expt_tp", parallel_state.get_expert_tensor_parallel_rank,
+                   parallel_state.get_expert_tensor_parallel_world_size)
 
 
-def local_slice(full: torch.Tensor, param) -> torch.Tensor:
-    """This rank's part of the global tensor ``full`` for ``param``."""
+def _ep_rank_and_size(pg_collection=None):
+    return _coords(pg_collection, "ep", parallel_state.get_expert_model_parallel_rank,
+                   parallel_state.get_expert_model_parallel_world_size)
+
+
+def local_slice(full: torch.Tensor, param, pg_collection=None) -> torch.Tensor:
+    """This rank's part of the global tensor ``full`` for ``param`` (``pg_collection``: explicit groups)."""
     expert_dim = getattr(param, "expert_dim", None)
     if expert_dim is not None:  # stacked experts (GroupedMLP): this EP rank's block of experts
-        ep = parallel_state.get_expert_model_parallel_world_size()
-        full = full.chunk(ep, dim=expert_dim)[parallel_state.get_expert_model_parallel_rank()]
+        ep_rank, ep = _ep_rank_and_size(pg_collection)
+        full = full.chunk(ep, dim=expert_dim)[ep_rank]
     if not getattr(param, "tensor_model_parallel", False):
         return full
-    rank, size = tp_rank_and_size(param)
+    rank, size = tp_rank_and_size(param, pg_collection)
     dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
     blocks = full.chunk(stride * size, dim=dim)  # stride groups of `size` blocks each
     return torch.cat([blocks[s * size + rank] for s in range(stride)], dim=dim)
 
 
-def global_shape(param):
+def global_shape(param, pg_collection=None):
     shape = list(param.shape)
     if getattr(param, "expert_dim", None) is not None:
-        shape[param.expert_dim] *= parallel_state.get_expert_model_parallel_world_size()
+        shape[param.expert_dim] *= _ep_rank_and_size(pg_collection)[1]
     if getattr(param, "tensor_model_parallel", False):
-        shape[param.partition_dim] *= tp_rank_and_size(param)[1]
+        shape[param.partition_dim] *= tp_rank_and_size(param, pg_collection)[1]
     return shape
 
 
@@ -92,8 +110,9 @@ def _generation_device(param, config):
 
 
 @torch.no_grad()
-def initialize_parameters(model: torch.nn.Module, seed=None) -> None:
-    """Fill every parameter of ``model`` from (seed, global name), independently of the parallel layout."""
+def initialize_parameters(model: torch.nn.Module, seed=None, pg_collection=None) -> None:
+    """Fill every parameter of ``model`` from (seed, global name), independently of the parallel layout
+    (the slices of a model on explicit process groups follow ``pg_collection``)."""
     config = model.config
     seed = config.seed if seed is None else seed
     names = global_param_names(model)
@@ -104,14 +123,14 @@ def initialize_parameters(model: torch.nn.Module, seed=None) -> None:
             raise RuntimeError(f"parameter '{local}' has no init_fn; every module must record one")
         device = _generation_device(param, config)
         if getattr(param, "per_expert_name", None) is not None:
-            _initialize_stacked_experts(param, names[local], seed, device)
+            _initialize_stacked_experts(param, names[local], seed, device, pg_collection)
             continue
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(_name_seed(seed, names[local]))
-            full = torch.empty(global_shape(param), dtype=param.dtype, device=device)
+            full = torch.empty(global_shape(param, pg_collection), dtype=param.dtype, device=device)
             init_fn(full)
-        param.copy_(local_slice(full, param))
+        param.copy_(local_slice(full, param, pg_collection))
 
 
 class _ExpertSlice:
@@ -125,16 +144,16 @@ class _ExpertSlice:
         self.shape = param.shape[1:]
 
 
-def _initialize_stacked_experts(param, global_name: str, seed: int, device) -> None:
+def _initialize_stacked_experts(param, global_name: str, seed: int, device, pg_collection=None) -> None:
     """Stacked expert weights (GroupedMLP) take, expert by expert, the values SequentialMLP's
     ``experts.local_experts.<g>.<per_expert_name>`` gets, so --moe-grouped-gemm does not change the model."""
     base = global_name.rsplit(".", 1)[0]  # ...mlp.experts
     layout = _ExpertSlice(param)
-    first = parallel_state.get_expert_model_parallel_rank() * param.shape[0]
+    first = _ep_rank_and_size(pg_collection)[0] * param.shape[0]
     devices = [device] if device.type == "cuda" else []
     for i in range(param.shape[0]):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(_name_seed(seed, f"{base}.local_experts.{first + i}.{param.per_expert_name}"))
-            full = torch.empty(global_shape(layout), dtype=param.dtype, device=device)
+            full = torch.empty(global_shape(layout, pg_collection), dtype=param.dtype, device=device)
             param.init_fn(full)
-        param[i].copy_(local_slice(full, layout))
+        param[i].copy_(local_slice(full, layout, pg_collection))

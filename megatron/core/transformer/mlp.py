@@ -29,7 +29,8 @@ class MLP(MegatronModule):
     """h -> f -> h. With ``gated_linear_unit`` fc1 emits [gate; up] (2f) and the hidden is act(gate) * up.
 
     fc1's weight is marked ``partition_stride=2`` under GLU: the TP=1 tensor is [gate; up] and each
-    rank holds [gate_r; up_r], the r-th slice of each half.
+    rank holds [gate_r; up_r], the r-th slice of each half. ``tp_group`` splits fc1 and fc2 (None: the
+    linears' default, parallel_state's TP group, or its expert-TP group with ``is_expert``).
     """
 
     def __init__(self, config, submodules: MLPSubmodules, is_expert: bool = False,
@@ -47,14 +48,16 @@ class MLP(MegatronModule):
         # (x, bias) -> act(x + bias) in one kernel on CUDA (Megatron's --bias-gelu/swiglu-fusion).
         self.fused_activation = (fused_bias_activation(config.activation_func, glu)
                                  if config.bias_activation_fusion else None)
+        group = {} if tp_group is None else {"tp_group": tp_group}
         self.linear_fc1 = build_module(
             submodules.linear_fc1, self.input_size, 2 * ffn if glu else ffn, config=config,
             init_method=config.init_method, gather_output=False, bias=config.add_bias_linear,
-            skip_bias_add=True, is_expert=is_expert, tp_comm_buffer_name="fc1", stride=2 if glu else 1)
+            skip_bias_add=True, is_expert=is_expert, tp_comm_buffer_name="fc1", stride=2 if glu else 1,
+            **group)
         self.linear_fc2 = build_module(
             submodules.linear_fc2, ffn, config.hidden_size, config=config,
             init_method=config.output_layer_init_method, bias=config.add_bias_linear, input_is_parallel=True,
-            skip_bias_add=True, is_expert=is_expert, tp_comm_buffer_name="fc2")
+            skip_bias_add=True, is_expert=is_expert, tp_comm_buffer_name="fc2", **group)
 
     def forward(self, hidden_states, per_token_scale=None):
         """``per_token_scale`` [tokens] multiplies each token's activation before fc2 (an expert's routing

@@ -22,6 +22,9 @@ class MegatronModule(torch.nn.Module):
         """``{local state-dict key: ShardedTensor(key=global name)}`` for every param and persistent buffer."""
         if sharded_offsets:
             raise NotImplementedError("sharded_offsets are not supported; call on the model root")
+        if getattr(self, "pg_collection", None) is not None:
+            raise NotImplementedError(f"{type(self).__name__}.sharded_state_dict: the checkpoint layout follows "
+                                      "parallel_state's ranks, not the explicit pg_collection the model is built on")
         from megatron.core.transformer.sharded_state import build_sharded_state_dict
 
         return build_sharded_state_dict(self, prefix)

@@ -17,10 +17,10 @@ from typing import Optional, Union
 
 import torch
 
-from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding, _yarn_get_mscale
+from megatron.core.process_groups_config import get_pg_size
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -47,10 +47,10 @@ class MLASelfAttentionSubmodules:
     kv_layernorm: Union[ModuleSpec, type] = None
 
 
-def _column_linear(spec, config, in_size, out_size, name):
+def _column_linear(spec, config, in_size, out_size, name, **tp_kwargs):
     return build_module(spec, in_size, out_size, config=config, init_method=config.init_method,
                         gather_output=False, bias=False, skip_bias_add=False, is_expert=False,
-                        tp_comm_buffer_name=name)
+                        tp_comm_buffer_name=name, **tp_kwargs)
 
 
 class MultiLatentAttention(MegatronModule):
@@ -60,7 +60,8 @@ class MultiLatentAttention(MegatronModule):
                  attn_mask_type: AttnMaskType, attention_type: str, cp_comm_type: Optional[str] = None,
                  pg_collection=None, pp_layer_offset: Optional[int] = None, name: Optional[str] = None):
         """``pp_layer_offset`` indexes Megatron's inference KV cache, which MLA does not use here (no effect);
-        ``name`` is a label (Megatron hands it to Transformer Engine)."""
+        ``name`` is a label (Megatron hands it to Transformer Engine). ``pg_collection``: its ``tp`` group
+        splits the heads and the latents' gathers (parallel_state's groups when None)."""
         super().__init__(config)
         if getattr(submodules, "linear_qkv_down_proj", None) is not None:
             raise NotImplementedError("MLASelfAttentionSubmodules.linear_qkv_down_proj (fused MLA down "
@@ -70,7 +71,12 @@ class MultiLatentAttention(MegatronModule):
         if not getattr(config, "multi_latent_attention", False) or not hasattr(config, "kv_lora_rank"):
             raise ValueError("multi-latent attention needs an MLATransformerConfig (--multi-latent-attention)")
         self.layer_number, self.attn_mask_type, self.attention_type = layer_number, attn_mask_type, attention_type
-        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.pg_collection = pg_collection
+        tp = self._tp = get_pg_size(pg_collection, "tp", type(self).__name__)
+        # None: the mappings and linears use parallel_state's TP group (the default build, unchanged).
+        self._tp_group = None if pg_collection is None else pg_collection.tp
+        self._tp_kwargs = {} if pg_collection is None else {"tp_group": pg_collection.tp}
+        pg_kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
         self.num_attention_heads_per_partition = config.num_attention_heads // tp
         self.q_head_dim = config.qk_head_dim + config.qk_pos_emb_head_dim
         self.query_projection_size = config.v_head_dim * config.num_attention_heads
@@ -92,11 +98,11 @@ class MultiLatentAttention(MegatronModule):
         self.core_attention = build_module(submodules.core_attention, config=config, layer_number=layer_number,
                                            attn_mask_type=attn_mask_type, attention_type=attention_type,
                                            softmax_scale=self.softmax_scale, k_channels=self.q_head_dim,
-                                           v_channels=config.v_head_dim)
+                                           v_channels=config.v_head_dim, **pg_kwargs)
         self.linear_proj = build_module(
             submodules.linear_proj, self.query_projection_size, config.hidden_size, config=config,
             init_method=config.output_layer_init_method, bias=config.add_bias_linear, input_is_parallel=True,
-            skip_bias_add=True, is_expert=False, tp_comm_buffer_name="proj")
+            skip_bias_add=True, is_expert=False, tp_comm_buffer_name="proj", **self._tp_kwargs)
         self.checkpoint_core_attention = (config.recompute_granularity == "selective"
                                           and "core_attn" in (config.recompute_modules or []))
 
@@ -128,17 +134,19 @@ class MLASelfAttention(MultiLatentAttention):
         c, heads = config, config.num_attention_heads
         if c.q_lora_rank is None:
             self.linear_q_proj = _column_linear(submodules.linear_q_proj, c, c.hidden_size, heads * self.q_head_dim,
-                                                "q_proj")
+                                                "q_proj", **self._tp_kwargs)
         else:
             self.linear_q_down_proj = _column_linear(submodules.linear_q_down_proj, c, c.hidden_size,
-                                                     c.q_lora_rank, "q_down_proj")
+                                                     c.q_lora_rank, "q_down_proj", **self._tp_kwargs)
             self.linear_q_up_proj = _column_linear(submodules.linear_q_up_proj, c, c.q_lora_rank,
-                                                   heads * self.q_head_dim, "q_up_proj")
+                                                   heads * self.q_head_dim, "q_up_proj", **self._tp_kwargs)
             self.q_layernorm = self._build_norm(submodules.q_layernorm, c.q_lora_rank)
         self.linear_kv_down_proj = _column_linear(submodules.linear_kv_down_proj, c, c.hidden_size,
-                                                  c.kv_lora_rank + c.qk_pos_emb_head_dim, "kv_down_proj")
+                                                  c.kv_lora_rank + c.qk_pos_emb_head_dim, "kv_down_proj",
+                                                  **self._tp_kwargs)
         self.linear_kv_up_proj = _column_linear(submodules.linear_kv_up_proj, c, c.kv_lora_rank,
-                                                heads * (c.qk_head_dim + c.v_head_dim), "kv_up_proj")
+                                                heads * (c.qk_head_dim + c.v_head_dim), "kv_up_proj",
+                                                **self._tp_kwargs)
         self.kv_layernorm = self._build_norm(submodules.kv_layernorm, c.kv_lora_rank)
 
     def _build_norm(self, spec, size):
@@ -150,13 +158,14 @@ class MLASelfAttention(MultiLatentAttention):
     def _full_latent(self, x):
         """Column-parallel down-projection output [s, b, r/tp] -> the full latent [s, b, r], back on
         [s/tp, b, r] under sequence parallelism (where the next norm and column-parallel layer expect it)."""
-        x = gather_from_tensor_model_parallel_region(x)
-        return scatter_to_sequence_parallel_region(x) if self.config.sequence_parallel else x
+        x = gather_from_tensor_model_parallel_region(x, group=self._tp_group)
+        return scatter_to_sequence_parallel_region(x, group=self._tp_group) if self.config.sequence_parallel else x
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, position_ids=None,
                                     packed_seq_params=None, inference_context=None):
         c = self.config
-        seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, None, hidden_states, c)
+        seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, None, hidden_states, c,
+                                                         tp_size=None if self.pg_collection is None else self._tp)
         emb = self.rotary_pos_emb(seq_len)
         emb, mscale = emb if isinstance(emb, tuple) else (emb, 1.0)  # [s, 1, 1, pe], YaRN concentration
 
@@ -166,11 +175,12 @@ class MLASelfAttention(MultiLatentAttention):
             q_latent = self._full_latent(self.linear_q_down_proj(hidden_states)[0])  # [s(/tp), b, q_lora_rank]
             q, _ = self.linear_q_up_proj(self.q_layernorm(q_latent))
         kv_latent, _ = self.linear_kv_down_proj(hidden_states)  # [s, b, (kv_lora_rank + pe) / tp]
-        kv_latent = gather_from_tensor_model_parallel_region(kv_latent)  # [s, b, kv_lora_rank + pe]
+        kv_latent = gather_from_tensor_model_parallel_region(kv_latent, group=self._tp_group)  # [s, b, r + pe]
         kv_latent, k_pe = torch.split(kv_latent, [c.kv_lora_rank, c.qk_pos_emb_head_dim], dim=-1)
-        k_pe = copy_to_tensor_model_parallel_region(k_pe)  # used by this rank's heads only: sum grads over TP
+        # Used by this rank's heads only: sum its grads over TP.
+        k_pe = copy_to_tensor_model_parallel_region(k_pe, group=self._tp_group)
         if c.sequence_parallel:
-            kv_latent = scatter_to_sequence_parallel_region(kv_latent)  # [s/tp, b, kv_lora_rank]
+            kv_latent = scatter_to_sequence_parallel_region(kv_latent, group=self._tp_group)  # [s/tp, b, r]
         kv, _ = self.linear_kv_up_proj(self.kv_layernorm(kv_latent))  # [s, b, np * (qk + hv)]
 
         s, b = q.shape[:2]

@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.mtp_logging import MTPLossLoggingHelper  # noqa: F401  (Megatron's import path)
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module, process_group_kwargs
 from megatron.core.utils import make_viewless_tensor
 
 
@@ -160,17 +160,22 @@ class MultiTokenPredictionLayer(MegatronModule):
         _refuse_hybrid(mtp_layer_pattern, hybrid_submodules, mamba_submodules)
         self.name = name
         self.layer_number = layer_number  # 1-based depth; names checkpoint keys mtp.layers.<depth - 1>
+        # Explicit groups: eh_proj and the gathers use its TP group, the layer gets the collection
+        # (None: parallel_state's, the default build unchanged).
+        self._tp_group = None if pg_collection is None else pg_collection.tp
+        tp_kwargs = {} if pg_collection is None else {"tp_group": pg_collection.tp}
         h, eps = config.hidden_size, config.layernorm_epsilon
         self.enorm = build_module(submodules.enorm, config=config, hidden_size=h, eps=eps)
         self.hnorm = build_module(submodules.hnorm, config=config, hidden_size=h, eps=eps)
         self.eh_proj = build_module(submodules.eh_proj, 2 * h, h, config=config, init_method=config.init_method,
                                     gather_output=False, bias=False, skip_bias_add=False, is_expert=False,
-                                    tp_comm_buffer_name="mtp_eh_proj")
+                                    tp_comm_buffer_name="mtp_eh_proj", **tp_kwargs)
         layer_spec = submodules.mtp_model_layer if submodules.mtp_model_layer is not None \
             else submodules.transformer_layer
         # Numbered by depth (1..D), without the stage offset; its metrics keep the decoder's slots 1..D.
         self.transformer_layer = build_module(layer_spec, config=config, layer_number=layer_number,
-                                              vp_stage=vp_stage, add_layer_offset=False)
+                                              vp_stage=vp_stage, add_layer_offset=False,
+                                              **process_group_kwargs(layer_spec, pg_collection, type(self).__name__))
         self.final_layernorm = build_module(submodules.layer_norm, config=config, hidden_size=h, eps=eps)
 
     def forward(self, input_ids, position_ids, hidden_states, attention_mask, rotary_pos_emb=None,
@@ -181,9 +186,9 @@ class MultiTokenPredictionLayer(MegatronModule):
         decoder_input = embedding(input_ids=input_ids, position_ids=position_ids)  # [s(/tp), b, h]
         x = torch.cat([self.enorm(decoder_input), self.hnorm(hidden_states)], dim=-1)  # [s(/tp), b, 2h]
         x, _ = self.eh_proj(x)  # [s, b, h/tp]
-        x = gather_from_tensor_model_parallel_region(x)  # [s, b, h]
+        x = gather_from_tensor_model_parallel_region(x, group=self._tp_group)  # [s, b, h]
         if self.config.sequence_parallel:
-            x = scatter_to_sequence_parallel_region(x)  # [s/tp, b, h]
+            x = scatter_to_sequence_parallel_region(x, group=self._tp_group)  # [s/tp, b, h]
         rng = get_cuda_rng_tracker().fork() if self.config.sequence_parallel else nullcontext()
         with rng:
             x, _ = self.transformer_layer(x, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
@@ -213,7 +218,8 @@ class MultiTokenPredictionBlock(MegatronModule):
             raise ValueError(f"MTP block spec has {len(specs)} layer specs (mtp_num_depths {mtp_num_depths}); "
                              f"--mtp-num-layers is {config.mtp_num_layers}")
         self.layers = torch.nn.ModuleList(
-            build_module(s, config=config, layer_number=i + 1, vp_stage=vp_stage) for i, s in enumerate(specs))
+            build_module(s, config=config, layer_number=i + 1, vp_stage=vp_stage,
+                         **process_group_kwargs(s, pg_collection, type(self).__name__)) for i, s in enumerate(specs))
 
     def forward(self, input_ids, position_ids, hidden_states, attention_mask, rotary_pos_emb=None,
                 embedding=None, **kwargs):

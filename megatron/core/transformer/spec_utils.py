@@ -5,6 +5,7 @@ without the model code knowing which.
 """
 import functools
 import importlib
+import inspect
 import types
 from dataclasses import dataclass, field
 from typing import Tuple, Union
@@ -47,6 +48,28 @@ def build_module(spec_or_module, *args, **kwargs):
     if spec_or_module.submodules is not None:
         kwargs["submodules"] = spec_or_module.submodules
     return module(*args, **spec_or_module.params, **kwargs)
+
+
+def process_group_kwargs(spec, pg_collection, owner: str) -> dict:
+    """The keyword that hands explicit process groups to the submodule ``spec`` builds: ``pg_collection``
+    where its constructor names it (or takes only ``*args, **kwargs``: it forwards them, or ignores them as
+    IdentityOp does), the TP group as ``tp_group`` where it names that (MLP). None (parallel_state's
+    groups): no keyword, so the default build is unchanged. A module taking neither cannot honour explicit
+    groups and is refused in one line rather than left on parallel_state's."""
+    if pg_collection is None or spec is None:
+        return {}
+    module = get_module(spec)
+    if isinstance(module, types.FunctionType):
+        return {}  # a function (e.g. bias-dropout-add) builds nothing
+    params = inspect.signature(module).parameters
+    if "pg_collection" in params:
+        return {"pg_collection": pg_collection}
+    if "tp_group" in params:
+        return {"tp_group": pg_collection.tp}
+    if all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):
+        return {"pg_collection": pg_collection}
+    raise NotImplementedError(f"{owner}(pg_collection=...): its submodule {module.__name__} takes neither "
+                              "pg_collection nor tp_group, so it cannot run on explicit process groups")
 
 
 def get_submodules(spec):

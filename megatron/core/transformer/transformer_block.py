@@ -13,7 +13,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module, process_group_kwargs
 from megatron.core.utils import make_viewless_tensor
 
 
@@ -47,9 +47,10 @@ def layers_per_pipeline_rank(config, pp_size: int) -> List[int]:
     return counts
 
 
-def _chunk_counts(config) -> List[List[int]]:
-    """counts[vp][pp] = layers built by virtual chunk ``vp`` of PP rank ``pp``."""
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+def _chunk_counts(config, pp_size: Optional[int] = None) -> List[List[int]]:
+    """counts[vp][pp] = layers built by virtual chunk ``vp`` of PP rank ``pp`` (``pp_size``: parallel_state's
+    pipeline size when None)."""
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size() if pp_size is None else pp_size
     vp_size = config.virtual_pipeline_model_parallel_size or 1
     per_rank = layers_per_pipeline_rank(config, pp_size)
     for r, c in enumerate(per_rank):
@@ -72,18 +73,33 @@ def _vp(vp_stage: Optional[int]) -> int:
     return parallel_state.get_virtual_pipeline_model_parallel_rank() or 0
 
 
-def get_num_layers_to_build(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None) -> int:
-    """Number of transformer layers in this rank's (virtual) stage."""
+def get_num_layers_to_build(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None,
+                            pp_size: Optional[int] = None) -> int:
+    """Number of transformer layers in this rank's (virtual) stage (``pp_rank`` / ``pp_size``: a pipeline
+    on explicit groups; parallel_state's when None)."""
     pp_rank = parallel_state.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
-    return _chunk_counts(config)[_vp(vp_stage)][pp_rank]
+    return _chunk_counts(config, pp_size)[_vp(vp_stage)][pp_rank]
 
 
-def get_transformer_layer_offset(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None) -> int:
+def get_transformer_layer_offset(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None,
+                                 pp_size: Optional[int] = None) -> int:
     """Global index of this stage's first layer: all layers of the chunks before it (virtual-stage-major)."""
     pp_rank = parallel_state.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
-    counts = _chunk_counts(config)
+    counts = _chunk_counts(config, pp_size)
     vp = _vp(vp_stage)
     return sum(map(sum, counts[:vp])) + sum(counts[vp][:pp_rank])
+
+
+def pipeline_coords(pg_collection, owner: str) -> dict:
+    """``pp_rank`` / ``pp_size`` of an explicit collection's pipeline group for the two functions above
+    (no keywords without a collection: parallel_state's)."""
+    if pg_collection is None:
+        return {}
+    pp = pg_collection.pp
+    if pp is None:
+        raise ValueError(f"{owner}: the explicit pg_collection has no 'pp' group, which places its layers; set "
+                         "it (a one-rank group without pipelining)")
+    return {"pp_rank": pp.rank(), "pp_size": pp.size()}
 
 
 @dataclass
@@ -102,22 +118,28 @@ def _get_block_submodules(config, spec) -> TransformerBlockSubmodules:
 
 
 class TransformerBlock(MegatronModule):
+    """``pg_collection``: explicit process groups for every layer (its ``pp`` group places the layers);
+    parallel_state's groups when None."""
+
     def __init__(self, config, spec, post_layer_norm: bool = True, pre_process: bool = True,
                  post_process: bool = True, pg_collection=None, vp_stage: Optional[int] = None, **kwargs):
         super().__init__(config)
         self.submodules = _get_block_submodules(config, spec)
         self.pre_process, self.post_process = pre_process, post_process
         self.vp_stage = vp_stage
+        self.pg_collection = pg_collection
         self.input_tensor = None
-        num_layers = get_num_layers_to_build(config, vp_stage)
-        offset = get_transformer_layer_offset(config, vp_stage)
+        pp = pipeline_coords(pg_collection, "TransformerBlock")
+        num_layers = get_num_layers_to_build(config, vp_stage, **pp)
+        offset = get_transformer_layer_offset(config, vp_stage, **pp)
         specs = self.submodules.layer_specs or []
         if len(specs) == config.num_layers:
             specs = specs[offset:offset + num_layers]
         elif len(specs) != num_layers:
             raise ValueError(f"block spec has {len(specs)} layer specs; expected {config.num_layers} or {num_layers}")
         self.layers = torch.nn.ModuleList(
-            build_module(s, config=config, layer_number=i + 1, vp_stage=vp_stage)  # the layer adds `offset`
+            build_module(s, config=config, layer_number=i + 1, vp_stage=vp_stage,  # the layer adds `offset`
+                         **process_group_kwargs(s, pg_collection, "TransformerBlock"))
             for i, s in enumerate(specs))
         self.final_layernorm = None
         if post_process and post_layer_norm:

@@ -8,7 +8,7 @@ import torch
 from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module, process_group_kwargs
 from megatron.core.transformer.spec_protocols import MlpBuilder, MlpInterface  # noqa: F401  (typing Protocols)
 
 
@@ -56,7 +56,8 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         stage's offset is added unless ``add_layer_offset`` is False or this is an MTP depth's layer
         (``is_mtp_layer``, numbered within MTP; its MoE router logs after the decoder's layers).
         ``pp_layer_offset`` indexes Megatron's inference KV cache by stage; the generation engine here
-        keys its cache by global layer number, so only None is accepted."""
+        keys its cache by global layer number, so only None is accepted. ``pg_collection``: explicit process
+        groups for attention and the MLP (its ``pp`` group gives the stage offset); parallel_state's when None."""
         super().__init__(config)
         if pp_layer_offset is not None:
             raise NotImplementedError("TransformerLayer(pp_layer_offset=...) is not supported: the KV cache is "
@@ -64,24 +65,29 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         self.name = name  # a label only (Megatron hands it to Transformer Engine)
         self.submodules_config = submodules
         self.is_mtp_layer = is_mtp_layer
+        self.pg_collection = pg_collection
         if add_layer_offset and not is_mtp_layer:
-            from megatron.core.transformer.transformer_block import get_transformer_layer_offset
-            layer_number = layer_number + get_transformer_layer_offset(config, vp_stage)
+            from megatron.core.transformer.transformer_block import get_transformer_layer_offset, pipeline_coords
+            layer_number = layer_number + get_transformer_layer_offset(
+                config, vp_stage, **pipeline_coords(pg_collection, "TransformerLayer"))
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
         eps = config.layernorm_epsilon
         self.input_layernorm = build_module(submodules.input_layernorm, config=config,
                                             hidden_size=config.hidden_size, eps=eps)
-        self.self_attention = build_module(submodules.self_attention, config=config, layer_number=layer_number)
+        self.self_attention = build_module(submodules.self_attention, config=config, layer_number=layer_number,
+                                           **self._groups_for(submodules.self_attention))
         self.self_attn_bda = build_module(submodules.self_attn_bda)
         # Decoder layers of encoder-decoder models (T5): attend to the encoder output ("context").
         self.pre_cross_attn_layernorm = build_module(submodules.pre_cross_attn_layernorm, config=config,
                                                      hidden_size=config.hidden_size, eps=eps)
-        self.cross_attention = build_module(submodules.cross_attention, config=config, layer_number=layer_number)
+        self.cross_attention = build_module(submodules.cross_attention, config=config, layer_number=layer_number,
+                                            **self._groups_for(submodules.cross_attention))
         self.cross_attn_bda = build_module(submodules.cross_attn_bda)
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config=config,
                                               hidden_size=config.hidden_size, eps=eps)
-        self.mlp = build_module(submodules.mlp, config=config, **({"is_mtp_layer": True} if is_mtp_layer else {}))
+        self.mlp = build_module(submodules.mlp, config=config, **({"is_mtp_layer": True} if is_mtp_layer else {}),
+                                **self._groups_for(submodules.mlp))
         if hasattr(self.mlp, "set_layer_number"):  # MoE layers log their losses per layer
             self.mlp.set_layer_number(layer_number)
         self.mlp_bda = build_module(submodules.mlp_bda)
@@ -89,6 +95,10 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
                                and "layernorm" in (config.recompute_modules or []))
         self.recompute_mlp = (config.recompute_granularity == "selective"
                               and "mlp" in (config.recompute_modules or []))
+
+    def _groups_for(self, spec) -> dict:
+        """Explicit groups for a submodule: MoE and attention take the collection, MLP its TP group."""
+        return process_group_kwargs(spec, self.pg_collection, "TransformerLayer")
 
     def _bda(self, bda_module):
         if isinstance(bda_module, IdentityFuncOp) or not callable(bda_module):

@@ -6,6 +6,7 @@ import torch
 
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule, build_output_layer
+from megatron.core.process_groups_config import require_default_process_groups
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 
@@ -66,7 +67,9 @@ class T5Model(LanguageModule):
                  relative_attention_num_buckets: int = 32, relative_attention_max_distance: int = 128,
                  add_encoder: bool = True, add_decoder: bool = True, pg_collection=None,
                  vp_stage: Optional[int] = None, **kwargs):
-        super().__init__(config, pg_collection)
+        # The encoder/decoder stacks, heads and losses here read parallel_state's groups.
+        require_default_process_groups(pg_collection, "T5Model")
+        super().__init__(config)
         if position_embedding_type != "learned_absolute":
             raise NotImplementedError(f"T5Model supports --position-embedding-type learned_absolute only, "
                                       f"got '{position_embedding_type}'")

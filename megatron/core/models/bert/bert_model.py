@@ -6,6 +6,7 @@ import torch
 from megatron.core.models.bert.bert_lm_head import BertLMHead, Pooler, get_linear_layer
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule, build_output_layer
+from megatron.core.process_groups_config import require_default_process_groups
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 
@@ -23,7 +24,9 @@ class BertModel(LanguageModule):
                  rotary_percent: float = 1.0, seq_len_interpolation_factor: Optional[float] = None,
                  add_binary_head: bool = True, return_embeddings: bool = False, vp_stage: Optional[int] = None,
                  pg_collection=None, **kwargs):
-        super().__init__(config, pg_collection)
+        # The encoder, heads and losses here read parallel_state's groups.
+        require_default_process_groups(pg_collection, "BertModel")
+        super().__init__(config)
         if position_embedding_type != "learned_absolute":
             raise NotImplementedError(f"BertModel supports --position-embedding-type learned_absolute only, "
                                       f"got '{position_embedding_type}'")

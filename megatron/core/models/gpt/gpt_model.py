@@ -15,7 +15,10 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 class GPTModel(LanguageModule):
     """Decoder-only LM. ``pre_process``: this stage embeds tokens; ``post_process``: it computes logits
     and the loss. Forward returns the per-token loss [b, s] when ``labels`` are given, logits [b, s, V/tp]
-    otherwise, and hidden states [s, b, h] on stages without ``post_process``."""
+    otherwise, and hidden states [s, b, h] on stages without ``post_process``.
+
+    ``pg_collection``: explicit process groups (tp, cp and pp; ep and expt_tp with MoE layers) for every
+    module, sized as the config says; parallel_state's groups when None."""
 
     def __init__(self, config, transformer_layer_spec: ModuleSpec, vocab_size: int, max_sequence_length: int,
                  pre_process: bool = True, post_process: bool = True, fp16_lm_cross_entropy: bool = False,
@@ -25,9 +28,8 @@ class GPTModel(LanguageModule):
                  rope_scaling_factor: float = 8.0, scatter_embedding_sequence_parallel: bool = True,
                  seq_len_interpolation_factor: Optional[float] = None, mtp_block_spec=None, pg_collection=None,
                  vp_stage: Optional[int] = None, **kwargs):
-        super().__init__(config)
-        from megatron.core.process_groups_config import require_default_process_groups
-        require_default_process_groups(pg_collection, "GPTModel")
+        super().__init__(config, pg_collection)
+        tp_group = None if pg_collection is None else pg_collection.tp  # None: parallel_state's
         if position_embedding_type not in ("learned_absolute", "rope", "yarn", "none"):
             raise ValueError(f"--position-embedding-type '{position_embedding_type}' unknown; use "
                              "learned_absolute, rope, yarn or none")
@@ -46,7 +48,7 @@ class GPTModel(LanguageModule):
         if pre_process:
             self.embedding = LanguageModelEmbedding(
                 config, vocab_size, max_sequence_length, position_embedding_type=position_embedding_type,
-                scatter_to_sequence_parallel=scatter_embedding_sequence_parallel)
+                scatter_to_sequence_parallel=scatter_embedding_sequence_parallel, tp_group=tp_group)
         # Multi-latent attention layers own their (YaRN) rotary embedding.
         self.model_rotary = position_embedding_type == "rope" and not mla
         if self.model_rotary:
@@ -56,16 +58,17 @@ class GPTModel(LanguageModule):
                 rope_scaling=rope_scaling, rope_scaling_factor=rope_scaling_factor,
                 use_cpu_initialization=config.use_cpu_initialization)
         self.decoder = TransformerBlock(config, transformer_layer_spec, pre_process=pre_process,
-                                        post_process=post_process, vp_stage=vp_stage)
+                                        post_process=post_process, vp_stage=vp_stage, pg_collection=pg_collection)
         # Multi-token prediction depths live on the last stage (PP > 1 is refused by the config).
         self.mtp_process = mtp_block_spec is not None and post_process
         if self.mtp_process:
             from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
-            self.mtp = MultiTokenPredictionBlock(config, mtp_block_spec, vp_stage=vp_stage)
+            self.mtp = MultiTokenPredictionBlock(config, mtp_block_spec, vp_stage=vp_stage,
+                                                 pg_collection=pg_collection)
         self.mtp_loss_stats = None
         if post_process:
             self.output_layer = build_output_layer(config, vocab_size, False, parallel_output, pre_process,
-                                                   share_embeddings_and_output_weights)
+                                                   share_embeddings_and_output_weights, tp_group=tp_group)
         self.finalize_parameters()
 
     def set_input_tensor(self, input_tensor) -> None:
@@ -87,12 +90,15 @@ class GPTModel(LanguageModule):
             rope = self.rotary_pos_emb if self.position_embedding_type == "rope" else None
             inference_context.begin_forward(rope, position_ids, getattr(self.config, "window_size", None))
         elif self.model_rotary:
-            seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, self.decoder, decoder_input, self.config)
+            tp_size = None if self.pg_collection is None else self.pg_collection.tp.size()
+            seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, self.decoder, decoder_input, self.config,
+                                                             tp_size=tp_size)
             rotary_pos_emb = self.rotary_pos_emb(seq_len)  # [S, 1, 1, d], S: the whole (CP-joined) sequence
             if self.config.context_parallel_size > 1 or packed_seq_params is not None:
                 batch = (decoder_input if decoder_input is not None else self.decoder.input_tensor).size(1)
+                cp_rank = None if self.pg_collection is None else self.pg_collection.cp.rank()
                 rotary_pos_emb = local_rotary_pos_emb(rotary_pos_emb, self.config.context_parallel_size,
-                                                      packed_seq_params, batch)  # [s, 1 or b, 1, d]
+                                                      packed_seq_params, batch, cp_rank)  # [s, 1 or b, 1, d]
         hidden = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
                               rotary_pos_emb=rotary_pos_emb, packed_seq_params=packed_seq_params,
                               inference_context=inference_context,

@@ -17,8 +17,8 @@ from typing import Callable, List, Optional, Protocol, Tuple, Union
 
 import torch
 
-from megatron.core import parallel_state
 from megatron.core.fusions.swiglu import swiglu, triton_swiglu_available
+from megatron.core.process_groups_config import get_pg, get_pg_size
 from megatron.core.tensor_parallel.layers import _make_param, set_tensor_model_parallel_attributes
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
@@ -100,8 +100,8 @@ def _use_fused_swiglu(h, config) -> bool:
             and (triton_swiglu_available(h) or compile_available()))
 
 
-def _etp_size() -> int:
-    return parallel_state.get_expert_tensor_parallel_world_size()
+def _etp_size(pg_collection=None) -> int:
+    return get_pg_size(pg_collection, "expt_tp", "GroupedMLP")
 
 
 def grouped_mm_available(x: torch.Tensor, *dims: int) -> bool:
@@ -146,14 +146,15 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch
 class GroupedMLP(MegatronModule):
     """weight1 [E_local, (2)f/etp, h] and weight2 [E_local, h, f/etp] (each expert's matrix is laid out as
     its fc1/fc2 linear weight); ``expert_dim`` 0 makes checkpoints and initialization see the global
-    [E, ...] tensors, so any EP layout reads any other."""
+    [E, ...] tensors, so any EP layout reads any other. ``pg_collection``: its ``expt_tp`` group splits
+    the weights (parallel_state's when None); the experts themselves do no communication."""
 
     def __init__(self, num_local_experts: int, config, pg_collection=None):
         super().__init__(config)
         if config.add_bias_linear:
             raise ValueError("--moe-grouped-gemm experts have no biases; pass --disable-bias-linear")
         self.num_local_experts = num_local_experts
-        etp = _etp_size()
+        etp = _etp_size(pg_collection)
         ffn = config.moe_ffn_hidden_size
         glu = config.gated_linear_unit
         fc1_out = divide(2 * ffn if glu else ffn, etp)
@@ -195,15 +196,17 @@ class TEGroupedMLP(GroupedMLP):
 
 
 class SequentialMLP(MegatronModule):
-    """A loop over ``local_experts`` (each our MLP with ``is_expert=True``)."""
+    """A loop over ``local_experts`` (each our MLP with ``is_expert=True``, split over the ``expt_tp`` group
+    of ``pg_collection``, or parallel_state's expert-TP group when None)."""
 
     def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None,
                  name: Optional[str] = None):
         super().__init__(config)
         self.name = name
         self.num_local_experts = num_local_experts
+        etp_group = None if pg_collection is None else get_pg(pg_collection, "expt_tp", "SequentialMLP")
         self.local_experts = torch.nn.ModuleList(
-            MLP(config, submodules, is_expert=True, ffn_hidden_size=config.moe_ffn_hidden_size)
+            MLP(config, submodules, is_expert=True, ffn_hidden_size=config.moe_ffn_hidden_size, tp_group=etp_group)
             for _ in range(num_local_experts))
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,

@@ -168,11 +168,10 @@ def track_moe_metrics(loss_scale: float, iteration: int, writer=None, wandb_writ
     the losses to ``total_loss_dict``, write TensorBoard/W&B scalars, clear the tracker, and return the
     other metrics as the console string " name: value |". MoE layers: ``moe_layer_freq`` over
     ``num_layers`` plus the ``mtp_num_layers`` MTP layers. Entries missing on a rank are always created
-    (so ``force_initialize`` changes nothing); ``pg_collection`` must hold parallel_state's groups."""
-    from megatron.core.process_groups_config import require_default_process_groups
+    (so ``force_initialize`` changes nothing); the metrics are reduced over the pp and dp groups of
+    ``pg_collection`` (parallel_state's when None)."""
     from megatron.core.transformer.moe import moe_logging
     from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
-    require_default_process_groups(pg_collection, "track_moe_metrics")
     names = list(track_names or [n for n in moe_logging.get_moe_layer_wise_logging_tracker()
                                  if not n.startswith("_")])
     if num_layers is None:  # every slot of the recorded metrics counts as an MoE layer
@@ -183,7 +182,7 @@ def track_moe_metrics(loss_scale: float, iteration: int, writer=None, wandb_writ
         pattern = pattern + [1] * (mtp_num_layers or 0)
     losses = {}
     moe_logging.track_moe_metrics(loss_scale, iteration, writer, wandb_writer, losses, per_layer_logging,
-                                  names, len(pattern), pattern)
+                                  names, len(pattern), pattern, pg_collection=pg_collection)
     console = {}
     for name, value in losses.items():
         if total_loss_dict is not None and name.lower().endswith("loss"):

@@ -11,13 +11,14 @@ from typing import Optional, Protocol, Tuple, Union
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.process_groups_config import get_pg, get_pg_rank, get_pg_size
 from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import (
     MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher)
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module, process_group_kwargs
 
 
 # Megatron's typing Protocols for the MoE spec (types only, see megatron/core/transformer/spec_protocols.py).
@@ -63,13 +64,16 @@ class MoESubmodules:
 class BaseMoELayer(MegatronModule):
     """Expert layout: EP rank m holds the global experts [m * E_local, (m + 1) * E_local).
     ``is_mtp_layer``: the MoE layer of a multi-token-prediction depth (its router logs after the decoder's
-    layers)."""
+    layers). ``pg_collection``: explicit groups (tp, ep, expt_tp, tp_ep; expt_dp and tp_dp_cp where the
+    router or DDP need them) for the layer and its router, dispatcher and experts; parallel_state's when
+    None."""
 
     def __init__(self, config, layer_number: Optional[int] = None, pg_collection=None, is_mtp_layer: bool = False):
         super().__init__(config)
         self.is_mtp_layer = is_mtp_layer
-        ep_size = parallel_state.get_expert_model_parallel_world_size()
-        ep_rank = parallel_state.get_expert_model_parallel_rank()
+        self.pg_collection = pg_collection
+        ep_size = get_pg_size(pg_collection, "ep", type(self).__name__)
+        ep_rank = get_pg_rank(pg_collection, "ep", type(self).__name__)
         if config.num_moe_experts % ep_size:
             raise ValueError(f"--num-experts ({config.num_moe_experts}) must be divisible by "
                              f"--expert-model-parallel-size ({ep_size})")
@@ -104,15 +108,21 @@ class MoELayer(BaseMoELayer):
         else:
             raise ValueError(f"--moe-token-dispatcher-type {kind}: use allgather or alltoall "
                              "(flex needs DeepEP/HybridEP kernels, which this build does not have)")
-        self.token_dispatcher = dispatcher(self.num_local_experts, self.local_expert_indices, config)
+        self.token_dispatcher = dispatcher(self.num_local_experts, self.local_expert_indices, config,
+                                           pg_collection=pg_collection)
         self.token_dispatcher.probs_to_experts = True  # the experts scale their rows (fused in grouped SwiGLU)
-        self.experts = build_module(submodules.experts, self.num_local_experts, config)
+        self.experts = build_module(submodules.experts, self.num_local_experts, config,
+                                    **process_group_kwargs(submodules.experts, pg_collection, "MoELayer"))
         if config.moe_shared_expert_intermediate_size:
             spec = submodules.shared_experts
             gate = {} if "gate" in getattr(spec, "params", {}) else {"gate": config.moe_shared_expert_gate}
             self.shared_experts = build_module(spec, config=config, pg_collection=pg_collection, **gate)
-        self.tp_group = parallel_state.get_tensor_model_parallel_group()
-        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        if pg_collection is None:
+            self.tp_group = parallel_state.get_tensor_model_parallel_group()
+            self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        else:
+            self.tp_group = get_pg(pg_collection, "tp", "MoELayer")
+            self.tp_size = self.tp_group.size()
         self._side_stream = None
 
     def _shared_expert_start(self, hidden_states):

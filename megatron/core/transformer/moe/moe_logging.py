@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.process_groups_config import get_pg
 
 _TRACKER: Dict[str, dict] = {}
 
@@ -59,36 +60,44 @@ def _reduce(t, group, op=dist.ReduceOp.SUM):
     return t
 
 
+def _pp_and_dp_groups(pg_collection):
+    """The pipeline and data-parallel groups the metrics are reduced over: an explicit collection's pp
+    and dp groups, else parallel_state's."""
+    if pg_collection is None:
+        return (parallel_state.get_pipeline_model_parallel_group(),
+                parallel_state.get_data_parallel_group(with_context_parallel=False))
+    return get_pg(pg_collection, "pp", "MoE metrics"), get_pg(pg_collection, "dp", "MoE metrics")
+
+
 def reduce_aux_losses_tracker_across_ranks(track_names: Optional[List[str]] = None, pg_collection=None):
-    """Sum each metric over PP and its reduce group, then average over DP (or its avg group).
-    ``pg_collection`` must hold parallel_state's groups (the ones used here)."""
-    from megatron.core.process_groups_config import require_default_process_groups
-    require_default_process_groups(pg_collection, "reduce_aux_losses_tracker_across_ranks")
+    """Sum each metric over PP and its reduce group, then average over DP (or its avg group); the pp and
+    dp groups of ``pg_collection`` when given."""
+    pp_group, dp_group = _pp_and_dp_groups(pg_collection)
     names = track_names if track_names is not None else [n for n in _TRACKER if not n.startswith("_")]
     for name in names:
         entry = _TRACKER[name]
         values = entry["values"]
-        _reduce(values, parallel_state.get_pipeline_model_parallel_group())
+        _reduce(values, pp_group)
         _reduce(values, entry.get("reduce_group"))
         group = entry.get("avg_group")
         if group is None and not entry.get("reduce_group_has_dp"):
-            group = parallel_state.get_data_parallel_group(with_context_parallel=False)
+            group = dp_group
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(values, group=group)
             values /= dist.get_world_size(group)
 
 
-def _expert_load_summary(num_layers: int):
+def _expert_load_summary(num_layers: int, pg_collection=None):
     """Device tensor [mean max-load, mean min-load] over MoE layers: each expert's tokens over the mean
     tokens per expert, counted over all ranks of the step (1.0 = perfectly balanced)."""
     entry = _TRACKER.get("_expert_load")
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    pp_group, dp_group = _pp_and_dp_groups(pg_collection)
     ratios = torch.zeros(2, device=_device())
     layers = torch.zeros(1, device=_device())
     if entry is not None:
         for counts in entry["counts"].values():
             counts = _reduce(counts.clone(), entry.get("reduce_group"))
-            counts = _reduce(counts, parallel_state.get_data_parallel_group())
+            counts = _reduce(counts, dp_group)
             mean = counts.mean().clamp(min=1e-9)
             ratios += torch.stack([counts.max() / mean, counts.min() / mean]).to(ratios.device)
             layers += 1
@@ -104,11 +113,12 @@ def _device():
 
 def track_moe_metrics(loss_scale: float, iteration: int, writer=None, wandb_writer=None,
                       total_loss_dict=None, per_layer_logging: bool = False, track_names=None,
-                      num_layers: Optional[int] = None, moe_layer_pattern=None, log_expert_load: bool = True):
+                      num_layers: Optional[int] = None, moe_layer_pattern=None, log_expert_load: bool = True,
+                      pg_collection=None):
     """Reduce this step's MoE metrics, add each name's mean over MoE layers to ``total_loss_dict`` (the
     log line), write TensorBoard/W&B scalars (per layer with ``per_layer_logging``), and clear them.
-    Every rank must call it (it runs collectives). Values stay on the device (no host sync) unless
-    scalars are written."""
+    Every rank must call it (it runs collectives; over the pp and dp groups of ``pg_collection`` when
+    given). Values stay on the device (no host sync) unless scalars are written."""
     track_names = list(track_names or [])
     for name in track_names:
         if name not in _TRACKER:  # a stage without this loss still joins the reductions
@@ -116,7 +126,7 @@ def track_moe_metrics(loss_scale: float, iteration: int, writer=None, wandb_writ
                               "avg_group": None, "reduce_group_has_dp": False}
         if name.startswith("global"):
             _TRACKER[name]["reduce_group_has_dp"] = True
-    reduce_aux_losses_tracker_across_ranks(track_names)
+    reduce_aux_losses_tracker_across_ranks(track_names, pg_collection)
     pattern = moe_layer_pattern or [1] * num_layers
     num_moe = max(1, sum(pattern))
     scalars = {}
@@ -131,7 +141,7 @@ def track_moe_metrics(loss_scale: float, iteration: int, writer=None, wandb_writ
                 if pattern[i]:
                     scalars[f"moe/{name}_layer_{i}"] = values[i]
     if log_expert_load:
-        load = _expert_load_summary(num_layers)
+        load = _expert_load_summary(num_layers, pg_collection)
         if total_loss_dict is not None:
             total_loss_dict["moe max load"] = total_loss_dict.get("moe max load", 0.0) + load[0]
             total_loss_dict["moe min load"] = total_loss_dict.get("moe min load", 0.0) + load[1]

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.process_groups_config import get_pg
 from megatron.core.tensor_parallel.layers import _make_param
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.module import MegatronModule
@@ -35,7 +36,8 @@ class Router(MegatronModule):
     """The gate: logits = x W^T with W [num_experts, hidden] (replicated on every rank).
 
     ``is_mtp_layer``: the router of a multi-token-prediction layer; its metrics are logged in the slots
-    after the decoder's layers (layer_number + num_layers), as Megatron does."""
+    after the decoder's layers (layer_number + num_layers), as Megatron does. ``pg_collection``: explicit
+    groups (tp; tp_dp_cp for the global-batch counts); parallel_state's when None."""
 
     def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False):
         super().__init__(config)
@@ -45,11 +47,20 @@ class Router(MegatronModule):
         self.weight = _make_param((self.num_experts, config.hidden_size), config, config.init_method)
         # Each TP rank routes a different slice of the tokens: the weight's gradient is summed over TP.
         self.weight.sequence_parallel = True
-        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.pg_collection = pg_collection
+        self.tp_group = (parallel_state.get_tensor_model_parallel_group() if pg_collection is None
+                         else get_pg(pg_collection, "tp", type(self).__name__))
         self.tp_size = 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
 
     def set_layer_number(self, layer_number: int):
         self.layer_number = layer_number
+
+    def tp_dp_group(self):
+        """The ranks whose tokens make up the global batch, over which global-batch counts are summed:
+        parallel_state's tp x dp group, or an explicit collection's tp_dp_cp group."""
+        if self.pg_collection is None:
+            return parallel_state.get_tensor_and_data_parallel_group()
+        return get_pg(self.pg_collection, "tp_dp_cp", type(self).__name__)
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         dtype = _ROUTER_DTYPES.get(self.config.moe_router_dtype)
@@ -86,6 +97,11 @@ class TopKRouter(Router):
                                                                          device=self.weight.device),
                                  persistent=False)
             self.ga_steps = 0
+        global_counts = self.enable_expert_bias or "global_aux_loss" in self.routing_type
+        if pg_collection is not None and global_counts and config.context_parallel_size > 1:
+            raise NotImplementedError("TopKRouter(pg_collection=...): the expert bias and global_aux_loss count "
+                                      "tokens over tp x dp, and a collection has no such group under context "
+                                      "parallelism (its tp_dp_cp group includes cp); use parallel_state's groups")
 
     def _apply(self, fn, *args, **kwargs):
         """Keep the expert bias and the token counts in fp32 when the model is cast to bf16/fp16
@@ -166,7 +182,7 @@ class TopKRouter(Router):
             probs = self._attach(probs, coeff, loss, "seq_load_balancing_loss", self.tp_group)
         if "global_aux_loss" in self.routing_type:
             coeff = self.get_aux_loss_coeff("global_aux_loss")
-            group = parallel_state.get_tensor_and_data_parallel_group()
+            group = self.tp_dp_group()
             counts = self._tokens_per_expert(routing_map, group)
             with torch.no_grad():
                 self.global_tokens_per_expert += counts
@@ -233,8 +249,9 @@ def finalize_router_state(model_chunks, config):
     if biased:
         counts = torch.stack([r.local_tokens_per_expert for r in biased])
         biases = torch.stack([r.expert_bias for r in biased])
+        # The routers of one model share its groups (parallel_state's, or its explicit collection's).
         updated = get_updated_expert_bias(counts, biases, config.moe_router_bias_update_rate,
-                                          parallel_state.get_tensor_and_data_parallel_group())
+                                          biased[0].tp_dp_group())
         for r, bias in zip(biased, updated):
             r.expert_bias.copy_(bias)
             r.local_tokens_per_expert.zero_()

@@ -1,18 +1,21 @@
 """Shared experts: a dense MLP every token goes through, added to the routed experts' output (DeepSeek,
 Qwen-MoE). A normal TP-split MLP on the layer input; MoELayer may overlap it with the token dispatch.
 With ``gate`` (--moe-shared-expert-gate, Qwen2-MoE) its output is scaled per token by
-sigmoid(x . gate_weight)."""
+sigmoid(x . gate_weight). ``pg_collection``: its ``tp`` group splits the MLP (parallel_state's when None)."""
 from typing import Optional
 
 import torch
 
+from megatron.core.process_groups_config import get_pg
 from megatron.core.tensor_parallel.layers import _make_param
 from megatron.core.transformer.mlp import MLP
 
 
 class SharedExpertMLP(MLP):
     def __init__(self, config, submodules, gate: bool = False, pg_collection=None, name: Optional[str] = None):
-        super().__init__(config, submodules, ffn_hidden_size=config.moe_shared_expert_intermediate_size, name=name)
+        tp_group = None if pg_collection is None else get_pg(pg_collection, "tp", "SharedExpertMLP")
+        super().__init__(config, submodules, ffn_hidden_size=config.moe_shared_expert_intermediate_size,
+                         tp_group=tp_group, name=name)
         self.use_shared_expert_gate = gate
         self.gate_weight = None
         if gate:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.process_groups_config import get_pg
 from megatron.core.tensor_parallel.mappings import (
     _all_to_all, _gather_along_first_dim, all_to_all, gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region)
@@ -66,17 +67,22 @@ class _ReduceScatterV(torch.autograd.Function):
 
 
 class MoETokenDispatcher:
-    """Common state: the expert groups (parallel_state's; a ``pg_collection`` must hold the same ones)."""
+    """Common state: the expert groups, ep, expt_tp and tp_ep (an explicit ``pg_collection``'s, else
+    parallel_state's)."""
 
     def __init__(self, config, pg_collection=None):
-        from megatron.core.process_groups_config import require_default_process_groups
-        require_default_process_groups(pg_collection, type(self).__name__)
         self.config = config
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
-        self.ep_group = parallel_state.get_expert_model_parallel_group()
-        self.etp_group = parallel_state.get_expert_tensor_parallel_group()
-        self.tp_ep_group = parallel_state.get_expert_tensor_and_model_parallel_group()
+        if pg_collection is None:
+            self.ep_group = parallel_state.get_expert_model_parallel_group()
+            self.etp_group = parallel_state.get_expert_tensor_parallel_group()
+            self.tp_ep_group = parallel_state.get_expert_tensor_and_model_parallel_group()
+        else:
+            owner = type(self).__name__
+            self.ep_group = get_pg(pg_collection, "ep", owner)
+            self.etp_group = get_pg(pg_collection, "expt_tp", owner)
+            self.tp_ep_group = get_pg(pg_collection, "tp_ep", owner)
         self.ep_size, self.ep_rank = _size(self.ep_group), _rank(self.ep_group)
         self.etp_size, self.etp_rank = _size(self.etp_group), _rank(self.etp_group)
         self.tp_ep_size = _size(self.tp_ep_group)

@@ -17,6 +17,7 @@ class LanguageModelEmbedding(MegatronModule):
         self.vocab_size, self.max_sequence_length = vocab_size, max_sequence_length
         self.add_position_embedding = position_embedding_type == "learned_absolute"
         self.scatter_to_sequence_parallel = scatter_to_sequence_parallel
+        self.tp_group = tp_group  # None: parallel_state's TP group
         # Reduce-scatter straight out of the vocab-parallel lookup only without position embeddings
         # (as Megatron): otherwise the replicated position table would need a split without gather.
         self.reduce_scatter_embeddings = (not self.add_position_embedding and not num_tokentypes
@@ -63,6 +64,6 @@ class LanguageModelEmbedding(MegatronModule):
         if not self.config.sequence_parallel:
             return self.embedding_dropout(emb)
         if not self.reduce_scatter_embeddings and self.scatter_to_sequence_parallel:
-            emb = tensor_parallel.scatter_to_sequence_parallel_region(emb)  # [s/tp, b, h]
+            emb = tensor_parallel.scatter_to_sequence_parallel_region(emb, group=self.tp_group)  # [s/tp, b, h]
         with get_cuda_rng_tracker().fork():
             return self.embedding_dropout(emb)

@@ -47,14 +47,15 @@ class RotaryEmbedding(torch.nn.Module):
         return emb[:, None, None, :]  # [s, 1, 1, d]
 
     def get_rotary_seq_len(self, inference_context, transformer, transformer_input, transformer_config,
-                           packed_seq_params=None) -> int:
-        """Full sequence length seen by attention (undoing the SP and CP splits of the block input)."""
+                           packed_seq_params=None, tp_size: Optional[int] = None) -> int:
+        """Full sequence length seen by attention (undoing the SP and CP splits of the block input).
+        ``tp_size``: the SP split of a model on explicit groups (parallel_state's TP size when None)."""
         if transformer is not None and transformer.input_tensor is not None:
             seq_len = transformer.input_tensor.size(0)
         else:
             seq_len = transformer_input.size(0)
         if transformer_config.sequence_parallel:
-            seq_len *= parallel_state.get_tensor_model_parallel_world_size()
+            seq_len *= parallel_state.get_tensor_model_parallel_world_size() if tp_size is None else tp_size
         return seq_len * transformer_config.context_parallel_size  # CP ranks hold 1/CP of the sequence
 
 

@@ -2,26 +2,33 @@
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.process_groups_config import check_collection_sizes
 from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.core.transformer.initialize import initialize_parameters
 from megatron.core.transformer.module import MegatronModule
 
 
 def build_output_layer(config, vocab_size: int, bias: bool, parallel_output: bool, pre_process: bool,
-                       share_embeddings_and_output_weights: bool) -> tensor_parallel.ColumnParallelLinear:
+                       share_embeddings_and_output_weights: bool,
+                       tp_group=None) -> tensor_parallel.ColumnParallelLinear:
     """Column-parallel vocab projection [s, b, h] -> [s, b, V/tp]; with tied weights on the first
     stage it allocates no weight and takes the embedding's at forward time."""
     return tensor_parallel.ColumnParallelLinear(
         config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=bias,
         skip_bias_add=False, gather_output=not parallel_output,
-        skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights)
+        skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights, tp_group=tp_group)
 
 
 class LanguageModule(MegatronModule):
+    """``pg_collection``: the explicit process groups a subclass threads through its modules (its ``tp``
+    group also splits the loss's vocabulary); parallel_state's groups when None."""
+
     def __init__(self, config, pg_collection=None):
         super().__init__(config)
-        from megatron.core.process_groups_config import require_default_process_groups
-        require_default_process_groups(pg_collection, type(self).__name__)
+        self.pg_collection = pg_collection
+        check_collection_sizes(pg_collection, config, type(self).__name__)
+        # None: the losses use parallel_state's TP group (the default model, unchanged).
+        self.loss_tp_group = None if pg_collection is None else pg_collection.tp
 
     def finalize_parameters(self) -> None:
         """Last step of a subclass __init__: TP defaults and the DP all-reduce flag on every parameter,
@@ -33,7 +40,7 @@ class LanguageModule(MegatronModule):
         if self.pre_process or self.post_process:
             self.setup_embeddings_and_output_layer()
         if self.config.perform_initialization:
-            initialize_parameters(self)
+            initialize_parameters(self, pg_collection=self.pg_collection)
 
     @staticmethod
     def default_position_ids(token_ids: torch.Tensor) -> torch.Tensor:
@@ -58,11 +65,11 @@ class LanguageModule(MegatronModule):
         labels = labels.transpose(0, 1).contiguous()  # [s, b]
         if getattr(self.config, "cross_entropy_loss_fusion", False) or self._fused_loss_is_same(logits):
             from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
-            loss = fused_vocab_parallel_cross_entropy(logits, labels)  # [s, b], no fp32 copy of logits
+            loss = fused_vocab_parallel_cross_entropy(logits, labels, self.loss_tp_group)  # [s, b], no fp32 logits
             return loss.transpose(0, 1).contiguous()  # [b, s]
         if not self.fp16_lm_cross_entropy:
             logits = logits.float()
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)  # [s, b]
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels, tp_group=self.loss_tp_group)  # [s, b]
         return loss.transpose(0, 1).contiguous()  # [b, s]
 
     def _fused_loss_is_same(self, logits: torch.Tensor) -> bool:
