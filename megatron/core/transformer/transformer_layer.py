@@ -7,6 +7,7 @@ import torch
 
 from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+from megatron.core.transformer.layer_offsets import get_transformer_layer_offset
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.spec_protocols import MlpBuilder, MlpInterface  # noqa: F401  (typing Protocols)
@@ -65,7 +66,6 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         self.submodules_config = submodules
         self.is_mtp_layer = is_mtp_layer
         if add_layer_offset and not is_mtp_layer:
-            from megatron.core.transformer.transformer_block import get_transformer_layer_offset
             layer_number = layer_number + get_transformer_layer_offset(config, vp_stage)
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
@@ -145,7 +145,3 @@ class MoETransformerLayer(TransformerLayer):
         self.is_moe_layer = True
         self.use_partial_cudagraphs = False
         super().__init__(*args, **kwargs)
-
-
-# Megatron's path for the layer-offset helper (it lives with the block that uses it).
-from megatron.core.transformer.transformer_block import get_transformer_layer_offset  # noqa: E402,F401
