@@ -50,9 +50,9 @@ def test_attention_backends_agree(backend):
 
 
 def test_compiled_layer_matches_eager():
-    from megatron.core.fusions.compile import compile_transformer_layers
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_layer import compile_transformer_layers
     cfg = TransformerConfig(num_layers=2, hidden_size=256, num_attention_heads=4, hidden_dropout=0.0,
                             attention_dropout=0.0, params_dtype=torch.bfloat16, bf16=True)
     torch.manual_seed(0)

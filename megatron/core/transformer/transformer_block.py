@@ -3,7 +3,7 @@
 Which layers a stage builds (and their global numbers) is decided in ``layer_offsets.py``.
 """
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Union
 
 import torch
