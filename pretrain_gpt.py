@@ -40,7 +40,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
         mtp_block_spec=get_gpt_mtp_block_spec(config, layer_spec, vp_stage=vp_stage), vp_stage=vp_stage)
     if args.torch_compile:
-        from megatron.core.fusions.compile import compile_available, compile_transformer_layers
+        from megatron.core.fusions.compile import compile_available
+        from megatron.core.transformer.transformer_layer import compile_transformer_layers
         if compile_available():
             n = compile_transformer_layers(model)
             print_rank_0(f"> torch.compile: {n} transformer layers compiled (first iterations include compile)")

@@ -19,6 +19,8 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
 
 def is_graph_capturing() -> bool:
     """True while a CUDA graph is being captured on the current stream (host syncs are illegal)."""
@@ -87,7 +89,6 @@ class _CudaGraph:
         self.stream = torch.cuda.Stream()
 
     def capture(self, fn: Callable[[], Any]) -> Any:
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
         tracker = get_cuda_rng_tracker()
         tracker.set_graph_safe(True)  # keeps the states' values (training seeds it so from the start)
         for state in tracker.graph_safe_states():

@@ -7,16 +7,32 @@ axis: the dense one (tp, cp, dp, pp) and the expert one (expert-tp, ep, expert-d
 Without ``initialize_model_parallel`` (e.g. a single-process unit test) every size getter returns 1,
 every rank getter 0 and every group getter None, so models build and run unchanged on one process.
 """
-import sys
 from datetime import timedelta
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
 
-# name -> (group, global ranks of this rank's group); filled by initialize_model_parallel.
-_GROUPS: Dict[str, object] = {}
-_RANKS: Dict[str, List[int]] = {}
+from megatron.core.process_group_registry import GROUPS as _GROUPS  # this rank's groups by name
+from megatron.core.process_group_registry import RANKS as _RANKS  # ... and their global ranks
+from megatron.core.process_group_registry import (  # noqa: F401  (Megatron's names for the extra groups)
+    create_all_gather_groups,
+    create_group,
+    create_hierarchical_groups,
+    create_hybrid_dp_cp_groups,
+    get_hierarchical_context_parallel_groups,
+    get_hybrid_data_context_parallel_groups,
+    get_nccl_options,
+    update_pg_timeout,
+)
+from megatron.core.process_group_registry import build_extra_groups as _build_extra_groups
+from megatron.core.process_group_registry import clear as _clear_groups
+from megatron.core.process_group_registry import named_group as _group
+from megatron.core.process_group_registry import named_rank as _rank
+from megatron.core.process_group_registry import named_ranks as _ranks
+from megatron.core.process_group_registry import named_size as _size
+from megatron.core.utils import lazy_names
+
 _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK: Optional[int] = None
 _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE: Optional[int] = None
 # Test/override hooks, as in Megatron (set_tensor_model_parallel_world_size etc.).
@@ -184,9 +200,8 @@ def initialize_model_parallel(
     build("tp_ep", expert.get_ranks("tp-ep"))
     build("tp_ep_pp", expert.get_ranks("tp-ep-pp"))
     build("edp", expert.get_ranks("dp"), gloo_name="edp_gloo")
-    from megatron.core import _parallel_state_groups
-    _parallel_state_groups.build_grid_extras(dense, expert, hierarchical_context_parallel_sizes, hybrid_context_parallel,
-                             create_gloo_process_groups, timeout)
+    _build_extra_groups(dense, expert, hierarchical_context_parallel_sizes, hybrid_context_parallel,
+                        create_gloo_process_groups, timeout)
 
 
 def _default_embedding_ranks(pp_ranks: List[int]) -> List[int]:
@@ -201,36 +216,10 @@ def model_parallel_is_initialized() -> bool:
 def destroy_model_parallel() -> None:
     """Forget every group (the process groups themselves die with the default group)."""
     global _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK, _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
-    _GROUPS.clear()
-    _RANKS.clear()
+    _clear_groups()
     _OVERRIDES.clear()
-    extra_groups = sys.modules.get("megatron.core._parallel_state_groups")
-    if extra_groups is not None:
-        extra_groups._STATE.clear()
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = None
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = None
-
-
-# ---- generic helpers -------------------------------------------------------------------------------
-
-def _group(name: str):
-    return _GROUPS.get(name)
-
-
-def _size(name: str) -> int:
-    return len(_RANKS[name]) if name in _RANKS else 1
-
-
-def _rank(name: str) -> int:
-    if name not in _RANKS:
-        return 0
-    return _RANKS[name].index(torch.distributed.get_rank())
-
-
-def _ranks(name: str) -> List[int]:
-    if name in _RANKS:
-        return list(_RANKS[name])
-    return [torch.distributed.get_rank() if torch.distributed.is_initialized() else 0]
 
 
 # ---- tensor parallel -------------------------------------------------------------------------------
@@ -533,5 +522,18 @@ def get_expert_data_parallel_rank(with_gtp_remat: bool = True, partial_expert_da
     return _rank("edp")
 
 
-from megatron.core._parallel_state_extras import *  # noqa: E402,F401,F403  (less common getters)
-from megatron.core._parallel_state_groups import *  # noqa: E402,F401,F403  (extra CP / all-gather groups)
+# Megatron-only getters (fixed answers, rank helpers nothing here calls): megatron/core/_compat/parallel_state.py.
+_COMPAT = "megatron.core._compat.parallel_state"
+__getattr__ = lazy_names(__name__, {
+    "is_initialized": _COMPAT, "get_model_parallel_src_rank": _COMPAT,
+    "get_expert_model_parallel_src_rank": _COMPAT, "get_all_ranks": _COMPAT, "default_embedding_ranks": _COMPAT,
+    "default_position_embedding_ranks": _COMPAT, "get_tensor_and_context_parallel_rank": _COMPAT,
+    "get_expert_tensor_and_model_parallel_rank": _COMPAT, "get_global_memory_buffer": _COMPAT,
+    "destroy_global_memory_buffer": _COMPAT, "overwrite_nccl_comm_cfgs": _COMPAT,
+    "get_intra_distributed_optimizer_instance_group": _COMPAT,
+    "get_inter_distributed_optimizer_instance_group": _COMPAT, "get_gtp_weight_remat_group": _COMPAT,
+    "get_gtp_weight_remat_world_size": _COMPAT, "get_gtp_weight_remat_rank": _COMPAT,
+    "get_gtp_weight_remat_global_ranks": _COMPAT, "get_expert_gtp_weight_remat_group": _COMPAT,
+    "get_expert_gtp_weight_remat_world_size": _COMPAT, "get_expert_gtp_weight_remat_rank": _COMPAT,
+    "get_expert_gtp_weight_remat_global_ranks": _COMPAT,
+})

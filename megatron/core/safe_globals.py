@@ -15,16 +15,18 @@ from types import SimpleNamespace
 import numpy
 import torch
 
+from megatron.core.enums import ModelType
+from megatron.core.rerun_state_machine import RerunDiagnostic, RerunMode, RerunState
+from megatron.core.transformer.enums import AttnBackend, CudaGraphModule, CudaGraphScope, InferenceCudaGraphScope
+
+try:
+    from numpy._core.multiarray import _reconstruct
+except ImportError:  # numpy < 2
+    from numpy.core.multiarray import _reconstruct
+
 
 def _safe_globals():
-    from megatron.core.enums import ModelType
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.rerun_state_machine import RerunDiagnostic, RerunMode, RerunState
-    from megatron.core.transformer.enums import AttnBackend, CudaGraphModule, CudaGraphScope, InferenceCudaGraphScope
-    try:
-        from numpy._core.multiarray import _reconstruct
-    except ImportError:  # numpy < 2
-        from numpy.core.multiarray import _reconstruct
+    from megatron.core.optimizer import OptimizerConfig  # lazy: the optimizer package costs ~1.3 s of import
     return [SimpleNamespace, PosixPath, _reconstruct, numpy.ndarray, numpy.dtype, numpy.dtypes.UInt32DType,
             Namespace, AttnBackend, CudaGraphModule, CudaGraphScope, InferenceCudaGraphScope, ModelType,
             OptimizerConfig, RerunDiagnostic, RerunMode, RerunState, io.BytesIO, Signals, torch._C.Generator]

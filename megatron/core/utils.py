@@ -1,10 +1,14 @@
-"""Small helpers shared across megatron.core: devices, tensor utilities, model unwrapping."""
+"""Small helpers shared across megatron.core: devices, exact division, model unwrapping, viewless tensors.
+
+A leaf: it imports nothing from ``megatron``, so every module can use it. The Megatron-only names of
+this module (decorators, version probes, Megatron's batch helpers ...) live in ``megatron/core/_compat/
+utils.py`` and resolve through the alias table at the bottom, so ``from megatron.core.utils import X``
+keeps working for Megatron code.
+"""
 import importlib
-import operator
 import os
 import sys
-from functools import reduce
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -29,11 +33,6 @@ def lazy_names(host: str, table: dict):
     return __getattr__
 
 
-def get_current_device_type() -> str:
-    """'cuda' when a GPU is visible, else 'cpu'."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def get_device(local_rank: Optional[int] = None) -> torch.device:
     """``cuda:LOCAL_RANK`` when CUDA is available, else CPU."""
     if not torch.cuda.is_available():
@@ -50,13 +49,18 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-def ensure_divisibility(numerator: int, denominator: int) -> None:
-    if numerator % denominator != 0:
-        raise ValueError(f"{numerator} is not divisible by {denominator}")
+def get_pg_size(group=None) -> int:
+    """Size of `group` (1 without torch.distributed or group)."""
+    if not torch.distributed.is_initialized() or group is None:
+        return 1
+    return group.size()
 
 
-def prod(values) -> int:
-    return reduce(operator.mul, values, 1)
+def get_pg_rank(group=None) -> int:
+    """This process's rank in `group` (0 without torch.distributed or group)."""
+    if not torch.distributed.is_initialized() or group is None:
+        return 0
+    return group.rank()
 
 
 def get_attr_wrapped_model(model, attr: str, allow_none: bool = True, return_model_obj: bool = False):
@@ -129,108 +133,28 @@ def scaled_init_method_normal(sigma: float, num_layers: int, multiplier: float =
     return init_method_normal(std)
 
 
-def _version(dist_name: str, missing_ok: bool):
-    """Installed version of a distribution; 0.0.0 when absent and `missing_ok` (as Megatron for TE)."""
-    from importlib.metadata import PackageNotFoundError, version
-    from packaging.version import Version
-    try:
-        return Version(version(dist_name))
-    except PackageNotFoundError:
-        if missing_ok:
-            return Version("0.0.0")
-        raise ImportError(f"{dist_name} is not installed")
-
-
-def _at_least(current, wanted: str, check_equality: bool) -> bool:
-    from packaging.version import Version
-    return current >= Version(wanted) if check_equality else current > Version(wanted)
-
-
-def get_torch_version():
-    from packaging.version import Version
-    return Version(torch.__version__.split("+")[0])
-
-
-def is_torch_min_version(version, check_equality=True) -> bool:
-    return _at_least(get_torch_version(), version, check_equality)
-
-
-def get_te_version():
-    """Transformer Engine's version, 0.0.0 without it (no code path here needs it)."""
-    return _version("transformer-engine", missing_ok=True)
-
-
-def is_te_min_version(version, check_equality=True) -> bool:
-    return _at_least(get_te_version(), version, check_equality)
-
-
-def get_fa_version():
-    return _version("flash-attn", missing_ok=False)
-
-
-def is_fa_min_version(version, check_equality=True) -> bool:
-    return _at_least(get_fa_version(), version, check_equality)
-
-
-def print_rank_0(message: str) -> None:
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(message, flush=True)
-
-
-def log_single_rank(logger, *args, rank: int = 0, **kwargs) -> None:
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == rank:
-        logger.log(*args, **kwargs)
-
-
-def get_tensor_list(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-    return [t for t in tensors if t is not None]
-
-
-from megatron.core._utils_extras import *  # noqa: E402,F401,F403  (less common helpers)
-from megatron.core._utils_batch import *  # noqa: E402,F401,F403  (TP batch broadcast, packed-batch flattening)
-from megatron.core._utils_wgrad import *  # noqa: E402,F401,F403  (deferred embedding wgrad helpers)
-
-
-class StragglerDetector:
-    """Megatron's per-rank straggler timer, in its default disabled state.
-
-    Megatron's ``pretrain_gpt.py`` creates one at import (``stimer = StragglerDetector()``) and times
-    ``with stimer:`` / ``with stimer(bdata=True):`` blocks; until ``configure(..., enabled=True)`` (from
-    --log-straggler) those blocks time nothing there either. Enabling it is refused: the CUDA-event
-    timing reports are not implemented here.
-    """
-
-    def __init__(self):
-        self.enabled = False
-
-    def configure(self, world: int, rank: int, mmcnt: int = 1, amp: float = 3.0, port: int = 65535,
-                  prefill: int = 1024, enabled: bool = False) -> None:
-        if enabled:
-            raise NotImplementedError("StragglerDetector (--log-straggler) timing reports are not implemented")
-
-    def __call__(self, bdata: bool = False) -> "StragglerDetector":
-        return self
-
-    def __enter__(self) -> "StragglerDetector":
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        return False
-
-    def report(self, total_flops: float = 0.0, log_interval: int = 0) -> bool:
-        """False: nothing was reported (the detector is disabled), as Megatron returns when disabled."""
-        return False
-
-
-def get_batch_on_this_cp_rank(batch, is_hybrid_cp: bool = False, cp_group=None, hybrid_cp_group_func=None,
-                              use_per_sequence_balancing: bool = False):
-    """Megatron's signature for megatron.core.context_parallel.get_batch_on_this_cp_rank: this CP rank's
-    load-balanced chunks of every [b, s] tensor of ``batch`` (over ``cp_group``, default the CP group)."""
-    if is_hybrid_cp or hybrid_cp_group_func is not None or use_per_sequence_balancing:
-        raise NotImplementedError("get_batch_on_this_cp_rank: hybrid CP and per-sequence balancing are not "
-                                  "supported; leave is_hybrid_cp / hybrid_cp_group_func / "
-                                  "use_per_sequence_balancing at their defaults")
-    from megatron.core.context_parallel.utils import get_batch_on_this_cp_rank as _on_cp_rank
-    if cp_group is None:
-        return _on_cp_rank(batch)
-    return _on_cp_rank(batch, torch.distributed.get_world_size(cp_group), torch.distributed.get_rank(cp_group))
+_COMPAT = "megatron.core._compat.utils"
+__getattr__ = lazy_names(__name__, {
+    "ExperimentalNotEnabledError": _COMPAT, "GlobalMemoryBuffer": _COMPAT, "StragglerDetector": _COMPAT,
+    "WrappedTensor": _COMPAT, "accepts_parameter": _COMPAT, "assert_viewless_tensor": _COMPAT,
+    "check_param_hashes_across_dp_replicas": _COMPAT, "configure_nvtx_profiling": _COMPAT,
+    "deprecate_args": _COMPAT, "deprecate_inference_params": _COMPAT, "deprecated": _COMPAT,
+    "drain_embedding_wgrad_compute": _COMPAT, "ensure_divisibility": _COMPAT, "experimental_api": _COMPAT,
+    "experimental_cls": _COMPAT, "experimental_fn": _COMPAT, "flatten_batch_for_packed_sequences": _COMPAT,
+    "get_asyncio_loop": _COMPAT, "get_batch_on_this_cp_rank": _COMPAT, "get_batch_on_this_tp_rank": _COMPAT,
+    "get_causal_conv1d_version": _COMPAT, "get_current_device_type": _COMPAT,
+    "get_data_parallel_group_if_dtensor": _COMPAT, "get_fa_version": _COMPAT, "get_flashinfer_version": _COMPAT,
+    "get_full_tensor_if_necessary": _COMPAT, "get_mamba_version": _COMPAT, "get_model_type": _COMPAT,
+    "get_model_xattn": _COMPAT, "get_pg_src_rank": _COMPAT, "get_te_version": _COMPAT, "get_tensor_list": _COMPAT,
+    "get_tensor_model_parallel_group_if_none": _COMPAT, "get_torch_version": _COMPAT, "internal_api": _COMPAT,
+    "is_causal_conv1d_min_version": _COMPAT, "is_fa_min_version": _COMPAT, "is_flashinfer_min_version": _COMPAT,
+    "is_mamba_min_version": _COMPAT, "is_submodule": _COMPAT, "is_te_min_version": _COMPAT,
+    "is_torch_min_version": _COMPAT, "is_using_quantization_scales": _COMPAT, "local_multi_tensor_applier": _COMPAT,
+    "local_multi_tensor_l2_norm": _COMPAT, "local_multi_tensor_scale": _COMPAT,
+    "log_on_each_pipeline_stage": _COMPAT, "log_single_rank": _COMPAT,
+    "make_sharded_tensor_for_checkpoint": _COMPAT, "make_tp_sharded_tensor_for_checkpoint": _COMPAT,
+    "mup_scaled_init_method_normal": _COMPAT, "null_decorator": _COMPAT, "nvtx_decorator": _COMPAT,
+    "nvtx_range_pop": _COMPAT, "nvtx_range_push": _COMPAT, "prepare_input_tensors_for_wgrad_compute": _COMPAT,
+    "print_rank_0": _COMPAT, "prod": _COMPAT, "round_up_to_nearest_multiple": _COMPAT,
+    "safely_set_viewless_tensor_data": _COMPAT, "to_local_if_dtensor": _COMPAT, "trace_async_exceptions": _COMPAT,
+})

@@ -26,7 +26,7 @@ def test_compiled_cross_entropy_matches_eager():
 
 
 def test_weight_grad_accumulation_bf16_matches_fp64():
-    from megatron.core.tensor_parallel.layers import _accumulate_weight_grad
+    from megatron.core.tensor_parallel.weight_grad import _accumulate_weight_grad
     g = torch.randn(4096, 512, device="cuda").bfloat16()
     x = torch.randn(4096, 256, device="cuda").bfloat16()
     main = torch.randn(512, 256, device="cuda")
@@ -50,9 +50,9 @@ def test_attention_backends_agree(backend):
 
 
 def test_compiled_layer_matches_eager():
-    from megatron.core.fusions.compile import compile_transformer_layers
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_layer import compile_transformer_layers
     cfg = TransformerConfig(num_layers=2, hidden_size=256, num_attention_heads=4, hidden_dropout=0.0,
                             attention_dropout=0.0, params_dtype=torch.bfloat16, bf16=True)
     torch.manual_seed(0)
@@ -145,13 +145,13 @@ def test_triton_adamw_matches_torch_fused_adamw():
 
 
 def test_weight_grad_accumulation_uses_addmm_epilogue():
-    from megatron.core.tensor_parallel import layers
+    from megatron.core.tensor_parallel import weight_grad
     g = torch.randn(1024, 256, device="cuda").bfloat16()
     x = torch.randn(1024, 128, device="cuda").bfloat16()
     main = torch.randn(256, 128, device="cuda")
     ref = main.double() + g.double().t() @ x.double()
-    layers._accumulate_weight_grad(main, g, x)
-    assert layers._ADDMM_OUT_DTYPE, "torch.addmm(out_dtype=float32, out=main_grad) is unavailable here"
+    weight_grad._accumulate_weight_grad(main, g, x)
+    assert weight_grad._ADDMM_OUT_DTYPE, "torch.addmm(out_dtype=float32, out=main_grad) is unavailable here"
     assert _rel(main, ref) < 1e-5
 
 

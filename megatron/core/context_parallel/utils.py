@@ -7,6 +7,8 @@ from typing import Dict, Optional
 
 import torch
 
+from megatron.core import parallel_state
+
 CP_COMM_TYPES = ("p2p", "allgather", "a2a")  # --cp-comm-type values (Megatron's names)
 
 
@@ -36,7 +38,6 @@ def get_batch_on_this_cp_rank(batch: Dict[str, torch.Tensor], cp_size: Optional[
     """Keep this CP rank's two chunks of every [b, s] tensor (sequence dim 1; dim 2 of a [b, 1, s, s]
     attention mask). Document boundaries (``cu_seqlens*``, ``max_seqlen``) stay global: attention needs them
     to mask keys that live on other ranks."""
-    from megatron.core import parallel_state
     if cp_size is None:
         cp_size = parallel_state.get_context_parallel_world_size()
         cp_rank = parallel_state.get_context_parallel_rank()
@@ -104,7 +105,6 @@ def local_rotary_pos_emb(freqs: torch.Tensor, cp_size: int, packed_seq_params=No
         pos = document_layout(packed_seq_params, batch, seq_len).pos_in_doc  # [b, S]
         freqs = freqs[:, 0, 0][pos.t()][:, :, None, :]  # [S, b, 1, d]
     if cp_size > 1:
-        from megatron.core import parallel_state
         cp_rank = parallel_state.get_context_parallel_rank() if cp_rank is None else cp_rank
         idx = cp_local_indices(seq_len, cp_size, cp_rank, freqs.device)
         freqs = freqs.index_select(0, idx)

@@ -11,8 +11,8 @@ dim a multiple of 16; callers check ``fp8_supported_shape`` and keep a 16-bit GE
 import torch
 
 from megatron.core.fusions.compile import maybe_compile
-from megatron.core.tensor_parallel.layers import main_grad_placeholder
 from megatron.core.tensor_parallel.mappings import _gather_along_first_dim, _reduce_scatter_along_first_dim
+from megatron.core.tensor_parallel.weight_grad import main_grad_placeholder
 
 FP8_RECIPES = ("tensorwise",)
 _FORMATS = ("e4m3", "hybrid")

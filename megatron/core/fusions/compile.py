@@ -1,9 +1,11 @@
-"""torch.compile helpers: compile each transformer layer (one graph reused by every layer) and small
-element-wise functions, only where a GPU compiler backend is available."""
+"""torch.compile helpers for small element-wise functions, only where a GPU compiler backend is available
+(``transformer_layer.compile_transformer_layers`` compiles whole layers with the same settings)."""
 import functools
 import os
 
 import torch
+
+from megatron.core.utils import lazy_names
 
 
 def compile_available() -> bool:
@@ -13,7 +15,7 @@ def compile_available() -> bool:
     if not torch.cuda.is_available():
         return False
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401  # lazy: optional dependency, probed only on CUDA
     except ImportError:
         return False
     return True
@@ -49,21 +51,5 @@ def _raise_recompile_limit(limit: int = 64) -> None:
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
 
 
-def compile_transformer_layers(model: torch.nn.Module, backend: str = "inductor", mode=None) -> int:
-    """Compile every TransformerLayer of ``model`` in place; returns how many were compiled.
-
-    Layers share code and (with nn-module inlining, torch's default) take params as graph inputs, so
-    dynamo traces once and every layer reuses the graph; the rest of the model stays eager, which keeps
-    the pipeline/DDP hooks and the loss outside the compiled region. A graph break inside a layer
-    (e.g. selective recompute's checkpoint) only splits the graph, it does not change results.
-    """
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    # Many identical layers: raise the recompile budget so a few shape/guard variants never fall back.
-    _raise_recompile_limit()
-    count = 0
-    for module in model.modules():
-        if isinstance(module, TransformerLayer):
-            module.compile(backend=backend, mode=mode, dynamic=False)
-            count += 1
-    return count
+# compile_transformer_layers lives with TransformerLayer now; this old path still resolves to it.
+__getattr__ = lazy_names(__name__, {"compile_transformer_layers": "megatron.core.transformer.transformer_layer"})

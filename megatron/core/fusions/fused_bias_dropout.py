@@ -6,7 +6,13 @@ from typing import Optional, Tuple
 
 import torch
 
-from megatron.core.transformer.transformer_layer import _bias_dropout_add
+
+def _bias_dropout_add(x_with_bias, residual, prob: float, training: bool):
+    """residual + dropout(x + bias)."""
+    x, bias = x_with_bias
+    if bias is not None:
+        x = x + bias
+    return residual + torch.nn.functional.dropout(x, p=prob, training=training)
 
 
 def bias_dropout_add_unfused(training):

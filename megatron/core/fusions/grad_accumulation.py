@@ -13,7 +13,7 @@ _MIN_NUMEL = 1 << 16  # below this a launch costs more than the bandwidth saves
 
 
 def _load():
-    from megatron.core.fusions._triton_grad_accumulation import accumulate
+    from megatron.core.fusions._triton_grad_accumulation import accumulate  # lazy: optional dependency (Triton)
     return accumulate
 
 

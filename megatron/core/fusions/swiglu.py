@@ -15,7 +15,7 @@ from megatron.core.fusions.triton_loader import triton_loader
 
 
 def _load():
-    from megatron.core.fusions import _triton_swiglu
+    from megatron.core.fusions import _triton_swiglu  # lazy: optional dependency (Triton), absent on CPU builds
     return _triton_swiglu
 
 

@@ -148,10 +148,10 @@ def clear_embedding_activation_buffer(config, model, is_last_stage):
 
 def finish_embedding_wgrad_compute(config, embedding_module, is_last_stage, tp_group):
     """With config.defer_embedding_wgrad_compute on the last stage: run the buffered output-layer weight
-    gradient GEMMs (megatron.core.utils.drain_embedding_wgrad_compute)."""
+    gradient GEMMs (megatron.core.tensor_parallel.weight_grad.drain_embedding_wgrad_compute)."""
     if not (is_last_stage and getattr(config, "defer_embedding_wgrad_compute", False)):
         return
-    from megatron.core.utils import drain_embedding_wgrad_compute
+    from megatron.core.tensor_parallel.weight_grad import drain_embedding_wgrad_compute
     weight = embedding_module.shared_embedding_or_output_weight() \
         if embedding_module.share_embeddings_and_output_weights else embedding_module.output_layer.weight
     drain_embedding_wgrad_compute(config, embedding_module.embedding_activation_buffer,

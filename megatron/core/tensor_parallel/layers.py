@@ -11,6 +11,7 @@ from megatron.core.tensor_parallel.mappings import (
     _gather_along_first_dim,
     _reduce_scatter_along_first_dim,
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -18,6 +19,11 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 from megatron.core.tensor_parallel.utils import VocabUtility
+from megatron.core.tensor_parallel.weight_grad import (  # noqa: F401  (_accumulate_weight_grad: its old home)
+    _accumulate_weight_grad,
+    main_grad_placeholder,
+    weight_grad,
+)
 from megatron.core.utils import divide, get_device
 
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
@@ -89,43 +95,6 @@ def _make_param(shape, config, init_fn, is_expert=False) -> torch.nn.Parameter:
     return p
 
 
-def _accumulate_weight_grad(main_grad, g2d, x2d):
-    """main_grad += g^T x. With 16-bit operands on CUDA the GEMM runs on tensor cores with an fp32
-    output (as Megatron's fused wgrad kernel); upcasting the operands first would put it on the fp32
-    SIMT path, several times slower than everything else in the step."""
-    global _ADDMM_OUT_DTYPE
-    if g2d.is_cuda and g2d.dtype in (torch.bfloat16, torch.float16) and main_grad.dtype == torch.float32:
-        if _ADDMM_OUT_DTYPE and not torch.compiler.is_compiling():  # dynamo has no meta for it
-            try:
-                # The GEMM epilogue adds into main_grad (beta = 1): no fp32 temporary to write and re-read.
-                torch.addmm(main_grad, g2d.t(), x2d, out_dtype=torch.float32, out=main_grad)
-                return
-            except torch.OutOfMemoryError:
-                raise
-            except (TypeError, RuntimeError, NotImplementedError):
-                _ADDMM_OUT_DTYPE = False  # older torch: fp32-output GEMM, then a separate add
-        try:
-            main_grad.add_(torch.mm(g2d.t(), x2d, out_dtype=torch.float32))
-            return
-        except TypeError:  # torch without mm(out_dtype=): 16-bit GEMM, then accumulate in fp32
-            main_grad.add_(g2d.t() @ x2d)
-            return
-    main_grad.add_(g2d.t().to(main_grad.dtype) @ x2d.to(main_grad.dtype))
-
-
-_ADDMM_OUT_DTYPE = True  # set False once if this torch has no addmm(out_dtype=, out=) on CUDA
-
-
-def main_grad_placeholder(weight):
-    """The gradient autograd sees for a DDP weight whose gradient already went into ``main_grad``:
-    DDP's per-param hook must still fire, and it skips this tensor, so it needs no memset, unless
-    the param also gets a real .grad elsewhere (tied embedding, `zero_out_wgrad`) that autograd adds
-    it to."""
-    weight.grad_added_to_main_grad = True
-    make = torch.zeros_like if getattr(weight, "zero_out_wgrad", False) else torch.empty_like
-    return make(weight)
-
-
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """Y = X W^T + b. With ``gradient_accumulation_fusion`` the weight gradient is added straight into
     ``weight.main_grad`` (the DDP buffer) instead of ``weight.grad``."""
@@ -156,14 +125,6 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         return grad_input, weight_grad(weight, ctx.fusion, g2d, x2d), grad_bias, None, None, None
 
 
-def weight_grad(weight, fusion, g2d, x2d):
-    """dL/dW = g^T x, or with ``fusion`` added into ``weight.main_grad`` (returning DDP's placeholder)."""
-    if fusion and hasattr(weight, "main_grad"):
-        _accumulate_weight_grad(weight.main_grad, g2d, x2d)
-        return main_grad_placeholder(weight) if hasattr(weight, "grad_added_to_main_grad") else None
-    return g2d.t() @ x2d
-
-
 def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradient_accumulation_fusion=False,
                                                       allreduce_dgrad=False, sequence_parallel=False,
                                                       grad_output_buffer=None, wgrad_deferral_limit=0,
@@ -175,7 +136,6 @@ def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradi
         raise NotImplementedError("deferred embedding wgrad (grad_output_buffer) and gtp_remat_size > 1 are "
                                   "not supported; leave them at None / 1")
     if allreduce_dgrad and not sequence_parallel:
-        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
         input = copy_to_tensor_model_parallel_region(input, tp_group)  # backward: all-reduce dL/dX
     return LinearWithGradAccumulationAndAsyncCommunication.apply(
         input, weight, bias, gradient_accumulation_fusion, sequence_parallel, tp_group)
@@ -212,7 +172,6 @@ def linear_with_frozen_weight(input, weight, bias, gradient_accumulation_fusion,
                                   "gtp_remat_size belong to the trainable path; leave them at None / None / 1")
     tp_group = parallel_state.get_tensor_model_parallel_group() if tp_group is None else tp_group
     if sequence_parallel:
-        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
         input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
     return LinearWithFrozenWeight.apply(input, weight, bias, allreduce_dgrad, tp_group)
 
@@ -233,7 +192,7 @@ def _fp8_format_for(config, in_features, out_features, tp_comm_buffer_name):
     fmt = getattr(config, "fp8", None)
     if not fmt or tp_comm_buffer_name is None:
         return None
-    from megatron.core.fp8 import fp8_supported_shape
+    from megatron.core.fp8 import fp8_supported_shape  # lazy: loads fp8_linear, torch._dynamo import ~1 s
     if not fp8_supported_shape(in_features, out_features):
         _fp8_fallback_once(f"layer '{tp_comm_buffer_name}' weight [{out_features}, {in_features}] has a dim "
                            "that is not a multiple of 16")
@@ -245,7 +204,7 @@ def _linear_maybe_fp8(fmt, config, x, weight, bias, sequence_parallel=False, tp_
     """The layer's GEMM: FP8 when ``fmt`` is set and the token count allows it, else 16-bit."""
     fusion = config.gradient_accumulation_fusion
     if fmt is not None:
-        from megatron.core.fp8 import fp8_linear
+        from megatron.core.fp8 import fp8_linear  # lazy: torch._dynamo import, ~1 s, only under --fp8-format
         out = fp8_linear(x, weight, bias, fusion, sequence_parallel, tp_group, fmt, config.fp8_margin)
         if out is not None:
             return out
@@ -320,8 +279,9 @@ class ColumnParallelLinear(torch.nn.Module):
             x = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
         bias = None if self.skip_bias_add else self.bias
         if self.tp_comm_overlap:
-            # Imported on use: its @torch.compiler.disable pulls in torch._dynamo (~1.5 s per process start).
-            from megatron.core.tensor_parallel.overlap import column_parallel_linear_with_overlap
+            # Its @torch.compiler.disable pulls in torch._dynamo: ~1.2 s of every process start (measured).
+            from megatron.core.tensor_parallel.overlap import (  # lazy: torch._dynamo import, ~1.2 s
+                column_parallel_linear_with_overlap)
             c = self.config
             out = column_parallel_linear_with_overlap(x, weight, bias, c.gradient_accumulation_fusion, self.tp_group,
                                                       c.tp_comm_overlap_ag, c.tp_comm_bulk_dgrad,
@@ -375,7 +335,8 @@ class RowParallelLinear(torch.nn.Module):
     def forward(self, input_: torch.Tensor):
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_, self.tp_group)
         if self.tp_comm_overlap:
-            from megatron.core.tensor_parallel.overlap import row_parallel_linear_with_overlap
+            from megatron.core.tensor_parallel.overlap import (  # lazy: torch._dynamo import, ~1.2 s
+                row_parallel_linear_with_overlap)
             c = self.config
             out = row_parallel_linear_with_overlap(x, self.weight, c.gradient_accumulation_fusion, self.tp_group,
                                                    c.tp_comm_overlap_rs, c.tp_comm_overlap_ag)  # [s/tp, b, h]

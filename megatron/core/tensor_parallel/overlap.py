@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.tensor_parallel.mappings import _all_gather_single, _reduce_scatter_single
+from megatron.core.tensor_parallel.weight_grad import weight_grad
 
 
 def _ring(group):
@@ -97,7 +98,6 @@ def _reduce_scatter(x, group, async_op):
 
 
 def _weight_grad(weight, fusion, g, x):
-    from megatron.core.tensor_parallel.layers import weight_grad
     return weight_grad(weight, fusion, g.reshape(-1, g.size(-1)), x.reshape(-1, x.size(-1)))
 
 

@@ -3,6 +3,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.utils import divide
 
 
@@ -15,7 +16,6 @@ def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
 
 
 def _tp_group_if_none(tp_group):
-    from megatron.core import parallel_state
     return tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group(
         check_initialized=False)
 

@@ -4,8 +4,10 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron.core import parallel_state
+from megatron.core.context_parallel.kernels import _dropout_words
 from megatron.core.process_groups_config import get_pg, get_pg_size
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.enums import AttnMaskType
@@ -34,7 +36,6 @@ _CUDNN_GQA = {"ok": None}  # None: not tried yet; False: this torch/cuDNN refuse
 def _cudnn_gqa_applies(q, v, backends) -> bool:
     """GQA attention straight through cuDNN (Hopper+, 16-bit, head dim <= 128, cuDNN first in the allowed
     backends, so never under deterministic mode), outside torch.compile (which traces SDPA itself)."""
-    from torch.nn.attention import SDPBackend
     return (q.is_cuda and _CUDNN_GQA["ok"] is not False and q.dtype in (torch.bfloat16, torch.float16)
             and q.size(-1) <= 128 and v.size(-1) == q.size(-1) and backends
             and backends[0] == SDPBackend.CUDNN_ATTENTION and not torch.compiler.is_compiling()
@@ -61,7 +62,6 @@ class _CudnnGQAAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout.stride() != out.stride():  # the kernel reads dO in O's layout
             dout = torch.empty_like(out).copy_(dout)
-        from megatron.core.context_parallel.kernels import _dropout_words
         seed, offset = _dropout_words(q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             dout, q, k, v, out, lse, seed, offset, None, None, None, q.size(2), k.size(2), 0.0, ctx.causal,
@@ -84,21 +84,18 @@ def _cudnn_gqa_attention(q, k, v, causal: bool, scale):
 
 def sdpa_backends(attention_backend: str, deterministic: bool = False):
     """The ``torch.nn.attention.SDPBackend`` list for a Megatron ``--attention-backend`` value."""
-    from torch.nn.attention import SDPBackend
     names = [n for n in _SDPA_BACKENDS[str(attention_backend)] if not (deterministic and n in _NONDETERMINISTIC)]
     return [getattr(SDPBackend, name) for name in names or ("MATH",)]
 
 
 def masked_sdpa_backends(deterministic: bool):
     """Kernels for an explicit mask: torch's choice, or the deterministic ones in deterministic mode."""
-    from torch.nn.attention import SDPBackend
     return [getattr(SDPBackend, name) for name in _MASKED_DETERMINISTIC] if deterministic else None
 
 
 def _sdpa_context(backends, device):
     if device.type != "cuda" or backends is None:
         return nullcontext()
-    from torch.nn.attention import sdpa_kernel
     return sdpa_kernel(backends, set_priority=True)
 
 
@@ -166,7 +163,8 @@ class DotProductAttention(MegatronModule):
         # [s, b, n, hn] -> [b, n, s, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
-        if (k.size(1) != q.size(1) and q.size(2) == k.size(2) and attention_mask is None and dropout_p == 0.0 and self.window_size is None
+        if (k.size(1) != q.size(1) and q.size(2) == k.size(2) and attention_mask is None and dropout_p == 0.0
+                and self.window_size is None
                 and mask_type in (AttnMaskType.causal, AttnMaskType.no_mask, AttnMaskType.padding_causal)
                 and _cudnn_gqa_applies(q, v, self.sdpa_backends)):
             ctx = _cudnn_gqa_attention(q, k, v, mask_type is not AttnMaskType.no_mask, self.softmax_scale)
@@ -211,8 +209,8 @@ class DotProductAttention(MegatronModule):
             raise NotImplementedError("attention dropout is not supported with context parallelism or packed "
                                       "sequences; pass --attention-dropout 0")
         sq, b, np_, hn = query.shape
-        # Imported here: its @torch.compiler.disable pulls in torch._dynamo (~1.5 s per process start).
-        from megatron.core.context_parallel.attention import long_context_attention
+        # Imported here: its @torch.compiler.disable pulls in torch._dynamo (~1.3 s per process start).
+        from megatron.core.context_parallel.attention import long_context_attention  # lazy: torch._dynamo, ~1.3 s
         ctx = long_context_attention(query, key, value, self.softmax_scale, cp_group, self.cp_comm_type,
                                      packed_seq_params)  # [s, b, np, hn]
         return ctx.reshape(sq, b, np_ * hn)

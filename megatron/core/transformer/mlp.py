@@ -94,7 +94,8 @@ def apply_swiglu_sharded_factory(original_sh_ten, sharded_offsets, singleton_loc
     [gate_tp; up_tp] at its place in [gate; up]. (This application's own MLP keeps its fc1 as one
     [2, ffn, hidden] tensor, the stride-2 view; use this for modules that want Megatron's layout.)
     """
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    # lazy: dist_checkpointing pulls in torch.distributed.checkpoint, ~0.9 s that a model import never needs
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory  # lazy: see above
     axis = len(sharded_offsets)  # axis 0 of the local tensor, after the prepended axes
     local_axis_size = original_sh_ten.local_shape[0]
     if original_sh_ten.global_offset[axis] % local_axis_size:

@@ -24,7 +24,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.mtp_logging import MTPLossLoggingHelper  # noqa: F401  (Megatron's import path)
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module, process_group_kwargs
-from megatron.core.utils import make_viewless_tensor
+from megatron.core.utils import get_pg_rank, make_viewless_tensor
 
 
 def roll_tensor(tensor: torch.Tensor, shifts: int = -1, dims: int = -1, cp_group=None, packed_seq_params=None):
@@ -91,7 +91,7 @@ def get_mtp_num_layers_to_build(config, vp_stage: Optional[int] = None, pp_rank:
 def _tie_replica(sharded_state_dict, weight, key, tp_group, dp_cp_group):
     """Replace ``key`` by a TP-sharded tensor marked as a second copy (replica_id (1, 0, dp rank)): the
     checkpoint keeps the embedding / output-layer copy of the stage that owns it."""
-    from megatron.core.utils import get_pg_rank, make_tp_sharded_tensor_for_checkpoint
+    from megatron.core.transformer.sharded_state import make_tp_sharded_tensor_for_checkpoint
     if key not in sharded_state_dict:
         raise KeyError(f"{key} is not in the sharded state dict")
     sharded_state_dict[key] = make_tp_sharded_tensor_for_checkpoint(

@@ -9,6 +9,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.transformer.initialize import global_param_names, tp_rank_and_size
+from megatron.core.utils import get_pg_rank, get_pg_size
 
 
 # Tensors with a vocab dimension: the padded vocab is a multiple of make_vocab_size_divisible_by x TP, so its
@@ -62,3 +63,26 @@ def build_sharded_state_dict(model: torch.nn.Module, prefix: str = ""):
             pp_replica = 1  # a copy of the first stage's embedding: never written from here
         out[prefix + local] = _sharded_tensor(prefix + names[local], tensor, pp_replica, dp_rank)
     return out
+
+
+def checkpoint_groups(kwargs):
+    """Pop ``tp_group`` and ``dp_cp_group`` from ``kwargs``; both default to parallel_state's groups when
+    neither is given (Megatron's sharded-tensor helpers take them as keyword arguments)."""
+    tp_group, dp_cp_group = kwargs.pop("tp_group", None), kwargs.pop("dp_cp_group", None)
+    if tp_group is None and dp_cp_group is None:
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return tp_group, dp_cp_group
+
+
+def make_tp_sharded_tensor_for_checkpoint(tensor, key, tp_axis=0, replica_id=None, prepend_offsets=(),
+                                          **kwargs):
+    """ShardedTensor of a tensor split along `tp_axis` over TP and replicated over DP."""
+    tp_group, dp_cp_group = checkpoint_groups(kwargs)
+    axis = tp_axis + len(prepend_offsets)
+    if replica_id is None:
+        replica_id = (0, 0, get_pg_rank(dp_cp_group))
+    return ShardedTensor.from_rank_offsets(key, tensor, *prepend_offsets,
+                                           (axis, get_pg_rank(tp_group), get_pg_size(tp_group)),
+                                           replica_id=replica_id, prepend_axis_num=len(prepend_offsets),
+                                           **kwargs)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.transformer.spec_protocols import LayerNormBuilder, LayerNormInterface  # noqa: F401  (typing)
+from megatron.core.utils import get_device
 
 
 class _Norm(torch.nn.Module):
@@ -16,8 +17,6 @@ class _Norm(torch.nn.Module):
         self.config, self.eps = config, eps
         self.zero_centered_gamma = config.layernorm_zero_centered_gamma
         dev = torch.device("cpu") if config.use_cpu_initialization else None
-        from megatron.core.utils import get_device
-
         dev = dev or get_device()
         gamma_init = torch.nn.init.zeros_ if self.zero_centered_gamma else torch.nn.init.ones_
         self.weight = torch.nn.Parameter(gamma_init(torch.empty(hidden_size, dtype=config.params_dtype, device=dev)))

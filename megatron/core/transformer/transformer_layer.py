@@ -5,19 +5,14 @@ from typing import Optional, Union
 
 import torch
 
+from megatron.core.fusions.compile import _raise_recompile_limit
+from megatron.core.fusions.fused_bias_dropout import _bias_dropout_add
 from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+from megatron.core.transformer.layer_offsets import get_transformer_layer_offset, pipeline_coords
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module, process_group_kwargs
 from megatron.core.transformer.spec_protocols import MlpBuilder, MlpInterface  # noqa: F401  (typing Protocols)
-
-
-def _bias_dropout_add(x_with_bias, residual, prob: float, training: bool):
-    """residual + dropout(x + bias)."""
-    x, bias = x_with_bias
-    if bias is not None:
-        x = x + bias
-    return residual + torch.nn.functional.dropout(x, p=prob, training=training)
 
 
 def get_bias_dropout_add(training: bool, fused: bool):
@@ -67,7 +62,6 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         self.is_mtp_layer = is_mtp_layer
         self.pg_collection = pg_collection
         if add_layer_offset and not is_mtp_layer:
-            from megatron.core.transformer.transformer_block import get_transformer_layer_offset, pipeline_coords
             layer_number = layer_number + get_transformer_layer_offset(
                 config, vp_stage, **pipeline_coords(pg_collection, "TransformerLayer"))
         self.layer_number = layer_number
@@ -157,5 +151,19 @@ class MoETransformerLayer(TransformerLayer):
         super().__init__(*args, **kwargs)
 
 
-# Megatron's path for the layer-offset helper (it lives with the block that uses it).
-from megatron.core.transformer.transformer_block import get_transformer_layer_offset  # noqa: E402,F401
+def compile_transformer_layers(model: torch.nn.Module, backend: str = "inductor", mode=None) -> int:
+    """Compile every TransformerLayer of ``model`` in place; returns how many were compiled.
+
+    Layers share code and (with nn-module inlining, torch's default) take params as graph inputs, so
+    dynamo traces once and every layer reuses the graph; the rest of the model stays eager, which keeps
+    the pipeline/DDP hooks and the loss outside the compiled region. A graph break inside a layer
+    (e.g. selective recompute's checkpoint) only splits the graph, it does not change results.
+    """
+    # Many identical layers: raise the recompile budget so a few shape/guard variants never fall back.
+    _raise_recompile_limit()
+    count = 0
+    for module in model.modules():
+        if isinstance(module, TransformerLayer):
+            module.compile(backend=backend, mode=mode, dynamic=False)
+            count += 1
+    return count

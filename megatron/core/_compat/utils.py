@@ -1,33 +1,109 @@
-"""Less common megatron.core.utils names: decorators, process-group and DTensor helpers, viewless
-tensors, NVTX ranges, checkpoint sharding helpers (re-exported by megatron/core/utils.py)."""
+"""Megatron-only names of ``megatron.core.utils``, reached through its lazy alias table.
+
+Decorators nothing here calls, version probes of packages this project does not use, Megatron's TP
+batch broadcast and packed-batch flattening, DTensor and process-group helpers, NVTX ranges, a disabled
+StragglerDetector, and the Megatron signatures of helpers whose working versions live elsewhere
+(``tensor_parallel.weight_grad``, ``transformer.sharded_state``, ``context_parallel.utils``).
+"""
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
 import math
+import operator
 import warnings
-from typing import Callable, Optional
+from functools import reduce
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _dist_version
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
+from packaging.version import Version
+from torch.distributed.tensor import DTensor
 
-from megatron.core.utils import _at_least, _version, get_attr_wrapped_model
+from megatron.core import parallel_state
+from megatron.core.config import is_experimental_enabled
+from megatron.core.context_parallel.utils import get_batch_on_this_cp_rank as _on_cp_rank
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.tensor_parallel.weight_grad import (  # noqa: F401  (Megatron's path: megatron.core.utils)
+    drain_embedding_wgrad_compute,
+    prepare_input_tensors_for_wgrad_compute,
+)
+from megatron.core.transformer.sharded_state import (  # noqa: F401  (Megatron's path: megatron.core.utils)
+    checkpoint_groups,
+    make_tp_sharded_tensor_for_checkpoint,
+)
+from megatron.core.utils import get_attr_wrapped_model, get_device, get_pg_rank, get_pg_size
 
 logger = logging.getLogger(__name__)
-__all__ = [
-    "ExperimentalNotEnabledError", "GlobalMemoryBuffer", "WrappedTensor",
-    "accepts_parameter", "assert_viewless_tensor", "safely_set_viewless_tensor_data",
-    "check_param_hashes_across_dp_replicas", "configure_nvtx_profiling", "nvtx_decorator", "nvtx_range_push",
-    "nvtx_range_pop", "deprecate_args", "deprecated", "deprecate_inference_params", "experimental_api",
-    "experimental_cls", "experimental_fn", "internal_api", "null_decorator", "get_asyncio_loop",
-    "trace_async_exceptions", "get_data_parallel_group_if_dtensor", "to_local_if_dtensor",
-    "get_full_tensor_if_necessary", "get_model_type", "get_model_xattn", "get_pg_rank", "get_pg_size",
-    "get_pg_src_rank", "get_tensor_model_parallel_group_if_none", "is_submodule", "is_using_quantization_scales",
-    "local_multi_tensor_applier", "local_multi_tensor_l2_norm", "local_multi_tensor_scale",
-    "log_on_each_pipeline_stage", "make_sharded_tensor_for_checkpoint", "make_tp_sharded_tensor_for_checkpoint",
-    "mup_scaled_init_method_normal", "round_up_to_nearest_multiple", "get_mamba_version",
-    "is_mamba_min_version", "get_causal_conv1d_version", "is_causal_conv1d_min_version",
-    "get_flashinfer_version", "is_flashinfer_min_version", "get_batch_on_this_cp_rank",
-]
+
+
+def get_current_device_type() -> str:
+    """'cuda' when a GPU is visible, else 'cpu'."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def ensure_divisibility(numerator: int, denominator: int) -> None:
+    if numerator % denominator != 0:
+        raise ValueError(f"{numerator} is not divisible by {denominator}")
+
+
+def prod(values) -> int:
+    return reduce(operator.mul, values, 1)
+
+
+def get_tensor_list(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    return [t for t in tensors if t is not None]
+
+
+def _version(dist_name: str, missing_ok: bool):
+    """Installed version of a distribution; 0.0.0 when absent and `missing_ok` (as Megatron for TE)."""
+    try:
+        return Version(_dist_version(dist_name))
+    except PackageNotFoundError:
+        if missing_ok:
+            return Version("0.0.0")
+        raise ImportError(f"{dist_name} is not installed")
+
+
+def _at_least(current, wanted: str, check_equality: bool) -> bool:
+    return current >= Version(wanted) if check_equality else current > Version(wanted)
+
+
+def get_torch_version():
+    return Version(torch.__version__.split("+")[0])
+
+
+def is_torch_min_version(version, check_equality=True) -> bool:
+    return _at_least(get_torch_version(), version, check_equality)
+
+
+def get_te_version():
+    """Transformer Engine's version, 0.0.0 without it (no code path here needs it)."""
+    return _version("transformer-engine", missing_ok=True)
+
+
+def is_te_min_version(version, check_equality=True) -> bool:
+    return _at_least(get_te_version(), version, check_equality)
+
+
+def get_fa_version():
+    return _version("flash-attn", missing_ok=False)
+
+
+def is_fa_min_version(version, check_equality=True) -> bool:
+    return _at_least(get_fa_version(), version, check_equality)
+
+
+def print_rank_0(message: str) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(message, flush=True)
+
+
+def log_single_rank(logger, *args, rank: int = 0, **kwargs) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == rank:
+        logger.log(*args, **kwargs)
 
 
 class ExperimentalNotEnabledError(Exception):
@@ -44,15 +120,9 @@ class GlobalMemoryBuffer:
         numel = math.prod(tensor_shape)
         buf = self.buffer.get((name, dtype))
         if buf is None or buf.numel() < numel:
-            from megatron.core.utils import get_device
-            with (mem_alloc_context or _nullcontext)():
+            with (mem_alloc_context or contextlib.nullcontext)():
                 buf = self.buffer[(name, dtype)] = torch.empty(numel, dtype=dtype, device=get_device())
         return buf[:numel].view(*tensor_shape)
-
-
-def _nullcontext():
-    import contextlib
-    return contextlib.nullcontext()
 
 
 class WrappedTensor:
@@ -119,20 +189,7 @@ def is_submodule(module, parent_module, strict=True):
     return any(m is module for m in parent_module.modules() if m is not parent_module)
 
 
-# ---- process groups ------------------------------------------------------------------------------
-
-def get_pg_size(group=None):
-    """Size of `group` (1 without torch.distributed or group)."""
-    if not torch.distributed.is_initialized() or group is None:
-        return 1
-    return group.size()
-
-
-def get_pg_rank(group=None):
-    if not torch.distributed.is_initialized() or group is None:
-        return 0
-    return group.rank()
-
+# ---- process groups ----------------------------------------------------------------------------------------------
 
 def get_pg_src_rank(group=None):
     """Global rank of the group's first member."""
@@ -143,7 +200,6 @@ def get_pg_src_rank(group=None):
 
 def get_tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_initialized=True):
     """`tp_group`, or parallel_state's (expert) tensor-parallel group when it is None."""
-    from megatron.core import parallel_state
     if tp_group is not None or not torch.distributed.is_initialized():
         return tp_group
     if is_expert:
@@ -153,7 +209,6 @@ def get_tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_ini
 
 def log_on_each_pipeline_stage(logger, *args, tp_group=None, dp_cp_group=None, **kwargs):
     """logger.log(...) on the first TP and DP rank of every pipeline stage."""
-    from megatron.core import parallel_state
     tp_group = tp_group or parallel_state.get_tensor_model_parallel_group()
     dp_cp_group = dp_cp_group or parallel_state.get_data_parallel_group(with_context_parallel=True)
     if get_pg_rank(tp_group) == 0 and get_pg_rank(dp_cp_group) == 0:
@@ -165,7 +220,6 @@ def check_param_hashes_across_dp_replicas(model, cross_check=False):
 
     Hashes are sums of the raw bytes per parameter (cheap, catches any divergence in practice);
     with `cross_check` every rank compares against every other, else against DP rank 0."""
-    from megatron.core import parallel_state
     models = model if isinstance(model, list) else [model]
     params = [p for m in models for p in m.parameters()]
     local = torch.stack([p.detach().contiguous().view(torch.uint8).to(torch.int64).sum().cpu()
@@ -185,7 +239,6 @@ def check_param_hashes_across_dp_replicas(model, cross_check=False):
 # ---- DTensor (torch FSDP2) -----------------------------------------------------------------------
 
 def _is_dtensor(tensor):
-    from torch.distributed.tensor import DTensor
     return isinstance(tensor, DTensor)
 
 
@@ -209,39 +262,15 @@ def get_data_parallel_group_if_dtensor(tensor, data_parallel_group=None):
     return group
 
 
-# ---- checkpoint sharding helpers -----------------------------------------------------------------
-
-def _groups(kwargs):
-    from megatron.core import parallel_state
-    tp_group, dp_cp_group = kwargs.pop("tp_group", None), kwargs.pop("dp_cp_group", None)
-    if tp_group is None and dp_cp_group is None:
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    return tp_group, dp_cp_group
-
+# ---- checkpoint sharding helpers ---------------------------------------------------------------------------------
 
 def make_sharded_tensor_for_checkpoint(tensor, key, prepend_offsets=(), replica_id=None, **kwargs):
     """ShardedTensor of a tensor replicated over TP and DP (TP and DP ranks > 0 are replicas)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-    tp_group, dp_cp_group = _groups(kwargs)
+    tp_group, dp_cp_group = checkpoint_groups(kwargs)
     if replica_id is None:
         replica_id = (0, get_pg_rank(tp_group), get_pg_rank(dp_cp_group))
     return ShardedTensor.from_rank_offsets(key, tensor, *prepend_offsets, replica_id=replica_id,
                                            prepend_axis_num=len(prepend_offsets), **kwargs)
-
-
-def make_tp_sharded_tensor_for_checkpoint(tensor, key, tp_axis=0, replica_id=None, prepend_offsets=(),
-                                          **kwargs):
-    """ShardedTensor of a tensor split along `tp_axis` over TP and replicated over DP."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-    tp_group, dp_cp_group = _groups(kwargs)
-    axis = tp_axis + len(prepend_offsets)
-    if replica_id is None:
-        replica_id = (0, 0, get_pg_rank(dp_cp_group))
-    return ShardedTensor.from_rank_offsets(key, tensor, *prepend_offsets,
-                                           (axis, get_pg_rank(tp_group), get_pg_size(tp_group)),
-                                           replica_id=replica_id, prepend_axis_num=len(prepend_offsets),
-                                           **kwargs)
 
 
 # ---- fallbacks for apex's multi-tensor kernels ---------------------------------------------------
@@ -355,7 +384,6 @@ def deprecate_inference_params(inference_context, inference_params):
 
 
 def _require_experimental(name):
-    from megatron.core.config import is_experimental_enabled
     if not is_experimental_enabled():
         raise ExperimentalNotEnabledError(f"{name} is experimental; call "
                                           "megatron.core.config.set_experimental_flag(True) first")
@@ -447,14 +475,146 @@ def is_flashinfer_min_version(version, check_equality=True):
     return _at_least(get_flashinfer_version(), version, check_equality)
 
 
-def get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=None, hybrid_cp_group_func=None,
-                              use_per_sequence_balancing=False):
-    """This context-parallel rank's share of a [b, s] batch (two load-balanced chunks per sequence),
-    from `cp_group` or parallel_state's CP group. Hybrid CP and per-sequence balancing are refused."""
+# ---- batches -----------------------------------------------------------------------------------------------------
+
+def get_batch_on_this_cp_rank(batch, is_hybrid_cp: bool = False, cp_group=None, hybrid_cp_group_func=None,
+                              use_per_sequence_balancing: bool = False):
+    """Megatron's signature for megatron.core.context_parallel.get_batch_on_this_cp_rank: this CP rank's
+    load-balanced chunks of every [b, s] tensor of ``batch`` (over ``cp_group``, default the CP group)."""
     if is_hybrid_cp or hybrid_cp_group_func is not None or use_per_sequence_balancing:
-        raise NotImplementedError("get_batch_on_this_cp_rank: hybrid context parallelism and per-sequence "
-                                  "balancing are not supported")
-    from megatron.core.context_parallel.utils import get_batch_on_this_cp_rank as split
+        raise NotImplementedError("get_batch_on_this_cp_rank: hybrid CP and per-sequence balancing are not "
+                                  "supported; leave is_hybrid_cp / hybrid_cp_group_func / "
+                                  "use_per_sequence_balancing at their defaults")
     if cp_group is None:
-        return split(batch)
-    return split(batch, cp_size=get_pg_size(cp_group), cp_rank=get_pg_rank(cp_group))
+        return _on_cp_rank(batch)
+    return _on_cp_rank(batch, torch.distributed.get_world_size(cp_group), torch.distributed.get_rank(cp_group))
+
+
+_SEQ_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def _stage_keys(pipeline_model_parallel_size, mtp_on_this_rank, is_pipeline_first_stage, is_pipeline_last_stage):
+    """Which [b, s] tensors this stage needs: all without PP (or with MTP), inputs on the first stage,
+    targets on the last, none in between."""
+    if pipeline_model_parallel_size == 1 or mtp_on_this_rank:
+        return _SEQ_KEYS
+    if is_pipeline_first_stage:
+        return ("tokens", "position_ids")
+    if is_pipeline_last_stage:
+        return ("labels", "loss_mask")
+    return ()
+
+
+def get_batch_on_this_tp_rank(batch, has_cu_seqlens, is_hybrid_cp, create_attention_mask_in_dataloader,
+                              broadcast_src_rank, broadcast_group, cp_size, tp_rank, micro_batch_size, seq_length,
+                              mtp_on_this_rank, pipeline_model_parallel_size=1, is_pipeline_first_stage=False,
+                              is_pipeline_last_stage=False):
+    """TP rank 0's batch on every rank of `broadcast_group` (its global rank is `broadcast_src_rank`).
+
+    Rank 0 passes its batch dict ([b, s] int64 tokens/labels/position_ids, float loss_mask, optional bool
+    [b, 1, s, s] attention_mask, int32 [b, n] cu_seqlens / cu_seqlens_padded and [b] max_seqlen when
+    `has_cu_seqlens`); the others pass anything and get freshly received tensors. Keys a pipeline stage
+    does not need come back as None, as in Megatron."""
+    if is_hybrid_cp:
+        raise NotImplementedError("get_batch_on_this_tp_rank(is_hybrid_cp=True): hybrid context parallelism is "
+                                  "not implemented")
+    keys = _stage_keys(pipeline_model_parallel_size, mtp_on_this_rank, is_pipeline_first_stage,
+                       is_pipeline_last_stage)
+    has_mask = create_attention_mask_in_dataloader and bool(keys)
+    device = next((t.device for t in (batch or {}).values() if torch.is_tensor(t)), None) or get_device()
+
+    def bcast(t):
+        torch.distributed.broadcast(t, broadcast_src_rank, group=broadcast_group)
+        return t
+
+    def bcast_cu_seqlens(t):  # length first: receivers cannot know how many offsets a sample has
+        n = bcast(torch.tensor(0 if t is None else t.numel(), dtype=torch.int64, device=device)).item()
+        if n == 0:
+            return None
+        if t is None:
+            t = torch.empty((micro_batch_size, n // micro_batch_size), dtype=torch.int32, device=device)
+        return bcast(t)
+
+    out = {k: None for k in _SEQ_KEYS + ("attention_mask", "cu_seqlens", "cu_seqlens_padded", "max_seqlen",
+                                         "local_cp_size", "hybrid_cp_group")}
+    src = tp_rank == 0
+    shape = (micro_batch_size, seq_length)
+    dtypes = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32, "position_ids": torch.int64}
+    for k in keys:
+        out[k] = bcast(batch[k].contiguous() if src else torch.empty(shape, dtype=dtypes[k], device=device))
+    if has_cu_seqlens:
+        out["cu_seqlens"] = bcast_cu_seqlens(batch["cu_seqlens"] if src else None)
+        out["max_seqlen"] = bcast(batch["max_seqlen"] if src else
+                                  torch.empty(micro_batch_size, dtype=torch.int32, device=device))
+        if cp_size > 1:
+            out["cu_seqlens_padded"] = bcast_cu_seqlens(batch["cu_seqlens_padded"] if src else None)
+    if has_mask:
+        out["attention_mask"] = bcast(batch["attention_mask"] if src else torch.empty(
+            (micro_batch_size, 1, seq_length, seq_length), dtype=torch.bool, device=device))
+    if src:  # rank 0 keeps its own dict, with the unneeded keys dropped
+        batch = dict(batch)
+        batch.update({k: None for k in _SEQ_KEYS if k not in keys})
+        return batch
+    return out
+
+
+def _merge_cu_seqlens(cu_seqlens, seq_length):
+    """[b, n] per-sample offsets (each row 0 .. seq_length, right-padded with seq_length) -> one 1-D
+    offset list over the b * seq_length concatenated tokens."""
+    parts = []
+    for i, row in enumerate(cu_seqlens):
+        hits = (row == seq_length).nonzero(as_tuple=True)[0]
+        row = row[:hits[0].item() + 1] if hits.numel() else row
+        parts.append(row if i == 0 else row[1:] + i * seq_length)
+    return torch.cat(parts)
+
+
+def flatten_batch_for_packed_sequences(batch: Dict[str, Any]) -> Dict[str, Any]:
+    """A packed micro-batch of b samples as one sample of b * s tokens, the layout THD attention takes:
+    [b, s] tensors -> [1, b*s], cu_seqlens (and cu_seqlens_padded) merged into [1, n], max_seqlen -> its max.
+    A batch without cu_seqlens is returned unchanged."""
+    cu_seqlens = batch.get("cu_seqlens")
+    if cu_seqlens is None:
+        return batch
+    present = [batch[k] for k in _SEQ_KEYS if batch.get(k) is not None]
+    seq_length = present[0].shape[1] if present else int(cu_seqlens[0, -1])
+    batch["cu_seqlens"] = _merge_cu_seqlens(cu_seqlens, seq_length).unsqueeze(0)
+    if batch.get("cu_seqlens_padded") is not None:
+        batch["cu_seqlens_padded"] = _merge_cu_seqlens(batch["cu_seqlens_padded"], seq_length).unsqueeze(0)
+    if batch.get("max_seqlen") is not None:
+        batch["max_seqlen"] = batch["max_seqlen"].max().unsqueeze(0)
+    for k in _SEQ_KEYS:
+        if batch.get(k) is not None:
+            batch[k] = batch[k].reshape(1, -1)
+    return batch
+
+
+class StragglerDetector:
+    """Megatron's per-rank straggler timer, in its default disabled state.
+
+    Megatron's ``pretrain_gpt.py`` creates one at import (``stimer = StragglerDetector()``) and times
+    ``with stimer:`` / ``with stimer(bdata=True):`` blocks; until ``configure(..., enabled=True)`` (from
+    --log-straggler) those blocks time nothing there either. Enabling it is refused: the CUDA-event
+    timing reports are not implemented here.
+    """
+
+    def __init__(self):
+        self.enabled = False
+
+    def configure(self, world: int, rank: int, mmcnt: int = 1, amp: float = 3.0, port: int = 65535,
+                  prefill: int = 1024, enabled: bool = False) -> None:
+        if enabled:
+            raise NotImplementedError("StragglerDetector (--log-straggler) timing reports are not implemented")
+
+    def __call__(self, bdata: bool = False) -> "StragglerDetector":
+        return self
+
+    def __enter__(self) -> "StragglerDetector":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+    def report(self, total_flops: float = 0.0, log_interval: int = 0) -> bool:
+        """False: nothing was reported (the detector is disabled), as Megatron returns when disabled."""
+        return False

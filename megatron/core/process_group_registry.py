@@ -1,19 +1,93 @@
-"""Megatron's optional extra process groups (re-exported by megatron/core/parallel_state.py):
+"""This rank's process groups, by name: the store behind parallel_state's getters.
+
+``parallel_state.initialize_model_parallel`` computes the rank grid and records each group here
+(``GROUPS["tp"]``, ``RANKS["tp"]`` ...); the getters read it back. Optional extra groups live here too:
 hierarchical context-parallel sub-groups, power-of-two "hybrid" DP x CP groups, and all-gather
-communicators that mirror the DP groups (for overlapping all-gather with reduce-scatter)."""
+communicators that mirror the DP groups (for overlapping all-gather with reduce-scatter).
+
+This module imports no other ``megatron`` module, so anything may read the registry.
+"""
+from datetime import timedelta
 from math import log2
 from typing import Dict, List
 
 import numpy as np
 import torch
 
-from megatron.core import parallel_state as _ps
-from megatron.core._parallel_state_extras import create_group
+# name -> group / global ranks of this rank's group; filled by parallel_state.initialize_model_parallel.
+GROUPS: Dict[str, object] = {}
+RANKS: Dict[str, List[int]] = {}
+# Extra groups and the grids they came from: "dense" / "expert" RankGenerator, "hcp" groups, "hybrid" groups.
+EXTRAS: Dict[str, object] = {}
+_CREATED_GROUPS: List = []  # every group made by create_group (update_pg_timeout reaches them)
 
-__all__ = ["create_hierarchical_groups", "create_hybrid_dp_cp_groups", "create_all_gather_groups",
-           "get_hierarchical_context_parallel_groups", "get_hybrid_data_context_parallel_groups"]
-_STATE: Dict[str, object] = {}  # dense / expert RankGenerator, hcp groups, hybrid groups
 
+def clear() -> None:
+    """Forget every group (the process groups themselves die with the default group)."""
+    GROUPS.clear()
+    RANKS.clear()
+    EXTRAS.clear()
+
+
+def named_group(name: str):
+    """This rank's group called ``name`` (None before initialize_model_parallel)."""
+    return GROUPS.get(name)
+
+
+def named_size(name: str) -> int:
+    return len(RANKS[name]) if name in RANKS else 1
+
+
+def named_rank(name: str) -> int:
+    if name not in RANKS:
+        return 0
+    return RANKS[name].index(torch.distributed.get_rank())
+
+
+def named_ranks(name: str) -> List[int]:
+    """Global ranks of this rank's group ``name``; just this rank when there is no such group."""
+    if name in RANKS:
+        return list(RANKS[name])
+    return [torch.distributed.get_rank() if torch.distributed.is_initialized() else 0]
+
+
+def create_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False,
+                 group_desc=None):
+    """torch.distributed.new_group, remembered so that update_pg_timeout can reach it."""
+    group = torch.distributed.new_group(ranks=ranks, timeout=timeout, backend=backend, pg_options=pg_options,
+                                        use_local_synchronization=use_local_synchronization,
+                                        group_desc=group_desc)
+    if ranks is None or torch.distributed.get_rank() in ranks:
+        _CREATED_GROUPS.append(group)
+    return group
+
+
+def update_pg_timeout(timeout: timedelta, pg=None):
+    """Set the timeout of `pg` (default: the default group and every group from create_group)."""
+    set_timeout = getattr(torch.distributed.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:
+        raise NotImplementedError("update_pg_timeout needs a torch with distributed_c10d._set_pg_timeout")
+    torch.distributed.barrier(pg)
+    for group in ([pg] if pg is not None else [None] + _CREATED_GROUPS):
+        set_timeout(timeout, group)
+
+
+def get_nccl_options(pg_name, nccl_comm_cfgs):
+    """ProcessGroupNCCL.Options for `pg_name` from a --nccl-communicator-config-path dict, else None."""
+    cfg = nccl_comm_cfgs.get(pg_name)
+    if cfg is None:
+        return None
+    options = torch.distributed.ProcessGroupNCCL.Options(
+        is_high_priority_stream=cfg.get("is_high_priority_stream", False))
+    for key in ("cga_cluster_size", "max_ctas", "min_ctas", "net_name"):
+        if key in cfg:
+            setattr(options.config, key, cfg[key])
+    if "net_name" in cfg and cfg["net_name"].lower() not in ("ib", "socket"):
+        raise ValueError(f"NCCL config for {pg_name}: net_name '{cfg['net_name']}' must be IB or socket")
+    return options
+
+
+# ---- extra groups --------------------------------------------------------------------------------------------------
 
 def create_hierarchical_groups(rank, ranks, hierarchical_group_sizes, create_gloo_process_groups=False,
                                pg_options=None, timeout=None, group_desc=None):
@@ -34,7 +108,8 @@ def create_hierarchical_groups(rank, ranks, hierarchical_group_sizes, create_glo
         for sub in grid.tolist():
             group = create_group(sub, timeout=timeout, pg_options=pg_options[level],
                                  group_desc=f"HIERARCHICAL_{group_desc}_L{level}")
-            gloo = (create_group(sub, timeout=timeout, backend="gloo", group_desc=f"HIERARCHICAL_{group_desc}_GLOO_L{level}")
+            gloo = (create_group(sub, timeout=timeout, backend="gloo",
+                                 group_desc=f"HIERARCHICAL_{group_desc}_GLOO_L{level}")
                     if create_gloo_process_groups else None)
             if rank in sub:
                 groups.append(group)
@@ -56,11 +131,12 @@ def create_hybrid_dp_cp_groups(rank, ranks, pg_options):
     return out
 
 
-def build_grid_extras(dense, expert, hierarchical_context_parallel_sizes, hybrid_context_parallel,
-                      create_gloo_process_groups, timeout):
-    """Called by initialize_model_parallel after its groups exist."""
-    _STATE.clear()
-    _STATE["dense"], _STATE["expert"] = dense, expert
+def build_extra_groups(dense, expert, hierarchical_context_parallel_sizes, hybrid_context_parallel,
+                       create_gloo_process_groups, timeout):
+    """The optional groups of initialize_model_parallel, called once its groups exist (every rank calls it);
+    ``dense`` / ``expert`` are its two RankGenerators, kept for create_all_gather_groups."""
+    EXTRAS.clear()
+    EXTRAS["dense"], EXTRAS["expert"] = dense, expert
     rank = torch.distributed.get_rank()
     if hierarchical_context_parallel_sizes:
         if int(np.prod(hierarchical_context_parallel_sizes)) != dense.cp:
@@ -71,7 +147,7 @@ def build_grid_extras(dense, expert, hierarchical_context_parallel_sizes, hybrid
                                                    create_gloo_process_groups=False, timeout=timeout,
                                                    group_desc="CONTEXT_PARALLEL_GROUPS")
             if rank in ranks:
-                _STATE["hcp"] = groups
+                EXTRAS["hcp"] = groups
     if hybrid_context_parallel:
         hybrid = {}
         for ranks in dense.get_ranks("dp-cp"):
@@ -80,18 +156,18 @@ def build_grid_extras(dense, expert, hierarchical_context_parallel_sizes, hybrid
             mine = create_hybrid_dp_cp_groups(rank, ranks, None)
             if rank in ranks:
                 hybrid = mine
-        _STATE["hybrid"] = hybrid
+        EXTRAS["hybrid"] = hybrid
 
 
 def _require_grid():
-    if "dense" not in _STATE or not _ps.model_parallel_is_initialized():
+    if "dense" not in EXTRAS or "tp" not in GROUPS:
         raise RuntimeError("parallel_state is not initialized; call initialize_model_parallel() first")
 
 
 def get_hierarchical_context_parallel_groups(check_initialized=True):
     """This rank's CP sub-groups, one per level of initialize_model_parallel's
     hierarchical_context_parallel_sizes (None when it was not given)."""
-    groups = _STATE.get("hcp")
+    groups = EXTRAS.get("hcp")
     if check_initialized and groups is None:
         raise RuntimeError("no hierarchical context-parallel groups: pass hierarchical_context_parallel_sizes "
                            "to initialize_model_parallel")
@@ -100,9 +176,9 @@ def get_hierarchical_context_parallel_groups(check_initialized=True):
 
 def get_hybrid_data_context_parallel_groups(check_initialized=True, group_size=None):
     """The DP x CP sub-group of `group_size` ranks holding this rank (the full DP x CP group for its size)."""
-    if group_size == _ps.get_data_parallel_world_size(with_context_parallel=True):
-        return _ps.get_data_parallel_group(with_context_parallel=True)
-    hybrid = _STATE.get("hybrid") or {}
+    if group_size == named_size("dp_cp"):
+        return named_group("dp_cp")
+    hybrid = EXTRAS.get("hybrid") or {}
     if group_size not in hybrid:
         if not check_initialized:
             return None
@@ -116,16 +192,15 @@ def create_all_gather_groups(for_expert_parallelism=False, timeout=None, nccl_co
     and EP > 1, the expert-DP groups), so all-gathers can run beside reduce-scatters on the DP groups.
     Returns this rank's (dp_cp_ag_group, expt_dp_ag_group or None)."""
     _require_grid()
-    from megatron.core._parallel_state_extras import get_nccl_options
     rank, cfgs = torch.distributed.get_rank(), nccl_comm_cfgs or {}
     dp_cp_ag = expt_dp_ag = None
-    for ranks in _STATE["dense"].get_ranks("dp-cp"):
+    for ranks in EXTRAS["dense"].get_ranks("dp-cp"):
         group = create_group(ranks, timeout=timeout, pg_options=get_nccl_options("dp_cp", cfgs),
                              group_desc="DATA_PARALLEL_GROUP_WITH_CP_AG")
         if rank in ranks:
             dp_cp_ag = group
-    if for_expert_parallelism and _STATE["expert"].ep > 1:
-        for ranks in _STATE["expert"].get_ranks("dp"):
+    if for_expert_parallelism and EXTRAS["expert"].ep > 1:
+        for ranks in EXTRAS["expert"].get_ranks("dp"):
             group = create_group(ranks, timeout=timeout, pg_options=get_nccl_options("ep_dp", cfgs),
                                  group_desc="EXPERT_DATA_PARALLEL_GROUP_AG")
             if rank in ranks:
