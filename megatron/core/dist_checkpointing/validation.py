@@ -11,6 +11,10 @@ from typing import List, Optional, Set, Union
 import numpy as np
 import torch
 
+from .core import CheckpointingException, check_is_distributed_checkpoint
+from .dict_utils import extract_matching_values, iter_leaves
+from .mapping import ShardedObject, is_sharded
+
 logger = logging.getLogger(__name__)
 
 
@@ -55,13 +59,11 @@ def parse_strict_flag(strict: Union[str, StrictHandling]) -> StrictHandling:
 # ---- checks of a load request and of a sharding pattern ---------------------------------------------
 
 def _nested_sharded(sharded_state_dict):
-    from .dict_utils import iter_leaves, is_sharded
     return [v for _, v in iter_leaves(sharded_state_dict) if is_sharded(v)]
 
 
 def verify_checkpoint(checkpoint_dir: str):
     """One-line CheckpointingException unless `checkpoint_dir` holds a complete distributed checkpoint."""
-    from .core import CheckpointingException, check_is_distributed_checkpoint
     if not os.path.isdir(str(checkpoint_dir)):
         raise CheckpointingException(f"Checkpoint directory {checkpoint_dir} does not exist")
     if not check_is_distributed_checkpoint(checkpoint_dir):
@@ -81,7 +83,6 @@ def determine_global_metadata(sharded_state_dict, process_group=None):
 
 def adjust_non_strict_load(sharded_state_dict, sharded_keys_to_remove: Set[str]):
     """The state dict without the ShardedTensors/Objects whose key is in `sharded_keys_to_remove`."""
-    from .dict_utils import extract_matching_values, is_sharded
     _, kept = extract_matching_values(sharded_state_dict,
                                       lambda x: is_sharded(x) and x.key in sharded_keys_to_remove)
     return kept
@@ -90,7 +91,6 @@ def adjust_non_strict_load(sharded_state_dict, sharded_keys_to_remove: Set[str])
 def maybe_report_missing_and_unexpected_keys(missing_keys: Set[str], unexpected_keys: Set[str],
                                              raise_error: bool = True) -> None:
     """Raise (or log with `raise_error` False) when the request and the checkpoint differ in keys."""
-    from .core import CheckpointingException
     if not missing_keys and not unexpected_keys:
         return
     msg = []
@@ -115,7 +115,6 @@ def validate_integrity_and_strict_load(sharded_state_dict, strict: StrictHandlin
     """(request without the keys the checkpoint lacks, missing keys, unexpected keys), handled per
     `strict` (raise / log / return / ignore); with `validate_access_integrity` the requested sharding
     is checked too (needs `global_metadata`)."""
-    from .core import CheckpointingException
     strict = parse_strict_flag(strict)
     missing, unexpected = set(), set()
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
@@ -173,7 +172,6 @@ def validate_sharding_integrity(global_metadata, common_state_dict=None) -> None
     """On global rank 0: every tensor's main replicas cover its chunk grid exactly once, ranks agree on
     dtype and shape, and every ShardedObject shard is written once. CheckpointingException otherwise.
     `common_state_dict` (the state rank 0 writes unsharded) is accepted and not compared across ranks."""
-    from .core import CheckpointingException
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
     error = sharding_error(global_metadata)
@@ -183,7 +181,6 @@ def validate_sharding_integrity(global_metadata, common_state_dict=None) -> None
 
 def sharding_error(global_metadata) -> Optional[str]:
     """validate_sharding_integrity's verdict as a message (None when the pattern is valid), on any rank."""
-    from .mapping import ShardedObject
     by_key = {}
     for rank_metadata in global_metadata:
         for sh in rank_metadata:
@@ -236,7 +233,6 @@ def _integrity_error(checkpoint_dir: str) -> Optional[str]:
 
 def verify_integrity_manifest(checkpoint_dir: str) -> None:
     """Re-hash the files listed in integrity.json (rank 0 reads, every rank gets its verdict)."""
-    from .core import CheckpointingException
     error = [None]
     distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
     if not distributed or torch.distributed.get_rank() == 0:
