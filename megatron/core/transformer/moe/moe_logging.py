@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.process_groups_config import require_default_process_groups
 
 _TRACKER: Dict[str, dict] = {}
 
@@ -62,7 +63,6 @@ def _reduce(t, group, op=dist.ReduceOp.SUM):
 def reduce_aux_losses_tracker_across_ranks(track_names: Optional[List[str]] = None, pg_collection=None):
     """Sum each metric over PP and its reduce group, then average over DP (or its avg group).
     ``pg_collection`` must hold parallel_state's groups (the ones used here)."""
-    from megatron.core.process_groups_config import require_default_process_groups
     require_default_process_groups(pg_collection, "reduce_aux_losses_tracker_across_ranks")
     names = track_names if track_names is not None else [n for n in _TRACKER if not n.startswith("_")]
     for name in names:

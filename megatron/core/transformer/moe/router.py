@@ -17,7 +17,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import _make_param
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.moe_helpers import (
+from megatron.core.transformer.moe.router_gating import (
     apply_biased_logits, apply_random_logits, get_updated_expert_bias, router_gating_linear)
 from megatron.core.transformer.moe.moe_logging import save_expert_load, save_to_aux_losses_tracker
 from megatron.core.transformer.moe.moe_utils import (

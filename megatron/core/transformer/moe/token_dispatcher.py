@@ -16,10 +16,12 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.process_groups_config import require_default_process_groups
 from megatron.core.tensor_parallel.mappings import (
     _all_to_all, _gather_along_first_dim, all_to_all, gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region)
-from megatron.core.transformer.moe.moe_utils import _permute, _sort_chunks, _unpermute, fused_permute_fns
+from megatron.core.transformer.moe.moe_utils import (
+    _permute, _sort_chunks, _unpermute, fused_permute_fns, get_capacity)
 
 
 def _size(group) -> int:
@@ -69,7 +71,6 @@ class MoETokenDispatcher:
     """Common state: the expert groups (parallel_state's; a ``pg_collection`` must hold the same ones)."""
 
     def __init__(self, config, pg_collection=None):
-        from megatron.core.process_groups_config import require_default_process_groups
         require_default_process_groups(pg_collection, type(self).__name__)
         self.config = config
         self.num_experts = config.num_moe_experts
@@ -106,7 +107,6 @@ class MoETokenDispatcher:
         if c.moe_expert_capacity_factor is None:
             return num_tokens * self.topk
         if c.moe_pad_expert_input_to_capacity:
-            from megatron.core.transformer.moe.moe_utils import get_capacity
             cap = min(get_capacity(num_tokens * self.topk, self.num_experts, c.moe_expert_capacity_factor),
                       num_tokens)
             return cap * self.num_experts
