@@ -14,6 +14,9 @@ from typing import List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.utils import current_device
+
 Shape = Union[List[int], Tuple[int, ...], torch.Size]
 
 
@@ -80,8 +83,6 @@ class P2PCommunicator:
         return timers(name, log_level=2) if timers is not None else _NullTimer()
 
     def _empty(self, shape: Shape, requires_grad: bool) -> torch.Tensor:
-        from megatron.core.pipeline_parallel.utils import current_device
-
         return torch.empty(tuple(shape), dtype=self.dtype, device=current_device(),
                            requires_grad=requires_grad)
 
@@ -193,7 +194,5 @@ class P2PCommunicator:
 
 def default_communicator(config) -> P2PCommunicator:
     """Communicator on the registered pipeline group (megatron.core.parallel_state)."""
-    from megatron.core import parallel_state
-
     return P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), config)
 
