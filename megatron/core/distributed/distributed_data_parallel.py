@@ -9,6 +9,7 @@ from megatron.core.distributed.wrapped_module import WrappedModule
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer, partition_buckets
 from megatron.core.fusions.grad_accumulation import accumulate_into_main_grad
+from megatron.core.process_groups_config import require_default_process_groups
 
 
 class DistributedDataParallel(WrappedModule):
@@ -19,7 +20,6 @@ class DistributedDataParallel(WrappedModule):
 
     def __init__(self, config, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
                  disable_bucketing: bool = False, pg_collection=None, full_param_layout=None):
-        from megatron.core.process_groups_config import require_default_process_groups
         require_default_process_groups(pg_collection, "DistributedDataParallel")
         if full_param_layout is not None:
             raise NotImplementedError("DistributedDataParallel(full_param_layout=...) is not supported; "

@@ -6,6 +6,8 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.distributed.torch_fsdp2_state import local_tensor
+from megatron.core.process_groups_config import require_default_process_groups
+from megatron.core.transformer.moe.router import finalize_router_state
 
 
 def _unwrap(model_chunk):
@@ -90,7 +92,6 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
     """Finish DP grad sync, reduce SP-replicated and tied-embedding grads, and (per-token loss)
     divide every grad by the global number of tokens. Groups come from parallel_state (an explicit
     `pg_collection` and `force_all_reduce` are refused)."""
-    from megatron.core.process_groups_config import require_default_process_groups
     require_default_process_groups(pg_collection, "finalize_model_grads")
     if force_all_reduce:
         raise NotImplementedError("finalize_model_grads(force_all_reduce=True) is not supported; leave it False")
@@ -110,7 +111,6 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
     _stop(config, "embedding-grads-all-reduce")
 
     if getattr(config, "num_moe_experts", None):
-        from megatron.core.transformer.moe.router import finalize_router_state
         finalize_router_state([_unwrap(chunk) for chunk in model], config)
 
     if num_tokens is not None:

@@ -24,6 +24,8 @@ The multi-token prediction depth is not converted (transformers does not build i
 """
 import torch
 
+from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
+
 from .family import Family, Rule, need, rope_scaling, rope_theta
 from .layout import COPY, VOCAB, Transform
 from .moe import mlp_rules
@@ -183,7 +185,6 @@ def config_to_flags(cfg: dict):
 
 
 def _leading_dense(args) -> int:
-    from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
     pattern = moe_layer_pattern(args.moe_layer_freq, args.num_layers)
     k = pattern.index(1) if 1 in pattern else len(pattern)
     if any(p != 1 for p in pattern[k:]):

@@ -22,9 +22,13 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.mtp_logging import MTPLossLoggingHelper  # noqa: F401  (Megatron's import path)
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from megatron.core.utils import make_viewless_tensor
+from megatron.core.utils import get_pg_rank, lazy_names, make_tp_sharded_tensor_for_checkpoint, make_viewless_tensor
+
+# Megatron's MTP metrics tracker and its Transformer-Engine-flavoured spec getter, which this project's
+# own loop and specs do not call (the _compat room), resolved on first use.
+__getattr__ = lazy_names(__name__, {name: "megatron.core._compat.multi_token_prediction"
+                                    for name in ("MTPLossLoggingHelper", "get_mtp_layer_spec")})
 
 
 def roll_tensor(tensor: torch.Tensor, shifts: int = -1, dims: int = -1, cp_group=None, packed_seq_params=None):
@@ -91,7 +95,6 @@ def get_mtp_num_layers_to_build(config, vp_stage: Optional[int] = None, pp_rank:
 def _tie_replica(sharded_state_dict, weight, key, tp_group, dp_cp_group):
     """Replace ``key`` by a TP-sharded tensor marked as a second copy (replica_id (1, 0, dp rank)): the
     checkpoint keeps the embedding / output-layer copy of the stage that owns it."""
-    from megatron.core.utils import get_pg_rank, make_tp_sharded_tensor_for_checkpoint
     if key not in sharded_state_dict:
         raise KeyError(f"{key} is not in the sharded state dict")
     sharded_state_dict[key] = make_tp_sharded_tensor_for_checkpoint(
@@ -246,11 +249,6 @@ def process_mtp_loss(loss: torch.Tensor, mtp_hidden_states: List[torch.Tensor], 
     return MTPLossAutoScaler.apply(loss, scale * total), stats
 
 
-def get_mtp_layer_spec(mtp_model_layer_spec: ModuleSpec, use_transformer_engine: bool = True) -> ModuleSpec:
-    """One MTP depth around ``mtp_model_layer_spec``; ``use_transformer_engine`` picks the same (local)
-    modules, our fastest: no Transformer Engine here."""
-    from megatron.core.models.backends import LocalSpecProvider
-    return get_mtp_layer_spec_for_backend(mtp_model_layer_spec, LocalSpecProvider())
 
 
 def get_mtp_layer_spec_for_backend(mtp_model_layer_spec: ModuleSpec, backend) -> ModuleSpec:

@@ -5,6 +5,7 @@ from typing import List, Optional
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.context_parallel.utils import cp_local_indices
 from megatron.core.utils import get_device
 
 
@@ -96,7 +97,6 @@ class MultimodalRotaryEmbedding(RotaryEmbedding):
         emb = emb.transpose(0, 1)[:, :, None, :].contiguous()  # [s, b, 1, rot_dim]
         cp_group = cp_group if cp_group is not None else self.cp_group
         if cp_group is not None and cp_group.size() > 1:
-            from megatron.core.context_parallel.utils import cp_local_indices
             emb = emb.index_select(0, cp_local_indices(emb.size(0), cp_group.size(), cp_group.rank(), emb.device))
         return emb
 

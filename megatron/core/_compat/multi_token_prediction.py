@@ -1,6 +1,8 @@
-"""Per-depth multi-token-prediction metrics accumulated over an iteration's micro-batches and logged once
-(Megatron Core's ``MTPLossLoggingHelper``, for training loops built on Megatron Core).
+"""Megatron Core's ``multi_token_prediction`` names that this project's own code does not call.
 
+``get_mtp_layer_spec``: one MTP depth with the local modules (the specs here call
+``get_mtp_layer_spec_for_backend``). ``MTPLossLoggingHelper``: per-depth multi-token-prediction metrics
+accumulated over an iteration's micro-batches and logged once, for training loops built on Megatron Core.
 This application's own loop reports each depth's loss through the loss function's dict
 (``mtp_<k> loss``, token-weighted like ``lm loss``); code that calls ``save_metrics_to_tracker`` from its
 own MTP loss computation and ``track_mtp_metrics`` from its logging gets Megatron's metrics: the loss
@@ -8,6 +10,10 @@ per depth, averaged over ``avg_group`` and scaled by ``loss_scale`` (1 / micro-b
 acceptance rate (top-1 predictions equal to the label, in %) of the step and since the process started.
 """
 import torch
+
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.multi_token_prediction import get_mtp_layer_spec_for_backend
 
 
 def _all_reduce(values: torch.Tensor, group, average: bool) -> None:
@@ -100,3 +106,9 @@ class MTPLossLoggingHelper:
                 for name, rate in zip(names, rates):
                     wandb_writer.log({name: rate}, iteration)
         MTPLossLoggingHelper.clean_metrics_in_tracker()
+
+
+def get_mtp_layer_spec(mtp_model_layer_spec: ModuleSpec, use_transformer_engine: bool = True) -> ModuleSpec:
+    """One MTP depth around ``mtp_model_layer_spec``; ``use_transformer_engine`` picks the same (local)
+    modules, our fastest: no Transformer Engine here."""
+    return get_mtp_layer_spec_for_backend(mtp_model_layer_spec, LocalSpecProvider())
