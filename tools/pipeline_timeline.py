@@ -139,10 +139,11 @@ def main(argv=None):
     opts = p.parse_args(ours)
 
     import torch.distributed as dist
+
+    import pretrain_gpt
     from megatron.core import parallel_state
     from megatron.core.enums import ModelType
     from megatron.training.training import pretrain
-    import pretrain_gpt
 
     rec = Recorder(torch.cuda.is_available(), opts.skip)
 

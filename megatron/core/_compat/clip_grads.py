@@ -8,8 +8,14 @@ from typing import Union
 import torch
 
 from megatron.core.optimizer.clip_grads import (
-    _grads_of, clip_grad_by_total_norm_fp32, count_zeros_in_grads, get_grad_norm_fp32, param_counts_for_grad_stats,
-    param_is_not_shared, param_is_not_tensor_parallel_duplicate)
+    _grads_of,
+    clip_grad_by_total_norm_fp32,
+    count_zeros_in_grads,
+    get_grad_norm_fp32,
+    param_counts_for_grad_stats,
+    param_is_not_shared,
+    param_is_not_tensor_parallel_duplicate,
+)
 from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate as not_tp_dup
 
 

@@ -6,8 +6,7 @@ emerging-optimizers package. Reached from ``megatron.core.optimizer`` through it
 """
 from typing import Dict
 
-from megatron.core.optimizer.optimizer_config import (
-    OptimizerConfig, ParamKey, ParamPredicate, ParamWithNamePredicate)
+from megatron.core.optimizer.optimizer_config import OptimizerConfig, ParamKey, ParamPredicate, ParamWithNamePredicate
 
 # Megatron's flag for its optional emerging-optimizers package (Muon, SOAP, Lion...): none here.
 HAVE_EMERGING_OPTIMIZERS = False

@@ -4,7 +4,7 @@ A `ShardedTensor` says "this local tensor is the slice at `global_offset` of the
 of shape `global_shape`". Saving and loading work on these descriptions, so a checkpoint written under
 one parallel layout can be read under another.
 """
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Tuple
 
 import torch

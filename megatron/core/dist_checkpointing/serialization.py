@@ -10,16 +10,34 @@ from typing import Any, Dict, Optional
 import torch
 from torch.distributed.checkpoint.api import CheckpointException as DCPException
 
+from megatron.core.utils import lazy_names
+
 from . import dict_utils
 from .core import CONFIG_FNAME, CheckpointingException, maybe_load_config, save_config
 from .mapping import (
-    LocalNonpersistentObject, ShardedObject, ShardedStateDict, ShardedTensor, ShardedTensorFactory, apply_factories,
-    apply_factory_merges, is_sharded)
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+    apply_factories,
+    apply_factory_merges,
+    is_sharded,
+)
 from .strategies import torch as torch_strategy
 from .strategies.async_utils import AsyncRequest
 from .validation import (
-    determine_global_metadata, parse_strict_flag, save_integrity_manifest, sharding_error, verify_checkpoint,
-    verify_integrity_manifest)
+    determine_global_metadata,
+    parse_strict_flag,
+    save_integrity_manifest,
+    sharding_error,
+    verify_checkpoint,
+    verify_integrity_manifest,
+)
+
+# Megatron's default-strategy getters (one answer each: torch_dist), resolved on first use.
+__getattr__ = lazy_names(__name__, {name: "megatron.core._compat.serialization" for name in (
+    "get_default_save_sharded_strategy", "get_default_load_sharded_strategy")})
 
 logger = logging.getLogger(__name__)
 COMMON_FNAME = "common.pt"
@@ -277,7 +295,7 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
         common.pop(_CONTENT_METADATA_KEY, None)
     _, sharded = _split_common(sharded_state_dict)
     md_keys = set(tensor_shapes(checkpoint_dir)) if strict not in _RAISE_ON_MISSING else None
-    tensors, paths, objects = [], [], []
+    tensors, objects = [], []
     result = {}
     for path, sh in sharded:
         if md_keys is not None and sh.key not in md_keys and isinstance(sh, ShardedTensor):
@@ -331,14 +349,3 @@ def remove_sharded_tensors(checkpoint_dir: str, key_prefix: str):
     (e.g. optimizer state before sharing weights). Run it on one process."""
     verify_checkpoint(checkpoint_dir)
     torch_strategy.TorchDistLoadShardedStrategy().remove_sharded_tensors(checkpoint_dir, key_prefix)
-
-
-def get_default_save_sharded_strategy(backend: str = "torch_dist"):
-    """The save strategy for `backend`: only 'torch_dist' exists here."""
-    if backend != "torch_dist":
-        raise ValueError(f"checkpoint backend {backend!r} is not supported; use 'torch_dist'")
-    return torch_strategy.TorchDistSaveShardedStrategy(backend)
-
-
-def get_default_load_sharded_strategy(checkpoint_dir: Optional[str] = None):
-    return torch_strategy.TorchDistLoadShardedStrategy()

@@ -18,9 +18,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from megatron.core import parallel_state
+from megatron.core.distributed.torch_fsdp2_state import full_local_tensor, is_dtensor, megatron_attributes, shard_like
 from megatron.core.distributed.wrapped_module import WrappedModule
-from megatron.core.distributed.torch_fsdp2_state import (
-    full_local_tensor, is_dtensor, megatron_attributes, shard_like)
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 

@@ -99,7 +99,8 @@ def expected_shape(name: str, cfg: dict, hidden: int, padded_vocab: int):
     shared_f = (moe_f or 0) * (cfg.get("n_shared_experts") or 0)
     table = [("word_embeddings.weight", (padded_vocab, hidden)), ("output_layer.weight", (padded_vocab, hidden)),
              ("linear_q_down_proj.weight", (q_lora, hidden)), ("q_layernorm.weight", (q_lora,)),
-             ("linear_q_up_proj.weight", (n * (nope + pe), q_lora)), ("linear_q_proj.weight", (n * (nope + pe), hidden)),
+             ("linear_q_up_proj.weight", (n * (nope + pe), q_lora)),
+             ("linear_q_proj.weight", (n * (nope + pe), hidden)),
              ("linear_kv_down_proj.weight", (kv_lora + pe, hidden)), ("kv_layernorm.weight", (kv_lora,)),
              ("linear_kv_up_proj.weight", (n * (nope + v), kv_lora)), ("linear_proj.weight", (hidden, n * v)),
              ("router.weight", (E, hidden)), ("router.expert_bias", (E,)),

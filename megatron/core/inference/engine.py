@@ -201,7 +201,7 @@ class InferenceEngine:
     # ---------------------------------------------------------------- prefill
     def _prefill(self, reqs: List[InferenceRequest], finished) -> None:
         """Batched prefill of requests that need only next-token logits; one by one for prompt log-probs."""
-        batch, budget = [], 0
+        batch = []
         for req in sorted(reqs, key=lambda r: len(r.prompt_tokens)):
             if req.sampling_params.return_log_probs:
                 self._prefill_batch([req], finished, all_logits=True)

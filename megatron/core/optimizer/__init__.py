@@ -7,13 +7,26 @@ import torch
 from megatron.core.optimizer.chained_optimizer import ChainedOptimizer
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.optimizer.config_overrides import (
-    check_config_overrides_consistency, param_groups_from_overrides, trainable_named_parameters)
+    check_config_overrides_consistency,
+    param_groups_from_overrides,
+    trainable_named_parameters,
+)
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.optimizer.optimizer import (
-    Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer, param_group_identifier_keys)
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+    MegatronOptimizer,
+    param_group_identifier_keys,
+)
 from megatron.core.optimizer.optimizer_config import (
-    AdamOptimizerConfig, OptimizerConfig, ParamKey, ParamPredicate, ParamWithNamePredicate, SGDOptimizerConfig)
+    AdamOptimizerConfig,
+    OptimizerConfig,
+    ParamKey,
+    ParamPredicate,
+    ParamWithNamePredicate,
+    SGDOptimizerConfig,
+)
 from megatron.core.utils import lazy_names
 
 # Megatron's names that this package's own code does not call (the _compat room), resolved on first use.
@@ -146,8 +159,8 @@ def _is_moe(model_chunks) -> bool:
 
 __all__ = [
     "OptimizerConfig", "get_megatron_optimizer", "MegatronOptimizer", "FP32Optimizer",
-    "Float16OptimizerWithFloat16Params", "DistributedOptimizer", "ChainedOptimizer", "ConstantGradScaler", "DynamicGradScaler",
-    "MegatronGradScaler", "clip_grad_norm_fp32", "count_zeros_fp32", "get_grad_norm_fp32",
+    "Float16OptimizerWithFloat16Params", "DistributedOptimizer", "ChainedOptimizer", "ConstantGradScaler",
+    "DynamicGradScaler", "MegatronGradScaler", "clip_grad_norm_fp32", "count_zeros_fp32", "get_grad_norm_fp32",
     "get_standard_config_overrides", "get_mup_config_overrides", "check_config_overrides_consistency",
     "param_group_identifier_keys",
 ]

@@ -5,7 +5,7 @@ params replicated across TP (norms, biases of row-parallel layers) count only on
 tied output weight that duplicates the word embedding counts only on the first pipeline stage.
 """
 import math
-from typing import Iterable, List, Optional, Sequence, Union
+from typing import List, Sequence, Union
 
 import torch
 import torch.distributed as dist

@@ -13,7 +13,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer import optimizer_state
 from megatron.core.optimizer.optimizer import (
-    MixedPrecisionOptimizer, _model_grad, copy_optimizer_param_metadata, copy_tensor_model_parallel_attributes)
+    MixedPrecisionOptimizer,
+    _model_grad,
+    copy_optimizer_param_metadata,
+    copy_tensor_model_parallel_attributes,
+)
 from megatron.core.utils import lazy_names
 
 # Megatron's span type, which the optimizer here does not use (it keeps (start, end) tuples).

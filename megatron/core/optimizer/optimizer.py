@@ -6,7 +6,7 @@ count zeros -> inner step -> copy main params back to the model params. Returns
 `(update_successful, grad_norm, num_zeros_in_grad)`.
 """
 from contextlib import contextmanager
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,12 @@ from megatron.core import parallel_state
 from megatron.core.distributed.torch_fsdp2_state import full_local_tensor, shard_like
 from megatron.core.optimizer import optimizer_state
 from megatron.core.optimizer.clip_grads import (
-    clip_coefficient, clip_grad_by_total_norm_fp32, count_zeros_in_grads, get_grad_norm_fp32, param_counts_for_grad_stats)
+    clip_coefficient,
+    clip_grad_by_total_norm_fp32,
+    count_zeros_in_grads,
+    get_grad_norm_fp32,
+    param_counts_for_grad_stats,
+)
 from megatron.core.optimizer.fused_adamw import triton_adamw_applies, triton_adamw_step
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.utils import lazy_names

@@ -16,6 +16,10 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.utils import current_device
+from megatron.core.utils import lazy_names
+
+# Megatron's shape test, which the one-tensor communicator here does not need, resolved on first use.
+__getattr__ = lazy_names(__name__, {"is_single_shape": "megatron.core._compat.p2p_communication"})
 
 Shape = Union[List[int], Tuple[int, ...], torch.Size]
 
@@ -26,11 +30,6 @@ def get_tensor_shape(config, seq_length: int, micro_batch_size: int) -> Tuple[in
     if getattr(config, "sequence_parallel", False):
         seq = seq // config.tensor_model_parallel_size
     return (seq, micro_batch_size, config.hidden_size)
-
-
-def is_single_shape(x) -> bool:
-    """True for one tensor shape (a torch.Size or a sequence of ints), False for a list of shapes."""
-    return isinstance(x, torch.Size) or (isinstance(x, (list, tuple)) and all(isinstance(d, int) for d in x))
 
 
 def get_pipeline_dtype(config) -> torch.dtype:
@@ -195,4 +194,3 @@ class P2PCommunicator:
 def default_communicator(config) -> P2PCommunicator:
     """Communicator on the registered pipeline group (megatron.core.parallel_state)."""
     return P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), config)
-

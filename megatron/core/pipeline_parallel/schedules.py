@@ -12,8 +12,7 @@ from typing import Iterator, List, Optional, Union
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import step
 from megatron.core.pipeline_parallel.interleaved import run_interleaved
-from megatron.core.pipeline_parallel.p2p_communication import (
-    P2PCommunicator, default_communicator, get_tensor_shape)
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, default_communicator, get_tensor_shape
 from megatron.core.pipeline_parallel.utils import deallocate_output_tensor, make_plan
 from megatron.core.process_groups_config import require_default_process_groups
 from megatron.core.utils import get_model_config, lazy_names

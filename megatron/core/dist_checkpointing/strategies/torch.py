@@ -15,16 +15,19 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
-                                                   MetadataIndex, TensorProperties)
-from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData, WriteItem,
-                                                  WriteItemType)
-from torch.distributed.checkpoint.planner_helpers import (_create_read_item_for_byteio,
-                                                          create_read_items_for_chunk_list)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_byteio, create_read_items_for_chunk_list
 
 from ..core import CheckpointingException
 from ..mapping import ShardedBase, ShardedObject, ShardedTensor
 from ..validation import save_integrity_manifest
+
 
 class MCoreMetadata:
     """Unpickling target only: `.metadata` files written by Megatron Core 0.15 with optimizer state

@@ -2,7 +2,7 @@
 from typing import List, Optional
 
 from megatron.core.models.backends import LocalSpecProvider
-from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec, get_moe_module_spec_for_backend  # noqa: F401
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -12,20 +12,27 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron.core.transformer.multi_token_prediction import (
-    MultiTokenPredictionBlock, MultiTokenPredictionBlockSubmodules, get_mtp_layer_spec_for_backend,
-    get_mtp_num_layers_to_build)
+    MultiTokenPredictionBlock,
+    MultiTokenPredictionBlockSubmodules,
+    get_mtp_layer_spec_for_backend,
+    get_mtp_num_layers_to_build,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import L2Norm, WrappedTorchNorm
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
     get_transformer_layer_offset,
 )
-from megatron.core.transformer.torch_norm import L2Norm, WrappedTorchNorm
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
     get_bias_dropout_add,
 )
+from megatron.core.utils import lazy_names
+
+# Megatron's path for the MoE spec getter (defined in moe_module_specs.py), resolved on first use.
+__getattr__ = lazy_names(__name__, {"get_moe_module_spec": "megatron.core.models.gpt.moe_module_specs"})
 
 LNImpl = WrappedTorchNorm
 

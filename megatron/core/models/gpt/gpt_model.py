@@ -3,7 +3,6 @@ from typing import Literal, Optional
 
 import torch
 
-from megatron.core import parallel_state
 from megatron.core.context_parallel.utils import local_rotary_pos_emb
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding

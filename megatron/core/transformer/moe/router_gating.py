@@ -10,7 +10,10 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import (
-    get_cuda_rng_tracker, get_data_parallel_rng_tracker_name, get_expert_parallel_rng_tracker_name)
+    get_cuda_rng_tracker,
+    get_data_parallel_rng_tracker_name,
+    get_expert_parallel_rng_tracker_name,
+)
 
 
 class RouterGatingLinearFunction(torch.autograd.Function):

@@ -18,10 +18,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import require_default_process_groups
 from megatron.core.tensor_parallel.mappings import (
-    _all_to_all, _gather_along_first_dim, all_to_all, gather_from_sequence_parallel_region,
-    reduce_scatter_to_sequence_parallel_region)
-from megatron.core.transformer.moe.moe_utils import (
-    _permute, _sort_chunks, _unpermute, fused_permute_fns, get_capacity)
+    _all_to_all,
+    _gather_along_first_dim,
+    all_to_all,
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from megatron.core.transformer.moe.moe_utils import _permute, _sort_chunks, _unpermute, fused_permute_fns, get_capacity
 
 
 def _size(group) -> int:

@@ -110,5 +110,6 @@ def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_facto
     scaled = torch.where(wavelen > original_max_position / low_freq_factor, inv_freq / factor, inv_freq)
     smooth = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
     blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < original_max_position / high_freq_factor) * ~(wavelen > original_max_position / low_freq_factor)
+    medium = (~(wavelen < original_max_position / high_freq_factor)
+              * ~(wavelen > original_max_position / low_freq_factor))
     return torch.where(medium, blended, scaled)
