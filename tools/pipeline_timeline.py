@@ -87,15 +87,15 @@ class Recorder:
 
 def install(rec: Recorder, on_last_iteration):
     """Wrap the schedule's forward and backward steps, the p2p calls, the optimizer step and the train step."""
-    import megatron.core.pipeline_parallel.schedules as schedules
+    import megatron.core.pipeline_parallel.step as step
     import megatron.training.training as training
     from megatron.core.optimizer.chained_optimizer import ChainedOptimizer
     from megatron.core.optimizer.optimizer import MegatronOptimizer
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-    forward, backward = schedules._forward_step, schedules.backward_step
-    schedules._forward_step = lambda *a, **k: rec.span("forward", "forward", forward, *a, **k)
-    schedules.backward_step = lambda *a, **k: rec.span("backward", "backward", backward, *a, **k)
+    forward, backward = step.forward_microbatch, step.backward_step
+    step.forward_microbatch = lambda *a, **k: rec.span("forward", "forward", forward, *a, **k)
+    step.backward_step = lambda *a, **k: rec.span("backward", "backward", backward, *a, **k)
     timed = P2PCommunicator._timed
     P2PCommunicator._timed = lambda self, name, **k: rec.span(name, "p2p", timed, self, name, **k)
     for cls in (MegatronOptimizer, ChainedOptimizer):
@@ -139,10 +139,11 @@ def main(argv=None):
     opts = p.parse_args(ours)
 
     import torch.distributed as dist
+
+    import pretrain_gpt
     from megatron.core import parallel_state
     from megatron.core.enums import ModelType
     from megatron.training.training import pretrain
-    import pretrain_gpt
 
     rec = Recorder(torch.cuda.is_available(), opts.skip)
 

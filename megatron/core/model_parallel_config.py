@@ -5,23 +5,11 @@ from typing import Callable, Optional
 import torch
 
 from megatron.core._compat_fields import ModelParallelConfigCompat, check_compat_fields
+from megatron.core.utils import lazy_names
 
-
-def resolve_tensor_parallel_weight_shards(tensor_model_parallel_size: int,
-                                          tensor_parallel_num_weight_shards: Optional[int], gtp_weight_remat_size: int,
-                                          shards_field: str = "tensor_parallel_num_weight_shards",
-                                          tp_field: str = "tensor_model_parallel_size") -> tuple:
-    """Megatron's (total weight shards, weight-rematerialisation size) pair made consistent: the shard
-    count (a multiple of TP) decides remat = shards // TP; without it, shards = TP x remat. Weight
-    rematerialisation itself is not implemented here (its config fields accept only their defaults, for
-    which this returns (TP, 1))."""
-    tp = tensor_model_parallel_size
-    if tensor_parallel_num_weight_shards is None:
-        return tp * gtp_weight_remat_size, gtp_weight_remat_size
-    if tensor_parallel_num_weight_shards < tp or tensor_parallel_num_weight_shards % tp:
-        raise ValueError(f"{shards_field} ({tensor_parallel_num_weight_shards}) must be a multiple of "
-                         f"{tp_field} ({tp})")
-    return tensor_parallel_num_weight_shards, tensor_parallel_num_weight_shards // tp
+# Megatron's weight-shard resolver (weight rematerialisation is not built), resolved on first use.
+__getattr__ = lazy_names(__name__, {
+    "resolve_tensor_parallel_weight_shards": "megatron.core._compat.model_parallel_config"})
 
 
 @dataclass

@@ -7,6 +7,11 @@ import logging
 import math
 from typing import Optional, TypedDict
 
+from megatron.core.utils import lazy_names
+
+# Megatron's LR-for-logging helper, which the log line here does not call, resolved on first use.
+__getattr__ = lazy_names(__name__, {"get_canonical_lr_for_logging": "megatron.core._compat.optimizer_param_scheduler"})
+
 logger = logging.getLogger(__name__)
 
 _DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -35,15 +40,6 @@ def combine_param_group_overrides(param_group_overrides) -> ParamGroupOverride:
                 raise ValueError(f"Conflicting overrides for {key}: {combined[key]} and {value}")
             combined[key] = value
     return combined
-
-
-def get_canonical_lr_for_logging(param_groups) -> Optional[float]:
-    """LR of the first group on the default schedule (`default_config`), what the log line shows; None
-    when every group has its own LR override."""
-    for group in param_groups:
-        if group.get("default_config", False):
-            return group.get("lr")
-    return None
 
 
 def param_group_override_to_tuple(param_group_override: Optional[ParamGroupOverride]):

@@ -8,19 +8,12 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron.core import parallel_state as ps
+from megatron.core.utils import lazy_names
+
+# Megatron's metaclass, which no class here uses, resolved on first use.
+__getattr__ = lazy_names(__name__, {"ProcessGroupHelperMeta": "megatron.core._compat.process_groups_config"})
 
 _PG = torch.distributed.ProcessGroup
-
-
-class ProcessGroupHelperMeta(type):
-    """A metaclass whose classes refuse a direct class-level assignment of
-    virtual_pipeline_model_parallel_size (it must go through a setter), as Megatron's."""
-
-    def __setattr__(cls, name, value):
-        if name == "virtual_pipeline_model_parallel_size":
-            raise AttributeError(f"Cannot set '{name}' directly. Use set_virtual_pipeline_model_parallel_size() "
-                                 "method instead.")
-        super().__setattr__(name, value)
 
 
 @dataclass

@@ -37,6 +37,8 @@ from enum import Enum
 import numpy as np
 import torch
 
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
 logger = logging.getLogger(__name__)
 
 EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16
@@ -280,7 +282,6 @@ class RerunStateMachine:
 
     # --- state ---------------------------------------------------------------------------------------------
     def _save_state(self):
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
         self.saved_state = {"random": random.getstate(), "numpy": np.random.get_state(),
                             "torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
                             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available()
@@ -288,7 +289,6 @@ class RerunStateMachine:
                             "other": self.state_save_func() if self.state_save_func else None}
 
     def _restore_state(self):
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
         s = self.saved_state
         random.setstate(s["random"])
         np.random.set_state(s["numpy"])

@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import numpy
 import torch
 
+from megatron.core.datasets import helpers
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 from megatron.core.datasets.utils import log_single_rank, normalize
@@ -83,8 +84,6 @@ class BlendedDataset(torch.utils.data.Dataset):
                 numpy.load(paths["dataset_sample_index.npy"], allow_pickle=True, mmap_mode="r"))
 
     def _build_and_save(self, paths):
-        from megatron.core.datasets import helpers
-
         log_single_rank(logger, logging.INFO, f"Build and save the {type(self).__name__} indices")
         self.built_anew_on_cache_miss = True
         t_beg = time.time()

@@ -13,6 +13,8 @@ from typing import Dict, Optional, Tuple
 import numpy
 import torch
 
+from megatron.core._compat_fields import check_compat_fields
+from megatron.core.datasets import helpers
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.megatron_dataset import MegatronDataset
@@ -48,7 +50,6 @@ class GPTDatasetConfig(GPTDatasetConfigCompat, BlendedMegatronDatasetConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        from megatron.core._compat_fields import check_compat_fields
         check_compat_fields(self, GPTDatasetConfigCompat)
         if self.tokenizer is None:
             raise ValueError("GPTDatasetConfig needs a tokenizer (for its eod and pad ids)")
@@ -196,8 +197,6 @@ class GPTDataset(MegatronDataset):
         return document_index, sample_index, shuffle_index
 
     def _build_indices(self):
-        from megatron.core.datasets import helpers
-
         sequence_length = self.config.sequence_length
         extra = int(self.config.add_extra_token_to_sequence)
         num_tokens_per_epoch = int(numpy.sum(self.dataset.sequence_lengths[self.indices]))

@@ -3,6 +3,8 @@ import importlib
 
 import numpy
 
+from megatron.core.datasets.utils import ensure_helpers_built
+
 _module = None
 
 
@@ -12,8 +14,6 @@ def _helpers_cpp():
         try:
             _module = importlib.import_module("megatron.core.datasets.helpers_cpp")
         except ImportError:
-            from megatron.core.datasets.utils import ensure_helpers_built
-
             ensure_helpers_built()
             importlib.invalidate_caches()
             _module = importlib.import_module("megatron.core.datasets.helpers_cpp")

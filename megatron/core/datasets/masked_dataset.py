@@ -13,6 +13,7 @@ from typing import List, Optional, Tuple
 import numpy
 import torch
 
+from megatron.core.datasets import helpers
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.megatron_dataset import MegatronDataset
@@ -123,7 +124,6 @@ class MaskedWordPieceDataset(MegatronDataset):
         return sample_index
 
     def _build_mapping(self, sequence_length: int, min_sentences_per_sample: int) -> numpy.ndarray:
-        from megatron.core.datasets import helpers
         if len(self.indices) == 0:
             raise ValueError(f"{type(self).__name__} {self.index_split.name} split has no documents; check --split")
         if self.num_samples is not None:

@@ -66,7 +66,7 @@ def _compile() -> None:
     if not _helpers_source_is_newer(so_path):
         return
     try:
-        import pybind11
+        import pybind11  # lazy: a build-time dependency, needed only when helpers.cpp must be compiled
     except ImportError as err:
         raise RuntimeError("building megatron/core/datasets/helpers.cpp needs pybind11: pip install pybind11") from err
     compiler = os.environ.get("CXX", "c++")

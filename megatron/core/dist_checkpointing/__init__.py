@@ -1,7 +1,13 @@
 """Layout-independent checkpoints: sharded state dicts saved and loaded through torch.distributed.checkpoint."""
 from .core import CheckpointingException, check_is_distributed_checkpoint
 from .mapping import (
-    LocalNonpersistentObject, ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, ShardedTensorFactory)
+    LocalNonpersistentObject,
+    ShardedBase,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
 from .serialization import (
     load,
     load_common_state_dict,
@@ -14,6 +20,7 @@ from .serialization import (
 )
 from .strategies.async_utils import AsyncCallsQueue, AsyncRequest
 
-__all__ = ["ShardedTensor", "ShardedObject", "ShardedTensorFactory", "ShardedStateDict", "save", "load", "load_common_state_dict",
-           "load_tensors_metadata", "load_sharded_metadata", "load_plain_tensors", "load_content_metadata", "remove_sharded_tensors", "ShardedBase", "check_is_distributed_checkpoint", "CheckpointingException",
-           "AsyncCallsQueue", "AsyncRequest"]
+__all__ = ["ShardedTensor", "ShardedObject", "ShardedTensorFactory", "ShardedStateDict", "save", "load",
+           "load_common_state_dict", "load_tensors_metadata", "load_sharded_metadata", "load_plain_tensors",
+           "load_content_metadata", "remove_sharded_tensors", "ShardedBase", "check_is_distributed_checkpoint",
+           "CheckpointingException", "AsyncCallsQueue", "AsyncRequest"]

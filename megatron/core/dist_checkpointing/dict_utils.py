@@ -1,15 +1,19 @@
-"""Walk nested state dicts (dicts and lists) and split them into sharded and common parts."""
-from typing import Any, Callable, List, Tuple
+"""Walk nested state dicts (dicts and lists): leaves by path, in-place maps, predicate splits.
 
-import torch
+These helpers know nothing of sharded types, so ``mapping`` (the types) can build on them; the split of
+a state dict into its sharded and common parts lives with its user, ``serialization``. Megatron's other
+generic nested helpers (``diff``, ``merge``, ``nested_values`` ...) live in ``megatron.core._compat``.
+"""
+from typing import Any, Callable, Tuple
 
-from .mapping import ShardedObject, ShardedTensor
+from megatron.core.utils import lazy_names
 
 Path = Tuple[Any, ...]
 
-
-def is_sharded(x) -> bool:
-    return isinstance(x, (ShardedTensor, ShardedObject))
+# Megatron's generic nested helpers that this project does not call, resolved on first use.
+__getattr__ = lazy_names(__name__, {name: "megatron.core._compat.dict_utils" for name in (
+    "diff", "inspect_types", "nested_items_iter", "nested_values", "dict_map", "dict_map_with_key",
+    "dict_list_map_outplace", "merge", "map_reduce")})
 
 
 def iter_leaves(tree, path: Path = ()):
@@ -22,22 +26,6 @@ def iter_leaves(tree, path: Path = ()):
             yield from iter_leaves(v, path + (i,))
     else:
         yield path, tree
-
-
-def split_common(tree) -> Tuple[Any, List[Tuple[Path, Any]]]:
-    """Return ``(common, sharded)``: ``common`` is ``tree`` without sharded leaves (dicts/lists keep their
-    structure, sharded leaves become None in lists and are dropped from dicts); ``sharded`` lists
-    ``(path, leaf)`` for every ShardedTensor/ShardedObject."""
-    sharded = [(p, v) for p, v in iter_leaves(tree) if is_sharded(v)]
-    return _strip(tree), sharded
-
-
-def _strip(tree):
-    if isinstance(tree, dict):
-        return {k: _strip(v) for k, v in tree.items() if not is_sharded(v)}
-    if isinstance(tree, list):
-        return [None if is_sharded(v) else _strip(v) for v in tree]
-    return tree
 
 
 def set_path(tree, path: Path, value) -> None:
@@ -86,8 +74,6 @@ def prune_shells(common, request) -> None:
             del common[k]
 
 
-# ---- Megatron's generic nested dict/list helpers ------------------------------------------------
-
 def _container(x):
     return isinstance(x, (dict, list))
 
@@ -117,78 +103,6 @@ def extract_matching_values(x, predicate: Callable, return_lists_as_dicts: bool 
     return match, rest
 
 
-def diff(x1, x2, prefix: Tuple = ()):
-    """(only_left, only_right, mismatch) key paths between two nested structures; tensors compare
-    element-wise, sharded objects by their data."""
-    if isinstance(x1, dict) and isinstance(x2, dict):
-        left = [prefix + (k,) for k in x1.keys() - x2.keys()]
-        right = [prefix + (k,) for k in x2.keys() - x1.keys()]
-        mismatch = []
-        for k in x1.keys() & x2.keys():
-            sub = diff(x1[k], x2[k], prefix + (k,))
-            left, right, mismatch = left + sub[0], right + sub[1], mismatch + sub[2]
-        return left, right, mismatch
-    if isinstance(x1, (list, tuple)):
-        left = [prefix + (i,) for i in range(len(x2), len(x1))]
-        right = [prefix + (i,) for i in range(len(x1), len(x2))]
-        mismatch = []
-        for i, (a, b) in enumerate(zip(x1, x2)):
-            sub = diff(a, b, prefix + (i,))
-            left, right, mismatch = left + sub[0], right + sub[1], mismatch + sub[2]
-        return left, right, mismatch
-    if hasattr(x1, "replica_id") and hasattr(x2, "replica_id"):
-        return diff(x1.data, x2.data, prefix + (type(x1),))
-    try:
-        if isinstance(x1, torch.Tensor) and isinstance(x2, torch.Tensor):
-            differs = x1.shape != x2.shape or not torch.equal(x1.cpu(), x2.cpu())
-        else:
-            differs = bool(x1 != x2)
-    except (RuntimeError, TypeError, ValueError):
-        differs = True
-    return [], [], [(prefix, type(x1), type(x2))] if differs else []
-
-
-def inspect_types(x, prefix: Tuple = (), indent: int = 4):
-    """Print the nesting of `x` with the type (tensor: shape) of each leaf."""
-    pad = " " * indent * len(prefix)
-    if _container(x):
-        print()
-        for key, value in (x.items() if isinstance(x, dict) else enumerate(x)):
-            print(f"{pad}{'>' if isinstance(x, dict) else '-'} {key}: ", end="")
-            inspect_types(value, prefix + (key,), indent)
-    elif isinstance(x, torch.Tensor):
-        print(f"Tensor of shape {x.shape}")
-    else:
-        text = str(x)
-        print(f"[{type(x)}]: {text[:30] + '... (truncated)' if len(text) > 30 else text}")
-
-
-def nested_items_iter(x):
-    """(container, key, leaf) for every leaf of a nested dict/list."""
-    for key, value in (x.items() if isinstance(x, dict) else enumerate(x)):
-        if _container(value):
-            yield from nested_items_iter(value)
-        else:
-            yield x, key, value
-
-
-def nested_values(x):
-    """Every leaf of a nested dict/list."""
-    return (value for _, _, value in nested_items_iter(x))
-
-
-def dict_map(f: Callable, d: dict):
-    """Replace every leaf v by f(v), in place."""
-    for container, key, value in list(nested_items_iter(d)):
-        container[key] = f(value)
-
-
-def dict_map_with_key(f: Callable, d: dict):
-    """Replace every leaf v under key k by f(k, v), in place."""
-    for container, key, value in list(nested_items_iter(d)):
-        container[key] = f(key, value)
-
-
 def dict_list_map_inplace(f: Callable, x):
     """Map the leaves of nested dicts/lists in place; a bare leaf returns f(leaf)."""
     if isinstance(x, dict):
@@ -199,35 +113,3 @@ def dict_list_map_inplace(f: Callable, x):
         x[:] = [dict_list_map_inplace(f, v) for v in x]
         return x
     return f(x)
-
-
-def dict_list_map_outplace(f: Callable, x):
-    """A new nested dict/list with f applied to every leaf."""
-    if isinstance(x, dict):
-        return {key: dict_list_map_outplace(f, v) for key, v in x.items()}
-    if isinstance(x, list):
-        return [dict_list_map_outplace(f, v) for v in x]
-    return f(x)
-
-
-def merge(x1, x2, key: Tuple = ()):
-    """Merge x2 into x1 recursively (lists element-wise); two leaves at one path is an error."""
-    if isinstance(x1, dict) and isinstance(x2, dict):
-        for k, v in x2.items():
-            x1[k] = merge(x1[k], v, key + (k,)) if k in x1 else v
-        return x1
-    if isinstance(x1, list) and isinstance(x2, list):
-        if len(x1) != len(x2):
-            raise ValueError(f"cannot merge lists of lengths {len(x1)} and {len(x2)} at {key}")
-        x1[:] = [merge(a, b, key + (i,)) for i, (a, b) in enumerate(zip(x1, x2))]
-        return x1
-    raise ValueError(f"two values for one path {key}: {x1!r} and {x2!r}")
-
-
-def map_reduce(xs, key_fn: Callable = lambda x: x, value_fn: Callable = lambda x: x,
-               reduce_fn: Callable = lambda x: x) -> dict:
-    """{key_fn(x): reduce_fn([value_fn(x) for x with that key])} (more_itertools.map_reduce)."""
-    groups = {}
-    for x in xs:
-        groups.setdefault(key_fn(x), []).append(value_fn(x))
-    return {k: reduce_fn(v) for k, v in groups.items()}

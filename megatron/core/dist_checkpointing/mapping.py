@@ -4,10 +4,12 @@ A `ShardedTensor` says "this local tensor is the slice at `global_offset` of the
 of shape `global_shape`". Saving and loading work on these descriptions, so a checkpoint written under
 one parallel layout can be read under another.
 """
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Tuple
 
 import torch
+
+from .dict_utils import dict_list_map_inplace
 
 
 def is_main_replica(replica_id) -> bool:
@@ -129,6 +131,11 @@ class ShardedObject(ShardedBase):
 ShardedStateDict = dict
 
 
+def is_sharded(x) -> bool:
+    """A ShardedTensor or ShardedObject: a leaf saved under a global key rather than in the common state."""
+    return isinstance(x, (ShardedTensor, ShardedObject))
+
+
 @dataclass
 class ShardedTensorFactory(ShardedBase):
     """A tensor saved in another form: `build_fn(key, data, replica_id, flattened_range)` turns it into a
@@ -154,7 +161,6 @@ class ShardedTensorFactory(ShardedBase):
 
 def apply_factories(sharded_state_dict: ShardedStateDict):
     """Replace every ShardedTensorFactory of the (nested) state dict by what it builds, in place."""
-    from .dict_utils import dict_list_map_inplace
     dict_list_map_inplace(lambda x: x.build() if isinstance(x, ShardedTensorFactory) else x, sharded_state_dict)
 
 

@@ -10,13 +10,34 @@ from typing import Any, Dict, Optional
 import torch
 from torch.distributed.checkpoint.api import CheckpointException as DCPException
 
+from megatron.core.utils import lazy_names
+
 from . import dict_utils
 from .core import CONFIG_FNAME, CheckpointingException, maybe_load_config, save_config
 from .mapping import (
-    LocalNonpersistentObject, ShardedObject, ShardedStateDict, ShardedTensor, ShardedTensorFactory, apply_factories,
-    apply_factory_merges)
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+    apply_factories,
+    apply_factory_merges,
+    is_sharded,
+)
 from .strategies import torch as torch_strategy
 from .strategies.async_utils import AsyncRequest
+from .validation import (
+    determine_global_metadata,
+    parse_strict_flag,
+    save_integrity_manifest,
+    sharding_error,
+    verify_checkpoint,
+    verify_integrity_manifest,
+)
+
+# Megatron's default-strategy getters (one answer each: torch_dist), resolved on first use.
+__getattr__ = lazy_names(__name__, {name: "megatron.core._compat.serialization" for name in (
+    "get_default_save_sharded_strategy", "get_default_load_sharded_strategy")})
 
 logger = logging.getLogger(__name__)
 COMMON_FNAME = "common.pt"
@@ -38,8 +59,24 @@ def _to_cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
+def _split_common(tree):
+    """(common, sharded): ``common`` is ``tree`` without sharded leaves (dicts/lists keep their structure,
+    sharded leaves become None in lists and are dropped from dicts); ``sharded`` lists ``(path, leaf)``
+    for every ShardedTensor/ShardedObject."""
+    sharded = [(p, v) for p, v in dict_utils.iter_leaves(tree) if is_sharded(v)]
+    return _strip_sharded(tree), sharded
+
+
+def _strip_sharded(tree):
+    if isinstance(tree, dict):
+        return {k: _strip_sharded(v) for k, v in tree.items() if not is_sharded(v)}
+    if isinstance(tree, list):
+        return [None if is_sharded(v) else _strip_sharded(v) for v in tree]
+    return tree
+
+
 def _prepare(sharded_state_dict: ShardedStateDict, copy_to_cpu: bool):
-    common, sharded = dict_utils.split_common(sharded_state_dict)
+    common, sharded = _split_common(sharded_state_dict)
     tensors = [v for _, v in sharded if isinstance(v, ShardedTensor) and v.is_main_replica()]
     objects = [v for _, v in sharded if isinstance(v, ShardedObject) and v.is_main_replica()]
     for sh in tensors:
@@ -62,7 +99,6 @@ def _split_nonpersistent(sharded_state_dict: ShardedStateDict):
 def _check_sharding(sharded_state_dict, process_group) -> None:
     """Every chunk of every tensor written by exactly one rank: the group's first rank checks, every rank
     raises the same CheckpointingException (none is left waiting in a collective)."""
-    from .validation import determine_global_metadata, sharding_error
     _, global_metadata = determine_global_metadata(sharded_state_dict, process_group)
     verdict = [sharding_error(global_metadata) if _rank_in(process_group) == 0 else None]
     if torch.distributed.is_initialized() and torch.distributed.get_world_size(process_group) > 1:
@@ -131,7 +167,6 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
         if _rank() == 0:
             save_config(None, checkpoint_dir)
             if verify_integrity:
-                from .validation import save_integrity_manifest
                 save_integrity_manifest(checkpoint_dir)
 
     if async_sharded_save:
@@ -161,7 +196,6 @@ def load_common_state_dict(checkpoint_dir: str) -> Dict[str, Any]:
 def load_tensors_metadata(checkpoint_dir: str, sharded_strategy=None) -> Dict[str, ShardedTensor]:
     """``{key: ShardedTensor without data}`` for every tensor of the checkpoint (unsharded: global_shape
     and dtype are what they tell), without reading tensor data."""
-    from .validation import verify_checkpoint
     verify_checkpoint(checkpoint_dir)
     return {key: ShardedTensor.from_rank_offsets(key, torch.empty(shape, dtype=dtype, device="meta")).without_data()
             for key, (shape, dtype) in tensor_shapes(checkpoint_dir).items()}
@@ -170,7 +204,6 @@ def load_tensors_metadata(checkpoint_dir: str, sharded_strategy=None) -> Dict[st
 def load_sharded_metadata(checkpoint_dir: str, sharded_strategy=None) -> Dict[str, Any]:
     """load_tensors_metadata plus a data-less ShardedObject per saved object shard (keyed by its
     unique_key)."""
-    from .validation import verify_checkpoint
     verify_checkpoint(checkpoint_dir)
     md = _read_dcp_metadata(checkpoint_dir)
     out = {}
@@ -247,13 +280,11 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     ShardedTensors ask for, so the saving layout may differ from the loading one.
     """
     if verify_integrity:
-        from .validation import verify_integrity_manifest
         verify_integrity_manifest(checkpoint_dir)
     if sharded_strategy not in (None, "torch_dist") and not isinstance(
             sharded_strategy, (tuple, torch_strategy.TorchDistLoadShardedStrategy)):
         raise ValueError(f"sharded_strategy {sharded_strategy!r} is not supported; use None, 'torch_dist' or "
                          "a TorchDistLoadShardedStrategy")
-    from .validation import parse_strict_flag
     strict = parse_strict_flag(strict).value
     factories, _ = dict_utils.extract_matching_values(
         sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True)
@@ -262,9 +293,9 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     common = load_common_state_dict(checkpoint_dir)
     if isinstance(common, dict):
         common.pop(_CONTENT_METADATA_KEY, None)
-    _, sharded = dict_utils.split_common(sharded_state_dict)
+    _, sharded = _split_common(sharded_state_dict)
     md_keys = set(tensor_shapes(checkpoint_dir)) if strict not in _RAISE_ON_MISSING else None
-    tensors, paths, objects = [], [], []
+    tensors, objects = [], []
     result = {}
     for path, sh in sharded:
         if md_keys is not None and sh.key not in md_keys and isinstance(sh, ShardedTensor):
@@ -316,17 +347,5 @@ def load_plain_tensors(checkpoint_dir: str) -> Dict[str, torch.Tensor]:
 def remove_sharded_tensors(checkpoint_dir: str, key_prefix: str):
     """Drop the tensors and objects whose keys start with ``key_prefix`` from a saved checkpoint
     (e.g. optimizer state before sharing weights). Run it on one process."""
-    from .validation import verify_checkpoint
     verify_checkpoint(checkpoint_dir)
     torch_strategy.TorchDistLoadShardedStrategy().remove_sharded_tensors(checkpoint_dir, key_prefix)
-
-
-def get_default_save_sharded_strategy(backend: str = "torch_dist"):
-    """The save strategy for `backend`: only 'torch_dist' exists here."""
-    if backend != "torch_dist":
-        raise ValueError(f"checkpoint backend {backend!r} is not supported; use 'torch_dist'")
-    return torch_strategy.TorchDistSaveShardedStrategy(backend)
-
-
-def get_default_load_sharded_strategy(checkpoint_dir: Optional[str] = None):
-    return torch_strategy.TorchDistLoadShardedStrategy()

@@ -6,10 +6,20 @@ import json
 import logging
 import os
 from enum import Enum
-from typing import List, Optional, Set, Union
+from typing import List, Optional, Union
 
 import numpy as np
 import torch
+
+from megatron.core.utils import lazy_names
+
+from .core import CheckpointingException, check_is_distributed_checkpoint
+from .dict_utils import iter_leaves
+from .mapping import ShardedObject, is_sharded
+
+# Megatron's strict-load helpers that this package's load does not call, resolved on first use.
+__getattr__ = lazy_names(__name__, {name: "megatron.core._compat.validation" for name in (
+    "adjust_non_strict_load", "maybe_report_missing_and_unexpected_keys", "validate_integrity_and_strict_load")})
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +65,11 @@ def parse_strict_flag(strict: Union[str, StrictHandling]) -> StrictHandling:
 # ---- checks of a load request and of a sharding pattern ---------------------------------------------
 
 def _nested_sharded(sharded_state_dict):
-    from .dict_utils import iter_leaves, is_sharded
     return [v for _, v in iter_leaves(sharded_state_dict) if is_sharded(v)]
 
 
 def verify_checkpoint(checkpoint_dir: str):
     """One-line CheckpointingException unless `checkpoint_dir` holds a complete distributed checkpoint."""
-    from .core import CheckpointingException, check_is_distributed_checkpoint
     if not os.path.isdir(str(checkpoint_dir)):
         raise CheckpointingException(f"Checkpoint directory {checkpoint_dir} does not exist")
     if not check_is_distributed_checkpoint(checkpoint_dir):
@@ -77,68 +85,6 @@ def determine_global_metadata(sharded_state_dict, process_group=None):
     gathered = [None] * torch.distributed.get_world_size(group=process_group)
     torch.distributed.all_gather_object(gathered, local, group=process_group)
     return local, gathered
-
-
-def adjust_non_strict_load(sharded_state_dict, sharded_keys_to_remove: Set[str]):
-    """The state dict without the ShardedTensors/Objects whose key is in `sharded_keys_to_remove`."""
-    from .dict_utils import extract_matching_values, is_sharded
-    _, kept = extract_matching_values(sharded_state_dict,
-                                      lambda x: is_sharded(x) and x.key in sharded_keys_to_remove)
-    return kept
-
-
-def maybe_report_missing_and_unexpected_keys(missing_keys: Set[str], unexpected_keys: Set[str],
-                                             raise_error: bool = True) -> None:
-    """Raise (or log with `raise_error` False) when the request and the checkpoint differ in keys."""
-    from .core import CheckpointingException
-    if not missing_keys and not unexpected_keys:
-        return
-    msg = []
-    if missing_keys:
-        msg.append(f"keys in the checkpoint that no rank requested (missing): {sorted(missing_keys)}")
-    if unexpected_keys:
-        msg.append(f"requested keys that the checkpoint lacks (unexpected, this rank): {sorted(unexpected_keys)}")
-    if raise_error:
-        raise CheckpointingException("; ".join(msg))
-    logger.warning("; ".join(msg))
-
-
-def _missing_and_unexpected(ckpt_sharded_metadata, local_metadata, global_metadata):
-    ckpt_keys = {sh.key for sh in ckpt_sharded_metadata.values()}
-    unexpected = {sh.key for sh in local_metadata} - ckpt_keys
-    missing = set() if global_metadata is None else ckpt_keys - {sh.key for rank in global_metadata for sh in rank}
-    return missing, unexpected
-
-
-def validate_integrity_and_strict_load(sharded_state_dict, strict: StrictHandling, validate_access_integrity: bool,
-                                       local_metadata=None, global_metadata=None, ckpt_sharded_metadata=None):
-    """(request without the keys the checkpoint lacks, missing keys, unexpected keys), handled per
-    `strict` (raise / log / return / ignore); with `validate_access_integrity` the requested sharding
-    is checked too (needs `global_metadata`)."""
-    from .core import CheckpointingException
-    strict = parse_strict_flag(strict)
-    missing, unexpected = set(), set()
-    if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
-        if ckpt_sharded_metadata is None:
-            raise CheckpointingException("Cannot verify checkpoint mismatch with ckpt_sharded_metadata=None.")
-        if local_metadata is None:
-            local_metadata = [sh.without_data() for sh in _nested_sharded(sharded_state_dict)]
-        skip_missing = strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.RAISE_UNEXPECTED,
-                                  StrictHandling.RETURN_UNEXPECTED)
-        missing, unexpected = _missing_and_unexpected(ckpt_sharded_metadata, local_metadata,
-                                                      None if skip_missing else global_metadata)
-        sharded_state_dict = adjust_non_strict_load(sharded_state_dict, unexpected)
-        if strict == StrictHandling.IGNORE_ALL:
-            missing, unexpected = set(), set()
-        elif strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
-            maybe_report_missing_and_unexpected_keys(missing, unexpected, True)
-        elif strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
-            maybe_report_missing_and_unexpected_keys(missing, unexpected, False)
-    if validate_access_integrity:
-        if global_metadata is None:
-            raise CheckpointingException("Cannot check sharding integrity without global_metadata (None).")
-        validate_sharding_integrity(global_metadata)
-    return sharded_state_dict, missing, unexpected
 
 
 def _sharding_errors(key, shards) -> List[str]:
@@ -173,7 +119,6 @@ def validate_sharding_integrity(global_metadata, common_state_dict=None) -> None
     """On global rank 0: every tensor's main replicas cover its chunk grid exactly once, ranks agree on
     dtype and shape, and every ShardedObject shard is written once. CheckpointingException otherwise.
     `common_state_dict` (the state rank 0 writes unsharded) is accepted and not compared across ranks."""
-    from .core import CheckpointingException
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
     error = sharding_error(global_metadata)
@@ -183,7 +128,6 @@ def validate_sharding_integrity(global_metadata, common_state_dict=None) -> None
 
 def sharding_error(global_metadata) -> Optional[str]:
     """validate_sharding_integrity's verdict as a message (None when the pattern is valid), on any rank."""
-    from .mapping import ShardedObject
     by_key = {}
     for rank_metadata in global_metadata:
         for sh in rank_metadata:
@@ -236,7 +180,6 @@ def _integrity_error(checkpoint_dir: str) -> Optional[str]:
 
 def verify_integrity_manifest(checkpoint_dir: str) -> None:
     """Re-hash the files listed in integrity.json (rank 0 reads, every rank gets its verdict)."""
-    from .core import CheckpointingException
     error = [None]
     distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
     if not distributed or torch.distributed.get_rank() == 0:

@@ -6,5 +6,5 @@ from megatron.core.distributed.fully_sharded_data_parallel import FullyShardedDa
 from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
 from megatron.core.distributed.torch_fully_sharded_data_parallel_config import TorchFullyShardedDataParallelConfig
 
-__all__ = ["DistributedDataParallel", "FullyShardedDataParallel", "DistributedDataParallelConfig", "finalize_model_grads",
-           "TorchFullyShardedDataParallel", "TorchFullyShardedDataParallelConfig"]
+__all__ = ["DistributedDataParallel", "FullyShardedDataParallel", "DistributedDataParallelConfig",
+           "finalize_model_grads", "TorchFullyShardedDataParallel", "TorchFullyShardedDataParallelConfig"]

@@ -5,9 +5,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.distributed.wrapped_module import WrappedModule
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer, partition_buckets
+from megatron.core.distributed.wrapped_module import WrappedModule
 from megatron.core.fusions.grad_accumulation import accumulate_into_main_grad
 from megatron.core.process_groups_config import get_pg
 

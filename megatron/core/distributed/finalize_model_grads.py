@@ -7,6 +7,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed.torch_fsdp2_state import local_tensor
 from megatron.core.process_groups_config import get_pg, get_pg_size
+from megatron.core.transformer.moe.router import finalize_router_state
+from megatron.core.utils import lazy_names
+
+# Megatron's reset of per-step router statistics, which the loop here does not call, resolved on first use.
+__getattr__ = lazy_names(__name__, {"reset_model_temporary_tensors": "megatron.core._compat.finalize_model_grads"})
 
 
 def _unwrap(model_chunk):
@@ -117,7 +122,6 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
     _stop(config, "embedding-grads-all-reduce")
 
     if getattr(config, "num_moe_experts", None):
-        from megatron.core.transformer.moe.router import finalize_router_state
         finalize_router_state([_unwrap(chunk) for chunk in model], config)
 
     if num_tokens is not None:
@@ -134,16 +138,3 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
             scaling = 1.0 / num_tokens.item()
             for chunk in model:
                 chunk.scale_gradients(scaling)
-
-
-def reset_model_temporary_tensors(config, model: List[torch.nn.Module]):
-    """Forget the per-step MoE router statistics (token counts behind the expert-bias update and the
-    global-batch aux loss), e.g. after a skipped iteration, so the next step starts from zero."""
-    for chunk in model:
-        for module in _unwrap(chunk).modules():
-            if getattr(config, "moe_router_enable_expert_bias", False) and \
-                    getattr(module, "local_tokens_per_expert", None) is not None:
-                module.local_tokens_per_expert.zero_()
-            if getattr(module, "global_tokens_per_expert", None) is not None:
-                module.global_tokens_per_expert.zero_()
-                module.ga_steps = 0

@@ -5,6 +5,7 @@ import dataclasses
 
 from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
+from megatron.core.process_groups_config import require_default_process_groups
 
 _STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -25,7 +26,6 @@ class FullyShardedDataParallel:
 
     def __new__(cls, config, ddp_config, module, fsdp_unit_modules=None, disable_bucketing=False, device=None,
                 pg_collection=None):
-        from megatron.core.process_groups_config import require_default_process_groups
         strategy = ddp_config.data_parallel_sharding_strategy
         if strategy not in _STRATEGIES:
             raise ValueError(f"data_parallel_sharding_strategy {strategy!r}: use one of {', '.join(_STRATEGIES)}")

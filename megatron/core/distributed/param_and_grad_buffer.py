@@ -6,23 +6,21 @@ into buckets (in reverse parameter order, roughly the order backward produces gr
 with one collective each: all-reduce, or reduce-scatter when the distributed optimizer owns 1/DP of
 every bucket. With the distributed optimizer the updated params come back with one all-gather per bucket.
 """
-import enum
 import math
 from typing import Dict, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron.core.utils import lazy_names
+
+# Megatron's buffer-kind enum, which the buffers here do not use, resolved on first use.
+__getattr__ = lazy_names(__name__, {"BufferType": "megatron.core._compat.param_and_grad_buffer"})
+
 # The *_single names are newer than torch 2.4; the *_tensor collectives are the same operation.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-
-
-class BufferType(enum.Enum):
-    """The two flat buffers of a bucket: params (distributed optimizer only) and grads."""
-    PARAM = 1
-    GRAD = 2
 
 def _is_gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"

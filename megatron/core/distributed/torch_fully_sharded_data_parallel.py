@@ -15,11 +15,12 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from megatron.core import parallel_state
+from megatron.core.distributed.torch_fsdp2_state import full_local_tensor, is_dtensor, megatron_attributes, shard_like
 from megatron.core.distributed.wrapped_module import WrappedModule
-from megatron.core.distributed.torch_fsdp2_state import (
-    full_local_tensor, is_dtensor, megatron_attributes, shard_like)
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
 def _innermost(module):
@@ -29,7 +30,6 @@ def _innermost(module):
 
 
 def _default_wrap_types():
-    from megatron.core.transformer.transformer_layer import TransformerLayer
     return (TransformerLayer,)
 
 
@@ -37,8 +37,7 @@ class TorchFullyShardedDataParallel(WrappedModule):
     def __init__(self, config, ddp_config, module: torch.nn.Module, sub_modules_to_wrap=None,
                  reshard_after_forward: bool = True, **unused):
         super().__init__()
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import fully_shard  # lazy: ~0.9 s to import (DTensor), only with --use-torch-fsdp2
 
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             raise NotImplementedError("--use-torch-fsdp2 with --pipeline-model-parallel-size > 1 is not "

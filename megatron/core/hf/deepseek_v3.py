@@ -24,6 +24,8 @@ The multi-token prediction depth is not converted (transformers does not build i
 """
 import torch
 
+from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
+
 from .family import Family, Rule, need, rope_scaling, rope_theta
 from .layout import COPY, VOCAB, Transform
 from .moe import mlp_rules
@@ -97,7 +99,8 @@ def expected_shape(name: str, cfg: dict, hidden: int, padded_vocab: int):
     shared_f = (moe_f or 0) * (cfg.get("n_shared_experts") or 0)
     table = [("word_embeddings.weight", (padded_vocab, hidden)), ("output_layer.weight", (padded_vocab, hidden)),
              ("linear_q_down_proj.weight", (q_lora, hidden)), ("q_layernorm.weight", (q_lora,)),
-             ("linear_q_up_proj.weight", (n * (nope + pe), q_lora)), ("linear_q_proj.weight", (n * (nope + pe), hidden)),
+             ("linear_q_up_proj.weight", (n * (nope + pe), q_lora)),
+             ("linear_q_proj.weight", (n * (nope + pe), hidden)),
              ("linear_kv_down_proj.weight", (kv_lora + pe, hidden)), ("kv_layernorm.weight", (kv_lora,)),
              ("linear_kv_up_proj.weight", (n * (nope + v), kv_lora)), ("linear_proj.weight", (hidden, n * v)),
              ("router.weight", (E, hidden)), ("router.expert_bias", (E,)),
@@ -183,7 +186,6 @@ def config_to_flags(cfg: dict):
 
 
 def _leading_dense(args) -> int:
-    from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
     pattern = moe_layer_pattern(args.moe_layer_freq, args.num_layers)
     k = pattern.index(1) if 1 in pattern else len(pattern)
     if any(p != 1 for p in pattern[k:]):

@@ -50,7 +50,8 @@ def config_to_flags(cfg: dict):
             ("--ffn-hidden-size", cfg.get("n_inner") or 4 * h), ("--num-attention-heads", cfg["n_head"]),
             ("--max-position-embeddings", cfg["n_positions"]), ("--position-embedding-type", "learned_absolute"),
             ("--normalization", "LayerNorm"), ("--norm-epsilon", cfg.get("layer_norm_epsilon", 1e-5)),
-            *([("--openai-gelu", None)] if _ACTS[act] else []), ("--attention-dropout", float(cfg.get("attn_pdrop", 0.1))),
+            *([("--openai-gelu", None)] if _ACTS[act] else []),
+            ("--attention-dropout", float(cfg.get("attn_pdrop", 0.1))),
             ("--hidden-dropout", float(cfg.get("resid_pdrop", 0.1)))]
 
 
@@ -60,7 +61,8 @@ def args_to_config(args, vocab_size: int) -> dict:
     return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=args.hidden_size,
                 n_layer=args.num_layers, n_head=args.num_attention_heads, n_inner=args.ffn_hidden_size,
                 n_positions=args.max_position_embeddings, layer_norm_epsilon=args.norm_epsilon,
-                activation_function="gelu_new" if args.openai_gelu else "gelu", vocab_size=vocab_size, tie_word_embeddings=True,
+                activation_function="gelu_new" if args.openai_gelu else "gelu", vocab_size=vocab_size,
+                tie_word_embeddings=True,
                 attn_pdrop=args.attention_dropout, resid_pdrop=args.hidden_dropout,
                 embd_pdrop=args.hidden_dropout)
 

@@ -18,8 +18,8 @@ SINGLE_NAME = "model.safetensors"
 
 def _safetensors():
     try:
-        import safetensors.torch  # noqa: F401
-        from safetensors import safe_open
+        import safetensors.torch  # noqa: F401  # lazy: optional dependency, needed only for HF conversion
+        from safetensors import safe_open  # lazy: optional dependency, needed only for HF conversion
     except ImportError as e:
         raise ImportError("Hugging Face conversion needs the 'safetensors' package: pip install safetensors") from e
     return safe_open
@@ -106,7 +106,7 @@ class ShardedSafetensorsWriter:
         self.total += n
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # lazy: optional dependency, needed only for HF conversion
         tmp = f"model-{len(self._shards) + 1:05d}.safetensors.tmp"
         save_file(self._buf, os.path.join(self.out_dir, tmp), metadata={"format": "pt"})
         self._shards.append((tmp, list(self._buf)))

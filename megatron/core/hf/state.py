@@ -40,7 +40,8 @@ def shapes_from_flags(flags: List[Tuple[str, object]], vocab_size: int, padded_v
 def expected_shape(name: str, s: Shapes) -> Tuple[int, ...]:
     d = s.dims
     qkv = (d.num_heads + 2 * d.num_groups) * d.head_dim
-    table = {"word_embeddings.weight": (d.padded_vocab_size, s.hidden), "output_layer.weight": (d.padded_vocab_size, s.hidden),
+    table = {"word_embeddings.weight": (d.padded_vocab_size, s.hidden),
+             "output_layer.weight": (d.padded_vocab_size, s.hidden),
              "position_embeddings.weight": (s.positions, s.hidden), "linear_qkv.weight": (qkv, s.hidden),
              "linear_qkv.bias": (qkv,), "linear_proj.weight": (s.hidden, d.num_heads * d.head_dim),
              "linear_proj.bias": (s.hidden,), "linear_fc1.weight": ((2 if s.glu else 1) * s.ffn, s.hidden),
@@ -93,7 +94,8 @@ def hf_to_ours(family: Family, cfg: dict, shapes: Shapes, reader, where: str) ->
             if len(hf_names) > 4:  # stacked experts: name the range and the shapes seen
                 got = (f"{hf_names[0]} .. {hf_names[-1]} (shapes "
                        f"{', '.join(str(x) for x in sorted({tuple(t.shape) for t in metas}))})")
-            raise ValueError(f"{where}: {got} do not match config.json (expected {name} of shape {want}) {detail}".strip())
+            raise ValueError(
+                f"{where}: {got} do not match config.json (expected {name} of shape {want}) {detail}".strip())
         make = partial(_make, rule.transform, hf_names, reader.get, shapes.dims)
         out.append((name, want, result.dtype, rule.stride, make))
     return out
@@ -103,7 +105,8 @@ def _make(transform, hf_names, get, dims):
     return transform.to_ours([get(n) for n in hf_names], dims)
 
 
-def ours_to_hf(family: Family, cfg: dict, shapes: Shapes, get_layer: Callable[[List[Tuple[str, int]]], Dict[str, torch.Tensor]]
+def ours_to_hf(family: Family, cfg: dict, shapes: Shapes,
+               get_layer: Callable[[List[Tuple[str, int]]], Dict[str, torch.Tensor]]
                ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor); ``get_layer([(name, stride)])`` reads one layer's (or the globals') tensors."""
     batches: Dict[int, list] = {}

@@ -19,6 +19,7 @@ from typing import Callable, List, Optional, Sequence, Union
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.fusions.compile import _raise_recompile_limit
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.inference.cuda_graphs import DecodeGraphs, bucket
 from megatron.core.inference.inference_request import InferenceRequest, Status
@@ -36,7 +37,6 @@ def _compiled(step_fn, backend: str = "inductor"):
     """torch.compile(step_fn) with dynamic batch / KV length (one compile serves every graph bucket but
     batch 1, which torch specializes); on a compile error, a warning and the eager step from then on
     (``run.fell_back`` then says so)."""
-    from megatron.core.fusions.compile import _raise_recompile_limit
     _raise_recompile_limit()
     compiled = torch.compile(step_fn, dynamic=True, backend=backend)
     state = {"fn": compiled}
@@ -201,7 +201,7 @@ class InferenceEngine:
     # ---------------------------------------------------------------- prefill
     def _prefill(self, reqs: List[InferenceRequest], finished) -> None:
         """Batched prefill of requests that need only next-token logits; one by one for prompt log-probs."""
-        batch, budget = [], 0
+        batch = []
         for req in sorted(reqs, key=lambda r: len(r.prompt_tokens)):
             if req.sampling_params.return_log_probs:
                 self._prefill_batch([req], finished, all_logits=True)

@@ -10,6 +10,7 @@ from typing import Optional, Protocol
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -66,7 +67,6 @@ class LocalSpecProvider(BackendSpecProvider):
     def grouped_mlp_modules(self, moe_use_grouped_gemm: bool):
         """Experts: all local experts in two grouped GEMMs when asked (Megatron's local backend always
         loops; ours has a grouped GEMM without Transformer Engine), else a loop of MLPs."""
-        from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, SequentialMLP, TEGroupedMLP
         if moe_use_grouped_gemm:
             return ModuleSpec(module=TEGroupedMLP, submodules=GroupedMLPSubmodules(
                 linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))

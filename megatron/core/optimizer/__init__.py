@@ -5,19 +5,38 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from megatron.core.optimizer.chained_optimizer import ChainedOptimizer
-from megatron.core.optimizer.clip_grads import clip_grad_norm_fp32, count_zeros_fp32, get_grad_norm_fp32
+from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.optimizer.config_overrides import (
-    check_config_overrides_consistency, get_mup_config_overrides, get_standard_config_overrides,
-    is_managed_by_layer_wise_optimizer, param_groups_from_overrides, trainable_named_parameters)
+    check_config_overrides_consistency,
+    param_groups_from_overrides,
+    trainable_named_parameters,
+)
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.optimizer.optimizer import (
-    Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer, param_group_identifier_keys)
-from megatron.core.optimizer.optimizer_config import (  # noqa: F401
-    AdamOptimizerConfig, OptimizerConfig, ParamKey, ParamPredicate, ParamWithNamePredicate, SGDOptimizerConfig)
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+    MegatronOptimizer,
+    param_group_identifier_keys,
+)
+from megatron.core.optimizer.optimizer_config import (
+    AdamOptimizerConfig,
+    OptimizerConfig,
+    ParamKey,
+    ParamPredicate,
+    ParamWithNamePredicate,
+    SGDOptimizerConfig,
+)
+from megatron.core.utils import lazy_names
 
-# Megatron's flag for its optional emerging-optimizers package (Muon, SOAP, Lion...): none here.
-HAVE_EMERGING_OPTIMIZERS = False
+# Megatron's names that this package's own code does not call (the _compat room), resolved on first use.
+__getattr__ = lazy_names(__name__, {
+    "clip_grad_norm_fp32": "megatron.core._compat.clip_grads", "count_zeros_fp32": "megatron.core._compat.clip_grads",
+    "get_standard_config_overrides": "megatron.core._compat.optimizer",
+    "get_mup_config_overrides": "megatron.core._compat.optimizer",
+    "is_managed_by_layer_wise_optimizer": "megatron.core._compat.optimizer",
+    "HAVE_EMERGING_OPTIMIZERS": "megatron.core._compat.optimizer",
+})
 
 
 def _is_embedding_or_output(name: str, param) -> bool:
@@ -154,8 +173,8 @@ def _is_moe(model_chunks) -> bool:
 
 __all__ = [
     "OptimizerConfig", "get_megatron_optimizer", "MegatronOptimizer", "FP32Optimizer",
-    "Float16OptimizerWithFloat16Params", "DistributedOptimizer", "ChainedOptimizer", "ConstantGradScaler", "DynamicGradScaler",
-    "MegatronGradScaler", "clip_grad_norm_fp32", "count_zeros_fp32", "get_grad_norm_fp32",
+    "Float16OptimizerWithFloat16Params", "DistributedOptimizer", "ChainedOptimizer", "ConstantGradScaler",
+    "DynamicGradScaler", "MegatronGradScaler", "clip_grad_norm_fp32", "count_zeros_fp32", "get_grad_norm_fp32",
     "get_standard_config_overrides", "get_mup_config_overrides", "check_config_overrides_consistency",
     "param_group_identifier_keys",
 ]

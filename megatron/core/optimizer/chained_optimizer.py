@@ -8,6 +8,35 @@ import torch
 from megatron.core.optimizer.clip_grads import clip_coefficient, clip_grad_by_total_norm_fp32
 
 
+class ProxyDict:
+    """A dict view over a list of dicts, keyed (index, inner key): ChainedOptimizer.state, where the
+    inner optimizers' states stay separate."""
+
+    def __init__(self, inner_dicts: List[dict]):
+        self._inner_dicts = inner_dicts
+
+    def __getitem__(self, key):
+        idx, inner_key = key
+        return self._inner_dicts[idx].get(inner_key)
+
+    def __setitem__(self, key, value):
+        idx, inner_key = key
+        self._inner_dicts[idx][inner_key] = value
+
+    def __len__(self) -> int:
+        return sum(len(d) for d in self._inner_dicts)
+
+    def __iter__(self):
+        for idx, inner in enumerate(self._inner_dicts):
+            for inner_key in inner:
+                yield idx, inner_key
+
+    def items(self):
+        for idx, inner in enumerate(self._inner_dicts):
+            for inner_key, value in inner.items():
+                yield (idx, inner_key), value
+
+
 class ChainedOptimizer:
     """Steps `chained_optimizers` together: a skipped step (inf/nan in any) skips all of them; the
     grad norm is the L2 norm over all their grads and each clips with it."""
@@ -23,7 +52,6 @@ class ChainedOptimizer:
     @property
     def state(self):
         """The inner optimizers' states as one mapping keyed (optimizer index, param)."""
-        from megatron.core.optimizer.optimizer import ProxyDict
         return ProxyDict([opt.state for opt in self.chained_optimizers])
 
     def get_parameters(self) -> List[torch.Tensor]:

@@ -5,12 +5,18 @@ params replicated across TP (norms, biases of row-parallel layers) count only on
 tied output weight that duplicates the word embedding counts only on the first pipeline stage.
 """
 import math
-from typing import Iterable, List, Optional, Sequence, Union
+from typing import List, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.utils import lazy_names
+
+# Megatron's whole-model helpers that the optimizers here do not call (they count and clip their main
+# grads with the functions below), resolved on first use.
+__getattr__ = lazy_names(__name__, {name: "megatron.core._compat.clip_grads"
+                                    for name in ("clip_grad_norm_fp32", "count_zeros_fp32")})
 
 
 def param_is_not_tensor_parallel_duplicate(param) -> bool:
@@ -96,31 +102,8 @@ def clip_grad_by_total_norm_fp32(parameters, max_norm: Union[int, float], total_
         torch._foreach_mul_(grads, clip_coeff)
 
 
-def clip_grad_norm_fp32(parameters, max_norm: float, norm_type: Union[int, float] = 2,
-                        grad_stats_parallel_group=None) -> float:
-    """Clip `.grad` of `parameters` to a global norm `max_norm`; return the norm before clipping."""
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    params = [p for p in parameters if p.grad is not None]
-    grads_for_norm = [p.grad for p in params if param_counts_for_grad_stats(p)]
-    total = get_grad_norm_fp32(grads_for_norm, norm_type, grad_stats_parallel_group)
-    if max_norm > 0:
-        clip_grad_by_total_norm_fp32(params, max_norm, total)
-    return total
 
 
-def count_zeros_fp32(parameters, grad_stats_parallel_group, use_decoupled_grad: bool = False, tp_group=None,
-                     expert_tp_group=None) -> float:
-    """Number of exactly-zero grad elements across `grad_stats_parallel_group` (`--log-num-zeros-in-grad`),
-    each element counted once: shared params on the first stage, TP-replicated ones on TP rank 0
-    (of `tp_group` / `expert_tp_group` when given)."""
-    from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate as not_tp_dup
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    counted = [p for p in parameters if param_is_not_shared(p)
-               and (not_tp_dup(p, tp_group, expert_tp_group) if tp_group is not None or expert_tp_group is not None
-                    else param_is_not_tensor_parallel_duplicate(p))]
-    return count_zeros_in_grads(_grads_of(counted, use_decoupled_grad), grad_stats_parallel_group)
 
 
 def count_zeros_in_grads(grads_for_count: Sequence[torch.Tensor], grad_stats_parallel_group=None) -> float:

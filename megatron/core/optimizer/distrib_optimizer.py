@@ -11,28 +11,20 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.optimizer import optimizer_state
 from megatron.core.optimizer.optimizer import (
-    MixedPrecisionOptimizer, _model_grad, copy_optimizer_param_metadata, copy_tensor_model_parallel_attributes)
+    MixedPrecisionOptimizer,
+    _model_grad,
+    copy_optimizer_param_metadata,
+    copy_tensor_model_parallel_attributes,
+)
+from megatron.core.utils import lazy_names
+
+# Megatron's span type, which the optimizer here does not use (it keeps (start, end) tuples).
+__getattr__ = lazy_names(__name__, {"Range": "megatron.core._compat.distrib_optimizer"})
 
 # all_gather_single is newer than torch 2.4; all_gather_into_tensor is the same operation.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class Range:
-    """A [start, end) span of a flat buffer (Megatron's type; the optimizer here keeps plain tuples)."""
-
-    def __init__(self, start: int, end: int):
-        self.start, self.end, self.size = start, end, end - start
-
-    def normalize(self, start: int = 0) -> "Range":
-        """The same size, moved to begin at ``start``."""
-        return Range(start, start + self.size)
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __repr__(self) -> str:
-        return f"{self.start},{self.end} [{self.size}]"
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
@@ -134,8 +126,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     # -- checkpointing: gather each param's full (TP-local) state across DP, scatter on load ----
     def param_state_for_save(self):
-        from megatron.core.optimizer import optimizer_state
-
         optimizer_state.init_state(self)
         keys = sorted({k for main in self.shard_ranges for k in self.optimizer.state[main] if k != "step"})
         if any(p.dtype != torch.float32 for p in self.param_to_buffer_bucket):
@@ -172,8 +162,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return full
 
     def set_param_state_from_load(self, model_param_state):
-        from megatron.core.optimizer import optimizer_state
-
         optimizer_state.init_state(self)
         for main, (param, lo, hi) in self.shard_ranges.items():
             for key, value in model_param_state.get(param, {}).items():

@@ -19,7 +19,7 @@ from megatron.core.fusions.triton_loader import triton_loader
 
 
 def _load():
-    from megatron.core.fusions._triton_adamw import adamw_step
+    from megatron.core.fusions._triton_adamw import adamw_step  # lazy: imports triton (CUDA only, optional)
     return adamw_step
 
 

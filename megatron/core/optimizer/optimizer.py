@@ -6,7 +6,7 @@ count zeros -> inner step -> copy main params back to the model params. Returns
 `(update_successful, grad_norm, num_zeros_in_grad)`.
 """
 from contextlib import contextmanager
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -15,9 +15,20 @@ from megatron.core import parallel_state
 from megatron.core.distributed.torch_fsdp2_state import full_local_tensor, shard_like
 from megatron.core.optimizer import optimizer_state
 from megatron.core.optimizer.clip_grads import (
-    clip_coefficient, clip_grad_by_total_norm_fp32, count_zeros_in_grads, get_grad_norm_fp32, param_counts_for_grad_stats)
+    clip_coefficient,
+    clip_grad_by_total_norm_fp32,
+    count_zeros_in_grads,
+    get_grad_norm_fp32,
+    param_counts_for_grad_stats,
+)
 from megatron.core.optimizer.fused_adamw import triton_adamw_applies, triton_adamw_step
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.utils import lazy_names
+
+# Megatron's path for the chained optimizer and its state view, defined in chained_optimizer.py (which
+# wraps this module's optimizers), resolved on first use.
+__getattr__ = lazy_names(__name__, {name: "megatron.core.optimizer.chained_optimizer"
+                                    for name in ("ChainedOptimizer", "ProxyDict")})
 
 
 def _model_grad(param):
@@ -36,35 +47,6 @@ def copy_optimizer_param_metadata(destination: torch.Tensor, source: torch.Tenso
     for attr in ("allreduce", "shared", "grad_norm_group"):
         if hasattr(source, attr):
             setattr(destination, attr, getattr(source, attr))
-
-
-class ProxyDict:
-    """A dict view over a list of dicts, keyed (index, inner key): ChainedOptimizer.state, where the
-    inner optimizers' states stay separate."""
-
-    def __init__(self, inner_dicts: List[dict]):
-        self._inner_dicts = inner_dicts
-
-    def __getitem__(self, key):
-        idx, inner_key = key
-        return self._inner_dicts[idx].get(inner_key)
-
-    def __setitem__(self, key, value):
-        idx, inner_key = key
-        self._inner_dicts[idx][inner_key] = value
-
-    def __len__(self) -> int:
-        return sum(len(d) for d in self._inner_dicts)
-
-    def __iter__(self):
-        for idx, inner in enumerate(self._inner_dicts):
-            for inner_key in inner:
-                yield idx, inner_key
-
-    def items(self):
-        for idx, inner in enumerate(self._inner_dicts):
-            for inner_key, value in inner.items():
-                yield (idx, inner_key), value
 
 
 def copy_tensor_model_parallel_attributes(dst, src):
@@ -412,6 +394,3 @@ class FP32Optimizer(Float16OptimizerWithFloat16Params):
     def __init__(self, optimizer, config, init_state_fn=None, grad_scaler=None):
         super().__init__(optimizer, config, grad_scaler=grad_scaler, init_state_fn=init_state_fn)
         assert all(m is p for m, p in self.main_to_model.items()), "FP32Optimizer got non-fp32 params"
-
-
-from megatron.core.optimizer.chained_optimizer import ChainedOptimizer  # noqa: E402,F401  (Megatron's path)

@@ -6,7 +6,7 @@ order and its senders produce them in the same order, so the queue head is alway
 """
 from collections import deque
 
-from megatron.core.pipeline_parallel.schedules import _GradSync, _forward_step, backward_step
+from megatron.core.pipeline_parallel import step as microbatch
 from megatron.core.pipeline_parallel.utils import deallocate_output_tensor, incoming
 
 
@@ -32,7 +32,7 @@ def run_interleaved(forward_step_func, iterators, models, comm, plan_of, state, 
     pp, rank, num_chunks = comm.world_size, comm.rank, len(models)
     plan = plan_of(rank)
     q = _Queues(num_chunks)
-    sync = _GradSync(config, models)
+    sync = microbatch.GradSync(config, models)
     sync.disable_all()
     last_backward = _last_backward_calls(plan)
     param_sync = getattr(config, "param_sync_func", None)
@@ -55,7 +55,7 @@ def run_interleaved(forward_step_func, iterators, models, comm, plan_of, state, 
             funcs[c if len(funcs) > 1 else 0](models[c].parameters())
         started.add(c)
         inp = None if is_first_vstage(c) else q.inputs[c].popleft()
-        out = _forward_step(forward_step_func, iterators[c], models[c], inp, state,
+        out = microbatch.forward_microbatch(forward_step_func, iterators[c], models[c], inp, state,
                             is_last_vstage(c))
         if not state.forward_only:
             q.in_flight[c].append((inp, out))
@@ -70,7 +70,7 @@ def run_interleaved(forward_step_func, iterators, models, comm, plan_of, state, 
         out_grad = None if is_last_vstage(c) else q.grads[c].popleft()
         if last_backward[c] == call:
             sync.enable(c)
-        in_grad = backward_step(inp, out, out_grad, config)
+        in_grad = microbatch.backward_step(inp, out, out_grad, config)
         if last_backward[c] == call:
             sync.chunk_done(c)
         return in_grad if plan.sends_prev(call) is not None else None

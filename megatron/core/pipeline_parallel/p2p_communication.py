@@ -14,6 +14,13 @@ from typing import List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.utils import current_device
+from megatron.core.utils import lazy_names
+
+# Megatron's shape test, which the one-tensor communicator here does not need, resolved on first use.
+__getattr__ = lazy_names(__name__, {"is_single_shape": "megatron.core._compat.p2p_communication"})
+
 Shape = Union[List[int], Tuple[int, ...], torch.Size]
 
 
@@ -23,11 +30,6 @@ def get_tensor_shape(config, seq_length: int, micro_batch_size: int) -> Tuple[in
     if getattr(config, "sequence_parallel", False):
         seq = seq // config.tensor_model_parallel_size
     return (seq, micro_batch_size, config.hidden_size)
-
-
-def is_single_shape(x) -> bool:
-    """True for one tensor shape (a torch.Size or a sequence of ints), False for a list of shapes."""
-    return isinstance(x, torch.Size) or (isinstance(x, (list, tuple)) and all(isinstance(d, int) for d in x))
 
 
 def get_pipeline_dtype(config) -> torch.dtype:
@@ -80,8 +82,6 @@ class P2PCommunicator:
         return timers(name, log_level=2) if timers is not None else _NullTimer()
 
     def _empty(self, shape: Shape, requires_grad: bool) -> torch.Tensor:
-        from megatron.core.pipeline_parallel.utils import current_device
-
         return torch.empty(tuple(shape), dtype=self.dtype, device=current_device(),
                            requires_grad=requires_grad)
 
@@ -193,7 +193,4 @@ class P2PCommunicator:
 
 def default_communicator(config) -> P2PCommunicator:
     """Communicator on the registered pipeline group (megatron.core.parallel_state)."""
-    from megatron.core import parallel_state
-
     return P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), config)
-

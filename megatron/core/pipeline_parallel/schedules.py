@@ -5,20 +5,29 @@ plug in through ``forward_step_func(data_iterator, model) -> (output_tensor, los
 hooks on the model config (``no_sync_func``, ``finalize_model_grads_func``, ``grad_scale_func``,
 ``grad_sync_func``, ``param_sync_func``, ``timers``).
 """
-import contextlib
 from collections import deque
 from functools import lru_cache
-from typing import Callable, Iterator, List, Optional, Union
-
-import torch
+from typing import Iterator, List, Optional, Union
 
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel.p2p_communication import (
-    P2PCommunicator, default_communicator, get_tensor_shape)
-from megatron.core.pipeline_parallel.utils import (
-    current_device, custom_backward, deallocate_output_tensor, make_plan)
+from megatron.core.pipeline_parallel import step
+from megatron.core.pipeline_parallel.interleaved import run_interleaved
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, default_communicator, get_tensor_shape
+from megatron.core.pipeline_parallel.utils import deallocate_output_tensor, make_plan
 from megatron.core.process_groups_config import get_pg, get_pg_size
-from megatron.core.utils import get_attr_wrapped_model, get_model_config
+from megatron.core.utils import get_model_config, lazy_names
+
+_COMPAT = "megatron.core._compat.schedules"
+# Megatron's schedules path for the per-step pieces defined in step.py / utils.py, and for its public
+# per-step helpers that the schedules here do not call (the _compat room), resolved on first use.
+__getattr__ = lazy_names(__name__, {
+    "backward_step": "megatron.core.pipeline_parallel.step",
+    "custom_backward": "megatron.core.pipeline_parallel.utils",
+    "forward_step": _COMPAT, "forward_step_calc_loss": _COMPAT, "backward_step_multimodule": _COMPAT,
+    "check_first_val_step": _COMPAT, "get_tensor_device": _COMPAT, "get_schedule_table": _COMPAT,
+    "get_pp_rank_microbatches": _COMPAT, "get_tensor_shapes": _COMPAT,
+    "clear_embedding_activation_buffer": _COMPAT, "finish_embedding_wgrad_compute": _COMPAT,
+})
 
 
 def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None,
@@ -54,163 +63,7 @@ def _communicator(p2p_communicator, pg_collection, config) -> P2PCommunicator:
 
 # ---- shared helpers --------------------------------------------------------------------------------
 
-class _NullTimer:
-    def start(self, barrier=False):
-        pass
-
-    def stop(self, barrier=False):
-        pass
-
-
-def _timer(config, name, log_level=2):
-    timers = getattr(config, "timers", None)
-    return timers(name, log_level=log_level) if timers is not None else _NullTimer()
-
-
-def _as_list(x) -> list:
-    return list(x) if isinstance(x, (list, tuple)) else [x]
-
-
-class _RunState:
-    """What one call of a schedule accumulates: loss dicts and the token count; and the explicit process
-    groups it runs on (None: parallel_state's)."""
-
-    def __init__(self, config, num_microbatches, forward_only, collect_non_loss_data, pg_collection=None):
-        self.config = config
-        self.pg_collection = pg_collection
-        self.num_microbatches = num_microbatches
-        self.forward_only = forward_only
-        self.collect_non_loss_data = collect_non_loss_data
-        self.forward_data_store = []
-        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=current_device())
-
-
-def _forward_step(forward_step_func: Callable, data_iterator, model, input_tensor, state: _RunState,
-                  is_last_stage: bool, checkpoint_activations_microbatch=None) -> torch.Tensor:
-    """Run one micro-batch through one model chunk; on the last stage turn the output into the
-    (scaled) loss that backward starts from, and record its loss dict."""
-    config = state.config
-    timer = _timer(config, "forward-compute")
-    timer.start()
-    get_attr_wrapped_model(model, "set_input_tensor")(input_tensor)
-    autocast = contextlib.nullcontext()
-    if getattr(config, "enable_autocast", False):
-        autocast = torch.autocast(current_device().type, dtype=config.autocast_dtype)
-    with autocast:
-        if checkpoint_activations_microbatch is None:
-            output_tensor, loss_func = forward_step_func(data_iterator, model)
-        else:
-            output_tensor, loss_func = forward_step_func(data_iterator, model, checkpoint_activations_microbatch)
-    if is_last_stage:
-        output_tensor = _apply_loss(loss_func, output_tensor, state)
-    if getattr(config, "num_moe_experts", None):
-        _set_moe_aux_loss_scale(config, state)
-    timer.stop()
-    return output_tensor
-
-
-def _set_moe_aux_loss_scale(config, state: _RunState):
-    """MoE auxiliary losses enter backward with the lm loss's gradient scale: the fp16 loss scale, divided
-    by the micro-batch count unless the loss is summed per token."""
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-    scale = torch.ones(1, device=current_device())
-    if getattr(config, "grad_scale_func", None) is not None:
-        scale = config.grad_scale_func(scale)
-    if not getattr(config, "calculate_per_token_loss", False):
-        scale = scale / state.num_microbatches
-    MoEAuxLossAutoScaler.set_loss_scale(scale)
-
-
-def _apply_loss(loss_func, output_tensor, state: _RunState) -> torch.Tensor:
-    config = state.config
-    if loss_func is None:  # no loss: the output itself is the result (Megatron's inference path)
-        state.forward_data_store.append(output_tensor)
-        return output_tensor
-    if state.collect_non_loss_data and state.forward_only:
-        state.forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
-        return output_tensor
-    outputs = loss_func(output_tensor)
-    if len(outputs) == 3:  # (loss_sum, num_tokens, reduced dict): token-weighted loss
-        loss, num_tokens, loss_reduced = outputs
-        state.total_num_tokens += torch.as_tensor(num_tokens, device=state.total_num_tokens.device,
-                                                  dtype=state.total_num_tokens.dtype)
-        if not getattr(config, "calculate_per_token_loss", False):
-            tokens = _tokens_over_context_parallel(num_tokens, config, state.pg_collection)
-            loss = loss / tokens / state.num_microbatches
-    elif len(outputs) == 2:  # legacy (loss, dict): loss already averaged over the micro-batch
-        loss, loss_reduced = outputs
-        loss = loss * getattr(config, "context_parallel_size", 1) / state.num_microbatches
-    else:
-        raise ValueError("loss_func must return (loss_sum, num_tokens, dict) or (loss, dict), "
-                         f"got a {len(outputs)}-tuple")
-    state.forward_data_store.append(loss_reduced)
-    return loss
-
-
-def _tokens_over_context_parallel(num_tokens, config, pg_collection=None):
-    """Token count that makes the micro-batch loss a mean over the whole sequence under CP. Each CP rank
-    holds part of the tokens; DDP averages grads over DP x CP, so rank i's loss is
-    sum_i / (sum of counts over CP) x CP, and the CP average is the exact token mean."""
-    cp = getattr(config, "context_parallel_size", 1)
-    if cp == 1:
-        return num_tokens
-    total = torch.as_tensor(num_tokens, device=current_device()).clone().float()
-    group = parallel_state.get_context_parallel_group() if pg_collection is None else get_pg(pg_collection, "cp")
-    torch.distributed.all_reduce(total, group=group)
-    return total / cp
-
-
-def backward_step(input_tensor, output_tensor, output_tensor_grad, config) -> Optional[torch.Tensor]:
-    """Backpropagate one micro-batch through one chunk; return the grad of its input (or None)."""
-    timer = _timer(config, "backward-compute")
-    timer.start()
-    if input_tensor is not None:
-        input_tensor.retain_grad()
-    if output_tensor_grad is None and getattr(config, "grad_scale_func", None) is not None:
-        output_tensor = config.grad_scale_func(output_tensor)  # fp16 loss scaling on the loss
-    if getattr(config, "deallocate_pipeline_outputs", False):
-        custom_backward(output_tensor, output_tensor_grad)
-    else:
-        torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
-    timer.stop()
-    return None if input_tensor is None else input_tensor.grad
-
-
-class _GradSync:
-    """Keeps data-parallel grad reduction off until each chunk's last micro-batch backward."""
-
-    def __init__(self, config, model_chunks):
-        funcs = getattr(config, "no_sync_func", None)
-        if funcs is None:
-            funcs = [getattr(m, "no_sync", contextlib.nullcontext) for m in model_chunks]
-        self.no_sync = _as_list(funcs)
-        self.grad_sync = getattr(config, "grad_sync_func", None)
-        self.chunks = model_chunks
-        self.contexts = {}
-
-    def disable_all(self):
-        for chunk, func in enumerate(self.no_sync):
-            self.contexts[chunk] = func()
-            self.contexts[chunk].__enter__()
-
-    def enable(self, chunk: int):
-        """Re-enable sync before ``chunk``'s last backward (one no_sync_func covers all chunks)."""
-        key = chunk if len(self.no_sync) > 1 else 0
-        ctx = self.contexts.pop(key, None)
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
-
-    def chunk_done(self, chunk: int):
-        if self.grad_sync is not None:
-            funcs = _as_list(self.grad_sync)
-            funcs[chunk if len(funcs) > 1 else 0](self.chunks[chunk].parameters())
-
-    def finish(self):
-        for key in list(self.contexts):
-            self.enable(key)
-
-
-def _finish(config, model_chunks, state: _RunState, timer):
+def _finish(config, model_chunks, state: step.RunState, timer):
     timer.stop()
     if not state.forward_only and getattr(config, "finalize_model_grads_func", None) is not None:
         per_token = getattr(config, "calculate_per_token_loss", False)
@@ -222,7 +75,7 @@ def _finish(config, model_chunks, state: _RunState, timer):
 
 def _check_common(model, data_iterator):
     """Model chunks and one data iterator per chunk (None, as on middle stages, is shared)."""
-    models, iterators = _as_list(model), _as_list(data_iterator)
+    models, iterators = step.as_list(model), step.as_list(data_iterator)
     if len(iterators) == 1 and len(models) > 1 and iterators[0] is None:
         iterators = iterators * len(models)
     if len(iterators) != len(models):
@@ -251,17 +104,17 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[It
                          "--num-layers-per-virtual-pipeline-stage only with PP > 1")
     model, data_iterator = models[0], iterators[0]
     config = get_model_config(model)
-    timer = _timer(config, "forward-backward", log_level=1)
+    timer = step.phase_timer(config, "forward-backward", log_level=1)
     timer.start()
-    state = _RunState(config, num_microbatches, forward_only, collect_non_loss_data, pg_collection)
-    sync = _GradSync(config, models)
+    state = step.RunState(config, num_microbatches, forward_only, collect_non_loss_data, pg_collection)
+    sync = step.GradSync(config, models)
     sync.disable_all()
     for i in range(num_microbatches):
         if i == num_microbatches - 1:
             sync.enable(0)  # the last micro-batch's backward launches the grad reduction
-        output = _forward_step(forward_step_func, data_iterator, model, None, state, True)
+        output = step.forward_microbatch(forward_step_func, data_iterator, model, None, state, True)
         if not forward_only:
-            backward_step(None, output, None, config)
+            step.backward_step(None, output, None, config)
     sync.finish()
     if not forward_only:
         sync.chunk_done(0)
@@ -292,10 +145,10 @@ def forward_backward_pipelining_without_interleaving(
     recv_shape, send_shape = shape, shape
     if adjust_tensor_shapes_fn is not None:
         recv_shape, send_shape = _adjusted_shapes(adjust_tensor_shapes_fn, shape)
-    timer = _timer(config, "forward-backward", log_level=1)
+    timer = step.phase_timer(config, "forward-backward", log_level=1)
     timer.start()
-    state = _RunState(config, num_microbatches, forward_only, collect_non_loss_data, pg_collection)
-    sync = _GradSync(config, models)
+    state = step.RunState(config, num_microbatches, forward_only, collect_non_loss_data, pg_collection)
+    sync = step.GradSync(config, models)
     sync.disable_all()
     dealloc = getattr(config, "deallocate_pipeline_outputs", False)
     last = comm.is_last_stage
@@ -308,11 +161,11 @@ def forward_backward_pipelining_without_interleaving(
         inp, out = in_flight.popleft()
         if is_last_backward:
             sync.enable(0)
-        return backward_step(inp, out, output_grad, config)
+        return step.backward_step(inp, out, output_grad, config)
 
     for _ in range(num_warmup):
         inp = comm.recv_forward(recv_shape)
-        out = _forward_step(forward_step_func, data_iterator, model, inp, state, last)
+        out = step.forward_microbatch(forward_step_func, data_iterator, model, inp, state, last)
         comm.send_forward(out, send_shape)
         if not forward_only:
             deallocate_output_tensor(out, dealloc and not last)
@@ -321,7 +174,7 @@ def forward_backward_pipelining_without_interleaving(
     inp = comm.recv_forward(recv_shape) if num_steady > 0 else None
     for i in range(num_steady):
         final = i == num_steady - 1
-        out = _forward_step(forward_step_func, data_iterator, model, inp, state, last)
+        out = step.forward_microbatch(forward_step_func, data_iterator, model, inp, state, last)
         if forward_only:
             comm.send_forward(out, send_shape)
             inp = None if final else comm.recv_forward(recv_shape)
@@ -387,8 +240,6 @@ def forward_backward_pipelining_with_interleaving(
     groups of ``microbatch_group_size_per_vp_stage`` micro-batches go through each chunk in turn.
     ``pg_collection``: explicit groups, as for the non-interleaved schedule."""
     _refuse_force_all_reduce(force_all_reduce)
-    from megatron.core.pipeline_parallel.interleaved import run_interleaved
-
     models, iterators = _check_common(model, data_iterator)
     if adjust_tensor_shapes_fn is not None:
         raise NotImplementedError("adjust_tensor_shapes_fn is not supported by the interleaved "
@@ -399,16 +250,11 @@ def forward_backward_pipelining_with_interleaving(
     comm = _communicator(p2p_communicator, pg_collection, config)
     group_size = getattr(config, "microbatch_group_size_per_vp_stage", None) or comm.world_size
     check_interleaved_microbatches(num_microbatches, comm.world_size, group_size)
-    timer = _timer(config, "forward-backward", log_level=1)
+    timer = step.phase_timer(config, "forward-backward", log_level=1)
     timer.start()
-    state = _RunState(config, num_microbatches, forward_only, collect_non_loss_data, pg_collection)
+    state = step.RunState(config, num_microbatches, forward_only, collect_non_loss_data, pg_collection)
     plan_of = lambda r: _plan(comm.world_size, r, num_microbatches, len(models), group_size,  # noqa: E731
                               forward_only)
     run_interleaved(forward_step_func, iterators, models, comm, plan_of, state,
                     get_tensor_shape(config, seq_length, micro_batch_size))
     return _finish(config, models, state, timer)
-
-
-from megatron.core.pipeline_parallel.schedule_api import (  # noqa: E402,F401  (Megatron's public helpers)
-    backward_step_multimodule, check_first_val_step, clear_embedding_activation_buffer, finish_embedding_wgrad_compute, forward_step,
-    forward_step_calc_loss, get_pp_rank_microbatches, get_schedule_table, get_tensor_device, get_tensor_shapes)

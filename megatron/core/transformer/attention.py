@@ -11,9 +11,13 @@ from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from megatron.core.transformer.spec_protocols import (  # noqa: F401  (Megatron's typing Protocols)
-    CoreAttentionBuilder, CoreAttentionInterface, LinearInterface, LinearLayerBuilder, LinearProjBuilder,
-    LinearProjInterface, LinearQkvBuilder, LinearQkvInterface)
+from megatron.core.utils import lazy_names
+
+# Megatron's typing Protocols for the attention spec (types only, defined in spec_protocols.py), resolved
+# on first use.
+__getattr__ = lazy_names(__name__, {name: "megatron.core.transformer.spec_protocols" for name in (
+    "CoreAttentionBuilder", "CoreAttentionInterface", "LinearInterface", "LinearLayerBuilder", "LinearProjBuilder",
+    "LinearProjInterface", "LinearQkvBuilder", "LinearQkvInterface")})
 
 
 @dataclass

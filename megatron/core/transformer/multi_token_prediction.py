@@ -22,9 +22,15 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.mtp_logging import MTPLossLoggingHelper  # noqa: F401  (Megatron's import path)
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module, process_group_kwargs
-from megatron.core.utils import get_pg_rank, make_viewless_tensor
+from megatron.core.utils import get_pg_rank, lazy_names, make_viewless_tensor
+
+# Megatron's MTP names that this project's own loop, specs and checkpoints do not call (the metrics
+# tracker, the Transformer-Engine-flavoured spec getter, fixed-answer rank / offset getters, the
+# tied-weight replica helpers), resolved on first use.
+__getattr__ = lazy_names(__name__, {name: "megatron.core._compat.multi_token_prediction" for name in (
+    "MTPLossLoggingHelper", "get_mtp_layer_spec", "get_mtp_ranks", "get_mtp_layer_offset",
+    "tie_word_embeddings_state_dict", "tie_output_layer_state_dict")})
 
 
 def roll_tensor(tensor: torch.Tensor, shifts: int = -1, dims: int = -1, cp_group=None, packed_seq_params=None):
@@ -67,18 +73,6 @@ def mtp_on_this_rank(layout=None, mtp_num_layers: Optional[int] = None, ignore_v
         ignore_virtual=ignore_virtual, vp_stage=vp_stage)
 
 
-def get_mtp_ranks(pp_ranks: List[int], config) -> List[int]:
-    """The ranks of ``pp_ranks`` (one pipeline) that hold MTP layers: the last one, or none."""
-    _no_custom_layout(config.pipeline_model_parallel_layout)
-    return [] if config.mtp_num_layers is None else [pp_ranks[-1]]
-
-
-def get_mtp_layer_offset(config, vp_stage: Optional[int] = None) -> int:
-    """Index of this stage's first MTP layer: all of them sit on one stage, so 0."""
-    _no_custom_layout(config.pipeline_model_parallel_layout)
-    return 0
-
-
 def get_mtp_num_layers_to_build(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None) -> int:
     """config.mtp_num_layers on the last (virtual) pipeline stage, else 0 (``pp_rank`` is not consulted,
     as in Megatron without a custom layout)."""
@@ -86,29 +80,6 @@ def get_mtp_num_layers_to_build(config, vp_stage: Optional[int] = None, pp_rank:
     if parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage):
         return config.mtp_num_layers or 0
     return 0
-
-
-def _tie_replica(sharded_state_dict, weight, key, tp_group, dp_cp_group):
-    """Replace ``key`` by a TP-sharded tensor marked as a second copy (replica_id (1, 0, dp rank)): the
-    checkpoint keeps the embedding / output-layer copy of the stage that owns it."""
-    from megatron.core.transformer.sharded_state import make_tp_sharded_tensor_for_checkpoint
-    if key not in sharded_state_dict:
-        raise KeyError(f"{key} is not in the sharded state dict")
-    sharded_state_dict[key] = make_tp_sharded_tensor_for_checkpoint(
-        tensor=weight, key=key, replica_id=(1, 0, get_pg_rank(dp_cp_group)), allow_shape_mismatch=True, tp_group=tp_group,
-        dp_cp_group=dp_cp_group)
-
-
-def tie_word_embeddings_state_dict(sharded_state_dict, word_emb_weight, word_emb_weight_key: str, tp_group,
-                                   dp_cp_group) -> None:
-    """In place: the MTP stage's word-embedding entry becomes a replica of the first stage's."""
-    _tie_replica(sharded_state_dict, word_emb_weight, word_emb_weight_key, tp_group, dp_cp_group)
-
-
-def tie_output_layer_state_dict(sharded_state_dict, output_layer_weight, output_layer_weight_key: str, tp_group,
-                                dp_cp_group) -> None:
-    """In place: the MTP stage's output-layer entry becomes a replica of the last stage's."""
-    _tie_replica(sharded_state_dict, output_layer_weight, output_layer_weight_key, tp_group, dp_cp_group)
 
 
 class MTPLossAutoScaler(torch.autograd.Function):
@@ -250,13 +221,6 @@ def process_mtp_loss(loss: torch.Tensor, mtp_hidden_states: List[torch.Tensor], 
         stats.append(torch.stack([loss_sum.detach().float(), num_tokens.detach().float()]))
     scale = config.mtp_loss_scaling_factor / len(mtp_hidden_states)
     return MTPLossAutoScaler.apply(loss, scale * total), stats
-
-
-def get_mtp_layer_spec(mtp_model_layer_spec: ModuleSpec, use_transformer_engine: bool = True) -> ModuleSpec:
-    """One MTP depth around ``mtp_model_layer_spec``; ``use_transformer_engine`` picks the same (local)
-    modules, our fastest: no Transformer Engine here."""
-    from megatron.core.models.backends import LocalSpecProvider
-    return get_mtp_layer_spec_for_backend(mtp_model_layer_spec, LocalSpecProvider())
 
 
 def get_mtp_layer_spec_for_backend(mtp_model_layer_spec: ModuleSpec, backend) -> ModuleSpec:

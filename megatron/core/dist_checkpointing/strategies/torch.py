@@ -15,15 +15,19 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
-                                                   MetadataIndex, TensorProperties)
-from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData, WriteItem,
-                                                  WriteItemType)
-from torch.distributed.checkpoint.planner_helpers import (_create_read_item_for_byteio,
-                                                          create_read_items_for_chunk_list)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_byteio, create_read_items_for_chunk_list
 
 from ..core import CheckpointingException
-from ..mapping import ShardedObject, ShardedTensor
+from ..mapping import ShardedBase, ShardedObject, ShardedTensor
+from ..validation import save_integrity_manifest
+
 
 class MCoreMetadata:
     """Unpickling target only: `.metadata` files written by Megatron Core 0.15 with optimizer state
@@ -201,7 +205,6 @@ class TorchDistLoadShardedStrategy:
                 elif not name.endswith(".distcp") and name != ".metadata":
                     shutil.copy2(src, dst)
             if os.path.exists(os.path.join(tmp, "integrity.json")):
-                from ..validation import save_integrity_manifest
                 save_integrity_manifest(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -247,7 +250,6 @@ def flatten_state_dict(state_dict):
     """(one-level dict keyed by dotted paths, {dotted path: path tuple}) of a nested state dict.
     Tensors and ShardedTensors/Objects are leaves, as are lists holding only plain values; other
     lists are walked by index."""
-    from ..mapping import ShardedBase
     flat, paths = {}, {}
 
     def walk(value, path):

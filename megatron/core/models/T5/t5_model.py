@@ -9,6 +9,11 @@ from megatron.core.models.common.language_module.language_module import Language
 from megatron.core.process_groups_config import require_default_process_groups
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.utils import lazy_names
+
+# Megatron's mask / position helpers that T5Model does not call, resolved on first use.
+__getattr__ = lazy_names(__name__, {name: "megatron.core._compat.t5_model" for name in (
+    "t5_extended_attention_mask", "t5_position_ids")})
 
 
 def t5_attention_masks(enc_mask: torch.Tensor, dec_mask: torch.Tensor
@@ -25,16 +30,6 @@ def t5_attention_masks(enc_mask: torch.Tensor, dec_mask: torch.Tensor
     dec_key_pad = (dec_mask < 0.5)[:, None, None, :]  # [b, 1, 1, sd]
     future = torch.triu(torch.ones(sd, sd, dtype=torch.bool, device=dec_mask.device), diagonal=1)
     return enc_key_pad.expand(b, 1, se, se), dec_key_pad | future, enc_key_pad.expand(b, 1, sd, se)
-
-
-def t5_extended_attention_mask(attention_mask_list):
-    """[b, sq, sk] masks -> [b, 1, sq, sk] (one head axis, broadcast over heads); None stays None."""
-    return [None if m is None else m.unsqueeze(1) for m in attention_mask_list]
-
-
-def t5_position_ids(token_ids: torch.Tensor) -> torch.Tensor:
-    """[b, s] token ids -> [b, s] positions 0..s-1 (what T5Model uses when given none)."""
-    return LanguageModule.default_position_ids(token_ids)
 
 
 class T5LMHead(MegatronModule):

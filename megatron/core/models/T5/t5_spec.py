@@ -8,6 +8,12 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.utils import lazy_names
+
+# Megatron's Transformer Engine spec names (each the local spec here), resolved on first use.
+__getattr__ = lazy_names(__name__, {name: "megatron.core._compat.t5_spec" for name in (
+    "encoder_model_with_transformer_engine_default_spec", "decoder_model_with_transformer_engine_default_spec",
+    "get_t5_encoder_with_transformer_engine_block_spec", "get_t5_decoder_with_transformer_engine_block_spec")})
 
 
 def encoder_model_with_local_spec() -> ModuleSpec:
@@ -34,24 +40,3 @@ def get_t5_encoder_with_local_block_spec(num_layers: int) -> TransformerBlockSub
 def get_t5_decoder_with_local_block_spec(num_layers: int) -> TransformerBlockSubmodules:
     return TransformerBlockSubmodules(layer_specs=[decoder_model_with_local_spec()] * num_layers,
                                       layer_norm=LNImpl)
-
-
-# Megatron's Transformer Engine names; without TE they return our fastest (local) specs.
-def encoder_model_with_transformer_engine_default_spec() -> ModuleSpec:
-    """Our fastest T5 encoder layer (the local one), under Megatron's TE name."""
-    return encoder_model_with_local_spec()
-
-
-def decoder_model_with_transformer_engine_default_spec() -> ModuleSpec:
-    """Our fastest T5 decoder layer (the local one), under Megatron's TE name."""
-    return decoder_model_with_local_spec()
-
-
-def get_t5_encoder_with_transformer_engine_block_spec(num_layers: int) -> TransformerBlockSubmodules:
-    """Our fastest T5 encoder block (the local one), under Megatron's TE name."""
-    return get_t5_encoder_with_local_block_spec(num_layers)
-
-
-def get_t5_decoder_with_transformer_engine_block_spec(num_layers: int) -> TransformerBlockSubmodules:
-    """Our fastest T5 decoder block (the local one), under Megatron's TE name."""
-    return get_t5_decoder_with_local_block_spec(num_layers)

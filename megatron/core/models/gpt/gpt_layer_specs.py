@@ -2,26 +2,37 @@
 from typing import List, Optional
 
 from megatron.core.models.backends import LocalSpecProvider
-from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec, get_moe_module_spec_for_backend  # noqa: F401
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlock,
+    MultiTokenPredictionBlockSubmodules,
+    get_mtp_layer_spec_for_backend,
+    get_mtp_num_layers_to_build,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import L2Norm, WrappedTorchNorm
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
     get_transformer_layer_offset,
 )
-from megatron.core.transformer.torch_norm import L2Norm, WrappedTorchNorm
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
     get_bias_dropout_add,
 )
+from megatron.core.utils import lazy_names
+
+# Megatron's path for the MoE spec getter (defined in moe_module_specs.py), resolved on first use.
+__getattr__ = lazy_names(__name__, {"get_moe_module_spec": "megatron.core.models.gpt.moe_module_specs"})
 
 LNImpl = WrappedTorchNorm
 
@@ -176,7 +187,6 @@ def get_gpt_decoder_layer_specs(config, use_transformer_engine: bool = False, no
     """One layer spec per decoder layer (all num_layers of them): MoE where ``config.moe_layer_freq`` says so
     (an int N: every N-th layer from layer 0; a list: 1 = MoE, 0 = dense, e.g. DeepSeek's first dense
     layers), dense elsewhere."""
-    from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
     mla = getattr(config, "multi_latent_attention", False)
     dense = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=normalization,
                                      qk_l2_norm=qk_l2_norm, multi_latent_attention=mla)
@@ -211,10 +221,6 @@ def get_gpt_mtp_block_spec_for_backend(config, spec, backend, vp_stage: Optional
                                        pp_rank: Optional[int] = None) -> Optional[ModuleSpec]:
     """``config.mtp_num_layers`` depths, each around the transformer layer spec ``spec`` (the last layer's
     spec when ``spec`` is a block spec), on the last pipeline stage; None elsewhere or without MTP."""
-    from megatron.core.transformer.multi_token_prediction import (
-        MultiTokenPredictionBlock, MultiTokenPredictionBlockSubmodules, get_mtp_layer_spec_for_backend,
-        get_mtp_num_layers_to_build)
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     if not config.mtp_num_layers or get_mtp_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank) == 0:
         return None
     if isinstance(spec, ModuleSpec) and isinstance(spec.submodules, TransformerBlockSubmodules):

@@ -3,11 +3,11 @@ from typing import Literal, Optional
 
 import torch
 
-from megatron.core import parallel_state
 from megatron.core.context_parallel.utils import local_rotary_pos_emb
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule, build_output_layer
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock, process_mtp_loss
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 
@@ -62,7 +62,6 @@ class GPTModel(LanguageModule):
         # Multi-token prediction depths live on the last stage (PP > 1 is refused by the config).
         self.mtp_process = mtp_block_spec is not None and post_process
         if self.mtp_process:
-            from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
             self.mtp = MultiTokenPredictionBlock(config, mtp_block_spec, vp_stage=vp_stage,
                                                  pg_collection=pg_collection)
         self.mtp_loss_stats = None
@@ -121,7 +120,6 @@ class GPTModel(LanguageModule):
         output = self.logits_or_loss(logits, labels)
         self.mtp_loss_stats = None
         if mtp_hidden:
-            from megatron.core.transformer.multi_token_prediction import process_mtp_loss
             output, self.mtp_loss_stats = process_mtp_loss(
                 output, mtp_hidden, labels, loss_mask, self.output_layer, self.output_weight_for_forward(),
                 self.compute_language_model_loss, self.config)

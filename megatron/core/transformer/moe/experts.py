@@ -13,10 +13,12 @@ Expert weights are split over the expert-TP group like a dense MLP (fc1 by colum
 partial fc2 sums are added by the token dispatcher, so the expert linears do no TP communication.
 """
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Protocol, Tuple, Union
+from typing import Optional, Union
 
 import torch
 
+from megatron.core import parallel_state
+from megatron.core.fusions.compile import compile_available
 from megatron.core.fusions.swiglu import swiglu, triton_swiglu_available
 from megatron.core.process_groups_config import get_pg, get_pg_size
 from megatron.core.tensor_parallel.layers import _make_param, set_tensor_model_parallel_attributes
@@ -24,32 +26,11 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import _with_eager_fallback
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.utils import divide
+from megatron.core.utils import divide, lazy_names
 
-
-# Megatron's typing Protocols for TE's grouped linears (types only, see transformer/spec_protocols.py).
-class GroupedLinearFc1Interface(Protocol):
-    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: List[int], /
-                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]: ...
-
-
-class GroupedLinearFc1Builder(Protocol):
-    def __call__(self, num_local_experts: int, input_size: int, output_size: int, /, *, config,
-                 init_method: Callable[[torch.Tensor], None], bias: bool, skip_bias_add: bool, is_expert: bool,
-                 tp_comm_buffer_name: Optional[str], pg_collection, name: Optional[str] = None
-                 ) -> GroupedLinearFc1Interface: ...
-
-
-class GroupedLinearFc2Interface(Protocol):
-    def forward(self, intermediate_parallel: torch.Tensor, tokens_per_expert: List[int], /
-                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]: ...
-
-
-class GroupedLinearFc2Builder(Protocol):
-    def __call__(self, num_local_experts: int, input_size: int, output_size: int, /, *, config,
-                 init_method: Callable[[torch.Tensor], None], bias: bool, skip_bias_add: bool, is_expert: bool,
-                 tp_comm_buffer_name: Optional[str], pg_collection, name: Optional[str] = None
-                 ) -> GroupedLinearFc2Interface: ...
+# Megatron's typing Protocols for Transformer Engine's grouped linears (types only), resolved on first use.
+__getattr__ = lazy_names(__name__, {name: "megatron.core._compat.experts" for name in (
+    "GroupedLinearFc1Interface", "GroupedLinearFc1Builder", "GroupedLinearFc2Interface", "GroupedLinearFc2Builder")})
 
 
 @dataclass
@@ -94,7 +75,6 @@ def _fused_swiglu_scaled(h, probs):
 
 
 def _use_fused_swiglu(h, config) -> bool:
-    from megatron.core.fusions.compile import compile_available
     return (h.is_cuda and config.gated_linear_unit and config.bias_activation_fusion
             and config.activation_func is torch.nn.functional.silu and not torch.compiler.is_compiling()
             and (triton_swiglu_available(h) or compile_available()))

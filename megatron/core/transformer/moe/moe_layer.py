@@ -6,52 +6,26 @@ otherwise each TP rank takes its 1/tp of the sequence here and the outputs are a
 So every rank of the expert grid routes distinct tokens and no expert work is duplicated across TP.
 """
 from dataclasses import dataclass
-from typing import Optional, Protocol, Tuple, Union
+from typing import Optional, Union
 
 import torch
 
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import get_pg, get_pg_rank, get_pg_size
 from megatron.core.tensor_parallel.mappings import (
-    gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region)
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.router import TopKRouter
-from megatron.core.transformer.moe.token_dispatcher import (
-    MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher)
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module, process_group_kwargs
+from megatron.core.utils import lazy_names
 
-
-# Megatron's typing Protocols for the MoE spec (types only, see megatron/core/transformer/spec_protocols.py).
-class ExpertsInterface(Protocol):
-    """Tokens grouped by expert [N, h], tokens per local expert, each row's routing prob -> (out, bias)."""
-
-    def forward(self, dispatched_input: torch.Tensor, tokens_per_expert: torch.Tensor,
-                permuted_probs: torch.Tensor, /) -> Tuple[torch.Tensor, Optional[torch.Tensor]]: ...
-
-
-class ExpertsBuilder(Protocol):
-    def __call__(self, num_local_experts: int, config, /, *, pg_collection,
-                 name: Optional[str] = None) -> ExpertsInterface: ...
-
-
-class SharedExpertsInterface(Protocol):
-    def forward(self, hidden_states: torch.Tensor, /) -> torch.Tensor: ...
-
-
-class SharedExpertsBuilder(Protocol):
-    def __call__(self, *, config, pg_collection, gate: bool, name: Optional[str] = None) -> SharedExpertsInterface: ...
-
-
-class RouterInterface(Protocol):
-    """input -> (probs, routing_map), both [tokens, experts]."""
-
-    def forward(self, input: torch.Tensor, /) -> Tuple[torch.Tensor, torch.Tensor]: ...
-
-    def set_layer_number(self, layer_number: int) -> None: ...
-
-
-class RouterBuilder(Protocol):
-    def __call__(self, /, *, config, pg_collection) -> RouterInterface: ...
+# Megatron's typing Protocols for the MoE spec (types only), resolved on first use.
+__getattr__ = lazy_names(__name__, {name: "megatron.core._compat.moe_layer" for name in (
+    "ExpertsInterface", "ExpertsBuilder", "SharedExpertsInterface", "SharedExpertsBuilder", "RouterInterface",
+    "RouterBuilder")})
 
 
 @dataclass

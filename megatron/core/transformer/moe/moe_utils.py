@@ -4,9 +4,30 @@ Shapes: T tokens (sequence x batch, flattened), E experts, k = top-k. ``routing_
 mask of the (token, expert) pairs kept; ``probs`` [T, E] holds their weights (zero elsewhere).
 """
 import math
-from typing import Optional, Tuple
+import warnings
+from typing import Optional
 
 import torch
+
+from megatron.core.fusions.compile import maybe_compile
+from megatron.core.utils import lazy_names
+
+_ROUTER_GATING = "megatron.core.transformer.moe.router_gating"
+_MOE_LOGGING = "megatron.core.transformer.moe.moe_logging"
+_COMPAT = "megatron.core._compat.moe_utils"
+# Megatron's moe_utils path for names defined beside their users (router gating, the metrics tracker) and
+# for its helpers this project does not call (the _compat room), resolved on first use.
+__getattr__ = lazy_names(__name__, {
+    "RouterGatingLinearFunction": _ROUTER_GATING, "router_gating_linear": _ROUTER_GATING,
+    "RandomSTE": _ROUTER_GATING, "apply_random_logits": _ROUTER_GATING, "RandomSTEShared": _ROUTER_GATING,
+    "apply_biased_logits": _ROUTER_GATING, "get_updated_expert_bias": _ROUTER_GATING,
+    "save_to_aux_losses_tracker": _MOE_LOGGING, "clear_aux_losses_tracker": _MOE_LOGGING,
+    "get_moe_layer_wise_logging_tracker": _MOE_LOGGING, "reduce_aux_losses_tracker_across_ranks": _MOE_LOGGING,
+    "track_moe_metrics": _COMPAT, "get_default_pg_collection": _COMPAT, "get_align_size_for_quantization": _COMPAT,
+    "skip_routed_expert_padding": _COMPAT, "get_tokens_per_expert_and_token_count": _COMPAT,
+    "pad_routing_map": _COMPAT, "maybe_move_tensor_to_cpu": _COMPAT, "qb_dual_update": _COMPAT,
+    "permute": _COMPAT, "unpermute": _COMPAT, "sort_chunks_by_idxs": _COMPAT,
+})
 
 
 def switch_load_balancing_loss_func(probs, tokens_per_expert, total_num_tokens: int, topk: int,
@@ -50,25 +71,6 @@ def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
     return d1 * cost * d0.unsqueeze(1)
 
 
-def qb_dual_update(scores: torch.Tensor, k: int, beta: torch.Tensor, update_beta: bool = True
-                   ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One dual coordinate-descent step of quantile-balancing routing: each of the m tokens picks the k
-    experts with the largest ``scores - beta`` ([m, n] scores, [n] per-expert bias), and, with
-    ``update_beta``, the new bias is each expert's column quantile of ``scores - alpha`` (alpha: a token's
-    (k+1)-th best biased score) that admits m * k / n tokens per expert. Returns (indices [m, k], the new
-    bias [n], or ``beta`` unchanged without update_beta). The router's quantile_balancing routing type is
-    not implemented here; this is the assignment step for code that routes with it."""
-    num_tokens, num_experts = scores.shape
-    top = (scores - beta).topk(k + 1, dim=1)
-    indices = top.indices[:, :-1]
-    if not update_beta:
-        return indices, beta
-    if (num_tokens * k) % num_experts:
-        raise ValueError(f"qb_dual_update: {num_tokens} tokens x top-{k} do not split evenly over "
-                         f"{num_experts} experts")
-    per_expert = num_tokens * k // num_experts
-    alpha = top.values[:, -1:]
-    return indices, (scores - alpha).topk(per_expert + 1, dim=0).values[-1].contiguous()
 
 
 def get_capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: Optional[int] = None):
@@ -270,7 +272,7 @@ def _token_major_order(sorted_indices: torch.Tensor) -> torch.Tensor:
 def _permute(tokens, routing_map, probs: Optional[torch.Tensor] = None, num_out_tokens: Optional[int] = None,
              topk: Optional[int] = None):
     """Group the rows of ``tokens`` [T, h] by expert. Returns (permuted [N, h], permuted probs [N] or None,
-    sorted_indices [N]: the source token of each row). The dispatchers' form of `permute`. ``topk``: every
+    sorted_indices [N]: the source token of each row). The dispatchers' form of Megatron's `permute`. ``topk``: every
     token has exactly that many rows (all experts in the map, no dropping): the backward gathers instead of
     scattering."""
     num_tokens = routing_map.shape[0]
@@ -303,54 +305,10 @@ def _unpermute(permuted_tokens, sorted_indices, restore_shape, probs: Optional[t
     return out.index_add(0, sorted_indices, permuted_tokens)
 
 
-def _padded_flat_index(routing_map, capacity: int):
-    """drop_and_pad: every expert holds exactly ``capacity`` tokens; [E * capacity] indices into map.T."""
-    num_tokens, num_experts = routing_map.shape
-    rows = torch.argsort(routing_map.t().to(torch.int8), dim=-1, descending=True, stable=True)[:, :capacity]
-    experts = torch.arange(num_experts, device=routing_map.device).unsqueeze(-1)
-    return (experts * num_tokens + rows).reshape(-1)
 
 
-def permute(tokens, routing_map, probs: Optional[torch.Tensor] = None, num_out_tokens: Optional[int] = None,
-            fused: bool = False, drop_and_pad: bool = False, tokens_per_expert: Optional[torch.Tensor] = None,
-            align_size: int = 0):
-    """Megatron's permute: (permuted tokens [N, h], permuted probs [N] or None, sorted_indices [N] (the
-    source token of each row), pad_offsets (None: no padded kernel here), tokens_per_expert as given).
-
-    Rows are expert-major, token order within an expert. ``drop_and_pad``: each column of the map holds
-    exactly num_out_tokens / E entries (padded capacity). ``fused`` and ``align_size`` select Transformer
-    Engine's permute(-and-pad) kernels in Megatron; here the index path gives the same rows."""
-    num_tokens = routing_map.shape[0]
-    if drop_and_pad and num_out_tokens is not None:
-        flat_index = _padded_flat_index(routing_map, num_out_tokens // routing_map.shape[1])
-    else:
-        flat_index = _permute_indices(routing_map.bool(), num_out_tokens)
-    sorted_indices = flat_index % num_tokens
-    permuted_probs = None if probs is None else probs.t().reshape(-1).index_select(0, flat_index)
-    return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices, None, tokens_per_expert
 
 
-def unpermute(permuted_tokens, sorted_indices, restore_shape, probs: Optional[torch.Tensor] = None,
-              routing_map: Optional[torch.Tensor] = None, fused: bool = False, drop_and_pad: bool = False,
-              pad_offsets: Optional[torch.Tensor] = None):
-    """Inverse of `permute`: rows are summed back into their source tokens ([T, h], the input dtype), each
-    first weighted by its token's prob when ``probs`` [T, E] is given (needs ``routing_map``). ``fused`` /
-    ``pad_offsets`` belong to Transformer Engine's kernels; the result is the same here."""
-    dtype = permuted_tokens.dtype
-    if probs is not None:
-        if routing_map is None:
-            raise ValueError("unpermute: routing_map is required with probs")
-        if drop_and_pad:
-            # Row r belongs to expert r // capacity: its prob sits at [expert, source token] of probs.T.
-            capacity = sorted_indices.numel() // routing_map.shape[1]
-            experts = torch.arange(sorted_indices.numel(), device=sorted_indices.device) // capacity
-            flat_index = experts * probs.shape[0] + sorted_indices
-            permuted_probs = probs.t().reshape(-1).index_select(0, flat_index)
-        else:
-            permuted_probs = probs.t().contiguous().masked_select(routing_map.t().contiguous().bool())
-        permuted_tokens = permuted_tokens * permuted_probs.unsqueeze(-1)
-    out = torch.zeros(restore_shape, dtype=permuted_tokens.dtype, device=permuted_tokens.device)
-    return out.index_add(0, sorted_indices, permuted_tokens).to(dtype)
 
 
 _COMPILED = {}
@@ -362,7 +320,6 @@ def fused_router_fns():
     count), the chain of small fp32 kernels (softmax or sigmoid, top-k, normalisation, the scatters into
     [T, E]) becoming a few; eager on CPU, and from then on where compilation fails (said once)."""
     if "router" not in _COMPILED:
-        from megatron.core.fusions.compile import maybe_compile
         _COMPILED["router"] = tuple(
             _with_eager_fallback(maybe_compile(fn), fn, "--moe-router-fusion", "the eager router")
             for fn in (topk_routing_with_score_function, compute_routing_scores_for_aux_loss))
@@ -370,12 +327,12 @@ def fused_router_fns():
 
 
 def fused_permute_fns():
-    """torch.compile'd `permute` / `unpermute` (--moe-permute-fusion) on CUDA with Triton; the eager
+    """torch.compile'd `_permute` / `_unpermute` (--moe-permute-fusion) on CUDA with Triton; the eager
     index-based versions elsewhere, or when compilation is unavailable."""
     if "fns" not in _COMPILED:
         fns = (_permute, _unpermute)
         try:
-            import triton  # noqa: F401
+            import triton  # noqa: F401  # lazy: optional dependency, probed only under --moe-permute-fusion
             if torch.cuda.is_available():
                 fns = (_with_eager_fallback(torch.compile(_permute, dynamic=True), _permute),
                        _with_eager_fallback(torch.compile(_unpermute, dynamic=True), _unpermute))
@@ -398,7 +355,6 @@ def _with_eager_fallback(compiled, eager, what="--moe-permute-fusion", instead="
         except Exception as e:  # noqa: BLE001 (any compiler failure)
             if state["fn"] is eager:
                 raise
-            import warnings
             warnings.warn(f"{what}: torch.compile failed ({type(e).__name__}); using {instead}")
             state["fn"] = eager
             return eager(*args, **kwargs)
@@ -412,16 +368,8 @@ def _sort_chunks(input: torch.Tensor, split_sizes, sorted_idxs):
     return torch.cat([chunks[i] for i in sorted_idxs], dim=0)
 
 
-def _host_list(values):
-    return values.tolist() if torch.is_tensor(values) else list(values)
 
 
-def sort_chunks_by_idxs(input: torch.Tensor, split_sizes, sorted_idxs, probs: Optional[torch.Tensor] = None,
-                        fused: bool = False):
-    """Megatron's form: (reordered input, probs reordered alike or None); sizes and order may be tensors.
-    ``fused`` (Transformer Engine's kernel) gives the same result here."""
-    sizes, order = _host_list(split_sizes), _host_list(sorted_idxs)
-    return _sort_chunks(input, sizes, order), None if probs is None else _sort_chunks(probs, sizes, order)
 
 
 def moe_layer_pattern(moe_layer_freq, num_layers: int):
@@ -436,14 +384,3 @@ def moe_layer_pattern(moe_layer_freq, num_layers: int):
         raise ValueError(f"--moe-layer-freq pattern {pattern} must list one 0 (dense) or 1 (MoE) per layer "
                          f"({num_layers} layers)")
     return pattern
-
-
-# Megatron's remaining moe_utils names (defined beside their users; imported last: no import cycle).
-from megatron.core.transformer.moe.moe_helpers import (  # noqa: E402,F401
-    RandomSTE, RandomSTEShared, RouterGatingLinearFunction, apply_biased_logits, apply_random_logits,
-    get_align_size_for_quantization, get_default_pg_collection, get_tokens_per_expert_and_token_count,
-    get_updated_expert_bias, maybe_move_tensor_to_cpu, pad_routing_map, router_gating_linear,
-    skip_routed_expert_padding, track_moe_metrics)
-from megatron.core.transformer.moe.moe_logging import (  # noqa: E402,F401
-    clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker, reduce_aux_losses_tracker_across_ranks,
-    save_to_aux_losses_tracker)

@@ -7,7 +7,7 @@ aux-loss-free expert bias (DeepSeek-V3), updated once per step from the step's t
 The router sees this rank's tokens only (MoELayer splits them over TP), so its statistics are reduced
 over the TP group and its weight gradient is summed over TP (``sequence_parallel`` attribute).
 """
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -18,12 +18,23 @@ from megatron.core.process_groups_config import get_pg
 from megatron.core.tensor_parallel.layers import _make_param
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.moe_helpers import (
-    apply_biased_logits, apply_random_logits, get_updated_expert_bias, router_gating_linear)
 from megatron.core.transformer.moe.moe_logging import save_expert_load, save_to_aux_losses_tracker
 from megatron.core.transformer.moe.moe_utils import (
-    MoEAuxLossAutoScaler, apply_router_token_dropping, compute_routing_scores_for_aux_loss, fused_router_fns,
-    sinkhorn, switch_load_balancing_loss_func, topk_routing_with_score_function, z_loss_func)
+    MoEAuxLossAutoScaler,
+    apply_router_token_dropping,
+    compute_routing_scores_for_aux_loss,
+    fused_router_fns,
+    sinkhorn,
+    switch_load_balancing_loss_func,
+    topk_routing_with_score_function,
+    z_loss_func,
+)
+from megatron.core.transformer.moe.router_gating import (
+    apply_biased_logits,
+    apply_random_logits,
+    get_updated_expert_bias,
+    router_gating_linear,
+)
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 

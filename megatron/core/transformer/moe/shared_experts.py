@@ -27,5 +27,6 @@ class SharedExpertMLP(MLP):
         out, bias = super().forward(hidden_states)
         out = out if bias is None else out + bias
         if self.gate_weight is not None:
-            out = out * torch.sigmoid(torch.nn.functional.linear(hidden_states, self.gate_weight.to(hidden_states.dtype)))
+            gate = torch.nn.functional.linear(hidden_states, self.gate_weight.to(hidden_states.dtype))
+            out = out * torch.sigmoid(gate)
         return out

@@ -18,9 +18,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import get_pg
 from megatron.core.tensor_parallel.mappings import (
-    _all_to_all, _gather_along_first_dim, all_to_all, gather_from_sequence_parallel_region,
-    reduce_scatter_to_sequence_parallel_region)
-from megatron.core.transformer.moe.moe_utils import _permute, _sort_chunks, _unpermute, fused_permute_fns
+    _all_to_all,
+    _gather_along_first_dim,
+    all_to_all,
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from megatron.core.transformer.moe.moe_utils import _permute, _sort_chunks, _unpermute, fused_permute_fns, get_capacity
 
 
 def _size(group) -> int:
@@ -112,7 +116,6 @@ class MoETokenDispatcher:
         if c.moe_expert_capacity_factor is None:
             return num_tokens * self.topk
         if c.moe_pad_expert_input_to_capacity:
-            from megatron.core.transformer.moe.moe_utils import get_capacity
             cap = min(get_capacity(num_tokens * self.topk, self.num_experts, c.moe_expert_capacity_factor),
                       num_tokens)
             return cap * self.num_experts

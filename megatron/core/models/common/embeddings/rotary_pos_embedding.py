@@ -5,6 +5,7 @@ from typing import List, Optional
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.context_parallel.utils import cp_local_indices
 from megatron.core.utils import get_device
 
 
@@ -97,7 +98,6 @@ class MultimodalRotaryEmbedding(RotaryEmbedding):
         emb = emb.transpose(0, 1)[:, :, None, :].contiguous()  # [s, b, 1, rot_dim]
         cp_group = cp_group if cp_group is not None else self.cp_group
         if cp_group is not None and cp_group.size() > 1:
-            from megatron.core.context_parallel.utils import cp_local_indices
             emb = emb.index_select(0, cp_local_indices(emb.size(0), cp_group.size(), cp_group.rank(), emb.device))
         return emb
 
@@ -111,5 +111,6 @@ def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_facto
     scaled = torch.where(wavelen > original_max_position / low_freq_factor, inv_freq / factor, inv_freq)
     smooth = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
     blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < original_max_position / high_freq_factor) * ~(wavelen > original_max_position / low_freq_factor)
+    medium = (~(wavelen < original_max_position / high_freq_factor)
+              * ~(wavelen > original_max_position / low_freq_factor))
     return torch.where(medium, blended, scaled)

@@ -2,6 +2,8 @@
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.fusions.compile import compile_available
+from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from megatron.core.process_groups_config import check_collection_sizes
 from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.core.transformer.initialize import initialize_parameters
@@ -64,7 +66,6 @@ class LanguageModule(MegatronModule):
         """Per-token loss [b, s] in fp32 from logits [s, b, V/tp] and labels [b, s]."""
         labels = labels.transpose(0, 1).contiguous()  # [s, b]
         if getattr(self.config, "cross_entropy_loss_fusion", False) or self._fused_loss_is_same(logits):
-            from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
             loss = fused_vocab_parallel_cross_entropy(logits, labels, self.loss_tp_group)  # [s, b], no fp32 logits
             return loss.transpose(0, 1).contiguous()  # [b, s]
         if not self.fp16_lm_cross_entropy:
@@ -75,7 +76,6 @@ class LanguageModule(MegatronModule):
     def _fused_loss_is_same(self, logits: torch.Tensor) -> bool:
         """16-bit logits on CUDA: the chunked, compiled loss does the eager path's fp32 math (same numbers to
         fp32 rounding, same bf16 gradient) without the fp32 copies of [s, b, V], so it is the default there."""
-        from megatron.core.fusions.compile import compile_available
         return (logits.is_cuda and logits.dtype in (torch.bfloat16, torch.float16)
                 and not self.fp16_lm_cross_entropy and compile_available())
 

@@ -1,13 +1,25 @@
-"""Per-depth multi-token-prediction metrics accumulated over an iteration's micro-batches and logged once
-(Megatron Core's ``MTPLossLoggingHelper``, for training loops built on Megatron Core).
+"""Megatron Core's ``multi_token_prediction`` names that this project's own code does not call.
 
+``get_mtp_layer_spec``: one MTP depth with the local modules (the specs here call
+``get_mtp_layer_spec_for_backend``). ``get_mtp_ranks`` / ``get_mtp_layer_offset``: all MTP layers sit on
+the last pipeline stage, so the answers are fixed. ``tie_*_state_dict``: mark the MTP stage's copy of a
+tied weight as a replica in a sharded state dict. ``MTPLossLoggingHelper``: per-depth multi-token-prediction metrics
+accumulated over an iteration's micro-batches and logged once, for training loops built on Megatron Core.
 This application's own loop reports each depth's loss through the loss function's dict
 (``mtp_<k> loss``, token-weighted like ``lm loss``); code that calls ``save_metrics_to_tracker`` from its
 own MTP loss computation and ``track_mtp_metrics`` from its logging gets Megatron's metrics: the loss
 per depth, averaged over ``avg_group`` and scaled by ``loss_scale`` (1 / micro-batches), and the
 acceptance rate (top-1 predictions equal to the label, in %) of the step and since the process started.
 """
+from typing import List, Optional
+
 import torch
+
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.transformer.multi_token_prediction import _no_custom_layout, get_mtp_layer_spec_for_backend
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.sharded_state import make_tp_sharded_tensor_for_checkpoint
+from megatron.core.utils import get_pg_rank
 
 
 def _all_reduce(values: torch.Tensor, group, average: bool) -> None:
@@ -100,3 +112,43 @@ class MTPLossLoggingHelper:
                 for name, rate in zip(names, rates):
                     wandb_writer.log({name: rate}, iteration)
         MTPLossLoggingHelper.clean_metrics_in_tracker()
+
+
+def get_mtp_layer_spec(mtp_model_layer_spec: ModuleSpec, use_transformer_engine: bool = True) -> ModuleSpec:
+    """One MTP depth around ``mtp_model_layer_spec``; ``use_transformer_engine`` picks the same (local)
+    modules, our fastest: no Transformer Engine here."""
+    return get_mtp_layer_spec_for_backend(mtp_model_layer_spec, LocalSpecProvider())
+
+
+def get_mtp_ranks(pp_ranks: List[int], config) -> List[int]:
+    """The ranks of ``pp_ranks`` (one pipeline) that hold MTP layers: the last one, or none."""
+    _no_custom_layout(config.pipeline_model_parallel_layout)
+    return [] if config.mtp_num_layers is None else [pp_ranks[-1]]
+
+
+def get_mtp_layer_offset(config, vp_stage: Optional[int] = None) -> int:
+    """Index of this stage's first MTP layer: all of them sit on one stage, so 0."""
+    _no_custom_layout(config.pipeline_model_parallel_layout)
+    return 0
+
+
+def _tie_replica(sharded_state_dict, weight, key, tp_group, dp_cp_group):
+    """Replace ``key`` by a TP-sharded tensor marked as a second copy (replica_id (1, 0, dp rank)): the
+    checkpoint keeps the embedding / output-layer copy of the stage that owns it."""
+    if key not in sharded_state_dict:
+        raise KeyError(f"{key} is not in the sharded state dict")
+    sharded_state_dict[key] = make_tp_sharded_tensor_for_checkpoint(
+        tensor=weight, key=key, replica_id=(1, 0, get_pg_rank(dp_cp_group)), allow_shape_mismatch=True,
+        tp_group=tp_group, dp_cp_group=dp_cp_group)
+
+
+def tie_word_embeddings_state_dict(sharded_state_dict, word_emb_weight, word_emb_weight_key: str, tp_group,
+                                   dp_cp_group) -> None:
+    """In place: the MTP stage's word-embedding entry becomes a replica of the first stage's."""
+    _tie_replica(sharded_state_dict, word_emb_weight, word_emb_weight_key, tp_group, dp_cp_group)
+
+
+def tie_output_layer_state_dict(sharded_state_dict, output_layer_weight, output_layer_weight_key: str, tp_group,
+                                dp_cp_group) -> None:
+    """In place: the MTP stage's output-layer entry becomes a replica of the last stage's."""
+    _tie_replica(sharded_state_dict, output_layer_weight, output_layer_weight_key, tp_group, dp_cp_group)

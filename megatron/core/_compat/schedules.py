@@ -1,16 +1,22 @@
-"""Megatron's public per-step helpers of pipeline_parallel.schedules (re-exported there), for code that
-builds its own schedule: one forward step, its loss, the interleaved table, warm-up counts, shapes."""
+"""Megatron Core's public per-step helpers of ``pipeline_parallel.schedules`` that the schedules here do
+not call, for code that builds its own schedule: one forward step and its loss, the interleaved table,
+warm-up counts, boundary shapes, the deferred embedding wgrad, a multi-module backward. Reached from
+``megatron.core.pipeline_parallel.schedules`` through its lazy alias table; the schedules themselves run
+``pipeline_parallel/step.py``.
+"""
 from typing import Dict, Optional, Union
 
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.step import RunState, apply_loss, phase_timer, set_moe_aux_loss_scale
+from megatron.core.pipeline_parallel.utils import current_device, custom_backward
+from megatron.core.tensor_parallel.weight_grad import drain_embedding_wgrad_compute
 from megatron.core.utils import get_attr_wrapped_model
 
 
 def _state(config, num_microbatches, forward_data_store, collect_non_loss_data):
-    from megatron.core.pipeline_parallel.schedules import _RunState
-    state = _RunState(config, num_microbatches, forward_only=collect_non_loss_data,
+    state = RunState(config, num_microbatches, forward_only=collect_non_loss_data,
                       collect_non_loss_data=collect_non_loss_data)
     state.forward_data_store = forward_data_store  # results land in the caller's list
     return state
@@ -24,7 +30,6 @@ def forward_step_calc_loss(model, output_tensor, loss_func, config, vp_stage, co
     `forward_data_store`. Returns (output_tensor, num_tokens); other stages pass the output through.
     Without `is_last_stage`, parallel_state decides. The CP size comes from config.context_parallel_size
     (`cp_group_size` is accepted for Megatron's signature)."""
-    from megatron.core.pipeline_parallel.schedules import _apply_loss, _set_moe_aux_loss_scale
     model_vp_stage = getattr(model, "vp_stage", None)
     if vp_stage is not None and model_vp_stage is not None and vp_stage != model_vp_stage:
         raise ValueError(f"forward_step_calc_loss: vp_stage {vp_stage} is not the model's ({model_vp_stage})")
@@ -35,10 +40,10 @@ def forward_step_calc_loss(model, output_tensor, loss_func, config, vp_stage, co
     num_tokens = torch.tensor(0, dtype=torch.int)
     if is_last_stage:
         state = _state(config, num_microbatches, forward_data_store, collect_non_loss_data)
-        output_tensor = _apply_loss(loss_func, output_tensor, state)
+        output_tensor = apply_loss(loss_func, output_tensor, state)
         num_tokens = state.total_num_tokens.cpu()
     if getattr(config, "num_moe_experts", None):
-        _set_moe_aux_loss_scale(config, _state(config, num_microbatches, [], collect_non_loss_data))
+        set_moe_aux_loss_scale(config, _state(config, num_microbatches, [], collect_non_loss_data))
     return output_tensor, num_tokens
 
 
@@ -49,9 +54,7 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches, inpu
     forward_step_func(data_iterator, model[, checkpoint_activations_microbatch]), then
     forward_step_calc_loss. Returns (output, num_tokens); output is a list when `input_tensor` is one.
     `current_microbatch` (the index Megatron's FP8 / CUDA-graph layers read) has no effect here."""
-    from megatron.core.pipeline_parallel.schedules import _timer
-    from megatron.core.pipeline_parallel.utils import current_device
-    timer = _timer(config, "forward-compute")
+    timer = phase_timer(config, "forward-compute")
     timer.start()
     if is_first_microbatch and hasattr(model, "set_is_first_microbatch"):
         model.set_is_first_microbatch()
@@ -151,7 +154,6 @@ def finish_embedding_wgrad_compute(config, embedding_module, is_last_stage, tp_g
     gradient GEMMs (megatron.core.tensor_parallel.weight_grad.drain_embedding_wgrad_compute)."""
     if not (is_last_stage and getattr(config, "defer_embedding_wgrad_compute", False)):
         return
-    from megatron.core.tensor_parallel.weight_grad import drain_embedding_wgrad_compute
     weight = embedding_module.shared_embedding_or_output_weight() \
         if embedding_module.share_embeddings_and_output_weights else embedding_module.output_layer.weight
     drain_embedding_wgrad_compute(config, embedding_module.embedding_activation_buffer,
@@ -162,7 +164,6 @@ def backward_step_multimodule(input_tensor, output_tensor, output_tensor_grad, c
     """backward_step over {module name: tensor} dicts (a stage holding several modules, e.g. an encoder
     and a language model). On the last stage `output_tensor` is the language model's loss alone (fp16
     loss-scaled); modules without an output that needs grad are skipped. Returns {name: input grad}."""
-    from megatron.core.pipeline_parallel.utils import custom_backward
     single = lambda t: t[0] if isinstance(t, list) else t  # noqa: E731
     for tensor in input_tensor.values():
         if single(tensor) is not None:
