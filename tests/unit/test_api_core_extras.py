@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+from tests.fixtures.tiny_gpt import tiny_config
 
 
 def test_checkpoint_without_output_matches_plain_backward():
@@ -66,9 +67,7 @@ def test_frozen_weight_linear_and_cross_entropy_steps():
 
 
 def _tiny_gpt_config():
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    return TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True,
-                             hidden_dropout=0.0, attention_dropout=0.0)
+    return tiny_config(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True)
 
 
 def test_schedule_helpers_and_forward_step():
@@ -102,11 +101,19 @@ def test_schedule_helpers_and_forward_step():
 def test_optimizer_config_overrides():
     """get_standard_config_overrides reproduces the default groups; MuP overrides scale hidden LR and
     Adam eps; per-group start_wd/end_wd reach the scheduler; the canonical LR is the default group's."""
-    from megatron.core.optimizer import (OptimizerConfig, ParamKey, check_config_overrides_consistency,
-                                         get_megatron_optimizer, get_mup_config_overrides,
-                                         get_standard_config_overrides)
-    from megatron.core.optimizer_param_scheduler import (OptimizerParamScheduler, combine_param_group_overrides,
-                                                         get_canonical_lr_for_logging)
+    from megatron.core.optimizer import (
+        OptimizerConfig,
+        ParamKey,
+        check_config_overrides_consistency,
+        get_megatron_optimizer,
+        get_mup_config_overrides,
+        get_standard_config_overrides,
+    )
+    from megatron.core.optimizer_param_scheduler import (
+        OptimizerParamScheduler,
+        combine_param_group_overrides,
+        get_canonical_lr_for_logging,
+    )
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
     config = OptimizerConfig(optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.1)
 
@@ -190,8 +197,11 @@ def test_factory_round_trip_validation_and_integrity(tmp_path):
 
 def test_batch_buffer_and_wgrad_helpers():
     from megatron.core.distributed.param_and_grad_buffer import group_params_for_buffers, shard_buffer
-    from megatron.core.utils import (drain_embedding_wgrad_compute, flatten_batch_for_packed_sequences,
-                                     prepare_input_tensors_for_wgrad_compute)
+    from megatron.core.utils import (
+        drain_embedding_wgrad_compute,
+        flatten_batch_for_packed_sequences,
+        prepare_input_tensors_for_wgrad_compute,
+    )
     batch = {"tokens": torch.arange(8).view(2, 4), "labels": torch.arange(8).view(2, 4),
              "cu_seqlens": torch.tensor([[0, 1, 4, 4], [0, 4, 4, 4]], dtype=torch.int32),
              "max_seqlen": torch.tensor([3, 4], dtype=torch.int32)}
@@ -218,6 +228,7 @@ def test_batch_buffer_and_wgrad_helpers():
 def test_megatron_metadata_class_unpickles(tmp_path):
     """A .metadata pickled as Megatron Core 0.15's MCoreMetadata (optimizer-state checkpoints) loads."""
     import pickle
+
     from megatron.core.dist_checkpointing.strategies.torch import MCoreMetadata
     ckpt = str(tmp_path / "c")
     w = torch.randn(4, 2)
@@ -233,8 +244,11 @@ def test_megatron_metadata_class_unpickles(tmp_path):
 
 
 def test_async_callers_single_process():
-    from megatron.core.dist_checkpointing.strategies.async_utils import (AsyncRequest, PersistentAsyncCaller,
-                                                                          TemporalAsyncCaller)
+    from megatron.core.dist_checkpointing.strategies.async_utils import (
+        AsyncRequest,
+        PersistentAsyncCaller,
+        TemporalAsyncCaller,
+    )
     order = []
     for caller in (TemporalAsyncCaller(), PersistentAsyncCaller()):
         for tag in ("a", "b"):
@@ -253,12 +267,16 @@ def test_async_callers_single_process():
 
 def test_small_training_and_core_helpers(tmp_path):
     import argparse
+
+    from megatron.core.dist_checkpointing.strategies.torch import flatten_state_dict
     from megatron.core.model_parallel_config import resolve_tensor_parallel_weight_shards
     from megatron.core.optimizer import is_managed_by_layer_wise_optimizer
     from megatron.core.pipeline_parallel.schedules import backward_step_multimodule
-    from megatron.core.tensor_parallel.random import (get_cuda_rng_tracker, get_data_parallel_rng_tracker_name,
-                                                      model_parallel_cuda_manual_seed)
-    from megatron.core.dist_checkpointing.strategies.torch import flatten_state_dict
+    from megatron.core.tensor_parallel.random import (
+        get_cuda_rng_tracker,
+        get_data_parallel_rng_tracker_name,
+        model_parallel_cuda_manual_seed,
+    )
     from megatron.training.argument_utils import ArgumentGroupFactory, TypeInferenceError
     from megatron.training.utils import append_to_progress_log
     assert resolve_tensor_parallel_weight_shards(2, None, 1) == (2, 1)
@@ -297,11 +315,10 @@ def test_small_training_and_core_helpers(tmp_path):
 def test_reset_model_temporary_tensors_clears_router_counts():
     from megatron.core.distributed.finalize_model_grads import reset_model_temporary_tensors
     from megatron.core.transformer.moe.router import TopKRouter
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4, moe_router_topk=2,
-                            moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
-                            moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.01,
-                            use_cpu_initialization=True)
+    cfg = tiny_config(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4, moe_router_topk=2,
+                      moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
+                      moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.01,
+                      use_cpu_initialization=True)
     router = TopKRouter(cfg)
     router.set_layer_number(1)
     router(torch.randn(5, 1, 8))

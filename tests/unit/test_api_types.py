@@ -5,12 +5,11 @@ import functools
 import pytest
 import torch
 
-from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.fixtures.tiny_gpt import tiny_config
 
 
 def _config(**kw):
-    return TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-                             hidden_dropout=0.0, attention_dropout=0.0, **kw)
+    return tiny_config(use_cpu_initialization=True, **kw)
 
 
 def test_param_key_selects_by_name_attr_and_predicates():
@@ -158,10 +157,14 @@ def test_set_startup_timestamps_moves_the_start():
 def test_torch_dist_strategy_objects_save_and_load(tmp_path):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
-    from megatron.core.dist_checkpointing.serialization import (get_default_load_sharded_strategy,
-                                                                get_default_save_sharded_strategy)
-    from megatron.core.dist_checkpointing.strategies.torch import (TorchDistLoadShardedStrategy,
-                                                                   TorchDistSaveShardedStrategy)
+    from megatron.core.dist_checkpointing.serialization import (
+        get_default_load_sharded_strategy,
+        get_default_save_sharded_strategy,
+    )
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        TorchDistLoadShardedStrategy,
+        TorchDistSaveShardedStrategy,
+    )
     ckpt = str(tmp_path / "ckpt")
     w = torch.arange(6.0).view(2, 3)
     dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", w)}, ckpt,

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.fixtures.tiny_gpt import tiny_config, tiny_gpt
 
 
 def test_fused_cross_entropy_blocks_assemble_vocab_parallel_loss():
@@ -49,7 +49,7 @@ def test_qk_l2_norm_spec_normalizes_queries_and_keys():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.torch_norm import L2Norm
-    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, qk_l2_norm=True)
+    config = tiny_config(num_layers=1, hidden_size=16, num_attention_heads=2, qk_l2_norm=True)
     layer = build_module(get_gpt_layer_local_spec(qk_l2_norm=True), config=config, layer_number=1)
     norm = layer.self_attention.q_layernorm
     assert isinstance(norm, L2Norm) and isinstance(layer.self_attention.k_layernorm, L2Norm)
@@ -64,8 +64,8 @@ def test_moe_transformer_layer_is_a_transformer_layer():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
-    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=2,
-                               moe_router_topk=1, add_bias_linear=False)
+    config = tiny_config(num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=2,
+                         moe_router_topk=1, add_bias_linear=False)
     spec = get_gpt_layer_local_spec(num_experts=2)
     layer = MoETransformerLayer(config, spec.submodules, layer_number=1)
     assert isinstance(layer, TransformerLayer) and layer.is_moe_layer
@@ -76,11 +76,9 @@ def test_moe_transformer_layer_is_a_transformer_layer():
 
 def test_sampling_params_token_counts_and_termination_id():
     from megatron.core.inference import InferenceEngine, SamplingParams
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
     torch.manual_seed(0)
-    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2)
-    model = GPTModel(config, get_gpt_layer_local_spec(), 32, 16).eval()
+    config = tiny_config(num_layers=1, hidden_size=16, num_attention_heads=2)
+    model = tiny_gpt(config, 32, 16, share_embeddings_and_output_weights=False).eval()
     engine = InferenceEngine(model, max_batch_size=2, max_sequence_length=16)
     prompt = [1, 2, 3, 4]
     until_full, total = engine.generate([prompt, prompt], [SamplingParams(top_k=1),
@@ -128,8 +126,7 @@ def test_attention_base_runs_a_subclass_like_self_attention():
             return tuple(proj(hidden_states)[0].view(s, b, self.np, self.hn) for proj in (self.q, self.k, self.v))
 
     torch.manual_seed(1)
-    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, add_bias_linear=False,
-                               attention_dropout=0.0)
+    config = tiny_config(num_layers=1, hidden_size=16, num_attention_heads=2, add_bias_linear=False)
     submodules = get_gpt_layer_local_spec().submodules.self_attention.submodules
     fused = SelfAttention(config, submodules, 1, AttnMaskType.causal)
     separate = SeparateQKV(config, submodules, 1)

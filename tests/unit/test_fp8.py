@@ -12,12 +12,10 @@ import pytest
 import torch
 
 from megatron.core.fp8 import fp8_dtypes, fp8_linear, quantize_tensorwise
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.arguments import ArgumentError, core_transformer_config_from_args, parse_args, validate_args
+from tests.fixtures.tiny_gpt import tiny_config, tiny_gpt
 
 FWD_TOL, GRAD_TOL = 0.06, 0.10
 
@@ -89,8 +87,7 @@ def test_token_count_not_multiple_of_16_returns_none():
 
 
 def _cfg(**kw):
-    return TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
-                             **kw)
+    return tiny_config(num_layers=1, hidden_size=64, use_cpu_initialization=True, **kw)
 
 
 def test_layers_pick_fp8_only_for_transformer_linears():
@@ -147,7 +144,8 @@ def _train_losses(extra, steps=50):
     config = core_transformer_config_from_args(_args(extra))
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32).bfloat16()
+    model = tiny_gpt(config, vocab_size=128, max_sequence_length=32, share_embeddings_and_output_weights=False)
+    model = model.bfloat16()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(1)
     starts = torch.randint(0, 128, (8, 1), generator=g)

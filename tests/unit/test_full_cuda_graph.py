@@ -8,10 +8,14 @@ runs the same comparison with a real CUDA graph.
 import pytest
 import torch
 
-from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBatches
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.arguments.validation import ArgumentError
+from tests.fixtures.tiny_gpt import single_rank, tiny_config, tiny_gpt, train_step
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 8 --max-position-embeddings 8 "
         "--micro-batch-size 2 --train-iters 3 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer "
@@ -100,40 +104,21 @@ def _copy_tensors(dst, src):
             _copy_tensors(d, s)
 
 
-def _single_rank():
-    if not torch.distributed.is_initialized():
-        from tests.parallel.dist_utils import free_port
-        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
-                                             rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
-
-
 def train_losses(steps, wrap=None, device="cpu", dtype=torch.float32, num_microbatches=2, attention_dropout=0.0,
                  graph_safe_rng=False):
     """Per-step losses of a 2-layer GPT trained through DDP, the Megatron optimizer and the no-pipelining
     schedule; ``wrap(fbf)`` optionally wraps the schedule (as the training loop does for graphs)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    _single_rank()
+    single_rank()
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(1, use_cudagraphable_rng=graph_safe_rng)
     bf16 = dtype == torch.bfloat16
-    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, hidden_dropout=0.1,
-                               attention_dropout=attention_dropout, params_dtype=dtype, bf16=bf16,
-                               gradient_accumulation_fusion=True)
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=16).to(device)
+    config = tiny_config(hidden_size=64, hidden_dropout=0.1, attention_dropout=attention_dropout, params_dtype=dtype,
+                         bf16=bf16, gradient_accumulation_fusion=True)
+    model = tiny_gpt(config, vocab_size=128, share_embeddings_and_output_weights=False).to(device)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=3e-3, weight_decay=0.1, clip_grad=1.0, bf16=bf16),
                                        [model])
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = finalize_model_grads  # the schedule calls it, as in training
     config.grad_scale_func = optimizer.scale_loss
 
     gen = torch.Generator().manual_seed(1)
@@ -143,31 +128,9 @@ def train_losses(steps, wrap=None, device="cpu", dtype=torch.float32, num_microb
         batches.append({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
                         "position_ids": torch.arange(16).expand(2, 16).contiguous()})
 
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-
-        def loss_func(output_tensor):
-            loss = output_tensor.float().sum()
-            # torch.full, not torch.tensor: a host-to-device copy cannot be captured in a graph.
-            count = torch.full((), output_tensor.numel(), device=output_tensor.device, dtype=torch.int)
-            return loss, count, {"lm loss": torch.stack([loss.detach(), count.float()])}
-        return output, loss_func
-
     fbf = wrap(forward_backward_no_pipelining) if wrap else forward_backward_no_pipelining
-    data = iter(batches)
-    losses = []
-    for _ in range(steps):
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        out = fbf(forward_step_func=forward_step, data_iterator=data, model=[model],
-                  num_microbatches=num_microbatches, seq_length=16, micro_batch_size=2, forward_only=False)
-        ok, grad_norm, _ = optimizer.step()
-        assert ok
-        total = torch.stack([d["lm loss"] for d in out]).sum(dim=0)
-        losses.append((total[0] / total[1]).item())
-    return losses
+    return [train_step(model, optimizer, batches[i * num_microbatches:(i + 1) * num_microbatches], schedule=fbf,
+                       finalize=None)[0] for i in range(steps)]
 
 
 def test_wrapper_reproduces_eager_training():
@@ -224,7 +187,7 @@ def test_eval_and_warmup_run_eagerly():
 
 def test_replayed_loss_check_names_the_flag():
     from megatron.training.train_step import _check_losses_finite
-    _single_rank()
+    single_rank()
     _check_losses_finite([{"lm loss": torch.tensor([3.0, 16.0])}])
     with pytest.raises(RuntimeError, match="no-check-for-nan-in-loss-and-grad"):
         _check_losses_finite([{"lm loss": torch.tensor([3.0, 16.0])}, {"lm loss": torch.tensor([float("nan"), 16.0])}])

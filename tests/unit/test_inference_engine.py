@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from megatron.core.inference import InferenceEngine, SamplingParams, StaticInferenceContext
 from megatron.core.inference.sampling import sample_tokens
+from tests.fixtures.tiny_gpt import tiny_config, tiny_gpt
 
 VOCAB, MAX_LEN = 96, 64
 
@@ -18,20 +19,16 @@ def build_tiny_gpt(arch: str, seed: int = 7, tp: int = 1):
     """gpt2: learned positions, LayerNorm, GeLU, tied embeddings. llama: RoPE, GQA, RMSNorm, SwiGLU, qk-norm;
     mistral: llama with a 4-token sliding window."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     model_parallel_cuda_manual_seed(seed)
     if arch == "gpt2":
-        cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=tp)
-        return GPTModel(cfg, get_gpt_layer_local_spec(), VOCAB, MAX_LEN,
-                        share_embeddings_and_output_weights=True).eval()
-    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2,
-                            ffn_hidden_size=96, normalization="RMSNorm", gated_linear_unit=True,
-                            activation_func=F.silu, add_bias_linear=False, qk_layernorm=True,
-                            tensor_model_parallel_size=tp, window_size=(3, 0) if arch == "mistral" else None)
-    return GPTModel(cfg, get_gpt_layer_local_spec(qk_layernorm=True), VOCAB, MAX_LEN,
+        return tiny_gpt(tiny_config(tensor_model_parallel_size=tp), VOCAB, MAX_LEN).eval()
+    cfg = tiny_config(hidden_size=64, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=96,
+                      normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                      qk_layernorm=True, tensor_model_parallel_size=tp,
+                      window_size=(3, 0) if arch == "mistral" else None)
+    return tiny_gpt(cfg, VOCAB, MAX_LEN, spec=get_gpt_layer_local_spec(qk_layernorm=True),
                     position_embedding_type="rope", share_embeddings_and_output_weights=False).eval()
 
 

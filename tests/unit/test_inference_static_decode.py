@@ -11,23 +11,20 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.inference import InferenceEngine, SamplingParams, StaticInferenceContext
+from tests.fixtures.tiny_gpt import tiny_config, tiny_gpt
 
 VOCAB, MAX_LEN = 96, 160
 
 
 def build_llama(interleaved: bool = False, window=None):
     """RoPE, GQA (8 heads, 2 groups), RMSNorm, SwiGLU, no qk-norm: the layout that takes the fused path."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     model_parallel_cuda_manual_seed(11)
-    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2,
-                            ffn_hidden_size=96, normalization="RMSNorm", gated_linear_unit=True,
-                            activation_func=F.silu, add_bias_linear=False, rotary_interleaved=interleaved,
-                            window_size=window, init_method_std=0.1)
-    return GPTModel(cfg, get_gpt_layer_local_spec(), VOCAB, MAX_LEN, position_embedding_type="rope",
+    cfg = tiny_config(hidden_size=64, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=96,
+                      normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                      rotary_interleaved=interleaved, window_size=window, init_method_std=0.1)
+    return tiny_gpt(cfg, VOCAB, MAX_LEN, position_embedding_type="rope",
                     share_embeddings_and_output_weights=False).eval()
 
 

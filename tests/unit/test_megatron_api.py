@@ -2,19 +2,20 @@
 model from its specs and config, forward, backward, save and load through sharded_state_dict; the
 microbatch calculators; the optimizer with its scheduler; the compat config fields."""
 import dataclasses
+
 import pytest
 import torch
 
 from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.fixtures.tiny_gpt import tiny_config
 
 VOCAB, SEQ, BATCH = 64, 16, 2
 
 
 def _config(**kw):
-    return TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-                             hidden_dropout=0.0, attention_dropout=0.0, **kw)
+    return tiny_config(use_cpu_initialization=True, **kw)
 
 
 def _round_trip(model, tmp_path, run):

@@ -6,9 +6,9 @@ import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_moe_module_spec
 from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping, topk_routing_with_score_function
 from megatron.core.transformer.spec_utils import build_module
-from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.unit.test_arguments import _args
 from megatron.training.arguments import ArgumentError
+from tests.fixtures.tiny_gpt import tiny_config
+from tests.unit.test_arguments import _args
 
 T, E, H = 24, 8, 32
 
@@ -71,11 +71,10 @@ def test_capacity_dropping_keeps_best_tokens_per_expert(policy):
 
 
 def _config(**kw):
-    base = dict(num_layers=2, hidden_size=H, num_attention_heads=4, num_moe_experts=E, moe_router_topk=2,
-                hidden_dropout=0.0, attention_dropout=0.0, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-                add_bias_linear=False, moe_aux_loss_coeff=0.0)
+    base = dict(hidden_size=H, num_moe_experts=E, moe_router_topk=2, gated_linear_unit=True,
+                activation_func=torch.nn.functional.silu, add_bias_linear=False, moe_aux_loss_coeff=0.0)
     base.update(kw)
-    return TransformerConfig(**base)
+    return tiny_config(**base)
 
 
 def _expert_fn(layer, e):
@@ -178,6 +177,7 @@ def test_moe_layer_freq_pattern_and_flags_reach_config(capsys):
 def test_flops_count_active_experts():
     """Megatron's MoE formula: MLP FLOPs of a MoE layer use top-k x moe_ffn + the shared expert width."""
     from types import SimpleNamespace
+
     from megatron.training.flops import num_floating_point_operations
     base = dict(hidden_size=64, num_layers=4, seq_length=32, num_attention_heads=4, kv_channels=None,
                 group_query_attention=False, num_query_groups=1, ffn_hidden_size=256, swiglu=True,

@@ -4,6 +4,7 @@ balancing losses with padding masks, the expert-bias step, and random routing fo
 import torch
 
 from megatron.core.transformer.moe import moe_utils as mu
+from tests.fixtures.tiny_gpt import tiny_config
 
 T, E, H, K = 12, 4, 8, 2
 
@@ -114,8 +115,7 @@ def test_expert_bias_step_and_small_helpers():
     assert torch.equal(bias, torch.tensor([[0.1, -0.1, 0.0, 0.0]]))
     t = torch.ones(2)
     assert mu.maybe_move_tensor_to_cpu(t) is t
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4)
+    config = tiny_config(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4)
     assert mu.get_align_size_for_quantization(config) == 0 and not mu.skip_routed_expert_padding(config)
     from megatron.core import parallel_state as ps
     pgs = mu.get_default_pg_collection()  # parallel_state's groups (None where not initialized)
@@ -150,12 +150,10 @@ def test_tracker_names_and_log_string():
 
 
 def _moe_config(**kw):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    base = dict(num_layers=2, hidden_size=H, num_attention_heads=2, num_moe_experts=E, moe_router_topk=K,
-                hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False, moe_ffn_hidden_size=16,
-                moe_shared_expert_intermediate_size=16)
+    base = dict(hidden_size=H, num_attention_heads=2, num_moe_experts=E, moe_router_topk=K, add_bias_linear=False,
+                moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=16)
     base.update(kw)
-    return TransformerConfig(**base)
+    return tiny_config(**base)
 
 
 def test_experts_apply_permuted_probs_like_megatrons_interface():

@@ -5,18 +5,20 @@ import pytest
 import torch
 
 from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_layer_with_transformer_engine_spec, get_gpt_mtp_block_spec, get_gpt_mtp_block_spec_for_backend)
+    get_gpt_layer_with_transformer_engine_spec,
+    get_gpt_mtp_block_spec,
+    get_gpt_mtp_block_spec_for_backend,
+)
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import multi_token_prediction as mtp
-from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.fixtures.tiny_gpt import tiny_config
 
 
 def _config(**kw):
-    base = dict(num_layers=2, hidden_size=16, num_attention_heads=2, hidden_dropout=0.0, attention_dropout=0.0,
-                mtp_num_layers=2, add_bias_linear=False)
+    base = dict(hidden_size=16, num_attention_heads=2, mtp_num_layers=2, add_bias_linear=False)
     base.update(kw)
-    return TransformerConfig(**base)
+    return tiny_config(**base)
 
 
 def test_roll_tensor_plain_and_packed():

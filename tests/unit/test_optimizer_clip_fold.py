@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from megatron.core.optimizer import Float16OptimizerWithFloat16Params, OptimizerConfig
-from tests.unit.test_full_cuda_graph import _single_rank
+from tests.fixtures.tiny_gpt import single_rank
 
 
 def _run(fused, fold, grad_scale_factor, steps=3):
-    _single_rank()  # the grad-norm reduction needs a (one-rank) process group
+    single_rank()  # the grad-norm reduction needs a (one-rank) process group
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)).bfloat16()
     params = list(model.parameters())

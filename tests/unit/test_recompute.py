@@ -2,10 +2,9 @@
 import pytest
 import torch
 
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
+from tests.fixtures.tiny_gpt import tiny_gpt
 
 BASE = ("--num-layers 3 --hidden-size 32 --num-attention-heads 4 --seq-length 8 --max-position-embeddings 8 "
         "--micro-batch-size 2 --train-iters 3 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer "
@@ -27,7 +26,7 @@ def _train_losses(config, steps=3):
     """Losses of a few AdamW steps on fixed data; dropout on, replayed identically by recompute."""
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=8)
+    model = tiny_gpt(config, max_sequence_length=8, share_embeddings_and_output_weights=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 64, (2, 8), generator=g)

@@ -3,7 +3,7 @@ import pytest
 
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.transformer_block import get_num_layers_to_build, get_transformer_layer_offset
-from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.fixtures.tiny_gpt import tiny_config
 
 
 @pytest.fixture
@@ -20,8 +20,8 @@ def _layout(cfg, pp_size, vp_size=1):
 
 
 def _cfg(num_layers, pp_size, **kw):
-    return TransformerConfig(num_layers=num_layers, hidden_size=8, num_attention_heads=2,
-                             pipeline_model_parallel_size=pp_size, **kw)
+    return tiny_config(num_layers=num_layers, hidden_size=8, num_attention_heads=2,
+                       pipeline_model_parallel_size=pp_size, **kw)
 
 
 def test_even_and_virtual(pp):

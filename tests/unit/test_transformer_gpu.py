@@ -3,21 +3,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
-from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.fixtures.tiny_gpt import tiny_config, tiny_gpt
 
 pytestmark = pytest.mark.gpu
 
 
 def _model(**kw):
-    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
-                            normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-                            add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, **kw)
-    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32,
-                     position_embedding_type="rope")
+    cfg = tiny_config(hidden_size=64, num_attention_heads=8, num_query_groups=4, normalization="RMSNorm",
+                      gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, bf16=True,
+                      params_dtype=torch.bfloat16, **kw)
+    model = tiny_gpt(cfg, vocab_size=128, max_sequence_length=32, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=False)
     return Float16Module(cfg, model)
 
 

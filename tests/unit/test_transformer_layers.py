@@ -5,19 +5,17 @@ import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.module import Float16Module
-from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.fixtures.tiny_gpt import tiny_config, tiny_gpt
 
 S, B = 6, 2
 
 
 def _cfg(**kw):
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, hidden_dropout=0.0,
-                attention_dropout=0.0, use_cpu_initialization=True)  # CPU references, even on a GPU host
+    base = dict(num_query_groups=2, use_cpu_initialization=True)  # CPU references, even on a GPU host
     base.update(kw)
-    return TransformerConfig(**base)
+    return tiny_config(**base)
 
 
 def _attention(cfg):
@@ -85,8 +83,9 @@ def test_rope_half_by_half_equals_textbook_form():
         torch.testing.assert_close(g_out, g_ref, rtol=1e-12, atol=1e-12)
 
 
-def _gpt(cfg, **kw):
-    return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=S, **kw)
+def _gpt(cfg, share_embeddings_and_output_weights=False, **kw):
+    return tiny_gpt(cfg, max_sequence_length=S, share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+                    **kw)
 
 
 def _batch():
