@@ -5,7 +5,7 @@ import torch
 
 from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 from tests.fixtures.tiny_gpt import single_rank
-from tests.unit.test_full_cuda_graph import train_losses
+from tests.unit.core.test_full_cuda_graph import train_losses
 
 pytestmark = pytest.mark.gpu
 
