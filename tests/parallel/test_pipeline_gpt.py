@@ -86,7 +86,8 @@ def _train_layouts(layouts):
 
 
 def _check(results_by_rank, reference):
-    """Last-stage losses equal the reference; tied weights equal on first and last stage."""
+    """Every rank's loss (reduced over all ranks) equals the reference; tied weights equal on first and last
+    stage."""
     for layout_idx in range(len(results_by_rank[0])):
         per_rank = [r[layout_idx] for r in results_by_rank]
         reported = [r["losses"] for r in per_rank if r["losses"][0] is not None]
