@@ -2,7 +2,7 @@
 
 Megatron's side is read from its wheel with `ast` (never imported, never a dependency) and stored in
 docs/api_megatron_0.19.2.json; our side is recomputed by importing our modules and inspecting them, so
-tests/unit/test_api_report.py can check docs/api.md offline.
+tests/unit/compat/test_api_report.py can check docs/api.md offline.
 
     python tools/api_report.py                 # regenerate docs/api.md from the committed json
     python tools/api_report.py --extract [--wheel PATH]   # re-read the wheel (downloads it without PATH)

@@ -2,7 +2,8 @@
 checkpoint print the same `lm loss` text as one uninterrupted run (dropout on, so RNG state matters).
 
 Single process for torch_dist and torch (saved by --exit-interval); torchrun DP=2 with --async-save
-(single-process async resume is covered in tests/unit/test_dist_checkpointing_training.py). Also: SIGTERM with --exit-signal-handler saves and exits 0.
+(single-process async resume is covered in tests/unit/training/checkpointing/test_checkpointing.py).
+Also: SIGTERM with --exit-signal-handler saves and exits 0.
 """
 import os
 import re

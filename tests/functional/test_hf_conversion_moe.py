@@ -207,7 +207,7 @@ def test_bad_inputs_of_every_family(world, tmp_path):
     one line each, for every family."""
     from megatron.core.hf import UnsupportedConfig
     from megatron.training.checkpointing.hf import import_hf_checkpoint
-    from tests.unit.test_hf_deepseek_v3 import _hf_model as deepseek_model
+    from tests.unit.core.hf.test_deepseek_v3 import _hf_model as deepseek_model
     dirs = dict(world["dirs"])
     for name, cfg in _hf_configs().items():
         dirs[name] = str(tmp_path / name)

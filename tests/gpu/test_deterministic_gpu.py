@@ -67,9 +67,7 @@ def test_without_the_flag_runs_differ(tmp_path):
 def test_cpu_initialization_builds_on_cpu():
     """--use-cpu-initialization: parameters are created and filled on the CPU, then moved by get_model."""
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from tests.fixtures.tiny_gpt import tiny_config, tiny_gpt
     from tests.parallel.dist_utils import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -78,9 +76,9 @@ def test_cpu_initialization_builds_on_cpu():
         ps.initialize_model_parallel()
         models = {}
         for cpu in (True, False):
-            cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=cpu,
-                                    params_dtype=torch.float32)
-            models[cpu] = GPTModel(cfg, get_gpt_layer_local_spec(), 128, 32)
+            cfg = tiny_config(hidden_size=64, use_cpu_initialization=cpu)
+            models[cpu] = tiny_gpt(cfg, vocab_size=128, max_sequence_length=32,
+                                   share_embeddings_and_output_weights=False)
         assert {p.device.type for p in models[True].parameters()} == {"cpu"}
         assert {p.device.type for p in models[False].parameters()} == {"cuda"}
     finally:

@@ -74,8 +74,8 @@ def test_compiled_layer_matches_eager():
 def test_clip_folded_into_fused_adam_matches_explicit_clip():
     """Clipping through the fused AdamW's grad_scale equals scaling the grads first."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from tests.unit.test_full_cuda_graph import _single_rank
-    _single_rank()  # the grad-norm all-reduce needs a (one-rank) process group
+    from tests.fixtures.tiny_gpt import single_rank
+    single_rank()  # the grad-norm all-reduce needs a (one-rank) process group
     results = []
     for fold in (True, False):
         torch.manual_seed(0)

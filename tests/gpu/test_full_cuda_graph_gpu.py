@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from megatron.core.full_cuda_graph import FullCudaGraphWrapper
-from tests.unit.test_full_cuda_graph import train_losses
+from tests.fixtures.tiny_gpt import single_rank
+from tests.unit.core.test_full_cuda_graph import train_losses
 
 pytestmark = pytest.mark.gpu
 
@@ -29,8 +30,7 @@ def test_cuda_graph_reproduces_eager_training(dtype, attention_dropout):
 
 def test_losses_to_host_on_cuda():
     from megatron.training.train_step import _check_losses_finite, _losses_to_host
-    from tests.unit.test_full_cuda_graph import _single_rank
-    _single_rank()
+    single_rank()
     dicts = [{"lm loss": torch.tensor([3.0, 16.0], device="cuda")},
              {"lm loss": torch.tensor([float("nan"), 8.0], device="cuda")}]
     host = _losses_to_host(dicts)()

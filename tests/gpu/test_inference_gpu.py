@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron.core.inference import InferenceEngine, SamplingParams
-from tests.unit.test_inference_engine import MAX_LEN, build_tiny_gpt, full_logits, joining_vs_alone, prompts
+from tests.unit.core.inference.test_engine import MAX_LEN, build_tiny_gpt, full_logits, joining_vs_alone, prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -47,7 +47,7 @@ def test_compiled_decode_close_to_eager(qk_norm):
     """torch.compile fuses the element-wise work (other summation orders): log-probs within 1e-4 in fp32,
     far below the gaps between a random model's top logits, so the tokens agree. Without qk-norm the
     attention takes the fused-QKV path (``rope_and_store`` inlined in the compiled step)."""
-    from tests.unit.test_inference_static_decode import build_llama
+    from tests.unit.core.inference.test_cuda_graphs import build_llama
     model = (build_tiny_gpt("llama") if qk_norm else build_llama()).cuda()
     _, eager_tokens, eager_lp = _run(model, use_cuda_graphs=False)
     engine, tokens, lp = _run(model, compile_decode=True)
@@ -60,7 +60,7 @@ def test_graph_decode_64_steps_equals_eager_and_takes_graphs():
     """bf16, the fused-QKV layout (no qk-norm): 64 greedy steps replayed from graphs give exactly what the
     same bucketed steps give eagerly (same kernels, same shapes); the replay count proves every step
     went through a graph, across two KV buckets (64, 128). In fp32 the exact-shape eager decode agrees too."""
-    from tests.unit.test_inference_static_decode import MAX_LEN as LONG, _prompts, build_llama
+    from tests.unit.core.inference.test_cuda_graphs import MAX_LEN as LONG, _prompts, build_llama
     ps = _prompts([20, 7, 13], seed=5)
     params = SamplingParams(top_k=1, num_tokens_to_generate=64, return_log_probs=True)
 

@@ -5,12 +5,10 @@ from identical weights and differ only by bf16 rounding).
 
     OMP_NUM_THREADS=4 python -m pytest -q tests/gpu/test_moe_gpu.py
 """
-import contextlib
-import io
-import sys
-
 import pytest
 import torch
+
+from tests.fixtures.tiny_gpt import run_pretrain
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                                 reason="torch._grouped_mm needs CUDA compute capability >= 9.0")
@@ -63,27 +61,13 @@ def test_grouped_mlp_matches_expert_loop_bf16():
 
 
 def _train(extra):
-    import megatron.training.training as training
-    import pretrain_gpt
-    from megatron.core import parallel_state
-    from megatron.core.enums import ModelType
-    from megatron.training.global_vars import destroy_global_vars
-    losses, step = [], training.train_step
+    losses = []
 
-    def recording(*a, **k):
-        out = step(*a, **k)
+    def record(model, optimizer, out):
         losses.append(float(out[0]["lm loss"]))
-        return out
-    training.train_step = recording
-    sys.argv = ["pretrain_gpt.py"] + (MIXTRAL_2L + " " + extra).split()
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            training.pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
-                              ModelType.encoder_or_decoder, pretrain_gpt.forward_step)
+        run_pretrain((MIXTRAL_2L + " " + extra).split(), record, capture_stdout=True)
     finally:
-        training.train_step = step
-        destroy_global_vars()
-        parallel_state.destroy_model_parallel()
         torch.cuda.empty_cache()
     return losses
 

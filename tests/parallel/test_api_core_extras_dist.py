@@ -5,6 +5,7 @@ with Megatron's constructor, and the DTensor parameter norm. Values are exact (c
 import torch
 import torch.distributed as dist
 
+from tests.fixtures.tiny_gpt import tiny_config
 from tests.parallel.dist_utils import run_distributed
 
 
@@ -122,8 +123,7 @@ def _distributed_optimizer(rank):
     # Megatron-FSDP's constructor: every sharding strategy takes the step plain DDP takes (fp32 sums in
     # another order: 1e-6).
     from megatron.core.distributed import FullyShardedDataParallel, TorchFullyShardedDataParallel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+    cfg = tiny_config(num_layers=1, hidden_size=8, num_attention_heads=2)
     steps = {}
     for strategy in ("no_shard", "optim", "optim_grads", "optim_grads_params"):
         torch.manual_seed(0)
@@ -147,6 +147,7 @@ def _distributed_optimizer(rank):
 def _dtensor_norm(rank, n):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
     from megatron.training.utils import calc_dtensor_params_l2_norm
     mesh = init_device_mesh("cpu", (n,))
     a, b = _full(8, 3, seed=5), _full(5, seed=6)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from tests.fixtures.tiny_gpt import tiny_config
 from tests.parallel.dist_utils import run_distributed
 from tests.parallel.test_pipeline_gpt import _reduce_grads
 
@@ -46,12 +47,10 @@ def forward_step_func(data_iterator, model):
 def _train(pp):
     from megatron.core.models.bert.bert_layer_specs import get_bert_layer_local_spec
     from megatron.core.models.bert.bert_model import BertModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    cfg = TransformerConfig(num_layers=LAYERS, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
-                            attention_dropout=0.0, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32)
+    cfg = tiny_config(num_layers=LAYERS, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32)
     model = BertModel(cfg, 2, get_bert_layer_local_spec(), VOCAB, SEQ,
                       pre_process=parallel_state.is_pipeline_first_stage(),
                       post_process=parallel_state.is_pipeline_last_stage(), share_embeddings_and_output_weights=True)

@@ -7,6 +7,7 @@ Data: random tokens with padding, two segments, ~15% of positions as targets, ra
 import torch
 import torch.nn.functional as F
 
+from tests.fixtures.tiny_gpt import tiny_config
 from tests.parallel.dist_utils import run_distributed
 
 ITERS, BATCH, SEQ, VOCAB = 8, 4, 16, 128
@@ -29,12 +30,10 @@ def _train(tp, binary_head):
     from megatron.core.models.bert.bert_layer_specs import get_bert_layer_local_spec
     from megatron.core.models.bert.bert_model import BertModel
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_cuda_manual_seed(1234)
-    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=tp,
-                            hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = tiny_config(tensor_model_parallel_size=tp)
     model = BertModel(cfg, 2 if binary_head else 0, get_bert_layer_local_spec(), VOCAB, SEQ,
                       add_binary_head=binary_head, share_embeddings_and_output_weights=True)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)

@@ -7,6 +7,10 @@ Adam moments) instead of failing on the shape.
 import torch
 
 from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from tests.fixtures.tiny_gpt import tiny_config, tiny_gpt, train_step
 from tests.parallel.dist_utils import run_distributed
 
 TRUE_VOCAB, DIVISIBLE_BY, SEQ = 70, 16, 8
@@ -18,18 +22,10 @@ def _padded(tp):
 
 
 def _build(tp):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_cuda_manual_seed(1234)
-    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=tp,
-                            hidden_dropout=0.0, attention_dropout=0.0)
-    gpt = GPTModel(cfg, get_gpt_layer_local_spec(), _padded(tp), SEQ, share_embeddings_and_output_weights=True)
+    cfg = tiny_config(tensor_model_parallel_size=tp)
+    gpt = tiny_gpt(cfg, vocab_size=_padded(tp), max_sequence_length=SEQ)
     model = DistributedDataParallel(cfg, DistributedDataParallelConfig(), gpt)
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.0), [model])
     return model, opt
@@ -49,11 +45,7 @@ def _save_then_load(ckpt, save_tp, load_tp):
     model, opt = _build(save_tp)
     tokens = torch.randint(0, TRUE_VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
-        model.zero_grad_buffer()
-        loss = model(tokens[:, :-1], torch.arange(SEQ).expand(2, SEQ), None, labels=tokens[:, 1:]).mean()
-        loss.backward()
-        model.finish_grad_sync()
-        opt.step()
+        train_step(model, opt, [tokens], seq=SEQ)
     sd = model.module.sharded_state_dict()
     dist_checkpointing.save({"model": sd, "optimizer": opt.sharded_state_dict(sd)}, ckpt)
     saved_weight = _full_embedding(model)

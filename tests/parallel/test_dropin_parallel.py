@@ -8,8 +8,10 @@ relative is the bound the other data-parallel invariance tests use.
 import pytest
 import torch
 
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from tests.fixtures.tiny_gpt import run_pretrain, tiny_config, tiny_gpt
 from tests.parallel.dist_utils import run_distributed
-from tests.parallel.pretrain_utils import run_pretrain
 
 ITERS = 3
 MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
@@ -20,17 +22,10 @@ STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
 
 def _init_values(tp, cpu_init):
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_cuda_manual_seed(1234)
-    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=tp,
-                            use_cpu_initialization=cpu_init, params_dtype=torch.float32)
-    model = GPTModel(cfg, get_gpt_layer_local_spec(), 128, 16)
+    cfg = tiny_config(tensor_model_parallel_size=tp, use_cpu_initialization=cpu_init)
+    model = tiny_gpt(cfg, vocab_size=128, max_sequence_length=16, share_embeddings_and_output_weights=False)
     devices = {p.device.type for p in model.parameters()}
     ps.destroy_model_parallel()
     return {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}, devices

@@ -11,65 +11,34 @@ import pytest
 import torch
 
 from megatron.core import parallel_state as ps
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    TorchFullyShardedDataParallel,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from tests.fixtures.tiny_gpt import global_batch, tiny_config, tiny_gpt, train_step
 from tests.parallel.dist_utils import run_distributed
 
-ITERS, SEQ, MBS, GBS, VOCAB, LAYERS = 10, 16, 2, 8, 64, 2
+ITERS = 10
 RTOL = 1e-5
 
 
 def _build(tp, fsdp2, pp=1):
-    from megatron.core.distributed import (
-        DistributedDataParallel, DistributedDataParallelConfig, TorchFullyShardedDataParallel)
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(1234)
-    cfg = TransformerConfig(num_layers=LAYERS, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
-                            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                            sequence_parallel=tp > 1, hidden_dropout=0.0, attention_dropout=0.0,
-                            params_dtype=torch.float32)
-    gpt = GPTModel(cfg, get_gpt_layer_local_spec(), VOCAB, SEQ, share_embeddings_and_output_weights=True,
-                   pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+    cfg = tiny_config(ffn_hidden_size=64, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                      sequence_parallel=tp > 1)
     wrapper = TorchFullyShardedDataParallel if fsdp2 else DistributedDataParallel
-    model = wrapper(cfg, DistributedDataParallelConfig(bucket_size=4000), gpt)
+    model = wrapper(cfg, DistributedDataParallelConfig(bucket_size=4000), tiny_gpt(cfg))
     opt = get_megatron_optimizer(OptimizerConfig(lr=3e-3, weight_decay=0.01, clip_grad=1.0), [model])
     return model, opt
 
 
-def _forward_step(data_iterator, model):
-    tokens = next(data_iterator)  # [b, s+1]
-    pos = torch.arange(SEQ).expand(MBS, SEQ)
-    out = model(tokens[:, :-1], pos, None, labels=tokens[:, 1:])
-
-    def loss_func(output):
-        loss = output.float().mean()
-        return loss, {"lm loss": loss.detach()}
-    return out, loss_func
-
-
 def _step(model, opt, it):
     """One step on the layout-independent global batch of iteration ``it``: (mean loss, grad norm)."""
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    g = torch.Generator().manual_seed(100 + it)
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    tokens = torch.randint(0, VOCAB, (GBS, SEQ + 1), generator=g)
-    mine = tokens.view(GBS // (MBS * dp), dp, MBS, SEQ + 1)[:, dp_rank]  # [mb, b, s+1]
-    model.zero_grad_buffer()
-    opt.zero_grad()
-    dicts = get_forward_backward_func()(forward_step_func=_forward_step, data_iterator=iter(list(mine)),
-                                        model=[model], num_microbatches=mine.shape[0], seq_length=SEQ,
-                                        micro_batch_size=MBS)
-    finalize_model_grads([model])
-    _, norm, _ = opt.step()
-    total = torch.tensor([sum(d["lm loss"].item() for d in dicts), float(len(dicts))], dtype=torch.float64)
-    torch.distributed.all_reduce(total)
-    return (total[0] / total[1]).item(), norm
+    return train_step(model, opt, global_batch(it))
 
 
 def _sharded(model, opt, is_loading=False):

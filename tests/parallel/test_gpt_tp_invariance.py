@@ -7,42 +7,40 @@ model stack alone: DP grads are averaged over the DP group, and params flagged `
 (partial grads per TP rank) are summed over the TP group.
 """
 import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from tests.fixtures.tiny_gpt import SEQ, tiny_config, tiny_gpt, train_step
 from tests.parallel.dist_utils import run_distributed
 
-ITERS, GLOBAL_BATCH, SEQ, VOCAB = 10, 4, 16, 128
+ITERS, GLOBAL_BATCH, VOCAB = 10, 4, 128
 
 
 def _config(arch, tp, sp, dropout=0.0):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    common = dict(num_layers=2, tensor_model_parallel_size=tp, sequence_parallel=sp,
-                  hidden_dropout=dropout, attention_dropout=dropout)
+    common = dict(tensor_model_parallel_size=tp, sequence_parallel=sp, hidden_dropout=dropout,
+                  attention_dropout=dropout)
     if arch == "gpt2":
-        return TransformerConfig(hidden_size=32, num_attention_heads=4, **common)
-    return TransformerConfig(hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=96,
-                             normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-                             add_bias_linear=False, qk_layernorm=True, **common)
+        return tiny_config(**common)
+    return tiny_config(hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=96,
+                       normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+                       add_bias_linear=False, qk_layernorm=True, **common)
 
 
 def _build(arch, cfg):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
     if arch == "gpt2":
-        return GPTModel(cfg, get_gpt_layer_local_spec(), VOCAB, SEQ, share_embeddings_and_output_weights=True)
-    return GPTModel(cfg, get_gpt_layer_local_spec(qk_layernorm=True), VOCAB, SEQ, position_embedding_type="rope",
-                    share_embeddings_and_output_weights=False)
+        return tiny_gpt(cfg, vocab_size=VOCAB)
+    return tiny_gpt(cfg, vocab_size=VOCAB, spec=get_gpt_layer_local_spec(qk_layernorm=True),
+                    position_embedding_type="rope", share_embeddings_and_output_weights=False)
 
 
-def _sync_grads(model):
-    from megatron.core import parallel_state as ps
-
+def _sync_grads(chunks):
     tp_group, dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
-    for p in model.parameters():
+    for p in (p for model in chunks for p in model.parameters()):
         if getattr(p, "sequence_parallel", False) and ps.get_tensor_model_parallel_world_size() > 1:
             torch.distributed.all_reduce(p.grad, group=tp_group)
         if ps.get_data_parallel_world_size() > 1:
@@ -51,38 +49,22 @@ def _sync_grads(model):
 
 
 def _train(arch, tp, sp, dropout=0.0):
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
     model_parallel_cuda_manual_seed(1234)
     model = _build(arch, _config(arch, tp, sp, dropout))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    local = GLOBAL_BATCH // dp
+    dp_rank, local = ps.get_data_parallel_rank(), GLOBAL_BATCH // ps.get_data_parallel_world_size()
     losses = []
     for _ in range(ITERS):
         tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=gen)
-        tokens = tokens[dp_rank * local:(dp_rank + 1) * local]
-        pos = torch.arange(SEQ).expand(local, SEQ)
-        loss = model(tokens[:, :-1], pos, None, labels=tokens[:, 1:]).mean()
-        opt.zero_grad()
-        loss.backward()
-        _sync_grads(model)
-        opt.step()
-        report = loss.detach().clone()
-        if dp > 1:
-            torch.distributed.all_reduce(report, group=ps.get_data_parallel_group())
-            report /= dp
-        losses.append(report.item())
+        mine = tokens[dp_rank * local:(dp_rank + 1) * local]  # one micro-batch per DP rank
+        losses.append(train_step(model, opt, [mine], mbs=local, finalize=_sync_grads)[0])
     return losses
 
 
 def _run_layouts(layouts, with_dropout=False):
     """Train under each (tp, sp) layout in turn on the same spawned ranks (spawning is the slow part)."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo CPU test, also on GPU hosts with fewer GPUs than ranks
-    from megatron.core import parallel_state as ps
-
     results = []
     for tp, sp in layouts:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp)

@@ -7,7 +7,7 @@ split matmul sums and all-reduces (~1e-7 in fp32), far inside the 1e-5 log-prob 
 import torch
 
 from tests.parallel.dist_utils import run_distributed
-from tests.unit.test_inference_engine import MAX_LEN, build_tiny_gpt, prompts
+from tests.unit.core.inference.test_engine import MAX_LEN, build_tiny_gpt, prompts
 
 
 def _generate(arch: str, tp: int):

@@ -5,8 +5,7 @@ equal to fp32 rounding, relative 1e-6). Two models: MoE + MTP through the flags 
 with MTP where the builder is handed args with transformer_impl 'transformer_engine' (its
 get_gpt_layer_with_transformer_engine_spec path; the flag itself is refused here, Transformer Engine
 being absent)."""
-import sys
-
+from tests.fixtures.tiny_gpt import run_pretrain
 from tests.parallel.dist_utils import run_distributed
 
 COMMON = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
@@ -19,26 +18,12 @@ DENSE = COMMON.split()
 
 
 def _losses(provider, flags):
-    import megatron.training.training as training
-    import pretrain_gpt
-    from megatron.core import parallel_state
-    from megatron.core.enums import ModelType
-    from megatron.training.global_vars import destroy_global_vars
-    losses, step = [], training.train_step
+    losses = []
 
-    def recording(*args, **kwargs):
-        result = step(*args, **kwargs)
+    def record(model, optimizer, result):
         losses.append((float(result[0]["lm loss"]), float(result[0]["mtp_1 loss"])))
-        return result
 
-    training.train_step, sys.argv = recording, ["pretrain_gpt.py"] + flags
-    try:
-        training.pretrain(pretrain_gpt.train_valid_test_datasets_provider, provider, ModelType.encoder_or_decoder,
-                          pretrain_gpt.forward_step)
-    finally:
-        training.train_step = step
-        destroy_global_vars()
-        parallel_state.destroy_model_parallel()
+    run_pretrain(flags, record, model_provider=provider)
     return losses
 
 

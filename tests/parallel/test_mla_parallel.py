@@ -10,37 +10,36 @@ import pytest
 import torch
 
 from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer.initialize import global_param_names
+from megatron.core.transformer.transformer_config import MLATransformerConfig
+from tests.fixtures import tiny_gpt
 from tests.parallel.dist_utils import run_distributed
 
-SEQ, MBS, GBS, VOCAB, LAYERS, ITERS = 16, 2, 8, 64, 2, 3
+ITERS = 3
 RTOL = 1e-5
 
 
 def _config(tp, pp, sp, mtp):
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-    return MLATransformerConfig(
-        num_layers=LAYERS, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+    return tiny_gpt.tiny_config(
+        MLATransformerConfig, ffn_hidden_size=64,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp,
-        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, add_bias_linear=False,
+        params_dtype=torch.float32, add_bias_linear=False,
         qk_layernorm=True, q_lora_rank=16, kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6,
         rope_type="yarn", rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=1.0,
         original_max_position_embeddings=8, mtp_num_layers=1 if mtp else None)
 
 
 def _build(tp=1, pp=1, sp=False, distopt=False, mtp=False):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(1234)
     cfg = _config(tp, pp, sp, mtp)
     spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm")
-    gpt = GPTModel(cfg, spec, VOCAB, SEQ, share_embeddings_and_output_weights=True, position_embedding_type="rope",
-                   pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                   mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec))
+    gpt = tiny_gpt.tiny_gpt(cfg, spec=spec, position_embedding_type="rope",
+                            mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec))
     model = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distopt,
                                                                        bucket_size=4000), gpt)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=1.0, weight_decay=0.01, clip_grad=1.0,
@@ -50,46 +49,24 @@ def _build(tp=1, pp=1, sp=False, distopt=False, mtp=False):
 
 def _train(tp=1, pp=1, sp=False, distopt=False, mtp=False):
     """ITERS steps on layout-independent global batches; per-step mean LM loss and MTP loss."""
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     model, opt = _build(tp, pp, sp, distopt, mtp)
     initial = {name: p.detach().clone() for name, p in model.module.named_parameters()}
     mtp_sums = []
 
     def forward_step(data_iterator, model):
-        tokens = next(data_iterator)  # [b, s+1]
-        out = model(tokens[:, :-1], torch.arange(SEQ).expand(MBS, SEQ), None, labels=tokens[:, 1:])
+        out, loss_func = tiny_gpt.forward_step(data_iterator, model)
         stats = model.module.mtp_loss_stats
         if stats is not None and ps.get_tensor_model_parallel_rank() == 0:
             mtp_sums.append(stats[0])
-
-        def loss_func(output):
-            loss = output.float().mean()
-            return loss, {"lm loss": loss.detach()}
         return out, loss_func
 
     losses, mtp_losses = [], []
     for it in range(ITERS):
-        g = torch.Generator().manual_seed(100 + it)
-        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        tokens = torch.randint(0, VOCAB, (GBS, SEQ + 1), generator=g)
-        mine = tokens.view(GBS // (MBS * dp), dp, MBS, SEQ + 1)[:, dp_rank]  # [mb, b, s+1]
-        model.zero_grad_buffer()
-        opt.zero_grad()
         mtp_sums.clear()
-        dicts = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(list(mine)),
-                                            model=[model], num_microbatches=mine.shape[0], seq_length=SEQ,
-                                            micro_batch_size=MBS)
-        finalize_model_grads([model])
-        opt.step()
-        total = torch.tensor([sum(d["lm loss"].item() for d in dicts), float(len(dicts))], dtype=torch.float64)
+        loss, _ = tiny_gpt.train_step(model, opt, tiny_gpt.global_batch(it), forward_step_func=forward_step)
         mtp_total = sum(mtp_sums, torch.zeros(2)).double()
-        if ps.get_tensor_model_parallel_rank() != 0:
-            total.zero_()  # count each DP replica once
-        torch.distributed.all_reduce(total)  # only last-stage ranks contribute
         torch.distributed.all_reduce(mtp_total)
-        losses.append((total[0] / total[1]).item())
+        losses.append(loss)
         mtp_losses.append((mtp_total[0] / mtp_total[1]).item() if mtp else None)
     norms = _param_norms(model.module, initial)
     ps.destroy_model_parallel()
@@ -99,7 +76,6 @@ def _train(tp=1, pp=1, sp=False, distopt=False, mtp=False):
 def _param_norms(gpt, initial):
     """{global parameter name: (squared norm of the weight, of its total update)}, each element counted
     once: a loss hides small gradient errors (a norm's grad reduced twice), the SGD updates do not."""
-    from megatron.core.transformer.initialize import global_param_names
     names, local = global_param_names(gpt), {}
     if ps.get_data_parallel_rank() == 0:
         for name, p in gpt.named_parameters():

@@ -3,12 +3,9 @@ loss per iteration, and torch_dist checkpoints saved at iteration 2 under EP=4 a
 EP=1 and EP=4 and continue on the same curve (iteration 4 matches only if the Adam moments loaded too) (fp32, dropout 0, no token dropping, relative 1e-5: the layouts only reorder fp32 sums).
 One 4-rank world runs all layouts in turn against one single-process run. The clip (0.05) is active, so
 the grad norm, which must count each expert parameter once, steers the curve too."""
-import contextlib
-import io
-import sys
-
 import pytest
 
+from tests.fixtures.tiny_gpt import run_pretrain
 from tests.parallel.dist_utils import run_distributed
 
 MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
@@ -35,32 +32,14 @@ LAYOUTS = {  # name -> layout flags, all on 4 ranks (EP=2 on 4 ranks: expert-DP 
 
 def _train(extra):
     """pretrain_gpt's providers through pretrain(); per-iteration 'lm loss' and the printed log."""
-    import megatron.training.training as training
-    import pretrain_gpt
-    from megatron.core import parallel_state
-    from megatron.core.enums import ModelType
-    from megatron.training.global_vars import destroy_global_vars
+    losses = []
 
-    losses, step = [], training.train_step
-
-    def recording_train_step(*a, **k):
-        out = step(*a, **k)
+    def record(model, optimizer, out):
         if out[0]:
             losses.append(float(out[0]["lm loss"]))
-        return out
 
-    training.train_step = recording_train_step
-    sys.argv = ["pretrain_gpt.py"] + (MODEL + " " + extra).split()
-    log = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(log):
-            training.pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
-                              ModelType.encoder_or_decoder, pretrain_gpt.forward_step)
-    finally:
-        training.train_step = step
-        destroy_global_vars()
-        parallel_state.destroy_model_parallel()  # the next layout builds its own groups
-    return losses, log.getvalue()
+    log = run_pretrain((MODEL + " " + extra).split(), record, capture_stdout=True)
+    return losses, log
 
 
 SAVE = "--save-interval 2 --exit-interval 2 --save"

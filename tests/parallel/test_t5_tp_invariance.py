@@ -6,6 +6,7 @@ Layout-independent init gives both layouts the same weights; only summation orde
 """
 import torch
 
+from tests.fixtures.tiny_gpt import tiny_config
 from tests.parallel.dist_utils import run_distributed
 
 ITERS, BATCH, ENC, DEC, VOCAB = 8, 4, 16, 8, 128
@@ -32,12 +33,10 @@ def _train(tp):
         get_t5_encoder_with_local_block_spec,
     )
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_cuda_manual_seed(1234)
-    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=tp,
-                            hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = tiny_config(num_layers=1, tensor_model_parallel_size=tp)
     model = T5Model(cfg, encoder_config_from(cfg, 2), get_t5_encoder_with_local_block_spec(2),
                     get_t5_decoder_with_local_block_spec(1), VOCAB, ENC, share_embeddings_and_output_weights=True)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)

@@ -1,30 +1,28 @@
 """Layout-independent init + sharded_state_dict: TP=4, TP=2 and TP=2 x PP=2 shards, reassembled from
 their ShardedTensors, equal the TP=1 model's weights exactly (same generator, same global tensor)."""
 import os
+
 import torch
 import torch.nn.functional as F
 
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from tests.fixtures.tiny_gpt import tiny_config, tiny_gpt
 from tests.parallel.dist_utils import run_distributed
 
 VOCAB, SEQ = 64, 8
 
 
 def _model(arch, tp=1, pp=1, pre=True, post=True):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    common = dict(num_layers=2, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                  use_cpu_initialization=True)
+    common = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, use_cpu_initialization=True)
     if arch == "gpt2":
-        cfg = TransformerConfig(hidden_size=16, num_attention_heads=4, **common)
-        return GPTModel(cfg, get_gpt_layer_local_spec(), VOCAB, SEQ, pre_process=pre, post_process=post,
-                        share_embeddings_and_output_weights=True)
-    cfg = TransformerConfig(hidden_size=32, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=48,
-                            normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-                            add_bias_linear=False, qk_layernorm=True, **common)
-    return GPTModel(cfg, get_gpt_layer_local_spec(qk_layernorm=True), VOCAB, SEQ, pre_process=pre,
-                    post_process=post, position_embedding_type="rope")
+        cfg = tiny_config(hidden_size=16, num_attention_heads=4, **common)
+        return tiny_gpt(cfg, vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=pre, post_process=post)
+    cfg = tiny_config(hidden_size=32, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=48,
+                      normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+                      add_bias_linear=False, qk_layernorm=True, **common)
+    return tiny_gpt(cfg, vocab_size=VOCAB, max_sequence_length=SEQ, spec=get_gpt_layer_local_spec(qk_layernorm=True),
+                    pre_process=pre, post_process=post, position_embedding_type="rope",
+                    share_embeddings_and_output_weights=False)
 
 
 def _shards(layouts):

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.fixtures.tiny_gpt import run_pretrain
 from tests.parallel.dist_utils import run_distributed
-from tests.parallel.pretrain_utils import run_pretrain
 from tests.parallel.test_training_invariance import MODEL, _close
 
 TOL = dict(rtol=1e-6, atol=1e-6)

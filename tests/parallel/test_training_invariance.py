@@ -2,8 +2,8 @@
 accumulation (mbs 2 x 4) equals one micro-batch of 8. fp32, dropout 0, relative 1e-5 per iteration."""
 import pytest
 
+from tests.fixtures.tiny_gpt import run_pretrain
 from tests.parallel.dist_utils import run_distributed
-from tests.parallel.pretrain_utils import run_pretrain
 
 MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
          "--vocab-size 128 --tokenizer-type NullTokenizer --mock-data --lr 1e-3 --train-iters 6 "

@@ -1,0 +1,94 @@
+"""T5 span-corruption dataset on sentence-split data from the real preprocessing tool (COMPAT.md 4.8)."""
+import os
+
+import numpy
+import pytest
+
+from tests.unit.core.datasets.test_bert_dataset import ROOT, preprocess_subset
+
+N_SAMPLES, ENC, DEC = 400, 128, 64
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from megatron.training.tokenizer.bert_tokenization import _BertWordPieceTokenizer
+    return _BertWordPieceTokenizer(os.path.join(ROOT, "data", "bert-vocab-cased.txt"), lower_case=False)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory, tokenizer):
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset, T5MaskedWordPieceDatasetConfig
+    tmp = str(tmp_path_factory.mktemp("t5"))
+    prefix = preprocess_subset(tmp, os.path.join(ROOT, "data", "bert-vocab-cased.txt"), "BertWordPieceCase")
+    cfg = T5MaskedWordPieceDatasetConfig(
+        random_seed=1234, sequence_length=ENC, sequence_length_encoder=ENC, sequence_length_decoder=DEC,
+        blend=([prefix], None), split="98,1,1", path_to_cache=os.path.join(tmp, "cache"), tokenizer=tokenizer,
+        masking_probability=0.15, short_sequence_probability=0.1, masking_max_ngram=10,
+        masking_do_full_word=False, masking_do_permutation=False, masking_use_longer_ngrams=False,
+        masking_use_geometric_distribution=True)
+    train, _, _ = BlendedMegatronDatasetBuilder(T5MaskedWordPieceDataset, [N_SAMPLES, 20, 20], lambda: True,
+                                                cfg).build()
+    return train
+
+
+def _parse(sample, sentinels):
+    """(encoder tokens, decoder input, spans as token lists in sentinel order)."""
+    enc = sample["text_enc"][:sample["enc_mask"].sum()].tolist()
+    dec = sample["text_dec"][:sample["dec_mask"].sum()].tolist()
+    spans = []
+    for t in dec[1:]:
+        if t in sentinels:
+            spans.append([])
+        else:
+            spans[-1].append(t)
+    return enc, dec, spans
+
+
+def test_sentinel_structure_reconstructs_the_text(dataset, tokenizer):
+    ids = tokenizer.additional_special_tokens_ids
+    sentinels = set(ids)
+    for i in range(N_SAMPLES):
+        s = dataset[i]
+        enc, dec, spans = _parse(s, sentinels)
+        used = [t for t in enc if t in sentinels]
+        assert used == ids[:len(spans)] == [t for t in dec if t in sentinels]  # <extra_id_0>, 1, ... in order
+        assert dec[0] == tokenizer.bos
+        n = len(dec)
+        assert s["labels"][:n].tolist() == dec[1:] + [tokenizer.eos] and (s["labels"][n:] == -1).all()
+        assert (s["loss_mask"][:n] == 1).all() and (s["loss_mask"][n:] == 0).all()
+        assert (s["text_enc"][len(enc):] == tokenizer.pad).all() and (s["text_dec"][n:] == tokenizer.pad).all()
+        # filling each sentinel with its span gives back the sample's original (truncated) text
+        beg, end, target = (int(x) for x in dataset.sample_index[i])
+        original = [int(t) for j in range(beg, end) for t in dataset.dataset[j]][:target]
+        rebuilt, spans_left = [], list(spans)
+        for t in enc:
+            rebuilt += spans_left.pop(0) if t in sentinels else [t]
+        assert rebuilt == original
+
+
+def test_mask_rate_and_geometric_span_lengths(dataset, tokenizer):
+    sentinels = set(tokenizer.additional_special_tokens_ids)
+    masked = total = 0
+    lengths = []
+    for i in range(N_SAMPLES):
+        enc, dec, spans = _parse(dataset[i], sentinels)
+        n_masked = sum(map(len, spans))
+        masked += n_masked
+        total += len(enc) - len(spans) + n_masked
+        lengths += [len(sp) for sp in spans]
+    assert abs(masked / total - 0.15) < 0.01, masked / total
+    # Geometric(0.2) clipped to 10 has mean 4.46; spans shrink to fit the 15% budget, giving ~3.3
+    assert 1 <= min(lengths) and max(lengths) <= 10
+    assert 2.8 < numpy.mean(lengths) < 4.0, numpy.mean(lengths)
+    assert numpy.mean(numpy.array(lengths) == 1) < 0.5  # not single-token masking
+
+
+def test_decoder_too_short_is_a_clear_error(dataset):
+    from dataclasses import replace
+    short = type(dataset).__new__(type(dataset))
+    short.__dict__.update(dataset.__dict__)
+    short.config = replace(dataset.config, sequence_length_decoder=4)
+    with pytest.raises(ValueError, match="--decoder-seq-length"):
+        for i in range(50):
+            short[i]

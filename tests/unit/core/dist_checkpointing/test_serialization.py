@@ -1,0 +1,100 @@
+"""Single-process dist_checkpointing: round trips, resharding of synthetic shards, bad inputs."""
+import json
+import os
+
+import pytest
+import torch
+
+from megatron.core import dist_checkpointing as dc
+from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+
+def _full(key_seed, shape):
+    g = torch.Generator().manual_seed(key_seed)
+    return torch.randn(*shape, generator=g)
+
+
+def _sharded_sd(tp_rank, tp_size, full_w, full_b):
+    """A column-parallel weight split along dim 0, a replicated bias, an object and common state."""
+    w = full_w.chunk(tp_size, dim=0)[tp_rank].clone()
+    return {
+        "layer": {
+            "weight": ShardedTensor.from_rank_offsets("layer.weight", w, (0, tp_rank, tp_size)),
+            "bias": ShardedTensor.from_rank_offsets("layer.bias", full_b.clone(), replica_id=tp_rank),
+        },
+        "rng": ShardedObject("rng", {"tp": tp_rank}, (tp_size,), (tp_rank,)),
+        "iteration": 7,
+        "lst": [1, "two"],
+    }
+
+
+def test_round_trip_and_layout(tmp_path):
+    w, b = _full(0, (8, 4)), _full(1, (4,))
+    ckpt = str(tmp_path / "c")
+    dc.save(_sharded_sd(0, 1, w, b), ckpt)
+    assert os.path.isfile(os.path.join(ckpt, ".metadata"))
+    assert json.load(open(os.path.join(ckpt, "metadata.json")))["sharded_backend"] == "torch_dist"
+    assert dc.check_is_distributed_checkpoint(ckpt)
+    target = _sharded_sd(0, 1, torch.zeros_like(w), torch.zeros_like(b))
+    out = dc.load(target, ckpt)
+    assert torch.equal(out["layer"]["weight"], w) and torch.equal(out["layer"]["bias"], b)
+    assert out["rng"] == {"tp": 0} and out["iteration"] == 7 and out["lst"] == [1, "two"]
+    meta = dc.load_tensors_metadata(ckpt)
+    assert (meta["layer.weight"].global_shape, meta["layer.weight"].dtype) == ((8, 4), torch.float32)
+
+
+def test_load_slices_as_another_tp(tmp_path):
+    """Saved at TP=1, each TP=4 rank's request reads exactly its slice (the reshard mechanism)."""
+    w, b = _full(0, (8, 4)), _full(1, (4,))
+    ckpt = str(tmp_path / "c")
+    dc.save(_sharded_sd(0, 1, w, b), ckpt)
+    for r in range(4):
+        sd = _sharded_sd(r, 4, torch.zeros_like(w), torch.zeros_like(b))
+        del sd["rng"]  # saved as one copy at TP=1
+        out = dc.load(sd, ckpt)
+        assert torch.equal(out["layer"]["weight"], w.chunk(4)[r])
+        assert torch.equal(out["layer"]["bias"], b)
+
+
+def test_prepend_axis_and_dtype(tmp_path):
+    """Per-layer tensors stacked along a prepended axis; loading casts to the requested dtype."""
+    ckpt = str(tmp_path / "c")
+    layers = [torch.full((2, 3), float(i)) for i in range(3)]
+    sd = {f"l{i}": ShardedTensor.from_rank_offsets("stack", t, (0, i, 3), prepend_axis_num=1)
+          for i, t in enumerate(layers)}
+    dc.save(sd, ckpt)
+    assert dc.load_tensors_metadata(ckpt)["stack"].global_shape == (3, 2, 3)
+    tgt = {f"l{i}": ShardedTensor.from_rank_offsets("stack", torch.zeros(2, 3, dtype=torch.float64), (0, i, 3),
+                                                    prepend_axis_num=1) for i in range(3)}
+    out = dc.load(tgt, ckpt)
+    for i in range(3):
+        assert out[f"l{i}"].dtype == torch.float64 and torch.equal(out[f"l{i}"], layers[i].double())
+
+
+def test_bad_inputs(tmp_path):
+    w, b = _full(0, (8, 4)), _full(1, (4,))
+    ckpt = str(tmp_path / "c")
+    with pytest.raises(dc.CheckpointingException, match="no metadata.json"):
+        dc.load(_sharded_sd(0, 1, w, b), ckpt)
+    dc.save(_sharded_sd(0, 1, w, b), ckpt)
+    with pytest.raises(dc.CheckpointingException, match="already holds a checkpoint"):
+        dc.save(_sharded_sd(0, 1, w, b), ckpt)
+    wrong = {"x": ShardedTensor.from_rank_offsets("layer.weight", torch.zeros(8, 5))}
+    with pytest.raises(dc.CheckpointingException, match=r"global shape \(8, 4\).*expects \(8, 5\)"):
+        dc.load(wrong, ckpt)
+    missing = {"x": ShardedTensor.from_rank_offsets("nope", torch.zeros(2))}
+    with pytest.raises(dc.CheckpointingException, match="has no tensor 'nope'"):
+        dc.load(missing, ckpt)
+    out = dc.load(missing, ckpt, strict="ignore_all")
+    assert torch.equal(out["x"], torch.zeros(2))
+    # Truncate the data file: the error names it instead of showing an unpickling traceback.
+    data = [f for f in os.listdir(ckpt) if f.endswith(".distcp")][0]
+    path = os.path.join(ckpt, data)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(dc.CheckpointingException, match=f"truncated or missing file.*{data}"):
+        dc.load(_sharded_sd(0, 1, w, b), ckpt)
+    with open(os.path.join(ckpt, "metadata.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(dc.CheckpointingException, match="corrupted checkpoint metadata file"):
+        dc.load(_sharded_sd(0, 1, w, b), ckpt)

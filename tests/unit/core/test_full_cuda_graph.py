@@ -1,0 +1,205 @@
+"""--cuda-graph-impl full_iteration: flag handling, and the wrapper's data flow reproducing eager training.
+
+A CUDA graph cannot be captured on CPU, so these tests give the wrapper a graph whose replay re-runs
+the captured function: the step then reads its micro-batches only from the static buffers the wrapper
+refills each step, which is the property the real graph depends on. tests/gpu/test_full_cuda_graph_gpu.py
+runs the same comparison with a real CUDA graph.
+"""
+import pytest
+import torch
+
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBatches
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.arguments.validation import ArgumentError
+from tests.fixtures.tiny_gpt import single_rank, tiny_config, tiny_gpt, train_step
+
+BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 8 --max-position-embeddings 8 "
+        "--micro-batch-size 2 --train-iters 3 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer "
+        "--vocab-size 63 --attention-dropout 0.0").split()
+
+
+def _args(extra):
+    return validate_args(parse_args(argv=BASE + extra.split()))
+
+
+# ---- flags ---------------------------------------------------------------------------------------
+
+def test_full_iteration_spellings():
+    assert _args("--cuda-graph-impl full_iteration").cuda_graph_impl == "full_iteration"
+    assert _args("--cuda-graph-impl local --cuda-graph-scope full_iteration").cuda_graph_impl == "full_iteration"
+    assert _args("").cuda_graph_impl == "none"
+
+
+@pytest.mark.parametrize("extra, match", [
+    ("--cuda-graph-impl local", "per-layer CUDA graphs are not built"),
+    ("--enable-cuda-graph", "per-layer CUDA graphs are not built"),
+    ("--external-cuda-graph", "needs Transformer Engine"),
+    ("--cuda-graph-impl full_iteration --cuda-graph-scope attn", "only full_iteration"),
+    ("--cuda-graph-scope full_iteration", "needs --cuda-graph-impl full_iteration"),
+    ("--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 0", "--cuda-graph-warmup-steps"),
+    ("--cuda-graph-impl full_iteration --recompute-activations", "recompute"),
+    ("--cuda-graph-impl full_iteration --rampup-batch-size 2 2 8 --global-batch-size 4", "rampup"),
+    ("--cuda-graph-impl full_iteration --calculate-per-token-loss", "per-token"),
+    ("--cuda-graph-impl full_iteration --fp16", "--loss-scale"),
+    ("--cuda-graph-impl full_iteration --use-distributed-optimizer --overlap-param-gather "
+     "--overlap-grad-reduce", "--overlap-param-gather"),
+])
+def test_refused_combinations_name_the_flag(extra, match):
+    with pytest.raises(ArgumentError, match=match):
+        _args(extra)
+
+
+def test_layouts(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _args("--cuda-graph-impl full_iteration").data_parallel_size == 2  # DP is captured
+    with pytest.raises(ArgumentError, match="tensor and pipeline parallel size 1"):
+        _args("--cuda-graph-impl full_iteration --tensor-model-parallel-size 2")
+
+
+def test_attention_dropout_accepted():
+    """Attention dropout forks to the model-parallel RNG state; graph-safe states make that capturable."""
+    args = validate_args(parse_args(argv=BASE + "--cuda-graph-impl full_iteration --attention-dropout 0.1".split()))
+    assert args.attention_dropout == 0.1
+
+
+def test_graph_safe_rng_needs_cuda():
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    tracker = CudaRNGStatesTracker()
+    tracker.set_graph_safe(False)
+    assert tracker.graph_safe_states() == []
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="need a CUDA device"):
+            tracker.set_graph_safe(True)
+
+
+# ---- the wrapper ---------------------------------------------------------------------------------
+
+class ReexecutingGraph:
+    """Capture runs the step once (a real capture records it and the first replay runs it); every
+    later replay re-runs it and writes the results into the captured output tensors in place."""
+
+    def capture(self, fn):
+        self.fn, self.outputs, self.ran = fn, fn(), True
+        return self.outputs
+
+    def replay(self):
+        if self.ran:
+            self.ran = False
+            return
+        _copy_tensors(self.outputs, self.fn())
+
+
+def _copy_tensors(dst, src):
+    if torch.is_tensor(dst):
+        dst.copy_(src)
+    elif isinstance(dst, dict):
+        for k in dst:
+            _copy_tensors(dst[k], src[k])
+    elif isinstance(dst, (list, tuple)):
+        for d, s in zip(dst, src):
+            _copy_tensors(d, s)
+
+
+def train_losses(steps, wrap=None, device="cpu", dtype=torch.float32, num_microbatches=2, attention_dropout=0.0,
+                 graph_safe_rng=False):
+    """Per-step losses of a 2-layer GPT trained through DDP, the Megatron optimizer and the no-pipelining
+    schedule; ``wrap(fbf)`` optionally wraps the schedule (as the training loop does for graphs)."""
+    single_rank()
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(1, use_cudagraphable_rng=graph_safe_rng)
+    bf16 = dtype == torch.bfloat16
+    config = tiny_config(hidden_size=64, hidden_dropout=0.1, attention_dropout=attention_dropout, params_dtype=dtype,
+                         bf16=bf16, gradient_accumulation_fusion=True)
+    model = tiny_gpt(config, vocab_size=128, share_embeddings_and_output_weights=False).to(device)
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=3e-3, weight_decay=0.1, clip_grad=1.0, bf16=bf16),
+                                       [model])
+    config.finalize_model_grads_func = finalize_model_grads  # the schedule calls it, as in training
+    config.grad_scale_func = optimizer.scale_loss
+
+    gen = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(steps * num_microbatches):
+        tokens = torch.randint(0, 128, (2, 17), generator=gen)
+        batches.append({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+                        "position_ids": torch.arange(16).expand(2, 16).contiguous()})
+
+    fbf = wrap(forward_backward_no_pipelining) if wrap else forward_backward_no_pipelining
+    return [train_step(model, optimizer, batches[i * num_microbatches:(i + 1) * num_microbatches], schedule=fbf,
+                       finalize=None)[0] for i in range(steps)]
+
+
+def test_wrapper_reproduces_eager_training():
+    reference = train_losses(6)
+    graphed = train_losses(6, wrap=lambda f: FullCudaGraphWrapper(f, 2, graph_factory=ReexecutingGraph))
+    assert graphed == reference  # same kernels on the same inputs: bitwise on CPU
+    assert len(set(reference)) == 6  # every step saw new data
+
+
+def test_replay_without_refilling_the_buffers_would_differ():
+    """Guards the test above: a wrapper that kept the captured micro-batches would train differently."""
+    class Stale(StaticBatches):
+        def load(self, batches):
+            return super().load(batches) if self.buffers is None else self.buffers
+
+    import megatron.core.full_cuda_graph as fcg
+    original = fcg.StaticBatches
+    fcg.StaticBatches = Stale
+    try:
+        stale = train_losses(5, wrap=lambda f: FullCudaGraphWrapper(f, 2, graph_factory=ReexecutingGraph))
+    finally:
+        fcg.StaticBatches = original
+    assert stale != train_losses(5)
+
+
+def test_static_batches_refuse_shape_changes():
+    static = StaticBatches(torch.device("cpu"))
+    static.load([{"tokens": torch.zeros(2, 8, dtype=torch.long), "n": 3}])
+    with pytest.raises(RuntimeError, match="fixed-shape"):
+        static.load([{"tokens": torch.zeros(2, 9, dtype=torch.long), "n": 3}])
+    with pytest.raises(RuntimeError, match="baked into the captured graph"):
+        static.load([{"tokens": torch.zeros(2, 8, dtype=torch.long), "n": 4}])
+    with pytest.raises(RuntimeError, match="micro-batches"):
+        static.load([])
+
+
+def test_eval_and_warmup_run_eagerly():
+    calls = []
+
+    def fbf(**kw):
+        calls.append(kw["forward_only"])
+        return []
+
+    class NoGraph:
+        def capture(self, fn):
+            raise AssertionError("must not capture during warm-up or evaluation")
+
+    w = FullCudaGraphWrapper(fbf, 2, graph_factory=NoGraph)
+    for forward_only in (False, True, False, True):
+        w(forward_step_func=None, data_iterator=iter([]), model=[torch.nn.Linear(1, 1)], num_microbatches=1,
+          forward_only=forward_only)
+    assert calls == [False, True, False, True]
+
+
+def test_replayed_loss_check_names_the_flag():
+    from megatron.training.train_step import _check_losses_finite
+    single_rank()
+    _check_losses_finite([{"lm loss": torch.tensor([3.0, 16.0])}])
+    with pytest.raises(RuntimeError, match="no-check-for-nan-in-loss-and-grad"):
+        _check_losses_finite([{"lm loss": torch.tensor([3.0, 16.0])}, {"lm loss": torch.tensor([float("nan"), 16.0])}])
+
+
+def test_losses_to_host_keeps_the_layout():
+    from megatron.training.train_step import _losses_to_host
+    dicts = [{"lm loss": torch.tensor([3.0, 16.0]), "n": 2}, {"lm loss": torch.tensor([1.0, 8.0])}]
+    assert _losses_to_host(dicts)() is dicts  # CPU: nothing to copy
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_cpu_run_is_refused_before_the_first_step():
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        FullCudaGraphWrapper(lambda **kw: [], 3)

@@ -1,0 +1,92 @@
+"""Multi-latent attention (q and kv low rank, YaRN) against a plain reference (one process, fp32)."""
+import math
+
+import pytest
+import torch
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+from megatron.core.transformer.transformer_config import MLATransformerConfig
+from tests.fixtures.tiny_gpt import tiny_config
+
+S, B, H, N = 8, 2, 32, 4
+# fp32 on CPU; the references reorder sums (einsum vs. GEMM + SDPA): 1e-5 covers that rounding.
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _cfg(**kw):
+    base = dict(hidden_size=H, num_attention_heads=N, use_cpu_initialization=True, q_lora_rank=12, kv_lora_rank=10,
+                qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, rotary_scaling_factor=4.0, mscale=0.9,
+                mscale_all_dim=0.7, rotary_base=100, original_max_position_embeddings=64, beta_fast=8, beta_slow=1,
+                add_bias_linear=False)
+    base.update(kw)
+    return tiny_config(MLATransformerConfig, **base)
+
+
+def _reference_yarn(dim, base, factor, orig_len, beta_fast, beta_slow, mscale, mscale_all_dim):
+    """YaRN from its definition, one frequency at a time: frequency i turns r_i = L / (2 pi base^(2i/d))
+    times over the original context L; frequencies turning more than beta_fast times keep theta_i, fewer
+    than beta_slow are divided by the factor, and in between they blend linearly in i (DeepSeek rounds
+    the blend's bounds outwards to whole indices)."""
+    def index_with_turns(turns):  # solve L * base^(-2i/d) / (2 pi) = turns for i
+        return dim * math.log(orig_len / (2 * math.pi * turns)) / (2 * math.log(base))
+    low = max(math.floor(index_with_turns(beta_fast)), 0)
+    high = min(math.ceil(index_with_turns(beta_slow)), dim - 1)
+    inv_freq = []
+    for i in range(dim // 2):
+        theta = base ** (-2 * i / dim)
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)  # 0: keep theta, 1: theta / factor
+        inv_freq.append(theta * (1 - ramp) + theta / factor * ramp)
+
+    def m(scale_coef):
+        return 0.1 * scale_coef * math.log(factor) + 1.0
+    return torch.tensor(inv_freq), m(mscale) / m(mscale_all_dim), m(mscale_all_dim) ** 2
+
+
+def _rotate(x, emb, m):  # [s, b, n, d] by [s, d] angles, halves layout, scaled by the concentration m
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = emb.cos()[:, None, None] * m, emb.sin()[:, None, None] * m
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def _rms(x, w, eps=1e-5):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _reference_mla(attn, cfg, x):
+    """MLA written out with einsum from the module's weights (no TP)."""
+    qk, pe, hv = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+    if cfg.q_lora_rank is None:
+        q = x @ attn.linear_q_proj.weight.t()
+    else:
+        q = _rms(x @ attn.linear_q_down_proj.weight.t(), attn.q_layernorm.weight) @ attn.linear_q_up_proj.weight.t()
+    q = q.view(S, B, N, qk + pe)
+    latent = x @ attn.linear_kv_down_proj.weight.t()
+    c, k_pe = latent[..., :cfg.kv_lora_rank], latent[..., cfg.kv_lora_rank:]
+    kv = (_rms(c, attn.kv_layernorm.weight) @ attn.linear_kv_up_proj.weight.t()).view(S, B, N, qk + hv)
+    inv_freq, m, softmax_m2 = _reference_yarn(pe, cfg.rotary_base, cfg.rotary_scaling_factor,
+                                              cfg.original_max_position_embeddings, cfg.beta_fast, cfg.beta_slow,
+                                              cfg.mscale, cfg.mscale_all_dim)
+    angles = torch.arange(S, dtype=torch.float32)[:, None] * inv_freq
+    emb = torch.cat([angles, angles], dim=-1)
+    query = torch.cat([q[..., :qk], _rotate(q[..., qk:], emb, m)], dim=-1)
+    key = torch.cat([kv[..., :qk], _rotate(k_pe[:, :, None], emb, m).expand(S, B, N, pe)], dim=-1)
+    scores = torch.einsum("sbnd,tbnd->bnst", query, key) * softmax_m2 / math.sqrt(qk + pe)
+    scores = scores.masked_fill(torch.triu(torch.ones(S, S, dtype=torch.bool), 1), float("-inf"))
+    ctx = torch.einsum("bnst,tbnd->sbnd", scores.softmax(-1), kv[..., qk:]).reshape(S, B, N * hv)
+    return ctx @ attn.linear_proj.weight.t()
+
+
+@pytest.mark.parametrize("q_lora_rank", [12, None])
+def test_mla_attention_matches_reference(q_lora_rank):
+    cfg = _cfg(q_lora_rank=q_lora_rank)
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True,
+                                    normalization="RMSNorm").submodules.self_attention
+    torch.manual_seed(0)
+    attn = MLASelfAttention(cfg, spec.submodules, layer_number=1, **spec.params)
+    for p in attn.parameters():  # norms away from 1 so that a missing norm shows
+        torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.3)
+    x = torch.randn(S, B, H)
+    out, bias = attn(x)
+    assert bias is None
+    torch.testing.assert_close(out, _reference_mla(attn, cfg, x), **TOL)

@@ -1,0 +1,148 @@
+"""Flag parsing and validate_args: Megatron names/defaults, one-line errors naming the flag."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron.training.arguments import ArgumentError, parse_args, print_args, validate_args
+from tests import ROOT
+
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+        "--micro-batch-size 2 --train-iters 5 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer "
+        "--vocab-size 128").split()
+
+
+def _args(extra="", world_size=1, monkeypatch=None):
+    os.environ["WORLD_SIZE"], os.environ["RANK"] = str(world_size), "0"
+    try:
+        args = parse_args(argv=BASE + extra.split())
+    finally:
+        del os.environ["WORLD_SIZE"], os.environ["RANK"]
+    return validate_args(args)
+
+
+def test_defaults_match_megatron():
+    a = _args()
+    assert (a.hidden_dropout, a.attention_dropout, a.weight_decay, a.clip_grad) == (0.1, 0.1, 0.01, 1.0)
+    assert (a.adam_beta1, a.adam_beta2, a.adam_eps, a.init_method_std) == (0.9, 0.999, 1e-8, 0.02)
+    assert (a.seed, a.log_interval, a.eval_iters, a.make_vocab_size_divisible_by) == (1234, 100, 100, 128)
+    assert (a.lr_decay_style, a.optimizer, a.distributed_timeout_minutes) == ("linear", "adam", 10)
+    assert (a.initial_loss_scale, a.loss_scale_window, a.hysteresis) == (2 ** 32, 1000, 2)
+    assert a.global_batch_size == 2 and a.ffn_hidden_size == 256 and a.kv_channels == 16
+    assert a.add_bias_linear and a.add_qkv_bias and a.num_query_groups == 4
+
+
+def test_derived_values():
+    a = _args("--swiglu --disable-bias-linear --group-query-attention --num-query-groups 2", world_size=4)
+    assert a.ffn_hidden_size == int((4 * 64 * 2 / 3) / 64) * 64 and not a.add_bias_linear
+    assert a.data_parallel_size == 4 and a.global_batch_size == 8 and a.num_query_groups == 2
+    a = _args("--use-rotary-position-embeddings --bf16")
+    assert a.position_embedding_type == "rope" and a.accumulate_allreduce_grads_in_fp32
+
+
+@pytest.mark.parametrize("extra,world,needle", [
+    ("--global-batch-size 10 --micro-batch-size 4", 2,
+     "--global-batch-size (10) must be divisible by --micro-batch-size (4) x data-parallel size (2)"),
+    ("--pipeline-model-parallel-size 3", 3, "--num-layers (2) must be divisible by --pipeline-model-parallel-size (3)"),
+    ("--hidden-size 66", 1, "--hidden-size (66) must be divisible by --num-attention-heads (4)"),
+    ("--tensor-model-parallel-size 8", 8, "--num-attention-heads (4) must be divisible by --tensor-model-parallel-size"),
+    ("--tensor-model-parallel-size 2", 3, "world size (3) must be divisible by --tensor-model-parallel-size (2)"),
+    ("--fp16 --bf16", 1, "--fp16 and --bf16 are mutually exclusive"),
+    ("--seq-length 64", 1, "--max-position-embeddings (32) must be >= --seq-length (64)"),
+    ("--train-samples 100", 1, "--train-iters and --train-samples are mutually exclusive"),
+    ("--min-lr 1", 1, "--min-lr (1.0) must be <= --lr (0.001)"),
+    ("--save /tmp/x", 1, "--save requires --save-interval > 0"),
+    ("--data-path /nonexistent/prefix", 1, "pass only one data source"),
+    ("--group-query-attention --num-query-groups 3", 1, "must be divisible by --num-query-groups (3)"),
+    ("--fp4-format e2m1", 1, "--fp4-format is not supported yet"),
+    ("--lr-decay-samples 10", 1, "--lr-decay-samples needs a sample-based run"),
+    ("--perform-rl-step", 1, "--perform-rl-step is not supported yet"),
+    ("--exit-signal NOPE", 1, "--exit-signal (NOPE) is not a signal name"),
+])
+def test_validation_errors(extra, world, needle):
+    with pytest.raises(ArgumentError) as e:
+        _args(extra, world_size=world)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_data_files(tmp_path):
+    argv = [a for a in BASE if a != "--mock-data"] + ["--data-path", str(tmp_path / "corpus")]
+    args = parse_args(argv=argv)
+    with pytest.raises(ArgumentError, match=r"--data-path: dataset file .*corpus.bin not found"):
+        validate_args(args)
+
+
+def test_tokenizer_needs_files():
+    argv = BASE[:-4] + ["--tokenizer-type", "GPT2BPETokenizer"]
+    with pytest.raises(ArgumentError, match="--tokenizer-type GPT2BPETokenizer requires --vocab-file"):
+        validate_args(parse_args(argv=argv))
+
+
+def test_typo_and_abbreviation_rejected():
+    with pytest.raises(SystemExit):
+        parse_args(argv=BASE + ["--hiden-size", "64"])
+    with pytest.raises(SystemExit):
+        parse_args(argv=BASE + ["--micro-batch", "2"])  # allow_abbrev=False
+
+
+def test_args_defaults_only_fill_unset():
+    args = parse_args(argv=BASE[:-4] + ["--vocab-size", "128", "--mock-data"])
+    validate_args(args, {"tokenizer_type": "NullTokenizer"})
+    assert args.tokenizer_type == "NullTokenizer"
+
+
+def test_print_args_format(capsys):
+    args = _args()
+    capsys.readouterr()
+    print_args("arguments", args)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "------------------------ arguments ------------------------"
+    assert out[-1] == "-------------------- end of arguments ---------------------"
+    line = next(l for l in out if l.startswith("  hidden_size "))
+    assert line == "  hidden_size " + "." * (48 - len("hidden_size")) + " 64"
+    body = out[1:-1]
+    assert body == sorted(body, key=str.lower)
+
+
+def test_entry_point_error_is_one_line_and_nonzero():
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py")] + BASE + ["--global-batch-size", "3"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1] == (
+        "[rank 0] ArgumentError: --global-batch-size (3) must be divisible by --micro-batch-size (2) x "
+        "data-parallel size (1)")
+
+
+def test_help_renders(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv=["--help"])
+    assert e.value.code == 0 and "--global-batch-size" in capsys.readouterr().out
+
+
+def test_uneven_pipeline_split_flags_reach_the_config():
+    from megatron.training.arguments import core_transformer_config_from_args
+    a = _args("--num-layers 5 --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 2 "
+              "--global-batch-size 4", world_size=2)
+    cfg = core_transformer_config_from_args(a)
+    assert (cfg.num_layers_in_first_pipeline_stage, cfg.num_layers_in_last_pipeline_stage) == (2, None)
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ("--num-layers 5 --pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 1",
+     "pipeline split: the 4 layers left after the first/last stage counts do not split evenly over 3"),
+    ("--num-layers 4 --pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 3 "
+     "--decoder-last-pipeline-num-layers 3", "pipeline split: --decoder-first/last-pipeline-num-layers exceed"),
+])
+def test_uneven_pipeline_split_never_drops_layers(extra, needle):
+    with pytest.raises(ArgumentError) as e:
+        _args(extra + " --global-batch-size 8", world_size=4)
+    assert needle in str(e.value)
+
+
+def test_interleaved_schedule_runs_p2p_synchronously_with_a_warning():
+    with pytest.warns(UserWarning, match="not overlapped with compute"):
+        a = _args("--num-layers 4 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
+                  "--global-batch-size 8", world_size=2)
+    assert a.virtual_pipeline_model_parallel_size == 2 and not a.overlap_p2p_comm

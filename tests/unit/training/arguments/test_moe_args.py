@@ -1,0 +1,34 @@
+"""MoE flags: one-line errors naming the flag, --moe-layer-freq patterns, the fields that reach the
+config."""
+import pytest
+
+from megatron.training.arguments import ArgumentError
+from tests.unit.training.arguments.test_arguments import _args
+
+
+@pytest.mark.parametrize("flags,world,message", [
+    ("--num-experts 4 --moe-router-topk 5", 1, "--moe-router-topk (5)"),
+    ("--num-experts 6 --expert-model-parallel-size 4", 4, "--num-experts (6) must be divisible"),
+    ("--num-experts 4 --expert-model-parallel-size 4 --tensor-model-parallel-size 2", 4, "world size (4)"),
+    ("--num-experts 4 --moe-layer-freq ([0]*1+[1]*3)", 1, "--moe-layer-freq pattern"),
+    ("--num-experts 4 --moe-expert-capacity-factor 0", 1, "--moe-expert-capacity-factor (0.0) must be > 0"),
+    ("--num-experts 4 --moe-token-dispatcher-type flex", 1, "flex needs DeepEP"),
+    ("--expert-model-parallel-size 2", 2, "needs --num-experts"),
+    ("--num-experts 4 --moe-apply-probs-on-input", 1, "--moe-apply-probs-on-input needs --moe-router-topk 1"),
+])
+def test_bad_moe_flags_give_one_line(flags, world, message):
+    with pytest.raises(ArgumentError) as err:
+        _args(flags, world_size=world)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_moe_layer_freq_pattern_and_flags_reach_config(capsys):
+    from megatron.training.arguments import core_transformer_config_from_args
+    a = _args("--num-experts 4 --moe-layer-freq ([0]*1+[1]*1) --moe-router-load-balancing-type seq_aux_loss "
+              "--moe-aux-loss-coeff 1e-3 --moe-router-score-function sigmoid --moe-router-enable-expert-bias")
+    c = core_transformer_config_from_args(a)
+    assert c.num_moe_experts == 4 and c.moe_layer_freq == [0, 1] and c.moe_router_enable_expert_bias
+    assert c.moe_router_load_balancing_type == "seq_aux_loss" and c.moe_aux_loss_coeff == 1e-3
+    with pytest.raises(SystemExit):
+        _args("--num-experts 4 --moe-layer-freq [x]")
+    assert "argument --moe-layer-freq: '[x]': use an int or a list pattern" in capsys.readouterr().err

@@ -1,0 +1,96 @@
+"""FLOPs formula (COMPAT.md 3.4) against hand-computed values, MoE and MTP included; the throughput line
+(tokens/s, MFU) and the bf16 peak table it uses."""
+from types import SimpleNamespace
+
+import pytest
+
+from megatron.training import flops
+from megatron.training.flops import num_floating_point_operations, throughput_tflops_per_gpu
+
+
+def _args(**kw):
+    base = dict(hidden_size=64, num_layers=4, seq_length=64, num_attention_heads=4, kv_channels=None,
+                group_query_attention=False, num_query_groups=1, ffn_hidden_size=None, swiglu=False,
+                padded_vocab_size=512, vocab_size=512)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_classic_gpt_closed_form():
+    # MHA, f = 4h, GeLU: 72 * B * s * L * h^2 * (1 + s/(12h) + V/(12 h L)).
+    B, s, L, h, V = 8, 64, 4, 64, 512
+    expected = 72 * B * s * L * h * h * (1 + s / (12 * h) + V / (12 * h * L))
+    assert num_floating_point_operations(_args(), B) == pytest.approx(expected, rel=1e-12)
+
+
+def test_gpt2_small_by_hand():
+    # 125M-class: h=768, L=12, s=1024, V=50304, B=1.
+    B, s, L, h, V = 1, 1024, 12, 768, 50304
+    per_token = 6 * h * 4 * h * 2 * L + 6 * L * (h * 3 * h + h * h) + 6 * h * V
+    expected = B * s * per_token + B * s * s * 6 * h * L
+    got = num_floating_point_operations(_args(hidden_size=h, num_layers=L, seq_length=s, num_attention_heads=12,
+                                              padded_vocab_size=V), B)
+    assert got == expected
+
+
+def test_swiglu_and_gqa():
+    h, L, s, V, heads, groups, f = 64, 2, 16, 128, 8, 2, 176
+    d_q, d_kv = 8 * heads, 8 * groups
+    per_token = 6 * h * f * 3 * L + 6 * L * (h * (d_q + 2 * d_kv) + d_q * h) + 6 * h * V
+    expected = 2 * s * per_token + 2 * s * s * 6 * d_q * L
+    args = _args(hidden_size=h, num_layers=L, seq_length=s, num_attention_heads=heads, swiglu=True,
+                 ffn_hidden_size=f, group_query_attention=True, num_query_groups=groups, padded_vocab_size=V)
+    assert num_floating_point_operations(args, 2) == expected
+
+
+def test_throughput_units():
+    args = _args()
+    flops = num_floating_point_operations(args, 8)
+    assert throughput_tflops_per_gpu(args, 8, 0.5, 2) == pytest.approx(flops / (0.5 * 1e12 * 2))
+
+
+def test_moe_flops_count_active_experts_and_mtp_depth():
+    from types import SimpleNamespace
+
+    from megatron.training.flops import num_floating_point_operations
+    base = dict(hidden_size=32, num_layers=3, seq_length=16, num_attention_heads=4, kv_channels=8,
+                group_query_attention=False, num_query_groups=4, ffn_hidden_size=64, swiglu=True,
+                padded_vocab_size=128, vocab_size=128, mtp_num_layers=1, multi_latent_attention=False)
+    dense = num_floating_point_operations(SimpleNamespace(**base, num_experts=None), 2)
+    moe = num_floating_point_operations(SimpleNamespace(**base, num_experts=8, moe_layer_freq=[0, 1, 1],
+                                                        moe_ffn_hidden_size=16, moe_router_topk=2,
+                                                        moe_shared_expert_intermediate_size=16), 2)
+    # 1 dense layer keeps 64; 2 MoE layers + the MTP depth (the last layer is MoE) run 2 x 16 + 16 = 48.
+    assert moe - dense == 2 * 16 * 6 * 32 * 3 * (64 + 3 * 48 - 4 * 64)
+
+
+def test_flops_count_active_experts():
+    """Megatron's MoE formula: MLP FLOPs of a MoE layer use top-k x moe_ffn + the shared expert width."""
+    from types import SimpleNamespace
+
+    from megatron.training.flops import num_floating_point_operations
+    base = dict(hidden_size=64, num_layers=4, seq_length=32, num_attention_heads=4, kv_channels=None,
+                group_query_attention=False, num_query_groups=1, ffn_hidden_size=256, swiglu=True,
+                padded_vocab_size=512, vocab_size=512)
+    dense = num_floating_point_operations(SimpleNamespace(**base, num_experts=None), 2)
+    moe = SimpleNamespace(**base, num_experts=16, moe_layer_freq=[0, 1, 1, 1], moe_router_topk=4,
+                          moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=64)
+    # 3 MoE layers: active width 4 * 32 + 64 = 192 instead of 256; per token 6 * h * 3 (SwiGLU) * delta.
+    assert num_floating_point_operations(moe, 2) == dense - 2 * 32 * 6 * 64 * 3 * (256 - 192) * 3
+
+
+def test_throughput_line_h100():
+    line = flops.format_throughput_line(8192, 0.2, 1, 494.5, "NVIDIA H100 80GB HBM3")
+    assert line == (" throughput: tokens/s: 40960 | tokens/s/GPU: 40960 | "
+                    "MFU: 50.0% (peak 989 TFLOP/s, NVIDIA H100 80GB HBM3) |")
+
+
+def test_throughput_line_cpu_has_no_mfu():
+    line = flops.format_throughput_line(1000, 0.5, 4, 0.01, "cpu")
+    assert line == " throughput: tokens/s: 2000 | tokens/s/GPU: 500 | MFU: n/a (no bf16 peak known for cpu) |"
+
+
+def test_peak_table_moved_to_flops():
+    assert flops.dense_bf16_peak("NVIDIA H200") == 989.0
+    assert flops.dense_bf16_peak("NVIDIA H100 PCIe") == 756.0
+    assert flops.dense_bf16_peak("cpu") is None
