@@ -53,7 +53,15 @@ class RunState:
 def forward_microbatch(forward_step_func: Callable, data_iterator, model, input_tensor, state: RunState,
                   is_last_stage: bool, checkpoint_activations_microbatch=None) -> torch.Tensor:
     """Run one micro-batch through one model chunk; on the last stage turn the output into the
-    (scaled) loss that backward starts from, and record its loss dict."""
+    (scaled) loss that backward starts from, and record its loss dict. A ``forward`` range in profiler
+    traces (an NVTX range under nsys)."""
+    with torch.profiler.record_function("forward"):
+        return _forward_microbatch(forward_step_func, data_iterator, model, input_tensor, state, is_last_stage,
+                                   checkpoint_activations_microbatch)
+
+
+def _forward_microbatch(forward_step_func, data_iterator, model, input_tensor, state, is_last_stage,
+                        checkpoint_activations_microbatch):
     config = state.config
     timer = phase_timer(config, "forward-compute")
     timer.start()
@@ -125,7 +133,13 @@ def _tokens_over_context_parallel(num_tokens, config, pg_collection=None):
 
 
 def backward_step(input_tensor, output_tensor, output_tensor_grad, config) -> Optional[torch.Tensor]:
-    """Backpropagate one micro-batch through one chunk; return the grad of its input (or None)."""
+    """Backpropagate one micro-batch through one chunk; return the grad of its input (or None). A
+    ``backward`` range in profiler traces (an NVTX range under nsys)."""
+    with torch.profiler.record_function("backward"):
+        return _backward_step(input_tensor, output_tensor, output_tensor_grad, config)
+
+
+def _backward_step(input_tensor, output_tensor, output_tensor_grad, config) -> Optional[torch.Tensor]:
     timer = phase_timer(config, "backward-compute")
     timer.start()
     if input_tensor is not None:
