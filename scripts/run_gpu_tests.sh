@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The GPU suite: all of tests/gpu on every GPU this machine shows (CUDA_VISIBLE_DEVICES narrows it), one
 # pytest process; tests that need more GPUs than there are skip and say so. Extra arguments go to pytest
-# (-x, -k overlap, -s). Ends with one line: passed, failed, skipped, errors and the GPUs they ran on.
-#   bash scripts/run_gpu_tests.sh            # on the device machine, from anywhere in the checkout
+# (-x, -k overlap, -s); test paths among them replace tests/gpu, to split the suite where one command
+# may run for a limited time (the whole of it took more than 8 minutes on two H200s). Ends with one line:
+# passed, failed, skipped, errors and the GPUs they ran on; the slowest tests are listed above it.
+#   bash scripts/run_gpu_tests.sh                                        # everything
+#   bash scripts/run_gpu_tests.sh tests/gpu/test_tp_comm_overlap_gpu.py  # one file
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -13,9 +16,13 @@ export PYTHONUNBUFFERED=1
 read -r gpus name < <($PY -c "import torch; n = torch.cuda.device_count(); \
 print(n, torch.cuda.get_device_name(0).replace(' ', '_') if n else 'none')" 2>/dev/null || echo "0 none")
 echo "run_gpu_tests: ${gpus} GPU(s) (${name//_/ }); torch $($PY -c 'import torch; print(torch.__version__)')"
+targets=tests/gpu
+for arg in "$@"; do
+  [[ "$arg" == tests/* && -e "${arg%%::*}" ]] && targets=  # the caller named the tests
+done
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-$PY -m pytest tests/gpu -v -rs -p no:cacheprovider --junitxml="$tmp/junit.xml" "$@"
+$PY -m pytest $targets -v -rs --durations=15 -p no:cacheprovider --junitxml="$tmp/junit.xml" "$@"
 rc=$?
 $PY - "$tmp/junit.xml" "$gpus" "${name//_/ }" "$rc" <<'PY'
 import sys
