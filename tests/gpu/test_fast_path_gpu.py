@@ -71,6 +71,51 @@ def test_compiled_layer_matches_eager():
     assert _rel(out[1][1], out[0][1]) < 3e-2  # bf16 grads, different fusion order
 
 
+def test_compiled_layers_fused_wgrad_reaches_main_grad():
+    """--torch-compile with fused weight-gradient accumulation (the default) under DDP: every parameter's
+    main_grad equals the eager layers' (Llama-shaped, TP=1). The compiled layers' linears once added their
+    weight gradient into main_grad as a side effect of the traced backward, which torch 2.11 dropped on
+    CUDA: their main_grad stayed zero and they did not train."""
+    import os
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.fusions.compile import compile_transformer_layers
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from tests.parallel.dist_utils import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        ps.initialize_model_parallel()
+        cfg = TransformerConfig(num_layers=2, hidden_size=256, num_attention_heads=4, num_query_groups=2,
+                                ffn_hidden_size=512, gated_linear_unit=True, activation_func=F.silu,
+                                normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0,
+                                attention_dropout=0.0, params_dtype=torch.bfloat16, bf16=True,
+                                gradient_accumulation_fusion=True)
+        torch.manual_seed(0)
+        models = [GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=512,
+                           max_sequence_length=128, position_embedding_type="rope").cuda() for _ in range(2)]
+        models[1].load_state_dict(models[0].state_dict())
+        assert compile_transformer_layers(models[1]) == 2
+        ddp = [DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), m)
+               for m in models]
+        ids = torch.randint(0, 512, (2, 128), device="cuda")
+        pos = torch.arange(128, device="cuda").expand(2, 128)
+        grads = []
+        for d in ddp:
+            d.zero_grad_buffer()
+            d(ids, pos, None, labels=ids).mean().backward()
+            grads.append({n: p.main_grad.double() for n, p in d.module.named_parameters()})
+        for name, ref in grads[0].items():
+            assert ref.norm() > 0, name
+            assert _rel(grads[1][name], ref) < 3e-2, name  # bf16 grads, different fusion order
+    finally:
+        ps.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
 def test_clip_folded_into_fused_adam_matches_explicit_clip():
     """Clipping through the fused AdamW's grad_scale equals scaling the grads first."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

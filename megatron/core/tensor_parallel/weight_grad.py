@@ -46,8 +46,15 @@ def main_grad_placeholder(weight):
 
 
 def weight_grad(weight, fusion, g2d, x2d):
-    """dL/dW = g^T x, or with ``fusion`` added into ``weight.main_grad`` (returning DDP's placeholder)."""
-    if fusion and hasattr(weight, "main_grad"):
+    """dL/dW = g^T x, or with ``fusion`` added into ``weight.main_grad`` (returning DDP's placeholder).
+
+    Traced into a compiled layer (--torch-compile), the plain gradient is returned and DDP's hook adds it
+    to main_grad: the fused form is a side effect of the backward (an in-place add into a tensor that is
+    no input of the function, and the ``grad_added_to_main_grad`` flag that tells the hook to skip the
+    placeholder), which torch 2.11's traced autograd.Function dropped on CUDA: every TP linear of the
+    compiled layers trained with a zero gradient. The overlapped linears run outside the graphs and keep
+    the fused form."""
+    if fusion and hasattr(weight, "main_grad") and not torch.compiler.is_compiling():
         _accumulate_weight_grad(weight.main_grad, g2d, x2d)
         return main_grad_placeholder(weight) if hasattr(weight, "grad_added_to_main_grad") else None
     return g2d.t() @ x2d
