@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from .errors import ArgumentError
 from .unsupported import UNSUPPORTED_FLAGS
 
 TSV_PATH = os.path.join(os.path.dirname(__file__), "megatron_flags_0.19.2.tsv")
@@ -255,7 +256,6 @@ def check_megatron_flags(args):
         if is_default(getattr(args, dest, default), default):
             continue
         if status == NOT_SUPPORTED:
-            from .validation import ArgumentError
             raise ArgumentError(f"{option} is not supported yet: {reason}")
         if status == NO_EFFECT_HERE and getattr(args, "rank", 0) == 0:
             print(f"{option} has no effect here (same result): {reason}", flush=True)

@@ -5,30 +5,20 @@ import warnings
 
 import torch
 
-from megatron.core.errors import InputError
-
 from .autoresume_args import validate_autoresume_args
+from .context_parallel_args import validate_context_parallel_args
 from .diagnostics_args import validate_diagnostics_args
 from .dropin_args import validate_dropin_args
-from .context_parallel_args import validate_context_parallel_args
+from .errors import ArgumentError
+from .errors import require as _require
 from .fast_path import validate_fast_path_args
-from .megatron_flags import check_megatron_flags
 from .inference_args import validate_inference_args
+from .input_checks import blend_prefixes_checked, validate_inputs
+from .megatron_flags import check_megatron_flags
 from .mla_args import validate_mla_args
 from .moe_args import validate_moe_args
-from .window_args import validate_window_args
 from .tp_overlap_args import validate_tp_overlap_args
-from .moe_args import validate_moe_args
-from .input_checks import blend_prefixes_checked, validate_inputs
-
-
-class ArgumentError(InputError):
-    """A user configuration error; the entry point prints `[rank R] ArgumentError: <message>`, exits 2."""
-
-
-def _require(cond, message):
-    if not cond:
-        raise ArgumentError(message)
+from .window_args import validate_window_args
 
 
 def _warn(args, message):

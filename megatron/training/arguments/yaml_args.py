@@ -13,6 +13,7 @@ import re
 
 import yaml
 
+from .errors import ArgumentError
 from .megatron_flags import record_use
 
 _ENV = re.compile(r"\$\{([^}]*)\}")
@@ -45,7 +46,6 @@ _EnvLoader.add_constructor("!env", _expand)
 
 def load_yaml_config(args, parser):
     """Set every key of ``args.yaml_cfg`` on ``args``; raise ArgumentError with one line on a bad key."""
-    from .validation import ArgumentError
     path = args.yaml_cfg
     if not os.path.isfile(path):
         raise ArgumentError(f"--yaml-cfg: file not found: {path}")

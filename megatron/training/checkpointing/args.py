@@ -8,7 +8,7 @@ import os
 import torch
 
 from megatron.core.dist_checkpointing import CheckpointingException, load_common_state_dict
-from megatron.training.arguments import ArgumentError
+from megatron.training.arguments.errors import ArgumentError
 
 from . import paths
 
