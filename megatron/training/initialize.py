@@ -12,6 +12,7 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.training.arguments import parse_args, print_args, validate_args
+from megatron.training.checkpointing.args import load_args_from_checkpoint
 from megatron.training.diagnostics import errors, hang
 from megatron.training.global_vars import get_args, set_global_variables
 from megatron.training.utils import print_rank_0
@@ -40,10 +41,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
     args = None
     try:
         args = parsed_args if parsed_args is not None else parse_args(extra_args_provider, ignore_unknown_args)
-        if getattr(args, "use_checkpoint_args", False) or args_defaults.get("use_checkpoint_args", False):
-            from megatron.training.checkpointing.args import load_args_from_checkpoint
-            load_args_from_checkpoint(args)
-        validate_args(args, args_defaults)
+        load_and_validate_args(args, args_defaults)
         if args.rank == 0:
             print_args("arguments", args)
         set_global_variables(args)
@@ -66,6 +64,14 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
     _init_autoresume()
     hang.install(args)
     return None
+
+
+def load_and_validate_args(args, args_defaults):
+    """Take the architecture flags from the checkpoint under --load when --use-checkpoint-args (or the
+    entry point's defaults) ask for it, then validate: the checkpoint's values are validated too."""
+    if args.use_checkpoint_args or args_defaults.get("use_checkpoint_args", False):
+        load_args_from_checkpoint(args)
+    validate_args(args, args_defaults)
 
 
 def _init_autoresume():

@@ -6,6 +6,8 @@
 import argparse
 import os
 
+from megatron.core.utils import lazy_names
+
 from .autoresume_args import add_autoresume_args
 from .diagnostics_args import add_diagnostics_args
 from .context_parallel_args import add_context_parallel_args
@@ -25,12 +27,16 @@ from .window_args import add_window_args
 from .tp_overlap_args import add_tp_overlap_args
 from . import fast_path
 from .validation import ArgumentError, blend_prefixes, validate_args
-from .types import la_freq_type, moe_freq_type, no_rope_freq_type, parse_and_validate_args, tuple_type
+from .types import la_freq_type, moe_freq_type, no_rope_freq_type, tuple_type
 
 __all__ = ["parse_args", "validate_args", "ArgumentError", "print_args", "build_parser",
            "core_transformer_config_from_args", "ddp_config_from_args", "optimizer_config_from_args",
            "blend_prefixes", "add_megatron_arguments", "parse_and_validate_args", "moe_freq_type",
            "no_rope_freq_type", "la_freq_type", "tuple_type"]
+
+
+# Megatron-only names: resolved on first use from the compat room (megatron/training/_compat/arguments.py).
+__getattr__ = lazy_names(__name__, {"parse_and_validate_args": "megatron.training._compat.arguments"})
 
 
 def build_parser(extra_args_provider=None):
