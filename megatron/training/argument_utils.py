@@ -7,10 +7,13 @@ import enum
 import inspect
 import types
 import typing
+import warnings
 from argparse import ArgumentParser
 from typing import Any, Dict, Optional
 
-from megatron.training.arguments.configs import core_transformer_config_from_args
+from megatron.core.transformer.spec_utils import import_module
+from megatron.training.arguments.configs import (config_kwargs_from_args, core_transformer_config_from_args,
+                                                 ddp_config_from_args, optimizer_config_from_args)
 from megatron.training.config import (
     CheckpointConfig, DistributedInitConfig, InferenceConfigContainer, InferenceSetupConfig, LoggerConfig,
     PretrainConfigContainer, ProfilingConfig, RerunStateMachineConfig, RNGConfig, SchedulerConfig,
@@ -102,10 +105,9 @@ class ArgumentGroupFactory:
 # ------------------------------------------------ Megatron 0.19's config containers from parsed args
 
 
-def _default_config_from_args(cls: type, args, return_instance: bool = True):
-    """``cls`` (or its kwargs) with every field that ``args`` has under the same name."""
-    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.init and hasattr(args, f.name)}
-    return cls(**kwargs) if return_instance else kwargs
+def _config(cls: type, args):
+    """``cls`` with every field that ``args`` has under the same name."""
+    return cls(**config_kwargs_from_args(cls, args))
 
 
 def gpt_config_from_args(args, config=None, model_config_cls: type = GPTModelConfig):
@@ -115,7 +117,6 @@ def gpt_config_from_args(args, config=None, model_config_cls: type = GPTModelCon
         raise TypeError(f"gpt_config_from_args: {model_config_cls.__name__} is not a GPTModelConfig")
     kwargs = {"transformer": config if config is not None else core_transformer_config_from_args(args)}
     if getattr(args, "spec", None):
-        from megatron.core.transformer.spec_utils import import_module
         kwargs["transformer_layer_spec"] = import_module(args.spec)
     padded = getattr(args, "padded_vocab_size", None)
     if padded is None and args.vocab_size is None:
@@ -132,11 +133,11 @@ def gpt_config_from_args(args, config=None, model_config_cls: type = GPTModelCon
 
 
 def _checkpoint_and_profiling(args):
-    ckpt = _default_config_from_args(CheckpointConfig, args, return_instance=False)
+    ckpt = config_kwargs_from_args(CheckpointConfig, args)
     ckpt.update(save_optim=not args.no_save_optim, save_rng=not args.no_save_rng, load_optim=not args.no_load_optim,
                 load_rng=not args.no_load_rng, fully_parallel_save=args.ckpt_fully_parallel_save,
                 fully_parallel_load=args.ckpt_fully_parallel_load)
-    prof = _default_config_from_args(ProfilingConfig, args, return_instance=False)
+    prof = config_kwargs_from_args(ProfilingConfig, args)
     prof["use_nsys_profiler"] = args.profile
     return CheckpointConfig(**ckpt), ProfilingConfig(**prof)
 
@@ -144,29 +145,26 @@ def _checkpoint_and_profiling(args):
 def pretrain_cfg_container_from_args(args, model_cfg=None) -> PretrainConfigContainer:
     """Every section of a pretraining run from the parsed args (``model_cfg``: e.g. gpt_config_from_args(args);
     None keeps the model to a model_provider function, with Megatron's warning)."""
-    import warnings
-
-    from megatron.training.arguments import ddp_config_from_args, optimizer_config_from_args
     if model_cfg is None:
         warnings.warn("It is recommended to use a ModelConfig (e.g. megatron.training.models.GPTModelConfig) "
                       "instead of a model builder/model provider function pointer.")
     checkpoint, profiling = _checkpoint_and_profiling(args)
-    rerun = _default_config_from_args(RerunStateMachineConfig, args, return_instance=False)
+    rerun = config_kwargs_from_args(RerunStateMachineConfig, args)
     rerun["check_for_nan_in_loss"] = args.check_for_nan_in_loss_and_grad
     return PretrainConfigContainer(
-        train=_default_config_from_args(TrainingConfig, args),
-        validation=_default_config_from_args(ValidationConfig, args), model=model_cfg,
-        optimizer=optimizer_config_from_args(args), scheduler=_default_config_from_args(SchedulerConfig, args),
-        ddp=ddp_config_from_args(args), dist=_default_config_from_args(DistributedInitConfig, args),
-        rng=_default_config_from_args(RNGConfig, args), logger=_default_config_from_args(LoggerConfig, args),
-        checkpoint=checkpoint, profiling=profiling, tokenizer=_default_config_from_args(TokenizerConfig, args),
+        train=_config(TrainingConfig, args),
+        validation=_config(ValidationConfig, args), model=model_cfg,
+        optimizer=optimizer_config_from_args(args), scheduler=_config(SchedulerConfig, args),
+        ddp=ddp_config_from_args(args), dist=_config(DistributedInitConfig, args),
+        rng=_config(RNGConfig, args), logger=_config(LoggerConfig, args),
+        checkpoint=checkpoint, profiling=profiling, tokenizer=_config(TokenizerConfig, args),
         rerun_state_machine=RerunStateMachineConfig(**rerun),
-        straggler=_default_config_from_args(StragglerDetectionConfig, args))
+        straggler=_config(StragglerDetectionConfig, args))
 
 
 def inference_cfg_from_args(args) -> InferenceSetupConfig:
     """The inference flags as one InferenceSetupConfig (field names are the flags' destinations)."""
-    return _default_config_from_args(InferenceSetupConfig, args)
+    return _config(InferenceSetupConfig, args)
 
 
 def inference_cfg_container_from_args(args, model_cfg=None) -> InferenceConfigContainer:
@@ -180,6 +178,6 @@ def inference_cfg_container_from_args(args, model_cfg=None) -> InferenceConfigCo
     checkpoint, profiling = _checkpoint_and_profiling(args)
     return InferenceConfigContainer(
         model=model_cfg, checkpoint=checkpoint, inference=inference_cfg_from_args(args),
-        dist=_default_config_from_args(DistributedInitConfig, args), rng=_default_config_from_args(RNGConfig, args),
-        tokenizer=_default_config_from_args(TokenizerConfig, args),
-        logger=_default_config_from_args(LoggerConfig, args), profiling=profiling)
+        dist=_config(DistributedInitConfig, args), rng=_config(RNGConfig, args),
+        tokenizer=_config(TokenizerConfig, args),
+        logger=_config(LoggerConfig, args), profiling=profiling)

@@ -1,4 +1,5 @@
 """FLOPs per global batch with Megatron's dense-GPT formula (COMPAT.md 3.4), for TFLOP/s/GPU and MFU."""
+import torch
 
 
 def num_floating_point_operations(args, batch_size):
@@ -104,7 +105,6 @@ def dense_bf16_peak(device_name: str):
 
 
 def current_device_name() -> str:
-    import torch
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 

@@ -6,7 +6,10 @@ import os
 import sys
 
 from megatron.core import num_microbatches_calculator as mbc
+from megatron.core.errors import InputError
 from megatron.core.timers import Timers
+from megatron.training.exit import DistributedSignalHandler
+from megatron.training.tokenizer import build_tokenizer
 
 _GLOBAL_ARGS = None
 _GLOBAL_TOKENIZER = None
@@ -90,12 +93,11 @@ def _set_adlr_autoresume(args):
     _GLOBAL_ADLR_AUTORESUME = None
     if not getattr(args, "adlr_autoresume", False):
         return
-    from megatron.core.errors import InputError
     path = os.environ.get("SUBMIT_SCRIPTS", ".")
     if path not in sys.path:
         sys.path.append(path)
     try:
-        from userlib.auto_resume import AutoResume
+        from userlib.auto_resume import AutoResume  # lazy: found only on $SUBMIT_SCRIPTS, put on sys.path above
     except ImportError as e:
         raise InputError(f"--adlr-autoresume: cannot import userlib.auto_resume.AutoResume from SUBMIT_SCRIPTS="
                          f"{path} ({e}); point SUBMIT_SCRIPTS at the directory holding userlib/ or drop the flag")
@@ -104,7 +106,6 @@ def _set_adlr_autoresume(args):
 
 def _build_tokenizer(args):
     global _GLOBAL_TOKENIZER
-    from megatron.training.tokenizer import build_tokenizer
     _GLOBAL_TOKENIZER = build_tokenizer(args)
     return _GLOBAL_TOKENIZER
 
@@ -113,7 +114,7 @@ def _set_tensorboard_writer(args):
     global _GLOBAL_TENSORBOARD_WRITER
     _GLOBAL_TENSORBOARD_WRITER = None
     if args.tensorboard_dir and args.rank == args.world_size - 1:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # lazy: ~0.5 s to import, only with --tensorboard-dir
         print("> setting tensorboard ...", flush=True)
         _GLOBAL_TENSORBOARD_WRITER = SummaryWriter(log_dir=args.tensorboard_dir,
                                                    max_queue=args.tensorboard_queue_size)
@@ -125,7 +126,7 @@ def _set_wandb_writer(args):
     _GLOBAL_WANDB_WRITER = None
     if not args.wandb_project or args.rank != args.world_size - 1:
         return
-    import wandb
+    import wandb  # lazy: ~0.9 s to import, only with --wandb-project
     save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
     if save_dir:
         os.makedirs(save_dir, exist_ok=True)
@@ -141,7 +142,6 @@ def _wandb_config(args):
 
 def _set_signal_handler(signal_name):
     global _GLOBAL_SIGNAL_HANDLER
-    from megatron.training.exit import DistributedSignalHandler
     _GLOBAL_SIGNAL_HANDLER = DistributedSignalHandler(signal_name).__enter__()
 
 

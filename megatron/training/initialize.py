@@ -2,19 +2,24 @@
 process groups, seeds, dataset helpers and writers."""
 import atexit
 import datetime
+import logging
 import os
 import random
 import re
+import socket
 import sys
 
 import numpy as np
 import torch
 
+from megatron.core import num_microbatches_calculator as mbc
 from megatron.core import parallel_state
+from megatron.core.datasets.utils import compile_helpers
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.training.arguments import parse_args, print_args, validate_args
 from megatron.training.checkpointing.args import load_args_from_checkpoint
 from megatron.training.diagnostics import errors, hang
-from megatron.training.global_vars import get_args, set_global_variables
+from megatron.training.global_vars import get_adlr_autoresume, get_args, get_tensorboard_writer, set_global_variables
 from megatron.training.utils import print_rank_0
 
 DEFAULT_MASTER_PORT = 29500
@@ -49,7 +54,6 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
     except Exception as e:
         _fail_start(e, args)
     if args.logging_level is not None:
-        import logging
         logging.getLogger().setLevel(args.logging_level)
     _initialize_distributed(args)
     if errors.agree_on_start(False):
@@ -76,7 +80,6 @@ def load_and_validate_args(args, args_defaults):
 
 def _init_autoresume():
     """--adlr-autoresume: start the service's clock once every rank is up."""
-    from megatron.training.global_vars import get_adlr_autoresume
     autoresume = get_adlr_autoresume()
     if autoresume:
         if torch.distributed.is_initialized():
@@ -111,7 +114,6 @@ def _fail_start(exc, args):
 
 def update_train_iters(args):
     """For sample-based runs: the iteration count that consumes --train-samples (walks the rampup)."""
-    from megatron.core import num_microbatches_calculator as mbc
     if args.train_samples is None:
         return
     if args.rampup_batch_size is None:
@@ -161,7 +163,6 @@ def first_host(nodelist):
 
 
 def _free_port():
-    import socket
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -218,7 +219,6 @@ def _initialize_model_parallel(args):
 
 def _set_random_seed(seed, data_parallel_random_init=False, use_cudagraphable_rng=False):
     """python/numpy/torch seeded with seed + 100*pp_rank (+10*dp_rank); the RNG tracker adds TP states."""
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     if seed is None or seed <= 0:
         raise ValueError(f"--seed ({seed}) must be a positive integer")
     seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
@@ -233,17 +233,12 @@ def _set_random_seed(seed, data_parallel_random_init=False, use_cudagraphable_rn
 
 def _compile_dataset_helpers():
     """Build the C++ dataset index helpers on rank 0 if missing, then let everyone proceed."""
-    try:
-        from megatron.core.datasets.utils import compile_helpers
-    except ImportError:
-        return
     if torch.distributed.get_rank() == 0:
         compile_helpers()
     torch.distributed.barrier()
 
 
 def write_args_to_tensorboard():
-    from megatron.training.global_vars import get_tensorboard_writer
     args, writer = get_args(), get_tensorboard_writer()
     if writer is not None:
         for arg in vars(args):

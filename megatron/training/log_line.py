@@ -4,6 +4,9 @@ from datetime import datetime
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.num_microbatches_calculator import get_num_microbatches
+from megatron.core.transformer.moe.moe_logging import track_moe_metrics
+from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
 from megatron.training.flops import current_device_name, format_throughput_line, num_floating_point_operations
 from megatron.training.global_vars import get_args, get_tensorboard_writer, get_timers, get_wandb_writer
 from megatron.training.theoretical_memory_usage import report_theoretical_memory
@@ -122,8 +125,6 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
 def _track_moe(args, iteration, total_loss_dict):
     """MoE losses after 'lm loss' in the line (Megatron's names), expert load spread, per-layer scalars.
     Every rank joins: the values are reduced over PP, TP and DP."""
-    from megatron.core.transformer.moe.moe_logging import track_moe_metrics
-    from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
     types = args.moe_router_load_balancing_type
     types = types if isinstance(types, list) else [types]
     names = [name for kind, name in (("aux_loss", "load_balancing_loss"), ("seq_aux_loss", "seq_load_balancing_loss"),
@@ -138,7 +139,6 @@ def _track_moe(args, iteration, total_loss_dict):
 
 
 def _num_microbatches():
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
     return get_num_microbatches()
 
 

@@ -2,6 +2,8 @@
 --dry-run style estimate (weights, optimizer, activations, logits, FLOPs) printed by tools/benchmark.py."""
 import torch
 
+from megatron.training.flops import active_mlp_ffn_sum, moe_layer_counts, num_floating_point_operations
+
 NUM_BYTES_IN_MEGABYTE = 1024 * 1024
 
 
@@ -40,7 +42,6 @@ def compute_weight_and_optimizer_memory(args, verbose=False):
 def _moe_average_layer_params(args, attention_and_norms, glu):
     """Params per layer on one rank, averaged over the layers, in units of the dense TP split: MoE layers
     hold E/EP experts split over expert-TP (scaled back to a TP divisor), a shared expert and a router."""
-    from megatron.training.flops import moe_layer_counts
     h, ffn = args.hidden_size, args.ffn_hidden_size or 4 * args.hidden_size
     dense, moe = moe_layer_counts(args)
     moe_ffn = args.moe_ffn_hidden_size or ffn
@@ -88,7 +89,6 @@ def compute_activation_memory(args):
     if getattr(args, "num_experts", None) is not None:
         # MoE: each token's top-k expert activations plus the shared expert (the active FFN width), and
         # the permuted copies of the token (dispatch input, combine input: 2 k h), averaged over layers.
-        from megatron.training.flops import active_mlp_ffn_sum, moe_layer_counts
         ffn = active_mlp_ffn_sum(args, ffn) / L
         dispatch = 2 * args.moe_router_topk * h * moe_layer_counts(args)[1] / L
     per_layer = 2 * tokens * (4 * h + dispatch + attention + (4 if args.swiglu else 2) * ffn / tp)
@@ -117,7 +117,6 @@ def compute_logits_memory(args):
 
 def estimate_memory_and_flops(args):
     """Dict of byte counts (weights_and_optimizer, activations, logits, total) and flops_per_iteration."""
-    from megatron.training.flops import num_floating_point_operations
     est = {"weights_and_optimizer": compute_weight_and_optimizer_memory(args),
            "activations": compute_activation_memory(args), "logits": compute_logits_memory(args)}
     est["total"] = sum(est.values())

@@ -29,7 +29,7 @@ def validate_fast_path_args(args, require):
                 f"--use-flash-attn conflicts with --attention-backend {args.attention_backend}; pass one of them")
         args.attention_backend = "flash"
     if args.fp8 is not None:
-        from megatron.core.fp8 import FP8_RECIPES
+        from megatron.core.fp8 import FP8_RECIPES  # lazy: loads fp8_linear and torch._dynamo (~0.5 s); --fp8 only
         require(args.fp8_recipe in FP8_RECIPES,
                 f"--fp8-recipe {args.fp8_recipe} is not supported without Transformer Engine; use "
                 "--fp8-recipe tensorwise")

@@ -7,6 +7,7 @@ import re
 
 from megatron.core.datasets.indexed_dataset import check_dataset_files
 from megatron.core.errors import InputError
+from megatron.training.checkpointing.paths import get_checkpoint_tracker_filename
 
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
@@ -74,7 +75,6 @@ def _check_tokenizer_files(args, require):
 
 
 def _check_load(args, require):
-    from megatron.training.checkpointing.paths import get_checkpoint_tracker_filename
     load = getattr(args, "load", None)
     if load is None:
         return

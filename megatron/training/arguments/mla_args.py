@@ -1,4 +1,5 @@
 """Flags for multi-latent attention, YaRN and multi-token prediction (Megatron 0.19.2 names and defaults)."""
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 
 def add_mla_args(parser):
@@ -35,7 +36,6 @@ def add_mla_args(parser):
 
 def mla_config_class(args):
     """MLATransformerConfig with --multi-latent-attention, else TransformerConfig."""
-    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
     return MLATransformerConfig if getattr(args, "multi_latent_attention", False) else TransformerConfig
 
 
@@ -43,7 +43,6 @@ def mla_config_overrides(args) -> dict:
     """Config fields whose flag has another name, set only when the flag is (the config default otherwise)."""
     if not getattr(args, "multi_latent_attention", False):
         return {}
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
     out = {"rope_type": MLATransformerConfig.rope_type}  # Megatron: --rope-type unset keeps MLA's yarn
     for flag_dest, field in (("rope_type", "rope_type"),
                              ("yarn_original_max_position_embeddings", "original_max_position_embeddings"),

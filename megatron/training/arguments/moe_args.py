@@ -3,6 +3,8 @@ import argparse
 import re
 from types import SimpleNamespace
 
+from megatron.core.transformer.moe.config_checks import check_moe_config
+
 
 def moe_freq_type(value):
     """--moe-layer-freq: an int N (every N-th layer is MoE) or a Python list expression of 0/1 such as
@@ -85,8 +87,6 @@ def add_moe_args(parser):
 
 def validate_moe_args(args, require):
     """Derived defaults and one-line errors for the MoE flags (``require(cond, message)`` raises)."""
-    from megatron.core.transformer.moe.config_checks import check_moe_config
-
     ep, tp, pp = args.expert_model_parallel_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     require(ep >= 1, f"--expert-model-parallel-size ({ep}) must be >= 1")
     if args.expert_tensor_parallel_size is None:

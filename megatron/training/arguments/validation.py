@@ -2,8 +2,11 @@
 import os
 import signal
 import warnings
+from types import SimpleNamespace
 
 import torch
+
+from megatron.core.transformer.transformer_block import layers_per_pipeline_rank
 
 from .autoresume_args import validate_autoresume_args
 from .context_parallel_args import validate_context_parallel_args
@@ -97,10 +100,6 @@ def _validate_parallel(args):
 
 def _validate_pipeline_split(args):
     """Every layer lands on exactly one stage: never a silently dropped layer."""
-    from types import SimpleNamespace
-
-    from megatron.core.transformer.transformer_block import layers_per_pipeline_rank
-
     pp = args.pipeline_model_parallel_size
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     if first is None and last is None and not (args.account_for_embedding_in_pipeline_split
@@ -378,7 +377,7 @@ def _validate_misc(args):
              f"--exit-signal ({args.exit_signal}) is not a signal name; use e.g. SIGTERM or SIGUSR1")
     if args.wandb_project:  # every rank checks, though only the last one logs: all of them stop together
         try:
-            import wandb  # noqa: F401
+            import wandb  # noqa: F401  # lazy: ~0.9 s to import, only with --wandb-project
         except ImportError as e:
             raise ArgumentError(f"--wandb-project needs the wandb package ({e}): pip install wandb, "
                                 "or bash scripts/install_deps.sh") from None

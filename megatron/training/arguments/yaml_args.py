@@ -13,6 +13,7 @@ import re
 
 import yaml
 
+from megatron.core.transformer.transformer_config import TransformerConfig
 from .errors import ArgumentError
 from .megatron_flags import record_use
 
@@ -73,7 +74,6 @@ def load_yaml_config(args, parser):
 
 
 def _set_section_key(args, actions, name, key, value, path):
-    from megatron.core.transformer.transformer_config import TransformerConfig
     if key == "activation_func":
         if value not in _ACTIVATIONS:
             raise _Error(f"{name}: '{value}' is not one of swiglu, squaredrelu, gelu")

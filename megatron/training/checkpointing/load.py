@@ -6,7 +6,10 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from megatron.core import dist_checkpointing
+from megatron.core import num_microbatches_calculator as mbc
 from megatron.core.dist_checkpointing import CheckpointingException
+from megatron.core.rerun_state_machine import get_rerun_state_machine
+from megatron.core.utils import unwrap_model
 from megatron.training.global_vars import get_args, update_num_microbatches
 from megatron.training.utils import print_rank_0
 
@@ -151,7 +154,6 @@ def _load_state(fmt, checkpoint_dir, load_dir, iteration, release, model, optimi
 
 
 def _restore_model(ckpt, model, strict: bool) -> None:
-    from megatron.core.utils import unwrap_model
     for i, chunk in enumerate(model):
         key = "model" if len(model) == 1 else f"model{i}"
         if key not in ckpt:
@@ -165,7 +167,6 @@ def _restore_training_state(ckpt, optimizer, opt_param_scheduler, args) -> None:
     if ckpt_args is not None:
         args.consumed_train_samples = getattr(ckpt_args, "consumed_train_samples", 0)
         args.consumed_valid_samples = getattr(ckpt_args, "consumed_valid_samples", 0)
-        from megatron.core import num_microbatches_calculator as mbc
         if mbc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:  # unset in library-style use
             update_num_microbatches(consumed_samples=args.consumed_train_samples, consistency_check=False)
     if optimizer is not None and not args.no_load_optim and "optimizer" in ckpt:
@@ -173,7 +174,6 @@ def _restore_training_state(ckpt, optimizer, opt_param_scheduler, args) -> None:
         if opt_param_scheduler is not None and "opt_param_scheduler" in ckpt:
             opt_param_scheduler.load_state_dict(ckpt["opt_param_scheduler"])
     if ckpt.get("rerun_state_machine") is not None:
-        from megatron.core.rerun_state_machine import get_rerun_state_machine
         get_rerun_state_machine().load_state_dict(ckpt["rerun_state_machine"])
     if not args.no_load_rng and ckpt.get("rng_state") is not None:
         rng = ckpt["rng_state"]

@@ -26,6 +26,7 @@ import time
 import traceback
 
 import torch
+from torch.distributed import distributed_c10d as c10d
 
 from megatron.training.diagnostics import errors
 
@@ -184,7 +185,6 @@ def uninstall():
 
 def _set_group_timeouts(seconds):
     """Megatron's --distributed-timeout-seconds-after-init: every existing group gets the new timeout."""
-    from torch.distributed import distributed_c10d as c10d
     for group in list(c10d._world.pg_map):
         try:
             c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
