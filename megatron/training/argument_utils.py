@@ -116,9 +116,9 @@ def gpt_config_from_args(args, config=None, model_config_cls: type = GPTModelCon
     if not issubclass(model_config_cls, GPTModelConfig):
         raise TypeError(f"gpt_config_from_args: {model_config_cls.__name__} is not a GPTModelConfig")
     kwargs = {"transformer": config if config is not None else core_transformer_config_from_args(args)}
-    if getattr(args, "spec", None):
+    if args.spec:
         kwargs["transformer_layer_spec"] = import_module(args.spec)
-    padded = getattr(args, "padded_vocab_size", None)
+    padded = args.padded_vocab_size
     if padded is None and args.vocab_size is None:
         raise ValueError("gpt_config_from_args: either --padded-vocab-size or --vocab-size must be specified")
     return model_config_cls(
@@ -171,7 +171,7 @@ def inference_cfg_container_from_args(args, model_cfg=None) -> InferenceConfigCo
     """What an inference entry point needs (no optimizer, schedule, training loop or DDP sections);
     ``model_cfg`` None: gpt_config_from_args(args)."""
     if model_cfg is None:
-        if getattr(args, "hybrid_layer_pattern", None) is not None:
+        if args.hybrid_layer_pattern is not None:
             raise ValueError("inference_cfg_container_from_args: --hybrid-layer-pattern (hybrid Mamba models) is "
                              "not supported; build a GPT model")
         model_cfg = gpt_config_from_args(args)

@@ -11,6 +11,7 @@ def num_floating_point_operations(args, batch_size):
     dgrad) x 2 FLOPs per multiply-add. Multi-latent attention replaces the attention terms
     (`mla_flops_per_token`); multi-token prediction adds its depths as layers (of the last decoder layer's
     kind), their norms and eh_proj, and one logits pass each (Megatron's formula).
+    Megatron's API: ``args`` may be any namespace with the dense-GPT fields; later features read as off.
     """
     h, s = args.hidden_size, args.seq_length
     mtp = getattr(args, "mtp_num_layers", None) or 0

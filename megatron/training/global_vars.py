@@ -91,7 +91,7 @@ def _set_adlr_autoresume(args):
     directory named by $SUBMIT_SCRIPTS (default: the working directory), as Megatron finds it."""
     global _GLOBAL_ADLR_AUTORESUME
     _GLOBAL_ADLR_AUTORESUME = None
-    if not getattr(args, "adlr_autoresume", False):
+    if not args.adlr_autoresume:
         return
     path = os.environ.get("SUBMIT_SCRIPTS", ".")
     if path not in sys.path:

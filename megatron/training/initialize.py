@@ -63,7 +63,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
     if not skip_mpu_initialization:
         _initialize_model_parallel(args)
         _set_random_seed(args.seed, args.data_parallel_random_init,
-                         use_cudagraphable_rng=getattr(args, "cuda_graph_impl", "none") == "full_iteration")
+                         use_cudagraphable_rng=args.cuda_graph_impl == "full_iteration")
     _compile_dataset_helpers()
     _init_autoresume()
     hang.install(args)
@@ -93,6 +93,7 @@ def _fail_start(exc, args):
     """Report a start-up error on this rank, then join the default process group only to tell the other
     ranks (see `errors.agree_on_start`), so none of them waits for this one until the timeout."""
     errors.report(exc)
+    # ``args`` is None when parsing itself failed: the getattrs below fall back to the flags' defaults.
     # Under torchrun the agent stops the other workers as soon as this one exits.
     launcher_stops_others = "TORCHELASTIC_RUN_ID" in os.environ
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized() \

@@ -63,9 +63,9 @@ def _build_chunk(model_provider_func, model_type, vp_stage):
 
 def _wrap_with_ddp(args, model):
     ddp_config = ddp_config_from_args(args)
-    if getattr(args, "use_torch_fsdp2", False):
+    if args.use_torch_fsdp2:
         # Each chunk is its own FSDP2 root; params are broadcast over DP before sharding.
-        reshard = getattr(args, "torch_fsdp2_reshard_after_forward", True)
+        reshard = args.torch_fsdp2_reshard_after_forward
         return [TorchFullyShardedDataParallel(get_model_config(chunk), ddp_config, chunk, reshard_after_forward=reshard)
                 for chunk in model]
     wrapped = [DDP(config=get_model_config(chunk), ddp_config=ddp_config, module=chunk,

@@ -18,7 +18,7 @@ def get_training_forward_backward_func():
     ``--cuda-graph-impl full_iteration``. Build it once per training run: the wrapper owns the graph."""
     args = get_args()
     forward_backward_func = get_forward_backward_func()
-    if getattr(args, "cuda_graph_impl", "none") != "full_iteration":
+    if args.cuda_graph_impl != "full_iteration":
         return forward_backward_func
     return FullCudaGraphWrapper(forward_backward_func, args.cuda_graph_warmup_steps)
 

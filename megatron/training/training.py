@@ -165,7 +165,7 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, model_type, for
 def _initialize_rerun_state_machine(args):
     """--rerun-mode and fault injection. A replayed CUDA graph checks its losses itself (train_step) and
     cannot re-run a step, so the machine is disabled there (it would only add a collective per step)."""
-    mode = "disabled" if getattr(args, "cuda_graph_impl", "none") == "full_iteration" else args.rerun_mode
+    mode = "disabled" if args.cuda_graph_impl == "full_iteration" else args.rerun_mode
     initialize_rerun_state_machine(
         mode=mode, error_injector=RerunErrorInjector(args.error_injection_rate, args.error_injection_type),
         result_rejected_tracker_filename=args.result_rejected_tracker_filename, report_interval=args.log_interval)

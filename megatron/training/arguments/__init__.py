@@ -77,7 +77,7 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False, argv=None):
         args, _ = parser.parse_known_args(argv)
     else:
         args = parser.parse_args(argv)
-    if getattr(args, "yaml_cfg", None) is not None:
+    if args.yaml_cfg is not None:
         load_yaml_config(args, parser)
     args.rank = int(os.getenv("RANK", os.getenv("SLURM_PROCID", "0")))
     args.world_size = int(os.getenv("WORLD_SIZE", os.getenv("SLURM_NTASKS", "1")))

@@ -257,5 +257,5 @@ def check_megatron_flags(args):
             continue
         if status == NOT_SUPPORTED:
             raise ArgumentError(f"{option} is not supported yet: {reason}")
-        if status == NO_EFFECT_HERE and getattr(args, "rank", 0) == 0:
+        if status == NO_EFFECT_HERE and args.rank == 0:
             print(f"{option} has no effect here (same result): {reason}", flush=True)

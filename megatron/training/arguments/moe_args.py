@@ -99,7 +99,7 @@ def validate_moe_args(args, require):
     require(args.world_size % (etp * ep * pp) == 0,
             f"world size ({args.world_size}) must be divisible by --expert-tensor-parallel-size ({etp}) x "
             f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp})")
-    require(not getattr(args, "use_torch_fsdp2", False),
+    require(not args.use_torch_fsdp2,
             "--use-torch-fsdp2 with --num-experts is not supported; use DDP or --use-distributed-optimizer")
     if tp > 1 and not args.sequence_parallel:
         require(args.seq_length is None or args.seq_length % tp == 0,

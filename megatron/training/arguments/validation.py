@@ -89,7 +89,7 @@ def _validate_parallel(args):
     if args.overlap_param_gather:
         _require(args.use_distributed_optimizer and args.overlap_grad_reduce,
                  "--overlap-param-gather requires --use-distributed-optimizer and --overlap-grad-reduce")
-    if getattr(args, "use_torch_fsdp2", False):
+    if args.use_torch_fsdp2:
         _require(pp == 1, "--use-torch-fsdp2 does not support --pipeline-model-parallel-size > 1; "
                           "use DDP (optionally --use-distributed-optimizer) with pipeline parallelism")
         _require(not args.use_distributed_optimizer,

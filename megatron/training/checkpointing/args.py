@@ -71,7 +71,7 @@ def load_args_from_checkpoint(args, load_arg: str = "load"):
     load_dir = getattr(args, load_arg, None)
     if not load_dir:
         raise ArgumentError("--use-checkpoint-args needs --load DIR")
-    ckpt_args, _ = read_checkpoint_args(load_dir, getattr(args, "ckpt_step", None))
+    ckpt_args, _ = read_checkpoint_args(load_dir, args.ckpt_step)
     for name, force in MODEL_ARGS:
         if not hasattr(ckpt_args, name):
             continue

@@ -71,7 +71,7 @@ def _convert_on_rank(args):
     set_args(args)
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
                                  pipeline_model_parallel_size=args.pipeline_model_parallel_size)
-    model_parallel_cuda_manual_seed(getattr(args, "seed", 1234))
+    model_parallel_cuda_manual_seed(getattr(args, "seed", 1234))  # a checkpoint's args: may predate --seed
     model = get_model(model_provider, wrap_with_ddp=False)
     iteration, flops = load_checkpoint(model, None, None)
     save_checkpoint(iteration, model, None, None, flops)

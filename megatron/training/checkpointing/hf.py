@@ -159,6 +159,7 @@ def import_hf_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, fm
 
 
 def _infer_family(args):
+    """The HF family of a checkpoint's saved args (getattr here: saves older than a flag lack it)."""
     if getattr(args, "multi_latent_attention", False):
         return FAMILIES["deepseek_v3"]
     if getattr(args, "num_experts", None):

@@ -37,7 +37,9 @@ def _find(load_dir: str, args) -> Optional[Tuple[int, bool]]:
 
 
 def check_checkpoint_args(ckpt_args, args, ckpt_format: str, checkpoint_dir: str) -> None:
-    """Raise one line naming every architecture flag that differs from the checkpoint's."""
+    """Raise one line naming every architecture flag that differs from the checkpoint's. Saved args may
+    predate a flag, and library-style callers (set_args with their own namespace) need not carry every
+    flag: both are read with getattr, here and in the save/load helpers."""
     checks = ARCH_ARGS + (LEGACY_ARGS if ckpt_format == "torch" else [])
     if getattr(args, "vocab_file", None):
         checks = checks + [("max_position_embeddings", "--max-position-embeddings")]
@@ -80,7 +82,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     load_dir = getattr(args, load_arg)
     finetune = args.finetune
     found = _find(load_dir, args) if load_dir else None
-    if found is None and getattr(args, "pretrained_checkpoint", None) and load_arg == "load":
+    if found is None and args.pretrained_checkpoint and load_arg == "load":
         load_dir, finetune = args.pretrained_checkpoint, True
         found = _find(load_dir, args)
     if found is None:

@@ -17,7 +17,8 @@ def _data_parallel_rank_and_size():
 
 
 def build_pretraining_data_loader(dataset, consumed_samples, args=None):
-    """DataLoader over `dataset` resuming after `consumed_samples` (global count over all DP ranks)."""
+    """DataLoader over `dataset` resuming after `consumed_samples` (global count over all DP ranks).
+    Megatron's API: ``args`` may be the caller's own namespace, so the loader flags have their defaults."""
     if dataset is None:
         return None
     if args is None:
