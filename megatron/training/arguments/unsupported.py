@@ -1,7 +1,7 @@
 """What to do instead, for Megatron flags users commonly pass that this project does not implement yet.
 
 megatron_flags.py registers every Megatron flag our parser lacks, with Megatron's type and default, and
-refuses it at a non-default value with one line ("--num-experts is not supported yet: <hint>"); the hint
+refuses it at a non-default value with one line ("--fp4-format is not supported yet: <hint>"); the hint
 comes from here. A module that implements one of these flags deletes its line.
 """
 
