@@ -25,6 +25,9 @@ UNSUPPORTED_FLAGS = {
     "--fim-data": (dict(action="store_true"), "fill-in-the-middle data is not supported"),
     "--sft": (dict(action="store_true"), "SFT data is not supported"),
     "--quick-geglu": (dict(action="store_true"), "use --swiglu or the default GeLU"),
+    "--tokenizer-hf-no-use-fast": (dict(action="store_true"), "HuggingFaceTokenizer reads tokenizer.json with the "
+                                                              "fast tokenizers library; there is no slow Python "
+                                                              "tokenizer here: drop the flag"),
     "--hierarchical-context-parallel-sizes": (dict(type=int, nargs="+"),
                                               "hierarchical CP (a2a+p2p) is not built; use --cp-comm-type p2p, "
                                               "allgather or a2a"),
