@@ -66,6 +66,7 @@ NO_EFFECT = {
     "--no-pin-cpu-params": "only read with --optimizer-cpu-offload, which is not supported",
     "--no-one-logger": "there is no One Logger telemetry here",
     "--disable-msc": "there is no Multi-Storage Client here; paths are local files",
+    "--trust-remote-code": "HuggingFaceTokenizer reads tokenizer.json only and never runs a model's own code",
 }
 
 # Megatron's reasons for a few deprecated flags, and flags that only another entry point reads.
