@@ -8,6 +8,7 @@ import sys
 from megatron.core import num_microbatches_calculator as mbc
 from megatron.core.errors import InputError
 from megatron.core.timers import Timers
+from megatron.core.utils import lazy_names
 from megatron.training.exit import DistributedSignalHandler
 from megatron.training.tokenizer import build_tokenizer
 
@@ -54,14 +55,6 @@ def get_wandb_writer():
 
 def get_signal_handler():
     return _GLOBAL_SIGNAL_HANDLER
-
-
-def get_num_microbatches():
-    return mbc.get_num_microbatches()
-
-
-def get_current_global_batch_size():
-    return mbc.get_current_global_batch_size()
 
 
 def update_num_microbatches(consumed_samples, consistency_check=True):
@@ -160,11 +153,6 @@ def destroy_global_vars():
     mbc.unset_num_microbatches_calculator()
 
 
-def unset_global_variables():
-    """Megatron's other name for destroy_global_vars."""
-    destroy_global_vars()
-
-
 def rebuild_tokenizer(args):
     """Build the tokenizer again from args (e.g. after the vocabulary flags changed)."""
     global _GLOBAL_TOKENIZER
@@ -178,11 +166,7 @@ def get_adlr_autoresume():
     return _GLOBAL_ADLR_AUTORESUME
 
 
-# Optional integrations that this application does not ship (one-logger, the energy monitor): their
-# getters return None, which is what Megatron returns when they are not enabled.
-def get_one_logger():
-    return None
-
-
-def get_energy_monitor():
-    return None
+# Megatron's other global_vars names (fixed answers, aliases): resolved from the compat room on first use.
+__getattr__ = lazy_names(__name__, {name: "megatron.training._compat.global_vars" for name in (
+    "get_one_logger", "get_energy_monitor", "unset_global_variables", "get_num_microbatches",
+    "get_current_global_batch_size")})

@@ -1,9 +1,10 @@
-"""Megatron-LM's ``megatron.training.arguments.parse_and_validate_args``, for scripts written against it.
+"""Megatron-LM's other ``megatron.training.arguments`` names, for scripts written against it.
 
 Our entry points go through ``initialize_megatron``, which parses, validates and prints the flags itself;
-this is the same sequence without the print, for Megatron 0.19's config-container scripts.
+parse_and_validate_args is the same sequence without the print, for Megatron 0.19's config-container
+scripts. add_megatron_arguments serves tools that build their own parser.
 """
-from megatron.training.arguments import parse_args
+from megatron.training.arguments import build_parser, parse_args
 from megatron.training.global_vars import set_global_variables
 from megatron.training.initialize import load_and_validate_args
 
@@ -14,3 +15,13 @@ def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False,
     load_and_validate_args(args, args_defaults)
     set_global_variables(args)
     return args
+
+
+def add_megatron_arguments(parser):
+    """Add every Megatron flag this application knows to `parser` (for tools with their own parser)."""
+    full = build_parser()
+    full._actions = [a for a in full._actions if "-h" not in a.option_strings]  # `parser` has its own help
+    for group in full._action_groups:
+        group._group_actions = [a for a in group._group_actions if "-h" not in a.option_strings]
+    parser._add_container_actions(full)  # what argparse's `parents=` does
+    return parser

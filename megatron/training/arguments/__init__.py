@@ -36,7 +36,8 @@ __all__ = ["parse_args", "validate_args", "ArgumentError", "print_args", "build_
 
 
 # Megatron-only names: resolved on first use from the compat room (megatron/training/_compat/arguments.py).
-__getattr__ = lazy_names(__name__, {"parse_and_validate_args": "megatron.training._compat.arguments"})
+__getattr__ = lazy_names(__name__, {name: "megatron.training._compat.arguments"
+                                    for name in ("parse_and_validate_args", "add_megatron_arguments")})
 
 
 def build_parser(extra_args_provider=None):
@@ -58,16 +59,6 @@ def build_parser(extra_args_provider=None):
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     return add_megatron_flags(parser)  # last: every Megatron flag the adders above did not define
-
-
-def add_megatron_arguments(parser: argparse.ArgumentParser):
-    """Add every Megatron flag this application knows to `parser` (for tools with their own parser)."""
-    full = build_parser()
-    full._actions = [a for a in full._actions if "-h" not in a.option_strings]  # `parser` has its own help
-    for group in full._action_groups:
-        group._group_actions = [a for a in group._group_actions if "-h" not in a.option_strings]
-    parser._add_container_actions(full)  # what argparse's `parents=` does
-    return parser
 
 
 def parse_args(extra_args_provider=None, ignore_unknown_args=False, argv=None):

@@ -1,6 +1,8 @@
 """argparse `type=` converters of Megatron's flags."""
 import ast
 
+from megatron.core.utils import lazy_names
+
 
 def _pattern(text: str):
     """A Python list expression of 0/1 such as "([1]*3+[0])*2" -> [1, 1, 1, 0, 1, 1, 1, 0]."""
@@ -37,3 +39,7 @@ def tuple_type(x):
         return x
     value = ast.literal_eval(x if x.strip().startswith("(") else f"({x},)")
     return tuple(int(v) for v in value)
+
+
+# parse_and_validate_args lived here; it is Megatron's entry and now lives in the compat room.
+__getattr__ = lazy_names(__name__, {"parse_and_validate_args": "megatron.training._compat.arguments"})
