@@ -14,6 +14,7 @@ import re
 import yaml
 
 from megatron.core.transformer.transformer_config import TransformerConfig
+
 from .errors import ArgumentError
 from .megatron_flags import record_use
 
