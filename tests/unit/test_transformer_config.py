@@ -55,8 +55,8 @@ def test_compat_lists_hold_only_missing_fields():
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer._compat_fields import OptimizerConfigCompat
     from megatron.core.transformer._compat_fields import TransformerConfigCompat
-    for config, mixin in ((ModelParallelConfig, ModelParallelConfigCompat), (TransformerConfig, TransformerConfigCompat),
-                          (OptimizerConfig, OptimizerConfigCompat),
+    for config, mixin in ((ModelParallelConfig, ModelParallelConfigCompat),
+                          (TransformerConfig, TransformerConfigCompat), (OptimizerConfig, OptimizerConfigCompat),
                           (DistributedDataParallelConfig, DistributedDataParallelConfigCompat)):
         declared = set(config.__dict__.get("__annotations__", {}))
         stale = sorted(f.name for f in dataclasses.fields(mixin) if f.name in declared)

@@ -52,7 +52,8 @@ def flag_rows():
         status, note = parsers["pretrain_gpt.py"].megatron_flags.get(first, (WORKS, ""))
         action = actions["pretrain_gpt.py"].get(first)
         if status != WORKS:
-            readers = [n for n in ("pretrain_bert.py", "pretrain_t5.py") if parsers[n].megatron_flags[first][0] == WORKS]
+            readers = [n for n in ("pretrain_bert.py", "pretrain_t5.py")
+                       if parsers[n].megatron_flags[first][0] == WORKS]
             if readers:
                 status, action = WORKS, actions[readers[0]][first]
                 note = f"{' and '.join(readers)} only"

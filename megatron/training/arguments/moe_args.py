@@ -43,7 +43,8 @@ def add_moe_args(parser):
     g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0, help="Aux loss coefficient(s).")
     g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="Router z-loss coefficient.")
     g.add_argument("--moe-router-topk", type=int, default=2, help="Experts per token.")
-    g.add_argument("--moe-router-score-function", type=str, default="softmax", choices=["softmax", "sigmoid", "sqrtsoftplus"],
+    g.add_argument("--moe-router-score-function", type=str, default="softmax",
+                   choices=["softmax", "sigmoid", "sqrtsoftplus"],
                    help="Router score function (sqrtsoftplus: sqrt(softplus(logit)) per expert, like sigmoid).")
     g.add_argument("--moe-router-pre-softmax", action="store_true", help="Softmax over all experts before top-k.")
     g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
