@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
 from megatron.core.enums import ModelType
+from megatron.core.models.bert.bert_layer_specs import get_bert_layer_local_spec
+from megatron.core.models.bert.bert_model import BertModel
 from megatron.training import get_args, get_timers, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.masked_lm_datasets import (
@@ -46,8 +48,6 @@ def check_bert_args(args):
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None):
     """BertModel from the flags, with the local (torch) encoder layer spec."""
-    from megatron.core.models.bert.bert_layer_specs import get_bert_layer_local_spec
-    from megatron.core.models.bert.bert_model import BertModel
     args = get_args()
     check_bert_args(args)
     print_rank_0("building BERT model ...")

@@ -10,6 +10,11 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.enums import ModelType
 from megatron.core.full_cuda_graph import is_graph_capturing
+from megatron.core.fusions.compile import compile_available
+from megatron.core.transformer.transformer_layer import compile_transformer_layers
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_layer_local_spec,
+                                                      get_gpt_mtp_block_spec)
+from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
@@ -18,8 +23,6 @@ from megatron.training.arguments import core_transformer_config_from_args
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None):
     """GPTModel built from the flags, with the local (torch) layer spec."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
     args = get_args()
     print_rank_0("building GPT model ...")
     config = core_transformer_config_from_args(args)
@@ -27,7 +30,6 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
                                           multi_latent_attention=args.multi_latent_attention,
                                           qk_l2_norm=args.qk_l2_norm)
     if args.num_experts is not None:  # MoE: one spec per layer (dense where --moe-layer-freq says so)
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
         layer_spec = get_gpt_decoder_block_spec(config, normalization=args.normalization, qk_l2_norm=args.qk_l2_norm)
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec, vocab_size=args.padded_vocab_size,
@@ -40,8 +42,6 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
         mtp_block_spec=get_gpt_mtp_block_spec(config, layer_spec, vp_stage=vp_stage), vp_stage=vp_stage)
     if args.torch_compile:
-        from megatron.core.fusions.compile import compile_available
-        from megatron.core.transformer.transformer_layer import compile_transformer_layers
         if compile_available():
             n = compile_transformer_layers(model)
             print_rank_0(f"> torch.compile: {n} transformer layers compiled (first iterations include compile)")

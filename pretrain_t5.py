@@ -13,6 +13,9 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset, T5MaskedWordPieceDatasetConfig
 from megatron.core.enums import ModelType
+from megatron.core.models.T5 import T5Model
+from megatron.core.models.T5.t5_model import encoder_config_from, t5_attention_masks
+from megatron.core.models.T5.t5_spec import get_t5_decoder_with_local_block_spec, get_t5_encoder_with_local_block_spec
 from megatron.training import get_args, get_timers, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.masked_lm_datasets import (
@@ -59,12 +62,6 @@ def check_t5_args(args):
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, add_encoder=True, add_decoder=True):
     """T5Model from the flags: encoder and decoder configs differ only in their layer counts."""
-    from megatron.core.models.T5 import T5Model
-    from megatron.core.models.T5.t5_model import encoder_config_from
-    from megatron.core.models.T5.t5_spec import (
-        get_t5_decoder_with_local_block_spec,
-        get_t5_encoder_with_local_block_spec,
-    )
     args = get_args()
     check_t5_args(args)
     print_rank_0("building T5 model ...")
@@ -86,7 +83,6 @@ _KEYS = ["text_enc", "text_dec", "labels", "loss_mask", "enc_mask", "dec_mask"]
 
 def get_batch(data_iterator):
     """TP rank 0 reads a micro-batch and broadcasts it; the attention masks are built here."""
-    from megatron.core.models.T5.t5_model import t5_attention_masks
     data = next(data_iterator) if parallel_state.get_tensor_model_parallel_rank() == 0 else None
     b = tensor_parallel.broadcast_data(_KEYS, data, torch.int64)
     enc_mask, dec_mask, enc_dec_mask = t5_attention_masks(b["enc_mask"], b["dec_mask"])

@@ -26,14 +26,8 @@ class ModelParallelConfigCompat:
     moe_grad_scale_func: Optional[Callable] = None
     mtp_grad_scale_func: Optional[Callable] = None
     deterministic_mode: bool = False
-    enable_autocast: bool = False
-    autocast_dtype: Optional[torch.dtype] = None
     num_microbatches_with_partial_activation_checkpoints: Optional[int] = None
     use_te_rng_tracker: bool = False
-    tp_comm_bulk_wgrad: bool = True
-    tp_comm_bulk_dgrad: bool = True
-    tp_comm_overlap_ag: bool = True
-    tp_comm_overlap_rs: bool = True
     tp_comm_overlap_rs_dgrad: bool = False
     tp_comm_split_ag: bool = True
     tp_comm_atomic_ag: bool = False

@@ -34,6 +34,8 @@ class ModelParallelConfig(ModelParallelConfigCompat):
     fp16: bool = False
     bf16: bool = False
     params_dtype: torch.dtype = torch.float32
+    enable_autocast: bool = False  # the schedules run each forward step under torch.autocast(autocast_dtype)
+    autocast_dtype: Optional[torch.dtype] = None
     timers: Optional[Callable] = None
 
     # Training-loop hooks read by the schedules

@@ -7,8 +7,10 @@ from megatron.core import parallel_state
 from megatron.core.inference import InferenceEngine
 from megatron.training.arguments import parse_args
 from megatron.training.arguments.inference_args import add_text_generate_args
+from megatron.training.checkpointing import load_checkpoint
 from megatron.training.global_vars import get_args, get_tokenizer
 from megatron.training.initialize import initialize_megatron
+from megatron.training.model_setup import get_model
 from megatron.training.utils import print_rank_0
 
 
@@ -32,7 +34,6 @@ def initialize_generation(extra_args_provider=add_text_generate_args):
 
 def build_engine(args, model_provider) -> InferenceEngine:
     """Model from ``model_provider`` (+ --load), wrapped in an engine sized by the inference flags."""
-    from megatron.training.model_setup import get_model
     if args.virtual_pipeline_model_parallel_size is not None:
         sys.exit("error: text generation does not support virtual pipeline stages; drop "
                  "--num-layers-per-virtual-pipeline-stage")
@@ -43,7 +44,6 @@ def build_engine(args, model_provider) -> InferenceEngine:
     compile_decode, args.torch_compile = args.torch_compile, False
     model = get_model(model_provider, wrap_with_ddp=False)
     if args.load is not None:
-        from megatron.training.checkpointing import load_checkpoint
         load_checkpoint(model, None, None, strict=True)
     else:
         print_rank_0("WARNING: no --load: generating from randomly initialized weights")

@@ -3,6 +3,7 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.utils import get_device
+from megatron.training.datasets.data_samplers import build_pretraining_data_loader
 from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0
 
@@ -31,7 +32,6 @@ def _iterator(loader, cyclic):
 
 def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provider):
     """Iterators on ranks that read data (TP rank 0, or all ranks for `is_distributed` providers)."""
-    from megatron.training.datasets.data_samplers import build_pretraining_data_loader
     args = get_args()
     print_rank_0("> building train, validation, and test datasets ...")
     if args.iteration > 0 and args.consumed_train_samples == 0:

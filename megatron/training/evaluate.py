@@ -5,13 +5,13 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import get_num_microbatches
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.training.global_vars import get_args, get_tensorboard_writer, get_timers, get_wandb_writer
 from megatron.training.utils import print_rank_last
 
 
 def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose=False):
     """Token-weighted average of each loss key over --eval-iters global batches (no gradients)."""
-    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
     args, timers = get_args(), get_timers()
     timers("evaluate", log_level=0).start()
     for chunk in model:

@@ -1,4 +1,5 @@
 """FLOPs per global batch with Megatron's dense-GPT formula (COMPAT.md 3.4), for TFLOP/s/GPU and MFU."""
+import torch
 
 
 def num_floating_point_operations(args, batch_size):
@@ -10,6 +11,7 @@ def num_floating_point_operations(args, batch_size):
     dgrad) x 2 FLOPs per multiply-add. Multi-latent attention replaces the attention terms
     (`mla_flops_per_token`); multi-token prediction adds its depths as layers (of the last decoder layer's
     kind), their norms and eh_proj, and one logits pass each (Megatron's formula).
+    Megatron's API: ``args`` may be any namespace with the dense-GPT fields; later features read as off.
     """
     h, s = args.hidden_size, args.seq_length
     mtp = getattr(args, "mtp_num_layers", None) or 0
@@ -104,7 +106,6 @@ def dense_bf16_peak(device_name: str):
 
 
 def current_device_name() -> str:
-    import torch
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 

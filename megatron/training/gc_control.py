@@ -15,7 +15,7 @@ import gc
 
 @contextlib.contextmanager
 def training_gc(args):
-    manual = bool(getattr(args, "manual_gc", False))
+    manual = bool(args.manual_gc)
     was_enabled = gc.isenabled()
     gc.collect()
     gc.freeze()
@@ -30,12 +30,12 @@ def training_gc(args):
 
 
 def after_iteration(args, iteration: int):
-    interval = getattr(args, "manual_gc_interval", 0) or 0
-    if getattr(args, "manual_gc", False) and interval > 0 and iteration % interval == 0:
+    interval = args.manual_gc_interval or 0
+    if args.manual_gc and interval > 0 and iteration % interval == 0:
         gc.collect()
 
 
 def around_evaluation(args, generation: int = 2):
     """Before an evaluation a full collection, after it the young generation (Megatron's choice)."""
-    if getattr(args, "manual_gc", False) and getattr(args, "manual_gc_eval", True):
+    if args.manual_gc and args.manual_gc_eval:
         gc.collect(generation)

@@ -6,7 +6,11 @@ import os
 import sys
 
 from megatron.core import num_microbatches_calculator as mbc
+from megatron.core.errors import InputError
 from megatron.core.timers import Timers
+from megatron.core.utils import lazy_names
+from megatron.training.exit import DistributedSignalHandler
+from megatron.training.tokenizer import build_tokenizer
 
 _GLOBAL_ARGS = None
 _GLOBAL_TOKENIZER = None
@@ -53,14 +57,6 @@ def get_signal_handler():
     return _GLOBAL_SIGNAL_HANDLER
 
 
-def get_num_microbatches():
-    return mbc.get_num_microbatches()
-
-
-def get_current_global_batch_size():
-    return mbc.get_current_global_batch_size()
-
-
 def update_num_microbatches(consumed_samples, consistency_check=True):
     mbc.update_num_microbatches(consumed_samples, consistency_check)
 
@@ -88,14 +84,13 @@ def _set_adlr_autoresume(args):
     directory named by $SUBMIT_SCRIPTS (default: the working directory), as Megatron finds it."""
     global _GLOBAL_ADLR_AUTORESUME
     _GLOBAL_ADLR_AUTORESUME = None
-    if not getattr(args, "adlr_autoresume", False):
+    if not args.adlr_autoresume:
         return
-    from megatron.core.errors import InputError
     path = os.environ.get("SUBMIT_SCRIPTS", ".")
     if path not in sys.path:
         sys.path.append(path)
     try:
-        from userlib.auto_resume import AutoResume
+        from userlib.auto_resume import AutoResume  # lazy: found only on $SUBMIT_SCRIPTS, put on sys.path above
     except ImportError as e:
         raise InputError(f"--adlr-autoresume: cannot import userlib.auto_resume.AutoResume from SUBMIT_SCRIPTS="
                          f"{path} ({e}); point SUBMIT_SCRIPTS at the directory holding userlib/ or drop the flag")
@@ -104,7 +99,6 @@ def _set_adlr_autoresume(args):
 
 def _build_tokenizer(args):
     global _GLOBAL_TOKENIZER
-    from megatron.training.tokenizer import build_tokenizer
     _GLOBAL_TOKENIZER = build_tokenizer(args)
     return _GLOBAL_TOKENIZER
 
@@ -113,7 +107,7 @@ def _set_tensorboard_writer(args):
     global _GLOBAL_TENSORBOARD_WRITER
     _GLOBAL_TENSORBOARD_WRITER = None
     if args.tensorboard_dir and args.rank == args.world_size - 1:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # lazy: ~0.5 s to import, only with --tensorboard-dir
         print("> setting tensorboard ...", flush=True)
         _GLOBAL_TENSORBOARD_WRITER = SummaryWriter(log_dir=args.tensorboard_dir,
                                                    max_queue=args.tensorboard_queue_size)
@@ -125,7 +119,7 @@ def _set_wandb_writer(args):
     _GLOBAL_WANDB_WRITER = None
     if not args.wandb_project or args.rank != args.world_size - 1:
         return
-    import wandb
+    import wandb  # lazy: ~0.9 s to import, only with --wandb-project
     save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
     if save_dir:
         os.makedirs(save_dir, exist_ok=True)
@@ -141,7 +135,6 @@ def _wandb_config(args):
 
 def _set_signal_handler(signal_name):
     global _GLOBAL_SIGNAL_HANDLER
-    from megatron.training.exit import DistributedSignalHandler
     _GLOBAL_SIGNAL_HANDLER = DistributedSignalHandler(signal_name).__enter__()
 
 
@@ -160,11 +153,6 @@ def destroy_global_vars():
     mbc.unset_num_microbatches_calculator()
 
 
-def unset_global_variables():
-    """Megatron's other name for destroy_global_vars."""
-    destroy_global_vars()
-
-
 def rebuild_tokenizer(args):
     """Build the tokenizer again from args (e.g. after the vocabulary flags changed)."""
     global _GLOBAL_TOKENIZER
@@ -178,11 +166,7 @@ def get_adlr_autoresume():
     return _GLOBAL_ADLR_AUTORESUME
 
 
-# Optional integrations that this application does not ship (one-logger, the energy monitor): their
-# getters return None, which is what Megatron returns when they are not enabled.
-def get_one_logger():
-    return None
-
-
-def get_energy_monitor():
-    return None
+# Megatron's other global_vars names (fixed answers, aliases): resolved from the compat room on first use.
+__getattr__ = lazy_names(__name__, {name: "megatron.training._compat.global_vars" for name in (
+    "get_one_logger", "get_energy_monitor", "unset_global_variables", "get_num_microbatches",
+    "get_current_global_batch_size")})

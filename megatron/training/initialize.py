@@ -2,18 +2,24 @@
 process groups, seeds, dataset helpers and writers."""
 import atexit
 import datetime
+import logging
 import os
 import random
 import re
+import socket
 import sys
 
 import numpy as np
 import torch
 
+from megatron.core import num_microbatches_calculator as mbc
 from megatron.core import parallel_state
+from megatron.core.datasets.utils import compile_helpers
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.training.arguments import parse_args, print_args, validate_args
+from megatron.training.checkpointing.args import load_args_from_checkpoint
 from megatron.training.diagnostics import errors, hang
-from megatron.training.global_vars import get_args, set_global_variables
+from megatron.training.global_vars import get_adlr_autoresume, get_args, get_tensorboard_writer, set_global_variables
 from megatron.training.utils import print_rank_0
 
 DEFAULT_MASTER_PORT = 29500
@@ -40,10 +46,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
     args = None
     try:
         args = parsed_args if parsed_args is not None else parse_args(extra_args_provider, ignore_unknown_args)
-        if getattr(args, "use_checkpoint_args", False) or args_defaults.get("use_checkpoint_args", False):
-            from megatron.training.checkpointing.args import load_args_from_checkpoint
-            load_args_from_checkpoint(args)
-        validate_args(args, args_defaults)
+        load_and_validate_args(args, args_defaults)
         if args.rank == 0:
             print_args("arguments", args)
         set_global_variables(args)
@@ -51,7 +54,6 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
     except Exception as e:
         _fail_start(e, args)
     if args.logging_level is not None:
-        import logging
         logging.getLogger().setLevel(args.logging_level)
     _initialize_distributed(args)
     if errors.agree_on_start(False):
@@ -61,16 +63,23 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
     if not skip_mpu_initialization:
         _initialize_model_parallel(args)
         _set_random_seed(args.seed, args.data_parallel_random_init,
-                         use_cudagraphable_rng=getattr(args, "cuda_graph_impl", "none") == "full_iteration")
+                         use_cudagraphable_rng=args.cuda_graph_impl == "full_iteration")
     _compile_dataset_helpers()
     _init_autoresume()
     hang.install(args)
     return None
 
 
+def load_and_validate_args(args, args_defaults):
+    """Take the architecture flags from the checkpoint under --load when --use-checkpoint-args (or the
+    entry point's defaults) ask for it, then validate: the checkpoint's values are validated too."""
+    if args.use_checkpoint_args or args_defaults.get("use_checkpoint_args", False):
+        load_args_from_checkpoint(args)
+    validate_args(args, args_defaults)
+
+
 def _init_autoresume():
     """--adlr-autoresume: start the service's clock once every rank is up."""
-    from megatron.training.global_vars import get_adlr_autoresume
     autoresume = get_adlr_autoresume()
     if autoresume:
         if torch.distributed.is_initialized():
@@ -84,6 +93,7 @@ def _fail_start(exc, args):
     """Report a start-up error on this rank, then join the default process group only to tell the other
     ranks (see `errors.agree_on_start`), so none of them waits for this one until the timeout."""
     errors.report(exc)
+    # ``args`` is None when parsing itself failed: the getattrs below fall back to the flags' defaults.
     # Under torchrun the agent stops the other workers as soon as this one exits.
     launcher_stops_others = "TORCHELASTIC_RUN_ID" in os.environ
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized() \
@@ -105,7 +115,6 @@ def _fail_start(exc, args):
 
 def update_train_iters(args):
     """For sample-based runs: the iteration count that consumes --train-samples (walks the rampup)."""
-    from megatron.core import num_microbatches_calculator as mbc
     if args.train_samples is None:
         return
     if args.rampup_batch_size is None:
@@ -155,7 +164,6 @@ def first_host(nodelist):
 
 
 def _free_port():
-    import socket
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -212,7 +220,6 @@ def _initialize_model_parallel(args):
 
 def _set_random_seed(seed, data_parallel_random_init=False, use_cudagraphable_rng=False):
     """python/numpy/torch seeded with seed + 100*pp_rank (+10*dp_rank); the RNG tracker adds TP states."""
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     if seed is None or seed <= 0:
         raise ValueError(f"--seed ({seed}) must be a positive integer")
     seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
@@ -227,17 +234,12 @@ def _set_random_seed(seed, data_parallel_random_init=False, use_cudagraphable_rn
 
 def _compile_dataset_helpers():
     """Build the C++ dataset index helpers on rank 0 if missing, then let everyone proceed."""
-    try:
-        from megatron.core.datasets.utils import compile_helpers
-    except ImportError:
-        return
     if torch.distributed.get_rank() == 0:
         compile_helpers()
     torch.distributed.barrier()
 
 
 def write_args_to_tensorboard():
-    from megatron.training.global_vars import get_tensorboard_writer
     args, writer = get_args(), get_tensorboard_writer()
     if writer is not None:
         for arg in vars(args):

@@ -4,6 +4,9 @@ from datetime import datetime
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.num_microbatches_calculator import get_num_microbatches
+from megatron.core.transformer.moe.moe_logging import track_moe_metrics
+from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
 from megatron.training.flops import current_device_name, format_throughput_line, num_floating_point_operations
 from megatron.training.global_vars import get_args, get_tensorboard_writer, get_timers, get_wandb_writer
 from megatron.training.theoretical_memory_usage import report_theoretical_memory
@@ -48,7 +51,7 @@ def format_log_line(args, iteration, elapsed_per_iter, learning_rate, batch_size
     s = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}]"
     s += " iteration {:8d}/{:8d} |".format(iteration, args.train_iters)
     s += " consumed samples: {:12d} |".format(args.consumed_train_samples)
-    if getattr(args, "skipped_train_samples", 0) > 0:
+    if getattr(args, "skipped_train_samples", 0) > 0:  # getattr: log parsers' tests pass partial namespaces
         s += " skipped samples: {:12d} |".format(args.skipped_train_samples)
     s += " elapsed time per iteration (ms): {:.1f} |".format(elapsed_per_iter * 1000.0)
     if throughput is not None:
@@ -79,7 +82,7 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
     """Accumulate, and at log points print the line (last rank), timers and memory. Returns report flag."""
     args, timers = get_args(), get_timers()
     accumulate(total_loss_dict, loss_dict, skipped_iter)
-    if getattr(args, "num_experts", None):
+    if getattr(args, "num_experts", None):  # getattr: the throughput tests drive this with a partial namespace
         _track_moe(args, iteration, total_loss_dict)
     batch_size = args.micro_batch_size * args.data_parallel_size * _num_microbatches()
     _write_scalars(args, iteration, learning_rate, batch_size, loss_dict, loss_scale, grad_norm,
@@ -122,8 +125,6 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
 def _track_moe(args, iteration, total_loss_dict):
     """MoE losses after 'lm loss' in the line (Megatron's names), expert load spread, per-layer scalars.
     Every rank joins: the values are reduced over PP, TP and DP."""
-    from megatron.core.transformer.moe.moe_logging import track_moe_metrics
-    from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
     types = args.moe_router_load_balancing_type
     types = types if isinstance(types, list) else [types]
     names = [name for kind, name in (("aux_loss", "load_balancing_loss"), ("seq_aux_loss", "seq_load_balancing_loss"),
@@ -138,7 +139,6 @@ def _track_moe(args, iteration, total_loss_dict):
 
 
 def _num_microbatches():
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
     return get_num_microbatches()
 
 

@@ -4,9 +4,17 @@ import inspect
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel as DDP
+from megatron.core.distributed import TorchFullyShardedDataParallel
 from megatron.core.enums import ModelType
+from megatron.core.optimizer import get_megatron_optimizer, optimizer_state
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
+from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_device, get_model_config
 from megatron.training.arguments import ddp_config_from_args, optimizer_config_from_args
+from megatron.training.arguments.errors import ArgumentError
+from megatron.training.checkpointing import load_checkpoint
 from megatron.training.global_vars import get_args, get_timers
 from megatron.training.utils import print_rank_0
 
@@ -16,7 +24,6 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
     args = get_args()
     args.model_type = model_type
     model = [_build_chunk(model_provider_func, model_type, vp) for vp in _virtual_stages(args)]
-    from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
     for chunk in model:
         for param in chunk.parameters():
             set_defaults_if_not_set_tensor_model_parallel_attributes(param)
@@ -29,7 +36,6 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
     for chunk in model:
         chunk.to(device)
     if args.fp16 or args.bf16:
-        from megatron.core.transformer.module import Float16Module
         model = [Float16Module(get_model_config(chunk), chunk) for chunk in model]
     if wrap_with_ddp:
         model = _wrap_with_ddp(args, model)
@@ -56,12 +62,10 @@ def _build_chunk(model_provider_func, model_type, vp_stage):
 
 
 def _wrap_with_ddp(args, model):
-    from megatron.core.distributed import DistributedDataParallel as DDP
     ddp_config = ddp_config_from_args(args)
-    if getattr(args, "use_torch_fsdp2", False):
-        from megatron.core.distributed import TorchFullyShardedDataParallel
+    if args.use_torch_fsdp2:
         # Each chunk is its own FSDP2 root; params are broadcast over DP before sharding.
-        reshard = getattr(args, "torch_fsdp2_reshard_after_forward", True)
+        reshard = args.torch_fsdp2_reshard_after_forward
         return [TorchFullyShardedDataParallel(get_model_config(chunk), ddp_config, chunk, reshard_after_forward=reshard)
                 for chunk in model]
     wrapped = [DDP(config=get_model_config(chunk), ddp_config=ddp_config, module=chunk,
@@ -73,7 +77,6 @@ def _wrap_with_ddp(args, model):
 
 def get_optimizer_param_scheduler(optimizer):
     """OptimizerParamScheduler counting samples: iteration-based flags are multiplied by the global batch."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     args = get_args()
     gbs = args.global_batch_size
     if args.train_samples is None:
@@ -93,7 +96,6 @@ def get_optimizer_param_scheduler(optimizer):
         warmup_steps = (args.lr_warmup_fraction * decay_steps if args.lr_warmup_fraction is not None
                         else args.lr_warmup_samples)
     if 0 < decay_steps <= warmup_steps:
-        from megatron.training.arguments.validation import ArgumentError
         by_iters = args.train_samples is None
         flag = ("--lr-warmup-fraction" if args.lr_warmup_fraction is not None
                 else "--lr-warmup-iters" if by_iters else "--lr-warmup-samples")
@@ -120,19 +122,16 @@ def setup_model_and_optimizer(model_provider_func, model_type=ModelType.encoder_
     timers = get_timers()
     model = get_model(model_provider_func, model_type)
     config = optimizer_config_from_args(args)
-    from megatron.core.optimizer import get_megatron_optimizer
     optimizer = get_megatron_optimizer(config, model, no_weight_decay_cond=no_wd_decay_cond,
                                        scale_lr_cond=scale_lr_cond, lr_mult=lr_mult)
     # Adam's moments exist before the first step (zeros, what its first step would create): the first
     # iteration then holds its steady-state memory, so the reported peak after iteration 1 is the run's
     # peak and an out-of-memory shows in the first step, not the second.
-    from megatron.core.optimizer import optimizer_state
     optimizer_state.init_state(optimizer)
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
     args.iteration, args.num_floating_point_operations_so_far = 0, 0
     if args.load is not None or args.pretrained_checkpoint is not None:
         timers("load-checkpoint", log_level=0).start(barrier=True)
-        from megatron.training.checkpointing import load_checkpoint
         args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(
             model, optimizer, opt_param_scheduler)
         timers("load-checkpoint").stop(barrier=True)

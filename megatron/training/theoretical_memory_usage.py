@@ -2,6 +2,8 @@
 --dry-run style estimate (weights, optimizer, activations, logits, FLOPs) printed by tools/benchmark.py."""
 import torch
 
+from megatron.training.flops import active_mlp_ffn_sum, moe_layer_counts, num_floating_point_operations
+
 NUM_BYTES_IN_MEGABYTE = 1024 * 1024
 
 
@@ -14,15 +16,15 @@ def compute_weight_and_optimizer_memory(args, verbose=False):
     ffn = args.ffn_hidden_size or 4 * h
     glu = 3 if args.swiglu else 2
     attention = h * kv * (heads + 2 * groups) + kv * heads * h
-    if getattr(args, "multi_latent_attention", False):
+    if args.multi_latent_attention:
         attention = mla_params_per_layer(args)
     per_layer = attention + glu * h * ffn + 4 * h
-    if getattr(args, "num_experts", None) is not None:
+    if args.num_experts is not None:
         per_layer = _moe_average_layer_params(args, per_layer - glu * h * ffn, glu)
-    mtp = getattr(args, "mtp_num_layers", None) or 0
+    mtp = args.mtp_num_layers or 0
     L = L + mtp  # MTP depths: a layer each (+ eh_proj and norms below), on the last stage
     per_layer_extra = mtp * (2 * h * h + 3 * h)
-    vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size or 0
+    vocab = args.padded_vocab_size or args.vocab_size or 0
     embedding = vocab * h + (args.max_position_embeddings * h if args.position_embedding_type == "learned_absolute"
                              else 0)
     untied = 0 if not args.untie_embeddings_and_output_weights else vocab * h
@@ -32,7 +34,7 @@ def compute_weight_and_optimizer_memory(args, verbose=False):
         print(f"Number of parameters in most loaded shard in billions: {first_stage / 1e9:.4f}", flush=True)
     # 16-bit params + fp32 grads + fp32 main params + Adam m, v = 18 B; distributed optimizer shards 12 B.
     # The distributed optimizer shards over DP x CP (CP ranks hold the same weights).
-    shards = args.data_parallel_size * getattr(args, "context_parallel_size", 1)
+    shards = args.data_parallel_size * args.context_parallel_size
     bytes_per_param = 18 if not args.use_distributed_optimizer else 6 + 12 / shards
     return first_stage * bytes_per_param
 
@@ -40,7 +42,6 @@ def compute_weight_and_optimizer_memory(args, verbose=False):
 def _moe_average_layer_params(args, attention_and_norms, glu):
     """Params per layer on one rank, averaged over the layers, in units of the dense TP split: MoE layers
     hold E/EP experts split over expert-TP (scaled back to a TP divisor), a shared expert and a router."""
-    from megatron.training.flops import moe_layer_counts
     h, ffn = args.hidden_size, args.ffn_hidden_size or 4 * args.hidden_size
     dense, moe = moe_layer_counts(args)
     moe_ffn = args.moe_ffn_hidden_size or ffn
@@ -77,47 +78,46 @@ def compute_activation_memory(args):
     ffn = args.ffn_hidden_size or 4 * h
     d_q, d_kv = kv * heads, kv * groups
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    tokens = args.seq_length * args.micro_batch_size / getattr(args, "context_parallel_size", 1)  # CP: s / CP
+    tokens = args.seq_length * args.micro_batch_size / args.context_parallel_size  # CP: s / CP
     attention = (d_q + 2 * d_kv) / tp + 2 * d_q / tp
-    if getattr(args, "multi_latent_attention", False):
+    if args.multi_latent_attention:
         # Latents before and after their norm (replicated), then q, k, v and the attention output twice.
         n, d_qk = args.num_attention_heads, args.qk_head_dim + args.qk_pos_emb_head_dim
         latents = 2 * ((args.q_lora_rank or 0) + args.kv_lora_rank + args.qk_pos_emb_head_dim)
         attention = latents + n * (2 * d_qk + 3 * args.v_head_dim) / tp
     dispatch = 0
-    if getattr(args, "num_experts", None) is not None:
+    if args.num_experts is not None:
         # MoE: each token's top-k expert activations plus the shared expert (the active FFN width), and
         # the permuted copies of the token (dispatch input, combine input: 2 k h), averaged over layers.
-        from megatron.training.flops import active_mlp_ffn_sum, moe_layer_counts
         ffn = active_mlp_ffn_sum(args, ffn) / L
         dispatch = 2 * args.moe_router_topk * h * moe_layer_counts(args)[1] / L
     per_layer = 2 * tokens * (4 * h + dispatch + attention + (4 if args.swiglu else 2) * ffn / tp)
-    layers = (L + (getattr(args, "mtp_num_layers", None) or 0)) / pp
-    granularity = getattr(args, "recompute_granularity", None)
+    layers = (L + (args.mtp_num_layers or 0)) / pp
+    granularity = args.recompute_granularity
     if granularity == "full":
         return layers * 2 * tokens * h + per_layer
-    if granularity == "selective" and "mlp" in (getattr(args, "recompute_modules", None) or []):
+    if granularity == "selective" and "mlp" in (args.recompute_modules or []):
         per_layer -= 2 * tokens * (4 if args.swiglu else 2) * ffn / tp
-    # Micro-batches in flight on the first stage under 1F1B: pp of them (one when pp == 1).
-    return layers * per_layer * min(pp, getattr(args, "num_microbatches", pp) or pp)
+    # Micro-batches in flight on the first stage under 1F1B: pp of them (one when pp == 1); an upper bound
+    # when a step has fewer micro-batches than stages.
+    return layers * per_layer * pp
 
 
 def compute_logits_memory(args):
     """Peak bytes of the output layer + loss for one micro-batch: 16-bit logits and their 16-bit grad,
     plus with the eager loss the fp32 copies (upcast, shifted logits, softmax, fp32 grad)."""
-    vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size or 0
-    cp = getattr(args, "context_parallel_size", 1)
+    vocab = args.padded_vocab_size or args.vocab_size or 0
+    cp = args.context_parallel_size
     n = args.seq_length / cp * args.micro_batch_size * vocab / args.tensor_model_parallel_size
     # The chunked loss is also the default for 16-bit logits on CUDA (same math, no fp32 copies).
-    sixteen_bit = getattr(args, "bf16", False) or getattr(args, "fp16", False)
-    fused = getattr(args, "cross_entropy_loss_fusion", False) or (
-        sixteen_bit and torch.cuda.is_available() and not getattr(args, "fp16_lm_cross_entropy", False))
+    sixteen_bit = args.bf16 or args.fp16
+    fused = args.cross_entropy_loss_fusion or (
+        sixteen_bit and torch.cuda.is_available() and not args.fp16_lm_cross_entropy)
     return n * (2 + 2) + (0 if fused else n * 4 * 3)
 
 
 def estimate_memory_and_flops(args):
     """Dict of byte counts (weights_and_optimizer, activations, logits, total) and flops_per_iteration."""
-    from megatron.training.flops import num_floating_point_operations
     est = {"weights_and_optimizer": compute_weight_and_optimizer_memory(args),
            "activations": compute_activation_memory(args), "logits": compute_logits_memory(args)}
     est["total"] = sum(est.values())

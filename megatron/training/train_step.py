@@ -1,8 +1,12 @@
 """One optimizer step over a global batch, and reduction of the per-microbatch loss dicts."""
+from functools import partial
+
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 from megatron.core.num_microbatches_calculator import get_num_microbatches
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.training.global_vars import get_args
 
@@ -12,11 +16,9 @@ LARGE_GRAD_FACTOR = 10.0  # Megatron's threshold: 10x the largest grad norm of t
 def get_training_forward_backward_func():
     """The schedule for this layout, wrapped in a whole-iteration CUDA graph with
     ``--cuda-graph-impl full_iteration``. Build it once per training run: the wrapper owns the graph."""
-    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
-    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
     args = get_args()
     forward_backward_func = get_forward_backward_func()
-    if getattr(args, "cuda_graph_impl", "none") != "full_iteration":
+    if args.cuda_graph_impl != "full_iteration":
         return forward_backward_func
     return FullCudaGraphWrapper(forward_backward_func, args.cuda_graph_warmup_steps)
 
@@ -64,7 +66,6 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     `get_training_forward_backward_func()` (which may hold a CUDA graph).
     Returns (loss_dict, skipped_iter, grad_norm, num_zeros_in_grad); loss_dict is empty off the last stage.
     """
-    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
     args = get_args()
     if forward_backward_func is None:
         forward_backward_func = get_forward_backward_func()
@@ -105,7 +106,6 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
 def _validate_grad_norm(model, rerun_state_machine):
     """--check-for-large-grads: this rank's gradient norm must be finite (fatal) and below 10x the largest
     of the first 100 steps (reported): Megatron's checks, on the reduced gradients of this rank's shard."""
-    from functools import partial
     grads = [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
              for chunk in model for p in chunk.parameters()]
     norms = [torch.linalg.vector_norm(g.float()) for g in grads if g is not None]

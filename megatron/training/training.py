@@ -11,19 +11,26 @@ from megatron.core.rerun_state_machine import (RerunDataIterator, RerunErrorInje
                                                 get_rerun_state_machine, initialize_rerun_state_machine)
 from megatron.core.num_microbatches_calculator import (get_current_global_batch_size, get_num_microbatches,
                                                        update_num_microbatches)
+from megatron.core.distributed import DistributedDataParallel as DDP
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.utils import get_device, get_model_config
+from megatron.training import gc_control, global_vars
+from megatron.training.async_utils import maybe_finalize_async_save
+from megatron.training.autoresume import check_adlr_autoresume_termination
+from megatron.training.checkpointing import save_checkpoint
+from megatron.training.config import PretrainConfigContainer
+from megatron.training.data_iterators import build_train_valid_test_data_iterators
 from megatron.training.diagnostics import hang, straggler
 from megatron.training.diagnostics.errors import report_errors
-from megatron.training.data_iterators import build_train_valid_test_data_iterators
-from megatron.training import gc_control
 from megatron.training.evaluate import evaluate_and_print_results
 from megatron.training.exit import duration_exceeded
+from megatron.training.flops import num_floating_point_operations
 from megatron.training.global_vars import get_args, get_signal_handler, get_timers
 from megatron.training.initialize import initialize_megatron
 from megatron.training.log_line import training_log
 from megatron.training.model_setup import get_model, print_startup_banner, setup_model_and_optimizer  # noqa: F401
 from megatron.training.train_step import get_training_forward_backward_func, train_step
-from megatron.training.utils import calc_params_l2_norm, check_adlr_autoresume_termination, print_rank_0
+from megatron.training.utils import calc_params_l2_norm, print_rank_0
 
 _TRAIN_START_TIME = time.time()
 _STARTUP_TIMESTAMPS = {"program_start": None, "main_entry": None}
@@ -57,7 +64,6 @@ def pretrain(*args, **kwargs):
 
     An error on any rank ends the run there with `[rank R] Type: message` and a non-zero exit
     (diagnostics.errors)."""
-    from megatron.training.config import PretrainConfigContainer
     if isinstance(args[0] if args else kwargs.get("cfg_container"), PretrainConfigContainer):
         return _pretrain_from_container(*args, **kwargs)
     return _pretrain_classic(*args, **kwargs)
@@ -82,7 +88,6 @@ def _pretrain_from_container(cfg_container, train_valid_test_dataset_provider, m
     command line's); ``cfg_container.model`` (a GPTModelConfig), when set, builds the model through its
     builder in place of ``model_provider``. The other sections mirror the flags, which the run reads,
     as Megatron's pretrain does."""
-    from megatron.training import global_vars
     for name, value in (("store", store), ("inprocess_call_wrapper", inprocess_call_wrapper),
                         ("p2p_communicator", p2p_communicator), ("pg_collection", pg_collection)):
         if value is not None:
@@ -160,7 +165,7 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, model_type, for
 def _initialize_rerun_state_machine(args):
     """--rerun-mode and fault injection. A replayed CUDA graph checks its losses itself (train_step) and
     cannot re-run a step, so the machine is disabled there (it would only add a collective per step)."""
-    mode = "disabled" if getattr(args, "cuda_graph_impl", "none") == "full_iteration" else args.rerun_mode
+    mode = "disabled" if args.cuda_graph_impl == "full_iteration" else args.rerun_mode
     initialize_rerun_state_machine(
         mode=mode, error_injector=RerunErrorInjector(args.error_injection_rate, args.error_injection_type),
         result_rejected_tracker_filename=args.result_rejected_tracker_filename, report_interval=args.log_interval)
@@ -185,7 +190,6 @@ def _data_iterators(provider, model):
 
 
 def _save(iteration, model, optimizer, opt_param_scheduler):
-    from megatron.training.checkpointing import save_checkpoint
     args, timers = get_args(), get_timers()
     timers("save-checkpoint", log_level=0).start(barrier=True)
     save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far)
@@ -195,8 +199,6 @@ def _save(iteration, model, optimizer, opt_param_scheduler):
 
 def _setup_config(config, model, optimizer):
     """Hooks the schedule reads from the model config: loss scaling, grad sync, timers."""
-    from megatron.core.distributed import DistributedDataParallel as DDP
-    from megatron.core.distributed import finalize_model_grads
     args = get_args()
     config.grad_scale_func = optimizer.scale_loss
     config.timers = get_timers()
@@ -209,7 +211,6 @@ def _setup_config(config, model, optimizer):
 def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, valid_data_iterator,
           process_non_loss_data_func, config):
     """The loop; returns (last iteration, should_exit) where should_exit means an exit condition fired."""
-    from megatron.training.flops import num_floating_point_operations
     args, timers = get_args(), get_timers()
     for chunk in model:
         chunk.train()
@@ -278,7 +279,6 @@ def _maybe_stop_on_failed_validation(iteration, model, optimizer, opt_param_sche
 
 def _finalize_async_saves(blocking, terminate=False):
     """Publish background checkpoint saves that finished (all of them when blocking)."""
-    from megatron.training.async_utils import maybe_finalize_async_save
     maybe_finalize_async_save(blocking=blocking, terminate=terminate)
 
 

@@ -1,6 +1,8 @@
 """Rank-aware printing and small helpers for the training application."""
 import torch
 
+from megatron.core import parallel_state
+from megatron.core.utils import lazy_names
 from megatron.core.utils import unwrap_model  # noqa: F401  (re-exported, Megatron's location)
 
 
@@ -34,7 +36,6 @@ def print_rank_last(message):
 
 def average_losses_across_data_parallel_group(losses):
     """Mean of scalar losses over the data-parallel group (legacy 2-tuple loss functions)."""
-    from megatron.core import parallel_state
     averaged = torch.cat([loss.clone().detach().view(1) for loss in losses])
     if _dist():
         torch.distributed.all_reduce(averaged, group=parallel_state.get_data_parallel_group())
@@ -55,7 +56,6 @@ def report_memory(name):
 
 def calc_params_l2_norm(model):
     """L2 norm of all parameters; TP-sharded params summed over TP, replicated ones counted once."""
-    from megatron.core import parallel_state
     chunks = model if isinstance(model, list) else [model]
     sharded, replicated = 0.0, 0.0
     device = None
@@ -78,224 +78,28 @@ def calc_params_l2_norm(model):
     return total.sqrt().item()
 
 
-# ---- Megatron's other megatron.training.utils helpers ------------------------------------------
-
-def is_rank0():
-    return get_rank_safe() == 0
-
-
-def warn_rank_0(message, rank=None):
-    """warnings.warn on rank 0 (of `rank` when given, else of torch.distributed)."""
-    import warnings
-    if (rank if rank is not None else get_rank_safe()) == 0:
-        warnings.warn(message)
-
-
-def get_ltor_masks_and_position_ids(data, eod_token, pad_token, reset_position_ids, reset_attention_mask,
-                                    eod_mask_loss, pad_mask_loss):
-    """Left-to-right masks for a [b, s] token batch: attention mask [b or 1, 1, s, s] (True = masked),
-    loss mask [b, s] (0 at EOD / pad tokens when asked) and position ids [b, s] (restarting after EOD
-    with `reset_position_ids`; `reset_attention_mask` also cuts attention at document ends)."""
-    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
-    masks, losses, positions = [], [], []
-    for row in data:
-        mask, loss, pos = _get_ltor_masks_and_position_ids(row, eod_token, reset_position_ids,
-                                                           reset_attention_mask, eod_mask_loss, True)
-        if pad_mask_loss:
-            loss[row == pad_token] = 0.0
-        masks.append(mask)
-        losses.append(loss)
-        positions.append(pos)
-    attention_mask = torch.stack(masks) if reset_attention_mask else masks[0].unsqueeze(0)
-    return attention_mask, torch.stack(losses), torch.stack(positions)
-
-
-def get_blend_and_blend_per_split(args):
-    """(blend, blend_per_split) for the dataset config from --data-path / --data-args-path or the
-    per-split paths (--train/valid/test-data-path, --per-split-data-args-path)."""
-    import json
-    from megatron.core.datasets.utils import get_blend_from_list
-    blend = blend_per_split = None
-    if args.data_path is not None or getattr(args, "data_args_path", None) is not None:
-        if getattr(args, "data_args_path", None) is not None:
-            with open(args.data_args_path) as f:
-                blend = get_blend_from_list(f.read().split())
-        else:
-            blend = get_blend_from_list(args.data_path)
-    elif getattr(args, "per_split_data_args_path", None) is not None:
-        with open(args.per_split_data_args_path) as f:
-            per_split = json.load(f)
-        blend_per_split = [get_blend_from_list(per_split[s].split() if isinstance(per_split[s], str)
-                                               else per_split[s]) for s in ("train", "valid", "test")]
-    elif any(p is not None for p in (args.train_data_path, args.valid_data_path, args.test_data_path)):
-        blend_per_split = [get_blend_from_list(p) for p in
-                           (args.train_data_path, args.valid_data_path, args.test_data_path)]
-    return blend, blend_per_split
-
-
-def is_first_or_last_pipeline_stage(vp_stage):
-    """Whether this rank (virtual stage `vp_stage`, when given) is the first or last pipeline stage."""
-    from megatron.core import parallel_state as ps
-    ignore_virtual = vp_stage is None
-    return (ps.is_pipeline_first_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
-            or ps.is_pipeline_last_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage))
-
-
-def _model_parallel_all_reduce(value, op, group):
-    from megatron.core import parallel_state as ps
-    from megatron.core.utils import get_device
-    group = group if group is not None else ps.get_model_parallel_group()
-    tensor = torch.tensor([value], dtype=torch.float64, device=get_device())
-    if group is not None:
-        torch.distributed.all_reduce(tensor, op=op, group=group)
-    return tensor.item()
-
-
-def logical_and_across_model_parallel_group(input: bool, group=None) -> bool:
-    """True when `input` is True on every rank of the model-parallel group."""
-    return bool(_model_parallel_all_reduce(1.0 if input is True else 0.0, torch.distributed.ReduceOp.MIN, group))
-
-
-def reduce_max_stat_across_model_parallel_group(stat, group=None):
-    """Max of `stat` over the model-parallel group; ranks without the stat pass None (None if all do)."""
-    value = _model_parallel_all_reduce(-1.0 if stat is None else float(stat), torch.distributed.ReduceOp.MAX,
-                                       group)
-    return None if value == -1.0 else value
-
-
-def print_params_min_max_norm(optimizer, iteration):
-    """Print min, max and L2 norm of every parameter of the optimizer's groups."""
-    rank = get_rank_safe()
-    lines = ["iteration, rank, index, tensor-model-parallel, min, max, norm"]
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    for index, p in enumerate(params, start=1):
-        tp = int(getattr(p, "tensor_model_parallel", False))
-        lines.append(f"{iteration:7d}, {rank:4d}, {index:4d}, {tp:2d}, {p.data.min():.6E}, {p.data.max():.6E}, "
-                     f"{torch.linalg.norm(p.data):.6E}")
-    print("\n".join(lines), flush=True)
-
-
-def get_device_arch_version():
-    """Major CUDA compute capability of device 0 (8: Ampere, 9: Hopper, 10: Blackwell)."""
-    return torch.cuda.get_device_properties(torch.device("cuda:0")).major
-
-
-def to_empty_if_meta_device(module: torch.nn.Module, *, device: torch.device, recurse=True):
-    """Materialise meta tensors as empty tensors on `device`; move the others there unchanged."""
-    def move(t):
-        return torch.empty_like(t, device=device) if t.device.type == "meta" else t.to(device)
-    return module._apply(move, recurse=recurse)
-
-
-def update_use_dist_ckpt(args):
-    args.use_dist_ckpt = args.ckpt_format != "torch"
-
-
-def is_hybrid_model(args):
-    """Whether args describe a hybrid (Mamba + attention) model; never here."""
-    return getattr(args, "hybrid_layer_pattern", None) is not None
-
-
-def get_nvtx_range():
-    """A context-manager factory that emits NVTX ranges (when profiling with CUDA) around blocks."""
-    import contextlib
-
-    from megatron.core.utils import nvtx_range_pop, nvtx_range_push
-
-    @contextlib.contextmanager
-    def nvtx_range(msg, time=False):
-        nvtx_range_push(msg)
-        try:
-            yield
-        finally:
-            nvtx_range_pop(msg)
-    return nvtx_range
-
-
-def has_nvrx_installed():
-    """Whether NVIDIA resiliency extensions are importable (unused here)."""
-    import importlib.util
-    return importlib.util.find_spec("nvidia_resiliency_ext") is not None
-
-
-def has_nvrx_checkpointing_async_support():
-    return False  # async saves run through megatron.core.dist_checkpointing's own AsyncCallsQueue
-
-
-def is_gtp_remat_active():
-    return False  # weight rematerialisation groups are never built here
-
-
-def append_to_progress_log(save_dir: str, string: str, barrier: bool = True) -> None:
-    """Append '<time>\\tJob ID: <SLURM_JOB_ID>\\t# GPUs: <world size>\\t<string>' to <save_dir>/progress.txt
-    (rank 0 writes, after a barrier unless `barrier` is False); nothing without a save directory."""
-    import datetime
-    import os
-    if save_dir is None:
-        return
-    if barrier and _dist():
-        torch.distributed.barrier()
-    if get_rank_safe() == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        with open(os.path.join(save_dir, "progress.txt"), "a+") as f:
-            stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-            f.write(f"{stamp}\tJob ID: {os.getenv('SLURM_JOB_ID', '')}\t# GPUs: {get_world_size_safe()}\t{string}\n")
-
-
-def calc_dtensor_params_l2_norm(params):
-    """L2 norm of DTensor (FSDP2) params: each local shard's sum of squares, summed over the mesh
-    dimensions the tensor is sharded on (replicated dimensions hold the same values)."""
-    by_spec = {}
-    for p in params:
-        by_spec.setdefault((p.device_mesh, tuple(p.placements)), []).append(p.to_local())
-    total = 0.0
-    for (mesh, placements), locals_ in by_spec.items():
-        sq = torch.zeros((), dtype=torch.float32, device=locals_[0].device)
-        for t in locals_:
-            sq += t.detach().float().pow(2).sum()
-        for group, placement in zip(mesh.get_all_groups(), placements):
-            if placement.is_shard():
-                torch.distributed.all_reduce(sq, group=group)
-            elif not placement.is_replicate():
-                raise RuntimeError(f"calc_dtensor_params_l2_norm: unsupported placement {placement}")
-        total += sq.item()
-    return total ** 0.5
-
-
-def start_memory_history_recording(profiling) -> None:
-    """Turn on the CUDA caching allocator's event history (what memory snapshots show as a timeline)
-    when `profiling.record_memory_history` is set and this rank is in `profiling.profile_ranks` (all
-    ranks when empty). `profiling` is any object with those attributes (Megatron's ProfilingConfig or
-    args)."""
-    if profiling is None or not getattr(profiling, "record_memory_history", False):
-        return
-    ranks = getattr(profiling, "profile_ranks", None) or []
-    if ranks and get_rank_safe() not in ranks:
-        return
-    if not torch.cuda.is_available():
-        raise RuntimeError("record_memory_history: the allocator history is CUDA's; there is no CUDA device here")
-    torch.cuda.memory._record_memory_history(True, trace_alloc_max_entries=100_000, trace_alloc_record_context=True)
-
-
-def check_adlr_autoresume_termination(iteration, model, optimizer, opt_param_scheduler):
-    """--adlr-autoresume: when the cluster's service asks this job to stop, save a checkpoint (with
-    --save), request the job's resumption (rank 0) and exit 0. Collective: every rank calls it."""
-    import sys
-
-    from megatron.training.global_vars import get_adlr_autoresume, get_args
-    args = get_args()
-    autoresume = get_adlr_autoresume()
-    if _dist():
-        torch.distributed.barrier()  # every rank asks the service at the same iteration
-    if autoresume.termination_requested():
-        if args.save:
-            from megatron.training.async_utils import maybe_finalize_async_save
-            from megatron.training.checkpointing import save_checkpoint
-            save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
-                            args.num_floating_point_operations_so_far)
-            maybe_finalize_async_save(blocking=True, terminate=True)  # the process ends next
-        print_rank_0(">>> autoresume termination request found!")
-        if get_rank_safe() == 0:
-            autoresume.request_resume()
-        print_rank_0(">>> training terminated. Returning")
-        sys.exit(0)
+# Megatron's other megatron.training.utils names: nothing here calls them, so they live in the compat room
+# (megatron/training/_compat/utils.py); the autoresume check sits above checkpointing (autoresume.py).
+_COMPAT = "megatron.training._compat.utils"
+__getattr__ = lazy_names(__name__, {
+    "is_rank0": _COMPAT,
+    "warn_rank_0": _COMPAT,
+    "get_ltor_masks_and_position_ids": _COMPAT,
+    "get_blend_and_blend_per_split": _COMPAT,
+    "is_first_or_last_pipeline_stage": _COMPAT,
+    "logical_and_across_model_parallel_group": _COMPAT,
+    "reduce_max_stat_across_model_parallel_group": _COMPAT,
+    "print_params_min_max_norm": _COMPAT,
+    "get_device_arch_version": _COMPAT,
+    "to_empty_if_meta_device": _COMPAT,
+    "update_use_dist_ckpt": _COMPAT,
+    "is_hybrid_model": _COMPAT,
+    "get_nvtx_range": _COMPAT,
+    "has_nvrx_installed": _COMPAT,
+    "has_nvrx_checkpointing_async_support": _COMPAT,
+    "is_gtp_remat_active": _COMPAT,
+    "append_to_progress_log": _COMPAT,
+    "calc_dtensor_params_l2_norm": _COMPAT,
+    "start_memory_history_recording": _COMPAT,
+    "check_adlr_autoresume_termination": "megatron.training.autoresume",
+})

@@ -10,7 +10,6 @@ import torch
 class OptimizerConfigCompat:
     """OptimizerConfig fields of Megatron Core 0.19.2 that have no counterpart here."""
 
-    apply_wd_to_qk_layernorm: bool = False
     fp8_recipe: Optional[str] = None
     reuse_grad_buf_for_mxfp8_param_ag: bool = False
     use_precision_aware_optimizer: bool = False

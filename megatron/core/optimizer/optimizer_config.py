@@ -20,6 +20,8 @@ class OptimizerConfig(OptimizerConfigCompat):
     """Separate LR for the embedding and output-layer params (None: same as the others)."""
     decoupled_min_lr: Optional[float] = None
     weight_decay: float = 0.01
+    apply_wd_to_qk_layernorm: bool = False
+    """get_standard_config_overrides: q/k layernorm weights keep weight decay (other 1-D params do not)."""
 
     fp16: bool = False
     bf16: bool = False

@@ -6,6 +6,8 @@
 import argparse
 import os
 
+from megatron.core.utils import lazy_names
+
 from .autoresume_args import add_autoresume_args
 from .diagnostics_args import add_diagnostics_args
 from .context_parallel_args import add_context_parallel_args
@@ -25,12 +27,17 @@ from .window_args import add_window_args
 from .tp_overlap_args import add_tp_overlap_args
 from . import fast_path
 from .validation import ArgumentError, blend_prefixes, validate_args
-from .types import la_freq_type, moe_freq_type, no_rope_freq_type, parse_and_validate_args, tuple_type
+from .types import la_freq_type, moe_freq_type, no_rope_freq_type, tuple_type
 
 __all__ = ["parse_args", "validate_args", "ArgumentError", "print_args", "build_parser",
            "core_transformer_config_from_args", "ddp_config_from_args", "optimizer_config_from_args",
            "blend_prefixes", "add_megatron_arguments", "parse_and_validate_args", "moe_freq_type",
            "no_rope_freq_type", "la_freq_type", "tuple_type"]
+
+
+# Megatron-only names: resolved on first use from the compat room (megatron/training/_compat/arguments.py).
+__getattr__ = lazy_names(__name__, {name: "megatron.training._compat.arguments"
+                                    for name in ("parse_and_validate_args", "add_megatron_arguments")})
 
 
 def build_parser(extra_args_provider=None):
@@ -54,16 +61,6 @@ def build_parser(extra_args_provider=None):
     return add_megatron_flags(parser)  # last: every Megatron flag the adders above did not define
 
 
-def add_megatron_arguments(parser: argparse.ArgumentParser):
-    """Add every Megatron flag this application knows to `parser` (for tools with their own parser)."""
-    full = build_parser()
-    full._actions = [a for a in full._actions if "-h" not in a.option_strings]  # `parser` has its own help
-    for group in full._action_groups:
-        group._group_actions = [a for a in group._group_actions if "-h" not in a.option_strings]
-    parser._add_container_actions(full)  # what argparse's `parents=` does
-    return parser
-
-
 def parse_args(extra_args_provider=None, ignore_unknown_args=False, argv=None):
     """Parse flags; rank and world size come from the launcher's environment (torchrun or SLURM)."""
     parser = build_parser(extra_args_provider)
@@ -71,7 +68,7 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False, argv=None):
         args, _ = parser.parse_known_args(argv)
     else:
         args = parser.parse_args(argv)
-    if getattr(args, "yaml_cfg", None) is not None:
+    if args.yaml_cfg is not None:
         load_yaml_config(args, parser)
     args.rank = int(os.getenv("RANK", os.getenv("SLURM_PROCID", "0")))
     args.world_size = int(os.getenv("WORLD_SIZE", os.getenv("SLURM_NTASKS", "1")))

@@ -1,32 +1,40 @@
-"""Turn the flat args namespace into Megatron Core's config dataclasses."""
+"""Turn the flat args namespace into config dataclasses: Megatron Core's (TransformerConfig, OptimizerConfig,
+DistributedDataParallelConfig) here, and the 0.19 config-container sections in ``argument_utils``, all
+through `config_kwargs_from_args`."""
 import dataclasses
 
 import torch
 import torch.nn.functional as F
 
+from megatron.core._compat_fields import all_compat_only_fields
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.fusions.fused_bias_activation import openai_gelu
+from megatron.core.optimizer import OptimizerConfig
 
-def _copy_matching_fields(cls, args, **overrides):
-    """Fill every dataclass field that has a same-named arg; overrides win. Compat-only fields
-    (Megatron's, without a feature here) stay at their defaults: their flags are refused upstream."""
-    from megatron.core._compat_fields import all_compat_only_fields
+from .mla_args import mla_config_class, mla_config_overrides
+
+
+def config_kwargs_from_args(cls, args, **overrides) -> dict:
+    """Keyword arguments for the dataclass ``cls``: every field with a same-named arg, then ``overrides``
+    (for fields ``cls`` has). Compat-only fields (Megatron's, without a feature here) stay at their
+    defaults: their flags are refused upstream."""
     skip = all_compat_only_fields(cls)
-    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-          if hasattr(args, f.name) and f.name not in skip}
-    field_names = {f.name for f in dataclasses.fields(cls)}
-    kw.update({k: v for k, v in overrides.items() if k in field_names})
-    return kw, field_names
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    kw = {name: getattr(args, name) for name in names if hasattr(args, name) and name not in skip}
+    kw.update({k: v for k, v in overrides.items() if k in names})
+    return kw
 
 
-def _require_fields(cls_name, field_names, required):
+def _require_fields(cls, required):
     """A flag the user set must reach a config field, or we say loudly that it is not wired."""
+    field_names = {f.name for f in dataclasses.fields(cls)}
     for flag, (field, active) in required.items():
         if active and field not in field_names:
-            raise NotImplementedError(f"{flag} is not supported by this build ({cls_name} has no '{field}')")
+            raise NotImplementedError(f"{flag} is not supported by this build ({cls.__name__} has no '{field}')")
 
 
 def core_transformer_config_from_args(args, config_class=None):
     """TransformerConfig from args (Megatron's mapping: same-named fields plus the renamed ones)."""
-    from .mla_args import mla_config_class, mla_config_overrides
     if config_class is None:
         config_class = mla_config_class(args)
     overrides = dict(
@@ -50,13 +58,12 @@ def core_transformer_config_from_args(args, config_class=None):
     elif args.squared_relu:
         overrides["activation_func"] = lambda x: torch.pow(F.relu(x), 2)
     elif args.openai_gelu:
-        from megatron.core.fusions.fused_bias_activation import openai_gelu
         overrides["activation_func"] = openai_gelu
     if args.init_method_xavier_uniform:
         overrides["init_method"] = torch.nn.init.xavier_uniform_
         overrides["scaled_init_method"] = torch.nn.init.xavier_uniform_
-    kw, names = _copy_matching_fields(config_class, args, **overrides)
-    _require_fields(config_class.__name__, names, {
+    kw = config_kwargs_from_args(config_class, args, **overrides)
+    _require_fields(config_class, {
         "--qk-layernorm": ("qk_layernorm", args.qk_layernorm),
         "--apply-residual-connection-post-layernorm": ("apply_residual_connection_post_layernorm",
                                                        args.apply_residual_connection_post_layernorm),
@@ -79,15 +86,14 @@ def core_transformer_config_from_args(args, config_class=None):
 
 def ddp_config_from_args(args, config_class=None):
     """DistributedDataParallelConfig from args."""
-    if config_class is None:
-        from megatron.core.distributed import DistributedDataParallelConfig as config_class
-    kw, names = _copy_matching_fields(
+    config_class = config_class or DistributedDataParallelConfig
+    kw = config_kwargs_from_args(
         config_class, args,
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         bucket_size=args.ddp_bucket_size,
         average_in_collective=args.ddp_average_in_collective,
     )
-    _require_fields(config_class.__name__, names, {
+    _require_fields(config_class, {
         "--use-distributed-optimizer": ("use_distributed_optimizer", args.use_distributed_optimizer),
         "--overlap-grad-reduce": ("overlap_grad_reduce", args.overlap_grad_reduce),
         "--overlap-param-gather": ("overlap_param_gather", args.overlap_param_gather),
@@ -97,10 +103,9 @@ def ddp_config_from_args(args, config_class=None):
 
 def optimizer_config_from_args(args, config_class=None):
     """OptimizerConfig from args (lr, betas, weight decay, clipping, loss scaling, precision)."""
-    if config_class is None:
-        from megatron.core.optimizer import OptimizerConfig as config_class
-    kw, names = _copy_matching_fields(config_class, args, timers=None)
-    _require_fields(config_class.__name__, names, {
+    config_class = config_class or OptimizerConfig
+    kw = config_kwargs_from_args(config_class, args, timers=None)
+    _require_fields(config_class, {
         "--use-distributed-optimizer": ("use_distributed_optimizer", args.use_distributed_optimizer),
         "--decoupled-lr": ("decoupled_lr", args.decoupled_lr is not None),
         "--loss-scale": ("loss_scale", args.loss_scale is not None),

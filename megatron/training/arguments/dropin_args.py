@@ -97,7 +97,7 @@ def _map_megatron_fsdp(args, require, log):
 
 def _deterministic_mode(args, require, log):
     """Megatron's checks, plus the settings it leaves to the user (cuBLAS workspace, NCCL algorithm)."""
-    require(not getattr(args, "torch_compile", False),
+    require(not args.torch_compile,
             "--deterministic-mode with --torch-compile: generated kernels are not checked for determinism; "
             "drop --torch-compile")
     algo = os.environ.setdefault("NCCL_ALGO", "Ring")

@@ -29,7 +29,7 @@ def validate_fast_path_args(args, require):
                 f"--use-flash-attn conflicts with --attention-backend {args.attention_backend}; pass one of them")
         args.attention_backend = "flash"
     if args.fp8 is not None:
-        from megatron.core.fp8 import FP8_RECIPES
+        from megatron.core.fp8 import FP8_RECIPES  # lazy: loads fp8_linear and torch._dynamo (~0.5 s); --fp8 only
         require(args.fp8_recipe in FP8_RECIPES,
                 f"--fp8-recipe {args.fp8_recipe} is not supported without Transformer Engine; use "
                 "--fp8-recipe tensorwise")
@@ -79,7 +79,7 @@ def validate_cuda_graph_args(args, require):
     require(not args.overlap_param_gather,
             f"{flag}: --overlap-param-gather waits inside the captured forward on an all-gather launched "
             "outside the graph; drop it (the distributed optimizer then gathers params in its step)")
-    require(not getattr(args, "use_torch_fsdp2", False), f"{flag} does not support --use-torch-fsdp2")
+    require(not args.use_torch_fsdp2, f"{flag} does not support --use-torch-fsdp2")
     require(args.rampup_batch_size is None,
             f"{flag} needs a fixed number of micro-batches per step; drop --rampup-batch-size")
     require(not args.calculate_per_token_loss,

@@ -37,6 +37,7 @@ def validate_inference_args(args, require):
             f"--inference-max-requests ({args.inference_max_requests}) must be >= 1")
     require(args.inference_max_seq_length >= 2,
             f"--inference-max-seq-length ({args.inference_max_seq_length}) must be >= 2")
+    # --max-batch-size and --top_k exist only where add_text_generate_args added them (the generation tools).
     if getattr(args, "max_batch_size", None) is not None:
         require(args.max_batch_size >= 1, f"--max-batch-size ({args.max_batch_size}) must be >= 1")
         args.inference_max_requests = args.max_batch_size

@@ -7,6 +7,7 @@ import re
 
 from megatron.core.datasets.indexed_dataset import check_dataset_files
 from megatron.core.errors import InputError
+from megatron.training.checkpointing.paths import get_checkpoint_tracker_filename
 
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
@@ -74,12 +75,11 @@ def _check_tokenizer_files(args, require):
 
 
 def _check_load(args, require):
-    from megatron.training.checkpointing.paths import get_checkpoint_tracker_filename
-    load = getattr(args, "load", None)
+    load = args.load
     if load is None:
         return
     if not os.path.exists(load):
-        require(not getattr(args, "exit_on_missing_checkpoint", False),
+        require(not args.exit_on_missing_checkpoint,
                 f"--load: {load} does not exist (--exit-on-missing-checkpoint)")
         return  # Megatron starts from scratch (a first run with --load and --save on one directory)
     require(os.path.isdir(load), f"--load: {load} is a file; pass the checkpoint directory")
@@ -97,7 +97,7 @@ def _check_load(args, require):
 
 
 def _check_save(args, require):
-    save = getattr(args, "save", None)
+    save = args.save
     if save is None:
         return
     existing = save

@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from .errors import ArgumentError
 from .unsupported import UNSUPPORTED_FLAGS
 
 TSV_PATH = os.path.join(os.path.dirname(__file__), "megatron_flags_0.19.2.tsv")
@@ -65,6 +66,7 @@ NO_EFFECT = {
     "--no-pin-cpu-params": "only read with --optimizer-cpu-offload, which is not supported",
     "--no-one-logger": "there is no One Logger telemetry here",
     "--disable-msc": "there is no Multi-Storage Client here; paths are local files",
+    "--trust-remote-code": "HuggingFaceTokenizer reads tokenizer.json only and never runs a model's own code",
 }
 
 # Megatron's reasons for a few deprecated flags, and flags that only another entry point reads.
@@ -81,16 +83,19 @@ OTHER_ENTRY_POINTS = {
     "--bert-no-binary-head": "pretrain_bert.py", "--encoder-num-layers": "pretrain_t5.py",
     "--decoder-num-layers": "pretrain_t5.py", "--decoder-seq-length": "pretrain_t5.py",
 }
+# Why the flags of a Megatron parser group that our parser does not define are refused. Groups whose flags
+# all work here (straggler, rerun engine) need no entry.
 _GROUP_REASONS = {
-    "moe": "MoE is not built yet", "mla": "multi-latent attention is not built yet",
+    "moe": "MoE upcycling (a dense checkpoint turned into experts) is not built; MoE itself works (docs/moe.md)",
+    "mla": "this multi-latent attention option is not built; MLA itself works (docs/deepseek.md)",
     "rl": "RL training is not part of this project", "vision": "vision models are not part of this project",
     "biencoder": "retrieval models are not part of this project",
-    "inference": "Megatron's inference engine is not built; tools/run_text_generation_server.py serves models",
+    "inference": "this option of Megatron's inference engines is not built; generation runs on "
+                 "megatron/core/inference's engine (tools/generate.py, docs/inference.md)",
     "In-process restart": "in-process restart is not supported", "ft_package": "fault tolerance is not supported",
     "one logger": "there is no One Logger telemetry here", "profiling": "profiling hooks are not built yet",
     "Logits Distillation": "logit distillation is not supported", "Transformer-Engine": "needs Transformer Engine",
-    "fault injector": "fault injection is not supported", "straggler": "straggler detection is not built yet",
-    "rerun engine": "the rerun state machine is not built yet", "msc": "there is no Multi-Storage Client here",
+    "fault injector": "fault injection is not supported", "msc": "there is no Multi-Storage Client here",
     "experimental_attention_variant": "experimental attention variants are not built",
     "heterogeneous architecture": "heterogeneous layers are not supported",
 }
@@ -255,7 +260,6 @@ def check_megatron_flags(args):
         if is_default(getattr(args, dest, default), default):
             continue
         if status == NOT_SUPPORTED:
-            from .validation import ArgumentError
             raise ArgumentError(f"{option} is not supported yet: {reason}")
-        if status == NO_EFFECT_HERE and getattr(args, "rank", 0) == 0:
+        if status == NO_EFFECT_HERE and args.rank == 0:
             print(f"{option} has no effect here (same result): {reason}", flush=True)

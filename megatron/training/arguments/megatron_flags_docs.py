@@ -11,6 +11,8 @@ import os
 import sys
 from collections import Counter
 
+from megatron.training.arguments import build_parser
+
 from .megatron_flags import NO_EFFECT_HERE, NOT_SUPPORTED, WORKS, load_specs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -21,11 +23,10 @@ REGENERATE = "python -m megatron.training.arguments.megatron_flags_docs --write-
 
 def _entry_point_parsers():
     """{script: parser} for the three entry points; BERT/T5 add their own flags before the registry."""
-    from megatron.training.arguments import build_parser
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    import pretrain_bert
-    import pretrain_t5
+    import pretrain_bert  # lazy: an entry script at the checkout root, on sys.path from above
+    import pretrain_t5  # lazy: an entry script at the checkout root, on sys.path from above
     return {"pretrain_gpt.py": build_parser(), "pretrain_bert.py": build_parser(pretrain_bert.add_bert_args),
             "pretrain_t5.py": build_parser(pretrain_t5.add_t5_args)}
 
@@ -51,7 +52,8 @@ def flag_rows():
         status, note = parsers["pretrain_gpt.py"].megatron_flags.get(first, (WORKS, ""))
         action = actions["pretrain_gpt.py"].get(first)
         if status != WORKS:
-            readers = [n for n in ("pretrain_bert.py", "pretrain_t5.py") if parsers[n].megatron_flags[first][0] == WORKS]
+            readers = [n for n in ("pretrain_bert.py", "pretrain_t5.py")
+                       if parsers[n].megatron_flags[first][0] == WORKS]
             if readers:
                 status, action = WORKS, actions[readers[0]][first]
                 note = f"{' and '.join(readers)} only"

@@ -1,4 +1,5 @@
 """Flags for multi-latent attention, YaRN and multi-token prediction (Megatron 0.19.2 names and defaults)."""
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 
 def add_mla_args(parser):
@@ -35,15 +36,13 @@ def add_mla_args(parser):
 
 def mla_config_class(args):
     """MLATransformerConfig with --multi-latent-attention, else TransformerConfig."""
-    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
-    return MLATransformerConfig if getattr(args, "multi_latent_attention", False) else TransformerConfig
+    return MLATransformerConfig if args.multi_latent_attention else TransformerConfig
 
 
 def mla_config_overrides(args) -> dict:
     """Config fields whose flag has another name, set only when the flag is (the config default otherwise)."""
-    if not getattr(args, "multi_latent_attention", False):
+    if not args.multi_latent_attention:
         return {}
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
     out = {"rope_type": MLATransformerConfig.rope_type}  # Megatron: --rope-type unset keeps MLA's yarn
     for flag_dest, field in (("rope_type", "rope_type"),
                              ("yarn_original_max_position_embeddings", "original_max_position_embeddings"),
@@ -66,7 +65,7 @@ def validate_mla_args(args, require):
                               "use rope for standard attention")
         require(args.rope_type in (None, "rope"), f"--rope-type {args.rope_type} needs --multi-latent-attention")
     else:
-        require(getattr(args, "context_parallel_size", 1) == 1,
+        require(args.context_parallel_size == 1,
                 "--multi-latent-attention is not supported with --context-parallel-size > 1 yet; use CP=1")
         require(args.kv_lora_rank is not None and args.kv_lora_rank > 0,
                 f"--kv-lora-rank ({args.kv_lora_rank}) must be set to a positive rank with --multi-latent-attention")
@@ -90,7 +89,7 @@ def validate_mla_args(args, require):
                 f"({q_dim}); use --attention-backend auto or unfused")
     if args.mtp_num_layers is not None:
         require(args.mtp_num_layers >= 1, f"--mtp-num-layers ({args.mtp_num_layers}) must be >= 1")
-        require(getattr(args, "context_parallel_size", 1) == 1,
+        require(args.context_parallel_size == 1,
                 "--mtp-num-layers is not supported with --context-parallel-size > 1 yet (rolling the tokens "
                 "crosses CP ranks); use CP=1")
         require(args.pipeline_model_parallel_size == 1,

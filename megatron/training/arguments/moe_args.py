@@ -3,6 +3,8 @@ import argparse
 import re
 from types import SimpleNamespace
 
+from megatron.core.transformer.moe.config_checks import check_moe_config
+
 
 def moe_freq_type(value):
     """--moe-layer-freq: an int N (every N-th layer is MoE) or a Python list expression of 0/1 such as
@@ -41,7 +43,8 @@ def add_moe_args(parser):
     g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0, help="Aux loss coefficient(s).")
     g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="Router z-loss coefficient.")
     g.add_argument("--moe-router-topk", type=int, default=2, help="Experts per token.")
-    g.add_argument("--moe-router-score-function", type=str, default="softmax", choices=["softmax", "sigmoid", "sqrtsoftplus"],
+    g.add_argument("--moe-router-score-function", type=str, default="softmax",
+                   choices=["softmax", "sigmoid", "sqrtsoftplus"],
                    help="Router score function (sqrtsoftplus: sqrt(softplus(logit)) per expert, like sigmoid).")
     g.add_argument("--moe-router-pre-softmax", action="store_true", help="Softmax over all experts before top-k.")
     g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
@@ -85,8 +88,6 @@ def add_moe_args(parser):
 
 def validate_moe_args(args, require):
     """Derived defaults and one-line errors for the MoE flags (``require(cond, message)`` raises)."""
-    from megatron.core.transformer.moe.config_checks import check_moe_config
-
     ep, tp, pp = args.expert_model_parallel_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     require(ep >= 1, f"--expert-model-parallel-size ({ep}) must be >= 1")
     if args.expert_tensor_parallel_size is None:
@@ -99,7 +100,7 @@ def validate_moe_args(args, require):
     require(args.world_size % (etp * ep * pp) == 0,
             f"world size ({args.world_size}) must be divisible by --expert-tensor-parallel-size ({etp}) x "
             f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp})")
-    require(not getattr(args, "use_torch_fsdp2", False),
+    require(not args.use_torch_fsdp2,
             "--use-torch-fsdp2 with --num-experts is not supported; use DDP or --use-distributed-optimizer")
     if tp > 1 and not args.sequence_parallel:
         require(args.seq_length is None or args.seq_length % tp == 0,

@@ -80,7 +80,4 @@ def add_tokenizer_args(parser):
     g.add_argument("--tiktoken-pattern", type=str, default=None, choices=["v1", "v2"], help="TikToken pattern.")
     g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000, help="TikToken special tokens.")
     g.add_argument("--tiktoken-special-tokens", type=str, nargs="+", default=None, help="TikToken specials.")
-    g.add_argument("--tokenizer-hf-no-use-fast", action="store_false", dest="tokenizer_hf_use_fast",
-                   help="Use the slow HuggingFace tokenizer.")
-    g.add_argument("--trust-remote-code", action="store_true", help="Allow HF remote code.")
     return parser

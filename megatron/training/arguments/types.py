@@ -1,5 +1,7 @@
-"""argparse `type=` converters of Megatron's flags, and parse_and_validate_args."""
+"""argparse `type=` converters of Megatron's flags."""
 import ast
+
+from megatron.core.utils import lazy_names
 
 
 def _pattern(text: str):
@@ -39,15 +41,5 @@ def tuple_type(x):
     return tuple(int(v) for v in value)
 
 
-def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False, args_defaults={}):
-    """Parse the flags, restore checkpoint args when asked, validate, and set the global args."""
-    from megatron.training.arguments import parse_args
-    from megatron.training.arguments.validation import validate_args
-    from megatron.training.global_vars import set_global_variables
-    args = parse_args(extra_args_provider, ignore_unknown_args)
-    if getattr(args, "use_checkpoint_args", False) or args_defaults.get("use_checkpoint_args", False):
-        from megatron.training.checkpointing.args import load_args_from_checkpoint
-        load_args_from_checkpoint(args)
-    validate_args(args, args_defaults)
-    set_global_variables(args)
-    return args
+# parse_and_validate_args lived here; it is Megatron's entry and now lives in the compat room.
+__getattr__ = lazy_names(__name__, {"parse_and_validate_args": "megatron.training._compat.arguments"})

@@ -1,7 +1,7 @@
 """What to do instead, for Megatron flags users commonly pass that this project does not implement yet.
 
 megatron_flags.py registers every Megatron flag our parser lacks, with Megatron's type and default, and
-refuses it at a non-default value with one line ("--num-experts is not supported yet: <hint>"); the hint
+refuses it at a non-default value with one line ("--fp4-format is not supported yet: <hint>"); the hint
 comes from here. A module that implements one of these flags deletes its line.
 """
 
@@ -25,6 +25,9 @@ UNSUPPORTED_FLAGS = {
     "--fim-data": (dict(action="store_true"), "fill-in-the-middle data is not supported"),
     "--sft": (dict(action="store_true"), "SFT data is not supported"),
     "--quick-geglu": (dict(action="store_true"), "use --swiglu or the default GeLU"),
+    "--tokenizer-hf-no-use-fast": (dict(action="store_true"), "HuggingFaceTokenizer reads tokenizer.json with the "
+                                                              "fast tokenizers library; there is no slow Python "
+                                                              "tokenizer here: drop the flag"),
     "--hierarchical-context-parallel-sizes": (dict(type=int, nargs="+"),
                                               "hierarchical CP (a2a+p2p) is not built; use --cp-comm-type p2p, "
                                               "allgather or a2a"),

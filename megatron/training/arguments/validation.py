@@ -2,33 +2,26 @@
 import os
 import signal
 import warnings
+from types import SimpleNamespace
 
 import torch
 
-from megatron.core.errors import InputError
+from megatron.core.transformer.transformer_block import layers_per_pipeline_rank
 
 from .autoresume_args import validate_autoresume_args
+from .context_parallel_args import validate_context_parallel_args
 from .diagnostics_args import validate_diagnostics_args
 from .dropin_args import validate_dropin_args
-from .context_parallel_args import validate_context_parallel_args
+from .errors import ArgumentError
+from .errors import require as _require
 from .fast_path import validate_fast_path_args
-from .megatron_flags import check_megatron_flags
 from .inference_args import validate_inference_args
+from .input_checks import blend_prefixes_checked, validate_inputs
+from .megatron_flags import check_megatron_flags
 from .mla_args import validate_mla_args
 from .moe_args import validate_moe_args
-from .window_args import validate_window_args
 from .tp_overlap_args import validate_tp_overlap_args
-from .moe_args import validate_moe_args
-from .input_checks import blend_prefixes_checked, validate_inputs
-
-
-class ArgumentError(InputError):
-    """A user configuration error; the entry point prints `[rank R] ArgumentError: <message>`, exits 2."""
-
-
-def _require(cond, message):
-    if not cond:
-        raise ArgumentError(message)
+from .window_args import validate_window_args
 
 
 def _warn(args, message):
@@ -96,7 +89,7 @@ def _validate_parallel(args):
     if args.overlap_param_gather:
         _require(args.use_distributed_optimizer and args.overlap_grad_reduce,
                  "--overlap-param-gather requires --use-distributed-optimizer and --overlap-grad-reduce")
-    if getattr(args, "use_torch_fsdp2", False):
+    if args.use_torch_fsdp2:
         _require(pp == 1, "--use-torch-fsdp2 does not support --pipeline-model-parallel-size > 1; "
                           "use DDP (optionally --use-distributed-optimizer) with pipeline parallelism")
         _require(not args.use_distributed_optimizer,
@@ -107,10 +100,6 @@ def _validate_parallel(args):
 
 def _validate_pipeline_split(args):
     """Every layer lands on exactly one stage: never a silently dropped layer."""
-    from types import SimpleNamespace
-
-    from megatron.core.transformer.transformer_block import layers_per_pipeline_rank
-
     pp = args.pipeline_model_parallel_size
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     if first is None and last is None and not (args.account_for_embedding_in_pipeline_split
@@ -388,7 +377,7 @@ def _validate_misc(args):
              f"--exit-signal ({args.exit_signal}) is not a signal name; use e.g. SIGTERM or SIGUSR1")
     if args.wandb_project:  # every rank checks, though only the last one logs: all of them stop together
         try:
-            import wandb  # noqa: F401
+            import wandb  # noqa: F401  # lazy: ~0.9 s to import, only with --wandb-project
         except ImportError as e:
             raise ArgumentError(f"--wandb-project needs the wandb package ({e}): pip install wandb, "
                                 "or bash scripts/install_deps.sh") from None

@@ -13,6 +13,9 @@ import re
 
 import yaml
 
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .errors import ArgumentError
 from .megatron_flags import record_use
 
 _ENV = re.compile(r"\$\{([^}]*)\}")
@@ -45,7 +48,6 @@ _EnvLoader.add_constructor("!env", _expand)
 
 def load_yaml_config(args, parser):
     """Set every key of ``args.yaml_cfg`` on ``args``; raise ArgumentError with one line on a bad key."""
-    from .validation import ArgumentError
     path = args.yaml_cfg
     if not os.path.isfile(path):
         raise ArgumentError(f"--yaml-cfg: file not found: {path}")
@@ -73,7 +75,6 @@ def load_yaml_config(args, parser):
 
 
 def _set_section_key(args, actions, name, key, value, path):
-    from megatron.core.transformer.transformer_config import TransformerConfig
     if key == "activation_func":
         if value not in _ACTIVATIONS:
             raise _Error(f"{name}: '{value}' is not one of swiglu, squaredrelu, gelu")

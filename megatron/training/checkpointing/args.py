@@ -8,7 +8,7 @@ import os
 import torch
 
 from megatron.core.dist_checkpointing import CheckpointingException, load_common_state_dict
-from megatron.training.arguments import ArgumentError
+from megatron.training.arguments.errors import ArgumentError
 
 from . import paths
 
@@ -71,7 +71,7 @@ def load_args_from_checkpoint(args, load_arg: str = "load"):
     load_dir = getattr(args, load_arg, None)
     if not load_dir:
         raise ArgumentError("--use-checkpoint-args needs --load DIR")
-    ckpt_args, _ = read_checkpoint_args(load_dir, getattr(args, "ckpt_step", None))
+    ckpt_args, _ = read_checkpoint_args(load_dir, args.ckpt_step)
     for name, force in MODEL_ARGS:
         if not hasattr(ckpt_args, name):
             continue

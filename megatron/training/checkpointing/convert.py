@@ -10,6 +10,20 @@ import os
 import shutil
 import sys
 import tempfile
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.training.global_vars import set_args
+from megatron.training.model_setup import get_model
+
+from . import paths
+from .args import read_checkpoint_args
+from .load import load_checkpoint
+from .save import save_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -32,7 +46,6 @@ def _rank_args(ckpt_args, load_dir, save_dir, fmt, tp, pp, iteration):
 
 def _worker(rank, world, rendezvous, args, queue):
     """One target rank: build the model under the target layout, load, save."""
-    import torch
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
@@ -44,7 +57,6 @@ def _worker(rank, world, rendezvous, args, queue):
         _convert_on_rank(args)
         queue.put((rank, None))
     except BaseException:
-        import traceback
         queue.put((rank, traceback.format_exc()))
     finally:
         if torch.distributed.is_initialized():
@@ -52,19 +64,14 @@ def _worker(rank, world, rendezvous, args, queue):
 
 
 def _convert_on_rank(args):
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.training.checkpointing import load_checkpoint, save_checkpoint
-    from megatron.training.global_vars import set_args
-    from megatron.training.model_setup import get_model
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    from pretrain_gpt import model_provider
+    from pretrain_gpt import model_provider  # lazy: an entry script at the checkout root, on sys.path from above
 
     set_args(args)
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
                                  pipeline_model_parallel_size=args.pipeline_model_parallel_size)
-    model_parallel_cuda_manual_seed(getattr(args, "seed", 1234))
+    model_parallel_cuda_manual_seed(getattr(args, "seed", 1234))  # a checkpoint's args: may predate --seed
     model = get_model(model_provider, wrap_with_ddp=False)
     iteration, flops = load_checkpoint(model, None, None)
     save_checkpoint(iteration, model, None, None, flops)
@@ -73,7 +80,6 @@ def _convert_on_rank(args):
 
 def run_ranks(args, world):
     """Run the conversion on ``world`` spawned gloo ranks; raise with the first failing rank's traceback."""
-    import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     rendezvous_dir = tempfile.mkdtemp(prefix="ckpt_convert_rdzv_")
     queue = ctx.Queue()
@@ -99,8 +105,6 @@ def run_ranks(args, world):
 
 
 def convert(load_dir, save_dir, target_format, tp=None, pp=None, iteration=None):
-    from megatron.training.checkpointing import paths
-    from megatron.training.checkpointing.args import read_checkpoint_args
     ckpt_args, iteration = read_checkpoint_args(load_dir, iteration)
     src_dir = paths.get_checkpoint_name(load_dir, iteration, return_base_dir=True)
     tp = tp or ckpt_args.tensor_model_parallel_size

@@ -15,13 +15,16 @@ import shlex
 import shutil
 import tempfile
 
-
+from megatron.core.dist_checkpointing import load_tensors_metadata
 from megatron.core.hf import FAMILIES, family_for_config
 from megatron.core.hf.dist_io import read_global, save_global
 from megatron.core.hf.safetensors_io import SafetensorsReader, ShardedSafetensorsWriter, read_config
 from megatron.core.hf.state import hf_to_ours, ours_to_hf, shapes_from_flags
+from megatron.training.arguments import parse_args, validate_args
 
 from . import paths
+from .args import read_checkpoint_args
+from .convert import convert
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json",
@@ -70,7 +73,6 @@ def _tokenizer_argv(hf_dir: str, out_dir: str, vocab: int):
 
 def build_args(flags, tp, pp, fmt, out_dir, tokenizer_argv, vocab, padded, divisible_by, ep=1):
     """The full args namespace a training run with these flags would have (saved for --use-checkpoint-args)."""
-    from megatron.training.arguments import parse_args, validate_args
     seq = min(int(dict(flags)["--max-position-embeddings"]), 4096)
     argv = _argv(flags) + tokenizer_argv + [
         "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
@@ -145,7 +147,6 @@ def import_hf_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, fm
         paths.publish_dir(staging, final)
         paths.write_tracker(out_dir, 0)
     else:
-        from .convert import convert
         tmp = tempfile.mkdtemp(prefix="hf_import_", dir=os.path.dirname(os.path.abspath(out_dir)))
         try:
             save_global(tensors, paths.get_checkpoint_name(tmp, 0, return_base_dir=True), common)
@@ -158,6 +159,7 @@ def import_hf_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, fm
 
 
 def _infer_family(args):
+    """The HF family of a checkpoint's saved args (getattr here: saves older than a flag lack it)."""
     if getattr(args, "multi_latent_attention", False):
         return FAMILIES["deepseek_v3"]
     if getattr(args, "num_experts", None):
@@ -174,8 +176,6 @@ def _infer_family(args):
 def export_hf_checkpoint(checkpoint_path: str, out_dir: str, iteration=None, vocab_size=None,
                          family=None, max_shard_bytes: int = 5 * 2 ** 30) -> str:
     """Write ``out_dir`` (config.json, safetensors shards + index, tokenizer files) from our checkpoint."""
-    from .args import read_checkpoint_args
-    from megatron.core.dist_checkpointing import load_tensors_metadata
     args, iteration = read_checkpoint_args(checkpoint_path, iteration)
     src = paths.get_checkpoint_name(checkpoint_path, iteration, return_base_dir=True)
     if not os.path.isdir(src):
@@ -183,7 +183,6 @@ def export_hf_checkpoint(checkpoint_path: str, out_dir: str, iteration=None, voc
     tmp = None
     try:
         if paths.detect_format(src) == "torch":
-            from .convert import convert
             tmp = tempfile.mkdtemp(prefix="hf_export_", dir=os.path.dirname(os.path.abspath(out_dir)))
             convert(checkpoint_path, tmp, "torch_dist", iteration=iteration)
             src = paths.get_checkpoint_name(tmp, iteration, return_base_dir=True)

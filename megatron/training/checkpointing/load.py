@@ -6,7 +6,10 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from megatron.core import dist_checkpointing
+from megatron.core import num_microbatches_calculator as mbc
 from megatron.core.dist_checkpointing import CheckpointingException
+from megatron.core.rerun_state_machine import get_rerun_state_machine
+from megatron.core.utils import unwrap_model
 from megatron.training.global_vars import get_args, update_num_microbatches
 from megatron.training.utils import print_rank_0
 
@@ -34,7 +37,9 @@ def _find(load_dir: str, args) -> Optional[Tuple[int, bool]]:
 
 
 def check_checkpoint_args(ckpt_args, args, ckpt_format: str, checkpoint_dir: str) -> None:
-    """Raise one line naming every architecture flag that differs from the checkpoint's."""
+    """Raise one line naming every architecture flag that differs from the checkpoint's. Saved args may
+    predate a flag, and library-style callers (set_args with their own namespace) need not carry every
+    flag: both are read with getattr, here and in the save/load helpers."""
     checks = ARCH_ARGS + (LEGACY_ARGS if ckpt_format == "torch" else [])
     if getattr(args, "vocab_file", None):
         checks = checks + [("max_position_embeddings", "--max-position-embeddings")]
@@ -77,7 +82,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     load_dir = getattr(args, load_arg)
     finetune = args.finetune
     found = _find(load_dir, args) if load_dir else None
-    if found is None and getattr(args, "pretrained_checkpoint", None) and load_arg == "load":
+    if found is None and args.pretrained_checkpoint and load_arg == "load":
         load_dir, finetune = args.pretrained_checkpoint, True
         found = _find(load_dir, args)
     if found is None:
@@ -151,7 +156,6 @@ def _load_state(fmt, checkpoint_dir, load_dir, iteration, release, model, optimi
 
 
 def _restore_model(ckpt, model, strict: bool) -> None:
-    from megatron.core.utils import unwrap_model
     for i, chunk in enumerate(model):
         key = "model" if len(model) == 1 else f"model{i}"
         if key not in ckpt:
@@ -165,7 +169,6 @@ def _restore_training_state(ckpt, optimizer, opt_param_scheduler, args) -> None:
     if ckpt_args is not None:
         args.consumed_train_samples = getattr(ckpt_args, "consumed_train_samples", 0)
         args.consumed_valid_samples = getattr(ckpt_args, "consumed_valid_samples", 0)
-        from megatron.core import num_microbatches_calculator as mbc
         if mbc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:  # unset in library-style use
             update_num_microbatches(consumed_samples=args.consumed_train_samples, consistency_check=False)
     if optimizer is not None and not args.no_load_optim and "optimizer" in ckpt:
@@ -173,7 +176,6 @@ def _restore_training_state(ckpt, optimizer, opt_param_scheduler, args) -> None:
         if opt_param_scheduler is not None and "opt_param_scheduler" in ckpt:
             opt_param_scheduler.load_state_dict(ckpt["opt_param_scheduler"])
     if ckpt.get("rerun_state_machine") is not None:
-        from megatron.core.rerun_state_machine import get_rerun_state_machine
         get_rerun_state_machine().load_state_dict(ckpt["rerun_state_machine"])
     if not args.no_load_rng and ckpt.get("rng_state") is not None:
         rng = ckpt["rng_state"]

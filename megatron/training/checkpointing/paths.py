@@ -6,6 +6,9 @@ from typing import Optional, Tuple
 
 import torch
 
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing import check_is_distributed_checkpoint
+
 TRACKER_FNAME = "latest_checkpointed_iteration.txt"
 LEGACY_FNAME = "model_optim_rng.pt"
 FAULT_ENV = "MEGATRON_CKPT_FAULT"
@@ -30,7 +33,6 @@ def get_checkpoint_name(checkpoints_path: str, iteration: int, release: bool = F
     base = os.path.join(checkpoints_path, directory)
     if return_base_dir:
         return base
-    from megatron.core import parallel_state as ps
     initialized = ps.model_parallel_is_initialized()
     if pipeline_parallel is None:
         pipeline_parallel = initialized and ps.get_pipeline_model_parallel_world_size() > 1
@@ -123,7 +125,6 @@ def apply_retention(checkpoints_path: str, latest: int, retain_interval: Optiona
 
 def detect_format(checkpoint_dir: str) -> Optional[str]:
     """'torch_dist' (complete metadata.json), 'torch' (mp_rank_* dirs), or None."""
-    from megatron.core.dist_checkpointing import check_is_distributed_checkpoint
     if not os.path.isdir(checkpoint_dir):
         return None
     if check_is_distributed_checkpoint(checkpoint_dir):

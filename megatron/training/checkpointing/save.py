@@ -49,9 +49,9 @@ def _save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_float
         raise NotImplementedError("non-persistent checkpoints (--non-persistent-save-interval) are not supported")
     model = model if isinstance(model, list) else [model]
     fmt = args.ckpt_format
-    if getattr(args, "async_save", False) and fmt != "torch_dist":
+    if args.async_save and fmt != "torch_dist":
         raise NotImplementedError(f"--async-save needs --ckpt-format torch_dist (got {fmt})")
-    if getattr(args, "async_save", False) and not async_utils.is_empty_async_queue():
+    if args.async_save and not async_utils.is_empty_async_queue():
         # Publish the pending save first: at most one background write (and host copy) at a time, and
         # checkpoints are recorded in iteration order. The queue length is the same on every rank (it only
         # shrinks on all-reduced flags), so all ranks take this collective branch together.
@@ -79,7 +79,7 @@ def _save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_float
         request = dist_checkpointing.save(sd, tmp_dir, async_sharded_save=True)
         request.finalize_fns.insert(0, lambda: paths.fault_point("data_written"))
         request.finalize_fns.append(finalize)
-        if getattr(args, "async_save", False):
+        if args.async_save:
             async_utils.schedule_async_save(request)
             print_rank_0(f"  scheduled an async checkpoint save at iteration {iteration:7d} "
                          f"(blocked {time.time() - start:.3f}s)")

@@ -7,6 +7,8 @@ import torch
 
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.rerun_state_machine import get_rerun_state_machine
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
 
 CHECKPOINT_VERSION = 3.0
@@ -27,11 +29,7 @@ def get_rng_state() -> Dict[str, Any]:
              "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": None, "rng_tracker_states": {}}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda_rng_state"] = torch.cuda.get_rng_state()
-    try:
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-        state["rng_tracker_states"] = get_cuda_rng_tracker().get_states()
-    except ImportError:
-        pass
+    state["rng_tracker_states"] = get_cuda_rng_tracker().get_states()
     return state
 
 
@@ -42,7 +40,6 @@ def set_rng_state(state: Dict[str, Any]) -> None:
     if state.get("cuda_rng_state") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda_rng_state"])
     if state.get("rng_tracker_states"):
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
         get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
@@ -93,6 +90,5 @@ def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, 
     if save_rng and rng_state is not None:
         state["rng_state"] = sharded_rng_state(rng_state) if sharded else [rng_state]
     if not is_loading:  # the rerun engine's decisions (skipped / stopped steps), kept with the run
-        from megatron.core.rerun_state_machine import get_rerun_state_machine
         state["rerun_state_machine"] = get_rerun_state_machine().state_dict()
     return state

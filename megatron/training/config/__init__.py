@@ -13,6 +13,7 @@ from typing import Any, Dict
 
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
+from megatron.training.arguments.megatron_flags import load_specs
 
 # Section -> Megatron's field names (in its order). Fields without a flag of the same name get the
 # defaults in _NOT_FLAGS.
@@ -105,7 +106,6 @@ _NOT_FLAGS = {
 
 
 def _flag_defaults() -> Dict[str, Any]:
-    from megatron.training.arguments.megatron_flags import load_specs
     return {spec.dest: spec.default for spec in load_specs()}
 
 

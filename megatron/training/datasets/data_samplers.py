@@ -4,27 +4,24 @@ import random
 import numpy
 import torch
 
+from megatron.core import parallel_state
+from megatron.training.global_vars import get_args
+
 
 def _data_parallel_rank_and_size():
-    try:
-        from megatron.core import parallel_state
-
-        if parallel_state.model_parallel_is_initialized():
-            return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    except (ImportError, AttributeError):
-        pass
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     if torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
 
 
 def build_pretraining_data_loader(dataset, consumed_samples, args=None):
-    """DataLoader over `dataset` resuming after `consumed_samples` (global count over all DP ranks)."""
+    """DataLoader over `dataset` resuming after `consumed_samples` (global count over all DP ranks).
+    Megatron's API: ``args`` may be the caller's own namespace, so the loader flags have their defaults."""
     if dataset is None:
         return None
     if args is None:
-        from megatron.training.global_vars import get_args
-
         args = get_args()
     dp_rank, dp_size = _data_parallel_rank_and_size()
     dataloader_type = getattr(args, "dataloader_type", None) or "single"

@@ -26,6 +26,7 @@ import time
 import traceback
 
 import torch
+from torch.distributed import distributed_c10d as c10d
 
 from megatron.training.diagnostics import errors
 
@@ -126,7 +127,7 @@ class _State:
 
 def dump_prefix(args):
     """`--flight-recorder-dump-path` or a per-run prefix in the temp directory."""
-    if getattr(args, "flight_recorder_dump_path", None):
+    if args.flight_recorder_dump_path:
         return args.flight_recorder_dump_path
     run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or \
         os.environ.get("MASTER_PORT", str(os.getpid()))
@@ -134,7 +135,7 @@ def dump_prefix(args):
 
 
 def timeout_seconds(args):
-    after_init = getattr(args, "distributed_timeout_seconds_after_init", None)
+    after_init = args.distributed_timeout_seconds_after_init
     return after_init if after_init is not None else args.distributed_timeout_minutes * 60
 
 
@@ -163,7 +164,7 @@ def install(args):
         if fn is not None:
             _ORIGINALS[name] = fn
             setattr(torch.distributed, name, _wrap(name, fn, _STATE.recorder))
-    if getattr(args, "distributed_timeout_seconds_after_init", None) is not None:
+    if args.distributed_timeout_seconds_after_init is not None:
         _set_group_timeouts(args.distributed_timeout_seconds_after_init)
     errors.on_error(_dump_on_error)
     threading.Thread(target=_watch, args=(_STATE,), name="hang-watchdog", daemon=True).start()
@@ -184,7 +185,6 @@ def uninstall():
 
 def _set_group_timeouts(seconds):
     """Megatron's --distributed-timeout-seconds-after-init: every existing group gets the new timeout."""
-    from torch.distributed import distributed_c10d as c10d
     for group in list(c10d._world.pg_map):
         try:
             c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)

@@ -3,11 +3,16 @@ the GPT-specific settings, and the builder that turns them into a GPTModel stage
 import dataclasses
 import importlib
 import inspect
+from types import SimpleNamespace
 from typing import Any, Callable, ClassVar, List, Optional
 
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_layer_local_spec,
+                                                      get_gpt_mtp_block_spec)
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.tokenizer.tokenizer import _vocab_size_with_padding
 
 
 @dataclasses.dataclass
@@ -83,7 +88,6 @@ class GPTModelConfig(ModelConfig):
 
 def default_layer_spec(config: GPTModelConfig, vp_stage: Optional[int] = None):
     """The local spec pretrain_gpt.py uses: per-layer MoE specs with experts, else one dense layer spec."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     t = config.transformer
     if t.num_moe_experts is not None:
         return get_gpt_decoder_block_spec(t, normalization=t.normalization, qk_l2_norm=t.qk_l2_norm, vp_stage=vp_stage)
@@ -100,8 +104,6 @@ class GPTModelBuilder:
     def build_model(self, pg_collection=None, pre_process: Optional[bool] = None,
                     post_process: Optional[bool] = None, vp_stage: Optional[int] = None) -> GPTModel:
         """One stage; ``pre_process`` / ``post_process`` default to this rank's pipeline (and virtual) stage."""
-        from megatron.core import parallel_state
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
         cfg = self._model_config
         spec = cfg.transformer_layer_spec
         if spec is None:
@@ -112,9 +114,6 @@ class GPTModelBuilder:
             raise ValueError("GPTModelConfig.vocab_size must be set before building the model")
         vocab = cfg.vocab_size
         if cfg.should_pad_vocab:
-            from types import SimpleNamespace
-
-            from megatron.training.tokenizer.tokenizer import _vocab_size_with_padding
             vocab = _vocab_size_with_padding(vocab, SimpleNamespace(
                 make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
                 tensor_model_parallel_size=cfg.transformer.tensor_model_parallel_size), logging_enabled=False)

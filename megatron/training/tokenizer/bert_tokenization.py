@@ -7,7 +7,7 @@ class _BertWordPieceTokenizer(_TokenizersLibTokenizer):
 
     def __init__(self, vocab_file: str, lower_case: bool = True, vocab_extra_ids: int = 0):
         super().__init__(vocab_file, lower_case=lower_case, vocab_extra_ids=vocab_extra_ids)
-        from tokenizers import BertWordPieceTokenizer
+        from tokenizers import BertWordPieceTokenizer  # lazy: ~30 ms to import, BERT WordPiece only
 
         tok = BertWordPieceTokenizer(vocab_file, lowercase=lower_case, strip_accents=lower_case)
         if not lower_case and vocab_extra_ids == 0:

@@ -27,7 +27,7 @@ class _GPT2BPETokenizer(_TokenizersBackedTokenizer):
 
     def __init__(self, vocab_file: str, merge_file: str, vocab_extra_ids: int = 0):
         super().__init__(vocab_file, merge_file)
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # lazy: ~30 ms, GPT-2 BPE only
 
         tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -57,7 +57,7 @@ class _HuggingFaceTokenizer(_TokenizersBackedTokenizer):
 
     def __init__(self, pretrained_model_name_or_path: str, vocab_extra_ids: int = 0, **kwargs):
         super().__init__(pretrained_model_name_or_path, **kwargs)
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # lazy: ~30 ms to import, HuggingFaceTokenizer only
 
         path = pretrained_model_name_or_path
         if os.path.isdir(path):
@@ -113,7 +113,7 @@ class _TikTokenizer(MegatronTokenizer):
                  num_special_tokens: int = 1000, special_tokens: Optional[List[str]] = None):
         super().__init__(path, pattern=pattern, vocab_size=vocab_size, num_special_tokens=num_special_tokens,
                          special_tokens=special_tokens)
-        import tiktoken
+        import tiktoken  # lazy: ~13 ms to import, TikTokenizer only
 
         if pattern not in _TIKTOKEN_PATTERNS:
             raise ValueError(f"--tiktoken-pattern {pattern}: choose v1 or v2")

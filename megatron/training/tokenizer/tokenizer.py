@@ -24,7 +24,8 @@ def _need(args, name, flag, tokenizer_type):
 
 
 def build_tokenizer(args, **kwargs):
-    """Build the tokenizer named by args.tokenizer_type and set args.padded_vocab_size."""
+    """Build the tokenizer named by args.tokenizer_type and set args.padded_vocab_size. Megatron's API: tools
+    (tools/preprocess_data.py) pass their own namespaces, so flags they lack read as their defaults."""
     kind = getattr(args, "tokenizer_type", None)
     if getattr(args, "rank", 0) == 0:
         print(f"> building {kind} tokenizer ...", flush=True)

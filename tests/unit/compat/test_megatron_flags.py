@@ -78,6 +78,8 @@ def test_every_flag_at_its_default_validates():
      "--inprocess-restart is not supported yet: in-process restart is not supported"),
     ("--rl-partial-rollouts", "--rl-partial-rollouts is not supported yet"),
     ("--mask-prob 0.2", "--mask-prob is not supported yet: only pretrain_bert.py and pretrain_t5.py read it"),
+    ("--tokenizer-hf-no-use-fast", "--tokenizer-hf-no-use-fast is not supported yet: HuggingFaceTokenizer reads "
+                                   "tokenizer.json with the fast tokenizers library"),
 ])
 def test_not_supported_refused_in_one_line(argv, needle):
     with pytest.raises(ArgumentError) as e:

@@ -41,3 +41,62 @@ def test_moe_config_checked():
 
 def test_sequence_parallel_off_at_tp1():
     assert _cfg(sequence_parallel=True).sequence_parallel is False
+
+
+def test_compat_lists_hold_only_missing_fields():
+    """A compat list names what is refused; a field the real config declares is implemented and must not be
+    in it (a stale entry says 'not implemented' about a working feature)."""
+    import dataclasses
+
+    from megatron.core._compat_fields import ModelParallelConfigCompat
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed._compat_fields import DistributedDataParallelConfigCompat
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer._compat_fields import OptimizerConfigCompat
+    from megatron.core.transformer._compat_fields import TransformerConfigCompat
+    for config, mixin in ((ModelParallelConfig, ModelParallelConfigCompat),
+                          (TransformerConfig, TransformerConfigCompat), (OptimizerConfig, OptimizerConfigCompat),
+                          (DistributedDataParallelConfig, DistributedDataParallelConfigCompat)):
+        declared = set(config.__dict__.get("__annotations__", {}))
+        stale = sorted(f.name for f in dataclasses.fields(mixin) if f.name in declared)
+        assert not stale, f"{mixin.__name__} lists fields that {config.__name__} implements: {stale}"
+
+
+def test_autocast_fields_drive_the_schedule():
+    """enable_autocast / autocast_dtype (ModelParallelConfig) run each forward step under torch.autocast."""
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+    seen = []
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = _cfg(enable_autocast=True, autocast_dtype=torch.bfloat16)
+            self.linear = torch.nn.Linear(4, 4)
+
+        def set_input_tensor(self, tensor):
+            pass
+
+        def forward(self, x):
+            return self.linear(x)
+
+    def forward_step(data_iterator, model):
+        out = model(next(data_iterator))
+        seen.append(out.dtype)
+        return out, lambda o: (o.float().sum(), {"loss": o.float().sum().detach()})
+
+    forward_backward_no_pipelining(forward_step_func=forward_step, data_iterator=iter([torch.ones(2, 4)]),
+                                   model=[Model()], num_microbatches=1, seq_length=2, micro_batch_size=1,
+                                   forward_only=True)
+    assert seen == [torch.bfloat16]
+
+
+def test_apply_wd_to_qk_layernorm_keeps_qk_norm_decay():
+    from megatron.core.optimizer import OptimizerConfig, get_standard_config_overrides
+    (key, override), = [(k, v) for k, v in get_standard_config_overrides(
+        OptimizerConfig(lr=1.0, apply_wd_to_qk_layernorm=True)).items()]
+    assert override == {"wd_mult": 0.0}
+    predicate = key.with_name_predicate.fn
+    norm = torch.nn.Parameter(torch.ones(4))
+    assert predicate(norm, "decoder.layers.0.input_layernorm.weight")
+    assert not predicate(norm, "decoder.layers.0.self_attention.q_layernorm.weight")
