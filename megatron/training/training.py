@@ -1,4 +1,5 @@
 """pretrain(): initialize, build model/optimizer/data, run the training loop, evaluate, exit cleanly."""
+import contextlib
 import sys
 import time
 from datetime import datetime
@@ -22,6 +23,7 @@ from megatron.training.config import PretrainConfigContainer
 from megatron.training.data_iterators import build_train_valid_test_data_iterators
 from megatron.training.diagnostics import hang, straggler
 from megatron.training.diagnostics.errors import report_errors
+from megatron.training.diagnostics.profiler import ProfilingWindow
 from megatron.training.evaluate import evaluate_and_print_results
 from megatron.training.exit import duration_exceeded
 from megatron.training.flops import num_floating_point_operations
@@ -225,9 +227,12 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                                if isinstance(train_data_iterator, list) else
                                RerunDataIterator(train_data_iterator) if train_data_iterator is not None else None)
     timers("interval-time", log_level=0).start(barrier=True)
-    with gc_control.training_gc(args):
+    profiling = ProfilingWindow(args, torch.distributed.get_rank())
+    profiling.begin_training()
+    with gc_control.training_gc(args), _finishing(profiling):
         while iteration < args.train_iters:
             hang.heartbeat()
+            profiling.before_step(iteration)
             update_num_microbatches(args.consumed_train_samples, consistency_check=True)
             straggler.step_start()
             loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
@@ -235,6 +240,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                 forward_backward_func)
             _maybe_stop_on_failed_validation(iteration, model, optimizer, opt_param_scheduler)
             iteration += 1
+            profiling.after_step(iteration)
             straggler.step_end(iteration, args.log_interval)
             gc_control.after_iteration(args, iteration)
             args.iteration = iteration
@@ -261,6 +267,15 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             if _checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration):
                 return iteration, True
     return iteration, False
+
+
+@contextlib.contextmanager
+def _finishing(profiling: ProfilingWindow):
+    """The profiling window writes what it recorded however the loop ends (exit condition, error)."""
+    try:
+        yield
+    finally:
+        profiling.finish_training()
 
 
 def _maybe_stop_on_failed_validation(iteration, model, optimizer, opt_param_scheduler):

@@ -6,8 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core._compat_fields import check_compat_fields
+from megatron.core.context_parallel.utils import CP_COMM_TYPES
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer._compat_fields import TransformerConfigCompat
+from megatron.core.transformer.moe.config_checks import check_moe_config
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 
@@ -173,7 +175,6 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
 
     def _check_features(self):
         if self.num_moe_experts is not None:
-            from megatron.core.transformer.moe.config_checks import check_moe_config
             check_moe_config(self)
         self._check_fp8()
         self._check_context_parallel()
@@ -196,7 +197,6 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
             raise NotImplementedError("--activation-func-fp8-input-store needs FP8 support; drop the flag")
 
     def _check_context_parallel(self):
-        from megatron.core.context_parallel import CP_COMM_TYPES
         if isinstance(self.cp_comm_type, list) and len(self.cp_comm_type) == 1:
             self.cp_comm_type = self.cp_comm_type[0]  # Megatron's one-value list: every layer
         types = self.cp_comm_type if isinstance(self.cp_comm_type, list) else [self.cp_comm_type or "p2p"]

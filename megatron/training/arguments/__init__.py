@@ -10,6 +10,7 @@ from megatron.core.utils import lazy_names
 
 from .autoresume_args import add_autoresume_args
 from .diagnostics_args import add_diagnostics_args
+from .profiling_args import add_profiling_args
 from .context_parallel_args import add_context_parallel_args
 from .configs import core_transformer_config_from_args, ddp_config_from_args, optimizer_config_from_args
 from .mla_args import add_mla_args
@@ -53,6 +54,7 @@ def build_parser(extra_args_provider=None):
                 add_mla_args,
                 add_dropin_args,
                 add_diagnostics_args,
+                add_profiling_args,
                 add_autoresume_args,
                 add_tp_overlap_args):
         parser = add(parser)

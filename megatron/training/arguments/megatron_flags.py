@@ -93,7 +93,7 @@ _GROUP_REASONS = {
     "inference": "this option of Megatron's inference engines is not built; generation runs on "
                  "megatron/core/inference's engine (tools/generate.py, docs/inference.md)",
     "In-process restart": "in-process restart is not supported", "ft_package": "fault tolerance is not supported",
-    "one logger": "there is no One Logger telemetry here", "profiling": "profiling hooks are not built yet",
+    "one logger": "there is no One Logger telemetry here",
     "Logits Distillation": "logit distillation is not supported", "Transformer-Engine": "needs Transformer Engine",
     "fault injector": "fault injection is not supported", "msc": "there is no Multi-Storage Client here",
     "experimental_attention_variant": "experimental attention variants are not built",

@@ -1,4 +1,5 @@
 """Profiling flags, Megatron 0.19.2's names and defaults; diagnostics/profiler.py does the work."""
+import torch
 
 
 def add_profiling_args(parser):
@@ -15,8 +16,6 @@ def add_profiling_args(parser):
                    help="The trace records operator input shapes.")
     g.add_argument("--pytorch-profiler-collect-callstack", action="store_true",
                    help="The trace records Python call stacks.")
-    g.add_argument("--pytorch-profiler-collect-chakra", action="store_true",
-                   help="Chakra execution traces: not written here (the Chrome trace is).")
     g.add_argument("--profile-ranks", type=int, nargs="+", default=[],
                    help="Ranks that profile (default: rank 0).")
     g.add_argument("--record-memory-history", action="store_true",
@@ -29,3 +28,22 @@ def add_profiling_args(parser):
                    help="NVTX ranges (forward, backward, optimizer, collectives, operators) for the whole run, "
                         "for an nsys capture without a capture range.")
     return parser
+
+
+def validate_profiling_args(args, require) -> None:
+    """``require(condition, message)`` raises the parser's one-line error."""
+    if args.profile:
+        require(0 <= args.profile_step_start < args.profile_step_end,
+                f"--profile-step-start ({args.profile_step_start}) must be >= 0 and below --profile-step-end "
+                f"({args.profile_step_end})")
+        require(args.use_pytorch_profiler or torch.cuda.is_available(),
+                "--profile without --use-pytorch-profiler is an nsys capture range and needs a GPU; "
+                "add --use-pytorch-profiler for a torch.profiler trace on CPU")
+    if args.use_pytorch_profiler:
+        require(args.profile, "--use-pytorch-profiler needs --profile (it chooses the profiler of the window)")
+        require(args.tensorboard_dir is not None,
+                "--use-pytorch-profiler writes its traces under --tensorboard-dir: set it")
+    require(not args.nvtx_ranges or torch.cuda.is_available(),
+            "--nvtx-ranges annotates a CUDA run for nsys and this run has no GPU: drop the flag")
+    require(not args.record_memory_history or torch.cuda.is_available(),
+            "--record-memory-history records CUDA allocations and this run has no GPU: drop the flag")

@@ -17,8 +17,9 @@ UNSUPPORTED_FLAGS = {
     "--multiple-validation-sets": (dict(action="store_true"), "use a single validation blend"),
     "--eval-global-batch-size": (dict(type=int), "evaluation uses --global-batch-size"),
     "--eval-micro-batch-size": (dict(type=int), "evaluation uses --micro-batch-size"),
-    "--profile": (dict(action="store_true"), "profiling hooks are not built yet"),
-    "--use-pytorch-profiler": (dict(action="store_true"), "profiling hooks are not built yet"),
+    "--pytorch-profiler-collect-chakra": (dict(action="store_true"),
+                                          "Chakra execution traces are not written; --use-pytorch-profiler "
+                                          "writes a Chrome trace per rank"),
     "--log-progress": (dict(action="store_true"), "progress files are not written yet"),
     "--log-energy": (dict(action="store_true"), "energy monitoring is not supported"),
     "--cpu-offloading-num-layers": (dict(type=int), "activation offloading is not supported"),

@@ -11,6 +11,7 @@ from megatron.core.transformer.transformer_block import layers_per_pipeline_rank
 from .autoresume_args import validate_autoresume_args
 from .context_parallel_args import validate_context_parallel_args
 from .diagnostics_args import validate_diagnostics_args
+from .profiling_args import validate_profiling_args
 from .dropin_args import validate_dropin_args
 from .errors import ArgumentError
 from .errors import require as _require
@@ -52,6 +53,7 @@ def validate_args(args, defaults={}):
     _validate_misc(args)
     validate_inference_args(args, _require)
     validate_diagnostics_args(args, _require)
+    validate_profiling_args(args, _require)
     validate_autoresume_args(args, _require)
     validate_inputs(args, _require)
     return args

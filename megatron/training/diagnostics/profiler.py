@@ -101,25 +101,3 @@ class ProfilingWindow:
             if not self.whole_run_nvtx:
                 self._nvtx.__exit__(None, None, None)
                 self._nvtx = None
-
-
-def validate_profiling_args(args, require) -> None:
-    """``require(condition, message)`` raises the parser's one-line error."""
-    if args.profile:
-        require(0 <= args.profile_step_start < args.profile_step_end,
-                f"--profile-step-start ({args.profile_step_start}) must be >= 0 and below --profile-step-end "
-                f"({args.profile_step_end})")
-        require(args.use_pytorch_profiler or torch.cuda.is_available(),
-                "--profile without --use-pytorch-profiler is an nsys capture range and needs a GPU; "
-                "add --use-pytorch-profiler for a torch.profiler trace on CPU")
-    if args.use_pytorch_profiler:
-        require(args.profile, "--use-pytorch-profiler needs --profile (it chooses the profiler of the window)")
-        require(args.tensorboard_dir is not None,
-                "--use-pytorch-profiler writes its traces under --tensorboard-dir: set it")
-    require(not args.pytorch_profiler_collect_chakra,
-            "--pytorch-profiler-collect-chakra: Chakra execution traces are not written here; drop the flag "
-            "(--use-pytorch-profiler writes a Chrome trace per rank)")
-    require(not args.nvtx_ranges or torch.cuda.is_available(),
-            "--nvtx-ranges annotates a CUDA run for nsys and this run has no GPU: drop the flag")
-    require(not args.record_memory_history or torch.cuda.is_available(),
-            "--record-memory-history records CUDA allocations and this run has no GPU: drop the flag")
