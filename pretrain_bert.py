@@ -17,7 +17,6 @@ from megatron.training import get_args, get_timers, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.masked_lm_datasets import (
     build_masked_datasets,
-    is_dataset_built_on_rank,
     masked_dataset_config_kwargs,
 )
 from megatron.training.utils import average_losses_across_data_parallel_group

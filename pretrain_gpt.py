@@ -11,12 +11,15 @@ from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.enums import ModelType
 from megatron.core.full_cuda_graph import is_graph_capturing
 from megatron.core.fusions.compile import compile_available
-from megatron.core.transformer.transformer_layer import compile_transformer_layers
-from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_layer_local_spec,
-                                                      get_gpt_mtp_block_spec)
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+    get_gpt_mtp_block_spec,
+)
 from megatron.core.models.gpt.gpt_model import GPTModel
-from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.rerun_state_machine import get_rerun_state_machine
+from megatron.core.transformer.transformer_layer import compile_transformer_layers
 from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
 

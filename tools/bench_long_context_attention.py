@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.core.context_parallel import long_context_attention  # noqa: E402
 from megatron.core.context_parallel.documents import document_attention  # noqa: E402
-from megatron.core.context_parallel.utils import DocumentLayout, cp_local_indices  # noqa: E402
+from megatron.core.context_parallel.utils import DocumentLayout  # noqa: E402
 
 
 def _time(fn, iters, warmup=3):

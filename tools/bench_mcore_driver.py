@@ -3,13 +3,12 @@
 # Own code: imports megatron.training.pretrain and megatron.core modules, provides the
 # model/data/forward-step callbacks. Launch with torchrun --nproc_per_node 1.
 import os
-import sys
 import time
 from functools import partial
 
 import torch
 
-from megatron.core import mpu
+from megatron.core import mpu  # noqa: F401  (Megatron's wheel must import its parallel_state before pretrain)
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType

@@ -122,6 +122,7 @@ def time_iterations(model, optimizer, scheduler, config, train_it, warmup, iters
     synchronises where training does: the grad norm, and the loss check under CUDA graphs.)
     """
     import torch
+
     from megatron.training.train_step import train_step
     from pretrain_gpt import forward_step
     cuda = torch.cuda.is_available()
@@ -164,6 +165,7 @@ def profile_iterations(model, optimizer, scheduler, config, train_it, n, rows=30
     """Kernel-level breakdown of ``n`` iterations (torch.profiler), sorted by total device time."""
     import torch
     from torch.profiler import ProfilerActivity, profile
+
     from megatron.training.train_step import train_step
     from pretrain_gpt import forward_step
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -177,6 +179,7 @@ def profile_iterations(model, optimizer, scheduler, config, train_it, n, rows=30
 
 def summarize(args, cli, times, losses, estimate):
     import torch
+
     from megatron.training.flops import num_floating_point_operations
     gbs = args.global_batch_size
     median = statistics.median(times)

@@ -5,10 +5,8 @@ __post_init__ refuses any of them set away from its default (check_compat_fields
 subclass declares itself: a feature that lands redefines its fields on the real config and so takes
 them over. Generated from Megatron's source; keep the order of its dataclass.
 """
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
-from typing import Any, Callable, List, Literal, Optional, Tuple, Union
-
-import torch
+from dataclasses import MISSING, dataclass, fields, is_dataclass
+from typing import Any, Callable, Optional
 
 
 @dataclass

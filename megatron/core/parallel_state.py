@@ -15,6 +15,8 @@ import torch
 
 from megatron.core.process_group_registry import GROUPS as _GROUPS  # this rank's groups by name
 from megatron.core.process_group_registry import RANKS as _RANKS  # ... and their global ranks
+from megatron.core.process_group_registry import build_extra_groups as _build_extra_groups
+from megatron.core.process_group_registry import clear as _clear_groups
 from megatron.core.process_group_registry import (  # noqa: F401  (Megatron's names for the extra groups)
     create_all_gather_groups,
     create_group,
@@ -25,8 +27,6 @@ from megatron.core.process_group_registry import (  # noqa: F401  (Megatron's na
     get_nccl_options,
     update_pg_timeout,
 )
-from megatron.core.process_group_registry import build_extra_groups as _build_extra_groups
-from megatron.core.process_group_registry import clear as _clear_groups
 from megatron.core.process_group_registry import named_group as _group
 from megatron.core.process_group_registry import named_rank as _rank
 from megatron.core.process_group_registry import named_ranks as _ranks

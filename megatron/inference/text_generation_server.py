@@ -9,8 +9,13 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from megatron.inference.endpoints import (BadRequest, api_response, completions_response, parse_api_request,
-                                          parse_completions_request)
+from megatron.inference.endpoints import (
+    BadRequest,
+    api_response,
+    completions_response,
+    parse_api_request,
+    parse_completions_request,
+)
 
 
 class _Server(ThreadingHTTPServer):

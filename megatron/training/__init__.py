@@ -1,7 +1,14 @@
 """The training application: flags, initialization, the pretrain() loop, logging, checkpoints."""
 from megatron.core.utils import lazy_names
-from megatron.training.global_vars import (get_adlr_autoresume, get_args, get_signal_handler,  # noqa: F401
-                                           get_tensorboard_writer, get_timers, get_tokenizer, get_wandb_writer)
+from megatron.training.global_vars import (  # noqa: F401
+                                           get_adlr_autoresume,
+                                           get_args,
+                                           get_signal_handler,
+                                           get_tensorboard_writer,
+                                           get_timers,
+                                           get_tokenizer,
+                                           get_wandb_writer,
+)
 from megatron.training.utils import is_last_rank, print_rank_0, print_rank_last  # noqa: F401
 
 # Resolved on first use: the training loop and its model, optimizer and checkpoint modules cost ~0.9 s of

@@ -6,14 +6,19 @@ from datetime import datetime
 
 import torch
 
-from megatron.core import parallel_state
-from megatron.core.enums import ModelType
-from megatron.core.rerun_state_machine import (RerunDataIterator, RerunErrorInjector, RerunMode,
-                                                get_rerun_state_machine, initialize_rerun_state_machine)
-from megatron.core.num_microbatches_calculator import (get_current_global_batch_size, get_num_microbatches,
-                                                       update_num_microbatches)
 from megatron.core.distributed import DistributedDataParallel as DDP
 from megatron.core.distributed import finalize_model_grads
+from megatron.core.num_microbatches_calculator import (
+    get_num_microbatches,
+    update_num_microbatches,
+)
+from megatron.core.rerun_state_machine import (
+    RerunDataIterator,
+    RerunErrorInjector,
+    RerunMode,
+    get_rerun_state_machine,
+    initialize_rerun_state_machine,
+)
 from megatron.core.utils import get_device, get_model_config
 from megatron.training import gc_control, global_vars
 from megatron.training.async_utils import maybe_finalize_async_save

@@ -2,8 +2,10 @@
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.utils import lazy_names
-from megatron.core.utils import unwrap_model  # noqa: F401  (re-exported, Megatron's location)
+from megatron.core.utils import (
+    lazy_names,
+    unwrap_model,  # noqa: F401  (re-exported, Megatron's location)
+)
 
 
 def _dist():

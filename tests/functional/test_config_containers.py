@@ -59,8 +59,11 @@ def test_pretrain_with_gpt_model_config(classic, tmp_path):
 
 
 def test_containers_and_gpt_model_config_in_process(monkeypatch):
-    from megatron.training.argument_utils import (gpt_config_from_args, inference_cfg_container_from_args,
-                                                  pretrain_cfg_container_from_args)
+    from megatron.training.argument_utils import (
+        gpt_config_from_args,
+        inference_cfg_container_from_args,
+        pretrain_cfg_container_from_args,
+    )
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.models import GPTModelBuilder, GPTModelConfig
     monkeypatch.setattr(sys, "argv", ["x"] + FLAGS + ["--tokenizer-type", "NullTokenizer", "--no-load-optim",

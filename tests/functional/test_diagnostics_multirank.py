@@ -1,5 +1,4 @@
 """Hang dump and straggler report on 2 CPU ranks (gloo) through the real pretrain_gpt.py."""
-import os
 import re
 import time
 

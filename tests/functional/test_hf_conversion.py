@@ -215,6 +215,7 @@ def test_torch_format_export_cli(world):
 def test_trained_checkpoint_loads_in_transformers(world):
     """After 2 training iterations the weights moved; transformers reproduces our logits from the export."""
     from transformers import AutoModelForCausalLM
+
     from megatron.training.checkpointing.hf import export_hf_checkpoint
     out = str(world["root"] / "trained_hf")
     export_hf_checkpoint(world["trained"], out, max_shard_bytes=20_000)  # transformers follows the index
@@ -286,6 +287,7 @@ def test_llama31_rope_frequencies_match_transformers():
     """Our --use-rope-scaling frequencies at Llama-3.1-8B's head size equal transformers' bitwise."""
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     cfg = LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_theta=500000.0, max_position_embeddings=131072,
                       rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -308,7 +310,7 @@ def test_rope_frequencies_stay_fp32_under_bf16():
 
 def test_layouts_invert_and_group_qkv_per_kv_head():
     """Fused QKV rows are [q of group g; k_g; v_g] per group; every transform inverts exactly."""
-    from megatron.core.hf.layout import GATE_UP, QKV, VOCAB, CONV1D_QKV, Dims
+    from megatron.core.hf.layout import CONV1D_QKV, GATE_UP, QKV, VOCAB, Dims
     d = Dims(num_heads=4, num_groups=2, head_dim=3, vocab_size=5, padded_vocab_size=8)
     q, k, v = (torch.randn(n * 3, 6) for n in (4, 2, 2))
     fused = QKV.to_ours([q, k, v], d)

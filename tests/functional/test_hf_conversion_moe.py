@@ -19,7 +19,17 @@ import torch
 pytest.importorskip("transformers")
 
 from tests.functional.test_hf_conversion import (  # noqa: E402
-    SEQ, VOCAB, _build_hf, _cli, _hf_configs, _hf_logits, _hf_tensors, _rel, forward_logits, load_ours)
+    SEQ,
+    VOCAB,
+    _build_hf,
+    _cli,
+    _hf_configs,
+    _hf_logits,
+    _hf_tensors,
+    _rel,
+    forward_logits,
+    load_ours,
+)
 from tests.parallel.dist_utils import run_distributed  # noqa: E402
 
 # fp32 on CPU, same operations as transformers in another order (TP/PP/EP splits, expert loops vs grouped
@@ -136,6 +146,7 @@ def test_moe_export_round_trip_is_bitwise(world, family, experts):
 def test_moe_trained_checkpoint_loads_in_transformers(world, family):
     """Weights moved and saved under TP=2 x EP=2; transformers reproduces our logits from the export."""
     from transformers import AutoModelForCausalLM
+
     from megatron.training.checkpointing.hf import export_hf_checkpoint
     out = str(world["root"] / f"{family}_trained_hf")
     export_hf_checkpoint(world["trained"][family], out)
@@ -147,9 +158,9 @@ def test_moe_trained_checkpoint_loads_in_transformers(world, family):
 
 def test_moe_flags_rebuild_the_architecture(world):
     """model_args.sh parses to the args stored for --use-checkpoint-args; exported config.json matches."""
+    from megatron.core.hf import FAMILIES
     from megatron.training.arguments import parse_args
     from megatron.training.checkpointing.args import read_checkpoint_args
-    from megatron.core.hf import FAMILIES
     src = world["dirs"]["qwen3_moe"]
     text = open(os.path.join(src + "_grouped", "model_args.sh")).read()
     for flag in ("--moe-layer-freq '[1,0,1,1]'", "--moe-router-pre-softmax", "--moe-ffn-hidden-size 16",
@@ -182,6 +193,7 @@ def test_moe_flags_rebuild_the_architecture(world):
 def test_qwen3_moe_layer_pattern_matches_transformers():
     """decoder_sparse_step / mlp_only_layers -> --moe-layer-freq list, layer by layer as transformers builds it."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
     from megatron.core.hf import UnsupportedConfig, qwen3_moe
     cfg = Qwen3MoeConfig(vocab_size=8, hidden_size=8, intermediate_size=8, moe_intermediate_size=4, num_hidden_layers=6,
                          num_attention_heads=2, num_key_value_heads=1, num_experts=2, num_experts_per_tok=1,

@@ -77,7 +77,9 @@ def test_compiled_layers_fused_wgrad_reaches_main_grad():
     weight gradient into main_grad as a side effect of the traced backward, which torch 2.11 dropped on
     CUDA: their main_grad stayed zero and they did not train."""
     import os
+
     import torch.nn.functional as F
+
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.fusions.compile import compile_transformer_layers

@@ -60,7 +60,8 @@ def test_graph_decode_64_steps_equals_eager_and_takes_graphs():
     """bf16, the fused-QKV layout (no qk-norm): 64 greedy steps replayed from graphs give exactly what the
     same bucketed steps give eagerly (same kernels, same shapes); the replay count proves every step
     went through a graph, across two KV buckets (64, 128). In fp32 the exact-shape eager decode agrees too."""
-    from tests.unit.core.inference.test_cuda_graphs import MAX_LEN as LONG, _prompts, build_llama
+    from tests.unit.core.inference.test_cuda_graphs import MAX_LEN as LONG
+    from tests.unit.core.inference.test_cuda_graphs import _prompts, build_llama
     ps = _prompts([20, 7, 13], seed=5)
     params = SamplingParams(top_k=1, num_tokens_to_generate=64, return_log_probs=True)
 

@@ -54,7 +54,11 @@ def reference_run():
 
 def _train(ddp_kwargs, num_microbatches=2, inject_inf_rank=None, fp16=False):
     from megatron.core.distributed import (
-        DistributedDataParallel, DistributedDataParallelConfig, TorchFullyShardedDataParallel, finalize_model_grads)
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        TorchFullyShardedDataParallel,
+        finalize_model_grads,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -91,8 +91,7 @@ def _forward_step(data_iterator, model):
 def _train(arch, seed, sizes, pg_collection=None):
     """ITERS Adam steps through DDP + the schedule; per-iteration lm loss, the mean over the tokens of all
     DP and CP ranks (None on pipeline stages without the loss)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.process_groups_config import get_pg, get_pg_rank, get_pg_size
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

@@ -4,6 +4,7 @@ Tolerance: fp32 on CPU; only the summation order differs (split matmuls, all-red
 values summed over ~16 terms that is a few 1e-6 absolute.
 """
 import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,6 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 def _setup(tp):
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo CPU test, also on GPU hosts with fewer GPUs than ranks
     from megatron.core import parallel_state as ps
-    from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)

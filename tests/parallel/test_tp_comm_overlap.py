@@ -117,6 +117,7 @@ def _random_data_check(model):
     the tokens from position p on leaves every earlier position's loss as it was (no information from
     later tokens or from the labels reaches a position)."""
     import math
+
     from megatron.training import get_args
     m = model[0]
     s, b, vocab = 32, 2, 128
@@ -138,6 +139,7 @@ def _compiled_runs():
     """Eager plain, compiled plain and compiled + overlap at TP=2 + SP with fused weight-gradient
     accumulation (the default): per-iteration losses and, after the last step, the random-data check."""
     import functools
+
     import megatron.core.fusions.compile as compile_mod
     # Compile on CPU too. aot_eager: dynamo + AOTAutograd trace the layers as inductor's path does (where
     # a traced backward's side effects are kept or dropped) without a C++ build per graph.

@@ -44,6 +44,7 @@ def _tensors(tree, prefix=""):
 def describe(checkpoint_dir):
     """(format, common state, [(key, shape, dtype)]) of one checkpoint directory."""
     import torch
+
     from megatron.core import dist_checkpointing
     from megatron.training.checkpointing import paths
     fmt = paths.detect_format(checkpoint_dir)

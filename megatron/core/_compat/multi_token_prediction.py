@@ -17,8 +17,8 @@ import torch
 
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.transformer.multi_token_prediction import _no_custom_layout, get_mtp_layer_spec_for_backend
-from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.sharded_state import make_tp_sharded_tensor_for_checkpoint
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import get_pg_rank
 
 

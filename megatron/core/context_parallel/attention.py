@@ -13,7 +13,6 @@ from megatron.core.context_parallel.ring import RingAttention
 from megatron.core.context_parallel.utils import CP_COMM_TYPES, document_layout
 
 
-
 def _causal_attention(q, k, v, scale, layout):
     """Whole-sequence attention in [b, n, S, d]: plain causal SDPA, or per document."""
     if layout is not None:

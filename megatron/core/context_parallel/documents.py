@@ -6,7 +6,7 @@ mask (CPU runs are small; FlexAttention has no CPU backward).
 """
 import torch
 
-from megatron.core.context_parallel.kernels import BlockMask, flex_attention_lse, document_block_mask, math_forward
+from megatron.core.context_parallel.kernels import BlockMask, document_block_mask, flex_attention_lse, math_forward
 
 
 def document_attention(q, k, v, scale, layout):

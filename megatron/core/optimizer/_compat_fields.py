@@ -1,7 +1,7 @@
 """OptimizerConfig fields of Megatron Core 0.19.2 without a counterpart here, at Megatron's defaults
 (accepted there, refused elsewhere: see megatron/core/_compat_fields.py)."""
-from dataclasses import dataclass, field
-from typing import Any, Callable, List, Literal, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 

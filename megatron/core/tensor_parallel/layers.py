@@ -281,7 +281,8 @@ class ColumnParallelLinear(torch.nn.Module):
         if self.tp_comm_overlap:
             # Its @torch.compiler.disable pulls in torch._dynamo: ~1.2 s of every process start (measured).
             from megatron.core.tensor_parallel.overlap import (  # lazy: torch._dynamo import, ~1.2 s
-                column_parallel_linear_with_overlap)
+                column_parallel_linear_with_overlap,
+            )
             c = self.config
             out = column_parallel_linear_with_overlap(x, weight, bias, c.gradient_accumulation_fusion, self.tp_group,
                                                       c.tp_comm_overlap_ag, c.tp_comm_bulk_dgrad,
@@ -336,7 +337,8 @@ class RowParallelLinear(torch.nn.Module):
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_, self.tp_group)
         if self.tp_comm_overlap:
             from megatron.core.tensor_parallel.overlap import (  # lazy: torch._dynamo import, ~1.2 s
-                row_parallel_linear_with_overlap)
+                row_parallel_linear_with_overlap,
+            )
             c = self.config
             out = row_parallel_linear_with_overlap(x, self.weight, c.gradient_accumulation_fusion, self.tp_group,
                                                    c.tp_comm_overlap_rs, c.tp_comm_overlap_ag)  # [s/tp, b, h]

@@ -1,7 +1,6 @@
 """Enums used by transformer modules (values match Megatron's)."""
 import enum
 
-
 from megatron.core.enums import ModelType  # noqa: F401  (one class for both import paths)
 
 

@@ -8,10 +8,15 @@ import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_activation import bias_swiglu, fused_bias_activation
 from megatron.core.fusions.swiglu import swiglu, triton_swiglu_available
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.spec_protocols import (  # noqa: F401  (Megatron's typing Protocols)
-    LinearFc1Builder, LinearFc1Interface, LinearFc2Builder, LinearFc2Interface, TEActivationFunctionBuilder,
-    TEActivationFunctionInterface)
+    LinearFc1Builder,
+    LinearFc1Interface,
+    LinearFc2Builder,
+    LinearFc2Interface,
+    TEActivationFunctionBuilder,
+    TEActivationFunctionInterface,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 
 @dataclass

@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module, process_group_kwargs
-from megatron.core.utils import get_pg_rank, lazy_names, make_viewless_tensor
+from megatron.core.utils import lazy_names, make_viewless_tensor
 
 # Megatron's MTP names that this project's own loop, specs and checkpoints do not call (the metrics
 # tracker, the Transformer-Engine-flavoured spec getter, fixed-answer rank / offset getters, the

@@ -11,7 +11,6 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.transformer.initialize import global_param_names, tp_rank_and_size
 from megatron.core.utils import get_pg_rank, get_pg_size
 
-
 # Tensors with a vocab dimension: the padded vocab is a multiple of make_vocab_size_divisible_by x TP, so its
 # global size changes with TP. Loading reads the rows both layouts have; extra padding rows keep their values.
 _VOCAB_PADDED_SUFFIXES = ("word_embeddings.weight", "output_layer.weight", "output_layer.bias")

@@ -2,7 +2,6 @@
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
 
-import torch
 import torch.nn.functional as F
 
 from megatron.core._compat_fields import check_compat_fields

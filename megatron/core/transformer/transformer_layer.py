@@ -11,8 +11,8 @@ from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.layer_offsets import get_transformer_layer_offset, pipeline_coords
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module, process_group_kwargs
 from megatron.core.transformer.spec_protocols import MlpBuilder, MlpInterface  # noqa: F401  (typing Protocols)
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module, process_group_kwargs
 
 
 def get_bias_dropout_add(training: bool, fused: bool):

@@ -12,12 +12,28 @@ from argparse import ArgumentParser
 from typing import Any, Dict, Optional
 
 from megatron.core.transformer.spec_utils import import_module
-from megatron.training.arguments.configs import (config_kwargs_from_args, core_transformer_config_from_args,
-                                                 ddp_config_from_args, optimizer_config_from_args)
+from megatron.training.arguments.configs import (
+    config_kwargs_from_args,
+    core_transformer_config_from_args,
+    ddp_config_from_args,
+    optimizer_config_from_args,
+)
 from megatron.training.config import (
-    CheckpointConfig, DistributedInitConfig, InferenceConfigContainer, InferenceSetupConfig, LoggerConfig,
-    PretrainConfigContainer, ProfilingConfig, RerunStateMachineConfig, RNGConfig, SchedulerConfig,
-    StragglerDetectionConfig, TokenizerConfig, TrainingConfig, ValidationConfig)
+    CheckpointConfig,
+    DistributedInitConfig,
+    InferenceConfigContainer,
+    InferenceSetupConfig,
+    LoggerConfig,
+    PretrainConfigContainer,
+    ProfilingConfig,
+    RerunStateMachineConfig,
+    RNGConfig,
+    SchedulerConfig,
+    StragglerDetectionConfig,
+    TokenizerConfig,
+    TrainingConfig,
+    ValidationConfig,
+)
 from megatron.training.models import GPTModelConfig
 
 

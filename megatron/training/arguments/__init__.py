@@ -8,27 +8,36 @@ import os
 
 from megatron.core.utils import lazy_names
 
-from .autoresume_args import add_autoresume_args
-from .diagnostics_args import add_diagnostics_args
-from .profiling_args import add_profiling_args
-from .context_parallel_args import add_context_parallel_args
-from .configs import core_transformer_config_from_args, ddp_config_from_args, optimizer_config_from_args
-from .mla_args import add_mla_args
-from .moe_args import add_moe_args
-from .inference_args import add_inference_args
-from .model_args import (add_initialization_args, add_mixed_precision_args, add_network_size_args,
-                         add_regularization_args)
-from .parallel_data_args import add_data_args, add_distributed_args, add_tokenizer_args
-from .training_args import (add_checkpointing_args, add_learning_rate_args, add_logging_args, add_training_args,
-                            add_validation_args)
-from .dropin_args import add_dropin_args
-from .megatron_flags import add_megatron_flags
-from .yaml_args import load_yaml_config
-from .window_args import add_window_args
-from .tp_overlap_args import add_tp_overlap_args
 from . import fast_path
-from .validation import ArgumentError, blend_prefixes, validate_args
+from .autoresume_args import add_autoresume_args
+from .configs import core_transformer_config_from_args, ddp_config_from_args, optimizer_config_from_args
+from .context_parallel_args import add_context_parallel_args
+from .diagnostics_args import add_diagnostics_args
+from .dropin_args import add_dropin_args
+from .inference_args import add_inference_args
+from .megatron_flags import add_megatron_flags
+from .mla_args import add_mla_args
+from .model_args import (
+    add_initialization_args,
+    add_mixed_precision_args,
+    add_network_size_args,
+    add_regularization_args,
+)
+from .moe_args import add_moe_args
+from .parallel_data_args import add_data_args, add_distributed_args, add_tokenizer_args
+from .profiling_args import add_profiling_args
+from .tp_overlap_args import add_tp_overlap_args
+from .training_args import (
+    add_checkpointing_args,
+    add_learning_rate_args,
+    add_logging_args,
+    add_training_args,
+    add_validation_args,
+)
 from .types import la_freq_type, moe_freq_type, no_rope_freq_type, tuple_type
+from .validation import ArgumentError, blend_prefixes, validate_args
+from .window_args import add_window_args
+from .yaml_args import load_yaml_config
 
 __all__ = ["parse_args", "validate_args", "ArgumentError", "print_args", "build_parser",
            "core_transformer_config_from_args", "ddp_config_from_args", "optimizer_config_from_args",

@@ -11,7 +11,6 @@ from megatron.core.transformer.transformer_block import layers_per_pipeline_rank
 from .autoresume_args import validate_autoresume_args
 from .context_parallel_args import validate_context_parallel_args
 from .diagnostics_args import validate_diagnostics_args
-from .profiling_args import validate_profiling_args
 from .dropin_args import validate_dropin_args
 from .errors import ArgumentError
 from .errors import require as _require
@@ -21,6 +20,7 @@ from .input_checks import blend_prefixes_checked, validate_inputs
 from .megatron_flags import check_megatron_flags
 from .mla_args import validate_mla_args
 from .moe_args import validate_moe_args
+from .profiling_args import validate_profiling_args
 from .tp_overlap_args import validate_tp_overlap_args
 from .window_args import validate_window_args
 

@@ -4,7 +4,7 @@
 per-rank pickles (legacy torch), the tracker file, atomic publication and async saves.
 """
 from .load import check_checkpoint_args, load_checkpoint
-from .paths import (detect_format, get_checkpoint_name, get_checkpoint_tracker_filename, read_metadata)
+from .paths import detect_format, get_checkpoint_name, get_checkpoint_tracker_filename, read_metadata
 from .save import save_checkpoint
 from .state import get_rng_state, set_rng_state
 

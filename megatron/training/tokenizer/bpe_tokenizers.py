@@ -4,8 +4,6 @@ import json
 import os
 from typing import List, Optional
 
-import numpy
-
 from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer
 from megatron.training.tokenizer.vocab_tokenizer import _TokenizersLibTokenizer
 

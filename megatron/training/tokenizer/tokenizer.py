@@ -5,9 +5,16 @@ import os
 from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer
 from megatron.training.tokenizer.bert_tokenization import _BertWordPieceTokenizer
 from megatron.training.tokenizer.bpe_tokenizers import (
-    _GPT2BPETokenizer, _HuggingFaceTokenizer, _NullTokenizer, _TikTokenizer)
+    _GPT2BPETokenizer,
+    _HuggingFaceTokenizer,
+    _NullTokenizer,
+    _TikTokenizer,
+)
 from megatron.training.tokenizer.sentencepiece_tokenizers import (
-    _GPTSentencePieceTokenizer, _Llama2Tokenizer, _SentencePieceTokenizer)
+    _GPTSentencePieceTokenizer,
+    _Llama2Tokenizer,
+    _SentencePieceTokenizer,
+)
 
 __all__ = ["build_tokenizer", "MegatronTokenizer", "_GPT2BPETokenizer", "_HuggingFaceTokenizer", "_NullTokenizer",
            "_TikTokenizer", "_SentencePieceTokenizer", "_GPTSentencePieceTokenizer", "_Llama2Tokenizer",

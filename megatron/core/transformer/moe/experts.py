@@ -17,7 +17,6 @@ from typing import Optional, Union
 
 import torch
 
-from megatron.core import parallel_state
 from megatron.core.fusions.compile import compile_available
 from megatron.core.fusions.swiglu import swiglu, triton_swiglu_available
 from megatron.core.process_groups_config import get_pg, get_pg_size

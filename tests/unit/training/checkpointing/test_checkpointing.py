@@ -190,7 +190,8 @@ def _fork(fn, *a):
     if pid == 0:
         code = 0
         try:
-            import io, contextlib
+            import contextlib
+            import io
             with contextlib.redirect_stdout(io.StringIO()):
                 fn(*a)
         except BaseException:
@@ -205,7 +206,8 @@ def _loaded_iteration(save_dir):
     args = make_args(None, load=save_dir)
     set_args(args)
     model, opt, sched = build(args)
-    import io, contextlib
+    import contextlib
+    import io
     with contextlib.redirect_stdout(io.StringIO()):
         it, _ = load_checkpoint(model, opt, sched)
     assert it == 0 or all(torch.all(p == float(it)) for p in model[0].parameters()), it

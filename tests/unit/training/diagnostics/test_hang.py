@@ -44,7 +44,7 @@ def test_stopped_rank_dumps_its_stall_then_the_failed_wait(one_rank, tmp_path, c
     errors.report(failure.value)
     err = capsys.readouterr().err
     path = str(tmp_path / "hang_rank") + "0.stacks.txt"
-    assert f"[rank 0] hang: no progress for 100" in err and path in err
+    assert "[rank 0] hang: no progress for 100" in err and path in err
     dump = open(path).read()
     assert "waiting in all_gather #0" in dump  # the stall, as the watchdog would have written it
     assert "all_gather #0 failed after 100" in dump and "## the failed call" in dump  # then the failure

@@ -1,7 +1,7 @@
 """LanguageModule: the loss and the (optionally tied) embedding / output-layer weights of LMs."""
 import torch
 
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.fusions.compile import compile_available
 from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from megatron.core.process_groups_config import check_collection_sizes

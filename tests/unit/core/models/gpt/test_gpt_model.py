@@ -4,7 +4,6 @@ import torch
 
 from tests.fixtures.tiny_gpt import tiny_config, tiny_gpt
 
-
 S, B = 6, 2
 
 
