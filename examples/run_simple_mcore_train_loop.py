@@ -53,7 +53,8 @@ def model_provider():
     """A 2-layer GPT; each pipeline stage builds only its own layers."""
     transformer_config = TransformerConfig(
         num_layers=2, hidden_size=12, num_attention_heads=4, use_cpu_initialization=True,
-        pipeline_dtype=torch.float32, pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        pipeline_dtype=torch.float32,
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size())
     return GPTModel(
         config=transformer_config, transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(), vocab_size=100,

@@ -23,7 +23,8 @@ REASONS = {
     C[:-1] + ":InferenceParams": INFER,
     C + "enums:Fp4Recipe": "FP4 training needs Transformer Engine, which is not used",
     C + "enums:Fp8Recipe": "the 'custom' recipe (user quantizer factories) needs Transformer Engine",
-    C + "process_groups_config:MultiModuleProcessGroupCollection": "multi-module (MIMO / vision+language) models are not implemented",
+    C + "process_groups_config:MultiModuleProcessGroupCollection":
+        "multi-module (MIMO / vision+language) models are not implemented",
     # tensor_parallel
     **{C + "tensor_parallel:" + n: ("Megatron's inference linears subclass Transformer Engine's layers (with "
                                     "symmetric-memory all-gathers); Transformer Engine is not used, and the "
@@ -32,13 +33,20 @@ REASONS = {
                  "InferenceRowParallelLinear")},
     # transformer
     "*:MLATransformerConfig": MLA,
-    C + "transformer:TransformerConfig": "fp8_recipe defaults to 'tensorwise', the one FP8 recipe without Transformer Engine",
-    C + "transformer.transformer_config:TransformerConfig": "fp8_recipe defaults to 'tensorwise', the one FP8 recipe without Transformer Engine",
+    C + "transformer:TransformerConfig":
+        "fp8_recipe defaults to 'tensorwise', the one FP8 recipe without Transformer Engine",
+    C + "transformer.transformer_config:TransformerConfig":
+        "fp8_recipe defaults to 'tensorwise', the one FP8 recipe without Transformer Engine",
     C + "transformer.enums:AttnMaskType": "causal_bottom_right (TE's KV-cache mask) needs Transformer Engine attention",
-    C + "transformer.enums:LayerType": "embedding/loss/mtp entries serve --pipeline-model-parallel-layout, not implemented",
-    C + "transformer.attention:SelfAttention": "pp_layer_offset/name belong to MTP and TE naming; extra keyword arguments are accepted and unused",
-    C + "transformer.attention:CrossAttention": "name is TE's module name; extra keyword arguments are accepted and unused",
-    C + "transformer.transformer_layer:TransformerLayer": "pp_layer_offset (Megatron's per-stage KV-cache index) is refused: the KV cache is indexed by the global layer number",
+    C + "transformer.enums:LayerType":
+        "embedding/loss/mtp entries serve --pipeline-model-parallel-layout, not implemented",
+    C + "transformer.attention:SelfAttention":
+        "pp_layer_offset/name belong to MTP and TE naming; extra keyword arguments are accepted and unused",
+    C + "transformer.attention:CrossAttention":
+        "name is TE's module name; extra keyword arguments are accepted and unused",
+    C + "transformer.transformer_layer:TransformerLayer":
+        "pp_layer_offset (Megatron's per-stage KV-cache index) is refused: the KV cache is indexed by the global "
+        "layer number",
     C + "transformer:TransformerLayer": "see megatron.core.transformer.transformer_layer.TransformerLayer",
     C + "transformer.mlp:MLP": "name is TE's module name; extra keyword arguments are accepted and unused",
     C + "transformer.mlp:MLPSubmodules": "the activation is chosen by config.activation_func, not by the spec",
@@ -71,7 +79,8 @@ REASONS = {
     C + "models.bert.pooler:Pooler": "BertModel's binary head pools the first token itself",
     C + "models.T5.t5_model:t5_extended_attention_mask": "t5_attention_masks builds all three T5 masks",
     C + "models.T5.t5_model:t5_position_ids": "T5Model computes its position ids internally",
-    C + "models.common.embeddings.rotary_pos_embedding:MultimodalRotaryEmbedding": "multimodal (mRoPE) models are not implemented",
+    C + "models.common.embeddings.rotary_pos_embedding:MultimodalRotaryEmbedding":
+        "multimodal (mRoPE) models are not implemented",
     # optimizer
     C + "optimizer:AdamOptimizerConfig": "OptimizerConfig(optimizer='adam') holds the Adam settings",
     C + "optimizer:SGDOptimizerConfig": "OptimizerConfig(optimizer='sgd') holds the SGD settings",
@@ -97,7 +106,8 @@ REASONS = {
     # training
     T[:-1] + ":set_startup_timestamps": "startup timing is printed by pretrain itself",
     T + "argument_utils:hybrid_config_from_args": HYBRID,
-    T + "arguments:validate_model_config_args_from_heterogeneous_config": "heterogeneous (per-layer) model configs are not implemented",
+    T + "arguments:validate_model_config_args_from_heterogeneous_config":
+        "heterogeneous (per-layer) model configs are not implemented",
 }
 
 

@@ -81,7 +81,8 @@ def main():
     _sync()
     load_s = time.perf_counter() - t0
 
-    print_rank_0(f"checkpoint result | config {cli.config} | size on disk {size / 1e9:.2f} GB | sync save {sync_s:.2f} s | async save blocks "
+    print_rank_0(f"checkpoint result | config {cli.config} | size on disk {size / 1e9:.2f} GB | "
+                 f"sync save {sync_s:.2f} s | async save blocks "
                  f"{blocked_s:.2f} s, recorded after {async_total_s:.2f} s | iteration {base * 1000:.0f} ms "
                  f"normally, {statistics.median(during) * 1000:.0f} ms while writing | load {load_s:.2f} s")
 

@@ -36,7 +36,8 @@ class SDPACoreAttention(torch.nn.Module):
                 packed_seq_params=None):
         sq, b, n, d = query.shape  # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1],
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                             enable_gqa=k.shape[1] != q.shape[1],
                                                              scale=self.softmax_scale)
         return o.permute(2, 0, 1, 3).reshape(sq, b, -1)  # v's head dim (MLA: v_head_dim != qk dim)
 

@@ -19,8 +19,9 @@ import sys
 import warnings
 
 # modules with import-time side effects (GUI, browser, interactive) or platform-only ones
-_SKIP = {"tests", "unittest.test", "idle_test", "antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "__main__", "pydoc_data",
-         "msvcrt", "winreg", "winsound", "_winapi", "nt", "ensurepip", "venv", "lib2to3", "test"}
+_SKIP = {"tests", "unittest.test", "idle_test", "antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo",
+         "__main__", "pydoc_data", "msvcrt", "winreg", "winsound", "_winapi", "nt", "ensurepip", "venv", "lib2to3",
+         "test"}
 
 
 def _docstrings(module):

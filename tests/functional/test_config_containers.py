@@ -45,7 +45,8 @@ def _run(cmd, **extra_env):
 
 @pytest.fixture(scope="module")
 def classic():
-    return _run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py")] + FLAGS + ["--tokenizer-type", "NullTokenizer"])[1]
+    return _run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py")] + FLAGS
+                + ["--tokenizer-type", "NullTokenizer"])[1]
 
 
 def test_pretrain_with_gpt_model_config(classic, tmp_path):

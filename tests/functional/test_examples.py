@@ -60,7 +60,8 @@ def _capture(script, tmp_path):
            "SLURM_SUBMIT_DIR": ROOT, "OUT": str(tmp_path / "out"), "CKPT": str(tmp_path / "ckpt2")}
     used = [int(n) for n in re.findall(r"\$\{?([1-9])\b(?!:)", open(script).read())]  # $1, ${2:-x}; not ${@:5}
     positional = [str(tmp_path / f"arg{i}") for i in range(1, max(used, default=0) + 1)]
-    p = subprocess.run(["bash", script, *positional], capture_output=True, text=True, timeout=60, env=env, cwd=str(tmp_path))
+    p = subprocess.run(["bash", script, *positional], capture_output=True, text=True, timeout=60, env=env,
+                       cwd=str(tmp_path))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     return [open(f).read().split("\0")[:-1] for f in sorted(capture.iterdir())], tasks
 

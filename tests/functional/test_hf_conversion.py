@@ -255,7 +255,8 @@ def test_bad_inputs_fail_with_one_line(world, tmp_path):
     falcon = copy("arch", {"architectures": ["FalconForCausalLM"]})
     cases = [
         (falcon, {}, UnsupportedConfig,
-         "architecture FalconForCausalLM is not supported; supported: DeepseekV3ForCausalLM, GPT2LMHeadModel, LlamaForCausalLM"),
+         "architecture FalconForCausalLM is not supported; supported: DeepseekV3ForCausalLM, GPT2LMHeadModel, "
+         "LlamaForCausalLM"),
         (copy("shard", drop=sorted(glob.glob(os.path.join(src, "model-*.safetensors")))[1].rsplit("/", 1)[1]), {},
          FileNotFoundError, "is missing (listed in"),
         (copy("shape", {"intermediate_size": 48}), {}, ValueError, "do not match config.json"),

@@ -23,7 +23,8 @@ MIXTRAL_2L = ("--attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.
               "--max-position-embeddings 4096 --position-embedding-type rope --rotary-base 1000000 "
               "--normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights "
               "--no-rope-fusion --vocab-size 32000 --num-experts 8 --moe-router-topk 2 "
-              "--moe-token-dispatcher-type alltoall --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 "
+              "--moe-token-dispatcher-type alltoall --moe-router-load-balancing-type aux_loss "
+              "--moe-aux-loss-coeff 1e-2 "
               "--micro-batch-size 2 --global-batch-size 8 --train-iters 20")
 
 

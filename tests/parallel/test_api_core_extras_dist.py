@@ -1,7 +1,8 @@
 """Megatron Core names that need ranks, one 4-rank gloo world: the last-dim and sp<->hp mappings against
 the unsharded tensors, the extra CP / all-gather groups, set_data_parallel_rank, the TP batch broadcast,
 the frozen-weight linear under sequence parallelism, zero counting over TP, DistributedOptimizer built
-with Megatron's constructor, and the DTensor parameter norm. Values are exact (copies and fp32 sums of a few terms: 1e-6)."""
+with Megatron's constructor, and the DTensor parameter norm. Values are exact (copies and fp32 sums of a few
+terms: 1e-6)."""
 import torch
 import torch.distributed as dist
 

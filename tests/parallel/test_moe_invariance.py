@@ -1,6 +1,7 @@
 """MoE through pretrain() on CPU: every expert/tensor/pipeline/data layout reproduces the single-process
 loss per iteration, and torch_dist checkpoints saved at iteration 2 under EP=4 and EP=2 x TP=2 load under
-EP=1 and EP=4 and continue on the same curve (iteration 4 matches only if the Adam moments loaded too) (fp32, dropout 0, no token dropping, relative 1e-5: the layouts only reorder fp32 sums).
+EP=1 and EP=4 and continue on the same curve (iteration 4 matches only if the Adam moments loaded too)
+(fp32, dropout 0, no token dropping, relative 1e-5: the layouts only reorder fp32 sums).
 One 4-rank world runs all layouts in turn against one single-process run. The clip (0.05) is active, so
 the grad norm, which must count each expert parameter once, steers the curve too."""
 import pytest
@@ -9,7 +10,8 @@ from tests.fixtures.tiny_gpt import run_pretrain
 from tests.parallel.dist_utils import run_distributed
 
 MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
-         "--vocab-size 128 --make-vocab-size-divisible-by 32 --tokenizer-type NullTokenizer --mock-data --lr 1e-2 --train-iters 4 --swiglu "
+         "--vocab-size 128 --make-vocab-size-divisible-by 32 --tokenizer-type NullTokenizer --mock-data --lr 1e-2 "
+         "--train-iters 4 --swiglu "
          "--hidden-dropout 0 --attention-dropout 0 --log-interval 1 --eval-iters 0 --eval-interval 1000 "
          "--num-workers 0 --global-batch-size 8 --micro-batch-size 2 --seed 1234 --disable-bias-linear "
          "--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 "

@@ -48,8 +48,10 @@ def _check_linear(tp, rank, sp):
     fc1 = ColumnParallelLinear(h, f, config=cfg, init_method=torch.nn.init.zeros_, gather_output=False)
     fc2 = RowParallelLinear(f, h, config=cfg, init_method=torch.nn.init.zeros_, input_is_parallel=True)
     with torch.no_grad():
-        fc1.weight.copy_(w1.chunk(tp, 0)[rank]); fc1.bias.copy_(b1.chunk(tp, 0)[rank])
-        fc2.weight.copy_(w2.chunk(tp, 1)[rank]); fc2.bias.copy_(b2)
+        fc1.weight.copy_(w1.chunk(tp, 0)[rank])
+        fc1.bias.copy_(b1.chunk(tp, 0)[rank])
+        fc2.weight.copy_(w2.chunk(tp, 1)[rank])
+        fc2.bias.copy_(b2)
     xin = (x.chunk(tp, 0)[rank] if sp else x).clone().requires_grad_()
     y = fc2(F.gelu(fc1(xin)[0]))[0]
     y.backward(dy.chunk(tp, 0)[rank] if sp else dy)

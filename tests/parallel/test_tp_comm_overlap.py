@@ -38,8 +38,10 @@ def _mlp(group, overlap, weights, x, dy, fusion, **knobs):
     assert (fc1.tp_comm_overlap or fc2.tp_comm_overlap) == overlap
     w1, b1, w2, b2 = weights
     with torch.no_grad():
-        fc1.weight.copy_(w1.chunk(tp, 0)[rank]); fc1.bias.copy_(b1.chunk(tp, 0)[rank])
-        fc2.weight.copy_(w2.chunk(tp, 1)[rank]); fc2.bias.copy_(b2)
+        fc1.weight.copy_(w1.chunk(tp, 0)[rank])
+        fc1.bias.copy_(b1.chunk(tp, 0)[rank])
+        fc2.weight.copy_(w2.chunk(tp, 1)[rank])
+        fc2.bias.copy_(b2)
     if fusion:
         for p in (fc1.weight, fc2.weight):
             p.main_grad = torch.zeros_like(p)

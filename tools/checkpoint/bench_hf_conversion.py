@@ -26,7 +26,8 @@ sys.path.insert(0, ROOT)
 
 
 _PEAK = ("import resource, runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], "
-         "run_name='__main__')\nfinally:\n    print('PEAK_RSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+         "run_name='__main__')\nfinally:\n    "
+         "print('PEAK_RSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
 
 
 def _child(cmd):
@@ -49,8 +50,9 @@ def build_hf(path, layers, device, tiny=False):
                      num_key_value_heads=2)
     cfg = LlamaConfig(**shape, num_hidden_layers=layers, max_position_embeddings=131072,
                       rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000,
-                      eos_token_id=128001, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                                             high_freq_factor=4.0, original_max_position_embeddings=8192))
+                      eos_token_id=128001,
+                      rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                        original_max_position_embeddings=8192))
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(device):
@@ -122,7 +124,8 @@ def main():
     del hf
     torch.cuda.empty_cache() if device == "cuda" else None
     res["import_s"], res["import_peak_rss_gib"] = _child(
-        ["tools/checkpoint/hf.py", "import", "--hf-model-path", hf_dir, "--output-path", ckpt, "--tp", "2", "--pp", "2"])
+        ["tools/checkpoint/hf.py", "import", "--hf-model-path", hf_dir, "--output-path", ckpt,
+         "--tp", "2", "--pp", "2"])
     res["export_s"], res["export_peak_rss_gib"] = _child(
         ["tools/checkpoint/hf.py", "export", "--checkpoint-path", ckpt, "--output-path", back])
     print("progress", json.dumps(res), flush=True)

@@ -24,7 +24,8 @@ def validate_context_parallel_args(args, require, warn):
         split = 2 * cp * (tp if args.sequence_parallel else 1)
         require(args.seq_length % split == 0,
                 f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size ({cp})"
-                + (f" x --tensor-model-parallel-size ({tp}) with --sequence-parallel" if args.sequence_parallel else ""))
+                + (f" x --tensor-model-parallel-size ({tp}) with --sequence-parallel"
+                   if args.sequence_parallel else ""))
         require(args.attention_backend not in ("unfused", "fused"),
                 f"--attention-backend {args.attention_backend} has no log-sum-exp path here, which "
                 "--context-parallel-size > 1 needs to merge partial attention; use auto or flash")

@@ -51,11 +51,12 @@ def add_diagnostics_args(parser):
 
 def validate_diagnostics_args(args, require):
     """``require(condition, message)`` raises ArgumentError (validation.py passes its own)."""
-    for flag, value, low in (("--distributed-timeout-seconds-after-init", args.distributed_timeout_seconds_after_init, 1),
-                             ("--distributed-timeout-minutes", args.distributed_timeout_minutes, 1),
-                             ("--straggler-minmax-count", args.straggler_minmax_count, 1),
-                             ("--error-injection-rate", args.error_injection_rate, 0),
-                             ("--flight-recorder-trace-buffer-size", args.flight_recorder_trace_buffer_size, 0)):
+    for flag, value, low in (
+            ("--distributed-timeout-seconds-after-init", args.distributed_timeout_seconds_after_init, 1),
+            ("--distributed-timeout-minutes", args.distributed_timeout_minutes, 1),
+            ("--straggler-minmax-count", args.straggler_minmax_count, 1),
+            ("--error-injection-rate", args.error_injection_rate, 0),
+            ("--flight-recorder-trace-buffer-size", args.flight_recorder_trace_buffer_size, 0)):
         require(value is None or value >= low, f"{flag} ({value}) must be >= {low}")
     require(0 <= args.straggler_ctrlr_port < 65536,
             f"--straggler-ctrlr-port ({args.straggler_ctrlr_port}) must be in 0..65535 (0: any free port)")

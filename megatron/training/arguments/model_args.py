@@ -72,15 +72,16 @@ def add_network_size_args(parser):
                    help="Submodules recomputed under --recompute-granularity selective: core_attn (default), "
                         "mlp, layernorm.")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
-                   help="Chunked cross entropy on 16-bit logits (no fp32 [s, b, vocab] copies); already the default for "
-                        "16-bit logits on CUDA, where it gives the eager loss's numbers.")
+                   help="Chunked cross entropy on 16-bit logits (no fp32 [s, b, vocab] copies); already the default "
+                        "for 16-bit logits on CUDA, where it gives the eager loss's numbers.")
     g.add_argument("--torch-compile", action="store_true",
                    help="torch.compile each transformer layer (CUDA with Triton; eager elsewhere).")
     g.add_argument("--cuda-graph-impl", type=str, default="none",
                    choices=["none", "local", "transformer_engine", "full_iteration"],
                    help="CUDA graphs. full_iteration captures the forward and backward of all micro-batches of a "
                         "training step in one graph and replays it (data parallel only: tensor and pipeline "
-                        "parallel size 1; see docs/performance.md); the per-layer graphs of local / transformer_engine are not built.")
+                        "parallel size 1; see docs/performance.md); the per-layer graphs of local / "
+                        "transformer_engine are not built.")
     g.add_argument("--cuda-graph-scope", type=str, nargs="+", default=None,
                    help="With --cuda-graph-impl local: full_iteration selects whole-iteration graphs; the "
                         "per-layer scopes are not built.")

@@ -45,7 +45,8 @@ class StragglerReporter:
         mean_ms = 1000.0 * self.own_s / max(self.steps, 1)
         mine = torch.tensor([mean_ms, float(self.enabled)], dtype=torch.float64)
         device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
-        gathered = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(torch.distributed.get_world_size())]
+        gathered = [torch.zeros(2, dtype=torch.float64, device=device)
+                    for _ in range(torch.distributed.get_world_size())]
         torch.distributed.all_gather(gathered, mine.to(device))
         self.own_s, self.steps = 0.0, 0
         times = [float(t[0]) for t in gathered]

@@ -67,7 +67,8 @@ def test_bert_from_te_named_spec(tmp_path):
     from megatron.core.models.bert.bert_layer_specs import get_bert_layer_with_transformer_engine_spec
     from megatron.core.models.bert.bert_model import BertModel
     model_parallel_cuda_manual_seed(123)
-    model = BertModel(config=_config(), num_tokentypes=2, transformer_layer_spec=get_bert_layer_with_transformer_engine_spec(),
+    model = BertModel(config=_config(), num_tokentypes=2,
+                      transformer_layer_spec=get_bert_layer_with_transformer_engine_spec(),
                       vocab_size=VOCAB, max_sequence_length=SEQ, add_binary_head=True)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)

@@ -56,7 +56,8 @@ def test_megatron_style_provider_builds_mtp_and_trains():
     from megatron.core.models.backends import LocalSpecProvider
     same = get_gpt_mtp_block_spec_for_backend(config, layer_spec, LocalSpecProvider())
     layer = block.submodules.layer_specs[0]
-    assert layer.submodules.mtp_model_layer is layer_spec and same.submodules.layer_specs[0].submodules == layer.submodules
+    assert (layer.submodules.mtp_model_layer is layer_spec
+            and same.submodules.layer_specs[0].submodules == layer.submodules)
     torch.manual_seed(0)
     model = GPTModel(config, layer_spec, vocab_size=32, max_sequence_length=8, mtp_block_spec=block)
     assert len(model.mtp.layers) == 2 and model.mtp.layers[0].transformer_layer is not None

@@ -14,7 +14,8 @@ def test_param_key_selects_by_name_attr_and_predicates():
     assert ParamKey(attr="is_embedding_or_output_parameter").matches(p, "x")
     assert not ParamKey(attr="sequence_parallel").matches(p, "x")
     assert ParamKey(predicate=ParamPredicate("1d", lambda q: q.ndim == 1)).matches(p, "x")
-    assert ParamKey(with_name_predicate=ParamWithNamePredicate("n", lambda q, n: n.endswith("norm"))).matches(p, "a.norm")
+    assert ParamKey(with_name_predicate=ParamWithNamePredicate("n", lambda q, n: n.endswith("norm"))).matches(
+        p, "a.norm")
     assert not ParamKey().matches(p, "anything")  # no criterion: selects nothing
     assert hash(ParamKey(name=("a", "b"))) == hash(ParamKey(name=("a", "b")))  # usable as a dict key
 

@@ -76,8 +76,8 @@ def test_safe_globals_allow_weights_only_load_of_megatron_objects():
     from megatron.core.enums import ModelType
     from megatron.core.optimizer import OptimizerConfig
     buf = io.BytesIO()
-    torch.save({"args": argparse.Namespace(lr=0.5), "opt": OptimizerConfig(lr=2.0), "kind": ModelType.encoder_or_decoder,
-                "rng": torch.Generator().get_state()}, buf)
+    torch.save({"args": argparse.Namespace(lr=0.5), "opt": OptimizerConfig(lr=2.0),
+                "kind": ModelType.encoder_or_decoder, "rng": torch.Generator().get_state()}, buf)
     megatron.core.register_safe_globals()
     loaded = megatron.core.safe_load_from_bytes(buf.getvalue())
     assert loaded["args"].lr == 0.5 and loaded["opt"].lr == 2.0 and loaded["kind"] is ModelType.encoder_or_decoder

@@ -74,7 +74,8 @@ def test_round_trip_and_merge(tmp_path):
     assert len(ds) == len(flat)
     for got, want in zip((ds[i] for i in range(len(ds))), flat):
         numpy.testing.assert_array_equal(got, want)
-    numpy.testing.assert_array_equal(ds.document_indices, numpy.concatenate([[0], numpy.cumsum([len(d) for d in docs])]))
+    numpy.testing.assert_array_equal(ds.document_indices,
+                                     numpy.concatenate([[0], numpy.cumsum([len(d) for d in docs])]))
 
 
 def test_bad_magic_is_a_clear_error(tmp_path):
