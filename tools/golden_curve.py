@@ -5,7 +5,8 @@ behaviour bit for bit.
     python tools/golden_curve.py --out golden.json          # record
     python tools/golden_curve.py --check golden.json        # rerun and compare (exit 1 on any difference)
 
-Two layouts run: one process, and TP=2 x PP=2 on 4 gloo ranks (the parallel code paths). The weights are
+Three layouts run: one process, TP=2 x PP=2 on 4 gloo ranks, and DP=2 with the distributed optimizer and
+both overlaps (the parallel code paths). The weights are
 hashed from the ``torch`` checkpoint format's model state, so any change of a single bit in any parameter
 changes the hash.
 """
@@ -28,8 +29,10 @@ FLAGS = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 3
          "--vocab-size 512 --log-interval 1 --eval-iters 0 --seed 1234 --attention-dropout 0 --hidden-dropout 0 "
          "--swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights "
          "--ckpt-format torch --save-interval 12 --deterministic-mode").split()
-LAYOUTS = {"1rank": (1, []), "tp2pp2": (4, ["--tensor-model-parallel-size", "2",
-                                             "--pipeline-model-parallel-size", "2", "--sequence-parallel"])}
+LAYOUTS = {"1rank": (1, []),
+           "tp2pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                          "--sequence-parallel"]),
+           "dp2distopt": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"])}
 LOSS = re.compile(r"lm loss: ([0-9.E+-]+)")
 
 
@@ -48,7 +51,9 @@ def run_layout(name: str, workdir: Path) -> dict:
     import torch  # lazy: a module-level torch import costs ~2 s for --help
 
     for path in sorted(glob.glob(str(save / "iter_*" / "*" / "*.pt"))):
-        state = torch.load(path, map_location="cpu", weights_only=False)["model"]
+        state = torch.load(path, map_location="cpu", weights_only=False).get("model")
+        if state is None:  # the distributed optimizer's own file
+            continue
         for key in sorted(state):
             value = state[key]
             if isinstance(value, torch.Tensor):

@@ -48,14 +48,15 @@ def test_hang_dumps_every_rank_and_ends_at_the_timeout(cli, tmp_path):
 
 def test_straggler_report_names_the_slow_rank(cli):
     """Rank 1 runs 40 ms out of every 120 ms (SIGSTOP/SIGCONT from the launcher): its own step time is ~3x
-    rank 0's, which waits for it in the gradient all-reduce. Each report covers 6 steps (~20 ms each), so
-    it spans at least one whole stop of rank 1: 3 steps could fit inside one 40 ms run."""
-    results = cli.run(["pretrain_gpt.py"] + MODEL + ["--train-iters", "12", "--log-interval", "6",
+    rank 0's, which waits for it in the gradient all-reduce. Each report covers 20 steps, at least 170 ms
+    even at 9 ms a step, so it spans a whole 120 ms cycle of rank 1 (6 steps were too few once a step took
+    9 ms: a window could miss the stop)."""
+    results = cli.run(["pretrain_gpt.py"] + MODEL + ["--train-iters", "40", "--log-interval", "20",
                                                       "--log-straggler", "--straggler-ctrlr-port", "0"],
                       nranks=2, timeout=120, throttle=dict(rank=1, run_ms=40, stop_ms=80))
     assert [r.rc for r in results] == [0, 0], results[0].err[-3000:] + results[1].err[-3000:]
     lines = [l for l in results[0].out.splitlines() if l.startswith("straggler report")]
-    assert [re.search(r"iteration (\d+)", l).group(1) for l in lines] == ["6", "12"]
+    assert [re.search(r"iteration (\d+)", l).group(1) for l in lines] == ["20", "40"]
     for line in lines:
         slow, fast = re.search(r"slowest: rank (\d) ([\d.]+) \| fastest: rank (\d) ([\d.]+)", line).group(1, 3)
         assert (slow, fast) == ("1", "0"), line
