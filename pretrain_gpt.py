@@ -14,6 +14,7 @@ from megatron.core.fusions.compile import compile_available
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
     get_gpt_mtp_block_spec,
 )
 from megatron.core.models.gpt.gpt_model import GPTModel
@@ -25,15 +26,18 @@ from megatron.training.arguments import core_transformer_config_from_args
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None):
-    """GPTModel built from the flags, with the local (torch) layer spec."""
+    """GPTModel built from the flags: the local layer spec, or (--transformer-impl transformer_engine) the
+    same torch layers under Megatron's TE-spec checkpoint key names."""
     args = get_args()
     print_rank_0("building GPT model ...")
     config = core_transformer_config_from_args(args)
-    layer_spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization,
-                                          multi_latent_attention=args.multi_latent_attention,
-                                          qk_l2_norm=args.qk_l2_norm)
+    use_te = args.transformer_impl == "transformer_engine"
+    spec_fn = get_gpt_layer_with_transformer_engine_spec if use_te else get_gpt_layer_local_spec
+    layer_spec = spec_fn(qk_layernorm=args.qk_layernorm, multi_latent_attention=args.multi_latent_attention,
+                         qk_l2_norm=args.qk_l2_norm)
     if args.num_experts is not None:  # MoE: one spec per layer (dense where --moe-layer-freq says so)
-        layer_spec = get_gpt_decoder_block_spec(config, normalization=args.normalization, qk_l2_norm=args.qk_l2_norm)
+        layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
+                                                qk_l2_norm=args.qk_l2_norm)
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,

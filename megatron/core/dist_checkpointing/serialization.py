@@ -3,6 +3,7 @@
 A checkpoint directory holds DCP files (`__{rank}_{k}.distcp`, `.metadata`), the non-sharded ("common")
 state in `common.pt` (written by rank 0), and `metadata.json`, written last.
 """
+import dataclasses
 import logging
 import os
 from typing import Any, Dict, Optional
@@ -10,6 +11,7 @@ from typing import Any, Dict, Optional
 import torch
 from torch.distributed.checkpoint.api import CheckpointException as DCPException
 
+from megatron.core.transformer.te_key_map import alternative_key
 from megatron.core.utils import lazy_names
 
 from . import dict_utils
@@ -294,10 +296,13 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     if isinstance(common, dict):
         common.pop(_CONTENT_METADATA_KEY, None)
     _, sharded = _split_common(sharded_state_dict)
-    md_keys = set(tensor_shapes(checkpoint_dir)) if strict not in _RAISE_ON_MISSING else None
+    saved = set(tensor_shapes(checkpoint_dir))
+    md_keys = saved if strict not in _RAISE_ON_MISSING else None
     tensors, objects = [], []
     result = {}
     for path, sh in sharded:
+        if isinstance(sh, ShardedTensor) and sh.key not in saved and alternative_key(sh.key) in saved:
+            sh = dataclasses.replace(sh, key=alternative_key(sh.key))  # saved under the other layer spec
         if md_keys is not None and sh.key not in md_keys and isinstance(sh, ShardedTensor):
             if strict == "log_all":
                 logger.warning("checkpoint %s has no tensor %s; keeping its current value", checkpoint_dir, sh.key)

@@ -13,6 +13,7 @@ from typing import Dict
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.transformer import te_key_map
 
 _LAYER_RE = re.compile(r"^(.*?\blayers\.)(\d+)(\..*)$")
 
@@ -29,7 +30,9 @@ def global_param_names(model: torch.nn.Module, keep_vars: bool = True) -> Dict[s
                    for name, module in model.named_modules()
                    if hasattr(module, "local_expert_indices") and hasattr(module.experts, "local_experts")}
     out = {}
-    for local in model.state_dict(keep_vars=keep_vars):
+    with te_key_map.local_names(model):  # init seeds and checkpoint layouts key params by their local names
+        local_keys = list(model.state_dict(keep_vars=keep_vars))
+    for local in local_keys:
         name = _global_expert_name(local, expert_maps)
         m = _LAYER_RE.match(name)
         if m:

@@ -8,6 +8,7 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.transformer import te_key_map
 from megatron.core.transformer.initialize import global_param_names, tp_rank_and_size
 from megatron.core.utils import get_pg_rank, get_pg_size
 
@@ -52,7 +53,9 @@ def build_sharded_state_dict(model: torch.nn.Module, prefix: str = ""):
     dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
     tied_output = getattr(model, "share_embeddings_and_output_weights", False)
     out = {}
-    for local, tensor in model.state_dict(keep_vars=True).items():
+    with te_key_map.local_names(model):
+        state = model.state_dict(keep_vars=True)
+    for local, tensor in state.items():
         if tensor is None:
             continue
         pp_replica = 0
@@ -61,7 +64,7 @@ def build_sharded_state_dict(model: torch.nn.Module, prefix: str = ""):
                 continue  # the embedding on this rank is the same tensor and is saved once
             pp_replica = 1  # a copy of the first stage's embedding: never written from here
         out[prefix + local] = _sharded_tensor(prefix + names[local], tensor, pp_replica, dp_rank)
-    return out
+    return te_key_map.rename_sharded(model, out, prefix)
 
 
 def checkpoint_groups(kwargs):

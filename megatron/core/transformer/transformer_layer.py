@@ -5,9 +5,12 @@ from typing import Optional, Union
 
 import torch
 
+from megatron.core.transformer import te_key_map
 from megatron.core.fusions.compile import _raise_recompile_limit
 from megatron.core.fusions.fused_bias_dropout import _bias_dropout_add
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.random import checkpoint
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.layer_offsets import get_transformer_layer_offset, pipeline_coords
 from megatron.core.transformer.module import MegatronModule
@@ -34,6 +37,8 @@ class TransformerLayerSubmodules:
     mlp: Union[ModuleSpec, type] = IdentityOp
     mlp_bda: Union[ModuleSpec, type] = IdentityFuncOp
     sharded_state_dict_keys_map: dict = field(default_factory=dict)
+    # "transformer_engine": the state dict keeps Megatron's TE-spec key names (te_key_map.py)
+    checkpoint_key_names: str = "local"
 
 
 class BaseTransformerLayer(ABC):
@@ -89,6 +94,18 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
                                and "layernorm" in (config.recompute_modules or []))
         self.recompute_mlp = (config.recompute_granularity == "selective"
                               and "mlp" in (config.recompute_modules or []))
+        te_key_map.install(self, getattr(submodules, "checkpoint_key_names", "local") == te_key_map.TRANSFORMER_ENGINE,
+                           self._te_module_paths())
+
+    def _te_module_paths(self):
+        """The submodules that Megatron's TE spec builds from Transformer Engine modules (linears, core
+        attention, grouped experts): each has an ``_extra_state`` in a TE-spec state dict."""
+        paths = [name for name, m in self.named_modules()
+                 if isinstance(m, (ColumnParallelLinear, RowParallelLinear, DotProductAttention))]
+        experts = getattr(self.mlp, "experts", None)
+        if hasattr(experts, "weight1"):
+            paths += ["mlp.experts.linear_fc1", "mlp.experts.linear_fc2"]
+        return paths
 
     def _groups_for(self, spec) -> dict:
         """Explicit groups for a submodule: MoE and attention take the collection, MLP its TP group."""

@@ -1,33 +1,32 @@
-"""Checks of the GPU fast-path flags: --transformer-impl, --use-flash-attn, --fp8-*, --cuda-graph-*.
+"""Checks of the GPU fast-path flags: --transformer-impl, --attention-backend, --use-flash-attn, --fp8-*,
+--cuda-graph-*.
 
-Transformer Engine layers are not integrated, so an explicit --transformer-impl transformer_engine is
-refused (never silently replaced by local layers). --use-flash-attn selects torch SDPA's flash kernel.
+--transformer-impl transformer_engine (Megatron's default) builds this project's fused torch layers: the
+same functions as Transformer Engine's, other kernels; the model's state dict keeps Megatron's TE-spec key
+names (megatron/core/transformer/te_key_map.py). Each mapping is listed once in the start-up log.
+--use-flash-attn selects torch SDPA's flash kernel.
 """
-import importlib.util
+
+TE_MAPPED = ("--transformer-impl transformer_engine runs this project's fused torch layers: same functions, "
+             "different kernels (checkpoints keep Megatron's TE-spec key names)")
+# Transformer Engine's attention backends -> the torch SDPA kernels that dot_product_attention.py asks for.
+ATTENTION_BACKENDS = {
+    "flash": "torch SDPA's flash kernel", "fused": "torch SDPA's cuDNN / memory-efficient kernels",
+    "unfused": "torch SDPA's math kernel (unfused softmax(QK^T)V)",
+    "local": "torch SDPA, which picks its kernel (as auto)",
+}
 
 
-class TransformerEngineNotIntegrated(NotImplementedError):
-    """Transformer Engine is installed, but this build has no TE layer implementation."""
-
-
-def transformer_engine_installed() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
-def validate_fast_path_args(args, require):
-    """``require(cond, message)`` raises the argument error of validate_args."""
-    if args.transformer_impl == "transformer_engine":
-        require(transformer_engine_installed(),
-                "--transformer-impl transformer_engine: Transformer Engine is not installed "
-                "(pip install --no-build-isolation transformer_engine[pytorch]); or drop the flag / pass "
-                "--transformer-impl local to use this project's torch layers")
-        raise TransformerEngineNotIntegrated(
-            "--transformer-impl transformer_engine: Transformer Engine layers are not integrated in this "
-            "project yet; pass --transformer-impl local (the default)")
+def validate_fast_path_args(args, require, say=print):
+    """``require(cond, message)`` raises the argument error of validate_args; ``say`` logs a start-up line."""
+    if args.transformer_impl == "transformer_engine" and args.rank == 0:
+        say(TE_MAPPED)
     if args.use_flash_attn:
         require(args.attention_backend in ("auto", "flash"),
                 f"--use-flash-attn conflicts with --attention-backend {args.attention_backend}; pass one of them")
         args.attention_backend = "flash"
+    elif args.attention_backend != "auto" and args.rank == 0:
+        say(f"--attention-backend {args.attention_backend} runs {ATTENTION_BACKENDS[args.attention_backend]}")
     if args.fp8 is not None:
         from megatron.core.fp8 import FP8_RECIPES  # lazy: loads fp8_linear and torch._dynamo (~0.5 s); --fp8 only
         require(args.fp8_recipe in FP8_RECIPES,

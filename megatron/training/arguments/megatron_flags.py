@@ -32,7 +32,8 @@ _SEEN = "_megatron_flags_seen"  # namespace attribute: {dest: (option, status, d
 NO_EFFECT = {
     "--use-mcore-models": "the models here are Megatron Core models; there is no legacy model",
     "--disable-jit-fuser": "no TorchScript fuser is used; fusions are Triton/torch.compile with eager fallbacks",
-    "--te-rng-tracker": "no Transformer Engine: dropout always draws from our RNG tracker (CUDA-graph safe)",
+    "--te-rng-tracker": "Transformer Engine's CUDA-graph-safe RNG tracker maps to ours: dropout always draws "
+                        "from our RNG tracker, which is CUDA-graph safe",
     "--use-te-activation-func": "no Transformer Engine: the activation is the same torch function",
     "--use-transformer-engine-op-fuser": "no Transformer Engine: layers are our torch modules",
     "--flash-attention-version": "attention runs through torch SDPA, which picks its kernel",
@@ -71,6 +72,9 @@ NO_EFFECT = {
 
 # Megatron's reasons for a few deprecated flags, and flags that only another entry point reads.
 REASONS = {
+    "--fp8-param-gather": "FP8 parameters (Transformer Engine Float8Tensor weights all-gathered in FP8) have no "
+                          "counterpart: --fp8 here keeps bf16 parameters and casts each GEMM's inputs; drop the "
+                          "flag",
     "--batch-size": "use --micro-batch-size (as Megatron says)",
     "--warmup": "use --lr-warmup-fraction or --lr-warmup-iters (as Megatron says)",
     "--checkpoint-activations": "use --recompute-activations or --recompute-granularity full",

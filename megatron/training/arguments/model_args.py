@@ -50,8 +50,8 @@ def add_network_size_args(parser):
                    help="Pad the vocabulary to a multiple of this times the TP size.")
     g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
                    help="Layer implementation. Default local (our torch layers; Megatron's default is "
-                        "transformer_engine). transformer_engine is checked and refused with a message: "
-                        "Transformer Engine layers are not integrated.")
+                        "transformer_engine). transformer_engine runs the same fused torch layers (same "
+                        "functions, different kernels) and keeps Megatron's TE-spec checkpoint key names.")
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "flash", "fused", "unfused", "local"],
                    help="Core attention backend; all run through torch SDPA, which picks its kernel.")

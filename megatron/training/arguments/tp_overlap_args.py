@@ -1,7 +1,9 @@
 """--tp-comm-overlap: overlap the sequence-parallel all-gathers / reduce-scatters with the TP GEMMs.
 
 Our own chunked ring over torch.distributed (megatron/core/tensor_parallel/overlap.py); Megatron's
-Transformer Engine userbuffer tuning knobs have no counterpart (megatron_flags.py lists them)."""
+Transformer Engine userbuffer tuning knobs have no counterpart (megatron_flags.py lists them), and its
+userbuffer config file (--tp-comm-overlap-cfg) is accepted and has no effect: there are no userbuffers."""
+import os
 
 
 def add_tp_overlap_args(parser):
@@ -20,10 +22,21 @@ def add_tp_overlap_args(parser):
     g.add_argument("--no-tp-comm-bulk-wgrad", "--disable-tp-comm-bulk-wgrad", action="store_false",
                    dest="tp_comm_bulk_wgrad", help="With --tp-comm-overlap: do not run the backward dgrad "
                                                    "reduce-scatter behind the wgrad GEMM.")
+    g.add_argument("--tp-comm-overlap-cfg", type=str, default=None,
+                   help="Transformer Engine userbuffer config (YAML): accepted and has no effect here (no "
+                        "userbuffers; --tp-comm-overlap runs a chunked ring over the TP group).")
     return parser
 
 
-def validate_tp_overlap_args(args, require):
+def validate_tp_overlap_args(args, require, say=print):
+    """``say`` logs a start-up line (rank 0)."""
+    cfg = args.tp_comm_overlap_cfg
+    if cfg is not None:
+        require(os.path.isfile(cfg), f"--tp-comm-overlap-cfg {cfg}: no such file; pass the path of the YAML "
+                                     "userbuffer config or drop the flag")
+        if args.rank == 0:
+            say(f"--tp-comm-overlap-cfg {cfg} has no effect here: it configures Transformer Engine userbuffers, "
+                "and --tp-comm-overlap here runs a chunked ring over the TP group with no userbuffers")
     if not args.tp_comm_overlap:
         return
     require(args.sequence_parallel and args.tensor_model_parallel_size > 1,

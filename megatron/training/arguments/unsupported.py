@@ -8,8 +8,6 @@ comes from here. A module that implements one of these flags deletes its line.
 # flag -> (argparse kwargs of an earlier registration, kept for reference; what to do instead)
 UNSUPPORTED_FLAGS = {
     "--fp4-format": (dict(type=str), "FP4 is not supported"),
-    "--tp-comm-overlap-cfg": (dict(type=str), "a Transformer Engine userbuffer config; --tp-comm-overlap here "
-                                              "has no userbuffers to configure: drop the file"),
     "--spec": (dict(nargs="*"), "custom layer specs are not supported; the local spec is used"),
     "--heterogeneous-layers-config-path": (dict(type=str), "heterogeneous layers are not supported"),
     "--step-batch-size-schedule": (dict(type=str), "use --rampup-batch-size"),

@@ -1,4 +1,8 @@
-"""Layer specs for GPT: which classes make up a transformer layer (local torch implementation)."""
+"""Layer specs for GPT: which classes make up a transformer layer (local torch implementation).
+
+The Transformer Engine specs build the same modules (our fused torch layers: same functions, different
+kernels) whose state dicts keep Megatron's TE-spec key names (megatron/core/transformer/te_key_map.py)."""
+import dataclasses
 from typing import List, Optional
 
 from megatron.core.models.backends import LocalSpecProvider
@@ -18,6 +22,7 @@ from megatron.core.transformer.multi_token_prediction import (
     get_mtp_num_layers_to_build,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.te_key_map import TRANSFORMER_ENGINE
 from megatron.core.transformer.torch_norm import L2Norm, WrappedTorchNorm
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -150,7 +155,8 @@ def get_gpt_layer_with_transformer_engine_submodules(
         use_kitchen: bool = False, use_te_activation_func: bool = False, use_kitchen_attention: bool = False,
         kitchen_attention_backend: str = "sdpa", mla_down_proj_fusion: bool = False,
         use_grouped_gemm_for_dense_mlp: bool = False) -> TransformerLayerSubmodules:
-    """Without Transformer Engine: the submodules of our fastest spec, the local one.
+    """Without Transformer Engine: the submodules of our fastest spec, the local one, with Megatron's TE-spec
+    checkpoint key names (``linear_qkv.layer_norm_weight``, ``weight0..N`` grouped experts, ``_extra_state``).
 
     TE-only switches (op fuser, TE activation, MLA down-projection fusion, grouped GEMM for dense
     MLPs) are refused when set; `fp8` is ignored as in Megatron (FP8 is a config setting)."""
@@ -160,10 +166,15 @@ def get_gpt_layer_with_transformer_engine_submodules(
     for name, value in te_only.items():
         if value:
             raise NotImplementedError(f"{name} needs Transformer Engine, which this build does not use; drop it")
-    return get_gpt_layer_local_submodules(num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention,
-                                          qk_l2_norm=qk_l2_norm, use_kitchen=use_kitchen,
-                                          use_kitchen_attention=use_kitchen_attention,
-                                          kitchen_attention_backend=kitchen_attention_backend)
+    return _with_te_key_names(get_gpt_layer_local_submodules(
+        num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention, qk_l2_norm=qk_l2_norm,
+        use_kitchen=use_kitchen, use_kitchen_attention=use_kitchen_attention,
+        kitchen_attention_backend=kitchen_attention_backend))
+
+
+def _with_te_key_names(submodules: TransformerLayerSubmodules) -> TransformerLayerSubmodules:
+    """The same layer, its state dict under Megatron's TE-spec key names."""
+    return dataclasses.replace(submodules, checkpoint_key_names=TRANSFORMER_ENGINE)
 
 
 def get_gpt_layer_with_transformer_engine_spec(
@@ -173,8 +184,8 @@ def get_gpt_layer_with_transformer_engine_spec(
         use_kitchen: bool = False, use_te_activation_func: bool = False, use_kitchen_attention: bool = False,
         kitchen_attention_backend: str = "sdpa", mla_down_proj_fusion: bool = False,
         use_grouped_gemm_for_dense_mlp: bool = False) -> ModuleSpec:
-    """Our fastest GPT layer spec (the local spec: no Transformer Engine here), under Megatron's TE name
-    so that model providers written for Megatron run unchanged."""
+    """Our fastest GPT layer spec (the local modules: no Transformer Engine here) under Megatron's TE name
+    and with its TE-spec checkpoint key names, so that model providers written for Megatron run unchanged."""
     return ModuleSpec(module=TransformerLayer, submodules=get_gpt_layer_with_transformer_engine_submodules(
         num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention, fp8, qk_l2_norm, use_te_op_fuser,
         use_kitchen, use_te_activation_func, use_kitchen_attention, kitchen_attention_backend,
@@ -188,13 +199,16 @@ def get_gpt_decoder_layer_specs(config, use_transformer_engine: bool = False, no
     (an int N: every N-th layer from layer 0; a list: 1 = MoE, 0 = dense, e.g. DeepSeek's first dense
     layers), dense elsewhere."""
     mla = getattr(config, "multi_latent_attention", False)
+    names = _with_te_key_names if use_transformer_engine else (lambda submodules: submodules)
     dense = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=normalization,
                                      qk_l2_norm=qk_l2_norm, multi_latent_attention=mla)
+    dense.submodules = names(dense.submodules)
     if config.num_moe_experts is None:
         return [dense] * config.num_layers
     moe = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
                                    qk_layernorm=config.qk_layernorm, normalization=normalization,
                                    qk_l2_norm=qk_l2_norm, multi_latent_attention=mla)
+    moe.submodules = names(moe.submodules)
     return [moe if p else dense for p in moe_layer_pattern(config.moe_layer_freq, config.num_layers)]
 
 

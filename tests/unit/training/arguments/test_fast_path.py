@@ -1,4 +1,4 @@
-"""--transformer-impl and --use-flash-attn: explicit behaviour, never a silent substitute."""
+"""--transformer-impl, --attention-backend and --use-flash-attn: each mapping said once at start-up."""
 import pytest
 
 from megatron.training.arguments import ArgumentError, fast_path, parse_args, validate_args
@@ -16,23 +16,25 @@ def test_default_is_local():
     assert _args().transformer_impl == "local"
 
 
-def test_transformer_engine_missing_names_flag(monkeypatch):
-    monkeypatch.setattr(fast_path, "transformer_engine_installed", lambda: False)
-    with pytest.raises(ArgumentError, match="--transformer-impl transformer_engine.*not installed.*local"):
-        _args("--transformer-impl transformer_engine")
+def test_transformer_engine_is_mapped_and_said_once(capsys):
+    args = _args("--transformer-impl transformer_engine")
+    assert args.transformer_impl == "transformer_engine"
+    out = capsys.readouterr().out
+    assert out.count("--transformer-impl transformer_engine runs this project's fused torch layers: same "
+                     "functions, different kernels") == 1
 
 
-def test_transformer_engine_installed_but_not_integrated(monkeypatch):
-    monkeypatch.setattr(fast_path, "transformer_engine_installed", lambda: True)
-    with pytest.raises(NotImplementedError, match="--transformer-impl transformer_engine"):
-        _args("--transformer-impl transformer_engine")
+def test_local_says_nothing_about_transformer_engine(capsys):
+    _args("--transformer-impl local")
+    assert "transformer_engine" not in capsys.readouterr().out
 
 
-def test_te_probe_follows_import_machinery(monkeypatch):
-    monkeypatch.setattr(fast_path.importlib.util, "find_spec", lambda name: None)
-    assert not fast_path.transformer_engine_installed()
-    monkeypatch.setattr(fast_path.importlib.util, "find_spec", lambda name: object())
-    assert fast_path.transformer_engine_installed()
+@pytest.mark.parametrize("backend,kernel", [("fused", "cuDNN"), ("flash", "flash"), ("unfused", "math"),
+                                            ("local", "picks")])
+def test_attention_backends_are_mapped_to_sdpa_kernels(capsys, backend, kernel):
+    assert _args(f"--attention-backend {backend}").attention_backend == backend
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("--attention-backend")]
+    assert len(lines) == 1 and kernel in lines[0]
 
 
 def test_use_flash_attn_selects_flash_backend():
