@@ -5,11 +5,11 @@ from typing import Optional, Union
 
 import torch
 
-from megatron.core.transformer import te_key_map
 from megatron.core.fusions.compile import _raise_recompile_limit
 from megatron.core.fusions.fused_bias_dropout import _bias_dropout_add
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.random import checkpoint
+from megatron.core.transformer import te_key_map
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.layer_offsets import get_transformer_layer_offset, pipeline_coords

@@ -1,7 +1,7 @@
 """--transformer-impl, --attention-backend and --use-flash-attn: each mapping said once at start-up."""
 import pytest
 
-from megatron.training.arguments import ArgumentError, fast_path, parse_args, validate_args
+from megatron.training.arguments import ArgumentError, parse_args, validate_args
 
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
         "--micro-batch-size 2 --train-iters 5 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer "
