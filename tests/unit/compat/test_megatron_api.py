@@ -49,8 +49,10 @@ def test_gpt_from_te_named_spec(tmp_path):
     model_parallel_cuda_manual_seed(123)
     config = _config()
     spec = get_gpt_layer_with_transformer_engine_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False)
-    # Without Transformer Engine the TE-named spec is the local one: same modules, same parameter names.
-    assert spec.submodules == get_gpt_layer_local_spec().submodules
+    # Without Transformer Engine the TE-named spec builds the local modules; only the checkpoint key names
+    # differ (Megatron's TE-spec names, te_key_map.py).
+    assert spec.submodules == dataclasses.replace(get_gpt_layer_local_spec().submodules,
+                                                  checkpoint_key_names="transformer_engine")
     assert len(get_gpt_decoder_block_spec(config, use_transformer_engine=True).layer_specs) == 2
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
                      position_embedding_type="rope", share_embeddings_and_output_weights=True)

@@ -109,12 +109,12 @@ def test_aliases_set_our_dest():
 def test_a_flag_defined_elsewhere_becomes_works():
     """A module that starts defining a Megatron flag needs no edit of the registry."""
     def add_cfg(parser):
-        parser.add_argument("--tp-comm-overlap-cfg", type=str, default=None)
+        parser.add_argument("--fp4-format", type=str, default=None)
         return parser
     parser = build_parser(add_cfg)
-    assert parser.megatron_flags["--tp-comm-overlap-cfg"] == (mf.WORKS, "")
-    assert PARSER.megatron_flags["--tp-comm-overlap-cfg"][0] == mf.NOT_SUPPORTED
-    assert _validate(["--tp-comm-overlap-cfg", "x.yaml"], parser).tp_comm_overlap_cfg == "x.yaml"
+    assert parser.megatron_flags["--fp4-format"] == (mf.WORKS, "")
+    assert PARSER.megatron_flags["--fp4-format"][0] == mf.NOT_SUPPORTED
+    assert _validate(["--fp4-format", "e2m1"], parser).fp4_format == "e2m1"
 
 
 def test_bert_and_t5_flags():
