@@ -52,7 +52,7 @@ def install(layer, te_names: bool, extra_state_modules=()):
     layer._te_kinds = layer_kinds(layer)
     layer._te_extra_state = tuple(extra_state_modules)
     layer._register_state_dict_hook(_save_hook)
-    layer._register_load_state_dict_pre_hook(_load_hook, with_module=True)
+    layer._register_load_state_dict_pre_hook(load_hook, with_module=True)
 
 
 def _renames(kinds):
@@ -79,7 +79,7 @@ def _save_hook(layer, state_dict, prefix, local_metadata):
         state_dict[f"{prefix}{module}.{EXTRA_STATE}"] = torch.empty(0, dtype=torch.uint8)
 
 
-def _load_hook(layer, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+def load_hook(layer, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
     for key in [k for k in state_dict if k.startswith(prefix)]:
         rel = key[len(prefix):]
         if rel.endswith(EXTRA_STATE):

@@ -17,6 +17,7 @@ from megatron.core.transformer.layer_offsets import (  # noqa: F401  (layers_per
 )
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module, process_group_kwargs
+from megatron.core.transformer.te_key_map import load_hook
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.utils import make_viewless_tensor
 
@@ -43,6 +44,8 @@ class TransformerBlock(MegatronModule):
     def __init__(self, config, spec, post_layer_norm: bool = True, pre_process: bool = True,
                  post_process: bool = True, pg_collection=None, vp_stage: Optional[int] = None, **kwargs):
         super().__init__(config)
+        # TE-spec checkpoints: the final TENorm's _extra_state (newer Transformer Engine) is read and dropped
+        self._register_load_state_dict_pre_hook(load_hook, with_module=True)
         self.submodules = _get_block_submodules(config, spec)
         self.pre_process, self.post_process = pre_process, post_process
         self.vp_stage = vp_stage
