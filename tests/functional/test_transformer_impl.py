@@ -14,7 +14,8 @@ CMD = ("pretrain_gpt.py --num-layers 2 --hidden-size 32 --num-attention-heads 4 
        "--tokenizer-type NullTokenizer --vocab-size 128 --log-interval 1 --eval-interval 100 --eval-iters 0 "
        "--num-workers 0 --train-iters 6").split()
 LOSS = re.compile(r"iteration +(\d+)/ +\d+ \|.*\| lm loss: (\S+) \|")
-MAPPED = "--transformer-impl transformer_engine runs this project's fused torch layers: same functions, different kernels"
+MAPPED = ("--transformer-impl transformer_engine runs this project's fused torch layers: same functions, "
+          "different kernels")
 
 
 @pytest.fixture(scope="module")
