@@ -1,0 +1,100 @@
+"""Where a profiled window's time went, read from the Chrome traces that ``--profile --use-pytorch-profiler``
+writes (one ``rank<R>.*.pt.trace.json`` per rank under ``--tensorboard-dir``).
+
+    python tools/trace_report.py runs/tb/*.pt.trace.json [--gap-us 10] [--top 5] [--json out.json]
+
+Per trace: the window's wall time; the step's named ranges (``forward``, ``backward``, ``optimizer``: count and
+total ms, host side); and on the GPU, the time some kernel, copy or memset was running (the union over all
+streams), the idle time between those, and the idle gaps longer than ``--gap-us`` (count, total, the longest
+with the host operation that was running when each began: a launch-bound stretch shows up as many short gaps
+under small host ops, a host wait as one long gap under a synchronising call).
+"""
+import argparse
+import json
+import os
+import sys
+from typing import Dict, List, Tuple
+
+RANGES = ("forward", "backward", "optimizer")
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _spans(events, categories) -> List[Tuple[float, float, str]]:
+    return sorted((e["ts"], e["ts"] + e.get("dur", 0.0), e.get("name", "")) for e in events
+                  if e.get("ph") == "X" and e.get("cat") in categories)
+
+
+def _union(spans) -> List[Tuple[float, float]]:
+    merged: List[List[float]] = []
+    for start, end, _ in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _host_op_at(host_ops, t: float) -> str:
+    """The innermost host operation running at time ``t`` (the one that started last), or ''."""
+    running = [(start, name) for start, end, name in host_ops if start <= t <= end]
+    return max(running)[1] if running else ""
+
+
+def analyse(events: List[dict], gap_us: float = 10.0, top: int = 5) -> Dict:
+    timed = [e for e in events if e.get("ph") == "X" and "ts" in e]
+    if not timed:
+        raise ValueError("the trace has no timed events")
+    wall_us = max(e["ts"] + e.get("dur", 0.0) for e in timed) - min(e["ts"] for e in timed)
+    ranges = {name: {"count": 0, "ms": 0.0} for name in RANGES}
+    for e in timed:
+        if e.get("cat") == "user_annotation" and e.get("name") in ranges:
+            ranges[e["name"]]["count"] += 1
+            ranges[e["name"]]["ms"] += e.get("dur", 0.0) / 1e3
+    report = {"wall_ms": wall_us / 1e3, "ranges": ranges}
+    busy = _union(_spans(timed, GPU_CATEGORIES))
+    if busy:
+        host_ops = _spans(timed, ("cpu_op", "cuda_runtime", "user_annotation"))
+        gaps = [(b[0] - a[1], a[1]) for a, b in zip(busy, busy[1:]) if b[0] - a[1] > gap_us]
+        gaps.sort(reverse=True)
+        report["gpu"] = {
+            "busy_ms": sum(b - a for a, b in busy) / 1e3,
+            "idle_ms": (busy[-1][1] - busy[0][0] - sum(b - a for a, b in busy)) / 1e3,
+            "gaps": len(gaps), "gaps_ms": sum(g for g, _ in gaps) / 1e3,
+            "longest": [{"us": round(g, 1), "host_op": _host_op_at(host_ops, t)} for g, t in gaps[:top]],
+        }
+    return report
+
+
+def _print(path: str, report: Dict) -> None:
+    print(f"{os.path.basename(path)}: window {report['wall_ms']:.1f} ms")
+    print("  ranges: " + ", ".join(f"{n} {r['count']}x {r['ms']:.1f} ms" for n, r in report["ranges"].items()))
+    gpu = report.get("gpu")
+    if gpu is None:
+        print("  gpu: no kernels in this trace (a CPU run)")
+        return
+    print(f"  gpu: busy {gpu['busy_ms']:.1f} ms, idle {gpu['idle_ms']:.1f} ms, {gpu['gaps']} gaps "
+          f"over the threshold totalling {gpu['gaps_ms']:.1f} ms")
+    for gap in gpu["longest"]:
+        print(f"    {gap['us']:9.1f} us idle, host in: {gap['host_op'] or '-'}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("traces", nargs="+", help="rank<R>.*.pt.trace.json files")
+    parser.add_argument("--gap-us", type=float, default=10.0, help="GPU idle gaps shorter than this are ignored")
+    parser.add_argument("--top", type=int, default=5, help="how many of the longest gaps to list")
+    parser.add_argument("--json", help="also write the reports here")
+    args = parser.parse_args(argv)
+    reports = {}
+    for path in args.traces:
+        with open(path) as f:
+            reports[path] = analyse(json.load(f)["traceEvents"], args.gap_us, args.top)
+        _print(path, reports[path])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(reports, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
