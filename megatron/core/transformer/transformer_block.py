@@ -42,6 +42,9 @@ class TransformerBlock(MegatronModule):
 
     def __init__(self, config, spec, post_layer_norm: bool = True, pre_process: bool = True,
                  post_process: bool = True, pg_collection=None, vp_stage: Optional[int] = None, **kwargs):
+        if config.hidden_size <= 0:
+            raise ValueError(f"TransformerConfig.hidden_size is {config.hidden_size} (Megatron's unset default): "
+                             "set it (--hidden-size) before building a model")
         super().__init__(config)
         self.submodules = _get_block_submodules(config, spec)
         self.pre_process, self.post_process = pre_process, post_process
