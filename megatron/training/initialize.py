@@ -16,6 +16,7 @@ from megatron.core import num_microbatches_calculator as mbc
 from megatron.core import parallel_state
 from megatron.core.datasets.utils import compile_helpers
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.utils import get_pg_rank
 from megatron.training.arguments import parse_args, print_args, validate_args
 from megatron.training.checkpointing.args import load_args_from_checkpoint
 from megatron.training.diagnostics import errors, hang
@@ -218,18 +219,28 @@ def _initialize_model_parallel(args):
               f"{parallel_state.get_pipeline_model_parallel_world_size()}", flush=True)
 
 
-def _set_random_seed(seed, data_parallel_random_init=False, use_cudagraphable_rng=False):
-    """python/numpy/torch seeded with seed + 100*pp_rank (+10*dp_rank); the RNG tracker adds TP states."""
-    if seed is None or seed <= 0:
-        raise ValueError(f"--seed ({seed}) must be a positive integer")
-    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+def _set_random_seed(seed_, data_parallel_random_init=False, te_rng_tracker=False, inference_rng_tracker=False,
+                     use_cudagraphable_rng=False, pp_group=None, dp_group=None, tp_group=None, ep_group=None,
+                     etp_group=None, gtp_remat_group=None, egtp_remat_group=None):
+    """python/numpy/torch seeded with seed + 100*pp_rank (+10*dp_rank); the RNG tracker adds TP states.
+    Megatron's signature: the optional groups supply the ranks where parallel_state is not initialized."""
+    if seed_ is None or seed_ <= 0:
+        raise ValueError(f"--seed ({seed_}) must be a positive integer")
+    if gtp_remat_group is not None or egtp_remat_group is not None:
+        raise ValueError("_set_random_seed: gtp_remat_group / egtp_remat_group (Megatron's generalized TP "
+                         "recompute groups) have no counterpart here; leave them None")
+    pp_rank = get_pg_rank(pp_group) if pp_group is not None else parallel_state.get_pipeline_model_parallel_rank()
+    seed = seed_ + 100 * pp_rank
     if data_parallel_random_init:
-        seed = seed + 10 * parallel_state.get_data_parallel_rank()
+        seed = seed + 10 * (get_pg_rank(dp_group) if dp_group is not None else parallel_state.get_data_parallel_rank())
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    ranks = {name: get_pg_rank(group) if group is not None else None
+             for name, group in (("tp_rank", tp_group), ("ep_rank", ep_group), ("etp_rank", etp_group))}
     # CUDA graphs capture dropout under the tracker's states: keep them graph-safe (GPU only).
-    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=use_cudagraphable_rng and torch.cuda.is_available())
+    model_parallel_cuda_manual_seed(seed, te_rng_tracker, inference_rng_tracker,
+                                    use_cudagraphable_rng=use_cudagraphable_rng and torch.cuda.is_available(), **ranks)
 
 
 def _compile_dataset_helpers():

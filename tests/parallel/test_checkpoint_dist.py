@@ -114,3 +114,28 @@ def test_async_writes_run_in_schedule_order():
     for per_rank in run_distributed(_two_pending_writes, 2):
         for done, results in per_rank:
             assert done == [0, 1] and results == {"a": 2.0, "b": 20.0}
+
+
+def _padded_load(ckpt, bad_rank):
+    """Load the saved (4,) tensor 'a' as (6,) split over 2 ranks (rank 1's chunk ends past the saved
+    shape); `bad_rank` gives its chunk twice, a request that fails on that rank alone."""
+    rank = torch.distributed.get_rank()
+    chunk = ShardedTensor.from_rank_offsets("a", torch.full((3,), 3.7e19), (0, rank, 2), allow_shape_mismatch=True)
+    request = {"a": chunk}
+    if rank == bad_rank:
+        request["again"] = ShardedTensor.from_rank_offsets("a", torch.zeros(3), (0, rank, 2), allow_shape_mismatch=True)
+    try:
+        result = dc.load(request, ckpt)["a"].tolist()
+    except dc.CheckpointingException as e:
+        result = str(e)
+    torch.distributed.barrier()  # a rank left behind in a collective would hang here
+    return result
+
+
+def test_allow_shape_mismatch_zero_pads_and_a_failing_rank_fails_all(tmp_path):
+    ckpt = str(tmp_path / "c")
+    dc.save({"a": ShardedTensor.from_rank_offsets("a", torch.ones(4))}, ckpt)
+    assert run_distributed(_padded_load, 2, ckpt, None, timeout=60) == [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]
+    errors = run_distributed(_padded_load, 2, ckpt, 1, timeout=60)
+    assert errors[0] == errors[1] and errors[0].startswith(f"load of {ckpt} failed on rank 1: ShardedTensor a at ")
+    assert "\n" not in errors[0]

@@ -1,50 +1,21 @@
-"""Megatron Core's load-time strictness helpers of ``dist_checkpointing.validation`` that this project's
+"""Megatron Core's load-time strictness entry point of ``dist_checkpointing.validation`` that this project's
 ``load`` does not call (it checks keys against the checkpoint's metadata itself). Reached from
 ``megatron.core.dist_checkpointing.validation`` through its lazy alias table.
 """
 import logging
-from typing import Set
 
 from megatron.core.dist_checkpointing.core import CheckpointingException
-from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
-from megatron.core.dist_checkpointing.mapping import is_sharded
 from megatron.core.dist_checkpointing.validation import (
     StrictHandling,
     _nested_sharded,
+    adjust_non_strict_load,
+    determine_missing_and_unexpected_keys,
+    maybe_report_missing_and_unexpected_keys,
     parse_strict_flag,
     validate_sharding_integrity,
 )
 
 logger = logging.getLogger(__name__)
-
-
-def adjust_non_strict_load(sharded_state_dict, sharded_keys_to_remove: Set[str]):
-    """The state dict without the ShardedTensors/Objects whose key is in `sharded_keys_to_remove`."""
-    _, kept = extract_matching_values(sharded_state_dict,
-                                      lambda x: is_sharded(x) and x.key in sharded_keys_to_remove)
-    return kept
-
-
-def maybe_report_missing_and_unexpected_keys(missing_keys: Set[str], unexpected_keys: Set[str],
-                                             raise_error: bool = True) -> None:
-    """Raise (or log with `raise_error` False) when the request and the checkpoint differ in keys."""
-    if not missing_keys and not unexpected_keys:
-        return
-    msg = []
-    if missing_keys:
-        msg.append(f"keys in the checkpoint that no rank requested (missing): {sorted(missing_keys)}")
-    if unexpected_keys:
-        msg.append(f"requested keys that the checkpoint lacks (unexpected, this rank): {sorted(unexpected_keys)}")
-    if raise_error:
-        raise CheckpointingException("; ".join(msg))
-    logger.warning("; ".join(msg))
-
-
-def _missing_and_unexpected(ckpt_sharded_metadata, local_metadata, global_metadata):
-    ckpt_keys = {sh.key for sh in ckpt_sharded_metadata.values()}
-    unexpected = {sh.key for sh in local_metadata} - ckpt_keys
-    missing = set() if global_metadata is None else ckpt_keys - {sh.key for rank in global_metadata for sh in rank}
-    return missing, unexpected
 
 
 def validate_integrity_and_strict_load(sharded_state_dict, strict: StrictHandling, validate_access_integrity: bool,
@@ -61,8 +32,9 @@ def validate_integrity_and_strict_load(sharded_state_dict, strict: StrictHandlin
             local_metadata = [sh.without_data() for sh in _nested_sharded(sharded_state_dict)]
         skip_missing = strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.RAISE_UNEXPECTED,
                                   StrictHandling.RETURN_UNEXPECTED)
-        missing, unexpected = _missing_and_unexpected(ckpt_sharded_metadata, local_metadata,
-                                                      None if skip_missing else global_metadata)
+        missing, unexpected = determine_missing_and_unexpected_keys(
+            {sh.key for sh in ckpt_sharded_metadata.values()}, {sh.key for sh in local_metadata},
+            None if skip_missing else {sh.key for rank in global_metadata or () for sh in rank})
         sharded_state_dict = adjust_non_strict_load(sharded_state_dict, unexpected)
         if strict == StrictHandling.IGNORE_ALL:
             missing, unexpected = set(), set()

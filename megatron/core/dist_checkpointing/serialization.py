@@ -29,7 +29,12 @@ from .mapping import (
 from .strategies import torch as torch_strategy
 from .strategies.async_utils import AsyncRequest
 from .validation import (
+    StrictHandling,
+    adjust_non_strict_load,
     determine_global_metadata,
+    determine_missing_and_unexpected_keys,
+    maybe_report_missing_and_unexpected_keys,
+    mismatch_message,
     parse_strict_flag,
     save_integrity_manifest,
     sharding_error,
@@ -43,8 +48,6 @@ __getattr__ = lazy_names(__name__, {name: "megatron.core._compat.serialization" 
 
 logger = logging.getLogger(__name__)
 COMMON_FNAME = "common.pt"
-_RAISE_ON_MISSING = ("assume_ok_unexpected", "raise_unexpected", "raise_all", "log_unexpected",
-                     "return_unexpected", "return_all")
 
 
 def _rank() -> int:
@@ -268,18 +271,29 @@ def _guarded_read(checkpoint_dir, shards, object_keys, **kwargs):
                 if isinstance(failure, tuple) and failure and isinstance(failure[0], CheckpointingException):
                     raise failure[0] from e
         bad = _truncated_files(checkpoint_dir)
-        where = f"truncated or missing file(s) {', '.join(bad)}" if bad else f"{type(e).__name__}"
+        where = f"truncated or missing file(s) {', '.join(bad)}" if bad else _first_failure(e)
         raise CheckpointingException(f"failed to read checkpoint {checkpoint_dir}: {where}") from e
 
 
+def _first_failure(e) -> str:
+    """'rank R: <error>' for the first rank DCP reports failing, else the exception's type."""
+    for rank, failure in sorted((getattr(e, "failures", None) or {}).items()):
+        exc = failure[0] if isinstance(failure, tuple) and failure else failure
+        return f"rank {rank}: {type(exc).__name__}: {exc}".splitlines()[0]
+    return type(e).__name__
+
+
 def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_strategy=None,
-         validate_access_integrity: bool = True, strict: str = "assume_ok_unexpected",
-         verify_integrity: bool = False, process_group=None, *, common_strategy=None) -> Dict[str, Any]:
+         validate_access_integrity: bool = True, strict=StrictHandling.ASSUME_OK_UNEXPECTED,
+         verify_integrity: bool = False, process_group=None, *, common_strategy=None):
     """Load the tensors and objects described by ``sharded_state_dict`` (collective over all ranks).
 
     Returns the checkpoint's common state merged with the loaded values, in the structure of
-    ``sharded_state_dict`` (ready for ``model.load_state_dict``). Each rank reads the slices its
-    ShardedTensors ask for, so the saving layout may differ from the loading one.
+    ``sharded_state_dict`` (ready for ``model.load_state_dict``); for the ``return_unexpected`` and
+    ``return_all`` strict modes a tuple (state dict, missing keys, unexpected keys), as Megatron. Each
+    rank reads the slices its ShardedTensors ask for, so the saving layout may differ from the loading
+    one. A ShardedTensor with ``allow_shape_mismatch`` reads what the saved tensor covers and is zero
+    elsewhere. A rank whose request fails makes every rank raise the same one-line error (none hangs).
     """
     if verify_integrity:
         verify_integrity_manifest(checkpoint_dir)
@@ -287,30 +301,35 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
             sharded_strategy, (tuple, torch_strategy.TorchDistLoadShardedStrategy)):
         raise ValueError(f"sharded_strategy {sharded_strategy!r} is not supported; use None, 'torch_dist' or "
                          "a TorchDistLoadShardedStrategy")
-    strict = parse_strict_flag(strict).value
+    strict = parse_strict_flag(strict)
     factories, _ = dict_utils.extract_matching_values(
         sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True)
     apply_factories(sharded_state_dict)
     sharded_state_dict, local = _split_nonpersistent(sharded_state_dict)
-    common = load_common_state_dict(checkpoint_dir)
-    if isinstance(common, dict):
-        common.pop(_CONTENT_METADATA_KEY, None)
-    _, sharded = _split_common(sharded_state_dict)
-    saved = set(tensor_shapes(checkpoint_dir))
-    md_keys = saved if strict not in _RAISE_ON_MISSING else None
-    tensors, objects = [], []
-    result = {}
-    for path, sh in sharded:
-        if isinstance(sh, ShardedTensor) and sh.key not in saved and alternative_key(sh.key) in saved:
-            sh = dataclasses.replace(sh, key=alternative_key(sh.key))  # saved under the other layer spec
-        if md_keys is not None and sh.key not in md_keys and isinstance(sh, ShardedTensor):
-            if strict == "log_all":
-                logger.warning("checkpoint %s has no tensor %s; keeping its current value", checkpoint_dir, sh.key)
-            dict_utils.set_path(result, path, sh.data)
-            continue
-        (tensors if isinstance(sh, ShardedTensor) else objects).append((path, sh))
-    bufs = [_empty_like_shard(sh) for _, sh in tensors]
-    shards = torch_strategy.tensor_shards([sh for _, sh in tensors], bufs)
+    try:
+        _use_saved_spec_names(sharded_state_dict, checkpoint_dir)
+        sharded_state_dict, ckpt_keys, unexpected = _check_request(sharded_state_dict, checkpoint_dir, strict)
+        common = load_common_state_dict(checkpoint_dir)
+        _, sharded = _split_common(sharded_state_dict)
+        tensors = [(p, sh) for p, sh in sharded if isinstance(sh, ShardedTensor)]
+        objects = [(p, sh) for p, sh in sharded if not isinstance(sh, ShardedTensor)]
+        bufs = [_buffer_for(sh) for _, sh in tensors]
+        shards = torch_strategy.tensor_shards([sh for _, sh in tensors], bufs)
+        error = None
+    except Exception as e:  # every rank learns of it below, then raises
+        error, failure = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointingException) else str(e), e
+    want_keys = StrictHandling.requires_global_app_metadata(strict)
+    gathered = _gather_from_ranks((error, {sh.key for _, sh in _split_common(sharded_state_dict)[1]}
+                                   if want_keys and error is None else None), process_group)
+    if error is not None and len(gathered) == 1:
+        raise failure
+    for rank, (err, _) in enumerate(gathered):
+        if err is not None:
+            raise CheckpointingException(f"load of {checkpoint_dir} failed on rank {rank}: {err}")
+    missing = set()
+    if want_keys:
+        missing, _ = determine_missing_and_unexpected_keys(ckpt_keys, set(), set().union(*(k for _, k in gathered)))
+    _handle_mismatch(strict, missing, unexpected)
     allow = [sh.key for _, sh in tensors if sh.allow_shape_mismatch]
     objs = _guarded_read(checkpoint_dir, shards, sorted({o.unique_key for _, o in objects}),
                          process_group=process_group, allow_shape_mismatch=allow)
@@ -320,16 +339,63 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
         dict_utils.set_path(merged, path, buf)
     for path, o in objects:
         dict_utils.set_path(merged, path, objs[o.unique_key])
-    for path, value in dict_utils.iter_leaves(result):
-        dict_utils.set_path(merged, path, value)
     for path, value in local:
         dict_utils.set_path(merged, path, value.unwrap())
-    return apply_factory_merges(merged, factories) if factories else merged
+    merged = apply_factory_merges(merged, factories) if factories else merged
+    if StrictHandling.requires_returning_mismatch_keys(strict):
+        return merged, missing, unexpected
+    return merged
 
 
-def _empty_like_shard(sh: ShardedTensor) -> torch.Tensor:
+def _use_saved_spec_names(sharded_state_dict, checkpoint_dir) -> None:
+    """In place: a requested tensor the checkpoint lacks under its own name but holds under the other layer
+    spec's name (Transformer Engine vs local, megatron/core/transformer/te_key_map.py) is read from there."""
+    if maybe_load_config(checkpoint_dir) is None:
+        return  # not a complete checkpoint: the load below says so in one line
+    saved = set(tensor_shapes(checkpoint_dir))
+    for path, sh in _split_common(sharded_state_dict)[1]:
+        if isinstance(sh, ShardedTensor) and sh.key not in saved and alternative_key(sh.key) in saved:
+            dict_utils.set_path(sharded_state_dict, path, dataclasses.replace(sh, key=alternative_key(sh.key)))
+
+
+def _check_request(sharded_state_dict, checkpoint_dir, strict: StrictHandling):
+    """(the request without the keys the checkpoint lacks, the checkpoint's keys, those unexpected keys)
+    for the strict modes that compare keys with the checkpoint (Megatron drops unexpected keys from the
+    load); the request unchanged and empty sets under ``assume_ok_unexpected``. Raises here, on this
+    rank, for ``raise_*`` modes with unexpected keys."""
+    if not StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
+        return sharded_state_dict, set(), set()
+    ckpt_keys = {v.key for v in load_sharded_metadata(checkpoint_dir).values()} - {"common_state"}
+    local_keys = {sh.key for _, sh in _split_common(sharded_state_dict)[1]}
+    _, unexpected = determine_missing_and_unexpected_keys(ckpt_keys, local_keys)
+    if unexpected and strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
+        raise CheckpointingException(f"checkpoint {checkpoint_dir}: {mismatch_message(set(), unexpected)}")
+    return adjust_non_strict_load(sharded_state_dict, unexpected), ckpt_keys, unexpected
+
+
+def _handle_mismatch(strict: StrictHandling, missing, unexpected) -> None:
+    """Raise (the same on every rank: missing keys are global) or log per ``strict``."""
+    if strict == StrictHandling.RAISE_ALL:
+        maybe_report_missing_and_unexpected_keys(missing, set(), True)
+    elif strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
+        maybe_report_missing_and_unexpected_keys(missing, unexpected, False)
+
+
+def _gather_from_ranks(value, process_group):
+    """``value`` of every rank of ``process_group`` (``[value]`` outside a multi-rank run)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size(process_group) == 1:
+        return [value]
+    gathered = [None] * torch.distributed.get_world_size(process_group)
+    torch.distributed.all_gather_object(gathered, value, group=process_group)
+    return gathered
+
+
+def _buffer_for(sh: ShardedTensor) -> torch.Tensor:
+    """Where the chunk is read into: zeros under ``allow_shape_mismatch`` (the part past the saved shape
+    is not read and stays zero, as in Megatron), uninitialised otherwise (every element is read)."""
     device = sh.data.device if sh.data is not None else "cpu"
-    return torch.empty(sh.local_shape, dtype=sh.dtype, device=device)
+    init = torch.zeros if sh.allow_shape_mismatch else torch.empty
+    return init(sh.local_shape, dtype=sh.dtype, device=device)
 
 
 _CONTENT_METADATA_KEY = "content_metadata"

@@ -6,7 +6,7 @@ import json
 import logging
 import os
 from enum import Enum
-from typing import List, Optional, Union
+from typing import List, Optional, Set, Tuple, Union
 
 import numpy as np
 import torch
@@ -14,12 +14,11 @@ import torch
 from megatron.core.utils import lazy_names
 
 from .core import CheckpointingException, check_is_distributed_checkpoint
-from .dict_utils import iter_leaves
+from .dict_utils import extract_matching_values, iter_leaves
 from .mapping import ShardedObject, is_sharded
 
-# Megatron's strict-load helpers that this package's load does not call, resolved on first use.
-__getattr__ = lazy_names(__name__, {name: "megatron.core._compat.validation" for name in (
-    "adjust_non_strict_load", "maybe_report_missing_and_unexpected_keys", "validate_integrity_and_strict_load")})
+# Megatron's strict-load entry point that this package's load does not call, resolved on first use.
+__getattr__ = lazy_names(__name__, {"validate_integrity_and_strict_load": "megatron.core._compat.validation"})
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +59,44 @@ def parse_strict_flag(strict: Union[str, StrictHandling]) -> StrictHandling:
     except ValueError:
         choices = ", ".join(s.value for s in StrictHandling)
         raise ValueError(f"dist_checkpointing strict flag '{strict}' unknown; use one of {choices}") from None
+
+
+# ---- keys that the request and the checkpoint do not share ----------------------------------------------
+
+def determine_missing_and_unexpected_keys(ckpt_keys: Set[str], local_keys: Set[str],
+                                          global_keys: Optional[Set[str]] = None) -> Tuple[Set[str], Set[str]]:
+    """(missing, unexpected): checkpoint keys that no rank requests (empty without `global_keys`, the
+    keys of every rank), and keys this rank requests that the checkpoint lacks (may differ per rank)."""
+    missing = set() if global_keys is None else set(ckpt_keys) - set(global_keys)
+    return missing, set(local_keys) - set(ckpt_keys)
+
+
+def adjust_non_strict_load(sharded_state_dict, sharded_keys_to_remove: Set[str]):
+    """The state dict without the ShardedTensors/Objects whose key is in `sharded_keys_to_remove`."""
+    _, kept = extract_matching_values(sharded_state_dict,
+                                      lambda x: is_sharded(x) and x.key in sharded_keys_to_remove)
+    return kept
+
+
+def mismatch_message(missing_keys: Set[str], unexpected_keys: Set[str]) -> Optional[str]:
+    """One line naming the keys that the checkpoint and the request do not share (None when none)."""
+    msg = []
+    if missing_keys:
+        msg.append(f"keys in the checkpoint that no rank requested (missing): {sorted(missing_keys)}")
+    if unexpected_keys:
+        msg.append(f"requested keys that the checkpoint lacks (unexpected, this rank): {sorted(unexpected_keys)}")
+    return "; ".join(msg) or None
+
+
+def maybe_report_missing_and_unexpected_keys(missing_keys: Set[str], unexpected_keys: Set[str],
+                                             raise_error: bool = True) -> None:
+    """Raise (or log with `raise_error` False) when the request and the checkpoint differ in keys."""
+    msg = mismatch_message(missing_keys, unexpected_keys)
+    if msg is None:
+        return
+    if raise_error:
+        raise CheckpointingException(msg)
+    logger.warning(msg)
 
 
 # ---- checks of a load request and of a sharding pattern ---------------------------------------------

@@ -18,6 +18,10 @@ class ModuleSpec:
     submodules: object = None
     metainfo: dict = field(default_factory=dict)  # free-form notes about the module; not read here
 
+    def __call__(self, *args, **kwargs):
+        """Build the module: ``spec(config, ...)`` is ``build_module(spec, config, ...)``, as in Megatron."""
+        return build_module(self, *args, **kwargs)
+
 
 def import_module(module_path: Tuple[str, str]):
     """Import ``name`` from ``module`` given ``(module, name)``."""

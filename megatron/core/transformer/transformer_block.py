@@ -43,6 +43,9 @@ class TransformerBlock(MegatronModule):
 
     def __init__(self, config, spec, post_layer_norm: bool = True, pre_process: bool = True,
                  post_process: bool = True, pg_collection=None, vp_stage: Optional[int] = None, **kwargs):
+        if config.hidden_size <= 0:
+            raise ValueError(f"TransformerConfig.hidden_size is {config.hidden_size} (Megatron's unset default): "
+                             "set it (--hidden-size) before building a model")
         super().__init__(config)
         # TE-spec checkpoints: the final TENorm's _extra_state (newer Transformer Engine) is read and dropped
         self._register_load_state_dict_pre_hook(load_hook, with_module=True)

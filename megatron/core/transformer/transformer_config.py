@@ -144,9 +144,13 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
                 or (name.startswith("mtp_") and getattr(self, "mtp_num_layers", None) is None))
 
     def _check_shapes(self):
-        for name in ("num_layers", "hidden_size", "num_attention_heads"):
+        for name in ("num_layers", "num_attention_heads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TransformerConfig.{name} must be > 0, got {getattr(self, name)}")
+        # hidden_size keeps Megatron's default 0 at construction (configs filled in later, e.g. by
+        # dataclasses.replace); a model refuses it when it is built (TransformerBlock).
+        if self.hidden_size < 0:
+            raise ValueError(f"TransformerConfig.hidden_size must be > 0, got {self.hidden_size}")
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.kv_channels is None:

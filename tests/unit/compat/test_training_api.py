@@ -88,3 +88,23 @@ class _FlagsConfig:  # module level: ArgumentGroupFactory reads field docstrings
 @dataclasses.dataclass
 class _BadConfig:
     either: typing.Union[int, str] = 0
+
+
+def test_set_random_seed_takes_megatrons_keywords():
+    """Megatron's `_set_random_seed(seed_=..., ...)` signature: its keyword names, and its groups
+    (None here: parallel_state's ranks)."""
+    import inspect
+
+    from megatron.training.initialize import _set_random_seed
+    expected = ["seed_", "data_parallel_random_init", "te_rng_tracker", "inference_rng_tracker",
+                "use_cudagraphable_rng", "pp_group", "dp_group", "tp_group", "ep_group", "etp_group",
+                "gtp_remat_group", "egtp_remat_group"]
+    assert list(inspect.signature(_set_random_seed).parameters) == expected
+    _set_random_seed(seed_=1234, data_parallel_random_init=False, pp_group=None, dp_group=None, tp_group=None)
+    first = torch.rand(3)
+    _set_random_seed(seed_=1234)
+    assert torch.equal(torch.rand(3), first)
+    with pytest.raises(ValueError, match=r"--seed \(0\) must be a positive integer"):
+        _set_random_seed(seed_=0)
+    with pytest.raises(ValueError, match="gtp_remat_group / egtp_remat_group .* leave them None"):
+        _set_random_seed(seed_=1, gtp_remat_group=object())

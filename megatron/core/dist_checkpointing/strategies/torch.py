@@ -110,6 +110,11 @@ class _LoadPlanner(DefaultLoadPlanner):
             if isinstance(saved, BytesStorageMetadata):
                 raise CheckpointingException(f"checkpoint {self.checkpoint_dir}: '{fqn}' is an object, not a tensor")
             for offset, t, global_shape in chunks:
+                if len(saved.size) != len(global_shape):
+                    raise CheckpointingException(
+                        f"checkpoint {self.checkpoint_dir}: '{fqn}' has global shape {tuple(saved.size)}, the model "
+                        f"expects {tuple(global_shape)} (another number of dims: allow_shape_mismatch pads or trims "
+                        "dims, it does not add them); reshape the request to the saved dims")
                 if tuple(saved.size) != tuple(global_shape) and fqn not in self.allow_shape_mismatch:
                     raise CheckpointingException(
                         f"checkpoint {self.checkpoint_dir}: '{fqn}' has global shape {tuple(saved.size)}, "

@@ -23,7 +23,7 @@ class BertModel(LanguageModule):
                  position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute",
                  rotary_percent: float = 1.0, seq_len_interpolation_factor: Optional[float] = None,
                  add_binary_head: bool = True, return_embeddings: bool = False, vp_stage: Optional[int] = None,
-                 pg_collection=None, **kwargs):
+                 pg_collection=None, apply_lm_head: bool = True, output_layer_bias: bool = True):
         # The encoder, heads and losses here read parallel_state's groups.
         require_default_process_groups(pg_collection, "BertModel")
         super().__init__(config)
@@ -41,6 +41,7 @@ class BertModel(LanguageModule):
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.add_binary_head = add_binary_head
         self.vp_stage = vp_stage
+        self.apply_lm_head, self.output_layer_bias = apply_lm_head, output_layer_bias
 
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
@@ -49,8 +50,9 @@ class BertModel(LanguageModule):
         self.encoder = TransformerBlock(config, transformer_layer_spec, pre_process=pre_process,
                                         post_process=post_process, vp_stage=vp_stage)
         if post_process:
-            self.lm_head = BertLMHead(config.hidden_size, config)
-            self.output_layer = build_output_layer(config, vocab_size, True, parallel_output, pre_process,
+            # apply_lm_head=False: the vocabulary projection reads the encoder's hidden states directly.
+            self.lm_head = BertLMHead(config.hidden_size, config) if apply_lm_head else None
+            self.output_layer = build_output_layer(config, vocab_size, output_layer_bias, parallel_output, pre_process,
                                                    share_embeddings_and_output_weights)
             self.binary_head = None
             if add_binary_head:
@@ -94,5 +96,6 @@ class BertModel(LanguageModule):
         binary_logits = None
         if self.binary_head is not None:
             binary_logits = self.binary_head(self.pooler(hidden, 0))  # [b, 2]
-        logits, _ = self.output_layer(self.lm_head(hidden), weight=self.output_weight_for_forward())  # [s, b, V/tp]
+        head = self.lm_head(hidden) if self.lm_head is not None else hidden
+        logits, _ = self.output_layer(head, weight=self.output_weight_for_forward())  # [s, b, V/tp]
         return self.logits_or_loss(logits, lm_labels), binary_logits

@@ -86,7 +86,7 @@ def test_bad_inputs(tmp_path):
     with pytest.raises(dc.CheckpointingException, match="has no tensor 'nope'"):
         dc.load(missing, ckpt)
     out = dc.load(missing, ckpt, strict="ignore_all")
-    assert torch.equal(out["x"], torch.zeros(2))
+    assert "x" not in out  # Megatron drops the keys the checkpoint lacks from the load
     # Truncate the data file: the error names it instead of showing an unpickling traceback.
     data = [f for f in os.listdir(ckpt) if f.endswith(".distcp")][0]
     path = os.path.join(ckpt, data)
@@ -98,3 +98,66 @@ def test_bad_inputs(tmp_path):
         f.write("{not json")
     with pytest.raises(dc.CheckpointingException, match="corrupted checkpoint metadata file"):
         dc.load(_sharded_sd(0, 1, w, b), ckpt)
+
+
+def test_allow_shape_mismatch_zero_pads_past_the_saved_shape(tmp_path):
+    """Megatron zero-fills what the checkpoint does not cover; the buffer is garbage-filled first so
+    an uninitialised read cannot pass by chance."""
+    ckpt = str(tmp_path / "c")
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2, 3))}, ckpt)
+    sh = ShardedTensor.from_rank_offsets("w", torch.full((4, 5), 3.7e19), allow_shape_mismatch=True)
+    orig_empty = torch.empty
+    try:
+        torch.empty = lambda *a, **k: orig_empty(*a, **k).fill_(3.7e19)
+        out = dc.load({"w": sh}, ckpt)["w"]
+    finally:
+        torch.empty = orig_empty
+    expected = torch.zeros(4, 5)
+    expected[:2, :3] = 1
+    assert torch.equal(out, expected)
+    two_d = ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3, 1), allow_shape_mismatch=True)
+    with pytest.raises(dc.CheckpointingException, match=r"'w' has global shape \(2, 3\).*another number of dims"):
+        dc.load({"w": two_d}, ckpt)
+
+
+def _request(keys):
+    return {k: ShardedTensor.from_rank_offsets(k, torch.zeros(2)) for k in keys}
+
+
+@pytest.mark.parametrize("strict,missing,unexpected", [
+    ("return_unexpected", set(), {"c"}),   # *_unexpected modes do not look for missing keys
+    ("return_all", {"b"}, {"c"}),
+])
+def test_strict_return_modes_give_megatrons_tuple(tmp_path, strict, missing, unexpected):
+    ckpt = str(tmp_path / "c")
+    dc.save({k: ShardedTensor.from_rank_offsets(k, torch.full((2,), float(i))) for i, k in enumerate("ab")}, ckpt)
+    result = dc.load(_request("ac"), ckpt, strict=dc.validation.StrictHandling(strict))
+    assert isinstance(result, tuple) and len(result) == 3
+    state, got_missing, got_unexpected = result
+    assert (got_missing, got_unexpected) == (missing, unexpected)
+    assert torch.equal(state["a"], torch.zeros(2)) and "c" not in state
+    assert dc.load(_request("a"), ckpt, strict=strict)[1:] == (set() if strict == "return_unexpected" else {"b"}, set())
+
+
+def test_strict_raise_and_log_modes(tmp_path, caplog):
+    ckpt = str(tmp_path / "c")
+    dc.save(_request("ab"), ckpt)
+    with pytest.raises(dc.CheckpointingException, match=r"lacks \(unexpected, this rank\): \['c'\]"):
+        dc.load(_request("ac"), ckpt, strict="raise_unexpected")
+    assert set(dc.load(_request("a"), ckpt, strict="raise_unexpected")) == {"a"}
+    with pytest.raises(dc.CheckpointingException, match=r"no rank requested \(missing\): \['b'\]"):
+        dc.load(_request("a"), ckpt, strict="raise_all")
+    out = dc.load(_request("ac"), ckpt, strict="log_all")
+    assert set(out) == {"a"} and "missing): ['b']" in caplog.text and "['c']" in caplog.text
+
+
+def test_load_content_metadata(tmp_path):
+    ckpt = str(tmp_path / "c")
+    meta = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+    dc.save(_request("a"), ckpt, content_metadata=meta)
+    assert dc.load_content_metadata(ckpt) == meta
+    loaded = dc.load(_request("a"), ckpt)
+    assert dc.load_content_metadata(preloaded_state_dict=loaded) == meta  # load returns it, as Megatron's
+    plain = str(tmp_path / "plain")
+    dc.save(_request("a"), plain)
+    assert dc.load_content_metadata(plain) is None

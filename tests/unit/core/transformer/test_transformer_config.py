@@ -100,3 +100,20 @@ def test_apply_wd_to_qk_layernorm_keeps_qk_norm_decay():
     norm = torch.nn.Parameter(torch.ones(4))
     assert predicate(norm, "decoder.layers.0.input_layernorm.weight")
     assert not predicate(norm, "decoder.layers.0.self_attention.q_layernorm.weight")
+
+
+def test_hidden_size_default_zero_constructs_and_a_model_refuses_it():
+    """Megatron constructs with its default hidden_size=0 (filled in later); building a model from it is
+    refused in one line, and a negative size at construction."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    c = TransformerConfig(num_layers=2, num_attention_heads=4)
+    assert (c.hidden_size, c.ffn_hidden_size, c.kv_channels) == (0, 0, 0)
+    filled = dataclasses.replace(c, hidden_size=32, ffn_hidden_size=None, kv_channels=None)
+    assert (filled.ffn_hidden_size, filled.kv_channels) == (128, 8)
+    with pytest.raises(ValueError, match=r"hidden_size is 0 .*set it \(--hidden-size\) before building a model"):
+        TransformerBlock(c, get_gpt_layer_local_spec())
+    with pytest.raises(ValueError, match="TransformerConfig.hidden_size must be > 0, got -1"):
+        _cfg(hidden_size=-1)
