@@ -7,6 +7,7 @@ import json
 import re
 
 from tests.functional.cli_runner import CliRunner
+from tools.trace_report import analyse
 
 FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
          "--micro-batch-size 2 --global-batch-size 4 --train-iters 5 --lr 1e-3 --mock-data "
@@ -35,6 +36,9 @@ def test_pytorch_profiler_traces_the_window_on_the_chosen_ranks(tmp_path):
     steps = [e for e in json.load(open(traces[0]))["traceEvents"] if e.get("name") == "optimizer"]
     assert len(steps) == 2  # iterations 1 and 2 of 0..4: the window [1, 3)
     assert "profiler trace of iterations 1-3 written" in profiled[1].out
+    report = analyse(json.load(open(traces[0]))["traceEvents"])  # tools/trace_report.py reads it
+    assert report["ranges"]["optimizer"]["count"] == 2 and report["ranges"]["forward"]["count"] >= 2
+    assert 0 < report["ranges"]["forward"]["ms"] < report["wall_ms"]
 
 
 def test_flags_that_cannot_work_here_are_refused_in_one_line():

@@ -1,0 +1,43 @@
+"""tools/trace_report.py on a hand-made trace whose answer is known: the named ranges add up, the GPU busy
+time is the union of overlapping kernels on two streams, and the idle gaps over the threshold are counted
+with the host operation each began under."""
+import json
+
+from tools.trace_report import analyse, main
+
+
+def _x(name, cat, ts, dur):
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": 0}
+
+
+EVENTS = [
+    _x("forward", "user_annotation", 0, 100), _x("backward", "user_annotation", 100, 200),
+    _x("optimizer", "user_annotation", 300, 50),
+    _x("aten::mm", "cpu_op", 0, 40), _x("cudaStreamSynchronize", "cuda_runtime", 150, 60),
+    _x("k1", "kernel", 10, 30), _x("k2", "kernel", 20, 30),  # overlapping streams: busy 10..50
+    _x("k3", "kernel", 55, 5),  # a 5 us gap: under the threshold
+    _x("copy", "gpu_memcpy", 200, 20),  # a 140 us gap that began at 60, under nothing but forward
+    _x("k4", "kernel", 250, 100),  # a 30 us gap that began at 220, inside backward (the sync ended at 210)
+]
+
+
+def test_ranges_busy_idle_and_gaps():
+    report = analyse(EVENTS, gap_us=10, top=5)
+    assert report["wall_ms"] == 0.35
+    assert report["ranges"]["forward"] == {"count": 1, "ms": 0.1}
+    assert report["ranges"]["backward"]["ms"] == 0.2 and report["ranges"]["optimizer"]["count"] == 1
+    gpu = report["gpu"]
+    assert round(gpu["busy_ms"] * 1e3) == 40 + 5 + 20 + 100
+    assert round(gpu["idle_ms"] * 1e3) == 5 + 140 + 30
+    assert gpu["gaps"] == 2 and round(gpu["gaps_ms"] * 1e3) == 170
+    assert gpu["longest"] == [{"us": 140.0, "host_op": "forward"}, {"us": 30.0, "host_op": "backward"}]
+
+
+def test_cli_on_a_cpu_trace(tmp_path, capsys):
+    path = tmp_path / "rank0.host.1.pt.trace.json"
+    path.write_text(json.dumps({"traceEvents": [e for e in EVENTS if e["cat"] not in ("kernel", "gpu_memcpy")]}))
+    assert main([str(path), "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "ranges: forward 1x 0.1 ms, backward 1x 0.2 ms, optimizer 1x 0.1 ms" in out
+    assert "no kernels in this trace" in out
+    assert json.loads((tmp_path / "r.json").read_text())[str(path)]["ranges"]["forward"]["count"] == 1
