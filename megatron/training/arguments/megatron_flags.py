@@ -36,6 +36,10 @@ NO_EFFECT = {
                         "from our RNG tracker, which is CUDA-graph safe",
     "--use-te-activation-func": "no Transformer Engine: the activation is the same torch function",
     "--use-transformer-engine-op-fuser": "no Transformer Engine: layers are our torch modules",
+    "--cross-entropy-fusion-impl": "picks Megatron's native or Transformer Engine fused cross-entropy kernel; "
+                                   "--cross-entropy-loss-fusion here has one implementation, same loss",
+    "--enable-experimental": "Megatron's switch that lets its experimental APIs run; features here are each "
+                             "turned on by their own flag",
     "--flash-attention-version": "attention runs through torch SDPA, which picks its kernel",
     "--fp8-interval": "deprecated and ignored in Megatron too (tensorwise scaling updates every step)",
     "--tp-comm-overlap-rs-dgrad": "Transformer Engine userbuffer knob; --tp-comm-overlap here always runs the "
