@@ -49,7 +49,8 @@ class Router(MegatronModule):
 
     ``is_mtp_layer``: the router of a multi-token-prediction layer; its metrics are logged in the slots
     after the decoder's layers (layer_number + num_layers), as Megatron does. ``pg_collection``: explicit
-    groups (tp; tp_dp_cp for the global-batch counts); parallel_state's when None."""
+    groups (tp; tp_dp_cp for the global-batch counts and the expert bias; tp_cp and dp_cp under context
+    parallelism); parallel_state's when None."""
 
     def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False):
         super().__init__(config)
