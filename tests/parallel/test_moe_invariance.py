@@ -1,8 +1,10 @@
-"""MoE through pretrain() on CPU: every expert/tensor/pipeline/data layout reproduces the single-process
-loss per iteration, and torch_dist checkpoints saved at iteration 2 under EP=4 and EP=2 x TP=2 load under
+"""MoE through pretrain() on CPU: every expert/tensor/pipeline/data/context layout reproduces the
+single-process loss per iteration, and torch_dist checkpoints saved at iteration 2 under EP=4 and EP=2 x TP=2 load under
 EP=1 and EP=4 and continue on the same curve (iteration 4 matches only if the Adam moments loaded too)
 (fp32, dropout 0, no token dropping, relative 1e-5: the layouts only reorder fp32 sums).
-One 4-rank world runs all layouts in turn against one single-process run. The clip (0.05) is active, so
+One 4-rank world runs all layouts in turn against single-process runs of the same router variant (CP
+layouts also without the aux loss, and with sigmoid scores + expert bias + the per-sequence aux loss, whose
+counts span the CP ranks). The clip (0.05) is active, so
 the grad norm, which must count each expert parameter once, steers the curve too."""
 import pytest
 
@@ -19,6 +21,11 @@ MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 1
 
 A2A = "--moe-token-dispatcher-type alltoall"
 PER_TOKEN = f"{A2A} --calculate-per-token-loss"
+VARIANTS = {  # router variant -> flags added to its reference and its layouts (prefix of the layout name)
+    "no_aux": "--moe-aux-loss-coeff 0",
+    "sigmoid_bias": "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+                    "--moe-router-bias-update-rate 1e-2 --moe-router-load-balancing-type seq_aux_loss",
+}
 LAYOUTS = {  # name -> layout flags, all on 4 ranks (EP=2 on 4 ranks: expert-DP 2)
     "ep4": f"{A2A} --expert-model-parallel-size 4",
     "ep2_tp2_sp": f"{A2A} --expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel",
@@ -29,6 +36,11 @@ LAYOUTS = {  # name -> layout flags, all on 4 ranks (EP=2 on 4 ranks: expert-DP 
                          "--tensor-model-parallel-size 2",
     "per_token_ep2_tp2_sp": f"{PER_TOKEN} --expert-model-parallel-size 2 --tensor-model-parallel-size 2 "
                             "--sequence-parallel",
+    "cp2_dp2": f"{A2A} --context-parallel-size 2",
+    "ep2_cp2": f"{A2A} --expert-model-parallel-size 2 --context-parallel-size 2",
+    "no_aux_ep2_cp2": f"{A2A} --expert-model-parallel-size 2 --context-parallel-size 2 {VARIANTS['no_aux']}",
+    "sigmoid_bias_ep2_cp2": f"{A2A} --expert-model-parallel-size 2 --context-parallel-size 2 "
+                            f"{VARIANTS['sigmoid_bias']}",
 }
 
 
@@ -63,13 +75,14 @@ def _layouts(ckpt_root):
 
 
 def _references():
-    return _train(A2A), _train(PER_TOKEN)[0]
+    variants = {name: _train(f"{A2A} {flags}")[0] for name, flags in VARIANTS.items()}
+    return _train(A2A), _train(PER_TOKEN)[0], variants
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    ref, per_token_ref = run_distributed(_references, 1)[0]
-    ref = (ref, per_token_ref)
+    ref, per_token_ref, variants = run_distributed(_references, 1)[0]
+    ref = (ref, per_token_ref, variants)
     layouts = run_distributed(_layouts, 4, str(tmp_path_factory.mktemp("moe_ckpt")), timeout=900)
     return ref, layouts
 
@@ -82,8 +95,9 @@ def _close(a, b, rel=1e-5):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(runs, name):
-    ((ref, _), per_token_ref), layouts = runs
+    ((ref, _), per_token_ref, variants), layouts = runs
     ref = per_token_ref if name.startswith("per_token") else ref
+    ref = next((losses for v, losses in variants.items() if name.startswith(v)), ref)
     losses = [r[name] for r in layouts if r[name]]  # ranks of the last pipeline stage
     assert losses
     saved_at_2 = any(src == name for src, _ in RESHARD.values())
@@ -93,14 +107,16 @@ def test_layout_matches_single_process(runs, name):
 
 @pytest.mark.parametrize("name", list(RESHARD))
 def test_checkpoint_reshards_and_training_continues(runs, name):
-    ((ref, _), _), layouts = runs
+    ((ref, _), _, _), layouts = runs
     for rank in layouts:
         _close(rank[name], ref[2:])  # iterations 3 and 4 after loading the iteration-2 checkpoint
 
 
 def test_log_line_has_moe_losses_and_load(runs):
-    ((losses, log), per_token), _ = runs
+    ((losses, log), per_token, variants), _ = runs
     assert per_token != losses  # --calculate-per-token-loss changes how MoE losses are weighted
+    # The aux loss and the sigmoid router change the curve, so their CP layouts test what they say.
+    assert variants["no_aux"] != losses and variants["sigmoid_bias"] != losses
     assert losses[-1] < losses[0]
     line = next(line for line in log.splitlines() if "iteration        2/" in line)
     assert line.index("lm loss:") < line.index("load_balancing_loss:") < line.index("z_loss:")

@@ -4,8 +4,9 @@ Load balancing (``moe_router_load_balancing_type``, one type or a list): ``aux_l
 micro-batch), ``seq_aux_loss`` (per sequence), ``global_aux_loss`` (token counts over the global batch,
 accumulated across micro-batches), ``sinkhorn`` (balanced assignment), ``none``; plus the z-loss and the
 aux-loss-free expert bias (DeepSeek-V3), updated once per step from the step's token counts.
-The router sees this rank's tokens only (MoELayer splits them over TP), so its statistics are reduced
-over the TP group and its weight gradient is summed over TP (``sequence_parallel`` attribute).
+The router sees this rank's tokens only (MoELayer splits them over TP, context parallelism splits the
+sequence over CP), so its token counts are reduced over TP x CP (TP x DP x CP for the global-batch counts
+and the expert bias) and its weight gradient is summed over TP (``sequence_parallel`` attribute).
 """
 from typing import List
 
@@ -48,7 +49,8 @@ class Router(MegatronModule):
 
     ``is_mtp_layer``: the router of a multi-token-prediction layer; its metrics are logged in the slots
     after the decoder's layers (layer_number + num_layers), as Megatron does. ``pg_collection``: explicit
-    groups (tp; tp_dp_cp for the global-batch counts); parallel_state's when None."""
+    groups (tp; tp_dp_cp for the global-batch counts and the expert bias; tp_cp and dp_cp under context
+    parallelism); parallel_state's when None."""
 
     def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False):
         super().__init__(config)
@@ -62,15 +64,17 @@ class Router(MegatronModule):
         self.tp_group = (parallel_state.get_tensor_model_parallel_group() if pg_collection is None
                          else get_pg(pg_collection, "tp", type(self).__name__))
         self.tp_size = 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
+        # Under CP each rank routes part of every sequence: per-micro-batch counts span TP x CP.
+        self.cp_size = config.context_parallel_size
+        self.tp_cp_group = self.tp_group if self.cp_size == 1 else get_pg(pg_collection, "tp_cp", type(self).__name__)
+        self.tp_cp_size = 1 if self.tp_cp_group is None else dist.get_world_size(self.tp_cp_group)
 
     def set_layer_number(self, layer_number: int):
         self.layer_number = layer_number
 
-    def tp_dp_group(self):
-        """The ranks whose tokens make up the global batch, over which global-batch counts are summed:
-        parallel_state's tp x dp group, or an explicit collection's tp_dp_cp group."""
-        if self.pg_collection is None:
-            return parallel_state.get_tensor_and_data_parallel_group()
+    def tp_dp_cp_group(self):
+        """The ranks whose tokens make up the global batch, over which global-batch counts and the expert
+        bias's counts are summed (tp x dp x cp, as Megatron)."""
         return get_pg(self.pg_collection, "tp_dp_cp", type(self).__name__)
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
@@ -108,11 +112,6 @@ class TopKRouter(Router):
                                                                          device=self.weight.device),
                                  persistent=False)
             self.ga_steps = 0
-        global_counts = self.enable_expert_bias or "global_aux_loss" in self.routing_type
-        if pg_collection is not None and global_counts and config.context_parallel_size > 1:
-            raise NotImplementedError("TopKRouter(pg_collection=...): the expert bias and global_aux_loss count "
-                                      "tokens over tp x dp, and a collection has no such group under context "
-                                      "parallelism (its tp_dp_cp group includes cp); use parallel_state's groups")
 
     def _apply(self, fn, *args, **kwargs):
         """Keep the expert bias and the token counts in fp32 when the model is cast to bf16/fp16
@@ -132,10 +131,13 @@ class TopKRouter(Router):
         return float(coeffs[self.routing_type.index(aux_loss_type)])
 
     def _attach(self, probs, coeff, aux_loss, name, reduce_group, has_dp=False):
-        """Log ``aux_loss / coeff`` under ``name`` and make backward add its gradient (scaled like lm loss)."""
+        """Log ``aux_loss / coeff`` under ``name`` and make backward add its gradient (scaled like lm loss).
+        ``aux_loss`` is this rank's share: the shares sum to the loss over ``reduce_group``. Gradients are
+        averaged over DP x CP, so under CP the share enters backward times CP, as the lm loss does
+        (``_tokens_over_context_parallel``): the CP average is then the gradient of the whole sequence's loss."""
         save_to_aux_losses_tracker(name, aux_loss / coeff, *self._log_slot(),
                                    reduce_group=reduce_group, reduce_group_has_dp=has_dp)
-        return MoEAuxLossAutoScaler.apply(probs, aux_loss)
+        return MoEAuxLossAutoScaler.apply(probs, aux_loss * self.cp_size if self.cp_size > 1 else aux_loss)
 
     def _tokens_per_expert(self, routing_map, group):
         counts = routing_map.sum(dim=0).float()
@@ -157,7 +159,10 @@ class TopKRouter(Router):
         # Tokens are split over TP: each rank's mean is over its share, so the coefficient is shared too.
         z_loss = z_loss_func(logits, coeff / self.tp_size)
         logits = MoEAuxLossAutoScaler.apply(logits, z_loss)
-        save_to_aux_losses_tracker("z_loss", z_loss / coeff, *self._log_slot(), reduce_group=self.tp_group)
+        # Under CP each rank's mean covers its part of the sequence: the logged value averages over DP x CP.
+        avg_group = get_pg(self.pg_collection, "dp_cp", type(self).__name__) if self.cp_size > 1 else None
+        save_to_aux_losses_tracker("z_loss", z_loss / coeff, *self._log_slot(), reduce_group=self.tp_group,
+                                   avg_group=avg_group)
         return logits
 
     # -- load balancing -------------------------------------------------------------------------
@@ -181,19 +186,19 @@ class TopKRouter(Router):
         E, k = self.num_experts, self.topk
         if "aux_loss" in self.routing_type:
             coeff = self.get_aux_loss_coeff("aux_loss")
-            counts = self._tokens_per_expert(routing_map, self.tp_group)
-            loss = switch_load_balancing_loss_func(scores, counts, scores.shape[0] * self.tp_size, k, E, coeff)
-            probs = self._attach(probs, coeff, loss, "load_balancing_loss", self.tp_group)
+            counts = self._tokens_per_expert(routing_map, self.tp_cp_group)
+            loss = switch_load_balancing_loss_func(scores, counts, scores.shape[0] * self.tp_cp_size, k, E, coeff)
+            probs = self._attach(probs, coeff, loss, "load_balancing_loss", self.tp_cp_group)
         if "seq_aux_loss" in self.routing_type:
             coeff = self.get_aux_loss_coeff("seq_aux_loss")
             # [s, b*E]: per-sequence token counts and probabilities.
-            counts = self._tokens_per_expert(routing_map.reshape(seq_length, -1), self.tp_group)
+            counts = self._tokens_per_expert(routing_map.reshape(seq_length, -1), self.tp_cp_group)
             loss = switch_load_balancing_loss_func(scores.reshape(seq_length, -1), counts,
-                                                   seq_length * self.tp_size, k, E, coeff) / bsz
-            probs = self._attach(probs, coeff, loss, "seq_load_balancing_loss", self.tp_group)
+                                                   seq_length * self.tp_cp_size, k, E, coeff) / bsz
+            probs = self._attach(probs, coeff, loss, "seq_load_balancing_loss", self.tp_cp_group)
         if "global_aux_loss" in self.routing_type:
             coeff = self.get_aux_loss_coeff("global_aux_loss")
-            group = self.tp_dp_group()
+            group = self.tp_dp_cp_group()
             counts = self._tokens_per_expert(routing_map, group)
             with torch.no_grad():
                 self.global_tokens_per_expert += counts
@@ -228,7 +233,7 @@ class TopKRouter(Router):
                 counts = routing_map.sum(dim=0).float()
                 if self.enable_expert_bias:
                     self.local_tokens_per_expert += counts
-                save_expert_load(counts, *self._log_slot(), reduce_group=self.tp_group)
+                save_expert_load(counts, *self._log_slot(), reduce_group=self.tp_cp_group)
         return probs, routing_map
 
     def forward(self, input: torch.Tensor):
@@ -253,7 +258,7 @@ def _routers(model_chunks):
 @torch.no_grad()
 def finalize_router_state(model_chunks, config):
     """End of a step: move expert biases toward balance (each expert's bias +rate if it got fewer tokens
-    than the mean over the step, -rate if more, counts summed over all TP x DP ranks) and reset the
+    than the mean over the step, -rate if more, counts summed over all TP x DP x CP ranks) and reset the
     global-aux-loss counts. Called from finalize_model_grads on every rank."""
     routers = list(_routers(model_chunks))
     biased = [r for r in routers if r.enable_expert_bias]
@@ -262,7 +267,7 @@ def finalize_router_state(model_chunks, config):
         biases = torch.stack([r.expert_bias for r in biased])
         # The routers of one model share its groups (parallel_state's, or its explicit collection's).
         updated = get_updated_expert_bias(counts, biases, config.moe_router_bias_update_rate,
-                                          biased[0].tp_dp_group())
+                                          biased[0].tp_dp_cp_group())
         for r, bias in zip(biased, updated):
             r.expert_bias.copy_(bias)
             r.local_tokens_per_expert.zero_()
