@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.api import CheckpointException as DCPException
 
 from megatron.core.utils import lazy_names
 
-from . import dict_utils
+from . import dict_utils, megatron_layout
 from .core import CONFIG_FNAME, CheckpointingException, maybe_load_config, save_config
 from .mapping import (
     LocalNonpersistentObject,
@@ -188,9 +188,13 @@ def load_common_state_dict(checkpoint_dir: str) -> Dict[str, Any]:
             return torch.load(path, map_location="cpu", weights_only=False)
         except Exception as e:
             raise CheckpointingException(f"corrupted checkpoint file {path}: {type(e).__name__}: {e}") from e
-    # Newer Megatron checkpoints keep the common state as a DCP object.
-    objs = _guarded_read(checkpoint_dir, {}, ["common_state"], no_dist=True)
-    return objs["common_state"]
+    # Newer Megatron checkpoints keep the common state as a DCP object: 'common_state', or since Megatron Core
+    # 0.19 the ShardedObject 'common_state/shard_0_1'.
+    keys = [k for k in _read_dcp_metadata(checkpoint_dir).state_dict_metadata
+            if k == "common_state" or k.startswith("common_state/shard_")]
+    if not keys:
+        raise CheckpointingException(f"{checkpoint_dir} has neither {COMMON_FNAME} nor a 'common_state' object")
+    return _guarded_read(checkpoint_dir, {}, keys[:1], no_dist=True)[keys[0]]
 
 
 def load_tensors_metadata(checkpoint_dir: str, sharded_strategy=None) -> Dict[str, ShardedTensor]:
@@ -286,11 +290,12 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
         raise ValueError(f"sharded_strategy {sharded_strategy!r} is not supported; use None, 'torch_dist' or "
                          "a TorchDistLoadShardedStrategy")
     strict = parse_strict_flag(strict).value
+    common = load_common_state_dict(checkpoint_dir)
+    sharded_state_dict = _match_megatron_layout(sharded_state_dict, checkpoint_dir)
     factories, _ = dict_utils.extract_matching_values(
         sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True)
     apply_factories(sharded_state_dict)
     sharded_state_dict, local = _split_nonpersistent(sharded_state_dict)
-    common = load_common_state_dict(checkpoint_dir)
     if isinstance(common, dict):
         common.pop(_CONTENT_METADATA_KEY, None)
     _, sharded = _split_common(sharded_state_dict)
@@ -320,6 +325,19 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     for path, value in local:
         dict_utils.set_path(merged, path, value.unwrap())
     return apply_factory_merges(merged, factories) if factories else merged
+
+
+def _match_megatron_layout(sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> ShardedStateDict:
+    """The request in Megatron Core's stacked-layer layout when the checkpoint is in it and the request is not
+    (a checkpoint that Megatron-LM wrote, read by our model); otherwise the request unchanged."""
+    shapes = tensor_shapes(checkpoint_dir)
+    if not megatron_layout.is_megatron_layout(shapes):
+        return sharded_state_dict
+    requested = [v.key for _, v in dict_utils.iter_leaves(sharded_state_dict) if isinstance(v, ShardedTensor)]
+    if megatron_layout.is_megatron_layout(requested):
+        return sharded_state_dict
+    return megatron_layout.to_megatron_layout(sharded_state_dict, megatron_layout.num_stacked_layers(shapes),
+                                              extra_state=False)
 
 
 def _empty_like_shard(sh: ShardedTensor) -> torch.Tensor:
