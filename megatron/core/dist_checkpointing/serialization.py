@@ -5,6 +5,7 @@ state in `common.pt` (written by rank 0), and `metadata.json`, written last.
 """
 import logging
 import os
+from dataclasses import replace
 from typing import Any, Dict, Optional
 
 import torch
@@ -69,7 +70,10 @@ def _split_common(tree):
 
 def _strip_sharded(tree):
     if isinstance(tree, dict):
-        return {k: _strip_sharded(v) for k, v in tree.items() if not is_sharded(v)}
+        # A dict that held only sharded leaves is dropped, not kept empty (as Megatron does: its loader merges
+        # the loaded tensors into the common state and refuses an empty dict where a tensor goes).
+        stripped = {k: _strip_sharded(v) for k, v in tree.items() if not is_sharded(v)}
+        return {k: v for k, v in stripped.items() if not (isinstance(v, dict) and not v and tree[k])}
     if isinstance(tree, list):
         return [None if is_sharded(v) else _strip_sharded(v) for v in tree]
     return tree
@@ -177,6 +181,18 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     return None
 
 
+def save_in_megatron_layout(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, num_layers: int,
+                            **kwargs) -> Optional[AsyncRequest]:
+    """`save` in Megatron Core's torch_dist layout, which Megatron-LM's ``dist_checkpointing.load`` reads:
+    transformer layers stacked (`megatron_layout.to_megatron_layout`, ``num_layers`` = the model's total), an
+    ``_extra_state`` object per linear layer, and every ShardedObject stored as Megatron encodes it, ``[data]``.
+    ``kwargs`` go to `save`."""
+    stacked = megatron_layout.to_megatron_layout(sharded_state_dict, num_layers)
+    encoded = dict_utils.map_leaves(
+        lambda v: replace(v, data=[v.data]) if isinstance(v, ShardedObject) else v, stacked)
+    return save(encoded, checkpoint_dir, **kwargs)
+
+
 def load_common_state_dict(checkpoint_dir: str) -> Dict[str, Any]:
     """The non-sharded part of a checkpoint (args, iteration, scheduler state...), read on any rank."""
     if maybe_load_config(checkpoint_dir) is None:
@@ -194,7 +210,15 @@ def load_common_state_dict(checkpoint_dir: str) -> Dict[str, Any]:
             if k == "common_state" or k.startswith("common_state/shard_")]
     if not keys:
         raise CheckpointingException(f"{checkpoint_dir} has neither {COMMON_FNAME} nor a 'common_state' object")
-    return _guarded_read(checkpoint_dir, {}, keys[:1], no_dist=True)[keys[0]]
+    return _unwrap_object(_guarded_read(checkpoint_dir, {}, keys[:1], no_dist=True)[keys[0]])
+
+
+def _unwrap_object(saved):
+    """A ShardedObject as Megatron Core writes it: a list of its copies (one per main replica), ``[data]``."""
+    if not (isinstance(saved, list) and len(saved) == 1):
+        raise CheckpointingException(f"a ShardedObject in Megatron's torch_dist encoding is a one-item list, "
+                                     f"got {type(saved).__name__}")
+    return saved[0]
 
 
 def load_tensors_metadata(checkpoint_dir: str, sharded_strategy=None) -> Dict[str, ShardedTensor]:
@@ -291,7 +315,9 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
                          "a TorchDistLoadShardedStrategy")
     strict = parse_strict_flag(strict).value
     common = load_common_state_dict(checkpoint_dir)
-    sharded_state_dict = _match_megatron_layout(sharded_state_dict, checkpoint_dir)
+    megatron_encoded = megatron_layout.is_megatron_layout(tensor_shapes(checkpoint_dir))
+    if megatron_encoded:
+        sharded_state_dict = _match_megatron_layout(sharded_state_dict, checkpoint_dir)
     factories, _ = dict_utils.extract_matching_values(
         sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True)
     apply_factories(sharded_state_dict)
@@ -314,6 +340,8 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     allow = [sh.key for _, sh in tensors if sh.allow_shape_mismatch]
     objs = _guarded_read(checkpoint_dir, shards, sorted({o.unique_key for _, o in objects}),
                          process_group=process_group, allow_shape_mismatch=allow)
+    if megatron_encoded:
+        objs = {k: _unwrap_object(v) for k, v in objs.items()}
     merged = common if isinstance(common, dict) else {}
     dict_utils.prune_shells(merged, sharded_state_dict)
     for (path, _), buf in zip(tensors, bufs):
@@ -328,11 +356,9 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
 
 
 def _match_megatron_layout(sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> ShardedStateDict:
-    """The request in Megatron Core's stacked-layer layout when the checkpoint is in it and the request is not
-    (a checkpoint that Megatron-LM wrote, read by our model); otherwise the request unchanged."""
+    """The request in the stacked-layer layout of the Megatron-layout checkpoint ``checkpoint_dir`` (one that
+    Megatron-LM wrote, read by our model), or unchanged when it already asks for stacked keys."""
     shapes = tensor_shapes(checkpoint_dir)
-    if not megatron_layout.is_megatron_layout(shapes):
-        return sharded_state_dict
     requested = [v.key for _, v in dict_utils.iter_leaves(sharded_state_dict) if isinstance(v, ShardedTensor)]
     if megatron_layout.is_megatron_layout(requested):
         return sharded_state_dict
