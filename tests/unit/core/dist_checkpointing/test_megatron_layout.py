@@ -1,0 +1,66 @@
+"""Megatron Core's stacked-layer torch_dist layout (megatron/core/dist_checkpointing/megatron_layout.py), checked
+without Megatron's wheel: the keys, shapes and offsets it gives our tiny GPT, and a save in it that our load reads
+back. tests/functional/test_megatron_checkpoints.py checks the same layout against Megatron Core itself."""
+import pytest
+import torch
+
+from megatron.core import dist_checkpointing as dc
+from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.megatron_layout import is_megatron_layout, to_megatron_layout
+from megatron.core.dist_checkpointing.serialization import tensor_shapes
+from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+from tests.fixtures.tiny_gpt import single_rank, tiny_config, tiny_gpt
+
+FFN = 48
+
+
+def _swiglu_gpt(seed):
+    single_rank()
+    torch.manual_seed(seed)
+    config = tiny_config(num_layers=3, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                         ffn_hidden_size=FFN)
+    return tiny_gpt(config)
+
+
+def test_keys_shapes_and_offsets():
+    model = _swiglu_gpt(0)
+    out = to_megatron_layout(model.sharded_state_dict(), num_layers=3)
+    norm = out["decoder.layers.2.input_layernorm.weight"]
+    assert isinstance(norm, ShardedTensor)
+    assert norm.key == "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+    assert (norm.global_shape, norm.global_offset, norm.prepend_axis_num) == ((3, 32), (2, 0), 1)
+    assert out["decoder.layers.1.pre_mlp_layernorm.weight"].key == "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+    assert out["decoder.layers.0.self_attention.linear_qkv.weight"].global_shape == (3, 96, 32)
+    assert out["embedding.word_embeddings.weight"].key == "embedding.word_embeddings.weight"  # outside the layers
+    fc1 = out["decoder.layers.1.mlp.linear_fc1.weight"]
+    assert isinstance(fc1, ShardedTensorFactory)
+    gate, up = fc1.build().values()  # ours [2, f, h] -> Megatron's [2f, h]: gate at 0, up at f
+    assert gate.global_shape == up.global_shape == (3, 2 * FFN, 32)
+    assert (gate.global_offset, up.global_offset) == ((1, 0, 0), (1, FFN, 0))
+    assert torch.equal(up.data, model.decoder.layers[1].mlp.linear_fc1.weight.detach()[FFN:])
+    extra = out["decoder.layers.0.mlp.linear_fc2._extra_state"]
+    assert isinstance(extra, ShardedObject)
+    assert extra.unique_key == "decoder.layers.mlp.linear_fc2._extra_state/shard_0_3"
+    assert not any(k.endswith("layernorm._extra_state") for k in out)
+
+
+def test_layer_outside_checkpoint_is_refused():
+    with pytest.raises(ValueError, match=r"decoder.layers.2.input_layernorm.weight: layer 2 is outside a checkpoint "
+                                         r"of 2 layers"):
+        to_megatron_layout(_swiglu_gpt(0).sharded_state_dict(), num_layers=2)
+
+
+def test_save_in_megatron_layout_loads_back(tmp_path):
+    saved = _swiglu_gpt(0)
+    ckpt = str(tmp_path / "c")
+    dc.save_in_megatron_layout(saved.sharded_state_dict(), ckpt, num_layers=3)
+    keys = tensor_shapes(ckpt)
+    assert is_megatron_layout(keys) and "decoder.layers.0.input_layernorm.weight" not in keys
+    assert keys["decoder.layers.mlp.linear_fc1.weight"][0] == (3, 2 * FFN, 32)
+    # Megatron Core stores an object as the list of its copies.
+    objs = torch_strategy.dcp_read(ckpt, {}, ["decoder.layers.self_attention.linear_qkv._extra_state/shard_1_3"])
+    assert objs == {"decoder.layers.self_attention.linear_qkv._extra_state/shard_1_3": [None]}
+    loaded = _swiglu_gpt(1)
+    loaded.load_state_dict(dc.load(loaded.sharded_state_dict(), ckpt))
+    for (name, a), b in zip(saved.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
