@@ -54,7 +54,9 @@ def build(cfg: dict, tp: int):
         fields["activation_func"] = torch.nn.functional.silu
     config = TransformerConfig(**fields, tensor_model_parallel_size=tp, use_cpu_initialization=True,
                                hidden_dropout=0.0, attention_dropout=0.0)
-    spec = get_gpt_layer_local_spec(normalization=fields.get("normalization", "LayerNorm"),
+    spec = get_gpt_layer_local_spec(num_experts=fields.get("num_moe_experts"),
+                                    moe_grouped_gemm=fields.get("moe_grouped_gemm", False),
+                                    normalization=fields.get("normalization", "LayerNorm"),
                                     qk_layernorm=fields.get("qk_layernorm", False))
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=cfg["vocab_size"],
                     max_sequence_length=SEQ, **cfg.get("model", {}))

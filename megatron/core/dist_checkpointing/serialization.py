@@ -182,12 +182,12 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
 
 
 def save_in_megatron_layout(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, num_layers: int,
-                            **kwargs) -> Optional[AsyncRequest]:
+                            num_experts: Optional[int] = None, **kwargs) -> Optional[AsyncRequest]:
     """`save` in Megatron Core's torch_dist layout, which Megatron-LM's ``dist_checkpointing.load`` reads:
     transformer layers stacked (`megatron_layout.to_megatron_layout`, ``num_layers`` = the model's total), an
     ``_extra_state`` object per linear layer, and every ShardedObject stored as Megatron encodes it, ``[data]``.
-    ``kwargs`` go to `save`."""
-    stacked = megatron_layout.to_megatron_layout(sharded_state_dict, num_layers)
+    ``num_experts``: the MoE expert count (sequential experts). ``kwargs`` go to `save`."""
+    stacked = megatron_layout.to_megatron_layout(sharded_state_dict, num_layers, num_experts)
     encoded = dict_utils.map_leaves(
         lambda v: replace(v, data=[v.data]) if isinstance(v, ShardedObject) else v, stacked)
     return save(encoded, checkpoint_dir, **kwargs)
@@ -362,8 +362,8 @@ def _match_megatron_layout(sharded_state_dict: ShardedStateDict, checkpoint_dir:
     requested = [v.key for _, v in dict_utils.iter_leaves(sharded_state_dict) if isinstance(v, ShardedTensor)]
     if megatron_layout.is_megatron_layout(requested):
         return sharded_state_dict
-    return megatron_layout.to_megatron_layout(sharded_state_dict, megatron_layout.num_stacked_layers(shapes),
-                                              extra_state=False)
+    num_layers, num_experts = megatron_layout.stacked_sizes(shapes)
+    return megatron_layout.to_megatron_layout(sharded_state_dict, num_layers, num_experts, extra_state=False)
 
 
 def _empty_like_shard(sh: ShardedTensor) -> torch.Tensor:
