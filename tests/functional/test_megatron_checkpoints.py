@@ -1,7 +1,7 @@
-"""Checkpoints interchange with Megatron-LM itself: Megatron Core 0.19.2 (its pip wheel, local layer spec, CPU,
-gloo, fp32) saves a torch_dist checkpoint that our GPTModel loads, at the same TP and at another, with logits
-equal; our `dist_checkpointing.save_in_megatron_layout` writes one that Megatron's GPTModel loads, with logits
-equal.
+"""Checkpoints interchange with Megatron-LM itself (dense GPT and MoE): Megatron Core 0.19.2 (its pip wheel, local
+layer spec, CPU, gloo, fp32) saves a torch_dist checkpoint that our GPTModel loads, at the same TP and at another,
+with logits equal; our `dist_checkpointing.save_in_megatron_layout` writes one that Megatron's GPTModel loads, with
+logits equal.
 
 Megatron runs in a subprocess (tests/functional/mcore_checkpoint_side.py) whose sys.path starts with the wheel's
 files and holds no part of this checkout, so its ``megatron`` package never meets ours. The wheel needs
@@ -47,6 +47,12 @@ LLAMA = {"vocab_size": 128, "config": {"num_layers": 2, "hidden_size": 64, "num_
 # GPT-2-style: GeLU, LayerNorm with biases, learned positions, untied output layer.
 GPT2 = {"vocab_size": 96, "config": {"num_layers": 3, "hidden_size": 32, "num_attention_heads": 4},
         "model": {"share_embeddings_and_output_weights": False}, "seed": 7}
+# MoE, 4 experts top-2, SwiGLU. Megatron's local spec always builds sequential experts (grouped GEMM needs TE);
+# ours with grouped experts ([E, out, in] weights) or sequential ones.
+_MOE = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_moe_experts": 4, "moe_router_topk": 2,
+        "ffn_hidden_size": 48, "gated_linear_unit": True, "activation": "silu", "add_bias_linear": False}
+MOE_GROUPED = {"vocab_size": 64, "config": {**_MOE, "moe_grouped_gemm": True}, "seed": 3}
+MOE_SEQUENTIAL = {"vocab_size": 64, "config": _MOE, "seed": 5}
 
 
 def megatron(mode: str, cfg: dict, ckpt_dir: str, tp: int, tmp_path) -> torch.Tensor:
@@ -65,7 +71,9 @@ def _our_model(cfg: dict, tp: int) -> GPTModel:
     if fields.pop("activation", "gelu") == "silu":
         fields["activation_func"] = torch.nn.functional.silu
     config = TransformerConfig(**fields, tensor_model_parallel_size=tp, hidden_dropout=0.0, attention_dropout=0.0)
-    spec = get_gpt_layer_local_spec(normalization=fields.get("normalization", "LayerNorm"))
+    spec = get_gpt_layer_local_spec(num_experts=fields.get("num_moe_experts"),
+                                    moe_grouped_gemm=fields.get("moe_grouped_gemm", False),
+                                    normalization=fields.get("normalization", "LayerNorm"))
     return GPTModel(config, spec, cfg["vocab_size"], SEQ, **cfg.get("model", {}))
 
 
@@ -94,7 +102,8 @@ def ours_save(cfg: dict, ckpt_dir: str, tp: int):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     torch.manual_seed(cfg.get("seed", 0))
     model = _our_model(cfg, tp)
-    dist_checkpointing.save_in_megatron_layout(model.sharded_state_dict(), ckpt_dir, model.config.num_layers)
+    dist_checkpointing.save_in_megatron_layout(model.sharded_state_dict(), ckpt_dir, model.config.num_layers,
+                                               model.config.num_moe_experts)
     return _logits(model, cfg["vocab_size"])
 
 
@@ -103,8 +112,8 @@ def _close(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return ((ours - theirs).abs().max() / theirs.abs().max()).item()
 
 
-@pytest.mark.parametrize("cfg, saved_tp, loaded_tps", [(LLAMA, 2, (2, 1)), (GPT2, 1, (1, 2))],
-                         ids=["llama_tp2", "gpt2_tp1"])
+@pytest.mark.parametrize("cfg, saved_tp, loaded_tps", [(LLAMA, 2, (2, 1)), (GPT2, 1, (1, 2)), (MOE_GROUPED, 2, (2, 1))],
+                         ids=["llama_tp2", "gpt2_tp1", "moe_tp2"])
 def test_megatron_saves_ours_loads(tmp_path, cfg, saved_tp, loaded_tps):
     ckpt = str(tmp_path / "mcore_ckpt")
     reference = megatron("save", cfg, ckpt, saved_tp, tmp_path)
@@ -113,7 +122,8 @@ def test_megatron_saves_ours_loads(tmp_path, cfg, saved_tp, loaded_tps):
         assert _close(ours, reference) < RTOL, f"TP={saved_tp} -> TP={tp}"
 
 
-@pytest.mark.parametrize("cfg, saved_tp, loaded_tp", [(LLAMA, 2, 1), (GPT2, 1, 2)], ids=["llama_tp2", "gpt2_tp1"])
+@pytest.mark.parametrize("cfg, saved_tp, loaded_tp", [(LLAMA, 2, 1), (GPT2, 1, 2), (MOE_SEQUENTIAL, 2, 1)],
+                         ids=["llama_tp2", "gpt2_tp1", "moe_tp2"])
 def test_ours_saves_megatron_loads(tmp_path, cfg, saved_tp, loaded_tp):
     ckpt = str(tmp_path / "our_ckpt")
     ours = run_distributed(ours_save, saved_tp, cfg, ckpt, saved_tp)[0]

@@ -9,6 +9,7 @@ from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor, Shard
 from megatron.core.dist_checkpointing.megatron_layout import is_megatron_layout, to_megatron_layout
 from megatron.core.dist_checkpointing.serialization import tensor_shapes
 from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from tests.fixtures.tiny_gpt import single_rank, tiny_config, tiny_gpt
 
 FFN = 48
@@ -64,3 +65,44 @@ def test_save_in_megatron_layout_loads_back(tmp_path):
     loaded.load_state_dict(dc.load(loaded.sharded_state_dict(), ckpt))
     for (name, a), b in zip(saved.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def _moe_gpt(seed, grouped):
+    single_rank()
+    torch.manual_seed(seed)
+    config = tiny_config(num_moe_experts=4, moe_router_topk=2, add_bias_linear=False, moe_grouped_gemm=grouped,
+                         gated_linear_unit=True, activation_func=torch.nn.functional.silu, ffn_hidden_size=FFN)
+    return tiny_gpt(config, spec=get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=grouped))
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["sequential", "grouped"])
+def test_experts_stack_on_an_expert_axis(grouped):
+    out = to_megatron_layout(_moe_gpt(0, grouped).sharded_state_dict(), num_layers=2, num_experts=4)
+    local = "decoder.layers.1.mlp.experts." + ("weight1" if grouped else "local_experts.2.linear_fc1.weight")
+    gate, up = out[local].build().values()
+    assert gate.key == up.key == "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    assert gate.global_shape == (2, 4, 2 * FFN, 32)
+    assert (gate.global_offset, up.global_offset) == (((1, 0, 0, 0), (1, 0, FFN, 0)) if grouped else
+                                                      ((1, 2, 0, 0), (1, 2, FFN, 0)))
+    extras = sorted(o.unique_key for k, o in out.items() if k.endswith("._extra_state") and "layers.1.mlp" in k
+                    and "fc2" in o.key)
+    assert extras == [f"decoder.layers.mlp.experts.experts.linear_fc2._extra_state/shard_1.{e}_2.4" for e in range(4)]
+
+
+def test_sequential_experts_need_the_expert_count():
+    with pytest.raises(ValueError, match=r"local_experts.0.linear_fc1.weight: a sequential expert; pass num_experts"):
+        to_megatron_layout(_moe_gpt(0, False).sharded_state_dict(), num_layers=2)
+
+
+def test_sequential_experts_save_loads_as_grouped(tmp_path):
+    """Both expert layouts of ours meet in Megatron's: saved sequential, loaded grouped, the same weights."""
+    saved, loaded = _moe_gpt(0, False), _moe_gpt(1, True)
+    ckpt = str(tmp_path / "c")
+    dc.save_in_megatron_layout(saved.sharded_state_dict(), ckpt, num_layers=2, num_experts=4)
+    loaded.load_state_dict(dc.load(loaded.sharded_state_dict(), ckpt))
+    for layer in range(2):
+        experts = saved.decoder.layers[layer].mlp.experts.local_experts
+        grouped = loaded.decoder.layers[layer].mlp.experts
+        assert torch.equal(grouped.weight1.detach().reshape(4, 2 * FFN, 32),
+                           torch.stack([e.linear_fc1.weight.detach() for e in experts]))
+        assert torch.equal(grouped.weight2.detach(), torch.stack([e.linear_fc2.weight.detach() for e in experts]))
