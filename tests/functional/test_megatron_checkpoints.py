@@ -66,33 +66,45 @@ def megatron(mode: str, cfg: dict, ckpt_dir: str, tp: int, tmp_path) -> torch.Te
     return torch.load(out)
 
 
-def _our_model(cfg: dict, tp: int) -> GPTModel:
+def _our_model(cfg: dict, tp: int, pp: int = 1) -> GPTModel:
     fields = dict(cfg["config"])
     if fields.pop("activation", "gelu") == "silu":
         fields["activation_func"] = torch.nn.functional.silu
-    config = TransformerConfig(**fields, tensor_model_parallel_size=tp, hidden_dropout=0.0, attention_dropout=0.0)
+    config = TransformerConfig(**fields, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                               hidden_dropout=0.0, attention_dropout=0.0)
     spec = get_gpt_layer_local_spec(num_experts=fields.get("num_moe_experts"),
                                     moe_grouped_gemm=fields.get("moe_grouped_gemm", False),
                                     normalization=fields.get("normalization", "LayerNorm"))
-    return GPTModel(config, spec, cfg["vocab_size"], SEQ, **cfg.get("model", {}))
+    return GPTModel(config, spec, cfg["vocab_size"], SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage(), **cfg.get("model", {}))
 
 
-def _logits(model: GPTModel, vocab: int) -> torch.Tensor:
+def _logits(model: GPTModel, vocab: int):
+    """[b, s, V] on the last pipeline stage (None on the others): the stages' activations passed on by hand."""
     tok = (torch.arange(BATCH * SEQ).view(BATCH, SEQ) * 7 + 3) % vocab
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1).view(1, 1, SEQ, SEQ)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
     model.eval()
     with torch.no_grad():
+        if not parallel_state.is_pipeline_first_stage():
+            received = torch.empty(SEQ, BATCH, model.config.hidden_size)  # [s, b, h]
+            torch.distributed.recv(received, group=pp_group, group_src=pp_rank - 1)
+            model.set_input_tensor(received)
         out = model(tok, torch.arange(SEQ).expand(BATCH, SEQ), mask)
+    if not parallel_state.is_pipeline_last_stage():
+        torch.distributed.send(out.contiguous(), group=pp_group, group_dst=pp_rank + 1)
+        return None
     group = parallel_state.get_tensor_model_parallel_group()
     parts = [torch.empty_like(out) for _ in range(torch.distributed.get_world_size(group))]
     torch.distributed.all_gather(parts, out.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
 
 
-def ours_load(cfg: dict, ckpt_dir: str, tp: int):
-    """On each rank: our GPTModel at ``tp`` loads ``ckpt_dir`` with Megatron's API calls; its logits."""
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    model = _our_model(cfg, tp)
+def ours_load(cfg: dict, ckpt_dir: str, tp: int, pp: int = 1):
+    """On each rank: our GPTModel at ``tp`` x ``pp`` loads ``ckpt_dir`` with Megatron's API calls; its logits."""
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model = _our_model(cfg, tp, pp)
     model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir))
     return _logits(model, cfg["vocab_size"])
 
@@ -112,14 +124,15 @@ def _close(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return ((ours - theirs).abs().max() / theirs.abs().max()).item()
 
 
-@pytest.mark.parametrize("cfg, saved_tp, loaded_tps", [(LLAMA, 2, (2, 1)), (GPT2, 1, (1, 2)), (MOE_GROUPED, 2, (2, 1))],
+@pytest.mark.parametrize("cfg, saved_tp, loaded", [(LLAMA, 2, ((2, 1), (1, 1), (1, 2))), (GPT2, 1, ((1, 1), (2, 1))),
+                                                   (MOE_GROUPED, 2, ((2, 1), (1, 1)))],
                          ids=["llama_tp2", "gpt2_tp1", "moe_tp2"])
-def test_megatron_saves_ours_loads(tmp_path, cfg, saved_tp, loaded_tps):
+def test_megatron_saves_ours_loads(tmp_path, cfg, saved_tp, loaded):
     ckpt = str(tmp_path / "mcore_ckpt")
     reference = megatron("save", cfg, ckpt, saved_tp, tmp_path)
-    for tp in loaded_tps:  # the saved layout, then another one
-        ours = run_distributed(ours_load, tp, cfg, ckpt, tp)[0]
-        assert _close(ours, reference) < RTOL, f"TP={saved_tp} -> TP={tp}"
+    for tp, pp in loaded:  # the saved layout, then others (TP=2 -> TP=1 x PP=2: the layer axis split by stage)
+        ours = run_distributed(ours_load, tp * pp, cfg, ckpt, tp, pp)[-1]
+        assert _close(ours, reference) < RTOL, f"TP={saved_tp} -> TP={tp} x PP={pp}"
 
 
 @pytest.mark.parametrize("cfg, saved_tp, loaded_tp", [(LLAMA, 2, 1), (GPT2, 1, 2), (MOE_SEQUENTIAL, 2, 1)],
