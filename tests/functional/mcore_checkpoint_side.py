@@ -15,6 +15,7 @@ Megatron Core 0.19.2 needs four CPU patches here, each the smallest found (all i
 - the torch_dist save calls ``torch.cuda.synchronize()`` and builds a tensor on
   ``torch.cuda.current_device()``: a no-op and ``'cpu'``;
 - ``get_default_causal_mask`` builds the mask on ``'cuda'``: the batch passes its own causal mask.
+Its multi-latent attention spec also needs a core attention that takes ``k_channels`` (TE's): SDPA here.
 The save also needs psutil importable (installed next to the wheel).
 """
 import contextlib
@@ -37,7 +38,7 @@ from megatron.core import dist_checkpointing, parallel_state  # noqa: E402  (aft
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig  # noqa: E402
 
 BATCH, SEQ = 2, 16
 
@@ -47,17 +48,38 @@ def tokens(vocab: int) -> torch.Tensor:
     return (torch.arange(BATCH * SEQ).view(BATCH, SEQ) * 7 + 3) % vocab
 
 
+class SDPACoreAttention(torch.nn.Module):
+    """Causal core attention through torch SDPA: Megatron's local DotProductAttention refuses the multi-latent
+    attention spec's ``k_channels`` (its MLA needs Transformer Engine); core attention holds no weights."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, **kwargs):
+        super().__init__()
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        sq, b = query.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, d] -> [b, n, s, d]
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
 def build(cfg: dict, tp: int):
     get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     fields = dict(cfg["config"])
     if fields.pop("activation", "gelu") == "silu":
         fields["activation_func"] = torch.nn.functional.silu
-    config = TransformerConfig(**fields, tensor_model_parallel_size=tp, use_cpu_initialization=True,
-                               hidden_dropout=0.0, attention_dropout=0.0)
+    mla = fields.pop("multi_latent_attention", False)
+    config = (MLATransformerConfig if mla else TransformerConfig)(
+        **fields, tensor_model_parallel_size=tp, use_cpu_initialization=True, hidden_dropout=0.0,
+        attention_dropout=0.0)
     spec = get_gpt_layer_local_spec(num_experts=fields.get("num_moe_experts"),
                                     moe_grouped_gemm=fields.get("moe_grouped_gemm", False),
                                     normalization=fields.get("normalization", "LayerNorm"),
-                                    qk_layernorm=fields.get("qk_layernorm", False))
+                                    qk_layernorm=fields.get("qk_layernorm", False), multi_latent_attention=mla)
+    if mla:
+        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=cfg["vocab_size"],
                     max_sequence_length=SEQ, **cfg.get("model", {}))
 

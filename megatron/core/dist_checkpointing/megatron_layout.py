@@ -25,7 +25,8 @@ _LAYER_KEY = re.compile(r"^((?:.*\.)?decoder\.layers\.)(\d+)\.(.+)$")
 # A stacked Megatron key: 'decoder.layers.' followed by a submodule name, not a layer index.
 _STACKED_KEY = re.compile(r"^(?:.*\.)?decoder\.layers\.[A-Za-z_]")
 
-# Megatron's local GPT layer spec: TransformerLayerSubmodules.sharded_state_dict_keys_map.
+# Megatron's local GPT layer spec: TransformerLayerSubmodules.sharded_state_dict_keys_map. Its multi-latent
+# attention spec has none, so the map applies to layers with the fused linear_qkv only.
 LOCAL_SPEC_KEYS_MAP = {
     "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
     "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
@@ -116,6 +117,11 @@ def to_megatron_layout(sharded_state_dict, num_layers: int, num_experts: Optiona
     experts, which Megatron stacks on an expert axis). With ``extra_state`` (for saving), each linear layer of a
     transformer layer also gets Megatron's ``_extra_state`` object, which Megatron's loader asks for."""
     added = {}
+    with_qkv = set()
+    for _, value in dict_utils.iter_leaves(sharded_state_dict):
+        m = _LAYER_KEY.match(value.key) if isinstance(value, ShardedTensor) else None
+        if m is not None and m.group(3).startswith("self_attention.linear_qkv."):
+            with_qkv.add((m.group(1), m.group(2)))
 
     def convert(path, value):
         if not isinstance(value, ShardedTensor):
@@ -123,7 +129,9 @@ def to_megatron_layout(sharded_state_dict, num_layers: int, num_experts: Optiona
         m = _LAYER_KEY.match(value.key)
         if m is None:
             return value
-        prefix, layer, rest = m.group(1), int(m.group(2)), _rename(m.group(3))
+        prefix, layer, rest = m.group(1), int(m.group(2)), m.group(3)
+        if (prefix, m.group(2)) in with_qkv:
+            rest = _rename(rest)
         sh, grouped = value, False
         expert = _SEQUENTIAL_EXPERT.match(rest)
         module, _, leaf = rest.rpartition(".")
