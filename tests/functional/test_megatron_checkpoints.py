@@ -1,4 +1,4 @@
-"""Checkpoints interchange with Megatron-LM itself (dense GPT and MoE): Megatron Core 0.19.2 (its pip wheel, local
+"""Checkpoints interchange with Megatron-LM itself (dense GPT, MoE, MLA): Megatron Core 0.19.2 (its pip wheel, local
 layer spec, CPU, gloo, fp32) saves a torch_dist checkpoint that our GPTModel loads, at the same TP and at another,
 with logits equal; our `dist_checkpointing.save_in_megatron_layout` writes one that Megatron's GPTModel loads, with
 logits equal.
@@ -25,7 +25,7 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from tests.parallel.dist_utils import run_distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -57,6 +57,12 @@ _MOE = {**STD, "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "nu
         "ffn_hidden_size": 48, "gated_linear_unit": True, "activation": "silu", "add_bias_linear": False}
 MOE_GROUPED = {"vocab_size": 64, "config": {**_MOE, "moe_grouped_gemm": True}, "seed": 3}
 MOE_SEQUENTIAL = {"vocab_size": 64, "config": _MOE, "seed": 5}
+# DeepSeek-style multi-latent attention (q and kv low rank, YaRN rope; Megatron keeps its norm names here).
+MLA = {"vocab_size": 64, "config": {**STD, "multi_latent_attention": True, "num_layers": 2, "hidden_size": 32,
+                                    "num_attention_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 8, "qk_head_dim": 8,
+                                    "qk_pos_emb_head_dim": 4, "v_head_dim": 8, "add_bias_linear": False,
+                                    "normalization": "RMSNorm"},
+       "model": {"position_embedding_type": "rope"}, "seed": 11}
 
 
 def megatron(mode: str, cfg: dict, ckpt_dir: str, tp: int, tmp_path) -> torch.Tensor:
@@ -74,11 +80,13 @@ def _our_model(cfg: dict, tp: int, pp: int = 1) -> GPTModel:
     fields = dict(cfg["config"])
     if fields.pop("activation", "gelu") == "silu":
         fields["activation_func"] = torch.nn.functional.silu
-    config = TransformerConfig(**fields, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                               hidden_dropout=0.0, attention_dropout=0.0)
+    mla = fields.pop("multi_latent_attention", False)
+    config = (MLATransformerConfig if mla else TransformerConfig)(
+        **fields, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, hidden_dropout=0.0,
+        attention_dropout=0.0)
     spec = get_gpt_layer_local_spec(num_experts=fields.get("num_moe_experts"),
                                     moe_grouped_gemm=fields.get("moe_grouped_gemm", False),
-                                    normalization=fields.get("normalization", "LayerNorm"))
+                                    normalization=fields.get("normalization", "LayerNorm"), multi_latent_attention=mla)
     return GPTModel(config, spec, cfg["vocab_size"], SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
                     post_process=parallel_state.is_pipeline_last_stage(), **cfg.get("model", {}))
 
@@ -129,8 +137,8 @@ def _close(ours: torch.Tensor, theirs: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("cfg, saved_tp, loaded", [(LLAMA, 2, ((2, 1), (1, 1), (1, 2))), (GPT2, 1, ((1, 1), (2, 1))),
-                                                   (MOE_GROUPED, 2, ((2, 1), (1, 1)))],
-                         ids=["llama_tp2", "gpt2_tp1", "moe_tp2"])
+                                                   (MOE_GROUPED, 2, ((2, 1), (1, 1))), (MLA, 2, ((2, 1), (1, 1)))],
+                         ids=["llama_tp2", "gpt2_tp1", "moe_tp2", "mla_tp2"])
 def test_megatron_saves_ours_loads(tmp_path, cfg, saved_tp, loaded):
     ckpt = str(tmp_path / "mcore_ckpt")
     reference = megatron("save", cfg, ckpt, saved_tp, tmp_path)
@@ -139,8 +147,8 @@ def test_megatron_saves_ours_loads(tmp_path, cfg, saved_tp, loaded):
         assert _close(ours, reference) < RTOL, f"TP={saved_tp} -> TP={tp} x PP={pp}"
 
 
-@pytest.mark.parametrize("cfg, saved_tp, loaded_tp", [(LLAMA, 2, 1), (GPT2, 1, 2), (MOE_SEQUENTIAL, 2, 1)],
-                         ids=["llama_tp2", "gpt2_tp1", "moe_tp2"])
+@pytest.mark.parametrize("cfg, saved_tp, loaded_tp", [(LLAMA, 2, 1), (GPT2, 1, 2), (MOE_SEQUENTIAL, 2, 1),
+                                                      (MLA, 1, 2)], ids=["llama_tp2", "gpt2_tp1", "moe_tp2", "mla_tp1"])
 def test_ours_saves_megatron_loads(tmp_path, cfg, saved_tp, loaded_tp):
     ckpt = str(tmp_path / "our_ckpt")
     ours = run_distributed(ours_save, saved_tp, cfg, ckpt, saved_tp)[0]

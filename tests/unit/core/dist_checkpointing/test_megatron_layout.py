@@ -10,6 +10,7 @@ from megatron.core.dist_checkpointing.megatron_layout import is_megatron_layout,
 from megatron.core.dist_checkpointing.serialization import tensor_shapes
 from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 from tests.fixtures.tiny_gpt import single_rank, tiny_config, tiny_gpt
 
 FFN = 48
@@ -106,3 +107,17 @@ def test_sequential_experts_save_loads_as_grouped(tmp_path):
         assert torch.equal(grouped.weight1.detach().reshape(4, 2 * FFN, 32),
                            torch.stack([e.linear_fc1.weight.detach() for e in experts]))
         assert torch.equal(grouped.weight2.detach(), torch.stack([e.linear_fc2.weight.detach() for e in experts]))
+
+
+def test_mla_layers_keep_their_norm_names():
+    """Megatron's MLA local spec has no sharded_state_dict_keys_map: its norms keep the local names."""
+    single_rank()
+    config = tiny_config(MLATransformerConfig, q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4,
+                         v_head_dim=8, normalization="RMSNorm")
+    model = tiny_gpt(config, spec=get_gpt_layer_local_spec(multi_latent_attention=True, normalization="RMSNorm"),
+                     position_embedding_type="rope")
+    out = to_megatron_layout(model.sharded_state_dict(), num_layers=2)
+    assert out["decoder.layers.1.input_layernorm.weight"].key == "decoder.layers.input_layernorm.weight"
+    assert out["decoder.layers.1.pre_mlp_layernorm.weight"].key == "decoder.layers.pre_mlp_layernorm.weight"
+    assert out["decoder.layers.0.self_attention.linear_q_up_proj._extra_state"].key == \
+        "decoder.layers.self_attention.linear_q_up_proj._extra_state"
