@@ -210,14 +210,14 @@ def load_common_state_dict(checkpoint_dir: str) -> Dict[str, Any]:
             if k == "common_state" or k.startswith("common_state/shard_")]
     if not keys:
         raise CheckpointingException(f"{checkpoint_dir} has neither {COMMON_FNAME} nor a 'common_state' object")
-    return _unwrap_object(_guarded_read(checkpoint_dir, {}, keys[:1], no_dist=True)[keys[0]])
+    return _unwrap_object(keys[0], _guarded_read(checkpoint_dir, {}, keys[:1], no_dist=True)[keys[0]])
 
 
-def _unwrap_object(saved):
+def _unwrap_object(key: str, saved):
     """A ShardedObject as Megatron Core writes it: a list of its copies (one per main replica), ``[data]``."""
     if not (isinstance(saved, list) and len(saved) == 1):
-        raise CheckpointingException(f"a ShardedObject in Megatron's torch_dist encoding is a one-item list, "
-                                     f"got {type(saved).__name__}")
+        raise CheckpointingException(f"checkpoint object '{key}' is a {type(saved).__name__}, not the one-item list "
+                                     "that Megatron Core's torch_dist encoding stores; re-save it with Megatron-LM")
     return saved[0]
 
 
@@ -341,7 +341,7 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     objs = _guarded_read(checkpoint_dir, shards, sorted({o.unique_key for _, o in objects}),
                          process_group=process_group, allow_shape_mismatch=allow)
     if megatron_encoded:
-        objs = {k: _unwrap_object(v) for k, v in objs.items()}
+        objs = {k: _unwrap_object(k, v) for k, v in objs.items()}
     merged = common if isinstance(common, dict) else {}
     dict_utils.prune_shells(merged, sharded_state_dict)
     for (path, _), buf in zip(tensors, bufs):
