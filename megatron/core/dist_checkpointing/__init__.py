@@ -17,10 +17,11 @@ from .serialization import (
     load_tensors_metadata,
     remove_sharded_tensors,
     save,
+    save_in_megatron_layout,
 )
 from .strategies.async_utils import AsyncCallsQueue, AsyncRequest
 
 __all__ = ["ShardedTensor", "ShardedObject", "ShardedTensorFactory", "ShardedStateDict", "save", "load",
            "load_common_state_dict", "load_tensors_metadata", "load_sharded_metadata", "load_plain_tensors",
            "load_content_metadata", "remove_sharded_tensors", "ShardedBase", "check_is_distributed_checkpoint",
-           "CheckpointingException", "AsyncCallsQueue", "AsyncRequest"]
+           "CheckpointingException", "AsyncCallsQueue", "AsyncRequest", "save_in_megatron_layout"]

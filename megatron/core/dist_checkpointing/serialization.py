@@ -3,9 +3,9 @@
 A checkpoint directory holds DCP files (`__{rank}_{k}.distcp`, `.metadata`), the non-sharded ("common")
 state in `common.pt` (written by rank 0), and `metadata.json`, written last.
 """
-import dataclasses
 import logging
 import os
+from dataclasses import replace
 from typing import Any, Dict, Optional
 
 import torch
@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException as DCPException
 from megatron.core.transformer.te_key_map import alternative_key
 from megatron.core.utils import lazy_names
 
-from . import dict_utils
+from . import dict_utils, megatron_layout
 from .core import CONFIG_FNAME, CheckpointingException, maybe_load_config, save_config
 from .mapping import (
     LocalNonpersistentObject,
@@ -74,7 +74,10 @@ def _split_common(tree):
 
 def _strip_sharded(tree):
     if isinstance(tree, dict):
-        return {k: _strip_sharded(v) for k, v in tree.items() if not is_sharded(v)}
+        # A dict that held only sharded leaves is dropped, not kept empty (as Megatron does: its loader merges
+        # the loaded tensors into the common state and refuses an empty dict where a tensor goes).
+        stripped = {k: _strip_sharded(v) for k, v in tree.items() if not is_sharded(v)}
+        return {k: v for k, v in stripped.items() if not (isinstance(v, dict) and not v and tree[k])}
     if isinstance(tree, list):
         return [None if is_sharded(v) else _strip_sharded(v) for v in tree]
     return tree
@@ -182,6 +185,18 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     return None
 
 
+def save_in_megatron_layout(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, num_layers: int,
+                            num_experts: Optional[int] = None, **kwargs) -> Optional[AsyncRequest]:
+    """`save` in Megatron Core's torch_dist layout, which Megatron-LM's ``dist_checkpointing.load`` reads:
+    transformer layers stacked (`megatron_layout.to_megatron_layout`, ``num_layers`` = the model's total), an
+    ``_extra_state`` object per linear layer, and every ShardedObject stored as Megatron encodes it, ``[data]``.
+    ``num_experts``: the MoE expert count (sequential experts). ``kwargs`` go to `save`."""
+    stacked = megatron_layout.to_megatron_layout(sharded_state_dict, num_layers, num_experts)
+    encoded = dict_utils.map_leaves(
+        lambda v: replace(v, data=[v.data]) if isinstance(v, ShardedObject) else v, stacked)
+    return save(encoded, checkpoint_dir, **kwargs)
+
+
 def load_common_state_dict(checkpoint_dir: str) -> Dict[str, Any]:
     """The non-sharded part of a checkpoint (args, iteration, scheduler state...), read on any rank."""
     if maybe_load_config(checkpoint_dir) is None:
@@ -193,9 +208,21 @@ def load_common_state_dict(checkpoint_dir: str) -> Dict[str, Any]:
             return torch.load(path, map_location="cpu", weights_only=False)
         except Exception as e:
             raise CheckpointingException(f"corrupted checkpoint file {path}: {type(e).__name__}: {e}") from e
-    # Newer Megatron checkpoints keep the common state as a DCP object.
-    objs = _guarded_read(checkpoint_dir, {}, ["common_state"], no_dist=True)
-    return objs["common_state"]
+    # Newer Megatron checkpoints keep the common state as a DCP object: 'common_state', or since Megatron Core
+    # 0.19 the ShardedObject 'common_state/shard_0_1'.
+    keys = [k for k in _read_dcp_metadata(checkpoint_dir).state_dict_metadata
+            if k == "common_state" or k.startswith("common_state/shard_")]
+    if not keys:
+        raise CheckpointingException(f"{checkpoint_dir} has neither {COMMON_FNAME} nor a 'common_state' object")
+    return _unwrap_object(keys[0], _guarded_read(checkpoint_dir, {}, keys[:1], no_dist=True)[keys[0]])
+
+
+def _unwrap_object(key: str, saved):
+    """A ShardedObject as Megatron Core writes it: a list of its copies (one per main replica), ``[data]``."""
+    if not (isinstance(saved, list) and len(saved) == 1):
+        raise CheckpointingException(f"checkpoint object '{key}' is a {type(saved).__name__}, not the one-item list "
+                                     "that Megatron Core's torch_dist encoding stores; re-save it with Megatron-LM")
+    return saved[0]
 
 
 def load_tensors_metadata(checkpoint_dir: str, sharded_strategy=None) -> Dict[str, ShardedTensor]:
@@ -302,6 +329,10 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
         raise ValueError(f"sharded_strategy {sharded_strategy!r} is not supported; use None, 'torch_dist' or "
                          "a TorchDistLoadShardedStrategy")
     strict = parse_strict_flag(strict)
+    megatron_encoded = maybe_load_config(checkpoint_dir) is not None and megatron_layout.is_megatron_layout(
+        tensor_shapes(checkpoint_dir))
+    if megatron_encoded:  # a checkpoint in Megatron-LM's own layout: ask for its stacked keys
+        sharded_state_dict = _match_megatron_layout(sharded_state_dict, checkpoint_dir)
     factories, _ = dict_utils.extract_matching_values(
         sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True)
     apply_factories(sharded_state_dict)
@@ -333,6 +364,8 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     allow = [sh.key for _, sh in tensors if sh.allow_shape_mismatch]
     objs = _guarded_read(checkpoint_dir, shards, sorted({o.unique_key for _, o in objects}),
                          process_group=process_group, allow_shape_mismatch=allow)
+    if megatron_encoded:
+        objs = {k: _unwrap_object(k, v) for k, v in objs.items()}
     merged = common if isinstance(common, dict) else {}
     dict_utils.prune_shells(merged, sharded_state_dict)
     for (path, _), buf in zip(tensors, bufs):
@@ -355,7 +388,7 @@ def _use_saved_spec_names(sharded_state_dict, checkpoint_dir) -> None:
     saved = set(tensor_shapes(checkpoint_dir))
     for path, sh in _split_common(sharded_state_dict)[1]:
         if isinstance(sh, ShardedTensor) and sh.key not in saved and alternative_key(sh.key) in saved:
-            dict_utils.set_path(sharded_state_dict, path, dataclasses.replace(sh, key=alternative_key(sh.key)))
+            dict_utils.set_path(sharded_state_dict, path, replace(sh, key=alternative_key(sh.key)))
 
 
 def _check_request(sharded_state_dict, checkpoint_dir, strict: StrictHandling):
@@ -388,6 +421,17 @@ def _gather_from_ranks(value, process_group):
     gathered = [None] * torch.distributed.get_world_size(process_group)
     torch.distributed.all_gather_object(gathered, value, group=process_group)
     return gathered
+
+
+def _match_megatron_layout(sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> ShardedStateDict:
+    """The request in the stacked-layer layout of the Megatron-layout checkpoint ``checkpoint_dir`` (one that
+    Megatron-LM wrote, read by our model), or unchanged when it already asks for stacked keys."""
+    shapes = tensor_shapes(checkpoint_dir)
+    requested = [v.key for _, v in dict_utils.iter_leaves(sharded_state_dict) if isinstance(v, ShardedTensor)]
+    if megatron_layout.is_megatron_layout(requested):
+        return sharded_state_dict
+    num_layers, num_experts = megatron_layout.stacked_sizes(shapes)
+    return megatron_layout.to_megatron_layout(sharded_state_dict, num_layers, num_experts, extra_state=False)
 
 
 def _buffer_for(sh: ShardedTensor) -> torch.Tensor:

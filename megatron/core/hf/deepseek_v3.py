@@ -5,8 +5,8 @@ MoE (sigmoid router with a score-correction bias, group-limited routing, shared 
 |----------------------------------------------------|-----------------------------------------------------|
 | self_attention.linear_q_down_proj.weight           | self_attn.q_a_proj.weight                           |
 | self_attention.q_layernorm.weight                  | self_attn.q_a_layernorm.weight                      |
-| self_attention.linear_q_up_proj.weight             | self_attn.q_b_proj.weight (rope rows de-interleaved)|
-| self_attention.linear_q_proj.weight (no q lora)    | self_attn.q_proj.weight (rope rows de-interleaved)  |
+| self_attention.linear_q_up_proj.weight             | self_attn.q_b_proj.weight (rope rows interleaved)   |
+| self_attention.linear_q_proj.weight (no q lora)    | self_attn.q_proj.weight (rope rows interleaved)     |
 | self_attention.linear_kv_down_proj.weight          | self_attn.kv_a_proj_with_mqa.weight (same)          |
 | self_attention.kv_layernorm.weight                 | self_attn.kv_a_layernorm.weight                     |
 | self_attention.linear_kv_up_proj.weight            | self_attn.kv_b_proj.weight                          |
@@ -17,9 +17,11 @@ MoE (sigmoid router with a score-correction bias, group-limited routing, shared 
 | mlp.shared_experts.linear_fc1/fc2.weight           | mlp.shared_experts.{gate,up}_proj / down_proj.weight|
 (norms, embeddings and the head as in llama.py)
 
-With ``rope_interleave`` (DeepSeek's layout) the rotary dims of each query head and of the shared rope key
-are stored as pairs (x0, x1), (x2, x3)...; ours rotate halves (x_j, x_{j+d/2}), so those rows are reordered
-evens-then-odds on import and back on export. Routed experts as in moe.py (SequentialMLP or grouped GEMM).
+Our multi-latent attention, as Megatron Core's, keeps DeepSeek's weight layout (``rope_interleave``: the rotary
+dims of each query head and of the shared rope key stored as pairs (x0, x1), (x2, x3)...) and reorders the
+activations evens-then-odds before rotating halves; so those rows are copied as they are, and a checkpoint
+without ``rope_interleave`` (halves) has them reordered into pairs on import and back on export. Routed experts
+as in moe.py (SequentialMLP or grouped GEMM).
 The multi-token prediction depth is not converted (transformers does not build it).
 """
 import torch
@@ -36,21 +38,21 @@ def _rope_perm(pe: int) -> torch.Tensor:
 
 
 def _rope_rows(pe: int, block: int, heads: int) -> Transform:
-    """Reorder the last ``pe`` rows of each of ``heads`` blocks of ``block`` rows (interleaved <-> halves)."""
-    perm = torch.cat([torch.arange(block - pe), block - pe + _rope_perm(pe)])
-    inverse = torch.argsort(perm)
+    """Reorder the last ``pe`` rows of each of ``heads`` blocks of ``block`` rows: halves (HF) <-> pairs (ours)."""
+    to_halves = torch.cat([torch.arange(block - pe), block - pe + _rope_perm(pe)])
+    to_pairs = torch.argsort(to_halves)
 
     def apply(t, order):
         return t.reshape(heads, block, *t.shape[1:])[:, order].reshape(t.shape).contiguous()
-    return Transform(lambda ts, d: apply(ts[0], perm), lambda t, d: [apply(t, inverse)])
+    return Transform(lambda ts, d: apply(ts[0], to_pairs), lambda t, d: [apply(t, to_halves)])
 
 
 def _layer_rules(cfg: dict, i: int):
     a, h = "self_attention.", "self_attn."
     n, nope, pe = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
     interleaved = cfg.get("rope_interleave", True)
-    q_rows = _rope_rows(pe, nope + pe, n) if interleaved else COPY
-    kv_rows = _rope_rows(pe, cfg["kv_lora_rank"] + pe, 1) if interleaved else COPY
+    q_rows = COPY if interleaved else _rope_rows(pe, nope + pe, n)
+    kv_rows = COPY if interleaved else _rope_rows(pe, cfg["kv_lora_rank"] + pe, 1)
     rules = [Rule("input_layernorm.weight", ("input_layernorm.weight",)),
              Rule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",)),
              Rule(a + "linear_kv_down_proj.weight", (h + "kv_a_proj_with_mqa.weight",), kv_rows),

@@ -47,6 +47,12 @@ class MLASelfAttentionSubmodules:
     kv_layernorm: Union[ModuleSpec, type] = None
 
 
+def _deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's rope channels come as pairs (x0, x1), (x2, x3)...: evens then odds, so the half-by-half
+    rotation turns each pair (Megatron's ``mla_rotary_interleaved``; the weights keep DeepSeek's row order)."""
+    return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+
+
 def _column_linear(spec, config, in_size, out_size, name, **tp_kwargs):
     return build_module(spec, in_size, out_size, config=config, init_method=config.init_method,
                         gather_output=False, bias=False, skip_bias_add=False, is_expert=False,
@@ -189,8 +195,8 @@ class MLASelfAttention(MultiLatentAttention):
         q_nope, q_pe = torch.split(q, [c.qk_head_dim, c.qk_pos_emb_head_dim], dim=-1)
         kv = kv.view(s, b, n, c.qk_head_dim + c.v_head_dim)
         k_nope, v = torch.split(kv, [c.qk_head_dim, c.v_head_dim], dim=-1)
-        q_pe = apply_rotary_pos_emb(q_pe, emb, config=c, mscale=mscale)
-        k_pe = apply_rotary_pos_emb(k_pe.unsqueeze(2), emb, config=c, mscale=mscale)  # [s, b, 1, pe]
+        q_pe = apply_rotary_pos_emb(_deinterleave(q_pe), emb, config=c, mscale=mscale)
+        k_pe = apply_rotary_pos_emb(_deinterleave(k_pe.unsqueeze(2)), emb, config=c, mscale=mscale)  # [s, b, 1, pe]
         query = torch.cat([q_nope, q_pe], dim=-1)  # [s, b, np, qk + pe]
         key = torch.cat([k_nope, k_pe.expand(-1, -1, n, -1)], dim=-1)
         return query, key, v.contiguous()

@@ -43,10 +43,12 @@ def _reference_yarn(dim, base, factor, orig_len, beta_fast, beta_slow, mscale, m
     return torch.tensor(inv_freq), m(mscale) / m(mscale_all_dim), m(mscale_all_dim) ** 2
 
 
-def _rotate(x, emb, m):  # [s, b, n, d] by [s, d] angles, halves layout, scaled by the concentration m
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = emb.cos()[:, None, None] * m, emb.sin()[:, None, None] * m
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+def _rotate(x, angles, m):
+    """[s, b, n, d] by [s, d/2] angles in DeepSeek's (and Megatron's MLA) layout: channel pairs (x0, x1), (x2, x3)...
+    each turned by its angle, scaled by the concentration m."""
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    cos, sin = angles.cos()[:, None, None] * m, angles.sin()[:, None, None] * m
+    return torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1).flatten(-2)
 
 
 def _rms(x, w, eps=1e-5):
@@ -68,9 +70,8 @@ def _reference_mla(attn, cfg, x):
                                               cfg.original_max_position_embeddings, cfg.beta_fast, cfg.beta_slow,
                                               cfg.mscale, cfg.mscale_all_dim)
     angles = torch.arange(S, dtype=torch.float32)[:, None] * inv_freq
-    emb = torch.cat([angles, angles], dim=-1)
-    query = torch.cat([q[..., :qk], _rotate(q[..., qk:], emb, m)], dim=-1)
-    key = torch.cat([kv[..., :qk], _rotate(k_pe[:, :, None], emb, m).expand(S, B, N, pe)], dim=-1)
+    query = torch.cat([q[..., :qk], _rotate(q[..., qk:], angles, m)], dim=-1)
+    key = torch.cat([kv[..., :qk], _rotate(k_pe[:, :, None], angles, m).expand(S, B, N, pe)], dim=-1)
     scores = torch.einsum("sbnd,tbnd->bnst", query, key) * softmax_m2 / math.sqrt(qk + pe)
     scores = scores.masked_fill(torch.triu(torch.ones(S, S, dtype=torch.bool), 1), float("-inf"))
     ctx = torch.einsum("bnst,tbnd->sbnd", scores.softmax(-1), kv[..., qk:]).reshape(S, B, N * hv)
