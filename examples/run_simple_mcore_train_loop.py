@@ -150,7 +150,9 @@ def main(tp=2, pp=1, iters=5, ckpt_dir=None):
     ckpt_path = ckpt_dir or os.path.join(os.getcwd(), "ckpt")
     Path(ckpt_path).mkdir(parents=True, exist_ok=True)
     save_distributed_checkpoint(gpt_model=gpt_model, checkpoint_path=ckpt_path)
-    before = {k: v.detach().clone() for k, v in gpt_model.state_dict().items() if isinstance(v, torch.Tensor)}
+    # Tensors with values (the Transformer Engine spec's names include empty _extra_state entries).
+    before = {k: v.detach().clone() for k, v in gpt_model.state_dict().items()
+              if isinstance(v, torch.Tensor) and v.numel()}
     for p in gpt_model.parameters():  # make the reload observable
         p.data.zero_()
     gpt_model = load_distributed_checkpoint(gpt_model=gpt_model, checkpoint_path=ckpt_path)
