@@ -146,7 +146,12 @@ def _write_scalars(args, iteration, learning_rate, batch_size, loss_dict, loss_s
                    params_norm):
     """TensorBoard (Megatron's names, each also '... vs samples') and W&B, every --tensorboard-log-interval."""
     writer, wandb = get_tensorboard_writer(), get_wandb_writer()
-    if (writer is None and wandb is None) or iteration % args.tensorboard_log_interval != 0:
+    if iteration % args.tensorboard_log_interval != 0:
+        return
+    if args.log_timers_to_tensorboard and args.tensorboard_dir is not None:
+        # The max over ranks is a collective: every rank joins (only the last one holds the writer).
+        get_timers().write(TIMERS_TO_LOG, writer, iteration, normalizer=1.0)
+    if writer is None and wandb is None:
         return
     samples = args.consumed_train_samples
     scalars = {"learning-rate": learning_rate, "batch-size": batch_size}
@@ -166,7 +171,5 @@ def _write_scalars(args, iteration, learning_rate, batch_size, loss_dict, loss_s
         for name, value in scalars.items():
             writer.add_scalar(name, value, iteration)
             writer.add_scalar(f"{name} vs samples", value, samples)
-        if args.log_timers_to_tensorboard:
-            get_timers().write(TIMERS_TO_LOG, writer, iteration, normalizer=1.0)
     if wandb is not None:
         wandb.log({**scalars, "samples": samples}, step=iteration)

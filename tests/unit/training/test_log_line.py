@@ -27,7 +27,7 @@ def test_training_log_prints_second_line(monkeypatch, capsys, log_throughput):
         micro_batch_size=2, data_parallel_size=1, seq_length=64, log_interval=2, train_iters=10,
         consumed_train_samples=8, log_throughput=log_throughput, world_size=1, hidden_size=64, num_layers=2,
         num_attention_heads=4, kv_channels=None, ffn_hidden_size=256, vocab_size=128, padded_vocab_size=128,
-        tensorboard_log_interval=1)
+        tensorboard_log_interval=1, log_timers_to_tensorboard=False, tensorboard_dir=None)
     monkeypatch.setattr(log_line, "get_args", lambda: args)
     monkeypatch.setattr(log_line, "get_timers", lambda: _Timers())
     monkeypatch.setattr(log_line, "get_tensorboard_writer", lambda: None)
