@@ -2,20 +2,10 @@
 import torch
 import torch.nn.functional as F
 
-from tests.fixtures.tiny_gpt import tiny_config, tiny_gpt
+from tests.fixtures.tiny_gpt import cpu_reference_config as _cfg
+from tests.fixtures.tiny_gpt import short_gpt as _gpt
 
 S, B = 6, 2
-
-
-def _cfg(**kw):
-    base = dict(num_query_groups=2, use_cpu_initialization=True)  # CPU references, even on a GPU host
-    base.update(kw)
-    return tiny_config(**base)
-
-
-def _gpt(cfg, share_embeddings_and_output_weights=False, **kw):
-    return tiny_gpt(cfg, max_sequence_length=S, share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-                    **kw)
 
 
 def test_swiglu_fc1_layout():

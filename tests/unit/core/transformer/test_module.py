@@ -2,26 +2,11 @@
 import torch
 
 from megatron.core.transformer.module import Float16Module
-from tests.fixtures.tiny_gpt import tiny_config, tiny_gpt
+from tests.fixtures.tiny_gpt import cpu_reference_config as _cfg
+from tests.fixtures.tiny_gpt import short_batch as _batch
+from tests.fixtures.tiny_gpt import short_gpt as _gpt
 
 S, B = 6, 2
-
-
-def _cfg(**kw):
-    base = dict(num_query_groups=2, use_cpu_initialization=True)  # CPU references, even on a GPU host
-    base.update(kw)
-    return tiny_config(**base)
-
-
-def _gpt(cfg, share_embeddings_and_output_weights=False, **kw):
-    return tiny_gpt(cfg, max_sequence_length=S, share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-                    **kw)
-
-
-def _batch():
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 64, (B, S), generator=g)
-    return ids, torch.arange(S).expand(B, S)
 
 
 def test_float16_module_and_logits():

@@ -5,23 +5,13 @@ import torch.nn.functional as F
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
-from megatron.core.transformer.transformer_config import MLATransformerConfig
-from tests.fixtures.tiny_gpt import tiny_config
+from tests.fixtures.tiny_gpt import tiny_mla_config as _cfg
 
 S, B, H, N = 8, 2, 32, 4
 
 
 # fp32 on CPU; the references reorder sums (einsum vs. GEMM + SDPA): 1e-5 covers that rounding.
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-def _cfg(**kw):
-    base = dict(hidden_size=H, num_attention_heads=N, use_cpu_initialization=True, q_lora_rank=12, kv_lora_rank=10,
-                qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, rotary_scaling_factor=4.0, mscale=0.9,
-                mscale_all_dim=0.7, rotary_base=100, original_max_position_embeddings=64, beta_fast=8, beta_slow=1,
-                add_bias_linear=False)
-    base.update(kw)
-    return tiny_config(MLATransformerConfig, **base)
 
 
 def _rms(x, w, eps=1e-5):

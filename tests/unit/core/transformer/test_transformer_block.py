@@ -8,6 +8,9 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_block import get_num_layers_to_build, get_transformer_layer_offset
 from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
+from tests.fixtures.tiny_gpt import cpu_reference_config as _gqa_cfg
+from tests.fixtures.tiny_gpt import short_batch as _batch
+from tests.fixtures.tiny_gpt import short_gpt as _gpt
 from tests.fixtures.tiny_gpt import tiny_config, tiny_gpt
 
 
@@ -118,23 +121,6 @@ def test_recompute_method_without_full_rejected():
 
 
 S, B = 6, 2
-
-
-def _gqa_cfg(**kw):
-    base = dict(num_query_groups=2, use_cpu_initialization=True)  # CPU references, even on a GPU host
-    base.update(kw)
-    return tiny_config(**base)
-
-
-def _gpt(cfg, share_embeddings_and_output_weights=False, **kw):
-    return tiny_gpt(cfg, max_sequence_length=S, share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-                    **kw)
-
-
-def _batch():
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 64, (B, S), generator=g)
-    return ids, torch.arange(S).expand(B, S)
 
 
 def test_swiglu_model_and_full_recompute_same_grads():
