@@ -329,16 +329,24 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
         raise ValueError(f"sharded_strategy {sharded_strategy!r} is not supported; use None, 'torch_dist' or "
                          "a TorchDistLoadShardedStrategy")
     strict = parse_strict_flag(strict)
-    megatron_encoded = maybe_load_config(checkpoint_dir) is not None and megatron_layout.is_megatron_layout(
-        tensor_shapes(checkpoint_dir))
+    # The saved tensors' shapes, read once (an incomplete checkpoint has none; the load below says so in one line).
+    # A failure here is raised inside the try below, so that every rank learns of it.
+    try:
+        complete = maybe_load_config(checkpoint_dir) is not None
+        saved, unreadable = (tensor_shapes(checkpoint_dir) if complete else {}), None
+    except Exception as e:
+        saved, unreadable = {}, e
+    megatron_encoded = megatron_layout.is_megatron_layout(saved)
     if megatron_encoded:  # a checkpoint in Megatron-LM's own layout: ask for its stacked keys
-        sharded_state_dict = _match_megatron_layout(sharded_state_dict, checkpoint_dir)
+        sharded_state_dict = _match_megatron_layout(sharded_state_dict, saved)
     factories, _ = dict_utils.extract_matching_values(
         sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True)
     apply_factories(sharded_state_dict)
     sharded_state_dict, local = _split_nonpersistent(sharded_state_dict)
     try:
-        _use_saved_spec_names(sharded_state_dict, checkpoint_dir)
+        if unreadable is not None:
+            raise unreadable
+        _use_saved_spec_names(sharded_state_dict, saved)
         sharded_state_dict, ckpt_keys, unexpected = _check_request(sharded_state_dict, checkpoint_dir, strict)
         common = load_common_state_dict(checkpoint_dir)
         _, sharded = _split_common(sharded_state_dict)
@@ -380,12 +388,9 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     return merged
 
 
-def _use_saved_spec_names(sharded_state_dict, checkpoint_dir) -> None:
-    """In place: a requested tensor the checkpoint lacks under its own name but holds under the other layer
-    spec's name (Transformer Engine vs local, megatron/core/transformer/te_key_map.py) is read from there."""
-    if maybe_load_config(checkpoint_dir) is None:
-        return  # not a complete checkpoint: the load below says so in one line
-    saved = set(tensor_shapes(checkpoint_dir))
+def _use_saved_spec_names(sharded_state_dict, saved) -> None:
+    """In place: a requested tensor the checkpoint (``saved``: its tensor keys) lacks under its own name but
+    holds under the other layer spec's name (Transformer Engine vs local, te_key_map.py) is read from there."""
     for path, sh in _split_common(sharded_state_dict)[1]:
         if isinstance(sh, ShardedTensor) and sh.key not in saved and alternative_key(sh.key) in saved:
             dict_utils.set_path(sharded_state_dict, path, replace(sh, key=alternative_key(sh.key)))
@@ -423,10 +428,9 @@ def _gather_from_ranks(value, process_group):
     return gathered
 
 
-def _match_megatron_layout(sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> ShardedStateDict:
-    """The request in the stacked-layer layout of the Megatron-layout checkpoint ``checkpoint_dir`` (one that
-    Megatron-LM wrote, read by our model), or unchanged when it already asks for stacked keys."""
-    shapes = tensor_shapes(checkpoint_dir)
+def _match_megatron_layout(sharded_state_dict: ShardedStateDict, shapes) -> ShardedStateDict:
+    """The request in the stacked-layer layout of a checkpoint Megatron-LM wrote (``shapes``: its tensors'
+    shapes), or unchanged when it already asks for stacked keys."""
     requested = [v.key for _, v in dict_utils.iter_leaves(sharded_state_dict) if isinstance(v, ShardedTensor)]
     if megatron_layout.is_megatron_layout(requested):
         return sharded_state_dict
