@@ -198,8 +198,11 @@ def blocked_seconds():
 
 
 def heartbeat():
-    """The training loop made progress (a step started or ended)."""
+    """The training loop made progress (a step started or ended). A rank back from a stall (stopped, swapped
+    out) between its last collective and this call records the stall first, as the watchdog would have: the
+    watchdog thread stood still too, and the progress marked here would otherwise hide it."""
     if _STATE is not None:
+        _check_stall(_STATE, time.monotonic() - _STATE.recorder.last_progress)
         _STATE.recorder.last_progress = time.monotonic()
         _STATE.dumped = False
 

@@ -67,3 +67,22 @@ def test_a_short_failed_wait_is_an_error_not_a_hang(one_rank, tmp_path, capsys):
     errors.report(failure.value)
     assert "hang:" not in capsys.readouterr().err
     assert not os.path.exists(str(tmp_path / "hang_rank") + "0.stacks.txt")
+
+
+def test_a_rank_stopped_between_steps_records_its_stall_at_the_next_step(one_rank, tmp_path, capsys):
+    """SIGSTOP after a step's last collective: on thaw the loop's heartbeat runs before any collective (and
+    before the watchdog polls); the stall must be written then, not erased as progress."""
+    args = argparse.Namespace(distributed_timeout_seconds_after_init=None, distributed_timeout_minutes=1,
+                              flight_recorder_dump_path=str(tmp_path / "hang_rank"))
+    hang.install(args)
+    state = hang._STATE
+    state.stop.set()
+    hang._wrap("all_reduce", lambda *a, **k: None, state.recorder)(torch.zeros(1))
+    state.recorder.last_progress -= 100.0  # the process stood still for 100 s after that collective
+    hang.heartbeat()
+    err = capsys.readouterr().err
+    path = str(tmp_path / "hang_rank") + "0.stacks.txt"
+    assert "[rank 0] hang: no progress for 100" in err and path in err
+    assert "all_reduce" in open(path).read()
+    hang.heartbeat()  # a step right after: no new stall, nothing more written
+    assert "hang:" not in capsys.readouterr().err
