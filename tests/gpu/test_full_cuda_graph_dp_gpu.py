@@ -28,10 +28,15 @@ def _run(tmp_path, name, *flags):
 def test_dp2_graph_matches_eager(tmp_path):
     eager = _run(tmp_path, "eager")
     graph = _run(tmp_path, "graph", "--cuda-graph-impl", "full_iteration")
-    distopt = _run(tmp_path, "graph-distopt", "--cuda-graph-impl", "full_iteration", "--overlap-grad-reduce",
-                   "--use-distributed-optimizer")
-    print("eager", eager, "\ngraph", graph, "\ngraph+overlap+distopt", distopt)
+    distopt_flags = ("--overlap-grad-reduce", "--use-distributed-optimizer")
+    eager_distopt = _run(tmp_path, "eager-distopt", *distopt_flags)
+    distopt = _run(tmp_path, "graph-distopt", "--cuda-graph-impl", "full_iteration", *distopt_flags)
+    print("eager", eager, "\ngraph", graph, "\neager+overlap+distopt", eager_distopt,
+          "\ngraph+overlap+distopt", distopt)
     assert len(set(graph)) > 4  # the replayed steps train on new data
-    # bf16, same kernels; cuDNN attention / embedding backward are not bitwise deterministic.
+    # bf16, same kernels; cuDNN attention / embedding backward are not bitwise deterministic. Each graph run
+    # is compared with the eager run of the same reduction: the distributed optimizer's bf16 reduce-scatter
+    # rounds its sums elsewhere than DDP's all-reduce, and after the early loss spike that difference alone
+    # reached 2.5e-2 (10.864 against 10.839 at step 10 on two H200s).
     assert graph == pytest.approx(eager, abs=2e-2)
-    assert distopt == pytest.approx(eager, abs=2e-2)
+    assert distopt == pytest.approx(eager_distopt, abs=2e-2)

@@ -7,6 +7,7 @@ group (single process) or a group of one rank every op is the identity.
 """
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from megatron.core import parallel_state
 
@@ -27,11 +28,23 @@ def _rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def _traced():
+    """Inside a torch.compile'd region (--torch-compile's layers) the collectives take their functional
+    form, which returns a new tensor: the in-place forms write into a buffer that the traced graph
+    allocated, and torch 2.11's AOTAutograd dropped those writes in a traced backward on NCCL (the
+    all-gather of the saved input and the reduce-scatter of dL/dX came back as the empty buffers, so every
+    weight of the compiled TP=2 + SP layers got a zero gradient and only the residual path carried dL/dX).
+    Eager runs keep the in-place forms (no extra output allocation)."""
+    return torch.compiler.is_compiling()
+
+
 def _reduce(x, group):
     """All-reduce (sum) over ``group``."""
     if _size(group) == 1:
         return x
     x = x.contiguous()
+    if _traced():
+        return funcol.all_reduce(x, "sum", group)
     dist.all_reduce(x, group=group)
     return x
 
@@ -67,6 +80,8 @@ def _gather_along_first_dim(x, group):
     if n == 1:
         return x
     x = x.contiguous()
+    if _traced():
+        return funcol.all_gather_tensor(x, 0, group)
     out = torch.empty((n * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_single(out, x, group=group)
     return out
@@ -79,6 +94,8 @@ def _reduce_scatter_along_first_dim(x, group):
     if x.size(0) % n != 0:
         raise ValueError(f"sequence length {x.size(0)} is not divisible by the TP size {n}")
     x = x.contiguous()
+    if _traced():
+        return funcol.reduce_scatter_tensor(x, "sum", 0, group)
     out = torch.empty((x.size(0) // n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     _reduce_scatter_single(out, x, group=group)
     return out
@@ -180,6 +197,8 @@ def _all_to_all(x, group, output_split_sizes, input_split_sizes):
     if _size(group) == 1:
         return x
     x = x.contiguous()
+    if _traced():
+        return funcol.all_to_all_single(x, output_split_sizes, input_split_sizes, group)
     if output_split_sizes is None:
         out = torch.empty_like(x)
     else:
