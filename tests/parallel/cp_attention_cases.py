@@ -1,9 +1,9 @@
 """Context-parallel attention against one process attending the whole sequence (run by
 test_context_parallel.py inside its world of 4 ranks).
 
-For every comm type at CP=2 and CP=4, with and without packed documents, the local output and the
-gradients of the local q/k/v equal the matching slices of full causal (or per-document) attention, the
-reference running SDPA on each document separately.
+For every comm type at CP=2 and CP=4 (a2a+p2p at each split of 2 and 4 ranks), with and without packed
+documents, the local output and the gradients of the local q/k/v equal the matching slices of full causal
+(or per-document) attention, the reference running SDPA on each document separately.
 """
 import torch
 import torch.nn.functional as F
@@ -41,12 +41,28 @@ def _reference(q, k, v, dout, docs):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _cp_case(cp, comm, docs):
+def _hierarchical_groups(cp, sizes):
+    """This rank's [a2a (inner), p2p (outer)] groups when consecutive blocks of ``cp`` ranks form CP groups."""
+    from megatron.core.process_group_registry import create_hierarchical_groups
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    mine = None
+    for start in range(0, world, cp):  # every rank creates every group, in the same order
+        ranks = list(range(start, start + cp))
+        groups, _ = create_hierarchical_groups(rank, ranks, sizes)
+        if rank in ranks:
+            mine = groups
+    return mine
+
+
+def _cp_case(cp, comm, docs, sizes=None):
     from megatron.core.context_parallel import cp_local_indices, long_context_attention
     from megatron.core.packed_seq_params import PackedSeqParams
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    groups = [torch.distributed.new_group(list(range(s, s + cp))) for s in range(0, world, cp)]
-    group = groups[rank // cp]
+    if sizes is None:
+        groups = [torch.distributed.new_group(list(range(s, s + cp))) for s in range(0, world, cp)]
+        group = groups[rank // cp]
+    else:
+        group = _hierarchical_groups(cp, sizes)
     cp_rank = rank % cp
     q, k, v, dout = _inputs()
     ref = _reference(q, k, v, dout, docs)
@@ -69,3 +85,11 @@ def attention_errors():
                 out[(cp, comm, docs)] = _cp_case(cp, comm, docs)
     out[(1, "none", True)] = _cp_case(1, "p2p", True)  # packed documents without CP
     return out
+
+
+HIERARCHICAL = [[2, 2], [4, 1], [1, 4], [2, 1], [1, 2]]  # [a2a size, p2p size]; [4, 1] repeats K/V heads
+
+
+def hierarchical_attention_errors():
+    """{(a2a size, p2p size, documents): max abs error} of a2a+p2p on this rank (CP = a2a x p2p)."""
+    return {(a, p, docs): _cp_case(a * p, "a2a+p2p", docs, [a, p]) for a, p in HIERARCHICAL for docs in (False, True)}
