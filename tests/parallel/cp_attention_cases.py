@@ -93,3 +93,36 @@ HIERARCHICAL = [[2, 2], [4, 1], [1, 4], [2, 1], [1, 2]]  # [a2a size, p2p size];
 def hierarchical_attention_errors():
     """{(a2a size, p2p size, documents): max abs error} of a2a+p2p on this rank (CP = a2a x p2p)."""
     return {(a, p, docs): _cp_case(a * p, "a2a+p2p", docs, [a, p]) for a, p in HIERARCHICAL for docs in (False, True)}
+
+
+def _module_case(docs):
+    """DotProductAttention with an explicit pg_collection (a2a+p2p [2, 2] over the 4 ranks) against SDPA."""
+    from megatron.core.context_parallel import cp_local_indices
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    tp = [torch.distributed.new_group([r]) for r in range(world)][rank]
+    pgs = ProcessGroupCollection(tp=tp, cp=torch.distributed.new_group(list(range(world))),
+                                 hcp=_hierarchical_groups(world, [2, 2]))
+    cfg = TransformerConfig(num_layers=1, hidden_size=N * D, num_attention_heads=N, num_query_groups=G,
+                            context_parallel_size=world, hierarchical_context_parallel_sizes=[2, 2],
+                            cp_comm_type="a2a+p2p", attention_dropout=0.0)
+    attn = DotProductAttention(cfg, 1, AttnMaskType.causal, pg_collection=pgs)
+    q, k, v, dout = _inputs(1)
+    ref = _reference(q, k, v, dout, docs)
+    idx = cp_local_indices(S, world, rank)
+    ql, kl, vl = (t.index_select(0, idx).clone().requires_grad_() for t in (q, k, v))
+    packed = PackedSeqParams(cu_seqlens_q=_cu_seqlens(), cu_seqlens_kv=_cu_seqlens()) if docs else None
+    out = attn(ql, kl, vl, packed_seq_params=packed).view(len(idx), B, N, D)  # [s_local, b, n * d] -> heads
+    out.backward(dout.index_select(0, idx))
+    errs = [(out.detach() - ref[0].index_select(0, idx)).abs().max().item()]
+    errs += [(t.grad - r.index_select(0, idx)).abs().max().item() for t, r in zip((ql, kl, vl), ref[1:])]
+    return max(errs)
+
+
+def module_errors():
+    """{documents: max abs error} of DotProductAttention at a2a+p2p [2, 2] on this rank (needs 4 ranks)."""
+    return {docs: _module_case(docs) for docs in (False, True)}

@@ -16,7 +16,7 @@ every case.
 import numpy
 import pytest
 
-from tests.parallel.cp_attention_cases import attention_errors, hierarchical_attention_errors
+from tests.parallel.cp_attention_cases import attention_errors, hierarchical_attention_errors, module_errors
 from tests.parallel.dist_utils import run_distributed
 from tests.parallel.test_training_invariance import MODEL, _train
 
@@ -58,7 +58,8 @@ def _write_corpus(prefix):
 
 
 def _world(prefix, cache):
-    out = {"attention": attention_errors(), "hierarchical": hierarchical_attention_errors()}
+    out = {"attention": attention_errors(), "hierarchical": hierarchical_attention_errors(),
+           "module": module_errors()}
     data = f"--data-path {prefix} --split 100,0,0 --data-cache-path {cache} "
     runs = [("cp1", ""), ("packed_cp1", PACKED)] + list(LAYOUTS.items())
     runs += [(name, PACKED + flags) for name, flags in PACKED_LAYOUTS.items()]
@@ -90,6 +91,8 @@ def test_hierarchical_attention_matches_whole_sequence_attention(world):
     for rank_result in world:
         for case, err in rank_result["hierarchical"].items():
             assert err < 1e-5, f"(a2a size, p2p size, documents) = {case}: max abs error {err}"
+        for docs, err in rank_result["module"].items():  # DotProductAttention, explicit pg_collection, [2, 2]
+            assert err < 1e-5, f"DotProductAttention a2a+p2p (documents={docs}): max abs error {err}"
 
 
 def _close(a, b, rel=1e-5):
