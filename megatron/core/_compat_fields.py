@@ -16,7 +16,6 @@ class ModelParallelConfigCompat:
     tensor_parallel_num_weight_shards: Optional[int] = None
     gtp_weight_remat_size: int = 1
     pipeline_model_parallel_comm_backend: Any = None
-    hierarchical_context_parallel_sizes: Optional[list[int]] = None
     max_seqlen_per_dp_cp_rank: Optional[int] = None
     hybrid_context_parallel: bool = False
     expert_tensor_parallel_num_weight_shards: Optional[int] = None

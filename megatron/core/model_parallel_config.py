@@ -22,6 +22,8 @@ class ModelParallelConfig(ModelParallelConfigCompat):
     virtual_pipeline_model_parallel_size: Optional[int] = None
     sequence_parallel: bool = False
     context_parallel_size: int = 1
+    # CP split in levels, [all-to-all size, ring size] for --cp-comm-type a2a+p2p (product = context_parallel_size)
+    hierarchical_context_parallel_sizes: Optional[list[int]] = None
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None
 

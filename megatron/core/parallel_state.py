@@ -125,9 +125,9 @@ def initialize_model_parallel(
     """Build every process group for the given degrees (all ranks must call this in the same order).
 
     `hierarchical_context_parallel_sizes` / `hybrid_context_parallel` build Megatron's extra CP groups
-    (get_hierarchical_context_parallel_groups / get_hybrid_data_context_parallel_groups); the attention
-    variants that use them (a2a+p2p, dynamic CP) are not implemented. `local_world_size` (GPUs per node,
-    for NCCL tuning) has no effect here."""
+    (get_hierarchical_context_parallel_groups, which cp_comm_type a2a+p2p attends over /
+    get_hybrid_data_context_parallel_groups, whose dynamic CP is not implemented). `local_world_size` (GPUs per
+    node, for NCCL tuning) has no effect here."""
     _check_unsupported(use_sharp=(use_sharp, False),
                        gtp_remat_size=(gtp_remat_size, 1), expert_gtp_remat_size=(expert_gtp_remat_size, 1),
                        sharp_enabled_group=(sharp_enabled_group, None), rank_offset=(rank_offset, 0),

@@ -1,5 +1,5 @@
 """ProcessGroupCollection: the process groups a module needs, passed explicitly instead of read from
-parallel_state's globals. Groups that this package never builds (hierarchical CP, weight
+parallel_state's globals. Groups that are off (hierarchical CP without its sizes) or never built here (weight
 rematerialisation, distributed-optimizer instances) are None, as in Megatron when they are off."""
 from dataclasses import dataclass, field, fields
 from functools import partial
@@ -100,7 +100,7 @@ def _mpu_getters():
         "pos_embd": partial(ps.get_position_embedding_group, check_initialized=False),
         "cp": partial(ps.get_context_parallel_group, check_initialized=False),
         "tp_cp": ps.get_tensor_and_context_parallel_group,
-        "hcp": _none,
+        "hcp": partial(ps.get_hierarchical_context_parallel_groups, check_initialized=False),
         "ep": partial(ps.get_expert_model_parallel_group, check_initialized=False),
         "expt_tp": partial(ps.get_expert_tensor_parallel_group, check_initialized=False),
         "tp_ep": partial(ps.get_expert_tensor_and_model_parallel_group, check_initialized=False),

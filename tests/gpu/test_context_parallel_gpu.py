@@ -1,5 +1,6 @@
 """Context parallelism and packed documents on CUDA (bf16): the flash / FlexAttention block kernels
-against SDPA on one GPU, and training at CP=2 on two GPUs against CP=1 on one. Skipped without CUDA."""
+against SDPA on one GPU, training at CP=2 on two GPUs against CP=1 on one, and hierarchical a2a+p2p on
+two and four GPUs against CP=1. Skipped without CUDA (or without enough GPUs)."""
 import json
 import os
 import subprocess
@@ -125,3 +126,26 @@ def test_cp2_on_two_gpus_matches_cp1(tmp_path, cp1_losses, comm):
     print("cp1", cp1, f"\ncp2 {comm}", cp2)
     # bf16: flash over the whole sequence vs blocks merged in fp32; the runs drift apart by bf16 rounding.
     assert cp2 == pytest.approx(cp1, abs=2e-2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("sizes", [("2", "1"), ("1", "2")])
+def test_hierarchical_cp2_on_two_gpus_matches_cp1(tmp_path, cp1_losses, sizes):
+    """a2a+p2p with a one-rank level on NCCL: [2, 1] is the all-to-all alone, [1, 2] the ring alone."""
+    got = _bench(tmp_path, f"hcp-{'x'.join(sizes)}", 2, "--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p",
+                 "--hierarchical-context-parallel-sizes", *sizes)
+    print("cp1", cp1_losses, f"\na2a+p2p {sizes}", got)
+    assert got == pytest.approx(cp1_losses, abs=2e-2)  # bf16, as for CP=2 above
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four CUDA devices")
+@pytest.mark.parametrize("name,flags", [
+    ("cp4_2x2", ("--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2")),
+    ("cp2_tp2_2x1", ("--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "1",
+                     "--tensor-model-parallel-size", "2", "--sequence-parallel")),
+])
+def test_hierarchical_cp_on_four_gpus_matches_cp1(tmp_path, cp1_losses, name, flags):
+    """a2a+p2p over 4 GPUs: all-to-all inside GPU pairs {0,1} {2,3}, the ring across them; and next to TP=2."""
+    got = _bench(tmp_path, f"hcp-{name}", 4, "--cp-comm-type", "a2a+p2p", *flags)
+    print("cp1", cp1_losses, f"\na2a+p2p {name}", got)
+    assert got == pytest.approx(cp1_losses, abs=2e-2)  # bf16, as for CP=2 above

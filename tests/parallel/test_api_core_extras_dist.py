@@ -44,11 +44,13 @@ def _mappings(rank, n):
 
 def _groups(rank):
     from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
     ranks = dist.get_process_group_ranks
     ps.initialize_model_parallel(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2],
                                  hybrid_context_parallel=True)
     level0, level1 = ps.get_hierarchical_context_parallel_groups()
     assert ranks(level0) == [rank - rank % 2, rank - rank % 2 + 1] and ranks(level1) == [rank % 2, rank % 2 + 2]
+    assert ProcessGroupCollection.use_mpu_process_groups(["hcp"]).hcp == [level0, level1]  # what a2a+p2p reads
     assert ranks(ps.get_hybrid_data_context_parallel_groups(group_size=2)) == ranks(level0)
     assert ps.get_hybrid_data_context_parallel_groups(group_size=4) is ps.get_data_parallel_group(True)
     ag, expert_ag = ps.create_all_gather_groups(for_expert_parallelism=True)

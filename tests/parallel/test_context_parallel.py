@@ -1,20 +1,22 @@
 """Context parallelism and packed documents on CPU (fp32, gloo): one spawned world of 4 ranks runs
 every case.
 
-1. Attention (cp_attention_cases.py): ring / allgather / a2a at CP=2 and CP=4, with and without packed
-   documents, and packed documents without CP, against SDPA over the whole sequence run per document:
-   output and q/k/v grads within 1e-5 absolute (O(1) values; only the fp32 summation order differs).
+1. Attention (cp_attention_cases.py): ring / allgather / a2a at CP=2 and CP=4, hierarchical a2a+p2p at
+   every split of 2 and 4 ranks, with and without packed documents, and packed documents without CP,
+   against SDPA over the whole sequence run per document: output and q/k/v grads within 1e-5 absolute
+   (O(1) values; only the fp32 summation order differs).
 2. Training through pretrain(): each layout reproduces CP=1's per-iteration loss within 1e-5 relative
    (the same global batch; CP=1 runs as DP=4, DP invariance being tested elsewhere). Layouts: CP=4 for
-   each comm type, CP=2 x DP=2 with the distributed optimizer and per-layer comm types, CP=2 x TP=2 with
-   SP, CP=2 x PP=2 interleaved, and packed documents (--reset-attention-mask --reset-position-ids
-   --eod-mask-loss) at CP=2 x PP=2 against packed CP=1.
+   each comm type and a2a+p2p [2, 2], CP=2 x DP=2 with the distributed optimizer and per-layer comm types,
+   CP=2 x TP=2 with SP (p2p, and a2a+p2p [2, 1]), CP=2 x PP=2 interleaved, and packed documents
+   (--reset-attention-mask --reset-position-ids --eod-mask-loss) at CP=2 x PP=2 and at CP=4 a2a+p2p [2, 2]
+   mixed per layer with p2p and a2a, against packed CP=1.
 3. A checkpoint saved at CP=2 x DP=2 (distributed optimizer) resumes at CP=1 x DP=4 with CP=1's losses.
 """
 import numpy
 import pytest
 
-from tests.parallel.cp_attention_cases import attention_errors
+from tests.parallel.cp_attention_cases import attention_errors, hierarchical_attention_errors, module_errors
 from tests.parallel.dist_utils import run_distributed
 from tests.parallel.test_training_invariance import MODEL, _train
 
@@ -32,8 +34,16 @@ LAYOUTS = {
     "cp2_tp2_sp": "--context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel",
     "cp2_pp2_interleaved": "--context-parallel-size 2 --pipeline-model-parallel-size 2 "
                            "--num-layers-per-virtual-pipeline-stage 1",
+    "cp4_a2a_p2p_2x2": "--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2",
+    # 2 heads and 1 K/V group per TP rank: the all-to-all over 2 ranks repeats K/V per query head
+    "cp2_tp2_sp_a2a_p2p_2x1": "--context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel "
+                              "--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 1",
 }
-PACKED_LAYOUTS = {"packed_cp2_pp2": "--context-parallel-size 2 --pipeline-model-parallel-size 2"}
+PACKED_LAYOUTS = {
+    "packed_cp2_pp2": "--context-parallel-size 2 --pipeline-model-parallel-size 2",
+    "packed_cp4_a2a_p2p_2x2_per_layer": "--context-parallel-size 4 --hierarchical-context-parallel-sizes 2 2 "
+                                        "--cp-comm-type a2a+p2p p2p a2a+p2p a2a",
+}
 
 
 def _write_corpus(prefix):
@@ -48,7 +58,8 @@ def _write_corpus(prefix):
 
 
 def _world(prefix, cache):
-    out = {"attention": attention_errors()}
+    out = {"attention": attention_errors(), "hierarchical": hierarchical_attention_errors(),
+           "module": module_errors()}
     data = f"--data-path {prefix} --split 100,0,0 --data-cache-path {cache} "
     runs = [("cp1", ""), ("packed_cp1", PACKED)] + list(LAYOUTS.items())
     runs += [(name, PACKED + flags) for name, flags in PACKED_LAYOUTS.items()]
@@ -73,6 +84,15 @@ def test_attention_matches_whole_sequence_attention(world):
     for rank_result in world:
         for case, err in rank_result["attention"].items():
             assert err < 1e-5, f"(cp, comm type, documents) = {case}: max abs error {err}"
+
+
+def test_hierarchical_attention_matches_whole_sequence_attention(world):
+    """a2a+p2p at [2, 2], [4, 1], [1, 4], [2, 1], [1, 2], with and without documents: same bound."""
+    for rank_result in world:
+        for case, err in rank_result["hierarchical"].items():
+            assert err < 1e-5, f"(a2a size, p2p size, documents) = {case}: max abs error {err}"
+        for docs, err in rank_result["module"].items():  # DotProductAttention, explicit pg_collection, [2, 2]
+            assert err < 1e-5, f"DotProductAttention a2a+p2p (documents={docs}): max abs error {err}"
 
 
 def _close(a, b, rel=1e-5):

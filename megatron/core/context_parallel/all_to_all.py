@@ -1,6 +1,7 @@
 """Head-scattered attention (``--cp-comm-type a2a``, DeepSpeed-Ulysses): an all-to-all trades the
 sequence split for a head split, each rank attends the whole sequence with n/CP heads, and a second
-all-to-all trades back. Exact by construction; the heads must divide by CP."""
+all-to-all trades back. Exact by construction; the heads must divide by CP. ``a2a+p2p`` uses the same pair
+over its inner group (attention.py)."""
 import torch
 import torch.distributed as dist
 
@@ -31,8 +32,9 @@ def seq_gather_head_scatter(x, group):
     cp = dist.get_world_size(group)
     s, b, h, d = x.shape
     if h % cp:
-        raise ValueError(f"--cp-comm-type a2a: {h} heads on this rank do not divide by the context parallel "
-                         f"size {cp}")
+        raise ValueError(f"--cp-comm-type a2a / a2a+p2p: {h} heads on this rank do not divide by the {cp} ranks "
+                         "of the all-to-all group (--context-parallel-size, or the first "
+                         "--hierarchical-context-parallel-sizes value)")
     parts = x.reshape(s, b, cp, h // cp, d).permute(2, 0, 1, 3, 4)  # [cp(head block), s, b, h/cp, d]
     full = _AllToAll.apply(parts, group).reshape(cp * s, b, h // cp, d)  # rank order of the sequence
     return full.index_select(0, torch.argsort(cp_gather_order(cp * s, cp, x.device)))

@@ -9,7 +9,7 @@ import torch
 
 from megatron.core import parallel_state
 
-CP_COMM_TYPES = ("p2p", "allgather", "a2a")  # --cp-comm-type values (Megatron's names)
+CP_COMM_TYPES = ("p2p", "allgather", "a2a", "a2a+p2p")  # --cp-comm-type values (Megatron's names)
 
 
 def cp_chunk_ids(cp_size: int, cp_rank: int):

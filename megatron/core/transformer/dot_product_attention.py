@@ -121,8 +121,8 @@ class DotProductAttention(MegatronModule):
     SDPA's ``is_causal`` path (flash / memory-efficient kernels); an explicit mask is passed as is.
     ``config.window_size`` (sliding window) adds a banded [s, s] mask, built once per shape and shared by
     all layers; SDPA then runs its masked kernels (memory-efficient on CUDA, not flash).
-    ``pg_collection``: its ``tp`` group splits the heads and its ``cp`` group the sequence (parallel_state's
-    groups when None).
+    ``pg_collection``: its ``tp`` group splits the heads and its ``cp`` group the sequence (``hcp``, the
+    [a2a, p2p] pair, for ``a2a+p2p``; parallel_state's groups when None).
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
@@ -145,6 +145,12 @@ class DotProductAttention(MegatronModule):
         self.masked_sdpa_backends = masked_sdpa_backends(deterministic)
         self.window_size = config.window_size
         self.cp_comm_type = cp_comm_type or config.cp_comm_type_of_layer(self.layer_number)
+        if pg_collection is not None and config.context_parallel_size > 1 and self.cp_comm_type == "a2a+p2p":
+            hcp = get_pg(pg_collection, "hcp", "DotProductAttention")
+            if len(hcp) != 2 or hcp[0].size() * hcp[1].size() != config.context_parallel_size:
+                raise ValueError("DotProductAttention: cp_comm_type a2a+p2p needs pg_collection.hcp = [a2a group, "
+                                 f"p2p group] whose sizes multiply to context_parallel_size "
+                                 f"({config.context_parallel_size})")
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -155,7 +161,10 @@ class DotProductAttention(MegatronModule):
             raise NotImplementedError("AttnMaskType.causal_bottom_right needs Transformer Engine attention")
         sq, b, np_, hn = query.shape
         cp_group = None
-        if self.config.context_parallel_size > 1:
+        if self.config.context_parallel_size > 1 and self.cp_comm_type == "a2a+p2p":
+            cp_group = (parallel_state.get_hierarchical_context_parallel_groups() if self.pg_collection is None
+                        else self.pg_collection.hcp)  # [a2a (inner), p2p (outer)]
+        elif self.config.context_parallel_size > 1:
             cp_group = (parallel_state.get_context_parallel_group() if self.pg_collection is None
                         else self.pg_collection.cp)
         if cp_group is not None or packed_seq_params is not None:

@@ -1,4 +1,5 @@
 """TransformerConfig: architecture fields with Megatron's names, validated at construction."""
+import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
 
@@ -48,7 +49,6 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
 
     # Context parallelism (megatron/core/context_parallel): one comm type for every layer, or one per layer
     cp_comm_type: Optional[Union[str, List[str]]] = None
-    hierarchical_context_parallel_sizes: Optional[List[int]] = None
 
     # Initialization
     init_method: Optional[Callable] = None
@@ -207,11 +207,9 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
             raise ValueError(f"--cp-comm-type has {len(types)} entries; give one, or one per layer "
                              f"(--num-layers {self.num_layers})")
         for t in types:
-            if t == "a2a+p2p" or self.hierarchical_context_parallel_sizes:
-                raise NotImplementedError("--cp-comm-type a2a+p2p / --hierarchical-context-parallel-sizes "
-                                          "(hierarchical CP) is not supported; use p2p, allgather or a2a")
             if t not in CP_COMM_TYPES:
                 raise ValueError(f"--cp-comm-type '{t}' unknown; use one of {', '.join(CP_COMM_TYPES)}")
+        self._check_hierarchical_context_parallel("a2a+p2p" in types)
         if self.context_parallel_size == 1:
             return
         backend = getattr(self.attention_backend, "name", self.attention_backend)
@@ -221,6 +219,28 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
         if self.attention_dropout > 0:
             raise NotImplementedError("--attention-dropout > 0 with --context-parallel-size > 1 is not "
                                       "supported; pass --attention-dropout 0")
+
+    def _check_hierarchical_context_parallel(self, used: bool):
+        """a2a+p2p splits CP into [a2a size, p2p size] (Megatron's hierarchical_context_parallel_sizes)."""
+        sizes = self.hierarchical_context_parallel_sizes
+        if not sizes:
+            if used:
+                raise ValueError("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P "
+                                 "(all-to-all size, ring size; A x P = --context-parallel-size)")
+            return
+        if any(int(x) < 1 for x in sizes) or math.prod(sizes) != self.context_parallel_size:
+            raise ValueError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))} must be positive "
+                             f"and multiply to --context-parallel-size ({self.context_parallel_size})")
+        if not used:
+            return
+        if len(sizes) != 2:
+            raise ValueError(f"--cp-comm-type a2a+p2p takes two --hierarchical-context-parallel-sizes (all-to-all "
+                             f"size, ring size), got {len(sizes)}")
+        heads = self.num_attention_heads // self.tensor_model_parallel_size
+        if heads % sizes[0]:
+            raise ValueError(f"--cp-comm-type a2a+p2p splits the {heads} attention heads per TP rank over the "
+                             f"all-to-all size {sizes[0]} (first --hierarchical-context-parallel-sizes value), "
+                             "which must divide them")
 
     def cp_comm_type_of_layer(self, layer_number: int) -> str:
         """The comm type of 1-based global ``layer_number``."""

@@ -27,9 +27,6 @@ UNSUPPORTED_FLAGS = {
     "--tokenizer-hf-no-use-fast": (dict(action="store_true"), "HuggingFaceTokenizer reads tokenizer.json with the "
                                                               "fast tokenizers library; there is no slow Python "
                                                               "tokenizer here: drop the flag"),
-    "--hierarchical-context-parallel-sizes": (dict(type=int, nargs="+"),
-                                              "hierarchical CP (a2a+p2p) is not built; use --cp-comm-type p2p, "
-                                              "allgather or a2a"),
     "--pipeline-model-parallel-layout": (dict(type=str), "custom pipeline layouts are not built yet"),
 }
 

@@ -81,8 +81,9 @@ def _validate_parallel(args):
              f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp})")
     args.data_parallel_size = args.world_size // model_parallel
     if args.rank == 0:
+        hcp = args.hierarchical_context_parallel_sizes
         print(f"using world size: {args.world_size}, data-parallel size: {args.data_parallel_size}, "
-              f"context-parallel size: {cp}, hierarchical context-parallel sizes: None, "
+              f"context-parallel size: {cp}, hierarchical context-parallel sizes: {hcp}, "
               f"tensor-model-parallel size: {tp}, pipeline-model-parallel size: {pp}", flush=True)
     if args.sequence_parallel and tp == 1:
         _warn(args, "disabling --sequence-parallel since --tensor-model-parallel-size is 1")

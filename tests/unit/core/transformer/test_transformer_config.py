@@ -33,6 +33,28 @@ def test_value_errors(kw, match):
         _cfg(**kw)
 
 
+HCP = dict(context_parallel_size=4, attention_dropout=0.0, cp_comm_type="a2a+p2p")
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(), "a2a\\+p2p needs --hierarchical-context-parallel-sizes A P"),
+    (dict(cp_comm_type=["p2p", "a2a+p2p", "p2p", "p2p"]), "needs --hierarchical-context-parallel-sizes"),
+    (dict(hierarchical_context_parallel_sizes=[2, 3]), "2 3 must be positive and multiply to --context-parallel-size"),
+    (dict(hierarchical_context_parallel_sizes=[2, 1, 2]), "takes two --hierarchical-context-parallel-sizes"),
+    (dict(hierarchical_context_parallel_sizes=[4, 1], tensor_model_parallel_size=4),
+     "splits the 2 attention heads per TP rank over the all-to-all size 4"),
+])
+def test_hierarchical_context_parallel_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _cfg(**{**HCP, **kw})
+
+
+def test_hierarchical_context_parallel_per_layer():
+    types = ["a2a+p2p", "p2p", "a2a", "a2a+p2p"]
+    c = _cfg(**{**HCP, "cp_comm_type": types}, hierarchical_context_parallel_sizes=[2, 2])
+    assert [c.cp_comm_type_of_layer(i) for i in (1, 2, 3, 4)] == types
+
+
 def test_moe_config_checked():
     assert _cfg(num_moe_experts=4, moe_router_topk=2).num_moe_experts == 4
     with pytest.raises(ValueError, match="--moe-router-topk"):

@@ -16,7 +16,16 @@ NO_DROPOUT = "--attention-dropout 0 "
      "--attention-backend unfused has no log-sum-exp path"),
     ("--context-parallel-size 2", 2, "pass --attention-dropout 0"),
     ("--cp-comm-type p2p a2a a2a", 1, "--cp-comm-type has 3 values; give one, or one per layer (--num-layers 2)"),
-    ("--cp-comm-type a2a+p2p", 1, "--cp-comm-type a2a+p2p (hierarchical CP) is not supported"),
+    ("--cp-comm-type a2a+p2p", 1, "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P"),
+    (NO_DROPOUT + "--context-parallel-size 4 --cp-comm-type p2p a2a+p2p", 4,
+     "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes"),  # one layer of two asks for it
+    (NO_DROPOUT + "--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 3", 4,
+     "--hierarchical-context-parallel-sizes 2 3 must be positive and multiply to --context-parallel-size (4)"),
+    ("--hierarchical-context-parallel-sizes 2 2", 1, "multiply to --context-parallel-size (1)"),
+    (NO_DROPOUT + "--context-parallel-size 8 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2 2", 8,
+     "--cp-comm-type a2a+p2p takes two --hierarchical-context-parallel-sizes (all-to-all size, ring size), got 3"),
+    (NO_DROPOUT + "--context-parallel-size 8 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 8 1", 8,
+     "--cp-comm-type a2a+p2p splits the 4 attention heads per TP rank over the all-to-all size 8"),
     ("--cp-comm-type ring", 1, "--cp-comm-type 'ring' unknown"),
     (NO_DROPOUT + "--context-parallel-size 8 --cp-comm-type a2a", 8, "--cp-comm-type a2a splits the 4 attention heads"),
     ("--reset-attention-mask --no-create-attention-mask-in-dataloader", 1, "pass --attention-dropout 0"),
@@ -34,6 +43,9 @@ def test_valid_layouts_and_document_path():
     a = _args(NO_DROPOUT + "--context-parallel-size 2 --cp-comm-type allgather a2a", world_size=4)
     assert a.data_parallel_size == 2 and a.cp_comm_type == ["allgather", "a2a"]
     assert _args("--cp-comm-type all_gather").cp_comm_type == ["allgather"]
+    h = _args(NO_DROPOUT + "--context-parallel-size 4 --cp-comm-type a2a+p2p p2p "
+              "--hierarchical-context-parallel-sizes 2 2", world_size=4)
+    assert h.cp_comm_type == ["a2a+p2p", "p2p"] and h.hierarchical_context_parallel_sizes == [2, 2]
     # Per-document attention replaces the dense mask when it can (no attention dropout).
     assert not _args(NO_DROPOUT + "--reset-attention-mask").create_attention_mask_in_dataloader
     assert _args("--reset-attention-mask").create_attention_mask_in_dataloader  # dropout: dense mask kept
