@@ -421,7 +421,9 @@ def cmd_predict(args) -> int:
         shape = shape.with_(**{k: v for k, v in (("layers", args.layers), ("seq", args.seq)) if v})
     lay = Layout(gpus=args.gpus, gbs=args.gbs, mbs=args.mbs, tp=args.tp, pp=args.pp, vp=args.vp, cp=args.cp,
                  ep=args.ep, tp_comm_overlap=args.tp_comm_overlap, recompute=args.recompute,
-                 gpus_per_node=args.gpus_per_node)
+                 gpus_per_node=args.gpus_per_node, sp=False if args.no_sequence_parallel else None,
+                 dist_opt=not args.no_distributed_optimizer, overlap_grad_reduce=not args.no_overlap,
+                 overlap_param_gather=not args.no_overlap)
     pred = predict(shape, lay, computes[key], load_bandwidth(args.bandwidth))
     print(f"{args.model} on {lay.gpus} GPUs (TP {lay.tp} PP {lay.pp} VP {lay.vp} CP {lay.cp} EP {lay.ep} DP "
           f"{lay.dp}, {pred['microbatches']} micro-batches): {pred['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
@@ -458,6 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
                           ("ep", 1), ("gpus-per-node", 8)):
         q.add_argument(f"--{name}", type=int, default=default)
     q.add_argument("--tp-comm-overlap", action="store_true")
+    q.add_argument("--no-sequence-parallel", action="store_true", help="TP without SP (all-reduces)")
+    q.add_argument("--no-distributed-optimizer", action="store_true", help="DP all-reduce, unsharded optimizer")
+    q.add_argument("--no-overlap", action="store_true", help="without --overlap-grad-reduce/--overlap-param-gather")
     q.add_argument("--recompute", action="store_true", help="full activation recompute")
     m = sub.add_parser("measure-bandwidth", help="bus bandwidth of the collectives (run under torchrun)")
     m.add_argument("--out", required=True)
