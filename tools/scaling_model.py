@@ -20,8 +20,9 @@ Assumptions (each also in docs/performance.md, "Scaling model"):
   at 80% of HBM bandwidth (H100 3.35 TB/s, H200 4.8 TB/s); the distributed optimizer shards it over DP x CP.
 - TP with sequence parallelism: per layer and micro-batch 2 all-gathers + 2 reduce-scatters forward and
   4 + 2 backward (the 2 extra: re-gathering the input for the weight gradient) of the [s/CP, b, h] bf16
-  activation; without SP 2 + 2 all-reduces. Exposed, except the 2 wgrad re-gathers (hidden behind the
-  dgrad GEMM, as Megatron launches them) and, with --tp-comm-overlap, a fraction 0.5 of the rest.
+  activation; without SP 2 + 2 all-reduces; full recompute repeats the forward's. Exposed, except the 2
+  wgrad re-gathers (hidden behind the dgrad GEMM, as Megatron launches them) and, with --tp-comm-overlap,
+  a fraction 0.5 of the rest.
 - CP (p2p ring): per layer CP-1 steps, each sending K and V of a chunk forward and K, V, dK, dV backward;
   each step hides behind the attention block computed meanwhile; only the excess is exposed.
 - DP: gradients reduced in fp32 (4 bytes/param; Megatron's default for bf16), reduce-scatter with the
@@ -222,9 +223,10 @@ def predict(shape: ModelShape, lay: Layout, compute: Compute, bw: Bandwidth,
     if lay.sequence_parallel:
         # 4 forward + 4 backward exposed (an all-gather and a reduce-scatter cost the same); the 2 wgrad
         # re-gathers of the backward hide behind the dgrad GEMMs.
-        t_tp = 8 * bw.seconds("all_gather", act, tp, tp_intra)
+        # Full recompute repeats the forward's 4 in the backward.
+        t_tp = (12 if lay.recompute else 8) * bw.seconds("all_gather", act, tp, tp_intra)
     else:
-        t_tp = 4 * bw.seconds("all_reduce", act, tp, tp_intra)
+        t_tp = (6 if lay.recompute else 4) * bw.seconds("all_reduce", act, tp, tp_intra)
     if lay.tp_comm_overlap:
         t_tp *= 1 - a.tp_overlap_hidden
 
@@ -233,7 +235,7 @@ def predict(shape: ModelShape, lay: Layout, compute: Compute, bw: Bandwidth,
     if cp > 1:
         kv = shape.seq // cp * lay.mbs * shape.kv_heads // tp * shape.head_dim * 2 * a.act_bytes
         step = bw.seconds("p2p", kv, 2, _intra(tp, cp, lay))
-        attn_flops = 6 * shape.seq * shape.heads * shape.head_dim * shape.seq * lay.mbs / 2  # causal, fwd+bwd
+        attn_flops = 6 * shape.seq * shape.seq * shape.heads * shape.head_dim * lay.mbs  # causal, fwd+bwd
         block = attn_flops / (tp * cp * cp) / rate  # one of the cp x cp blocks
         # forward sends K,V (1 step's bytes), backward K,V,dK,dV (2): against 1/3 and 2/3 of a block's time.
         t_cp = (cp - 1) * (max(0.0, step - block / 3) + max(0.0, 2 * step - 2 * block / 3))
