@@ -8,6 +8,7 @@ optimizer step bracketed by timestamps: CUDA events on the compute stream on GPU
 the stream did, including waiting on a receive), the host clock on CPU. Iterations before --skip are left
 out (compilation, allocator warm-up). Rank 0 prints one row per rank with the mean milliseconds per
 iteration; --out gets a Chrome trace per rank (chrome://tracing or Perfetto) and summary.json.
+The same analysis from the traces of ``--profile --use-pytorch-profiler``: ``tools/trace_report.py``.
 """
 import argparse
 import json

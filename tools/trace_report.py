@@ -7,13 +7,19 @@ Per trace: the window's wall time; the step's named ranges (``forward``, ``backw
 total ms, host side); and on the GPU, the time some kernel, copy or memset was running (the union over all
 streams), the idle time between those, and the idle gaps longer than ``--gap-us`` (count, total, the longest
 with the host operation that was running when each began: a launch-bound stretch shows up as many short gaps
-under small host ops, a host wait as one long gap under a synchronising call).
+under small host ops, a host wait as one long gap under a synchronising call). Then the pipeline timeline
+of each rank (tools/trace_timeline.py: compute, each collective's and the pipeline p2p's time and exposed
+time, the bubble inside the forward/backward schedule, host gaps; GPU traces and gloo CPU traces alike),
+and with several traces one row per rank and pipeline stage.
 """
 import argparse
 import json
 import os
 import sys
 from typing import Dict, List, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.trace_timeline import analyse_timeline  # noqa: E402
 
 RANGES = ("forward", "backward", "optimizer")
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -62,7 +68,55 @@ def analyse(events: List[dict], gap_us: float = 10.0, top: int = 5) -> Dict:
             "gaps": len(gaps), "gaps_ms": sum(g for g, _ in gaps) / 1e3,
             "longest": [{"us": round(g, 1), "host_op": _host_op_at(host_ops, t)} for g, t in gaps[:top]],
         }
+    if any(e.get("cat") == "user_annotation" and e.get("name") in RANGES for e in timed):
+        report["timeline"] = analyse_timeline(events, gap_us)
     return report
+
+
+def analyse_trace(trace: Dict, gap_us: float = 10.0, top: int = 5) -> Dict:
+    """``analyse`` of a whole trace file's JSON, with the rank and its layout (pipeline stage) the trace names."""
+    report = analyse(trace["traceEvents"], gap_us, top)
+    layout = trace.get("megatron_parallel") or {}
+    report["rank"] = (trace.get("distributedInfo") or {}).get("rank")
+    report["layout"] = layout
+    return report
+
+
+def _print_timeline(t: Dict) -> None:
+    print(f"  timeline ({t['device']}, {t['iterations']} iterations): compute {t['compute_ms']:.1f} ms, exposed "
+          f"communication {t['exposed_comm_ms']:.1f} ms, idle {t['idle_ms']:.1f} ms")
+    print("  phases: " + ", ".join(f"{n} {p['count']}x host {p['host_ms']:.1f} ms / compute {p['compute_ms']:.1f} ms"
+                                   for n, p in t["phases"].items()))
+    for kind, c in t["comm"].items():
+        print(f"  comm {kind}: {c['count']}x {c['ms']:.1f} ms, exposed {c['exposed_ms']:.1f} ms")
+    p = t["pipeline"]
+    print(f"  schedule {p['schedule_ms']:.1f} ms, bubble {p['bubble_ms']:.1f} ms (pipeline p2p "
+          f"{p['bubble_p2p_ms']:.1f}, other communication {p['bubble_other_comm_ms']:.1f}, "
+          f"idle {p['bubble_idle_ms']:.1f})")
+    g = t["host_gaps"]
+    print(f"  gaps with nothing running: {g['count']} over the threshold, {g['ms']:.1f} ms; longest (us): "
+          f"{', '.join(str(x) for x in g['longest_us']) or '-'}")
+
+
+def _print_ranks(reports: Dict[str, Dict]) -> None:
+    """One row per trace, by rank: the pipeline stage and where its window went (ms)."""
+    rows = sorted((r for r in reports.values() if "timeline" in r),
+                  key=lambda r: (r.get("rank") is None, r.get("rank") or 0))
+    head = ["rank", "pp stage", "window", "forward", "backward", "optimizer", "compute", "exposed p2p",
+            "exposed collectives", "bubble", "idle"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        t, lay = r["timeline"], r["layout"]
+        p2p = t["comm"].get("pp_p2p", {}).get("exposed_ms", 0.0)
+        stage = f"{lay['pp_rank']}/{lay['pp_size']}" if "pp_rank" in lay else "?"
+        cells = [str(r.get("rank")), stage, f"{r['wall_ms']:.1f}"] + \
+            [f"{t['phases'][n]['compute_ms']:.1f}" for n in RANGES] + \
+            [f"{t['compute_ms']:.1f}", f"{p2p:.1f}", f"{t['exposed_comm_ms'] - p2p:.1f}",
+             f"{t['pipeline']['bubble_ms']:.1f}", f"{t['idle_ms']:.1f}"]
+        print("| " + " | ".join(cells) + " |")
+    print("(ms in the profiled window; forward/backward/optimizer: compute issued inside each range; exposed: "
+          "communication with no compute running; bubble: the part of the forward/backward schedule without compute)")
 
 
 def _print(path: str, report: Dict) -> None:
@@ -78,6 +132,12 @@ def _print(path: str, report: Dict) -> None:
         print(f"    {gap['us']:9.1f} us idle, host in: {gap['host_op'] or '-'}")
 
 
+def _print_all(path: str, report: Dict) -> None:
+    _print(path, report)
+    if "timeline" in report:
+        _print_timeline(report["timeline"])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("traces", nargs="+", help="rank<R>.*.pt.trace.json files")
@@ -88,8 +148,10 @@ def main(argv=None) -> int:
     reports = {}
     for path in args.traces:
         with open(path) as f:
-            reports[path] = analyse(json.load(f)["traceEvents"], args.gap_us, args.top)
-        _print(path, reports[path])
+            reports[path] = analyse_trace(json.load(f), args.gap_us, args.top)
+        _print_all(path, reports[path])
+    if len(reports) > 1:
+        _print_ranks(reports)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(reports, f, indent=1)

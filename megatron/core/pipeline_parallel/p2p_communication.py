@@ -129,7 +129,10 @@ class P2PCommunicator:
     def _timed(self, name, **kwargs):
         timer = self._timer(name)
         timer.start()
-        result = self.communicate(**kwargs)
+        # A named range in profiler traces (NVTX under nsys): tools/trace_report.py tells the pipeline's
+        # p2p from other sends and receives (the context-parallel ring) by it.
+        with torch.profiler.record_function(f"p2p:{name}"):
+            result = self.communicate(**kwargs)
         timer.stop()
         return result
 

@@ -15,14 +15,29 @@ and a CUDA memory snapshot.
 The ranges themselves are named in the training step with ``torch.profiler.record_function``: without a
 profiler running they cost one check per range.
 """
+import json
 import os
 import socket
 from typing import Optional
 
 import torch
 
+from megatron.core import parallel_state
+
 # Names the step's ranges carry in traces; tests and tools/pipeline_timeline.py look for them.
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
+
+
+def parallel_layout() -> dict:
+    """This rank's coordinates in the parallel layout ({} before the model-parallel groups exist)."""
+    ps = parallel_state
+    if not ps.model_parallel_is_initialized():
+        return {}
+    return {"tp_rank": ps.get_tensor_model_parallel_rank(), "tp_size": ps.get_tensor_model_parallel_world_size(),
+            "pp_rank": ps.get_pipeline_model_parallel_rank(), "pp_size": ps.get_pipeline_model_parallel_world_size(),
+            "vp_size": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+            "cp_rank": ps.get_context_parallel_rank(), "cp_size": ps.get_context_parallel_world_size(),
+            "dp_rank": ps.get_data_parallel_rank(), "dp_size": ps.get_data_parallel_world_size()}
 
 
 class ProfilingWindow:
@@ -63,6 +78,8 @@ class ProfilingWindow:
             self._profiler = torch.profiler.profile(activities=activities, record_shapes=self.collect_shapes,
                                                     with_stack=self.collect_stack)
             self._profiler.start()
+            # The rank's place in the layout, for tools/trace_report.py (pipeline stage of each trace).
+            self._profiler.add_metadata_json("megatron_parallel", json.dumps(parallel_layout()))
         if self.nsys_range:
             torch.cuda.cudart().cudaProfilerStart()
             if self._nvtx is None:

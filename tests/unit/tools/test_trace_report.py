@@ -41,3 +41,43 @@ def test_cli_on_a_cpu_trace(tmp_path, capsys):
     assert "ranges: forward 1x 0.1 ms, backward 1x 0.2 ms, optimizer 1x 0.1 ms" in out
     assert "no kernels in this trace" in out
     assert json.loads((tmp_path / "r.json").read_text())[str(path)]["ranges"]["forward"]["count"] == 1
+
+
+def _k(name, ts, dur, corr, stream=7):
+    return {"ph": "X", "name": name, "cat": "kernel", "ts": ts, "dur": dur, "pid": 0, "tid": stream,
+            "args": {"correlation": corr}}
+
+
+def _launch(ts, corr):
+    return {"ph": "X", "name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": ts, "dur": 2, "pid": 1, "tid": 1,
+            "args": {"correlation": corr}}
+
+
+# One GPU iteration (us): a forward GEMM, the pipeline send (NCCL kernel under p2p:forward-send), a backward
+# GEMM overlapping half of a gradient all-reduce, the optimizer.
+GPU_EVENTS = [
+    {**_x("forward", "user_annotation", 0, 100), "pid": 1, "tid": 1}, _launch(10, 1), _k("gemm", 20, 60, 1),
+    {**_x("p2p:forward-send", "user_annotation", 100, 20), "pid": 1, "tid": 1},
+    {**_x("nccl:send", "user_annotation", 101, 18), "pid": 1, "tid": 1}, _launch(105, 2),
+    _k("ncclDevKernel_SendRecv", 110, 40, 2, stream=9),
+    {**_x("backward", "user_annotation", 120, 80), "pid": 1, "tid": 1}, _launch(130, 3), _k("gemm_bwd", 150, 100, 3),
+    {**_x("nccl:all_reduce", "user_annotation", 135, 10), "pid": 1, "tid": 1}, _launch(140, 4),
+    _k("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 200, 100, 4, stream=9),
+    {**_x("optimizer", "user_annotation", 300, 50), "pid": 1, "tid": 1}, _launch(310, 5), _k("adam", 320, 20, 5),
+]
+
+
+def test_gpu_timeline_exposed_communication_and_bubble():
+    t = analyse(GPU_EVENTS, gap_us=10)["timeline"]
+    assert t["device"] == "gpu" and t["iterations"] == 1
+    ms = lambda x: round(x * 1e3, 6)  # noqa: E731  (us, exact on these integers)
+    assert (ms(t["compute_ms"]), ms(t["exposed_comm_ms"]), ms(t["idle_ms"])) == (180, 90, 80)  # sums to 350
+    assert {k: (c["count"], ms(c["ms"]), ms(c["exposed_ms"])) for k, c in t["comm"].items()} == {
+        "pp_p2p": (1, 40, 40), "all_reduce": (1, 100, 50)}
+    # Compute is placed by the range that launched it, not by when the host ran.
+    assert [ms(t["phases"][n]["compute_ms"]) for n in ("forward", "backward", "optimizer")] == [60, 100, 20]
+    # Schedule on the device: the first forward kernel (20) to the last backward kernel's end (250).
+    p = t["pipeline"]
+    assert (ms(p["schedule_ms"]), ms(p["bubble_ms"]), ms(p["bubble_p2p_ms"]), ms(p["bubble_idle_ms"])) == \
+        (230, 70, 40, 30)
+    assert t["host_gaps"]["count"] == 3 and t["host_gaps"]["longest_us"] == [30.0, 20.0, 20.0]
