@@ -65,6 +65,11 @@ class ModelParallelConfig(ModelParallelConfigCompat):
     tp_comm_overlap_rs: bool = True  # reduce-scatter of the row-parallel forward
     tp_comm_bulk_dgrad: bool = True  # column backward: re-gather of X behind the dX GEMM
     tp_comm_bulk_wgrad: bool = True  # column backward: dX reduce-scatter behind the wgrad GEMM
+    # MoE expert-parallel overlap (see docs/moe.md): the next micro-batch's forward beside this one's
+    # backward (pipeline_parallel/combined_1f1b.py), and the experts' weight gradients computed while the
+    # backward dispatch all-to-all is in flight (transformer/moe/delayed_wgrad.py).
+    overlap_moe_expert_parallel_comm: bool = False
+    delay_wgrad_compute: bool = False
 
     def __post_init__(self):
         check_compat_fields(self, ModelParallelConfigCompat)

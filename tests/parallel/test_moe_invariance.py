@@ -1,4 +1,6 @@
-"""MoE through pretrain() on CPU: every expert/tensor/pipeline/data/context layout reproduces the
+"""MoE through pretrain() on CPU: every expert/tensor/pipeline/data/context layout (EP=4; EP=2 with TP=2
+and SP, expert-TP=2, PP=2, CP=2, or DP alone, with the distributed optimizer or with the micro-batch
+overlap and delayed expert wgrad) reproduces the
 single-process loss per iteration, and torch_dist checkpoints saved at iteration 2 under EP=4 and EP=2 x TP=2 load under
 EP=1 and EP=4 and continue on the same curve (iteration 4 matches only if the Adam moments loaded too)
 (fp32, dropout 0, no token dropping, relative 1e-5: the layouts only reorder fp32 sums).
@@ -41,6 +43,11 @@ LAYOUTS = {  # name -> layout flags, all on 4 ranks (EP=2 on 4 ranks: expert-DP 
     "no_aux_ep2_cp2": f"{A2A} --expert-model-parallel-size 2 --context-parallel-size 2 {VARIANTS['no_aux']}",
     "sigmoid_bias_ep2_cp2": f"{A2A} --expert-model-parallel-size 2 --context-parallel-size 2 "
                             f"{VARIANTS['sigmoid_bias']}",
+    # EP=2 x DP (plain DDP) with two micro-batches per rank, the second forward beside the first backward,
+    # and the experts' weight gradients behind the backward all-to-all. Without the aux loss, which is not
+    # linear in the micro-batch (the others run one micro-batch of 2 per rank).
+    "no_aux_ep2_overlap_delay": f"{A2A} --expert-model-parallel-size 2 --micro-batch-size 1 "
+                                f"--overlap-moe-expert-parallel-comm --delay-wgrad-compute {VARIANTS['no_aux']}",
 }
 
 

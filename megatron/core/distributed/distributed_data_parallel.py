@@ -99,6 +99,8 @@ class DistributedDataParallel(WrappedModule):
 
     def _grad_hook(self, param):
         """Move `param.grad` into `main_grad` (freeing it) and report the grad ready to its bucket."""
+        if param.grad is None and getattr(param, "delay_wgrad", False):
+            return  # --delay-wgrad-compute: the experts' store adds this grad later and calls this hook then
         if param.grad is not None:
             # A fused wgrad already went into main_grad (`.grad` is zeros), unless the param is also
             # used outside fused linears (`zero_out_wgrad`: tied embedding), whose grad is in `.grad`.

@@ -10,7 +10,7 @@ from functools import lru_cache
 from typing import Iterator, List, Optional, Union
 
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel import step
+from megatron.core.pipeline_parallel import combined_1f1b, step
 from megatron.core.pipeline_parallel.interleaved import run_interleaved
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, default_communicator, get_tensor_shape
 from megatron.core.pipeline_parallel.utils import deallocate_output_tensor, make_plan
@@ -73,6 +73,12 @@ def _finish(config, model_chunks, state: step.RunState, timer):
     return state.forward_data_store
 
 
+def _refuse_ep_overlap(config):
+    if getattr(config, "overlap_moe_expert_parallel_comm", False):
+        raise NotImplementedError("--overlap-moe-expert-parallel-comm runs in the schedule without pipelining "
+                                  "only; drop it or --pipeline-model-parallel-size")
+
+
 def _check_common(model, data_iterator):
     """Model chunks and one data iterator per chunk (None, as on middle stages, is shared)."""
     models, iterators = step.as_list(model), step.as_list(data_iterator)
@@ -109,6 +115,11 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[It
     state = step.RunState(config, num_microbatches, forward_only, collect_non_loss_data, pg_collection)
     sync = step.GradSync(config, models)
     sync.disable_all()
+    if getattr(config, "overlap_moe_expert_parallel_comm", False) and not forward_only and num_microbatches > 1:
+        combined_1f1b.run_overlapped(forward_step_func, data_iterator, model, state, sync)
+        sync.finish()
+        sync.chunk_done(0)
+        return _finish(config, models, state, timer)
     for i in range(num_microbatches):
         if i == num_microbatches - 1:
             sync.enable(0)  # the last micro-batch's backward launches the grad reduction
@@ -140,6 +151,7 @@ def forward_backward_pipelining_without_interleaving(
                          "forward_backward_pipelining_with_interleaving for virtual stages")
     model, data_iterator = models[0], iterators[0]
     config = get_model_config(model)
+    _refuse_ep_overlap(config)
     comm = _communicator(p2p_communicator, pg_collection, config)
     shape = get_tensor_shape(config, seq_length, micro_batch_size)
     recv_shape, send_shape = shape, shape
@@ -245,6 +257,7 @@ def forward_backward_pipelining_with_interleaving(
         raise NotImplementedError("adjust_tensor_shapes_fn is not supported by the interleaved "
                                   "schedule")
     config = get_model_config(models[0])
+    _refuse_ep_overlap(config)
     if getattr(config, "overlap_p2p_comm", False):
         raise NotImplementedError("--overlap-p2p-communication is not supported; drop the flag")
     comm = _communicator(p2p_communicator, pg_collection, config)

@@ -1,9 +1,10 @@
 """Mixture-of-Experts flags (Megatron 0.19 names, types and defaults) and their validation."""
 import argparse
+import os
 import re
 from types import SimpleNamespace
 
-from megatron.core.transformer.moe.config_checks import check_moe_config
+from megatron.core.transformer.moe.config_checks import check_ep_overlap, check_moe_config
 
 
 def moe_freq_type(value):
@@ -68,6 +69,12 @@ def add_moe_args(parser):
                    help="All local experts in two grouped GEMMs (torch._grouped_mm on Hopper bf16).")
     g.add_argument("--moe-permute-fusion", action="store_true",
                    help="torch.compile'd token permutation on CUDA (index-based eager fallback).")
+    g.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
+                   help="Run each micro-batch's forward beside the previous one's backward, so the expert-"
+                        "parallel all-to-all of one hides behind the other's compute (EP x DP, no pipelining).")
+    g.add_argument("--delay-wgrad-compute", action="store_true",
+                   help="Compute the grouped experts' weight gradients while the backward dispatch "
+                        "all-to-all is in flight, after their input gradients.")
     g.add_argument("--moe-router-fusion", action="store_true",
                    help="Top-k routing and the balancing-loss scores compiled into few kernels on CUDA "
                         "(torch.compile; the same math; eager fallback).")
@@ -96,6 +103,8 @@ def validate_moe_args(args, require):
     require(etp >= 1, f"--expert-tensor-parallel-size ({etp}) must be >= 1")
     if args.num_experts is None:
         require(ep == 1, f"--expert-model-parallel-size ({ep}) > 1 needs --num-experts")
+        for flag in ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute"):
+            require(not getattr(args, flag), f"--{flag.replace('_', '-')} is for MoE models: it needs --num-experts")
         return
     require(args.world_size % (etp * ep * pp) == 0,
             f"world size ({args.world_size}) must be divisible by --expert-tensor-parallel-size ({etp}) x "
@@ -113,6 +122,13 @@ def validate_moe_args(args, require):
                            tensor_model_parallel_size=tp, add_bias_linear=args.add_bias_linear)
     try:
         check_moe_config(view)
+        check_ep_overlap(overlap=args.overlap_moe_expert_parallel_comm, delay_wgrad=args.delay_wgrad_compute,
+                         ep=ep, etp=etp, tp=tp, cp=args.context_parallel_size, pp=pp,
+                         dispatcher=args.moe_token_dispatcher_type, grouped_gemm=args.moe_grouped_gemm,
+                         recompute_granularity=args.recompute_granularity,
+                         recompute_modules=getattr(args, "recompute_modules", None) or (),
+                         cuda_graph_impl=getattr(args, "cuda_graph_impl", "none"),
+                         max_connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
     except (ValueError, NotImplementedError) as e:
         require(False, str(e))
     if isinstance(args.moe_router_load_balancing_type, list) and len(args.moe_router_load_balancing_type) == 1:

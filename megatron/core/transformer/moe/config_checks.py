@@ -82,3 +82,36 @@ def _check_capacity(c):
         raise ValueError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
     if cf is not None and c.moe_token_drop_policy not in ("probs", "position"):
         raise ValueError(f"--moe-token-drop-policy {c.moe_token_drop_policy}: use probs or position")
+
+
+def check_ep_overlap(*, overlap: bool, delay_wgrad: bool, ep: int, etp: int, tp: int, cp: int, pp: int,
+                     dispatcher: str, grouped_gemm: bool, recompute_granularity=None, recompute_modules=(),
+                     cuda_graph_impl: str = "none", max_connections=None) -> None:
+    """--overlap-moe-expert-parallel-comm and --delay-wgrad-compute: what each needs, one line per refusal.
+
+    The overlap runs one micro-batch's forward beside the previous one's backward in the schedule without
+    pipelining (pipeline_parallel/combined_1f1b.py); the two may share no communicator but the EP one,
+    which gets a twin for the backward, hence EP x DP only."""
+    if overlap:
+        flag = "--overlap-moe-expert-parallel-comm"
+        if ep < 2 or dispatcher != "alltoall":
+            raise ValueError(f"{flag} overlaps the expert-parallel all-to-all: it needs "
+                             "--expert-model-parallel-size > 1 and --moe-token-dispatcher-type alltoall")
+        if tp > 1 or etp > 1 or cp > 1 or pp > 1:
+            raise NotImplementedError(
+                f"{flag} is built for EP x DP without pipelining (the next micro-batch's forward beside this "
+                f"one's backward); TP ({tp}), expert-TP ({etp}), CP ({cp}) and PP ({pp}) > 1 are not supported")
+        modules = recompute_modules or ()
+        if recompute_granularity == "full" or (recompute_granularity == "selective" and
+                                               ("mlp" in modules or "moe" in modules)):
+            raise ValueError(f"{flag}: recomputing the MoE layer would rerun its forward exchange inside the "
+                             "backward; drop --recompute-granularity full / 'mlp' from --recompute-modules")
+        if cuda_graph_impl != "none":
+            raise ValueError(f"{flag} runs two micro-batches on two host threads, which one CUDA graph cannot "
+                             "capture; drop --cuda-graph-impl")
+        if str(max_connections) == "1":
+            raise ValueError(f"{flag} runs the backward's all-to-all beside the forward's on a second stream: "
+                             "unset CUDA_DEVICE_MAX_CONNECTIONS or set it above 1")
+    if delay_wgrad and not grouped_gemm:
+        raise ValueError("--delay-wgrad-compute defers the grouped experts' weight gradients: pass "
+                         "--moe-grouped-gemm")

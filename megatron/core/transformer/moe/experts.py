@@ -23,6 +23,7 @@ from megatron.core.process_groups_config import get_pg, get_pg_size
 from megatron.core.tensor_parallel.layers import _make_param, set_tensor_model_parallel_attributes
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.delayed_wgrad import DelayedWgrad, accumulate_param_grad
 from megatron.core.transformer.moe.moe_utils import _with_eager_fallback
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import divide, lazy_names
@@ -94,11 +95,13 @@ def grouped_mm_available(x: torch.Tensor, *dims: int) -> bool:
 
 class GroupedLinear(torch.autograd.Function):
     """Y_i = X_i W_i^T for the row blocks X_i of ``x`` (block ends ``offs``), W [E, out, in]: one grouped GEMM
-    forward, and two backward: dX_i = dY_i W_i and dW_i = dY_i^T X_i (offs splitting the reduction dim)."""
+    forward, and two backward: dX_i = dY_i W_i and dW_i = dY_i^T X_i (offs splitting the reduction dim).
+    With a ``wgrad_store`` (--delay-wgrad-compute) backward returns dX only and parks the dW GEMM there."""
 
     @staticmethod
-    def forward(ctx, x, weight, offs):
+    def forward(ctx, x, weight, offs, wgrad_store=None):
         ctx.save_for_backward(x, weight, offs)
+        ctx.weight, ctx.wgrad_store = weight, wgrad_store
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)  # [N, out]
 
     @staticmethod
@@ -106,18 +109,50 @@ class GroupedLinear(torch.autograd.Function):
         x, weight, offs = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = torch._grouped_mm(grad, weight, offs=offs)  # [N, in]
+        if ctx.wgrad_store is not None:
+            param = ctx.weight
+            ctx.wgrad_store.defer(lambda: accumulate_param_grad(param, torch._grouped_mm(grad.t(), x, offs=offs)))
+            return grad_x, None, None, None
         grad_w = torch._grouped_mm(grad.t(), x, offs=offs)  # [E, out, in]
-        return grad_x, grad_w.to(weight.dtype), None
+        return grad_x, grad_w.to(weight.dtype), None, None
 
 
-def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor, offs=None):
+class LoopGroupedLinear(torch.autograd.Function):
+    """GroupedLinear as a loop over the experts (any device and dtype), for --delay-wgrad-compute:
+    backward returns dX_i = dY_i W_i and parks dW_i = dY_i^T X_i in ``wgrad_store``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts, wgrad_store):
+        ctx.save_for_backward(x, weight)
+        ctx.counts, ctx.weight, ctx.wgrad_store = counts, weight, wgrad_store
+        return torch.cat([c @ weight[i].t() for i, c in enumerate(torch.split(x, counts))], dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        counts, param = ctx.counts, ctx.weight
+        grads = torch.split(grad, counts)
+        grad_x = torch.cat([g @ weight[i] for i, g in enumerate(grads)], dim=0)
+
+        def wgrad():
+            xs = torch.split(x, counts)
+            accumulate_param_grad(param, torch.stack([g.t() @ xi for g, xi in zip(grads, xs)]))
+        ctx.wgrad_store.defer(wgrad)
+        return grad_x, None, None, None
+
+
+def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor, offs=None,
+                 wgrad_store: Optional[DelayedWgrad] = None):
     """Row block i of ``x`` [N, k] (``tokens_per_expert[i]`` rows) times ``weight[i]``^T ([out, k]) -> [N, out].
 
     ``offs``: int32 cumulative row ends on the device (computed once per layer and shared by fc1 and fc2);
-    without it a loop over the experts."""
+    without it a loop over the experts (which reads the counts on the host). ``wgrad_store``: park the
+    weight gradient there (--delay-wgrad-compute)."""
     if offs is not None:
-        return GroupedLinear.apply(x, weight, offs)
+        return GroupedLinear.apply(x, weight, offs, wgrad_store)
     counts = tokens_per_expert.tolist()
+    if wgrad_store is not None:
+        return LoopGroupedLinear.apply(x, weight, counts, wgrad_store)
     chunks = torch.split(x, counts, dim=0)
     return torch.cat([chunk @ weight[i].t() for i, chunk in enumerate(chunks)], dim=0)
 
@@ -146,6 +181,11 @@ class GroupedMLP(MegatronModule):
         for w, name in ((self.weight1, "linear_fc1.weight"), (self.weight2, "linear_fc2.weight")):
             w.expert_dim = 0
             w.per_expert_name = name  # initialized like SequentialMLP's expert linears
+        # --delay-wgrad-compute: the weight gradients wait here until the dispatcher's backward
+        # all-to-all is in flight (it flushes the store; see delayed_wgrad.py).
+        self.wgrad_store = DelayedWgrad() if getattr(config, "delay_wgrad_compute", False) else None
+        if self.wgrad_store is not None:
+            self.weight1.delay_wgrad = self.weight2.delay_wgrad = True
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: Optional[torch.Tensor] = None):
@@ -153,14 +193,15 @@ class GroupedMLP(MegatronModule):
         offs = None
         if grouped_mm_available(x, x.shape[-1], self.weight1.shape[1], self.weight2.shape[2]):
             offs = torch.cumsum(tokens_per_expert.to(x.device, non_blocking=True), 0).to(torch.int32)
-        h = grouped_gemm(x, self.weight1, tokens_per_expert, offs)  # [N, (2)f/etp]
+        h = grouped_gemm(x, self.weight1, tokens_per_expert, offs, self.wgrad_store)  # [N, (2)f/etp]
         if _use_fused_swiglu(h, self.config):
             h = _fused_swiglu_scaled(h, permuted_probs)
         else:
             h = _glu_activation(h, self.config)
             if permuted_probs is not None:
                 h = h * permuted_probs.unsqueeze(-1).to(h.dtype)
-        return grouped_gemm(h, self.weight2, tokens_per_expert, offs), None  # [N, h], partial over etp
+        out = grouped_gemm(h, self.weight2, tokens_per_expert, offs, self.wgrad_store)
+        return out, None  # [N, h], partial over etp
 
 
 class TEGroupedMLP(GroupedMLP):

@@ -87,6 +87,8 @@ class MoELayer(BaseMoELayer):
         self.token_dispatcher.probs_to_experts = True  # the experts scale their rows (fused in grouped SwiGLU)
         self.experts = build_module(submodules.experts, self.num_local_experts, config,
                                     **process_group_kwargs(submodules.experts, pg_collection, "MoELayer"))
+        # --delay-wgrad-compute: the dispatcher's backward runs the experts' parked weight gradients.
+        self.token_dispatcher.wgrad_store = getattr(self.experts, "wgrad_store", None)
         if config.moe_shared_expert_intermediate_size:
             spec = submodules.shared_experts
             gate = {} if "gate" in getattr(spec, "params", {}) else {"gate": config.moe_shared_expert_gate}

@@ -94,8 +94,8 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
     def backward(ctx, grad_output):
         (aux_loss,) = ctx.saved_tensors
         scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-        if scale is None:
-            scale = torch.tensor(1.0, device=aux_loss.device)
+        if scale is None:  # no schedule set it (a layer used on its own): scale 1, no host-to-device copy
+            return grad_output, torch.ones_like(aux_loss)
         return grad_output, torch.ones_like(aux_loss) * scale.to(aux_loss.device)
 
     @staticmethod

@@ -20,7 +20,6 @@ from megatron.core.process_groups_config import get_pg
 from megatron.core.tensor_parallel.mappings import (
     _all_to_all,
     _gather_along_first_dim,
-    all_to_all,
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
@@ -70,6 +69,67 @@ class _ReduceScatterV(torch.autograd.Function):
         return _gather_v(grad, ctx.group, ctx.sizes), None, None
 
 
+class _ExpertAllToAll(torch.autograd.Function):
+    """The dispatch / combine all-to-all over EP. Its backward exchange runs on ``bwd_group``: the forward
+    group itself, or its twin under --overlap-moe-expert-parallel-comm, where one micro-batch's backward
+    runs beside the next one's forward and the two must not share a communicator. Given a
+    ``wgrad_store`` with parked expert weight gradients (--delay-wgrad-compute), the backward exchange is
+    launched asynchronously and those GEMMs run while it is in flight."""
+
+    @staticmethod
+    def forward(ctx, x, group, bwd_group, output_splits, input_splits, wgrad_store):
+        ctx.bwd_group, ctx.output_splits, ctx.input_splits, ctx.wgrad_store = (bwd_group, output_splits,
+                                                                                input_splits, wgrad_store)
+        return _all_to_all(x, group, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        store = ctx.wgrad_store
+        if store is None or not store.pending or _size(ctx.bwd_group) == 1:
+            out = _all_to_all(grad, ctx.bwd_group, ctx.input_splits, ctx.output_splits)
+            if store is not None:
+                store.flush()
+            return out, None, None, None, None, None
+        grad = grad.contiguous()
+        out = grad.new_empty((sum(ctx.input_splits),) + tuple(grad.shape[1:]))
+        work = dist.all_to_all_single(out, grad, output_split_sizes=ctx.input_splits,
+                                      input_split_sizes=ctx.output_splits, group=ctx.bwd_group, async_op=True)
+        store.flush()  # the experts' weight-gradient GEMMs, while the exchange is in flight
+        work.wait()
+        return out, None, None, None, None, None
+
+
+class _FlushWgrad(torch.autograd.Function):
+    """Identity on the experts' input; its backward runs the parked weight gradients where no all-to-all
+    backward does (no expert parallelism, the all-gather dispatcher)."""
+
+    @staticmethod
+    def forward(ctx, x, wgrad_store):
+        ctx.wgrad_store = wgrad_store
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.wgrad_store.flush()
+        return grad, None
+
+
+def flush_wgrad_on_backward(x, wgrad_store):
+    """``x`` unchanged; the backward through it flushes ``wgrad_store`` (when given)."""
+    return x if wgrad_store is None else _FlushWgrad.apply(x, wgrad_store)
+
+
+_BACKWARD_TWINS = {}
+
+
+def backward_twin_group(group):
+    """A second communicator over ``group``'s ranks (one per group, made by its members only), for the
+    backward exchanges of --overlap-moe-expert-parallel-comm."""
+    if group not in _BACKWARD_TWINS:
+        _BACKWARD_TWINS[group] = dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
+    return _BACKWARD_TWINS[group]
+
+
 class MoETokenDispatcher:
     """Common state: the expert groups, ep, expt_tp and tp_ep (an explicit ``pg_collection``'s, else
     parallel_state's)."""
@@ -97,6 +157,12 @@ class MoETokenDispatcher:
         # (a dispatcher used on its own): unpermutation applies the probs.
         self.probs_to_experts = False
         self.expert_probs = None
+        # The experts' parked weight gradients (--delay-wgrad-compute; MoELayer sets it), flushed by the
+        # backward of the dispatch all-to-all (or of the permutation where there is none).
+        self.wgrad_store = None
+        self.ep_bwd_group = self.ep_group
+        if getattr(config, "overlap_moe_expert_parallel_comm", False) and self.ep_size > 1:
+            self.ep_bwd_group = backward_twin_group(self.ep_group)
 
     def _unpermute_probs(self):
         return None if self.probs_to_experts else self.permuted_probs
@@ -150,7 +216,7 @@ class MoEAllGatherTokenDispatcher(_LocalExpertsDispatcher):
         permuted, self.permuted_probs, self.sorted_indices = self._permute(
             x, local_map, probs[:, lo:hi], num_out_tokens=num_out, topk=self.exact_topk)
         self.expert_probs = self.permuted_probs
-        return permuted, local_map.sum(dim=0)
+        return flush_wgrad_on_backward(permuted, self.wgrad_store), local_map.sum(dim=0)
 
     def token_unpermutation(self, expert_output, bias=None):
         out = self._unpermute(expert_output, self.sorted_indices, self.gathered_shape,
@@ -197,7 +263,7 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
             permuted, self.permuted_probs, self.sorted_indices = self._permute(
                 x, routing_map, probs, num_out_tokens=self._num_out_tokens(x.shape[0]), topk=self.exact_topk)
             self.expert_probs = self.permuted_probs
-            return permuted, routing_map.sum(dim=0)
+            return flush_wgrad_on_backward(permuted, self.wgrad_store), routing_map.sum(dim=0)
         pending = self._start_counts(routing_map)
         t, m, El, ep = self.etp_rank, self.ep_rank, self.num_local_experts, self.ep_size
         if self.exact_topk is not None:
@@ -218,7 +284,7 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
         # Regroup the chunks expert-major: [l][u][j].
         self.chunk_sizes = [C[u][j][m * El + l] for u in range(self.etp_size) for j in range(ep) for l in range(El)]
         self.sorted_idxs = [(u * ep + j) * El + l for l in range(El) for u in range(self.etp_size) for j in range(ep)]
-        y = self._to_experts(permuted)
+        y = self._to_experts(permuted, self.wgrad_store)
         self.expert_probs = None
         if self.probs_to_experts and self.permuted_probs is not None:
             self.expert_probs = self._to_experts(self.permuted_probs)  # the rows' probs travel with them
@@ -226,9 +292,11 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
                              for l in range(El)]
         return y, torch.tensor(tokens_per_expert, dtype=torch.int64)
 
-    def _to_experts(self, rows):
-        """This rank's permuted rows (or their probs) -> the local experts' rows, expert-major."""
-        y = all_to_all(self.ep_group, rows, self.output_splits, self.input_splits)  # chunks [ep j][l]
+    def _to_experts(self, rows, wgrad_store=None):
+        """This rank's permuted rows (or their probs) -> the local experts' rows, expert-major. The rows'
+        exchange (not the probs') flushes ``wgrad_store`` in its backward: it comes after the experts'."""
+        y = _ExpertAllToAll.apply(rows, self.ep_group, self.ep_bwd_group, self.output_splits, self.input_splits,
+                                  wgrad_store)  # chunks [ep j][l]
         if self.etp_size > 1:
             y = _GatherV.apply(y, self.etp_group, self.etp_sizes)  # chunks [etp u][ep j][l]
         if self.num_local_experts > 1:
@@ -246,7 +314,8 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
         if self.etp_size > 1:
             y = _ReduceScatterV.apply(y, self.etp_group, self.etp_sizes)  # sum the expert-TP partials
         if not self.local_only:
-            y = all_to_all(self.ep_group, y, self.input_splits, self.output_splits)
+            y = _ExpertAllToAll.apply(y, self.ep_group, self.ep_bwd_group, self.input_splits, self.output_splits,
+                                      None)
         num_tokens = self.hidden_shape.numel() // self.hidden_shape[-1]
         out = self._unpermute(y, self.sorted_indices, (num_tokens, self.hidden_shape[-1]),
                               probs=self._unpermute_probs(), topk=self.exact_topk)

@@ -1,0 +1,96 @@
+"""--overlap-moe-expert-parallel-comm for the schedule without pipelining: micro-batch i + 1's forward
+runs beside micro-batch i's backward, so each one's expert-parallel all-to-all (and the host wait for
+the token counts before it) hides behind the other's compute.
+
+    main thread:    F0 | B0    | B1    | ... | B(M-1)
+    forward thread:    | F1    | F2    | ... |
+    CUDA streams:   S0 | S0+S1 | S1+S0 | ... |          (micro-batch i runs on S[i % 2])
+
+Megatron interleaves the two at layer granularity in one thread (its combined 1F1B plan); here each
+side keeps its own program order in its own host thread and CUDA stream, and the GPU interleaves them.
+The forward and the backward share no communicator: the MoE dispatcher's backward exchange runs on a
+twin of the EP group (token_dispatcher.backward_twin_group), and the data-parallel reduction waits
+for the last backward, which runs alone. config_checks.check_ep_overlap lists what else is excluded.
+Each side runs the same operations in the same order as the plain schedule: the results are the same.
+"""
+import contextlib
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from megatron.core.pipeline_parallel import step
+
+_EXECUTOR = {}
+_STREAMS = {}
+# How many forwards ran beside a backward, for tests and the docs' measurements.
+stats = {"overlapped_forwards": 0}
+
+
+def _executor() -> ThreadPoolExecutor:
+    if "pool" not in _EXECUTOR:
+        _EXECUTOR["pool"] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-overlap-forward")
+    return _EXECUTOR["pool"]
+
+
+def _streams():
+    """Two side streams on CUDA (one per micro-batch in flight), None on CPU."""
+    if not torch.cuda.is_available():
+        return None
+    device = torch.cuda.current_device()
+    if device not in _STREAMS:
+        _STREAMS[device] = (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
+    return _STREAMS[device]
+
+
+def _on(streams, i):
+    return contextlib.nullcontext() if streams is None else torch.cuda.stream(streams[i % 2])
+
+
+def _join(streams):
+    """The caller's stream waits for both side streams, and they for it: everything before this point
+    (grad accumulation of the backward, the forward's outputs) is ordered before everything after."""
+    if streams is None:
+        return
+    main = torch.cuda.current_stream()
+    for s in streams:
+        main.wait_stream(s)
+    for s in streams:
+        s.wait_stream(main)
+
+
+def run_overlapped(forward_step_func, data_iterator, model, state: step.RunState, sync: step.GradSync):
+    """Forward and backward of ``state.num_microbatches`` micro-batches (>= 2) of one model chunk, each
+    forward after the first beside the previous backward. DP grad sync stays off (``sync``) until the
+    last backward, which runs alone."""
+    config, n = state.config, state.num_microbatches
+    streams = _streams()
+    device = torch.cuda.current_device() if streams is not None else None
+    grad_enabled = torch.is_grad_enabled()
+
+    def forward(i):
+        if threading.current_thread() is not threading.main_thread():
+            torch.set_grad_enabled(grad_enabled)  # grad mode and the CUDA device are per thread
+            if device is not None:
+                torch.cuda.set_device(device)
+        with _on(streams, i):
+            return step.forward_microbatch(forward_step_func, data_iterator, model, None, state, True)
+
+    def backward(i, output):
+        with _on(streams, i):
+            step.backward_step(None, output, None, config)
+
+    _join(streams)
+    output = forward(0)
+    for i in range(1, n):
+        _join(streams)
+        pending = _executor().submit(forward, i)
+        try:
+            backward(i - 1, output)
+        finally:
+            output = pending.result()  # the forward's error, if any, surfaces here
+        stats["overlapped_forwards"] += 1
+    _join(streams)
+    sync.enable(0)  # the last backward launches the data-parallel grad reduction
+    backward(n - 1, output)
+    _join(streams)
