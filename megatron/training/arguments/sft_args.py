@@ -31,7 +31,7 @@ def validate_sft_args(args, require):
     require(args.tokenizer_type in SFT_TOKENIZERS,
             f"--sft renders conversations with a Hugging Face tokenizer; pass --tokenizer-type HuggingFaceTokenizer "
             f"(or SFTTokenizer) and --tokenizer-model DIR, not {args.tokenizer_type}")
-    require(args.tokenizer_model is not None and os.path.isdir(args.tokenizer_model),
+    require(args.tokenizer_model is not None and os.path.exists(args.tokenizer_model),
             f"--sft needs --tokenizer-model DIR, a local Hugging Face tokenizer directory (got {args.tokenizer_model})")
     require(not args.mock_data, "--sft reads conversations from --data-path; drop --mock-data")
     require(args.attention_dropout == 0,
