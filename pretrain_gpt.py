@@ -1,4 +1,5 @@
 """Pretrain a GPT: `torchrun --nproc-per-node N pretrain_gpt.py <Megatron flags>` (or srun / plain python)."""
+import dataclasses
 from functools import partial
 
 import torch
@@ -23,6 +24,7 @@ from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.transformer.transformer_layer import compile_transformer_layers
 from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.datasets.sft_dataset import SFTDataset, SFTDatasetConfig
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None):
@@ -62,8 +64,9 @@ SPIKY_LOSS_FACTOR = 10  # Megatron's: a loss 10x the largest of the first 100 st
 
 
 def _packed_documents(args):
-    """True when samples carry document offsets (cu_seqlens) instead of a dense attention mask."""
-    return args.reset_attention_mask and not args.create_attention_mask_in_dataloader
+    """True when samples carry document offsets (cu_seqlens) instead of a dense attention mask: packed
+    documents (--reset-attention-mask) and packed SFT conversations (--sft)."""
+    return args.sft or (args.reset_attention_mask and not args.create_attention_mask_in_dataloader)
 
 
 def get_batch(data_iterator, vp_stage=None):
@@ -175,11 +178,22 @@ def core_gpt_dataset_config_from_args(args):
         mid_level_dataset_surplus=args.mid_level_dataset_surplus)
 
 
+def sft_dataset_config_from_args(args):
+    """The GPT dataset config plus the chat rendering of --sft (HF tokenizer dir, prompt format, bad records)."""
+    base = core_gpt_dataset_config_from_args(args)
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+    return SFTDatasetConfig(**fields, sft_tokenizer_path=args.tokenizer_model,
+                            sft_prompt_format=args.sft_tokenizer_prompt_format, sft_bad_records=args.sft_bad_records)
+
+
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
-    """GPT train/valid/test datasets (MockGPTDataset with --mock-data)."""
+    """GPT train/valid/test datasets (MockGPTDataset with --mock-data, packed conversations with --sft)."""
     args = get_args()
-    config = core_gpt_dataset_config_from_args(args)
-    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    if args.sft:
+        config, dataset_type = sft_dataset_config_from_args(args), SFTDataset
+    else:
+        config = core_gpt_dataset_config_from_args(args)
+        dataset_type = MockGPTDataset if args.mock_data else GPTDataset
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
         dataset_type, train_val_test_num_samples, partial(is_dataset_built_on_rank, vp_stage=vp_stage),

@@ -18,7 +18,7 @@ from megatron.core.datasets.utils import compile_helpers
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.utils import get_pg_rank
 from megatron.training.arguments import parse_args, print_args, validate_args
-from megatron.training.checkpointing.args import load_args_from_checkpoint
+from megatron.training.checkpointing.args import has_checkpoint, load_args_from_checkpoint
 from megatron.training.diagnostics import errors, hang
 from megatron.training.global_vars import get_adlr_autoresume, get_args, get_tensorboard_writer, set_global_variables
 from megatron.training.utils import print_rank_0
@@ -72,10 +72,14 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
 
 
 def load_and_validate_args(args, args_defaults):
-    """Take the architecture flags from the checkpoint under --load when --use-checkpoint-args (or the
-    entry point's defaults) ask for it, then validate: the checkpoint's values are validated too."""
+    """Take the architecture flags from the checkpoint when --use-checkpoint-args (or the entry point's
+    defaults) ask for it, then validate: the checkpoint's values are validated too. As in Megatron, the
+    --pretrained-checkpoint is read first, then --load when it holds a checkpoint (a resumed fine-tune)."""
     if args.use_checkpoint_args or args_defaults.get("use_checkpoint_args", False):
-        load_args_from_checkpoint(args)
+        if args.pretrained_checkpoint:
+            load_args_from_checkpoint(args, load_arg="pretrained_checkpoint")
+        if not args.pretrained_checkpoint or (args.load and has_checkpoint(args.load)):
+            load_args_from_checkpoint(args)
     validate_args(args, args_defaults)
 
 

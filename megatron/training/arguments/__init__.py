@@ -26,6 +26,7 @@ from .model_args import (
 from .moe_args import add_moe_args
 from .parallel_data_args import add_data_args, add_distributed_args, add_tokenizer_args
 from .profiling_args import add_profiling_args
+from .sft_args import add_sft_args
 from .tp_overlap_args import add_tp_overlap_args
 from .training_args import (
     add_checkpointing_args,
@@ -65,6 +66,7 @@ def build_parser(extra_args_provider=None):
                 add_diagnostics_args,
                 add_profiling_args,
                 add_autoresume_args,
+                add_sft_args,
                 add_tp_overlap_args):
         parser = add(parser)
     if extra_args_provider is not None:

@@ -41,6 +41,8 @@ def validate_context_parallel_args(args, require, warn):
         require("a2a" not in types or heads % cp == 0,
                 f"--cp-comm-type a2a splits the {heads} attention heads per TP rank over --context-parallel-size "
                 f"({cp}), which must divide them; use p2p or allgather")
+    if args.sft:
+        return  # validate_sft_args: SFT samples always carry document offsets
     if not args.reset_attention_mask:
         # Megatron's loader builds a plain causal [s, s] mask per sample by default; our attention is causal
         # without it. At long sequences that mask alone (s^2 bytes: 16 GiB at 128k) kills the loader workers.

@@ -18,7 +18,7 @@ def validate_inputs(args, require):
         check_split(args.split, require)
     for flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"):
         blend = getattr(args, flag[2:].replace("-", "_"))
-        if blend and not args.mock_data:
+        if blend and not args.mock_data and not getattr(args, "sft", False):  # --sft: files checked in validation
             for prefix in blend_prefixes_checked(flag, blend, require):
                 _check_dataset(flag, prefix, require)
     _check_tokenizer_files(args, require)

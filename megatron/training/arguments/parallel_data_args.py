@@ -66,7 +66,7 @@ def add_data_args(parser):
 
 _TOKENIZER_TYPES = ["BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "SentencePieceTokenizer",
                     "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "Llama2Tokenizer", "TikTokenizer",
-                    "MultimodalTokenizer", "NullTokenizer"]
+                    "MultimodalTokenizer", "NullTokenizer", "SFTTokenizer"]
 
 
 def add_tokenizer_args(parser):

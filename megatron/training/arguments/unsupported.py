@@ -22,7 +22,6 @@ UNSUPPORTED_FLAGS = {
     "--log-energy": (dict(action="store_true"), "energy monitoring is not supported"),
     "--cpu-offloading-num-layers": (dict(type=int), "activation offloading is not supported"),
     "--fim-data": (dict(action="store_true"), "fill-in-the-middle data is not supported"),
-    "--sft": (dict(action="store_true"), "SFT data is not supported"),
     "--quick-geglu": (dict(action="store_true"), "use --swiglu or the default GeLU"),
     "--tokenizer-hf-no-use-fast": (dict(action="store_true"), "HuggingFaceTokenizer reads tokenizer.json with the "
                                                               "fast tokenizers library; there is no slow Python "

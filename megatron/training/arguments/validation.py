@@ -21,6 +21,7 @@ from .megatron_flags import check_megatron_flags
 from .mla_args import validate_mla_args
 from .moe_args import validate_moe_args
 from .profiling_args import validate_profiling_args
+from .sft_args import validate_sft_args
 from .tp_overlap_args import validate_tp_overlap_args
 from .window_args import validate_window_args
 
@@ -50,6 +51,7 @@ def validate_args(args, defaults={}):
     _validate_checkpointing(args)
     _validate_data(args)
     _validate_tokenizer(args)
+    validate_sft_args(args, _require)
     _validate_misc(args)
     validate_inference_args(args, _require)
     validate_diagnostics_args(args, _require)
@@ -327,6 +329,10 @@ def _validate_data(args):
     for flag, blend in (("--data-path", args.data_path), ("--train-data-path", args.train_data_path),
                         ("--valid-data-path", args.valid_data_path), ("--test-data-path", args.test_data_path)):
         for prefix in (blend_prefixes_checked(flag, blend, _require) if blend else []):
+            if args.sft:
+                _require(os.path.isfile(prefix), f"{flag}: conversation file {prefix} not found (--sft takes JSONL "
+                                                 "files or the .npz of tools/prepare_sft_data.py)")
+                continue
             for ext in (".bin", ".idx"):
                 _require(os.path.isfile(prefix + ext),
                          f"{flag}: dataset file {prefix + ext} not found (pass the prefix of a .bin/.idx pair "
@@ -356,6 +362,7 @@ _TOKENIZER_FILES = {
     "SentencePieceTokenizer": ("tokenizer_model",), "GPTSentencePieceTokenizer": ("tokenizer_model",),
     "Llama2Tokenizer": ("tokenizer_model",), "TikTokenizer": ("tokenizer_model",),
     "HuggingFaceTokenizer": ("tokenizer_model",), "MultimodalTokenizer": ("tokenizer_model",),
+    "SFTTokenizer": ("tokenizer_model",),
 }
 
 

@@ -39,6 +39,11 @@ def _legacy_file(checkpoint_dir: str) -> str:
     return os.path.join(checkpoint_dir, names[0], paths.LEGACY_FNAME)
 
 
+def has_checkpoint(load_dir: str) -> bool:
+    """True when ``load_dir`` has a tracker file (a checkpoint was saved there)."""
+    return os.path.isfile(paths.get_checkpoint_tracker_filename(load_dir))
+
+
 def read_checkpoint_args(load_dir: str, ckpt_step=None):
     """(saved args, iteration) of the latest (or ``ckpt_step``) checkpoint under ``load_dir``."""
     tracker = paths.get_checkpoint_tracker_filename(load_dir)
@@ -70,7 +75,7 @@ def load_args_from_checkpoint(args, load_arg: str = "load"):
     """Overwrite ``args``' architecture flags with the checkpoint's; returns ``args``."""
     load_dir = getattr(args, load_arg, None)
     if not load_dir:
-        raise ArgumentError("--use-checkpoint-args needs --load DIR")
+        raise ArgumentError("--use-checkpoint-args needs --load DIR or --pretrained-checkpoint DIR")
     ckpt_args, _ = read_checkpoint_args(load_dir, args.ckpt_step)
     for name, force in MODEL_ARGS:
         if not hasattr(ckpt_args, name):

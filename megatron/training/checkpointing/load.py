@@ -83,8 +83,14 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     finetune = args.finetune
     found = _find(load_dir, args) if load_dir else None
     if found is None and args.pretrained_checkpoint and load_arg == "load":
+        # Megatron's fine-tuning start: nothing saved under --load yet, so load the weights only
+        print_rank_0(f" no checkpoint under --load {load_dir}; fine-tuning from --pretrained-checkpoint "
+                     f"{args.pretrained_checkpoint}")
         load_dir, finetune = args.pretrained_checkpoint, True
         found = _find(load_dir, args)
+        if found is None:
+            raise FileNotFoundError(f"--pretrained-checkpoint {load_dir}: no checkpoint found (no "
+                                    f"{paths.get_checkpoint_tracker_filename(load_dir)})")
     if found is None:
         where = paths.get_checkpoint_tracker_filename(load_dir) if load_dir else "(no --load)"
         if args.exit_on_missing_checkpoint:

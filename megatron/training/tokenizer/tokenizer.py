@@ -53,7 +53,7 @@ def build_tokenizer(args, **kwargs):
         tokenizer = _GPTSentencePieceTokenizer(_need(args, "tokenizer_model", "--tokenizer-model", kind))
     elif kind == "Llama2Tokenizer":
         tokenizer = _Llama2Tokenizer(_need(args, "tokenizer_model", "--tokenizer-model", kind))
-    elif kind == "HuggingFaceTokenizer":
+    elif kind in ("HuggingFaceTokenizer", "SFTTokenizer"):  # SFTTokenizer: --sft renders chats from the same dir
         tokenizer = _HuggingFaceTokenizer(_need(args, "tokenizer_model", "--tokenizer-model", kind),
                                           vocab_extra_ids=extra_ids)
     elif kind == "TikTokenizer":
@@ -65,8 +65,8 @@ def build_tokenizer(args, **kwargs):
         tokenizer = _NullTokenizer(_need(args, "vocab_size", "--vocab-size", kind))
     else:
         raise ValueError(f"--tokenizer-type {kind!r} is not supported; choose one of GPT2BPETokenizer, "
-                         "HuggingFaceTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer, "
-                         "TikTokenizer, NullTokenizer, BertWordPieceLowerCase, BertWordPieceCase")
+                         "HuggingFaceTokenizer, SFTTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, "
+                         "Llama2Tokenizer, TikTokenizer, NullTokenizer, BertWordPieceLowerCase, BertWordPieceCase")
     if getattr(args, "padded_vocab_size", None) is None or kwargs.get("force_padding", True):
         args.padded_vocab_size = _vocab_size_with_padding(tokenizer.vocab_size, args)
     return tokenizer
