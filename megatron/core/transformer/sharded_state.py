@@ -39,7 +39,9 @@ def _sectioned_factory(key: str, tensor: torch.Tensor, pp_replica: int, dp_rank:
                 for name, part in zip(names, parts)]
 
     def merge(loaded):
-        return torch.cat(loaded, dim=dim)
+        # A list, or {index: tensor} when the checkpoint's common state did not hold this list's shell.
+        parts = [loaded[i] for i in sorted(loaded)] if isinstance(loaded, dict) else loaded
+        return torch.cat(parts, dim=dim)
 
     return ShardedTensorFactory(key, tensor.detach(), build, merge, replica_id=(0, pp_replica, dp_rank))
 
