@@ -25,7 +25,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
         vp_stage=vp_stage)
 
 
-def hybrid_model_defaults(parser):
+def extra_args_provider(parser):
     """This entry point builds hybrid models: --is-hybrid-model is on without being passed."""
     parser.set_defaults(is_hybrid_model=True)
     return parser
@@ -33,7 +33,7 @@ def hybrid_model_defaults(parser):
 
 def run():
     pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
-             extra_args_provider=hybrid_model_defaults, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+             extra_args_provider=extra_args_provider, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
 
 
 if __name__ == "__main__":

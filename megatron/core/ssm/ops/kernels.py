@@ -30,7 +30,7 @@ def _say_once(what: str, message: str) -> None:
         logger.warning(message)
 
 
-def _load_mamba_ssm_triton():
+def load_mamba_ssm_triton():
     """``mamba_ssm.ops.triton.ssd_combined`` or None. Without the CUDA extension the package's own
     ``__init__`` fails, so the package is registered bare (its path only) and the Triton module imported."""
     try:
@@ -61,7 +61,7 @@ def ssd_kernel(t: torch.Tensor):
     if not _triton_wanted(t):
         return ssd_chunk_scan_torch
     if "ssd" not in _cache:
-        module = _load_mamba_ssm_triton()
+        module = load_mamba_ssm_triton()
         _cache["ssd"] = None if module is None else module.mamba_chunk_scan_combined
         if module is None:
             _say_once("ssd", "Mamba-2 SSD scan: mamba-ssm's Triton kernels are not importable "
