@@ -13,6 +13,8 @@ def num_floating_point_operations(args, batch_size):
     kind), their norms and eh_proj, and one logits pass each (Megatron's formula).
     Megatron's API: ``args`` may be any namespace with the dense-GPT fields; later features read as off.
     """
+    if getattr(args, "is_hybrid_model", False) and getattr(args, "hybrid_layer_pattern", None):
+        return hybrid_floating_point_operations(args, batch_size)
     h, s = args.hidden_size, args.seq_length
     mtp = getattr(args, "mtp_num_layers", None) or 0
     L = args.num_layers + mtp  # each MTP depth is one more transformer layer
@@ -34,6 +36,44 @@ def num_floating_point_operations(args, batch_size):
                  + 6 * mtp * (3 * h + 2 * h * h)  # MTP norms and eh_proj
                  + 6 * h * vocab * (1 + mtp))  # one output head pass per prediction depth
     return tokens * per_token
+
+
+def hybrid_floating_point_operations(args, batch_size):
+    """Megatron's hybrid-model formula: forward FLOPs per layer kind of the pattern, times 3 (forward,
+    wgrad, dgrad). Per token, with h hidden, 2 FLOPs per multiply-add:
+      attention  4 h p (h + h g/n) + 2 s h p   (projections; causal QK^T and AV, p = kv_channels n / h)
+      MLP        4 h f (x 3/2 with SwiGLU);   MoE: 4 h (topk f_moe + f_shared) (x 3/2 with SwiGLU)
+      Mamba-2    2 h (2 d_in + 2 G n + H) + 7 d_in n + 2 d_in h   (in_proj, scan estimate, out_proj; d_in = H p)
+      GDN        2 (h (2 qk + 2 v + 2 nv) + w (2 qk + v) + 4 nv dv^2 + h v)
+      logits     2 h V
+    """
+    # lazy: megatron.core.models imports the whole model stack; only hybrid runs need the pattern parser
+    from megatron.core.models.hybrid.hybrid_layer_allocation import get_hybrid_layer_counts  # lazy: see above
+    counts = get_hybrid_layer_counts(args.hybrid_layer_pattern)
+    h, s = args.hidden_size, args.seq_length
+    tokens = batch_size * s
+    heads = args.num_attention_heads
+    groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
+    p = (args.kv_channels * heads / h) if args.kv_channels else 1
+    attention = 4 * h * p * (h + h * groups / heads) + 2 * s * h * p
+    glu = 1.5 if getattr(args, "swiglu", False) else 1.0
+    ffn = args.ffn_hidden_size if args.ffn_hidden_size is not None else 4 * h
+    mlp = 4 * h * ffn * glu
+    moe_ffn = getattr(args, "moe_ffn_hidden_size", None) or ffn
+    moe = 4 * h * glu * (moe_ffn * getattr(args, "moe_router_topk", 1)
+                         + (getattr(args, "moe_shared_expert_intermediate_size", None) or 0))
+    n_state, groups_m = args.mamba_state_dim, args.mamba_num_groups
+    m_heads = args.mamba_num_heads or (2 * h) // args.mamba_head_dim
+    d_in = 2 * h  # Megatron's formula takes the Mamba inner width as 2 h
+    mamba = 2 * h * (2 * d_in + 2 * groups_m * n_state + m_heads) + 7 * d_in * n_state + 2 * d_in * h
+    nv = args.linear_num_value_heads
+    qk, v = args.linear_key_head_dim * args.linear_num_key_heads, args.linear_value_head_dim * nv
+    gdn = 2 * (h * (2 * qk + 2 * v + 2 * nv) + args.linear_conv_kernel_dim * (2 * qk + v)
+               + 4 * nv * args.linear_value_head_dim ** 2 + h * v)
+    vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size
+    forward = (counts["*"] * attention + counts["-"] * mlp + counts["E"] * moe + counts["M"] * mamba
+               + counts["G"] * gdn + 2 * h * vocab)
+    return 3 * tokens * forward
 
 
 def _last_layer_ffn(args, ffn):

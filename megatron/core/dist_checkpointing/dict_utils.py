@@ -51,7 +51,10 @@ def map_leaves(fn: Callable, tree):
 
 
 def _is_shell(tree) -> bool:
-    """A dict holding only (nested) empty dicts: what stripping sharded leaves leaves behind."""
+    """A dict holding only (nested) empty dicts, or a non-empty list of only None (a factory's list of
+    ShardedTensors): what stripping sharded leaves leaves behind."""
+    if isinstance(tree, list):
+        return bool(tree) and all(v is None for v in tree)
     return isinstance(tree, dict) and all(_is_shell(v) for v in tree.values())
 
 
@@ -66,7 +69,7 @@ def prune_shells(common, request) -> None:
         return
     for k in list(common):
         v = common[k]
-        if not isinstance(v, dict):
+        if not isinstance(v, (dict, list)):
             continue
         if isinstance(request, dict) and isinstance(request.get(k), dict):
             prune_shells(v, request[k])

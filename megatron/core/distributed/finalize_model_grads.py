@@ -64,12 +64,9 @@ def _allreduce_layernorm_grads(model: List[torch.nn.Module], config, pg_collecti
     """Sequence parallelism leaves partial grads on TP-replicated params (norms, row-parallel bias)."""
     if get_pg_size(pg_collection, "tp", "finalize_model_grads") == 1:
         return
-    # MoE routers see a TP slice of the tokens with or without SP (router weight: sequence_parallel).
-    if not (getattr(config, "sequence_parallel", False) or getattr(config, "qk_layernorm", False)
-            or getattr(config, "num_moe_experts", None)):
-        return
-    # Flagged params: norms under SP, and q/k layernorm weights, which act on TP-split heads yet are
-    # replicated (attention flags them). MLA's latent norms see replicated inputs: flagged under SP only.
+    # Flagged params: norms under SP, and weights replicated over TP that act on TP-split heads (q/k
+    # layernorm, Gated DeltaNet's per-head output norm) or on a TP slice of the tokens (MoE routers).
+    # MLA's latent norms see replicated inputs: flagged under SP only.
     grads = [_grad_of(p) for chunk in model for p in chunk.parameters()
              if p.requires_grad and _grad_of(p) is not None and getattr(p, "sequence_parallel", False)]
     _allreduce_grads_coalesced(grads, get_pg(pg_collection, "tp", "finalize_model_grads"))

@@ -11,7 +11,7 @@ from typing import Dict
 
 import torch
 
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.distributed.torch_fsdp2_state import fsdp2_gathered_storage, is_dtensor
 
 SHARDING_TYPE = "fully_reshardable"
@@ -77,7 +77,7 @@ def _param_to_sharded_tensor(model_sharded_state_dict: Dict, params):
     found = {}
 
     def visit(value):
-        if isinstance(value, ShardedTensor) and value.data is not None:
+        if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and value.data is not None:
             p = by_id.get(id(value.data))
             if p is None:
                 p = by_storage.get((value.data.data_ptr(), value.data.numel()))
@@ -110,8 +110,9 @@ def sharded_state_dict(opt, model_sharded_state_dict: Dict, is_loading: bool = F
             data = torch.empty_like(tensor) if is_loading else tensor
             if data.shape != st.data.shape and data.numel() == st.data.numel():
                 data = data.reshape(st.data.shape)  # the model's saved view of this param
-            entry[name] = dataclasses.replace(st, key=f"optimizer.state.{name}.{st.key}", data=data,
-                                              dtype=data.dtype)
+            # A factory (a param saved in parts) builds the same parts of its optimizer state.
+            dtype = {} if isinstance(st, ShardedTensorFactory) else {"dtype": data.dtype}
+            entry[name] = dataclasses.replace(st, key=f"optimizer.state.{name}.{st.key}", data=data, **dtype)
         sharded[st.key] = entry
     out = _common_state(opt)
     out["param_state"] = sharded

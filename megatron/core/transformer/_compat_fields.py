@@ -42,11 +42,6 @@ class TransformerConfigCompat:
     dsa_indexer_k_norm_epsilon: Optional[float] = None
     dsa_indexer_k_norm_fp32: bool = False
     linear_attention_freq: Optional[Union[int, List[int]]] = None
-    linear_conv_kernel_dim: Optional[int] = 4
-    linear_key_head_dim: Optional[int] = 128
-    linear_value_head_dim: Optional[int] = 128
-    linear_num_key_heads: Optional[int] = 16
-    linear_num_value_heads: Optional[int] = 32
     embedding_init_method: Optional[Callable] = None
     embedding_init_method_std: Optional[float] = None
     init_model_with_meta_device: bool = False
@@ -136,11 +131,6 @@ class TransformerConfigCompat:
     inference_moe_disable_fused_quant_kernels: bool = False
     inference_moe_token_dispatcher_type: Any = 'nvls'
     mrope_section: Optional[List[int]] = None
-    is_hybrid_model: bool = False
-    mamba_state_dim: int = 128
-    mamba_head_dim: int = 64
-    mamba_num_groups: int = 8
-    mamba_num_heads: Optional[int] = None
     mamba_training_ssm_states_dtype: Optional[torch.dtype] = None
     use_mamba_mem_eff_path: bool = True
     mlp_chunks_for_prefill: int = 1

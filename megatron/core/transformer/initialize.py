@@ -4,7 +4,8 @@ A parameter's values depend only on (config.seed, its global name): the name it 
 model. For each parameter we seed a generator from a hash of (seed, name), fill the full global
 tensor with the parameter's ``init_fn`` and copy out this rank's TP slice. The slice follows
 ``partition_dim`` and ``partition_stride`` (stride k: k interleaved blocks, each split over TP, as
-SwiGLU's [gate; up]); the fused QKV needs nothing special since TP splits whole query groups.
+SwiGLU's [gate; up]) or ``partition_sizes`` (fused parts of different sizes, each split over TP, as the
+SSM mixers' in_proj); the fused QKV needs nothing special since TP splits whole query groups.
 """
 import hashlib
 import re
@@ -93,6 +94,10 @@ def local_slice(full: torch.Tensor, param, pg_collection=None) -> torch.Tensor:
         return full
     rank, size = tp_rank_and_size(param, pg_collection)
     dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    sections = getattr(param, "partition_sizes", None)
+    if sections is not None:  # fused parts of different sizes, each split over TP (Mamba's in_proj, conv1d)
+        parts = full.split([n * size for n in sections], dim=dim)
+        return torch.cat([part.chunk(size, dim=dim)[rank] for part in parts], dim=dim)
     blocks = full.chunk(stride * size, dim=dim)  # stride groups of `size` blocks each
     return torch.cat([blocks[s * size + rank] for s in range(stride)], dim=dim)
 

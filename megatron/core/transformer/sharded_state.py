@@ -7,7 +7,7 @@ replica_id = (TP replica, PP replica, DP rank): exactly one rank has all zeros f
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.transformer import te_key_map
 from megatron.core.transformer.initialize import global_param_names, tp_rank_and_size
 from megatron.core.utils import get_pg_rank, get_pg_size
@@ -18,9 +18,32 @@ _VOCAB_PADDED_SUFFIXES = ("word_embeddings.weight", "output_layer.weight", "outp
 
 
 def _sharded_tensor(key: str, tensor: torch.Tensor, pp_replica: int, dp_rank: int) -> ShardedTensor:
+    if getattr(tensor, "partition_sizes", None) is not None and getattr(tensor, "tensor_model_parallel", False):
+        return _sectioned_factory(key, tensor, pp_replica, dp_rank)
     sharded = _layout_sharded_tensor(key, tensor, pp_replica, dp_rank)
     sharded.allow_shape_mismatch = key.endswith(_VOCAB_PADDED_SUFFIXES)
     return sharded
+
+
+def _sectioned_factory(key: str, tensor: torch.Tensor, pp_replica: int, dp_rank: int) -> ShardedTensorFactory:
+    """A TP-split tensor fusing parts of different sizes (``partition_sizes``, e.g. Mamba's in_proj [z, x, B,
+    C, dt]) is saved as Megatron saves it: one ShardedTensor per part, ``<key>.<part name>``, each split over
+    TP, so it reshards to any TP size; loading concatenates the parts again."""
+    rank, size = tp_rank_and_size(tensor)
+    dim = tensor.partition_dim
+    names, sizes = tensor.partition_names, tensor.partition_sizes
+
+    def build(k, data, replica_id, flattened_range):
+        parts = torch.split(data.detach(), sizes, dim=dim)
+        return [ShardedTensor.from_rank_offsets(f"{k}.{name}", part, (dim, rank, size), replica_id=replica_id)
+                for name, part in zip(names, parts)]
+
+    def merge(loaded):
+        # A list, or {index: tensor} when the checkpoint's common state did not hold this list's shell.
+        parts = [loaded[i] for i in sorted(loaded)] if isinstance(loaded, dict) else loaded
+        return torch.cat(parts, dim=dim)
+
+    return ShardedTensorFactory(key, tensor.detach(), build, merge, replica_id=(0, pp_replica, dp_rank))
 
 
 def _layout_sharded_tensor(key: str, tensor: torch.Tensor, pp_replica: int, dp_rank: int) -> ShardedTensor:

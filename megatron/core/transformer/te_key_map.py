@@ -24,6 +24,8 @@ NORM_FUSIONS = (
     ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_", "dense_mlp"),  # MoE layers keep a separate TENorm
     ("self_attention.q_layernorm.", "self_attention.linear_q_up_proj.layer_norm_", "mla"),  # MLA --qk-layernorm
     ("self_attention.kv_layernorm.", "self_attention.linear_kv_up_proj.layer_norm_", "mla"),
+    ("norm.", "mixer.in_proj.layer_norm_", "mamba"),  # hybrid models' Mamba layers (Megatron's hybrid spec)
+    ("input_layernorm.", "self_attention.in_proj.layer_norm_", "gdn"),  # Gated DeltaNet layers
 )
 # Grouped-GEMM experts: our stacked [E_local, out, in] parameter <-> TE GroupedLinear's per-expert weights.
 GROUPED_EXPERTS = (("mlp.experts.weight1", "mlp.experts.linear_fc1.weight"),
@@ -39,6 +41,10 @@ def layer_kinds(layer) -> set:
         kinds.add("attention")
     if hasattr(attention, "linear_q_up_proj"):
         kinds.add("mla")
+    if hasattr(attention, "in_proj"):
+        kinds.add("gdn")
+    if hasattr(getattr(layer, "mixer", None), "in_proj"):
+        kinds.add("mamba")
     if mlp is not None and hasattr(mlp, "linear_fc1"):
         kinds.add("dense_mlp")
     return kinds

@@ -125,6 +125,18 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     # Deterministic mode (--deterministic-mode): core attention uses deterministic SDPA kernels only.
     deterministic_mode: bool = False
 
+    # Hybrid models (megatron/core/models/hybrid, megatron/core/ssm): Mamba-2 and Gated DeltaNet shapes
+    is_hybrid_model: bool = False
+    mamba_state_dim: int = 128
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    mamba_num_heads: Optional[int] = None
+    linear_conv_kernel_dim: Optional[int] = 4
+    linear_key_head_dim: Optional[int] = 128
+    linear_value_head_dim: Optional[int] = 128
+    linear_num_key_heads: Optional[int] = 16
+    linear_num_value_heads: Optional[int] = 32
+
     def __post_init__(self):
         super().__post_init__()
         check_compat_fields(self, TransformerConfigCompat, inert=self._inert_field)

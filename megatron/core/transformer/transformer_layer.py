@@ -128,15 +128,17 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
     def forward(self, hidden_states, attention_mask=None, context=None, context_mask=None, rotary_pos_emb=None,
                 rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None, inference_context=None,
                 packed_seq_params=None, sequence_len_offset=None, **kwargs):
-        # hidden_states: [s, b, h] (s/tp under sequence parallelism)
-        residual = hidden_states
-        x = self._norm(self.input_layernorm, hidden_states)
-        attn_out = self.self_attention(x, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
-                                       attention_bias=attention_bias, inference_context=inference_context,
-                                       packed_seq_params=packed_seq_params)
-        if self.config.apply_residual_connection_post_layernorm:
-            residual = x
-        hidden_states = self._bda(self.self_attn_bda)(attn_out, residual, self.hidden_dropout)
+        # hidden_states: [s, b, h] (s/tp under sequence parallelism). A part whose module is identity is
+        # skipped (the MLP-only and attention-only layers of hybrid models).
+        if not isinstance(self.self_attention, IdentityOp):
+            residual = hidden_states
+            x = self._norm(self.input_layernorm, hidden_states)
+            attn_out = self.self_attention(x, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                           attention_bias=attention_bias, inference_context=inference_context,
+                                           packed_seq_params=packed_seq_params)
+            if self.config.apply_residual_connection_post_layernorm:
+                residual = x
+            hidden_states = self._bda(self.self_attn_bda)(attn_out, residual, self.hidden_dropout)
 
         if not isinstance(self.cross_attention, IdentityOp):
             residual = hidden_states
@@ -146,6 +148,8 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
                 residual = x
             hidden_states = self._bda(self.cross_attn_bda)(cross_out, residual, self.hidden_dropout)
 
+        if isinstance(self.mlp, IdentityOp):
+            return hidden_states, context
         residual = hidden_states
         x = self._norm(self.pre_mlp_layernorm, hidden_states)
         if self.recompute_mlp and self.training:

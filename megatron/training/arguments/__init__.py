@@ -14,6 +14,7 @@ from .configs import core_transformer_config_from_args, ddp_config_from_args, op
 from .context_parallel_args import add_context_parallel_args
 from .diagnostics_args import add_diagnostics_args
 from .dropin_args import add_dropin_args
+from .hybrid_args import add_hybrid_args
 from .inference_args import add_inference_args
 from .megatron_flags import add_megatron_flags
 from .mla_args import add_mla_args
@@ -62,6 +63,7 @@ def build_parser(extra_args_provider=None):
                 add_context_parallel_args,
                 add_inference_args,
                 add_mla_args,
+                add_hybrid_args,
                 add_dropin_args,
                 add_diagnostics_args,
                 add_profiling_args,

@@ -15,6 +15,7 @@ from .dropin_args import validate_dropin_args
 from .errors import ArgumentError
 from .errors import require as _require
 from .fast_path import validate_fast_path_args
+from .hybrid_args import hybrid_pipeline_placed_by_pattern, validate_hybrid_args
 from .inference_args import validate_inference_args
 from .input_checks import blend_prefixes_checked, validate_inputs
 from .megatron_flags import check_megatron_flags
@@ -36,6 +37,7 @@ def validate_args(args, defaults={}):
     defaults = defaults or {}
     check_megatron_flags(args)
     _apply_defaults(args, defaults)
+    validate_hybrid_args(args, _require)
     validate_dropin_args(args, _require, lambda m: print(m, flush=True) if args.rank == 0 else None)
     _validate_parallel(args)
     _validate_batch(args)
@@ -107,6 +109,8 @@ def _validate_pipeline_split(args):
     """Every layer lands on exactly one stage: never a silently dropped layer."""
     pp = args.pipeline_model_parallel_size
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if hybrid_pipeline_placed_by_pattern(args):
+        return  # the pattern's '|' markers place every layer (checked in hybrid_args.py)
     if first is None and last is None and not (args.account_for_embedding_in_pipeline_split
                                                or args.account_for_loss_in_pipeline_split):
         _require(args.num_layers % pp == 0,

@@ -94,3 +94,26 @@ def test_peak_table_moved_to_flops():
     assert flops.dense_bf16_peak("NVIDIA H200") == 989.0
     assert flops.dense_bf16_peak("NVIDIA H100 PCIe") == 756.0
     assert flops.dense_bf16_peak("cpu") is None
+
+
+def test_hybrid_formula_counts_each_layer_kind():
+    """Megatron's hybrid formula, each layer kind's forward FLOPs worked out by hand (Nemotron-H-like
+    numbers), times 3 for forward, wgrad and dgrad."""
+    from types import SimpleNamespace
+    args = SimpleNamespace(
+        is_hybrid_model=True, hybrid_layer_pattern="M-M*|GE", hidden_size=4096, seq_length=8192,
+        num_attention_heads=32, num_query_groups=8, group_query_attention=True, kv_channels=128,
+        ffn_hidden_size=21504, swiglu=False, moe_ffn_hidden_size=1024, moe_router_topk=2,
+        moe_shared_expert_intermediate_size=512, mamba_state_dim=128, mamba_head_dim=64, mamba_num_groups=8,
+        mamba_num_heads=128, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+        linear_num_value_heads=32, linear_conv_kernel_dim=4, padded_vocab_size=131072, vocab_size=None)
+    h, s, t = 4096, 8192, 2 * 8192
+    attention = 4 * t * h * (h + h * 8 / 32) + 2 * (2 * s * s) * h
+    mlp = 4 * t * h * 21504
+    moe = 4 * t * h * (1024 * 2 + 512)
+    mamba = 2 * t * h * (2 * 2 * h + 2 * 8 * 128 + 128) + 7 * t * 2 * h * 128 + 2 * t * 2 * h * h
+    qk, v = 128 * 16, 128 * 32
+    gdn = 2 * t * (h * (2 * qk + 2 * v + 64) + 4 * (2 * qk + v) + 32 * 128 ** 2 * 4 + h * v)
+    logits = 2 * t * h * 131072
+    expected = 3 * (2 * mamba + mlp + attention + gdn + moe + logits)
+    assert num_floating_point_operations(args, 2) == pytest.approx(expected, rel=1e-12)

@@ -1,0 +1,118 @@
+"""Gated DeltaNet mixer (Megatron's ``GatedDeltaNet``, Qwen3-Next's linear attention): in-projection to
+[q, k, v, z, beta, alpha], short causal depthwise conv + SiLU over [q, k, v], L2-normalised q/k, the gated
+delta rule with per-head decay exp(-exp(A_log) softplus(alpha + dt_bias)) and write strength
+sigmoid(beta), a per-head RMSNorm gated by silu(z), out-projection.
+
+TP splits key and value heads (rank r holds its slice of each section of in_proj and of the conv);
+out_proj is row-parallel. Used as ``self_attention`` of a TransformerLayer, so it takes attention's call.
+"""
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.process_groups_config import get_pg_size
+from megatron.core.ssm.mamba_mixer import _a_log_init
+from megatron.core.ssm.ops.kernels import gated_delta_rule
+from megatron.core.ssm.utils import conv_init_fn, set_partition_sections, tp_param
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+
+@dataclass
+class GatedDeltaNetSubmodules:
+    in_proj: Union[ModuleSpec, type] = IdentityOp
+    out_norm: Union[ModuleSpec, type] = IdentityOp
+    out_proj: Union[ModuleSpec, type] = IdentityOp
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the head dim, in fp32 (fla's l2norm)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class GatedDeltaNet(MegatronModule):
+    """[s, b, h] -> ([s, b, h], bias). Shapes: ``linear_num_key_heads`` x ``linear_key_head_dim`` for q and
+    k, ``linear_num_value_heads`` x ``linear_value_head_dim`` for v; conv width ``linear_conv_kernel_dim``."""
+
+    def __init__(self, config, submodules: GatedDeltaNetSubmodules, layer_number: int = None, bias: bool = False,
+                 conv_bias: bool = False, conv_init=None, use_qk_l2norm: bool = True, A_init_range=(1, 16),
+                 pg_collection=None, *, name=None, cp_comm_type=None, pp_layer_offset: int = 0, **kwargs):
+        super().__init__(config)
+        self.layer_number, self.use_qk_l2norm = layer_number, use_qk_l2norm
+        self.key_head_dim, self.value_head_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.num_key_heads, self.num_value_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.conv_kernel_dim = config.linear_conv_kernel_dim
+        tp = get_pg_size(pg_collection, "tp", "GatedDeltaNet")
+        if get_pg_size(pg_collection, "cp", "GatedDeltaNet") > 1:
+            raise NotImplementedError("Gated DeltaNet layers do not support --context-parallel-size > 1 yet; "
+                                      "use CP=1")
+        check_gdn_shapes(self.num_key_heads, self.num_value_heads, tp)
+        self.nk_local, self.nv_local = self.num_key_heads // tp, self.num_value_heads // tp
+        self.qk_local, self.v_local = self.nk_local * self.key_head_dim, self.nv_local * self.value_head_dim
+        qk_dim, v_dim = self.num_key_heads * self.key_head_dim, self.num_value_heads * self.value_head_dim
+        tp_kwargs = {} if pg_collection is None else {"tp_group": pg_collection.tp}
+        self.in_proj = build_module(
+            submodules.in_proj, config.hidden_size, 2 * qk_dim + 2 * v_dim + 2 * self.num_value_heads,
+            config=config, init_method=config.init_method, gather_output=False, bias=bias, skip_bias_add=False,
+            is_expert=False, tp_comm_buffer_name="fc1", **tp_kwargs)
+        set_partition_sections(self.in_proj.weight, [
+            ("query", self.qk_local), ("key", self.qk_local), ("value", self.v_local), ("z", self.v_local),
+            ("beta", self.nv_local), ("alpha", self.nv_local)])
+        conv_dim = 2 * self.qk_local + self.v_local
+        sections = [("query", self.qk_local), ("key", self.qk_local), ("value", self.v_local)]
+        init_conv = conv_init_fn(self.conv_kernel_dim, conv_init)
+        self.conv1d = torch.nn.Conv1d(conv_dim, conv_dim, self.conv_kernel_dim, groups=conv_dim,
+                                      padding=self.conv_kernel_dim - 1, bias=conv_bias, device="meta")
+        self.conv1d.weight = tp_param((conv_dim, 1, self.conv_kernel_dim), config, init_conv, sections=sections)
+        if conv_bias:
+            self.conv1d.bias = tp_param((conv_dim,), config, init_conv, sections=sections)
+        self.dt_bias = tp_param((self.nv_local,), config, torch.nn.init.ones_)
+        self.A_log = tp_param((self.nv_local,), config, _a_log_init(*A_init_range))
+        self.out_norm = build_module(submodules.out_norm, config=config, hidden_size=self.value_head_dim,
+                                     eps=config.layernorm_epsilon)
+        for p in self.out_norm.parameters():  # replicated over TP but applied to TP-split heads: TP grad sum
+            p.sequence_parallel = True
+        self.out_proj = build_module(
+            submodules.out_proj, v_dim, config.hidden_size, config=config,
+            init_method=config.output_layer_init_method, bias=bias, input_is_parallel=True, skip_bias_add=True,
+            is_expert=False, tp_comm_buffer_name="fc2", **tp_kwargs)
+
+    def forward(self, hidden_states, attention_mask=None, inference_context=None, packed_seq_params=None,
+                **kwargs):
+        if inference_context is not None or packed_seq_params is not None:
+            raise NotImplementedError("Gated DeltaNet layers support neither generation nor packed sequences yet")
+        proj, _ = self.in_proj(hidden_states)  # [s, b, proj/tp]
+        s, b, _ = proj.shape
+        proj = proj.transpose(0, 1)  # [b, s, proj/tp]
+        qkv, z, beta, alpha = torch.split(
+            proj, [2 * self.qk_local + self.v_local, self.v_local, self.nv_local, self.nv_local], dim=-1)
+        qkv = F.silu(self.conv1d(qkv.transpose(1, 2))[..., :s]).transpose(1, 2)  # causal depthwise conv
+        q, k, v = torch.split(qkv, [self.qk_local, self.qk_local, self.v_local], dim=-1)
+        q = q.reshape(b, s, self.nk_local, self.key_head_dim)
+        k = k.reshape(b, s, self.nk_local, self.key_head_dim)
+        v = v.reshape(b, s, self.nv_local, self.value_head_dim)
+        if self.use_qk_l2norm:
+            q, k = _l2norm(q), _l2norm(k)
+        if self.nv_local != self.nk_local:  # value heads share key heads in consecutive groups
+            q = q.repeat_interleave(self.nv_local // self.nk_local, dim=2)
+            k = k.repeat_interleave(self.nv_local // self.nk_local, dim=2)
+        g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias.float())  # [b, s, nv/tp], <= 0
+        o, _ = gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g, beta.float().sigmoid().to(q.dtype))
+        # Per-head norm, gated by silu(z): [b, s, nv/tp, dv]
+        y = self.out_norm(o) * F.silu(z.reshape(b, s, self.nv_local, self.value_head_dim).float())
+        y = y.to(hidden_states.dtype).reshape(b, s, self.v_local).transpose(0, 1)  # [s, b, v/tp]
+        return self.out_proj(y)
+
+
+def check_gdn_shapes(num_key_heads: int, num_value_heads: int, tp: int) -> None:
+    """One-line errors for Gated DeltaNet head counts that TP or the key/value grouping cannot split."""
+    if num_value_heads % num_key_heads:
+        raise ValueError(f"--linear-num-value-heads ({num_value_heads}) must be a multiple of "
+                         f"--linear-num-key-heads ({num_key_heads})")
+    if num_key_heads % tp or num_value_heads % tp:
+        raise ValueError(f"--linear-num-key-heads ({num_key_heads}) and --linear-num-value-heads "
+                         f"({num_value_heads}) must be divisible by --tensor-model-parallel-size ({tp})")

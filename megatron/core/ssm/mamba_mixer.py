@@ -1,0 +1,124 @@
+"""Mamba-2 mixer (Megatron's ``MambaMixer``): in-projection to [z, x, B, C, dt], short causal depthwise
+conv over [x, B, C], the SSD scan with learned A, D and dt bias, gated RMSNorm, out-projection.
+
+TP splits the heads and the B/C groups: rank r holds heads [r H/tp, (r+1) H/tp) and their groups, so the
+scan, the conv and the norm are local; in_proj is column-parallel (sections split one by one, as
+Megatron lays them out) and out_proj row-parallel. Parameter names are Megatron's (``in_proj``,
+``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``norm``, ``out_proj``).
+"""
+import math
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.process_groups_config import get_pg_size
+from megatron.core.ssm.gated_norm import GatedRMSNorm
+from megatron.core.ssm.ops.kernels import ssd_scan
+from megatron.core.ssm.utils import conv_init_fn, set_partition_sections, tp_param
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+
+@dataclass
+class MambaMixerSubmodules:
+    in_proj: Union[ModuleSpec, type] = None
+    out_proj: Union[ModuleSpec, type] = None
+
+
+def _dt_bias_init(dt_min: float, dt_max: float, dt_init_floor: float):
+    """dt_bias = softplus^-1(dt), dt log-uniform in [dt_min, dt_max] (floored): the step size starts there."""
+    def init(t):
+        dt = torch.exp(torch.rand(t.shape, dtype=torch.float32, device=t.device)
+                       * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=dt_init_floor)
+        return t.copy_(dt + torch.log(-torch.expm1(-dt)))
+    return init
+
+
+def _a_log_init(low: float, high: float):
+    def init(t):
+        return t.copy_(torch.log(torch.empty(t.shape, dtype=torch.float32, device=t.device).uniform_(low, high)))
+    return init
+
+
+class MambaMixer(MegatronModule):
+    """[s, b, h] -> ([s, b, h], bias). Shapes from the config: ``mamba_state_dim`` (n), ``mamba_head_dim``
+    (p), ``mamba_num_groups`` (G) and ``mamba_num_heads`` (H; default expand * hidden / p)."""
+
+    def __init__(self, config, submodules: MambaMixerSubmodules, d_model: int, d_conv: int = 4, conv_init=None,
+                 expand: int = 2, A_init_range=(1, 16), D_has_hdim: bool = False, rmsnorm: bool = True,
+                 norm_before_gate: bool = False, dt_min: float = 0.001, dt_max: float = 0.1, dt_init="random",
+                 dt_scale: float = 1.0, dt_init_floor: float = 1e-4, bias: bool = False, conv_bias: bool = True,
+                 chunk_size: int = 128, layer_number=None, pg_collection=None, pp_layer_offset: int = 0,
+                 name=None):
+        super().__init__(config)
+        if bias or not conv_bias or norm_before_gate or not rmsnorm or dt_init != "random" or dt_scale != 1.0:
+            raise NotImplementedError("MambaMixer supports Megatron's defaults only: bias=False, conv_bias=True, "
+                                      "rmsnorm=True, norm_before_gate=False, dt_init='random', dt_scale=1.0")
+        self.layer_number, self.chunk_size, self.d_conv = layer_number, chunk_size, d_conv
+        self.d_state, self.headdim = config.mamba_state_dim, config.mamba_head_dim
+        self.ngroups = config.mamba_num_groups
+        self.nheads = config.mamba_num_heads or (expand * d_model) // self.headdim
+        self.d_inner = self.nheads * self.headdim
+        tp = get_pg_size(pg_collection, "tp", "MambaMixer")
+        if get_pg_size(pg_collection, "cp", "MambaMixer") > 1:
+            raise NotImplementedError("Mamba layers do not support --context-parallel-size > 1 yet; use CP=1")
+        check_mamba_shapes(self.nheads, self.ngroups, tp)
+        self.nheads_local, self.ngroups_local = self.nheads // tp, self.ngroups // tp
+        self.d_inner_local = self.d_inner // tp
+        gn_local = self.ngroups_local * self.d_state
+        tp_kwargs = {} if pg_collection is None else {"tp_group": pg_collection.tp}
+        self.in_proj = build_module(
+            submodules.in_proj, d_model, 2 * self.d_inner + 2 * self.ngroups * self.d_state + self.nheads,
+            config=config, init_method=config.init_method, gather_output=False, bias=bias, skip_bias_add=False,
+            is_expert=False, tp_comm_buffer_name="fc1", **tp_kwargs)
+        set_partition_sections(self.in_proj.weight, [("z", self.d_inner_local), ("x", self.d_inner_local),
+                                                     ("B", gn_local), ("C", gn_local), ("dt", self.nheads_local)])
+        conv_dim = self.d_inner_local + 2 * gn_local  # [x, B, C]
+        conv_sections = [("x", self.d_inner_local), ("B", gn_local), ("C", gn_local)]
+        self.conv1d = torch.nn.Conv1d(conv_dim, conv_dim, d_conv, groups=conv_dim, padding=d_conv - 1, bias=True,
+                                      device="meta")
+        init_conv = conv_init_fn(d_conv, conv_init)
+        self.conv1d.weight = tp_param((conv_dim, 1, d_conv), config, init_conv, sections=conv_sections)
+        self.conv1d.bias = tp_param((conv_dim,), config, init_conv, sections=conv_sections)
+        self.dt_bias = tp_param((self.nheads_local,), config, _dt_bias_init(dt_min, dt_max, dt_init_floor))
+        self.A_log = tp_param((self.nheads_local,), config, _a_log_init(*A_init_range), dtype=torch.float32)
+        self.D = tp_param((self.d_inner_local if D_has_hdim else self.nheads_local,), config, torch.nn.init.ones_,
+                          dtype=torch.float32)
+        self.norm = GatedRMSNorm(config, self.d_inner_local, self.d_inner_local // self.ngroups_local, eps=1e-5)
+        self.out_proj = build_module(
+            submodules.out_proj, self.d_inner, d_model, config=config, init_method=config.output_layer_init_method,
+            bias=bias, input_is_parallel=True, skip_bias_add=True, is_expert=False, tp_comm_buffer_name="fc2",
+            **tp_kwargs)
+
+    def forward(self, hidden_states, inference_context=None, packed_seq_params=None, **kwargs):
+        if inference_context is not None or packed_seq_params is not None:
+            raise NotImplementedError("Mamba layers support neither generation nor packed sequences yet")
+        zxbcdt, _ = self.in_proj(hidden_states)  # [s, b, proj/tp] (sequence gathered under SP)
+        s, b, _ = zxbcdt.shape
+        zxbcdt = zxbcdt.transpose(0, 1)  # [b, s, proj/tp]
+        gn = self.ngroups_local * self.d_state
+        z, xbc, dt = torch.split(zxbcdt, [self.d_inner_local, self.d_inner_local + 2 * gn, self.nheads_local], -1)
+        xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :s]).transpose(1, 2)  # causal: drop the right pad
+        x, B, C = torch.split(xbc, [self.d_inner_local, gn, gn], dim=-1)
+        x = x.reshape(b, s, self.nheads_local, self.headdim)
+        B = B.reshape(b, s, self.ngroups_local, self.d_state)
+        C = C.reshape(b, s, self.ngroups_local, self.d_state)
+        dt = F.softplus(dt.float() + self.dt_bias.float())  # [b, s, h/tp]
+        A = -torch.exp(self.A_log.float())
+        y = ssd_scan(x, dt, A, B, C, self.chunk_size, D=self.D)  # [b, s, h/tp, p]
+        y = y.reshape(b, s, self.d_inner_local).transpose(0, 1)  # [s, b, d_inner/tp]
+        y = self.norm(y, z.transpose(0, 1))
+        return self.out_proj(y)
+
+
+def check_mamba_shapes(nheads: int, ngroups: int, tp: int) -> None:
+    """One-line errors for Mamba head/group counts that TP or the grouping cannot split."""
+    if nheads % ngroups:
+        raise ValueError(f"Mamba heads ({nheads}) must be divisible by --mamba-num-groups ({ngroups})")
+    if nheads % tp:
+        raise ValueError(f"Mamba heads ({nheads}, --mamba-num-heads or 2 * --hidden-size / --mamba-head-dim) "
+                         f"must be divisible by --tensor-model-parallel-size ({tp})")
+    if ngroups % tp:
+        raise ValueError(f"--mamba-num-groups ({ngroups}) must be divisible by --tensor-model-parallel-size ({tp})")

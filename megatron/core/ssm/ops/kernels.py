@@ -1,0 +1,98 @@
+"""Pick the scan kernel for each mixer: Triton kernels on CUDA when their optional package is installed,
+the eager chunked references otherwise (CPU, or no package), with one line saying so.
+
+- Mamba-2 SSD: ``mamba-ssm``'s Triton ``mamba_chunk_scan_combined`` (``MAMBA_SKIP_CUDA_BUILD=TRUE pip install
+  mamba-ssm``: its Triton kernels need no CUDA build, but the package's ``__init__`` imports the CUDA
+  selective-scan extension, so the Triton subpackage is loaded on its own when that import fails).
+- Gated delta rule: ``flash-linear-attention``'s (fla) ``chunk_gated_delta_rule`` (pure Triton).
+``MEGATRON_SSM_KERNELS=torch`` forces the eager references (benchmarks and tests compare the two).
+"""
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+import types
+
+import torch
+
+from megatron.core.ssm.ops.gated_delta_reference import chunk_gated_delta_rule_torch
+from megatron.core.ssm.ops.ssd_reference import ssd_chunk_scan_torch
+
+logger = logging.getLogger(__name__)
+_cache = {}
+_said = set()
+
+
+def _say_once(what: str, message: str) -> None:
+    if what not in _said:
+        _said.add(what)
+        logger.warning(message)
+
+
+def load_mamba_ssm_triton():
+    """``mamba_ssm.ops.triton.ssd_combined`` or None. Without the CUDA extension the package's own
+    ``__init__`` fails, so the package is registered bare (its path only) and the Triton module imported."""
+    try:
+        return importlib.import_module("mamba_ssm.ops.triton.ssd_combined")
+    except ImportError as e:
+        first_error = e
+    spec = importlib.util.find_spec("mamba_ssm") if "mamba_ssm" not in sys.modules else None
+    if spec is None or not spec.submodule_search_locations:
+        _cache["mamba_ssm_error"] = str(first_error)
+        return None
+    package = types.ModuleType("mamba_ssm")
+    package.__path__ = list(spec.submodule_search_locations)
+    sys.modules["mamba_ssm"] = package
+    try:
+        return importlib.import_module("mamba_ssm.ops.triton.ssd_combined")
+    except ImportError as e:
+        del sys.modules["mamba_ssm"]
+        _cache["mamba_ssm_error"] = str(e)
+        return None
+
+
+def _triton_wanted(t: torch.Tensor) -> bool:
+    return t.is_cuda and os.environ.get("MEGATRON_SSM_KERNELS", "auto") != "torch"
+
+
+def ssd_kernel(t: torch.Tensor):
+    """The SSD scan for tensors like ``t``: mamba-ssm's Triton kernel on CUDA when installed, else eager."""
+    if not _triton_wanted(t):
+        return ssd_chunk_scan_torch
+    if "ssd" not in _cache:
+        module = load_mamba_ssm_triton()
+        _cache["ssd"] = None if module is None else module.mamba_chunk_scan_combined
+        if module is None:
+            _say_once("ssd", "Mamba-2 SSD scan: mamba-ssm's Triton kernels are not importable "
+                             f"({_cache.get('mamba_ssm_error')}); using the eager PyTorch scan "
+                             "(MAMBA_SKIP_CUDA_BUILD=TRUE pip install mamba-ssm for the fast one)")
+    return _cache["ssd"] or ssd_chunk_scan_torch
+
+
+def gated_delta_kernel(t: torch.Tensor):
+    """The chunked gated delta rule for tensors like ``t``: fla's Triton kernel on CUDA when installed."""
+    if not _triton_wanted(t):
+        return chunk_gated_delta_rule_torch
+    if "gdn" not in _cache:
+        try:
+            _cache["gdn"] = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+        except ImportError as e:
+            _cache["gdn"] = None
+            _say_once("gdn", f"Gated DeltaNet: flash-linear-attention is not importable ({e}); using the eager "
+                             "PyTorch scan (pip install flash-linear-attention for the fast one)")
+    return _cache["gdn"] or chunk_gated_delta_rule_torch
+
+
+def ssd_scan(x, dt, A, B, C, chunk_size, D=None, initial_states=None, return_final_states=False):
+    """y = SSD(x, dt, A, B, C) + D x with dt already softplus'ed and biased (see ssd_reference.py)."""
+    kernel = ssd_kernel(x)
+    return kernel(x, dt, A, B, C, chunk_size, D=D, initial_states=initial_states,
+                  return_final_states=return_final_states)
+
+
+def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
+    """(o, final state) of the chunked gated delta rule (see gated_delta_reference.py)."""
+    kernel = gated_delta_kernel(q)
+    return kernel(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                  output_final_state=output_final_state)

@@ -1,0 +1,92 @@
+"""Flags of hybrid models (pretrain_hybrid.py / pretrain_mamba.py): the layer pattern, Mamba-2 and Gated
+DeltaNet shapes (Megatron 0.19.2 names and defaults), and their one-line checks."""
+from megatron.core.models.hybrid.hybrid_layer_allocation import (
+    Symbols,
+    get_hybrid_total_layer_count,
+    get_hybrid_total_pipeline_segment_count,
+    parse_hybrid_pattern,
+)
+from megatron.core.ssm.gated_delta_net import check_gdn_shapes
+from megatron.core.ssm.mamba_mixer import check_mamba_shapes
+
+
+def add_hybrid_args(parser):
+    g = parser.add_argument_group(title="hybrid models")
+    g.add_argument("--is-hybrid-model", action="store_true",
+                   help="The model is a hybrid stack (set by pretrain_hybrid.py / pretrain_mamba.py).")
+    g.add_argument("--hybrid-layer-pattern", type=str, default=None,
+                   help="One symbol per layer: M Mamba-2, G Gated DeltaNet, * attention, - MLP, E MoE; '|' "
+                        "between pipeline stages. Sets --num-layers.")
+    g.add_argument("--hybrid-override-pattern", type=str, default=None,
+                   help="Deprecated spelling of --hybrid-layer-pattern.")
+    g.add_argument("--mamba-state-dim", type=int, default=128, help="Mamba-2 state size per head (n).")
+    g.add_argument("--mamba-head-dim", type=int, default=64, help="Mamba-2 head dim (p).")
+    g.add_argument("--mamba-num-groups", type=int, default=8, help="Mamba-2 B/C groups (G).")
+    g.add_argument("--mamba-num-heads", type=int, default=None,
+                   help="Mamba-2 heads; default 2 * --hidden-size / --mamba-head-dim.")
+    g.add_argument("--linear-conv-kernel-dim", type=int, default=4, help="Gated DeltaNet short-conv width.")
+    g.add_argument("--linear-key-head-dim", type=int, default=128, help="Gated DeltaNet query/key head dim.")
+    g.add_argument("--linear-value-head-dim", type=int, default=128, help="Gated DeltaNet value head dim.")
+    g.add_argument("--linear-num-key-heads", type=int, default=16, help="Gated DeltaNet query/key heads.")
+    g.add_argument("--linear-num-value-heads", type=int, default=32, help="Gated DeltaNet value heads.")
+    return parser
+
+
+def validate_hybrid_args(args, require):
+    """Resolve the pattern (the deprecated spelling included) and set --num-layers from it; one-line errors
+    for bad symbols, a --num-layers that disagrees, shapes TP cannot split and layouts not built here."""
+    if args.hybrid_override_pattern is not None:
+        require(args.hybrid_layer_pattern is None, "--hybrid-override-pattern and --hybrid-layer-pattern cannot "
+                                                   "both be set; keep --hybrid-layer-pattern")
+        args.hybrid_layer_pattern, args.hybrid_override_pattern = args.hybrid_override_pattern, None
+    pattern = args.hybrid_layer_pattern
+    if pattern is None:
+        require(not args.is_hybrid_model, "a hybrid model needs --hybrid-layer-pattern (e.g. 'M-M*-')")
+        return
+    require(args.is_hybrid_model, "--hybrid-layer-pattern needs a hybrid model: run pretrain_hybrid.py or "
+                                  "pretrain_mamba.py")
+    try:
+        parsed = parse_hybrid_pattern(pattern)
+    except ValueError as e:
+        require(False, str(e))
+    require(parsed.mtp_num_depths == 0, "--hybrid-layer-pattern: multi-token prediction depths ('/...') are not "
+                                        "supported yet; drop the '/' part")
+    n = get_hybrid_total_layer_count(pattern)
+    require(n > 0, "--hybrid-layer-pattern has no layers")
+    require(args.num_layers is None or args.num_layers == n,
+            f"--hybrid-layer-pattern has {n} layers but --num-layers is {args.num_layers}; make them equal or drop "
+            "--num-layers")
+    args.num_layers = n
+    pp = args.pipeline_model_parallel_size
+    segments = get_hybrid_total_pipeline_segment_count(pattern)
+    if segments > 1:
+        require(segments == pp, f"--hybrid-layer-pattern has {segments} '|'-separated segments; it needs one per "
+                                f"pipeline stage (--pipeline-model-parallel-size {pp}); virtual pipeline stages "
+                                "from '|' are not supported yet")
+        require(args.decoder_first_pipeline_num_layers is None and args.decoder_last_pipeline_num_layers is None,
+                "--decoder-first/last-pipeline-num-layers cannot be combined with '|' in --hybrid-layer-pattern")
+    require(args.num_layers_per_virtual_pipeline_stage is None and args.num_virtual_stages_per_pipeline_rank is None,
+            "virtual pipeline stages are not supported with --hybrid-layer-pattern yet")
+    main = parsed.main_pattern or ""
+    tp = args.tensor_model_parallel_size
+    try:
+        if Symbols.MAMBA in main:
+            heads = args.mamba_num_heads or (2 * args.hidden_size) // args.mamba_head_dim
+            check_mamba_shapes(heads, args.mamba_num_groups, tp)
+        if Symbols.GDN in main:
+            check_gdn_shapes(args.linear_num_key_heads, args.linear_num_value_heads, tp)
+    except ValueError as e:
+        require(False, str(e))
+    require(args.context_parallel_size == 1 or not (Symbols.MAMBA in main or Symbols.GDN in main),
+            "--context-parallel-size > 1 is supported for attention and MLP layers only; Mamba (M) and Gated "
+            "DeltaNet (G) layers need CP=1")
+    require(Symbols.MOE not in main or args.num_experts is not None,
+            "--hybrid-layer-pattern has MoE layers (E): set --num-experts")
+    require(args.num_experts is None or Symbols.MOE in main,
+            "--num-experts is set but --hybrid-layer-pattern has no MoE layer (E)")
+
+
+def hybrid_pipeline_placed_by_pattern(args) -> bool:
+    """True when '|' markers place the layers on pipeline stages (the even-split check does not apply)."""
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    return bool(pattern) and get_hybrid_total_pipeline_segment_count(pattern) > 1
