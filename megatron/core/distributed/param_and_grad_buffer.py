@@ -216,16 +216,17 @@ def _default_layout(params, ddp_config, dp_size, bucket_size):
 
 def _layer_wise_layout(params, dp_size, bucket_size):
     """`_default_layout`'s result for the layer-wise distributed optimizer: params (reverse order) are cut
-    into buckets of >= bucket_size elements as usual, then each bucket's params are bin-packed whole into
-    its DP shards (largest first onto the least-loaded shard; ties to the lower rank, so every rank
-    computes the same assignment) and the shards padded to one size, a multiple of 64."""
-    chunks, chunk, numel = [], [], 0
+    into buckets of >= max(bucket_size, DP x largest param) elements, then each bucket's params are
+    bin-packed whole into its DP shards (largest first onto the least-loaded shard; ties to the lower rank,
+    so every rank computes the same assignment) and the shards padded to one size, a multiple of 64."""
+    chunks, chunk, numel, largest = [], [], 0, 0
     for param in params[::-1]:
         chunk.append(param)
-        numel += param.numel()
-        if bucket_size is not None and numel >= bucket_size:
+        numel, largest = numel + param.numel(), max(largest, param.numel())
+        # A bucket also holds at least DP x its largest param, so that every shard gets work.
+        if bucket_size is not None and numel >= max(bucket_size, dp_size * largest):
             chunks.append(chunk)
-            chunk, numel = [], 0
+            chunk, numel, largest = [], 0, 0
     if chunk:
         chunks.append(chunk)
     param_index_map, bucket_spans, cursor = {}, [], 0

@@ -24,6 +24,7 @@ from .model_args import (
     add_regularization_args,
 )
 from .moe_args import add_moe_args
+from .optimizer_args import add_muon_args
 from .parallel_data_args import add_data_args, add_distributed_args, add_tokenizer_args
 from .profiling_args import add_profiling_args
 from .tp_overlap_args import add_tp_overlap_args
@@ -61,6 +62,7 @@ def build_parser(extra_args_provider=None):
                 add_context_parallel_args,
                 add_inference_args,
                 add_mla_args,
+                add_muon_args,
                 add_dropin_args,
                 add_diagnostics_args,
                 add_profiling_args,
