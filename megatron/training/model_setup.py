@@ -7,7 +7,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel as DDP
 from megatron.core.distributed import TorchFullyShardedDataParallel
 from megatron.core.enums import ModelType
-from megatron.core.optimizer import get_megatron_optimizer, optimizer_state
+from megatron.core.optimizer import get_megatron_optimizer, optimizer_state, tag_params_for_buffer_routing
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import Float16Module
@@ -68,6 +68,8 @@ def _wrap_with_ddp(args, model):
         reshard = args.torch_fsdp2_reshard_after_forward
         return [TorchFullyShardedDataParallel(get_model_config(chunk), ddp_config, chunk, reshard_after_forward=reshard)
                 for chunk in model]
+    if getattr(args, "use_layer_wise_distributed_optimizer", False):
+        tag_params_for_buffer_routing(model)  # Muon's params get DDP buffers whose DP shards hold them whole
     wrapped = [DDP(config=get_model_config(chunk), ddp_config=ddp_config, module=chunk,
                    disable_bucketing=(i > 0)) for i, chunk in enumerate(model)]
     for chunk in wrapped:
@@ -122,6 +124,7 @@ def setup_model_and_optimizer(model_provider_func, model_type=ModelType.encoder_
     timers = get_timers()
     model = get_model(model_provider_func, model_type)
     config = optimizer_config_from_args(args)
+    config.timers = timers  # the optimizer's phase timers (--timing-log-level 1 and up)
     optimizer = get_megatron_optimizer(config, model, no_weight_decay_cond=no_wd_decay_cond,
                                        scale_lr_cond=scale_lr_cond, lr_mult=lr_mult)
     # Adam's moments exist before the first step (zeros, what its first step would create): the first

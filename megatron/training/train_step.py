@@ -8,7 +8,7 @@ from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.rerun_state_machine import get_rerun_state_machine
-from megatron.training.global_vars import get_args
+from megatron.training.global_vars import get_args, get_timers
 
 LARGE_GRAD_FACTOR = 10.0  # Megatron's threshold: 10x the largest grad norm of the first 100 steps
 
@@ -89,8 +89,11 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     pending_check = None
     if getattr(forward_backward_func, "replayed", False) and args.check_for_nan_in_loss_and_grad:
         pending_check = _losses_to_host(losses_reduced)
+    timer = get_timers()("optimizer", log_level=1)  # the log line's `optimizer` timer, as in Megatron
+    timer.start(barrier=args.barrier_with_L1_time)
     with torch.profiler.record_function("optimizer"):  # a named range in profiler traces (NVTX under nsys)
         update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+    timer.stop()
     if pending_check is not None:
         _check_losses_finite(pending_check())
     if update_successful:

@@ -1,14 +1,14 @@
 """Megatron Core's ``megatron.core.optimizer`` names that this project's own code does not call: the
 builders of Megatron's standard and MuP ``config_overrides`` (``get_megatron_optimizer`` applies any
-overrides it is given; without them it uses the same standard rules directly), the routing rule of the
-layer-wise (Muon) optimizer, which is not implemented, and the flag of Megatron's optional
-emerging-optimizers package. Reached from ``megatron.core.optimizer`` through its lazy alias table.
+overrides it is given; without them it uses the same standard rules directly) and the flag of Megatron's
+optional emerging-optimizers package (Muon is built in here: megatron/core/optimizer/muon.py).
+Reached from ``megatron.core.optimizer`` through its lazy alias table.
 """
 from typing import Dict
 
 from megatron.core.optimizer.optimizer_config import OptimizerConfig, ParamKey, ParamPredicate, ParamWithNamePredicate
 
-# Megatron's flag for its optional emerging-optimizers package (Muon, SOAP, Lion...): none here.
+# Megatron's flag for its optional emerging-optimizers package (SOAP, Lion...): not installed; Muon is built in.
 HAVE_EMERGING_OPTIMIZERS = False
 
 
@@ -28,12 +28,6 @@ def get_standard_config_overrides(config: OptimizerConfig) -> Dict:
             decoupled["min_lr"] = config.decoupled_min_lr
         overrides[ParamKey(attr="is_embedding_or_output_parameter")] = decoupled
     return overrides
-
-
-def is_managed_by_layer_wise_optimizer(param) -> bool:
-    """Megatron's routing rule for Muon's layer-wise optimizer: 2-D weights other than the embedding and
-    output weights (the rest goes to Adam). That optimizer is not implemented here; the rule is."""
-    return param.dim() == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
 
 
 def _is_vector_like(param, name) -> bool:

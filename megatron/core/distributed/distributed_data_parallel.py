@@ -85,13 +85,17 @@ class DistributedDataParallel(WrappedModule):
         return get_pg(self.pg_collection, "expt_dp" if expert else "dp_cp", "DistributedDataParallel")
 
     def _make_buffers(self, params, group, scaling, param_to_name):
-        by_dtype = {}
+        """One buffer per (param dtype, grad dtype, layer-wise): params tagged
+        `is_managed_by_layer_wise_optimizer` (Muon's, by the layer-wise optimizer's tagging) get buffers
+        whose DP shards hold whole params; the others keep the default layout."""
+        by_key = {}
         for param in params:
             grad_dtype = torch.float32 if self.ddp_config.grad_reduce_in_fp32 else param.dtype
-            by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+            layer_wise = bool(getattr(param, "is_managed_by_layer_wise_optimizer", False))
+            by_key.setdefault((param.dtype, grad_dtype, layer_wise), []).append(param)
         return [_ParamAndGradBuffer(self.ddp_config, param_dtype, grad_dtype, ps, group, self.bucket_size,
-                                    param_to_name, scaling)
-                for (param_dtype, grad_dtype), ps in by_dtype.items()]
+                                    param_to_name, scaling, layer_wise=layer_wise)
+                for (param_dtype, grad_dtype, layer_wise), ps in by_key.items()]
 
     def _all_buckets(self):
         for buffer in self.buffers + self.expert_parallel_buffers:

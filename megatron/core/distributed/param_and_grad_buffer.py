@@ -138,42 +138,21 @@ class _ParamAndGradBuffer:
 
     def __init__(self, ddp_config, param_dtype, grad_dtype, params: List[torch.nn.Parameter],
                  data_parallel_group, bucket_size: Optional[int], param_to_name: Dict,
-                 gradient_scaling_factor: float):
+                 gradient_scaling_factor: float, layer_wise: bool = False):
+        """``layer_wise`` (with the distributed optimizer): every param lies whole inside one DP rank's shard
+        of its bucket, so that rank's reduce-scatter output holds its whole gradient (layer-wise Muon)."""
         self.ddp_config = ddp_config
         self.param_dtype, self.grad_dtype = param_dtype, grad_dtype
         self.params = list(params)
         self.data_parallel_group = data_parallel_group
         self.dp_size = dist.get_world_size(group=data_parallel_group)
         device = self.params[0].device
-        pad = self.dp_size * 64 if ddp_config.use_distributed_optimizer else 1
-
-        # Layout: params in reverse order; a bucket closes once it holds >= bucket_size elements.
-        # With the distributed optimizer a tied embedding gets a bucket of its own: its grad is summed
-        # over the first and last pipeline stage after the reduce-scatter, which is only right when both
-        # stages shard it identically (as Megatron does).
-        self.param_index_map = {}  # param -> (start, end, bucket_id)
-        bucket_spans, bucket_params, cursor, bucket_start = [], [[]], 0, 0
-
-        def close_bucket():
-            nonlocal cursor, bucket_start
-            padded_end = bucket_start + math.ceil((cursor - bucket_start) / pad) * pad
-            bucket_spans.append((bucket_start, cursor, padded_end))
-            cursor = bucket_start = padded_end
-            bucket_params.append([])
-
-        for param in self.params[::-1]:
-            alone = ddp_config.use_distributed_optimizer and getattr(param, "shared_embedding", False)
-            if alone and bucket_params[-1]:
-                close_bucket()
-            self.param_index_map[param] = (cursor, cursor + param.numel(), len(bucket_spans))
-            cursor += param.numel()
-            bucket_params[-1].append(param)
-            if alone or (bucket_size is not None and cursor - bucket_start >= bucket_size):
-                close_bucket()
-        if bucket_params[-1]:
-            close_bucket()
-        bucket_params.pop()  # the empty list opened by the last close
-        self.numel = cursor
+        if layer_wise and ddp_config.use_distributed_optimizer:
+            self.param_index_map, bucket_spans, bucket_params, self.numel = _layer_wise_layout(
+                self.params, self.dp_size, bucket_size)
+        else:
+            self.param_index_map, bucket_spans, bucket_params, self.numel = _default_layout(
+                self.params, ddp_config, self.dp_size, bucket_size)
 
         self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
         self.param_data = None
@@ -201,6 +180,72 @@ class _ParamAndGradBuffer:
     def reset(self):
         """Zero the grad buffer (start of an iteration)."""
         self.grad_data.zero_()
+
+
+def _default_layout(params, ddp_config, dp_size, bucket_size):
+    """(param -> (start, end, bucket id), bucket spans (start, unpadded end, padded end), bucket params,
+    numel): params in reverse order; a bucket closes once it holds >= bucket_size elements."""
+    pad = dp_size * 64 if ddp_config.use_distributed_optimizer else 1
+    # With the distributed optimizer a tied embedding gets a bucket of its own: its grad is summed
+    # over the first and last pipeline stage after the reduce-scatter, which is only right when both
+    # stages shard it identically (as Megatron does).
+    param_index_map = {}
+    bucket_spans, bucket_params, cursor, bucket_start = [], [[]], 0, 0
+
+    def close_bucket():
+        nonlocal cursor, bucket_start
+        padded_end = bucket_start + math.ceil((cursor - bucket_start) / pad) * pad
+        bucket_spans.append((bucket_start, cursor, padded_end))
+        cursor = bucket_start = padded_end
+        bucket_params.append([])
+
+    for param in params[::-1]:
+        alone = ddp_config.use_distributed_optimizer and getattr(param, "shared_embedding", False)
+        if alone and bucket_params[-1]:
+            close_bucket()
+        param_index_map[param] = (cursor, cursor + param.numel(), len(bucket_spans))
+        cursor += param.numel()
+        bucket_params[-1].append(param)
+        if alone or (bucket_size is not None and cursor - bucket_start >= bucket_size):
+            close_bucket()
+    if bucket_params[-1]:
+        close_bucket()
+    bucket_params.pop()  # the empty list opened by the last close
+    return param_index_map, bucket_spans, bucket_params, cursor
+
+
+def _layer_wise_layout(params, dp_size, bucket_size):
+    """`_default_layout`'s result for the layer-wise distributed optimizer: params (reverse order) are cut
+    into buckets of >= max(bucket_size, DP x largest param) elements, then each bucket's params are
+    bin-packed whole into its DP shards (largest first onto the least-loaded shard; ties to the lower rank,
+    so every rank computes the same assignment) and the shards padded to one size, a multiple of 64."""
+    chunks, chunk, numel, largest = [], [], 0, 0
+    for param in params[::-1]:
+        chunk.append(param)
+        numel, largest = numel + param.numel(), max(largest, param.numel())
+        # A bucket also holds at least DP x its largest param, so that every shard gets work.
+        if bucket_size is not None and numel >= max(bucket_size, dp_size * largest):
+            chunks.append(chunk)
+            chunk, numel, largest = [], 0, 0
+    if chunk:
+        chunks.append(chunk)
+    param_index_map, bucket_spans, cursor = {}, [], 0
+    for bucket_id, members in enumerate(chunks):
+        loads, shards = [0] * dp_size, [[] for _ in range(dp_size)]
+        for param in sorted(members, key=lambda p: -p.numel()):  # stable: equal sizes keep bucket order
+            rank = min(range(dp_size), key=lambda r: loads[r])
+            shards[rank].append(param)
+            loads[rank] += param.numel()
+        shard_size = max(64, math.ceil(max(loads) / 64) * 64)
+        for rank, shard in enumerate(shards):
+            start = cursor + rank * shard_size
+            for param in shard:
+                param_index_map[param] = (start, start + param.numel(), bucket_id)
+                start += param.numel()
+        end = cursor + dp_size * shard_size
+        bucket_spans.append((cursor, end, end))
+        cursor = end
+    return param_index_map, bucket_spans, chunks, cursor
 
 
 class _ParamAndGradBucketGroup:

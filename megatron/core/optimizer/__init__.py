@@ -12,7 +12,13 @@ from megatron.core.optimizer.config_overrides import (
     trainable_named_parameters,
 )
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.emerging_optimizers import get_megatron_muon_optimizer, is_muon
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
+from megatron.core.optimizer.layer_wise_optimizer import (
+    is_managed_by_layer_wise_optimizer,
+    tag_params_for_buffer_routing,
+)
+from megatron.core.optimizer.muon import TensorParallelMuon
 from megatron.core.optimizer.optimizer import (
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
@@ -34,7 +40,6 @@ __getattr__ = lazy_names(__name__, {
     "clip_grad_norm_fp32": "megatron.core._compat.clip_grads", "count_zeros_fp32": "megatron.core._compat.clip_grads",
     "get_standard_config_overrides": "megatron.core._compat.optimizer",
     "get_mup_config_overrides": "megatron.core._compat.optimizer",
-    "is_managed_by_layer_wise_optimizer": "megatron.core._compat.optimizer",
     "HAVE_EMERGING_OPTIMIZERS": "megatron.core._compat.optimizer",
 })
 
@@ -75,10 +80,10 @@ def _get_param_groups(model_chunks, config: OptimizerConfig, no_weight_decay_con
     return out
 
 
-def _inner_optimizer(config: OptimizerConfig, param_groups):
+def _inner_optimizer(config: OptimizerConfig, param_groups, optimizer: Optional[str] = None):
     lr = config.lr if config.lr is not None else 0.0
     on_cuda = all(p.is_cuda for g in param_groups for p in g["params"])
-    if config.optimizer == "adam":
+    if (optimizer or config.optimizer) == "adam":
         # AdamW semantics (decoupled weight decay), as Megatron's fused Adam with adam_w_mode.
         kwargs = {"fused": True} if on_cuda else {"foreach": False}
         return torch.optim.AdamW(param_groups, lr=lr, weight_decay=config.weight_decay,
@@ -129,8 +134,14 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
         param_groups = param_groups_from_overrides(model_chunks, config, config_overrides)
     else:
         param_groups = _get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
-    inner = _inner_optimizer(config, param_groups)
     scaler = _grad_scaler(config)
+    if is_muon(config):
+        opt = get_megatron_muon_optimizer(config, model_chunks, param_groups,
+                                          lambda groups: _inner_optimizer(config, groups, "adam"), scaler)
+        for part in opt.chained_optimizers:
+            part.has_expert_params = _is_moe(model_chunks)
+        return opt
+    inner = _inner_optimizer(config, param_groups)
     if config.use_distributed_optimizer and not _sharding_decided_by_strategy(model_chunks):
         opt = DistributedOptimizer(inner, config, scaler, None, list(model_chunks))
     elif config.fp16 or config.bf16 or any(p.dtype != torch.float32 for g in param_groups for p in g["params"]):
@@ -176,5 +187,6 @@ __all__ = [
     "Float16OptimizerWithFloat16Params", "DistributedOptimizer", "ChainedOptimizer", "ConstantGradScaler",
     "DynamicGradScaler", "MegatronGradScaler", "clip_grad_norm_fp32", "count_zeros_fp32", "get_grad_norm_fp32",
     "get_standard_config_overrides", "get_mup_config_overrides", "check_config_overrides_consistency",
-    "param_group_identifier_keys",
+    "param_group_identifier_keys", "TensorParallelMuon", "is_managed_by_layer_wise_optimizer",
+    "tag_params_for_buffer_routing",
 ]

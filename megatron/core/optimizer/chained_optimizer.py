@@ -1,6 +1,7 @@
 """ChainedOptimizer: several MegatronOptimizers (e.g. dense and expert params, or two optimizer
 types) stepped as one, with one global gradient norm and one clip coefficient."""
 import math
+from contextlib import contextmanager
 from typing import Dict, List
 
 import torch
@@ -74,40 +75,55 @@ class ChainedOptimizer:
     def get_grad_norm(self) -> float:
         return math.sqrt(sum(opt.get_grad_norm() ** 2 for opt in self.chained_optimizers))
 
+    @contextmanager
+    def _timed(self, name):
+        """The first optimizer's timer (the config's `timers`, as MegatronOptimizer.step times its phases)."""
+        with self.chained_optimizers[0]._timed(name):
+            yield
+
     @torch.no_grad()
     def step(self):
-        """(update_successful, grad_norm, num_zeros_in_grad), as MegatronOptimizer.step."""
+        """(update_successful, grad_norm, num_zeros_in_grad), as MegatronOptimizer.step, with its timers."""
         found_inf = False
+        with self._timed("optimizer-copy-to-main-grad"):
+            for opt in self.chained_optimizers:
+                opt._copy_model_grads_to_main_grads()
         for opt in self.chained_optimizers:
-            opt._copy_model_grads_to_main_grads()
             if opt.grad_scaler is not None:
                 inf = opt._unscale_and_check_for_inf()
                 opt.grad_scaler.update(inf)
                 found_inf = found_inf or inf
         if found_inf:
             return False, None, None
-        grad_norm = self.get_grad_norm()
-        for opt in self.chained_optimizers:
-            if opt.config.clip_grad > 0.0:
-                coeff = clip_coefficient(opt.config.clip_grad, grad_norm)
-                if coeff < 1.0 and opt._inner_step_unscales_grads():  # folded into the fused Adam's read
-                    device = opt.get_parameters()[0].device
-                    opt._clip_grad_scale = torch.tensor(1.0 / coeff, dtype=torch.float32, device=device)
-                else:
-                    clip_grad_by_total_norm_fp32(opt.get_parameters(), opt.config.clip_grad, grad_norm)
+        with self._timed("optimizer-clip-main-grad"):
+            grad_norm = self.get_grad_norm()
+            for opt in self.chained_optimizers:
+                if opt.config.clip_grad > 0.0:
+                    coeff = clip_coefficient(opt.config.clip_grad, grad_norm)
+                    if coeff < 1.0 and opt._inner_step_unscales_grads():  # folded into the fused Adam's read
+                        device = opt.get_parameters()[0].device
+                        opt._clip_grad_scale = torch.tensor(1.0 / coeff, dtype=torch.float32, device=device)
+                    else:
+                        clip_grad_by_total_norm_fp32(opt.get_parameters(), opt.config.clip_grad, grad_norm)
         num_zeros = None
         if self.config.log_num_zeros_in_grad:
             num_zeros = sum(opt.count_zeros() for opt in self.chained_optimizers)
         for opt in self.chained_optimizers:
-            if not opt._inner_step():
-                opt._copy_main_params_to_model_params()
+            with self._timed("optimizer-inner-step"):
+                copied = opt._inner_step()
+            if not copied:
+                with self._timed("optimizer-copy-main-to-model-params"):
+                    opt._copy_main_params_to_model_params()
             opt._after_step()
         return True, grad_norm, num_zeros
 
     def state_dict(self) -> List[Dict]:
         return [opt.state_dict() for opt in self.chained_optimizers]
 
-    def load_state_dict(self, state_dict: List[Dict]):
+    def load_state_dict(self, state_dict):
+        """The list `state_dict()` returns, or the {index: state} dict of `sharded_state_dict`, loaded."""
+        if isinstance(state_dict, dict):
+            state_dict = [state_dict[i] for i in sorted(state_dict)]
         if len(state_dict) != len(self.chained_optimizers):
             raise ValueError(f"ChainedOptimizer: checkpoint has {len(state_dict)} optimizer states, this "
                              f"optimizer chains {len(self.chained_optimizers)}")

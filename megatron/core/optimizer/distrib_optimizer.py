@@ -32,13 +32,18 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     ({chunk index: [grad buffers]}, default: every buffer of `model_chunks`, dense and expert) and
     each buffer's DP group must be `data_parallel_group` when both are given. State gathers run over
     the buffers' own groups, so `data_parallel_group_gloo` and `data_parallel_group_idx` have no effect;
-    there is one optimizer instance (`distributed_optimizer_instance_id` 0)."""
+    there is one optimizer instance (`distributed_optimizer_instance_id` 0).
+
+    ``whole_params`` (the layer-wise distributed optimizer, Muon): the buffers keep every param whole
+    inside one DP shard (DDP's layer-wise layout), and each main param keeps its param's shape, so the
+    inner optimizer sees whole matrices; a param split across shards is an error."""
 
     def __init__(self, optimizer, config, grad_scaler, init_state_fn=None, model_chunks: List[torch.nn.Module] = (),
                  per_model_buffers: Optional[Dict[int, list]] = None, data_parallel_group=None,
                  data_parallel_group_gloo=None, data_parallel_group_idx: int = 0,
-                 distributed_optimizer_instance_id: int = 0):
+                 distributed_optimizer_instance_id: int = 0, whole_params: bool = False):
         super().__init__(optimizer, config, grad_scaler, init_state_fn)
+        self.whole_params = whole_params
         if distributed_optimizer_instance_id != 0:
             raise NotImplementedError("DistributedOptimizer: one optimizer instance only "
                                       "(--num-distributed-optimizer-instances 1); distributed_optimizer_instance_id "
@@ -48,9 +53,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             if not hasattr(chunk, "buffers") or not chunk.ddp_config.use_distributed_optimizer:
                 raise ValueError("--use-distributed-optimizer needs the model wrapped in DistributedDataParallel "
                                  "built with use_distributed_optimizer=True")
+        all_buffers = {i: c.buffers + c.expert_parallel_buffers for i, c in enumerate(self.model_chunks)}
         if per_model_buffers is None:
-            per_model_buffers = {i: c.buffers + c.expert_parallel_buffers for i, c in enumerate(self.model_chunks)}
+            per_model_buffers = all_buffers
         self.per_model_buffers = per_model_buffers
+        # Another optimizer owns the chunks' other buffers (Muon + AdamW): gather only these after a step.
+        self._owns_all_buffers = all(len(per_model_buffers.get(i, [])) == len(b) for i, b in all_buffers.items())
         self.param_to_buffer_bucket = {}
         for buffers in per_model_buffers.values():
             for buffer in buffers:
@@ -78,6 +86,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if lo >= hi:
             return None
         local = param.detach().view(-1)[lo - start:hi - start]
+        if self.whole_params:
+            if (lo, hi) != (start, end):
+                raise ValueError("DistributedOptimizer(whole_params=True): a param is split across DP shards; "
+                                 "tag the params (tag_params_for_buffer_routing) before wrapping them in DDP")
+            local = local.view(param.shape)
         # fp32 model params are updated in place (the shard view aliases the param buffer).
         main = local if param.dtype == torch.float32 else local.clone().float()
         copy_tensor_model_parallel_attributes(main, param)
@@ -99,12 +112,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _copy_model_grads_to_main_grads(self):
         for main, (model, lo, hi) in self.shard_ranges.items():
             grad = _model_grad(model)
-            main.grad = None if grad is None else grad.view(-1)[lo:hi].float()
+            main.grad = None if grad is None else grad.view(-1)[lo:hi].view_as(main).float()
 
     def _model_param_copies(self):
         copies = {}
         for main, (model, lo, hi) in self.shard_ranges.items():
-            target = model.detach().view(-1)[lo:hi]
+            target = model.detach().view(-1)[lo:hi].view_as(main)
             copies[main] = None if target.data_ptr() == main.data_ptr() else target
         return copies
 
@@ -115,12 +128,26 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _after_step(self):
         with self._timed("params-all-gather"):
-            for chunk in self.model_chunks:
-                chunk.start_param_sync()
+            if self._owns_all_buffers:
+                for chunk in self.model_chunks:
+                    chunk.start_param_sync()
+            else:
+                self._start_own_param_sync()
+
+    def _start_own_param_sync(self, force_sync: bool = False):
+        """All-gather the updated params of this optimizer's buckets only (as a bucket group does)."""
+        for buffers in self.per_model_buffers.values():
+            for buffer in buffers:
+                async_op = buffer.ddp_config.overlap_param_gather and not force_sync
+                for bucket in buffer.buckets:
+                    bucket.finish_param_sync()
+                    bucket.start_param_sync(async_op=async_op)
+                    if not async_op:
+                        bucket.finish_param_sync()
 
     def reload_model_params(self):
         for main, (model, lo, hi) in self.shard_ranges.items():
-            source = model.detach().view(-1)[lo:hi]
+            source = model.detach().view(-1)[lo:hi].view_as(main)
             if source.data_ptr() != main.data_ptr():
                 main.detach().copy_(source)
 
@@ -165,14 +192,17 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         optimizer_state.init_state(self)
         for main, (param, lo, hi) in self.shard_ranges.items():
             for key, value in model_param_state.get(param, {}).items():
-                piece = value.reshape(-1)[lo:hi].to(main.device)
+                piece = value.reshape(-1)[lo:hi].view_as(main).to(main.device)
                 if key == "fp32_param":
                     main.detach().copy_(piece)
                 elif key in self.optimizer.state[main]:
                     self.optimizer.state[main][key].copy_(piece)
         self._copy_main_params_to_model_params()
-        for chunk in self.model_chunks:
-            chunk.start_param_sync(force_sync=True)
+        if self._owns_all_buffers:
+            for chunk in self.model_chunks:
+                chunk.start_param_sync(force_sync=True)
+        else:
+            self._start_own_param_sync(force_sync=True)
 
 
 def _check_group(buffer, data_parallel_group):

@@ -43,8 +43,9 @@ param_group_identifier_keys = ("end_wd", "max_lr", "min_lr", "optimizer", "start
 
 def copy_optimizer_param_metadata(destination: torch.Tensor, source: torch.Tensor) -> None:
     """Carry the tags the optimizer groups and counts params by (`allreduce`: dense or expert; `shared`:
-    a tied weight; `grad_norm_group`) over to a copy or view of a param, e.g. its fp32 main param."""
-    for attr in ("allreduce", "shared", "grad_norm_group"):
+    a tied weight; `grad_norm_group`; Muon's fused-QKV split) over to a copy or view of a param, e.g. its
+    fp32 main param."""
+    for attr in ("allreduce", "shared", "grad_norm_group", "is_qkv", "qkv_split_shapes"):
         if hasattr(source, attr):
             setattr(destination, attr, getattr(source, attr))
 

@@ -7,12 +7,14 @@ import torch
 
 from megatron.core._compat_fields import check_compat_fields
 from megatron.core.optimizer._compat_fields import OptimizerConfigCompat
+from megatron.core.optimizer.muon import NS_COEFFICIENTS, SCALE_MODES, TP_MODES
 
 
 @dataclass
 class OptimizerConfig(OptimizerConfigCompat):
     optimizer: str = "adam"
-    """'adam' (AdamW: decoupled weight decay) or 'sgd'."""
+    """'adam' (AdamW: decoupled weight decay), 'sgd', 'muon' (Muon on the 2-D hidden weights, AdamW on the
+    rest) or 'dist_muon' (Megatron's older name of muon with use_layer_wise_distributed_optimizer)."""
 
     lr: Optional[float] = None
     min_lr: Optional[float] = None
@@ -39,6 +41,26 @@ class OptimizerConfig(OptimizerConfigCompat):
     adam_eps: float = 1e-08
     sgd_momentum: float = 0.9
 
+    # Muon (optimizer 'muon'); see megatron/core/optimizer/muon.py. Defaults are Megatron Core's.
+    muon_momentum: float = 0.95
+    muon_split_qkv: bool = True
+    """Orthogonalise the fused QKV weight as three matrices (all q rows, all k rows, all v rows)."""
+    muon_nesterov: bool = False
+    muon_scale_mode: str = "spectral"
+    muon_fp32_matmul_prec: str = "medium"
+    """Newton-Schulz precision: 'medium' runs it in bf16, 'high' in fp32 (TF32 on CUDA)."""
+    muon_coefficient_type: str = "quintic"
+    muon_num_ns_steps: int = 5
+    muon_tp_mode: str = "blockwise"
+    """'blockwise' (each TP shard on its own), 'duplicated' (whole matrix gathered over TP) or 'distributed'
+    (whole-matrix result from the shards, Gram matrices all-reduced over TP)."""
+    muon_extra_scale_factor: float = 1.0
+    muon_scalar_optimizer: str = "adam"
+    """Optimizer of the params Muon does not take (embeddings, output layer, norms, biases): 'adam' only."""
+    use_layer_wise_distributed_optimizer: bool = False
+    """Muon sharded over data-parallel ranks by whole weight matrices, AdamW params by the distributed
+    optimizer (needs DDP with use_distributed_optimizer and params tagged by tag_params_for_buffer_routing)."""
+
     use_distributed_optimizer: bool = False
     overlap_param_gather: bool = False
     overlap_param_gather_with_optimizer_step: bool = False
@@ -52,8 +74,10 @@ class OptimizerConfig(OptimizerConfigCompat):
 
     def __post_init__(self):
         check_compat_fields(self, OptimizerConfigCompat)
-        if self.optimizer not in ("adam", "sgd"):
-            raise ValueError(f"--optimizer {self.optimizer} is not supported; use adam or sgd")
+        if self.optimizer not in ("adam", "sgd", "muon", "dist_muon"):
+            raise ValueError(f"--optimizer {self.optimizer} is not supported; use adam, sgd, muon or dist_muon")
+        if self.optimizer in ("muon", "dist_muon"):
+            self._check_muon()
         if self.fp16 and self.bf16:
             raise ValueError("--fp16 and --bf16 are mutually exclusive; pick one")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
@@ -63,6 +87,24 @@ class OptimizerConfig(OptimizerConfigCompat):
                 "--overlap-param-gather-with-optimizer-step is not supported; use --overlap-param-gather")
         if self.clip_grad < 0:
             raise ValueError("--clip-grad must be >= 0 (0 disables clipping)")
+
+    def _check_muon(self):
+        checks = [
+            (not self.fp16, "--optimizer muon does not support --fp16 (as in Megatron); use --bf16"),
+            (self.muon_scalar_optimizer == "adam", f"--muon-scalar-optimizer {self.muon_scalar_optimizer} is not "
+                                                   "supported; use adam (Lion is not implemented)"),
+            (self.muon_scale_mode in SCALE_MODES, f"--muon-scale-mode {self.muon_scale_mode}: use one of "
+                                                  f"{', '.join(SCALE_MODES)}"),
+            (self.muon_tp_mode in TP_MODES, f"--muon-tp-mode {self.muon_tp_mode}: use one of {', '.join(TP_MODES)}"),
+            (self.muon_coefficient_type in NS_COEFFICIENTS, f"--muon-coefficient-type {self.muon_coefficient_type}:"
+                                                            f" use one of {', '.join(NS_COEFFICIENTS)}"),
+            (self.muon_num_ns_steps >= 1, f"--muon-num-ns-steps must be >= 1, got {self.muon_num_ns_steps}"),
+            (self.muon_fp32_matmul_prec in ("medium", "high"),
+             f"--muon-fp32-matmul-prec {self.muon_fp32_matmul_prec}: use medium (bf16 Newton-Schulz) or high (fp32)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
 
 
 

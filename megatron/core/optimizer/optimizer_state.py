@@ -21,7 +21,12 @@ _HYPER_PARAMS = ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", 
 
 def init_state(opt):
     """Create zero state for every main param that has none yet (so it can be saved or loaded into);
-    the optimizer's own ``init_state_fn`` (Megatron's argument) runs first when given."""
+    the optimizer's own ``init_state_fn`` (Megatron's argument) runs first when given. A ChainedOptimizer
+    initialises each of its optimizers."""
+    if hasattr(opt, "chained_optimizers"):
+        for part in opt.chained_optimizers:
+            init_state(part)
+        return
     inner = opt.optimizer
     fresh = any(not inner.state[p] for group in inner.param_groups for p in group["params"])
     if fresh and getattr(opt, "init_state_fn", None) is not None:
@@ -30,7 +35,9 @@ def init_state(opt):
         for p in group["params"]:
             if inner.state[p]:
                 continue
-            if isinstance(inner, torch.optim.Adam):  # AdamW subclasses Adam
+            if hasattr(inner, "init_state"):  # TensorParallelMuon
+                inner.init_state(p)
+            elif isinstance(inner, torch.optim.Adam):  # AdamW subclasses Adam
                 on_device = group.get("fused") or group.get("capturable")
                 inner.state[p]["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
                                           else torch.tensor(0.0, dtype=torch.float32))

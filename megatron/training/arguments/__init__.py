@@ -25,6 +25,7 @@ from .model_args import (
     add_regularization_args,
 )
 from .moe_args import add_moe_args
+from .optimizer_args import add_muon_args
 from .parallel_data_args import add_data_args, add_distributed_args, add_tokenizer_args
 from .profiling_args import add_profiling_args
 from .sft_args import add_sft_args
@@ -64,6 +65,7 @@ def build_parser(extra_args_provider=None):
                 add_inference_args,
                 add_mla_args,
                 add_hybrid_args,
+                add_muon_args,
                 add_dropin_args,
                 add_diagnostics_args,
                 add_profiling_args,

@@ -92,6 +92,9 @@ def ddp_config_from_args(args, config_class=None):
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         bucket_size=args.ddp_bucket_size,
         average_in_collective=args.ddp_average_in_collective,
+        # The layer-wise optimizer (dist_muon) reduce-scatters grads like the distributed optimizer.
+        use_distributed_optimizer=args.use_distributed_optimizer or getattr(
+            args, "use_layer_wise_distributed_optimizer", False),
     )
     _require_fields(config_class, {
         "--use-distributed-optimizer": ("use_distributed_optimizer", args.use_distributed_optimizer),

@@ -1,4 +1,5 @@
 """Flags for the training loop, learning-rate schedule, checkpointing, evaluation and logging."""
+from .optimizer_args import OPTIMIZERS
 
 
 def add_training_args(parser):
@@ -24,7 +25,9 @@ def add_training_args(parser):
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="On --exit-signal, finish the step, save (with --save) and exit 0.")
     g.add_argument("--exit-signal", type=str, default="SIGTERM", help="Signal name for --exit-signal-handler.")
-    g.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"], help="Optimizer.")
+    g.add_argument("--optimizer", type=str, default="adam", choices=OPTIMIZERS,
+                   help="adam (AdamW), sgd, muon (Muon on 2-D hidden weights, AdamW on the rest) or dist_muon "
+                        "(muon with --use-distributed-optimizer); lion, soap and adaptive_muon are not built.")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Shard optimizer state across data-parallel ranks.")
     g.add_argument("--overlap-grad-reduce", action="store_true", help="Overlap DP grad reduce with backward.")

@@ -21,6 +21,7 @@ from .input_checks import blend_prefixes_checked, validate_inputs
 from .megatron_flags import check_megatron_flags
 from .mla_args import validate_mla_args
 from .moe_args import validate_moe_args
+from .optimizer_args import validate_optimizer_args
 from .profiling_args import validate_profiling_args
 from .sft_args import validate_sft_args
 from .tp_overlap_args import validate_tp_overlap_args
@@ -39,6 +40,7 @@ def validate_args(args, defaults={}):
     _apply_defaults(args, defaults)
     validate_hybrid_args(args, _require)
     validate_dropin_args(args, _require, lambda m: print(m, flush=True) if args.rank == 0 else None)
+    validate_optimizer_args(args, _require, _warn)
     _validate_parallel(args)
     _validate_batch(args)
     _validate_model(args)
@@ -94,7 +96,8 @@ def _validate_parallel(args):
         args.sequence_parallel = False
     _validate_virtual_pipeline(args)
     if args.overlap_param_gather:
-        _require(args.use_distributed_optimizer and args.overlap_grad_reduce,
+        _require((args.use_distributed_optimizer or args.use_layer_wise_distributed_optimizer)
+                 and args.overlap_grad_reduce,
                  "--overlap-param-gather requires --use-distributed-optimizer and --overlap-grad-reduce")
     if args.use_torch_fsdp2:
         _require(pp == 1, "--use-torch-fsdp2 does not support --pipeline-model-parallel-size > 1; "
