@@ -27,7 +27,13 @@ from megatron.training.arguments.vision_args import (
     vision_config_from,
 )
 from megatron.training.datasets.vlm_data import build_vlm_datasets, data_format
+from megatron.training.datasets.vlm_dataset import BadSample, worker_error_line
 from pretrain_gpt import loss_func
+
+
+def add_vlm_extra_args(parser):
+    """pretrain_vlm.py's flags (Megatron's name for this hook): the vision, projector and image-data ones."""
+    return add_vlm_args(parser)
 
 
 def image_positions(args) -> int:
@@ -92,7 +98,10 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
 
 def get_batch(data_iterator):
     """Every rank reads its own micro-batch (the provider is distributed); moved to this rank's device."""
-    batch = next(data_iterator)
+    try:
+        batch = next(data_iterator)
+    except BadSample as e:  # raised on a loader worker: keep the one line that names the file and sample
+        raise BadSample(worker_error_line(e)) from None
     device = get_device()
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -121,4 +130,4 @@ train_valid_test_datasets_provider.is_distributed = True
 
 if __name__ == "__main__":
     pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
-             extra_args_provider=add_vlm_args)
+             extra_args_provider=add_vlm_extra_args)

@@ -74,7 +74,7 @@ def test_energon_dataset(cli, data):
 
 def test_bad_image_stops_with_one_line_or_is_skipped(cli, data):
     args = ["--data-path", data["broken"], "--split", "100,0,0", "--train-iters", "3", "--eval-iters", "0",
-            "--global-batch-size", "10", "--micro-batch-size", "10", "--num-workers", "0"]
+            "--global-batch-size", "10", "--micro-batch-size", "10", "--num-workers", "1"]
     (run,) = _run(cli, args)
     assert run.rc != 0
     lines = [ln for ln in (run.out + run.err).splitlines() if ln.startswith("[rank 0]")]

@@ -62,6 +62,9 @@ def build_vlm_datasets(args, tokenizer, num_samples):
         raise ValueError("pretrain_vlm.py needs --data-path: a JSONL of image-text samples or an Energon folder")
     path = args.data_path[0]
     config = data_config_from_args(args)
+    if config.image_token_index == tokenizer.eod:
+        raise ValueError(f"--image-token-index {config.image_token_index} is the tokenizer's end-of-document id; "
+                         "pick an id the text never uses (e.g. a reserved special token)")
     if data_format(path, args.vlm_data_format) == "energon":
         parts = energon_split_parts(path)
         return tuple(_energon_loader(path, part, tokenizer, config, args) if n and part in parts else None

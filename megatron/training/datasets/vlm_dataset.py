@@ -32,6 +32,14 @@ class BadSample(ValueError):
     """A sample that cannot be used; the message names its file and line."""
 
 
+def worker_error_line(error: Exception) -> str:
+    """The message a loader worker raised: DataLoader re-raises it with the worker's traceback prepended,
+    whose last line is ``BadSample: <message>``."""
+    lines = [ln for ln in str(error).splitlines() if ln.strip()]
+    last = lines[-1] if lines else ""
+    return last.split("BadSample: ", 1)[1] if "BadSample: " in last else last
+
+
 @dataclass
 class VLMDataConfig:
     seq_length: int  # text tokens per sample
