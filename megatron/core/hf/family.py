@@ -29,6 +29,8 @@ class Family:
     args_to_config: Callable[[object, int], Dict]  # (args, vocab_size) -> config.json fields
     # (our name, config, hidden, padded vocab) -> global shape, for names the common table does not know
     expected_shape: Optional[Callable] = None
+    # config -> {HF name: tensor} that export writes besides the mapped ones (HF-only tensors ours lack)
+    extra_hf_tensors: Optional[Callable] = None
 
 
 class UnsupportedConfig(ValueError):

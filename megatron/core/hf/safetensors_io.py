@@ -14,6 +14,13 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
 SINGLE_NAME = "model.safetensors"
+# (the name a mapping table uses, other spellings of that prefix in files on the Hub or from other
+# transformers versions): LLaVA's vision tower, projector and language model.
+_LAYOUT_PREFIXES = (
+    ("vision_tower.", ("vision_tower.vision_model.", "model.vision_tower.", "model.vision_tower.vision_model.")),
+    ("multi_modal_projector.", ("model.multi_modal_projector.",)),
+    ("language_model.model.", ("model.language_model.",)),
+    ("language_model.lm_head.", ("lm_head.",)))
 
 
 def _safetensors():
@@ -57,11 +64,19 @@ class SafetensorsReader:
                                     f"checkpoints are read; re-save the model with save_pretrained)")
 
     def resolve(self, name: str) -> Optional[str]:
-        """The stored name of ``name`` (GPT-2 hub files drop the ``transformer.`` prefix)."""
+        """The stored name of ``name`` (GPT-2 hub files drop the ``transformer.`` prefix; LLaVA files name
+        their parts as older or newer transformers save them, see _LAYOUT_PREFIXES)."""
         if name in self.weight_map:
             return name
         short = name.split(".", 1)[1] if name.startswith("transformer.") else None
-        return short if short in self.weight_map else None
+        if short in self.weight_map:
+            return short
+        for prefix, others in _LAYOUT_PREFIXES:
+            if name.startswith(prefix):
+                for other in others:
+                    if other + name[len(prefix):] in self.weight_map:
+                        return other + name[len(prefix):]
+        return None
 
     def _open(self, name: str):
         stored = self.resolve(name)

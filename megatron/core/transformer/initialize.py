@@ -118,9 +118,10 @@ def _generation_device(param, config):
 
 
 @torch.no_grad()
-def initialize_parameters(model: torch.nn.Module, seed=None, pg_collection=None) -> None:
+def initialize_parameters(model: torch.nn.Module, seed=None, pg_collection=None, name_prefix: str = "") -> None:
     """Fill every parameter of ``model`` from (seed, global name), independently of the parallel layout
-    (the slices of a model on explicit process groups follow ``pg_collection``)."""
+    (the slices of a model on explicit process groups follow ``pg_collection``). ``name_prefix``: the
+    module's path inside a larger model (``vision_model.``), so that parts sharing names draw apart."""
     config = model.config
     seed = config.seed if seed is None else seed
     names = global_param_names(model)
@@ -135,7 +136,7 @@ def initialize_parameters(model: torch.nn.Module, seed=None, pg_collection=None)
             continue
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(_name_seed(seed, names[local]))
+            torch.manual_seed(_name_seed(seed, name_prefix + names[local]))
             full = torch.empty(global_shape(param, pg_collection), dtype=param.dtype, device=device)
             init_fn(full)
         param.copy_(local_slice(full, param, pg_collection))

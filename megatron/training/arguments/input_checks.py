@@ -18,12 +18,19 @@ def validate_inputs(args, require):
         check_split(args.split, require)
     for flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"):
         blend = getattr(args, flag[2:].replace("-", "_"))
-        if blend and not args.mock_data and not getattr(args, "sft", False):  # --sft: files checked in validation
+        if blend and not args.mock_data and not getattr(args, "sft", False) and not reads_image_text_data(args):
+            # --sft: its files are checked in validation; pretrain_vlm.py reads image-text data, not .bin/.idx
             for prefix in blend_prefixes_checked(flag, blend, require):
                 _check_dataset(flag, prefix, require)
     _check_tokenizer_files(args, require)
     _check_load(args, require)
     _check_save(args, require)
+
+
+def reads_image_text_data(args) -> bool:
+    """pretrain_vlm.py's --data-path is a JSONL of image-text samples or an Energon folder (its own loader
+    checks it), not a .bin/.idx prefix; its parser defines --vlm-data-format."""
+    return hasattr(args, "vlm_data_format")
 
 
 def check_split(split, require):

@@ -17,7 +17,7 @@ from .errors import require as _require
 from .fast_path import validate_fast_path_args
 from .hybrid_args import hybrid_pipeline_placed_by_pattern, validate_hybrid_args
 from .inference_args import validate_inference_args
-from .input_checks import blend_prefixes_checked, validate_inputs
+from .input_checks import blend_prefixes_checked, reads_image_text_data, validate_inputs
 from .megatron_flags import check_megatron_flags
 from .mla_args import validate_mla_args
 from .moe_args import validate_moe_args
@@ -335,6 +335,8 @@ def _validate_data(args):
             args.data_path = f.read().split()
     for flag, blend in (("--data-path", args.data_path), ("--train-data-path", args.train_data_path),
                         ("--valid-data-path", args.valid_data_path), ("--test-data-path", args.test_data_path)):
+        if reads_image_text_data(args):
+            break
         for prefix in (blend_prefixes_checked(flag, blend, _require) if blend else []):
             if args.sft:
                 _require(os.path.isfile(prefix), f"{flag}: conversation file {prefix} not found (--sft takes JSONL "

@@ -31,7 +31,13 @@ MODEL_ARGS = [("num_layers", False), ("hidden_size", False), ("ffn_hidden_size",
               ("moe_router_topk", True), ("moe_router_pre_softmax", True), ("moe_router_score_function", True),
               ("moe_router_topk_scaling_factor", False), ("moe_router_enable_expert_bias", True),
               ("moe_router_num_groups", False), ("moe_router_group_topk", False),
-              ("moe_shared_expert_intermediate_size", False), ("moe_grouped_gemm", True)]
+              ("moe_shared_expert_intermediate_size", False), ("moe_grouped_gemm", True),
+              # pretrain_vlm.py: the ViT, projector and image token (absent from other checkpoints: skipped)
+              ("img_h", True), ("img_w", True), ("patch_dim", True), ("encoder_num_layers", False),
+              ("vision_model_type", True), ("vision_hidden_size", False), ("vision_ffn_hidden_size", False),
+              ("vision_num_attention_heads", False), ("vision_projection_type", True),
+              ("vision_projection_ffn_hidden_size", False), ("disable_vision_class_token", True),
+              ("image_token_index", True)]
 
 
 def _legacy_file(checkpoint_dir: str) -> str:

@@ -21,6 +21,7 @@ from megatron.core.hf.dist_io import read_global, save_global
 from megatron.core.hf.safetensors_io import SafetensorsReader, ShardedSafetensorsWriter, read_config
 from megatron.core.hf.state import hf_to_ours, ours_to_hf, shapes_from_flags
 from megatron.training.arguments import parse_args, validate_args
+from megatron.training.arguments.vision_args import add_vlm_args
 
 from . import paths
 from .args import read_checkpoint_args
@@ -33,6 +34,8 @@ HF_CONFIG_NAME = "hf_config.json"
 # What bad input raises here; the command-line tools print it as one "error: ..." line.
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError)
 FLAGS_NAME = "model_args.sh"
+# Families trained by another entry point than pretrain_gpt.py: the flags that entry point adds.
+EXTRA_ARGS = {"llava": add_vlm_args}
 
 
 def _argv(flags):
@@ -71,7 +74,8 @@ def _tokenizer_argv(hf_dir: str, out_dir: str, vocab: int):
     return ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab)]
 
 
-def build_args(flags, tp, pp, fmt, out_dir, tokenizer_argv, vocab, padded, divisible_by, ep=1):
+def build_args(flags, tp, pp, fmt, out_dir, tokenizer_argv, vocab, padded, divisible_by, ep=1,
+               extra_args_provider=None):
     """The full args namespace a training run with these flags would have (saved for --use-checkpoint-args)."""
     seq = min(int(dict(flags)["--max-position-embeddings"]), 4096)
     argv = _argv(flags) + tokenizer_argv + [
@@ -80,7 +84,7 @@ def build_args(flags, tp, pp, fmt, out_dir, tokenizer_argv, vocab, padded, divis
         "--make-vocab-size-divisible-by", str(divisible_by), "--seq-length", str(seq), "--micro-batch-size", "1",
         "--ckpt-format", fmt, "--no-save-optim", "--no-save-rng",
         "--train-iters", "1", "--lr", "0.0", "--mock-data"]
-    args = parse_args(argv=argv)
+    args = parse_args(extra_args_provider, argv=argv)
     args.rank, args.world_size = 0, tp * pp * ep
     validate_args(args)
     args.vocab_size, args.padded_vocab_size = vocab, padded
@@ -128,7 +132,7 @@ def import_hf_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, fm
         raise ValueError(f"--ep {ep} with the torch format is not supported (its files are per layout); "
                          f"import as torch_dist, which loads under any --expert-model-parallel-size")
     _check_layout(flags, tp, pp, ep)
-    vocab = int(cfg["vocab_size"])
+    vocab = int(cfg["vocab_size"] if "vocab_size" in cfg else cfg["text_config"]["vocab_size"])
     padded = _padded(vocab, make_vocab_size_divisible_by, tp)
     shapes = shapes_from_flags(flags, vocab, padded)
     reader = SafetensorsReader(hf_dir)
@@ -137,7 +141,8 @@ def import_hf_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, fm
     if os.path.exists(final):
         raise FileExistsError(f"{final} already exists; pass an empty output directory")
     tok = _tokenizer_argv(hf_dir, out_dir, vocab)
-    args = build_args(flags, tp, pp, fmt, out_dir, tok, vocab, padded, make_vocab_size_divisible_by, ep)
+    args = build_args(flags, tp, pp, fmt, out_dir, tok, vocab, padded, make_vocab_size_divisible_by, ep,
+                      EXTRA_ARGS.get(family.name))
     _write_sidecars(hf_dir, out_dir, cfg, flags, tok)
     common = {"args": args, "checkpoint_version": 3.0, "iteration": 0, "num_floating_point_operations_so_far": 0}
     if fmt == "torch_dist":
@@ -160,6 +165,8 @@ def import_hf_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, fm
 
 def _infer_family(args):
     """The HF family of a checkpoint's saved args (getattr here: saves older than a flag lack it)."""
+    if hasattr(args, "vision_model_type"):  # pretrain_vlm.py's flags
+        return FAMILIES["llava"]
     if getattr(args, "multi_latent_attention", False):
         return FAMILIES["deepseek_v3"]
     if getattr(args, "num_experts", None):
@@ -213,7 +220,8 @@ def _export(args, src, checkpoint_path, out_dir, vocab_size, family, max_shard_b
         fam = _infer_family(args)
     vocab = int(vocab_size or getattr(args, "vocab_size", None) or args.padded_vocab_size)
     meta = load_tensors_metadata(src)
-    dtype = meta["embedding.word_embeddings.weight"].dtype
+    embedding = next(k for k in meta if k.endswith("embedding.word_embeddings.weight"))
+    dtype = meta[embedding].dtype
     cfg = fam.args_to_config(args, vocab)
     cfg = dict(base, **cfg) if base else cfg
     if not cfg.get("rope_scaling"):
@@ -222,10 +230,12 @@ def _export(args, src, checkpoint_path, out_dir, vocab_size, family, max_shard_b
     flags = fam.config_to_flags(cfg)
     if any(k.endswith("experts.weight1") for k in meta):  # trained with --moe-grouped-gemm
         flags.append(("--moe-grouped-gemm", None))
-    shapes = shapes_from_flags(flags, vocab, meta["embedding.word_embeddings.weight"].global_shape[0])
+    shapes = shapes_from_flags(flags, vocab, meta[embedding].global_shape[0])
     writer = ShardedSafetensorsWriter(out_dir, max_shard_bytes)
     for name, tensor in ours_to_hf(fam, cfg, shapes, lambda names: read_global(src, names, meta)):
         writer.add(name, tensor)
+    for name, tensor in (fam.extra_hf_tensors(cfg) if fam.extra_hf_tensors else {}).items():
+        writer.add(name, tensor.to(dtype))
     writer.close()
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)

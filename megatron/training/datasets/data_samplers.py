@@ -42,7 +42,10 @@ def build_pretraining_data_loader(dataset, consumed_samples, args=None):
     # Its own generator: iterating a DataLoader draws a base seed, which must not advance the global torch
     # RNG (dropout on CPU), or resuming from a checkpoint would shift the random stream.
     generator = torch.Generator().manual_seed(getattr(args, "seed", 1234) or 0)
+    # A dataset whose samples do not stack (image-text samples with varying image counts) names its own
+    # collate_fn; None is torch's default.
     return torch.utils.data.DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers,
+                                       collate_fn=getattr(dataset, "collate_fn", None),
                                        pin_memory=torch.cuda.is_available(),
                                        persistent_workers=num_workers > 0, generator=generator)
 

@@ -1,0 +1,1 @@
+"""Vision-language models: an image encoder feeding a language model (LLaVA)."""
