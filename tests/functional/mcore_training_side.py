@@ -19,14 +19,14 @@ import random
 import socket
 import sys
 
+import mcore_checkpoint_side as side  # noqa: F401  (applies the CPU patches before Megatron is imported)
 import numpy as np
 import torch
 import torch.distributed as dist
 
-import mcore_checkpoint_side as side  # noqa: F401  (applies the CPU patches before Megatron is imported)
 from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 from megatron.core.dist_checkpointing.mapping import ShardedObject  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 

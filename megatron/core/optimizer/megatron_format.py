@@ -5,8 +5,8 @@ Megatron's distributed optimizer saved with ``--dist-ckpt-optim-fully-reshardabl
 ``param`` for the fp32 main param (ours: ``fp32_param``), ``exp_avg`` and ``exp_avg_sq``; its non-tensor part is
 ``{'optimizer': {'param_groups': [...]}, 'param_state_sharding_type': ...}`` with each group's hyper-parameters and
 Adam ``step`` (no param lists). Its non-distributed optimizer uses our state names (``fp32_param``) and keeps the
-step as ``common_step`` of the torch optimizer's state dict. Ours is the same per-param layout with the groups at the top
-(optimizer_state.py), so the conversion renames one state and moves the groups, matched by the group identity
+step as ``common_step`` of the torch optimizer's state dict. Ours is the same per-param layout with the groups
+at the top (optimizer_state.py), so the conversion renames one state and moves the groups, matched by the group identity
 Megatron matches them by (weight-decay and LR multipliers, expert, decoupled LR).
 
 Megatron's ``dp_reshardable`` sharding type (its default without that flag) stores the distributed optimizer's
@@ -73,7 +73,8 @@ def groups_to_ours(common_optimizer: Dict, our_groups: List[Dict]) -> List[Dict]
     for group in our_groups:
         identity = tuple(group.get(k) for k in GROUP_IDENTITY)
         if identity not in by_identity:
-            raise ValueError(f"the checkpoint's optimizer has no param group with {dict(zip(GROUP_IDENTITY, identity))} "
+            wanted = dict(zip(GROUP_IDENTITY, identity))
+            raise ValueError(f"the checkpoint's optimizer has no param group with {wanted} "
                              f"(it has {[dict(zip(GROUP_IDENTITY, i)) for i in by_identity]}); resume with "
                              f"--no-load-optim or the checkpoint's weight-decay / LR-multiplier settings")
         out.append(by_identity[identity])

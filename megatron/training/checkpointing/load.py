@@ -147,9 +147,10 @@ def _load_state(fmt, checkpoint_dir, load_dir, iteration, release, model, optimi
         load_rng = False
     sd = state.generate_state_dict(args, model, optimizer, None, state.get_rng_state(), 0, 0, sharded=True,
                                    is_loading=True, save_optim=load_optim, save_rng=load_rng)
+    if load_optim and isinstance(common.get("optimizer"), dict):
+        megatron_format.check_sharding_type(common["optimizer"], checkpoint_dir)
     megatron_optim = load_optim and megatron_format.is_megatron_optimizer_state(common.get("optimizer"))
     if megatron_optim:  # a Megatron-LM training checkpoint: its optimizer state names
-        megatron_format.check_sharding_type(common["optimizer"], checkpoint_dir)
         if common["optimizer"].get("param_state_sharding_type") is not None:
             sd["optimizer"] = megatron_format.rename_state_keys(sd["optimizer"])
         print_rank_0(f" loading Megatron-LM's optimizer state "
