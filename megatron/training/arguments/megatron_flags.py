@@ -54,6 +54,11 @@ NO_EFFECT = {
     "--no-clone-scatter-output-in-embedding": "a memory workaround of Megatron's embedding; ours has no clone",
     "--ckpt-fully-parallel-save": "torch_dist saves already spread replicated tensors over ranks (DCP planner)",
     "--no-ckpt-fully-parallel-save": "torch_dist saves already spread replicated tensors over ranks (DCP planner)",
+    "--dist-ckpt-optim-fully-reshardable": "optimizer state is always saved fully reshardable here (one tensor per "
+                                           "param and state, any TP/PP/DP layout loads it); Megatron-LM's "
+                                           "fully_reshardable checkpoints load",
+    "--distrib-optim-fully-reshardable-mem-efficient": "only tunes how Megatron gathers the state for "
+                                                       "--dist-ckpt-optim-fully-reshardable; same checkpoint",
     "--ckpt-fully-parallel-load": "torch_dist loads read each rank's own shards; the loaded values are the same",
     "--ckpt-fully-parallel-save-process-group": "only tunes --ckpt-fully-parallel-save (no effect here)",
     "--ckpt-fully-parallel-load-process-group": "only tunes --ckpt-fully-parallel-load (no effect here)",

@@ -8,6 +8,7 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core import num_microbatches_calculator as mbc
 from megatron.core.dist_checkpointing import CheckpointingException
+from megatron.core.optimizer import megatron_format
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.utils import unwrap_model
 from megatron.training.global_vars import get_args, update_num_microbatches
@@ -146,10 +147,20 @@ def _load_state(fmt, checkpoint_dir, load_dir, iteration, release, model, optimi
         load_rng = False
     sd = state.generate_state_dict(args, model, optimizer, None, state.get_rng_state(), 0, 0, sharded=True,
                                    is_loading=True, save_optim=load_optim, save_rng=load_rng)
+    if load_optim and isinstance(common.get("optimizer"), dict):
+        megatron_format.check_sharding_type(common["optimizer"], checkpoint_dir)
+    megatron_optim = load_optim and megatron_format.is_megatron_optimizer_state(common.get("optimizer"))
+    if megatron_optim:  # a Megatron-LM training checkpoint: its optimizer state names
+        if common["optimizer"].get("param_state_sharding_type") is not None:
+            sd["optimizer"] = megatron_format.rename_state_keys(sd["optimizer"])
+        print_rank_0(f" loading Megatron-LM's optimizer state "
+                     f"({common['optimizer'].get('param_state_sharding_type', 'non-distributed optimizer')})")
     for k in ("args", "checkpoint_version", "iteration", "num_floating_point_operations_so_far"):
         sd.pop(k, None)
     strict = getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected")
     loaded = dist_checkpointing.load(sd, checkpoint_dir, strict=strict)
+    if megatron_optim:
+        loaded["optimizer"] = megatron_format.to_our_state(loaded["optimizer"], optimizer.param_groups)
     if not load_optim:
         loaded.pop("optimizer", None)
         if skip_state:

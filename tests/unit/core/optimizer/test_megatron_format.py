@@ -1,0 +1,51 @@
+"""Megatron-LM's optimizer checkpoint state <-> ours (megatron/core/optimizer/megatron_format.py)."""
+import pytest
+import torch
+
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.optimizer import megatron_format
+
+OURS = [{"wd_mult": 0.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False},
+        {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}]
+
+
+def _megatron_common(kind="fully_reshardable"):
+    groups = [{**OURS[1], "lr": 1e-3, "step": 3.0}, {**OURS[0], "lr": 1e-3, "step": 3.0}]
+    return {"optimizer": {"param_groups": groups}, "param_state_sharding_type": kind}
+
+
+def test_groups_are_matched_by_identity_not_position():
+    ours = megatron_format.to_our_state({**_megatron_common(), "param_state": {}}, OURS)
+    assert [g["wd_mult"] for g in ours["param_groups"]] == [0.0, 1.0]
+    assert ours["param_state_sharding_type"] == "fully_reshardable" and "optimizer" not in ours
+
+
+def test_non_distributed_common_step():
+    common = {"optimizer": {"param_groups": [{**g, "params": [i]} for i, g in enumerate(OURS)],
+                            "state": {"common_step": torch.tensor(5)}}}
+    assert megatron_format.is_megatron_optimizer_state(common)
+    groups = megatron_format.groups_to_ours(common, OURS)
+    assert [g["step"] for g in groups] == [5.0, 5.0] and all("params" not in g for g in groups)
+
+
+def test_missing_group_is_one_line():
+    with pytest.raises(ValueError, match="no param group with .*--no-load-optim"):
+        megatron_format.groups_to_ours(_megatron_common(), [{**OURS[0], "lr_mult": 2.0}])
+
+
+def test_dp_reshardable_is_refused_naming_the_fix():
+    megatron_format.check_sharding_type(_megatron_common(), "ckpt")
+    with pytest.raises(ValueError, match=r"'dp_reshardable' format.*--no-load-optim.*--dist-ckpt-optim-fully-resh"):
+        megatron_format.check_sharding_type(_megatron_common("dp_reshardable"), "ckpt")
+
+
+def test_state_names_round_trip():
+    sh = ShardedTensor.from_rank_offsets("optimizer.state.fp32_param.decoder.layers.0.mlp.linear_fc1.weight",
+                                         torch.zeros(2, 3))
+    sd = {"param_state": {"k": {"fp32_param": sh}}}
+    theirs = megatron_format.rename_state_keys(sd)
+    renamed = theirs["param_state"]["k"]["fp32_param"].key
+    assert renamed == "optimizer.state.param.decoder.layers.0.mlp.linear_fc1.weight"
+    back = megatron_format.rename_state_keys(theirs, to_megatron=False)
+    assert back["param_state"]["k"]["fp32_param"].key == sh.key
+    assert not megatron_format.is_megatron_optimizer_state({"param_groups": [], "param_state_sharding_type": "x"})
