@@ -197,6 +197,11 @@ def blocked_seconds():
     return _STATE.recorder.blocked_s if _STATE is not None else 0.0
 
 
+def dump_path():
+    """This rank's dump file when it wrote one in this run, else None."""
+    return _STATE.path if _STATE is not None and os.path.exists(_STATE.path) and _STATE.dumped else None
+
+
 def heartbeat():
     """The training loop made progress (a step started or ended). A rank back from a stall (stopped, swapped
     out) between its last collective and this call records the stall first, as the watchdog would have: the
