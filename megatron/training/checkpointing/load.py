@@ -88,7 +88,11 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     if found is None:
         where = paths.get_checkpoint_tracker_filename(load_dir) if load_dir else "(no --load)"
         if args.exit_on_missing_checkpoint:
-            print_rank_0(f">> '--exit-on-missing-checkpoint' set ... exiting. (no checkpoint tracker {where})")
+            # Megatron's wording and exit status: a launcher or CI harness sees the missing checkpoint as a failure.
+            print_rank_0(f">> '--exit-on-missing-checkpoint' is set but no checkpoint was found under load directory "
+                         f"'{load_dir}' (missing metadata/tracker file '{where}'). Exiting with a non-zero status. <<")
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()
             sys.exit(1)
         if load_dir:
             print_rank_0(f"WARNING: could not find the metadata file {where}\n"
