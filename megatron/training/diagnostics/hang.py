@@ -128,6 +128,9 @@ class _State:
 def dump_prefix(args):
     """`--flight-recorder-dump-path` or a per-run prefix in the temp directory."""
     if args.flight_recorder_dump_path:
+        folder = os.path.dirname(args.flight_recorder_dump_path)
+        if folder:  # e.g. <checkpoints>/hang_dumps/rank: the folder is made once, by whichever rank comes first
+            os.makedirs(folder, exist_ok=True)
         return args.flight_recorder_dump_path
     run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or \
         os.environ.get("MASTER_PORT", str(os.getpid()))
