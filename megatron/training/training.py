@@ -174,13 +174,13 @@ def _run(train_valid_test_dataset_provider, model_provider, model_type, forward_
         print_rank_0("skipping training (--skip-train) ...")
     if should_exit:
         return
-    launches.end(f"completed at iteration {iteration}")
     if valid_it is not None and args.eval_iters > 0:
         evaluate_and_print_results(f"iteration {iteration} on validation set", forward_step_func, valid_it,
                                    model, iteration, process_non_loss_data_func, config, write_to_tensorboard=False)
     if test_it is not None and args.eval_iters > 0:
         evaluate_and_print_results(f"iteration {iteration} on test set", forward_step_func, test_it, model,
                                    iteration, process_non_loss_data_func, config, write_to_tensorboard=False)
+    launches.end(f"completed at iteration {iteration}")
 
 
 def _initialize_rerun_state_machine(args):

@@ -83,7 +83,8 @@ def test_resume_torch_format_after_exit_interval(tmp_path, straight):
 def test_resume_dp2_async_save(tmp_path):
     d = str(tmp_path / "c")
     _, saved = run("--save", d, "--async-save", nproc=2)
-    assert sorted(os.listdir(d)) == ["iter_0000003", "iter_0000006", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(d)) == ["iter_0000003", "iter_0000006", "latest_checkpointed_iteration.txt",
+                                     "launch_record.json"]
     assert {"__0_0.distcp", "__1_0.distcp", "metadata.json"} <= set(os.listdir(os.path.join(d, "iter_0000003")))
     _, resumed = run("--load", d, "--ckpt-step", "3", nproc=2)
     _check_resume(saved, saved, resumed, "dp2")

@@ -102,11 +102,17 @@ def diagnose(notes: list, world_size: Optional[int]) -> str:
 
 def _clear_failures(save_dir: str) -> None:
     folder = os.path.join(save_dir, FAILURES_DIR)
-    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+    if not os.path.isdir(folder):
+        return
+    for name in os.listdir(folder):
         try:
             os.remove(os.path.join(folder, name))
         except OSError:
             pass
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass
 
 
 def begin(args) -> Optional[dict]:
