@@ -119,9 +119,9 @@ def begin(args) -> Optional[dict]:
     """Every rank, once the process groups exist: rank 0 closes the previous launch's entry, opens this
     one and logs both; a barrier keeps other ranks from writing notes before the old ones are cleared.
     No --save: nothing is recorded."""
+    _STATE["save"], _STATE["iteration"] = args.save or None, None  # nothing left over from an earlier run
     if not args.save:
         return None
-    _STATE["save"], _STATE["iteration"] = args.save, None
     errors.on_error(_note_failure)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
