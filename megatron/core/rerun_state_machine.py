@@ -181,6 +181,12 @@ class RerunStateMachine:
             return True
         # After the re-run: every rank learns what any rank decided.
         self.stop_requested, self.skip_requested = self._reduce_any([self.stop_requested, self.skip_requested])
+        if self.stop_requested:
+            # The checkpoint saved before the exit holds the state at the start of the failed step (RNG and
+            # data position, as Megatron), so a restarted job runs that step exactly as the first try did.
+            self._restore_state()
+            for d in iterators:
+                d.rewind()
         if self.mode == RerunMode.REPORT_DETERMINISM_STATS:
             self._maybe_report_stats()
         self.state = RerunState.NOT_RUNNING_YET

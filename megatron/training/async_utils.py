@@ -3,6 +3,10 @@
 `maybe_finalize_async_save` is called by the training loop every iteration (and with ``blocking=True`` at
 exit); it is collective, so every rank must call it at the same points.
 """
+import shutil
+
+import torch
+
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 
 _async_calls_queue = None
@@ -24,9 +28,20 @@ def maybe_finalize_async_save(blocking: bool = False, terminate: bool = False) -
     global _async_calls_queue
     if _async_calls_queue is None:
         return
+    failed_before = len(_async_calls_queue.failed)
     _async_calls_queue.maybe_finalize_async_calls(blocking=blocking or terminate)
+    _remove_staging(_async_calls_queue.failed[failed_before:])
     if terminate:
         _async_calls_queue = None
+
+
+def _remove_staging(failed_dirs) -> None:
+    """A failed background save (a full disk...) was never published: rank 0 deletes its staging directory
+    (``iter_N.tmp``), whose partial files would only take space; the latest checkpoint stays as it was."""
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    for path in failed_dirs:
+        if rank0 and path.endswith(".tmp"):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def is_empty_async_queue() -> bool:

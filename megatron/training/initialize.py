@@ -191,8 +191,24 @@ def _initialize_distributed(args):
     hang.configure_flight_recorder(args)
     if torch.cuda.is_available() and args.distributed_backend == "nccl":
         kwargs["device_id"] = torch.device(f"cuda:{torch.cuda.current_device()}")
+    store = _restarted_worker_store(kwargs["timeout"])
+    if store is not None:
+        kwargs["store"] = store
     torch.distributed.init_process_group(**kwargs)
     atexit.register(_shutdown_distributed)
+
+
+def _restarted_worker_store(timeout):
+    """A key namespace of its own for a worker group that torchrun restarted (--max-restarts), else None.
+    torchrun's static rendezvous (--master-addr/--master-port) hands every restart the same store and key
+    prefix, so a restarted rank would read the previous launch's addresses (gloo: "Connection refused";
+    NCCL: a stale unique id). The restart count names this launch's keys."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart in ("", "0") or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent_store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                             int(os.environ["WORLD_SIZE"]), False, timeout=timeout)
+    return torch.distributed.PrefixStore(f"/megatron/launch_{restart}", agent_store)
 
 
 def _shutdown_distributed():

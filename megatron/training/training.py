@@ -26,7 +26,7 @@ from megatron.training.autoresume import check_adlr_autoresume_termination
 from megatron.training.checkpointing import save_checkpoint
 from megatron.training.config import PretrainConfigContainer
 from megatron.training.data_iterators import build_train_valid_test_data_iterators
-from megatron.training.diagnostics import hang, straggler
+from megatron.training.diagnostics import hang, launches, straggler
 from megatron.training.diagnostics.errors import report_errors
 from megatron.training.diagnostics.profiler import ProfilingWindow
 from megatron.training.evaluate import evaluate_and_print_results
@@ -127,6 +127,19 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, model_type, for
     start = _STARTUP_TIMESTAMPS["program_start"] or time.time()
     initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=args_defaults,
                         parsed_args=parsed_args)
+    args = get_args()
+    # Restart counter and the previous launch's outcome, next to the checkpoints (diagnostics.launches).
+    launches.begin(args)
+    try:
+        _run(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+             process_non_loss_data_func, start)
+    except SystemExit as e:  # --exit-on-missing-checkpoint, the rerun engine's codes: recorded, then on
+        launches.end(f"exited with code {e.code}")
+        raise
+
+
+def _run(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+         process_non_loss_data_func, start):
     args, timers = get_args(), get_timers()
     _initialize_rerun_state_machine(args)
     _report_init_time(start)
@@ -167,6 +180,7 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, model_type, for
     if test_it is not None and args.eval_iters > 0:
         evaluate_and_print_results(f"iteration {iteration} on test set", forward_step_func, test_it, model,
                                    iteration, process_non_loss_data_func, config, write_to_tensorboard=False)
+    launches.end(f"completed at iteration {iteration}")
 
 
 def _initialize_rerun_state_machine(args):
@@ -237,6 +251,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     with gc_control.training_gc(args), _finishing(profiling):
         while iteration < args.train_iters:
             hang.heartbeat()
+            launches.in_iteration(iteration + 1)
             profiling.before_step(iteration)
             update_num_microbatches(args.consumed_train_samples, consistency_check=True)
             straggler.step_start()
@@ -294,6 +309,8 @@ def _maybe_stop_on_failed_validation(iteration, model, optimizer, opt_param_sche
         _save(iteration, model, optimizer, opt_param_scheduler)
     print_datetime(f"exiting program: result validation failed at iteration {iteration + 1} "
                    f"(exit code {exit_code})")
+    launches.end(f"stopped by the rerun state machine: result validation failed at iteration {iteration + 1} "
+                 f"(exit code {exit_code}; see its 'rerun:' log line)")
     sys.exit(exit_code)
 
 
@@ -322,6 +339,8 @@ def _checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration
         if args.save:
             _save(iteration, model, optimizer, opt_param_scheduler)
         print_datetime(f"exiting program after receiving {args.exit_signal}.")
+        launches.end(f"exited after receiving {args.exit_signal} at iteration {iteration}"
+                     + (" (checkpoint saved)" if args.save else ""))
         return True
     if args.save and args.save_interval and iteration % args.save_interval == 0:
         _save(iteration, model, optimizer, opt_param_scheduler)
@@ -332,10 +351,12 @@ def _checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration
             if args.save and not saved:
                 _save(iteration, model, optimizer, opt_param_scheduler)
             print_datetime(f"exiting program after {minutes} minutes")
+            launches.end(f"exited after {minutes:.1f} minutes (--exit-duration-in-mins) at iteration {iteration}")
             return True
     if args.exit_interval and iteration % args.exit_interval == 0:
         if args.save and not saved:
             _save(iteration, model, optimizer, opt_param_scheduler)
         print_datetime(f"exiting program at iteration {iteration}")
+        launches.end(f"exited at iteration {iteration} (--exit-interval)")
         return True
     return False

@@ -3,14 +3,12 @@ checkpoint print the same `lm loss` text as one uninterrupted run (dropout on, s
 
 Single process for torch_dist and torch (saved by --exit-interval); torchrun DP=2 with --async-save
 (single-process async resume is covered in tests/unit/training/checkpointing/test_checkpointing.py).
-Also: SIGTERM with --exit-signal-handler saves and exits 0.
+SIGTERM with --exit-signal-handler (save, exit 0, resume) is a fault drill: tests/functional/test_fault_drills.py.
 """
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -85,37 +83,8 @@ def test_resume_torch_format_after_exit_interval(tmp_path, straight):
 def test_resume_dp2_async_save(tmp_path):
     d = str(tmp_path / "c")
     _, saved = run("--save", d, "--async-save", nproc=2)
-    assert sorted(os.listdir(d)) == ["iter_0000003", "iter_0000006", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(d)) == ["iter_0000003", "iter_0000006", "latest_checkpointed_iteration.txt",
+                                     "launch_record.json"]
     assert {"__0_0.distcp", "__1_0.distcp", "metadata.json"} <= set(os.listdir(os.path.join(d, "iter_0000003")))
     _, resumed = run("--load", d, "--ckpt-step", "3", nproc=2)
     _check_resume(saved, saved, resumed, "dp2")
-
-
-def test_sigterm_saves_and_exits_zero(tmp_path):
-    """--exit-signal-handler: SIGTERM during training saves a checkpoint at the current iteration, exit 0."""
-    d = str(tmp_path / "c")
-    cmd = _launcher(1) + CMD + ["--train-iters", "2000", "--save", d, "--save-interval", "1000",
-                                "--exit-signal-handler"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=_env())
-    lines = []
-    try:
-        deadline = time.time() + 120
-        for line in p.stdout:
-            lines.append(line)
-            if LOSS.search(line) and int(LOSS.search(line).group(1)) >= 2:
-                p.send_signal(signal.SIGTERM)
-                break
-            assert time.time() < deadline, "".join(lines[-30:])
-        lines.extend(p.stdout)
-        rc = p.wait(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    out = "".join(lines)
-    assert rc == 0, out[-3000:]
-    assert "exiting program after receiving SIGTERM." in out
-    last = max(int(m.group(1)) for m in LOSS.finditer(out))
-    assert 2 <= last < 2000
-    assert open(os.path.join(d, "latest_checkpointed_iteration.txt")).read() == str(last)
-    assert os.path.isfile(os.path.join(d, f"iter_{last:07d}", "metadata.json"))
-    assert f"successfully saved checkpoint from iteration {last:7d}" in out

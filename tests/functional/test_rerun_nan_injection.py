@@ -1,6 +1,7 @@
 """The rerun engine through pretrain_gpt.py: a NaN injected into the loss of one step (a real NaN: the
-backward sees it) is re-run; injected once it is a transient fault (stop, checkpoint, exit 17), injected
-again on the re-run it reproduces (the step is skipped and training goes on with finite losses)."""
+backward sees it) is re-run; injected again on the re-run it reproduces (the step is skipped and training
+goes on with finite losses). Injected once it is a transient fault (stop, checkpoint, exit 17, restart): a
+fault drill in tests/functional/test_fault_drills.py."""
 import re
 
 import pytest
@@ -24,22 +25,6 @@ def cli():
 
 def _losses(out):
     return {int(m.group(1)): m.group(2) for m in re.finditer(r"iteration +(\d+)/ +\d+ \|.*?lm loss: (\S+) \|", out)}
-
-
-def test_transient_nan_stops_with_a_checkpoint(cli, tmp_path):
-    tracker = tmp_path / "rejected.txt"
-    res = cli.run(["pretrain_gpt.py"] + MODEL + INJECT + [
-        "--error-injection-type", "transient_error", "--save", tmp_path / "ckpt", "--save-interval", "100",
-        "--result-rejected-tracker-filename", tracker], timeout=120)[0]
-    assert res.rc == 17, res.err[-3000:]
-    assert re.search(r"rerun: rank 0 iteration 3: found NaN in local forward loss calculation: result nan, "
-                     r"re-run [\d.]+ -> transient_error; stopping the run", res.out), res.out[-3000:]
-    assert sorted(_losses(res.out)) == [1, 2]  # step 3 was not applied
-    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    common = dist_checkpointing.load_common_state_dict(str(tmp_path / "ckpt" / "iter_0000002"))
-    [decision] = common["rerun_state_machine"]["decisions"]
-    assert (decision["iteration"], decision["diagnosis"], decision["decision"]) == (3, "transient_error", "stop")
-    assert "iteration=3 rank=0" in tracker.read_text() and "decision=stop" in tracker.read_text()
 
 
 def test_reproducible_nan_skips_the_step(cli, tmp_path):

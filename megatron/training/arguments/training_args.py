@@ -103,6 +103,12 @@ def add_checkpointing_args(parser):
                    help="Write torch_dist checkpoints in the background; training continues.")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="Fail if --load has no checkpoint instead of starting from scratch.")
+    g.add_argument("--ckpt-fallback-to-previous", action="store_true",
+                   help="(Not a Megatron-LM flag.) When the latest checkpoint under --load cannot be read (a "
+                        "truncated or corrupt file), load the newest older complete one instead of failing.")
+    g.add_argument("--verify-integrity", action="store_true",
+                   help="torch_dist: write SHA-256 hashes of every checkpoint file (integrity.json) on save and "
+                        "check them on load, so a corrupt file is found and named before it is read.")
     g.add_argument("--save-retain-interval", type=int, default=None,
                    help="Keep only saves whose iteration is a multiple of N (plus the latest).")
     g.add_argument("--use-checkpoint-args", action="store_true",

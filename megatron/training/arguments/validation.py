@@ -313,6 +313,8 @@ def _validate_checkpointing(args):
                  "--save requires --save-interval > 0")
     if args.skip_train and args.no_load_optim is None:
         args.no_load_optim = True
+    _require(not args.verify_integrity or args.ckpt_format == "torch_dist",
+             f"--verify-integrity needs --ckpt-format torch_dist (got {args.ckpt_format})")
     for name in ("no_save_optim", "no_save_rng", "no_load_optim", "no_load_rng"):
         if getattr(args, name) is None:
             setattr(args, name, False)

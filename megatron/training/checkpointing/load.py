@@ -95,20 +95,20 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     if found is None:
         where = paths.get_checkpoint_tracker_filename(load_dir) if load_dir else "(no --load)"
         if args.exit_on_missing_checkpoint:
-            print_rank_0(f">> '--exit-on-missing-checkpoint' set ... exiting. (no checkpoint tracker {where})")
+            # Megatron's wording and exit status: a launcher or CI harness sees the missing checkpoint as a failure.
+            print_rank_0(f">> '--exit-on-missing-checkpoint' is set but no checkpoint was found under load directory "
+                         f"'{load_dir}' (missing metadata/tracker file '{where}'). Exiting with a non-zero status. <<")
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()
             sys.exit(1)
         if load_dir:
             print_rank_0(f"WARNING: could not find the metadata file {where}\n"
                          f"    will not load any checkpoints and will start from random")
         return 0, 0
     iteration, release = found
-    checkpoint_dir = paths.get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
-    if args.ckpt_step is not None and not os.path.isdir(checkpoint_dir):
-        raise ValueError(f"--ckpt-step {iteration}: {checkpoint_dir} does not exist")
-    fmt = _detect(checkpoint_dir, args)
-    print_rank_0(f" loading checkpoint from {load_dir} at iteration {iteration}")
     skip_state = finetune or release
-    ckpt = _load_state(fmt, checkpoint_dir, load_dir, iteration, release, model, optimizer, args, skip_state)
+    iteration, (fmt, checkpoint_dir, ckpt) = _read_with_fallback(load_dir, iteration, release, model, optimizer,
+                                                                args, skip_state)
     ckpt_args = ckpt.get("args")
     if not skip_state and ckpt_args is not None:
         check_checkpoint_args(ckpt_args, args, fmt, checkpoint_dir)
@@ -127,6 +127,60 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     if skip_state:
         return 0, 0
     return ckpt.get("iteration", iteration), ckpt.get("num_floating_point_operations_so_far", 0)
+
+
+def _read(load_dir, iteration, release, model, optimizer, args, skip_state):
+    """(format, directory, loaded state) of one checkpoint; every rank raises if any rank could not read it."""
+    checkpoint_dir = paths.get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
+    if args.ckpt_step is not None and not os.path.isdir(checkpoint_dir):
+        raise ValueError(f"--ckpt-step {iteration}: {checkpoint_dir} does not exist")
+    error, result = None, None
+    try:
+        fmt = _detect(checkpoint_dir, args)
+        print_rank_0(f" loading checkpoint from {load_dir} at iteration {iteration}")
+        result = fmt, checkpoint_dir, _load_state(fmt, checkpoint_dir, load_dir, iteration, release, model,
+                                                  optimizer, args, skip_state)
+    except CheckpointingException as e:
+        error = e
+    # Legacy files are read per rank: ranks must agree before any of them falls back to another iteration.
+    if _failed_on_any_rank(error is not None):
+        raise error or CheckpointingException(f"checkpoint {checkpoint_dir} could not be read on another rank "
+                                              f"(its error names the file)")
+    return result
+
+
+def _failed_on_any_rank(failed: bool) -> bool:
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return failed
+    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([int(failed)], dtype=torch.int32, device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _read_with_fallback(load_dir, iteration, release, model, optimizer, args, skip_state):
+    """(iteration, _read(...)): the latest checkpoint, or with --ckpt-fallback-to-previous the newest older
+    complete one that reads, when the latest is unreadable (truncated, corrupt, incomplete)."""
+    try:
+        return iteration, _read(load_dir, iteration, release, model, optimizer, args, skip_state)
+    except CheckpointingException as e:
+        error = e
+    older = [] if (release or args.ckpt_step is not None) else paths.previous_complete(load_dir, iteration)
+    if not older:
+        raise error
+    if not getattr(args, "ckpt_fallback_to_previous", False):
+        raise CheckpointingException(f"{error}; pass --ckpt-fallback-to-previous to load iteration {older[0]} "
+                                     f"instead") from error
+    failed = iteration
+    for previous in older:
+        print_rank_0(f"WARNING: the checkpoint of iteration {failed} cannot be loaded ({error}); "
+                     f"--ckpt-fallback-to-previous: loading iteration {previous} instead")
+        try:
+            return previous, _read(load_dir, previous, False, model, optimizer, args, skip_state)
+        except CheckpointingException as e:
+            error, failed = e, previous
+    raise CheckpointingException(f"no checkpoint under {load_dir} can be loaded; the oldest tried, iteration "
+                                 f"{failed}: {error}") from error
 
 
 def _load_state(fmt, checkpoint_dir, load_dir, iteration, release, model, optimizer, args, skip_state):
@@ -158,7 +212,8 @@ def _load_state(fmt, checkpoint_dir, load_dir, iteration, release, model, optimi
     for k in ("args", "checkpoint_version", "iteration", "num_floating_point_operations_so_far"):
         sd.pop(k, None)
     strict = getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected")
-    loaded = dist_checkpointing.load(sd, checkpoint_dir, strict=strict)
+    loaded = dist_checkpointing.load(sd, checkpoint_dir, strict=strict,
+                                     verify_integrity=getattr(args, "verify_integrity", False))
     if megatron_optim:
         loaded["optimizer"] = megatron_format.to_our_state(loaded["optimizer"], optimizer.param_groups)
     if not load_optim:

@@ -1,4 +1,5 @@
 """Checkpoint directory names, the tracker file and atomic publication of a finished save."""
+import errno
 import os
 import shutil
 import signal
@@ -14,10 +15,20 @@ LEGACY_FNAME = "model_optim_rng.pt"
 FAULT_ENV = "MEGATRON_CKPT_FAULT"
 
 
-def fault_point(stage: str) -> None:
-    """Fault injection for the kill tests: ``MEGATRON_CKPT_FAULT=<stage>`` SIGKILLs this process here."""
-    if os.environ.get(FAULT_ENV) == stage:
-        os.kill(os.getpid(), signal.SIGKILL)
+def fault_point(stage: str, iteration: Optional[int] = None, path: Optional[str] = None) -> None:
+    """Test-only fault injection (docs/fault_tolerance.md): ``MEGATRON_CKPT_FAULT=<stage>[:enospc][@<iteration>]``
+    SIGKILLs this process when a save reaches ``stage`` (``:enospc``: raises "No space left on device" for
+    ``path`` instead, a full disk), at every save or only at the save of ``<iteration>``."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    spec, _, at = spec.partition("@")
+    name, _, action = spec.partition(":")
+    if name != stage or (at and (iteration is None or int(at) != iteration)):
+        return
+    if action == "enospc":
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected by {FAULT_ENV})", path)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def get_checkpoint_tracker_filename(checkpoints_path: str) -> str:
@@ -84,7 +95,7 @@ def write_tracker(checkpoints_path: str, iteration: int) -> None:
         f.write(str(iteration))
         f.flush()
         os.fsync(f.fileno())
-    fault_point("tracker_tmp_written")
+    fault_point("tracker_tmp_written", iteration)
     os.replace(tmp, path)
 
 
@@ -121,6 +132,22 @@ def apply_retention(checkpoints_path: str, latest: int, retain_interval: Optiona
     for it in iteration_dirs(checkpoints_path):
         if it < latest and it % retain_interval != 0:
             shutil.rmtree(get_checkpoint_name(checkpoints_path, it, return_base_dir=True), ignore_errors=True)
+
+
+def previous_complete(checkpoints_path: str, before: int):
+    """Iterations of complete checkpoints older than ``before``, newest first (for --ckpt-fallback-to-previous)."""
+    return [it for it in reversed(iteration_dirs(checkpoints_path)) if it < before
+            and detect_format(get_checkpoint_name(checkpoints_path, it, return_base_dir=True)) is not None]
+
+
+def latest_iteration(checkpoints_path: str) -> Optional[int]:
+    """The tracker's iteration without the collective of `read_metadata` (None: no readable tracker)."""
+    try:
+        with open(get_checkpoint_tracker_filename(checkpoints_path)) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def detect_format(checkpoint_dir: str) -> Optional[str]:

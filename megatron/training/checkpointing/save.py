@@ -10,6 +10,7 @@ import time
 import torch
 
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import CheckpointingException
 from megatron.training import async_utils
 from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0
@@ -32,13 +33,20 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
                     train_data_iterator=None, preprocess_common_state_dict_fn=None):
     """Save model, optimizer, scheduler, RNG and counters of ``iteration`` under ``args.save``.
     A save that fails (rather than being killed) removes its staging directory before the error goes on."""
+    save_dir = get_args().save
     try:
         _save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
                          non_persistent_ckpt, preprocess_common_state_dict_fn)
-    except BaseException:
-        if _rank() == 0 and get_args().save:
-            final_dir = paths.get_checkpoint_name(get_args().save, iteration, return_base_dir=True)
+    except BaseException as e:
+        if _rank() == 0 and save_dir:
+            final_dir = paths.get_checkpoint_name(save_dir, iteration, return_base_dir=True)
             shutil.rmtree(paths.staging_dir(final_dir), ignore_errors=True)
+        if isinstance(e, OSError) and save_dir:  # a full disk, a lost mount: one line that says what is kept
+            latest = paths.latest_iteration(save_dir)
+            kept = f"iteration {latest} stays the latest checkpoint" if latest is not None else \
+                "there is no earlier checkpoint"
+            raise CheckpointingException(f"saving the checkpoint of iteration {iteration} to {save_dir} failed: {e}; "
+                                         f"{kept} (free space there or pass another --save)") from e
         raise
 
 
@@ -67,7 +75,7 @@ def _save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_float
         shutil.rmtree(tmp_dir, ignore_errors=True)  # leftover of a killed save
         os.makedirs(tmp_dir)
     _barrier()
-    paths.fault_point("staging_created")
+    paths.fault_point("staging_created", iteration)
     rng = state.get_rng_state() if not args.no_save_rng else None
     sd = state.generate_state_dict(args, model, optimizer, opt_param_scheduler, rng, iteration,
                                    num_floating_point_operations_so_far, sharded=fmt == "torch_dist",
@@ -76,8 +84,16 @@ def _save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_float
         sd = preprocess_common_state_dict_fn(sd)
     finalize = _finalize_fn(save_dir, iteration, tmp_dir, final_dir, start)
     if fmt == "torch_dist":
-        request = dist_checkpointing.save(sd, tmp_dir, async_sharded_save=True)
-        request.finalize_fns.insert(0, lambda: paths.fault_point("data_written"))
+        request = dist_checkpointing.save(sd, tmp_dir, async_sharded_save=True,
+                                          verify_integrity=getattr(args, "verify_integrity", False))
+        write = request.async_fn
+
+        def write_shards(*a, **kw):
+            write(*a, **kw)
+            paths.fault_point("writing", iteration, tmp_dir)  # the last write of a full disk fails
+
+        request.async_fn = write_shards
+        request.finalize_fns.insert(0, lambda: paths.fault_point("data_written", iteration))
         request.finalize_fns.append(finalize)
         if args.async_save:
             async_utils.schedule_async_save(request)
@@ -89,7 +105,7 @@ def _save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_float
             fn()
     elif fmt == "torch":
         _save_legacy(sd, tmp_dir, save_dir, iteration, args)
-        paths.fault_point("data_written")
+        paths.fault_point("data_written", iteration)
         finalize()
     else:
         raise ValueError(f"--ckpt-format {fmt} is not supported; use torch_dist or torch")
@@ -115,9 +131,9 @@ def _finalize_fn(save_dir, iteration, tmp_dir, final_dir, start):
     def finalize():
         _barrier()
         if _rank() == 0:
-            paths.fault_point("before_publish")
+            paths.fault_point("before_publish", iteration)
             paths.publish_dir(tmp_dir, final_dir)
-            paths.fault_point("published")
+            paths.fault_point("published", iteration)
             paths.write_tracker(save_dir, iteration)
             paths.apply_retention(save_dir, iteration, getattr(get_args(), "save_retain_interval", None))
         _barrier()

@@ -128,6 +128,9 @@ class _State:
 def dump_prefix(args):
     """`--flight-recorder-dump-path` or a per-run prefix in the temp directory."""
     if args.flight_recorder_dump_path:
+        folder = os.path.dirname(args.flight_recorder_dump_path)
+        if folder:  # e.g. <checkpoints>/hang_dumps/rank: the folder is made once, by whichever rank comes first
+            os.makedirs(folder, exist_ok=True)
         return args.flight_recorder_dump_path
     run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or \
         os.environ.get("MASTER_PORT", str(os.getpid()))
@@ -195,6 +198,11 @@ def _set_group_timeouts(seconds):
 def blocked_seconds():
     """Seconds this rank has spent inside synchronous collectives so far (0 when not installed)."""
     return _STATE.recorder.blocked_s if _STATE is not None else 0.0
+
+
+def dump_path():
+    """This rank's dump file when it wrote one in this run, else None."""
+    return _STATE.path if _STATE is not None and os.path.exists(_STATE.path) and _STATE.dumped else None
 
 
 def heartbeat():

@@ -33,10 +33,14 @@ def test_spike_and_nan_decisions():
     assert rsm.should_checkpoint_and_exit() == (False, False, 0) and not rsm.should_skip_step()
     _step(rsm, it, [float("nan"), float("nan")])
     assert rsm.decisions[-1]["decision"] == "skip" and rsm.should_skip_step()
+    before = torch.get_rng_state()
     _step(rsm, it, [float("nan"), 1.0])
     assert rsm.decisions[-1]["decision"] == "stop" and rsm.should_checkpoint_and_exit() == (True, True, 17)
     assert [d["iteration"] for d in rsm.decisions] == [3, 4, 5, 6]  # 0-based; train() numbers as its log
-    assert next(it) == 7  # 7 steps consumed one micro-batch each, re-runs included
+    # A stop leaves the state of the failed step's start for the checkpoint (as Megatron): its RNG, and its
+    # micro-batch (the 7th) next in line.
+    assert torch.equal(torch.get_rng_state(), before)
+    assert next(it) == 6
     restored = RerunStateMachine(mode="validate_results")
     restored.load_state_dict(rsm.state_dict())
     assert restored.decisions == rsm.decisions and restored.max_values == {"loss": 1.0}

@@ -229,6 +229,36 @@ def dcp_write(checkpoint_dir: str, shards: Shards, objects: Dict[str, object], p
              process_group=process_group, no_dist=no_dist)
 
 
+class _NamingReader(FileSystemReader):
+    """DCP's file reader, whose failures name the file and byte range they came from (DCP's own error only
+    says that some item would not deserialize)."""
+
+    _where = None
+
+    def _slice_file(self, file, sinfo):
+        self._where = (sinfo.relative_path, sinfo.offset, sinfo.length)
+        return super()._slice_file(file, sinfo)
+
+    def read_data(self, plan, planner):
+        self._where = None
+        try:
+            return super().read_data(plan, planner)
+        except CheckpointingException:
+            raise
+        except Exception as e:
+            if self._where is None:
+                raise
+            rel, offset, length = self._where
+            path = os.path.join(str(self.path), rel)
+            size = os.path.getsize(path) if os.path.isfile(path) else 0
+            if size < offset + length:
+                raise CheckpointingException(f"truncated or missing file(s) {path} ({size} bytes; the checkpoint's "
+                                             f"metadata records {offset + length})") from e
+            raise CheckpointingException(
+                f"corrupted checkpoint file {path} (bytes {offset}-{offset + length}): "
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+
+
 def dcp_read(checkpoint_dir: str, shards: Shards, object_keys: List[str], process_group=None,
              allow_shape_mismatch=(), no_dist=None) -> Dict[str, object]:
     """Fill the tensors in ``shards`` in place from ``checkpoint_dir``; return the requested objects."""
@@ -237,7 +267,7 @@ def dcp_read(checkpoint_dir: str, shards: Shards, object_keys: List[str], proces
         no_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     placeholder = {k: None for k in object_keys}
     placeholder.update({k: v[0][1] for k, v in shards.items()})
-    dcp_load(placeholder, storage_reader=FileSystemReader(checkpoint_dir), planner=planner,
+    dcp_load(placeholder, storage_reader=_NamingReader(checkpoint_dir), planner=planner,
              process_group=process_group, no_dist=no_dist)
     return planner.loaded_objects
 

@@ -54,6 +54,7 @@ def make_args(save, load=None, **kw):
              no_save_optim=False, no_save_rng=False, no_load_optim=False, no_load_rng=False, finetune=False,
              pretrained_checkpoint=None, ckpt_step=None, exit_on_missing_checkpoint=False, async_save=False,
              save_retain_interval=None, num_layers=2, hidden_size=8, num_attention_heads=2,
+             ckpt_fallback_to_previous=False, verify_integrity=False,
              consumed_train_samples=0, consumed_valid_samples=0)
     a.update(kw)
     return argparse.Namespace(**a)
@@ -291,3 +292,78 @@ def test_load_args_from_checkpoint(tmp_path):
         load_args_from_checkpoint(argparse.Namespace(load=str(tmp_path / "none"), ckpt_step=None))
     with pytest.raises(ArgumentError, match="needs --load"):
         load_args_from_checkpoint(argparse.Namespace(load=None, ckpt_step=None))
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_unreadable_latest_named_and_fallback_to_previous(tmp_path, fmt, capsys):
+    """A truncated file of the latest checkpoint is named at load; --ckpt-fallback-to-previous loads the newest
+    older complete checkpoint instead (its weights, its iteration)."""
+    from megatron.core.dist_checkpointing import CheckpointingException
+    d = str(tmp_path / "ck")
+    set_args(make_args(d, ckpt_format=fmt))
+    model, opt, sched = build(make_args(d))
+    for it in (2, 4):
+        with torch.no_grad():
+            for p in model[0].parameters():
+                p.fill_(float(it))
+        save_checkpoint(it, model, opt, sched, float(it))
+    name = "mp_rank_00/model_optim_rng.pt" if fmt == "torch" else "__0_0.distcp"
+    shard = os.path.join(d, "iter_0000004", name)
+    os.truncate(shard, os.path.getsize(shard) // 2)
+    set_args(make_args(d, load=d, ckpt_format=fmt))
+    with pytest.raises(CheckpointingException, match=f"{shard}.*; pass --ckpt-fallback-to-previous to load "
+                                                     f"iteration 2 instead"):
+        load_checkpoint(*build(make_args(d)))
+    set_args(make_args(d, load=d, ckpt_format=fmt, ckpt_fallback_to_previous=True))
+    model, opt, sched = build(make_args(d))
+    assert load_checkpoint(model, opt, sched) == (2, 2.0)
+    assert all(torch.all(p == 2.0) for p in model[0].parameters())
+    assert "--ckpt-fallback-to-previous: loading iteration 2 instead" in capsys.readouterr().out
+    os.truncate(os.path.join(d, "iter_0000002", name), 10)  # nothing readable left: one line says so
+    with pytest.raises(CheckpointingException, match="no checkpoint under .* can be loaded; the oldest tried, "
+                                                     "iteration 2"):
+        load_checkpoint(*build(make_args(d)))
+
+
+def test_corrupt_dcp_item_names_the_file(tmp_path):
+    """Garbled bytes at the start of a stored tensor: the load error names the file and the byte range."""
+    from megatron.core.dist_checkpointing import CheckpointingException
+    from megatron.core.dist_checkpointing.strategies.torch import read_metadata
+    d = str(tmp_path / "ck")
+    set_args(make_args(d))
+    model, opt, sched = build(make_args(d))
+    save_checkpoint(1, model, opt, sched, 1.0)
+    ckpt = os.path.join(d, "iter_0000001")
+    info = next(v for k, v in read_metadata(ckpt).storage_data.items() if k.fqn == "fc1.weight")
+    with open(os.path.join(ckpt, info.relative_path), "r+b") as f:
+        f.seek(info.offset)
+        f.write(b"\0" * 64)  # the zip header of the stored tensor
+    set_args(make_args(d, load=d))
+    with pytest.raises(CheckpointingException, match=f"corrupted checkpoint file {ckpt}/{info.relative_path} "
+                                                     f"\\(bytes {info.offset}-{info.offset + info.length}\\)"):
+        load_checkpoint(*build(make_args(d)))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys, async_save):
+    """MEGATRON_CKPT_FAULT=writing:enospc@2: the save of iteration 2 fails after writing its shards. Sync: one
+    line names the error and the checkpoint that stays the latest. Async: a warning, training goes on. Either
+    way the staging directory is removed and the tracker still names iteration 1."""
+    from megatron.core.dist_checkpointing import CheckpointingException
+    d = str(tmp_path / "ck")
+    set_args(make_args(d, async_save=async_save))
+    model, opt, sched = build(make_args(d))
+    save_checkpoint(1, model, opt, sched, 1.0)
+    async_utils.maybe_finalize_async_save(blocking=True)
+    monkeypatch.setenv("MEGATRON_CKPT_FAULT", "writing:enospc@2")
+    if async_save:
+        save_checkpoint(2, model, opt, sched, 2.0)
+        async_utils.maybe_finalize_async_save(blocking=True)
+        assert "WARNING: async checkpoint save" in capsys.readouterr().out
+    else:
+        with pytest.raises(CheckpointingException, match=f"saving the checkpoint of iteration 2 to {d} failed: "
+                                                         r"\[Errno 28\] No space left on device .*; iteration 1 "
+                                                         r"stays the latest checkpoint"):
+            save_checkpoint(2, model, opt, sched, 2.0)
+    assert sorted(os.listdir(d)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    assert open(os.path.join(d, "latest_checkpointed_iteration.txt")).read() == "1"
