@@ -1,7 +1,7 @@
 """Pretrain BERT (masked LM + sentence order): `torchrun --nproc-per-node N pretrain_bert.py <Megatron flags>`.
 
 Data: `tools/preprocess_data.py --split-sentences --tokenizer-type BertWordPieceLowerCase ...` output
-(`<prefix>_text_sentence`), passed with --data-path.
+(`<prefix>_text_sentence`), passed with --data-path; or --mock-data (synthetic sentences, same masking).
 """
 from functools import partial
 
@@ -9,7 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
+from megatron.core.datasets.bert_dataset import (
+    BERTMaskedWordPieceDataset,
+    BERTMaskedWordPieceDatasetConfig,
+    MockBERTMaskedWordPieceDataset,
+)
 from megatron.core.enums import ModelType
 from megatron.core.models.bert.bert_layer_specs import get_bert_layer_local_spec
 from megatron.core.models.bert.bert_model import BertModel
@@ -40,9 +44,6 @@ def check_bert_args(args):
                          "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank")
     if args.sequence_parallel or args.context_parallel_size > 1:
         raise ValueError("pretrain_bert.py: --sequence-parallel and --context-parallel-size > 1 are not supported")
-    if args.mock_data:
-        raise ValueError("pretrain_bert.py: --mock-data is not supported; preprocess a corpus with "
-                         "--split-sentences and pass --data-path")
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None):
@@ -106,10 +107,11 @@ def core_bert_dataset_config_from_args(args):
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
-    """BERT train/valid/test datasets from sentence-split data."""
+    """BERT train/valid/test datasets from sentence-split data (synthetic sentences with --mock-data)."""
     args = get_args()
     check_bert_args(args)
-    return build_masked_datasets(BERTMaskedWordPieceDataset, core_bert_dataset_config_from_args(args),
+    dataset_type = MockBERTMaskedWordPieceDataset if args.mock_data else BERTMaskedWordPieceDataset
+    return build_masked_datasets(dataset_type, core_bert_dataset_config_from_args(args),
                                  train_val_test_num_samples, "BERT")
 
 

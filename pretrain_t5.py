@@ -1,8 +1,8 @@
 """Pretrain T5 (span corruption): `torchrun --nproc-per-node N pretrain_t5.py <Megatron flags>`.
 
 Data: `tools/preprocess_data.py --split-sentences --tokenizer-type BertWordPieceCase ...` output
-(`<prefix>_text_sentence`), passed with --data-path. BertWordPieceCase registers the 100 sentinels
-<extra_id_i>; with BertWordPieceLowerCase pass --vocab-extra-ids 100.
+(`<prefix>_text_sentence`), passed with --data-path, or --mock-data (synthetic sentences). BertWordPieceCase
+registers the 100 sentinels <extra_id_i>; with BertWordPieceLowerCase pass --vocab-extra-ids 100.
 """
 import argparse
 import sys
@@ -11,7 +11,11 @@ from functools import partial
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset, T5MaskedWordPieceDatasetConfig
+from megatron.core.datasets.t5_dataset import (
+    MockT5MaskedWordPieceDataset,
+    T5MaskedWordPieceDataset,
+    T5MaskedWordPieceDatasetConfig,
+)
 from megatron.core.enums import ModelType
 from megatron.core.models.T5 import T5Model
 from megatron.core.models.T5.t5_model import encoder_config_from, t5_attention_masks
@@ -50,9 +54,6 @@ def check_t5_args(args):
     if args.recompute_granularity is not None:
         raise ValueError("pretrain_t5.py: activation recompute is not supported for T5 yet; drop "
                          "--recompute-granularity / --recompute-activations")
-    if args.mock_data:
-        raise ValueError("pretrain_t5.py: --mock-data is not supported; preprocess a corpus with "
-                         "--split-sentences and pass --data-path")
     if args.encoder_num_layers is None:
         args.encoder_num_layers = args.num_layers
     if args.decoder_num_layers is None:
@@ -117,10 +118,11 @@ def core_t5_dataset_config_from_args(args):
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
-    """T5 train/valid/test datasets from sentence-split data."""
+    """T5 train/valid/test datasets from sentence-split data (synthetic sentences with --mock-data)."""
     args = get_args()
     check_t5_args(args)
-    return build_masked_datasets(T5MaskedWordPieceDataset, core_t5_dataset_config_from_args(args),
+    dataset_type = MockT5MaskedWordPieceDataset if args.mock_data else T5MaskedWordPieceDataset
+    return build_masked_datasets(dataset_type, core_t5_dataset_config_from_args(args),
                                  train_val_test_num_samples, "T5")
 
 

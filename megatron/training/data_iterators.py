@@ -18,6 +18,14 @@ def train_valid_test_num_samples():
     return train, evals * args.global_batch_size, args.eval_iters * args.global_batch_size
 
 
+def _none_if_empty(dataset):
+    """An evaluation split of 0 samples (--eval-iters 0 with BERT/T5 data) has no loader, as in Megatron."""
+    try:
+        return None if dataset is not None and len(dataset) == 0 else dataset
+    except TypeError:  # an iterable without a length
+        return dataset
+
+
 def _cyclic_iter(loader):
     while True:
         for batch in loader:
@@ -50,8 +58,8 @@ def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provid
     if reads:
         train_ds, valid_ds, test_ds = build_train_valid_test_datasets_provider(list(sizes))
         loaders = (build_pretraining_data_loader(train_ds, args.consumed_train_samples),
-                   build_pretraining_data_loader(valid_ds, args.consumed_valid_samples),
-                   build_pretraining_data_loader(test_ds, 0))
+                   build_pretraining_data_loader(_none_if_empty(valid_ds), args.consumed_valid_samples),
+                   build_pretraining_data_loader(_none_if_empty(test_ds), 0))
     flags = torch.tensor([int(l is not None) for l in loaders], dtype=torch.long, device=get_device())
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
     args.do_train, args.do_valid, args.do_test = (bool(f) and args.train_iters > 0 if i == 0 else bool(f)

@@ -66,11 +66,9 @@ def test_unsupported_layouts_rejected_with_clear_error():
     import argparse
     sys.path.insert(0, ROOT)
     from pretrain_bert import check_bert_args
-    base = dict(virtual_pipeline_model_parallel_size=None, sequence_parallel=False, context_parallel_size=1,
-                mock_data=False)
+    base = dict(virtual_pipeline_model_parallel_size=None, sequence_parallel=False, context_parallel_size=1)
     check_bert_args(argparse.Namespace(**base))
     for change, needle in ((dict(virtual_pipeline_model_parallel_size=2), "virtual pipeline"),
-                           (dict(sequence_parallel=True), "--sequence-parallel"),
-                           (dict(mock_data=True), "--mock-data")):
+                           (dict(sequence_parallel=True), "--sequence-parallel")):
         with pytest.raises(ValueError, match=needle):
             check_bert_args(argparse.Namespace(**{**base, **change}))

@@ -44,7 +44,7 @@ def test_t5_flag_checks():
     sys.path.insert(0, ROOT)
     from pretrain_t5 import _args_defaults, check_t5_args
     base = dict(decoder_seq_length=64, seq_length=128, max_position_embeddings=128, pipeline_model_parallel_size=1,
-                sequence_parallel=False, context_parallel_size=1, recompute_granularity=None, mock_data=False,
+                sequence_parallel=False, context_parallel_size=1, recompute_granularity=None,
                 num_layers=3, encoder_num_layers=None, decoder_num_layers=2)
     args = argparse.Namespace(**base)
     check_t5_args(args)

@@ -6,7 +6,11 @@ from typing import Dict, List, Optional
 import numpy
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset
-from megatron.core.datasets.masked_dataset import MaskedWordPieceDataset, MaskedWordPieceDatasetConfig
+from megatron.core.datasets.masked_dataset import (
+    MaskedWordPieceDataset,
+    MaskedWordPieceDatasetConfig,
+    MockMaskedLowLevelDataset,
+)
 from megatron.core.datasets.utils import Split
 
 
@@ -102,3 +106,17 @@ class BERTMaskedWordPieceDataset(MaskedWordPieceDataset):
             "loss_mask": loss_mask,
             "truncated": int(truncated),
         }
+
+
+class MockBERTMaskedWordPieceDataset(BERTMaskedWordPieceDataset):
+    """BERTMaskedWordPieceDataset over synthetic sentences (`--mock-data`): same keys and masking."""
+
+    def __init__(self, dataset, dataset_path, indexed_indices, num_samples, index_split, config):
+        if not config.mock:
+            raise ValueError("MockBERTMaskedWordPieceDataset needs a config without a data blend (mock data)")
+        super().__init__(dataset, dataset_path, indexed_indices, num_samples, index_split, config)
+
+    @staticmethod
+    def build_low_level_dataset(dataset_path: Optional[str],
+                                config: BERTMaskedWordPieceDatasetConfig) -> MockMaskedLowLevelDataset:
+        return MockMaskedLowLevelDataset(config.tokenizer, config.random_seed)

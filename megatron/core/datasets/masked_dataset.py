@@ -96,7 +96,10 @@ class MaskedWordPieceDataset(MegatronDataset):
     # -- sample index ---------------------------------------------------------------------------
     def _build_sample_index(self, sequence_length: int, min_sentences_per_sample: int) -> numpy.ndarray:
         """Rows (first sentence, one past the last sentence, target length); rank 0 builds and caches,
-        other ranks load the cache."""
+        other ranks load the cache (mock data without --data-cache-path: built in memory on every rank)."""
+        if self.config.mock and self.config.path_to_cache is None:
+            # mock data has no files to cache beside; every rank builds the same index (seeded)
+            return self._build_mapping(sequence_length, min_sentences_per_sample)
         path_to_cache = self.config.path_to_cache or os.path.join(
             self.dataset.path_prefix, "cache", f"{type(self).__name__}_indices")
         base = os.path.join(path_to_cache, f"{self.unique_description_hash}-{type(self).__name__}-"
@@ -222,3 +225,48 @@ class MaskedWordPieceDataset(MegatronDataset):
     def _get_token_mask(self, rng: numpy.random.RandomState) -> Optional[int]:
         """Replacement for one masked token; None keeps the original token."""
         raise NotImplementedError
+
+
+class MockMaskedLowLevelDataset:
+    """A synthetic sentence-split corpus for `--mock-data` (BERT, T5), laid out like an IndexedDataset.
+
+    Documents hold 2-16 sentences of 8-48 tokens; a sentence is a run of consecutive ordinary vocabulary
+    ids starting at a Zipf-distributed offset, so a masked token is predictable from its neighbours and
+    frequent tokens dominate, as in text, and the masked-LM loss falls. Everything is drawn from ``seed``.
+    """
+
+    num_documents: int = 10000
+
+    def __init__(self, tokenizer, seed: int):
+        self.path_prefix = None
+        self.pool = self._ordinary_token_ids(tokenizer)
+        rng = numpy.random.default_rng(seed)
+        sentences_per_document = rng.integers(2, 17, size=self.num_documents)
+        self.document_indices = numpy.concatenate([[0], numpy.cumsum(sentences_per_document)]).astype(numpy.int64)
+        num_sentences = int(self.document_indices[-1])
+        self.sequence_lengths = rng.integers(8, 49, size=num_sentences).astype(numpy.int32)
+        # sentences start at a word, never inside one (a '##' continuation piece)
+        word_starts = numpy.flatnonzero([not tokenizer.inv_vocab[int(i)].startswith("##") for i in self.pool])
+        self._starts = word_starts[(rng.zipf(1.5, size=num_sentences) - 1) % len(word_starts)]
+
+    @staticmethod
+    def _ordinary_token_ids(tokenizer) -> numpy.ndarray:
+        """Vocabulary ids minus the special tokens ([CLS], [SEP], [PAD], [MASK], BOS/EOS, sentinels)."""
+        special = set(getattr(tokenizer, "additional_special_tokens_ids", None) or [])
+        for name in ("cls", "sep", "pad", "mask", "bos", "eos"):
+            try:
+                special.add(getattr(tokenizer, name))
+            except (NotImplementedError, AttributeError):
+                pass
+        pool = numpy.array(sorted(i for i in tokenizer.inv_vocab if i not in special), dtype=numpy.int64)
+        if len(pool) == 0:
+            raise ValueError("--mock-data: the tokenizer's vocabulary has no ordinary tokens to draw text from")
+        return pool
+
+    def __len__(self) -> int:
+        return len(self.sequence_lengths)
+
+    def __getitem__(self, idx: int) -> numpy.ndarray:
+        """Sentence ``idx``: its token ids."""
+        offsets = self._starts[idx] + numpy.arange(int(self.sequence_lengths[idx]))
+        return self.pool[offsets % len(self.pool)]

@@ -7,7 +7,11 @@ from typing import Dict, List, Optional
 import numpy
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset
-from megatron.core.datasets.masked_dataset import MaskedWordPieceDataset, MaskedWordPieceDatasetConfig
+from megatron.core.datasets.masked_dataset import (
+    MaskedWordPieceDataset,
+    MaskedWordPieceDatasetConfig,
+    MockMaskedLowLevelDataset,
+)
 from megatron.core.datasets.utils import Split
 
 
@@ -91,3 +95,17 @@ class T5MaskedWordPieceDataset(MaskedWordPieceDataset):
             "enc_mask": as_array([1] * len(enc_in), pad_enc, 0),
             "dec_mask": as_array([1] * len(dec_in), pad_dec, 0),
         }
+
+
+class MockT5MaskedWordPieceDataset(T5MaskedWordPieceDataset):
+    """T5MaskedWordPieceDataset over synthetic sentences (`--mock-data`): same keys and masking."""
+
+    def __init__(self, dataset, dataset_path, indexed_indices, num_samples, index_split, config):
+        if not config.mock:
+            raise ValueError("MockT5MaskedWordPieceDataset needs a config without a data blend (mock data)")
+        super().__init__(dataset, dataset_path, indexed_indices, num_samples, index_split, config)
+
+    @staticmethod
+    def build_low_level_dataset(dataset_path: Optional[str],
+                                config: T5MaskedWordPieceDatasetConfig) -> MockMaskedLowLevelDataset:
+        return MockMaskedLowLevelDataset(config.tokenizer, config.random_seed)

@@ -15,6 +15,7 @@ _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 def validate_inputs(args, require):
     """``require(condition, message)`` raises ArgumentError; called at the end of validate_args."""
     if args.split is not None:
+        args.split = unquote_split(args.split)
         check_split(args.split, require)
     for flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"):
         blend = getattr(args, flag[2:].replace("-", "_"))
@@ -31,6 +32,16 @@ def reads_image_text_data(args) -> bool:
     """pretrain_vlm.py's --data-path is a JSONL of image-text samples or an Energon folder (its own loader
     checks it), not a .bin/.idx prefix; its parser defines --vlm-data-format."""
     return hasattr(args, "vlm_data_format")
+
+
+def unquote_split(split):
+    """'99,1,0' with its shell quotes kept -> 99,1,0. Megatron's llama example passes
+    `"--split '99,1,0'"` in a bash array expanded unquoted: word splitting keeps the quote characters,
+    and Megatron's parser reads only the numbers, so such a value must be accepted here too."""
+    split = split.strip()
+    if len(split) >= 2 and split[0] == split[-1] and split[0] in "'\"":
+        return split[1:-1]
+    return split
 
 
 def check_split(split, require):

@@ -44,7 +44,8 @@ def add_data_args(parser):
     g.add_argument("--data-args-path", type=str, default=None, help="File holding the --data-path value.")
     g.add_argument("--per-split-data-args-path", type=str, default=None,
                    help="JSON file with train/valid/test blends.")
-    g.add_argument("--mock-data", action="store_true", help="Synthetic data, no files needed.")
+    g.add_argument("--mock-data", action="store_true",
+                   help="Synthetic data, no files needed (GPT documents; BERT and T5 sentence-split text).")
     g.add_argument("--data-cache-path", type=str, default=None, help="Where dataset index caches go.")
     g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
                    help="Read .bin files without mmap.")

@@ -38,21 +38,39 @@ def tokenizer():
     return _BertWordPieceTokenizer(os.path.join(ROOT, "data", "bert-vocab.txt"), lower_case=True)
 
 
-def _build(prefix, tokenizer, cache, binary_head=True, seq=64, seed=1234):
-    from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    cfg = BERTMaskedWordPieceDatasetConfig(
-        random_seed=seed, sequence_length=seq, blend=([prefix], None), split="98,1,1", path_to_cache=cache,
+def _config(tokenizer, cache, binary_head=True, seq=64, seed=1234, blend=None, split="98,1,1"):
+    from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDatasetConfig
+    return BERTMaskedWordPieceDatasetConfig(
+        random_seed=seed, sequence_length=seq, blend=blend, split=split, path_to_cache=cache,
         tokenizer=tokenizer, masking_probability=0.15, short_sequence_probability=0.1, masking_max_ngram=3,
         masking_do_full_word=True, masking_do_permutation=False, masking_use_longer_ngrams=False,
         masking_use_geometric_distribution=False, classification_head=binary_head)
+
+
+def _build(prefix, tokenizer, cache, binary_head=True, seq=64, seed=1234):
+    from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    cfg = _config(tokenizer, cache, binary_head, seq, seed, blend=([prefix], None))
     return BlendedMegatronDatasetBuilder(BERTMaskedWordPieceDataset, [N_SAMPLES, 20, 20], lambda: True,
                                          cfg).build()
 
 
-@pytest.fixture(scope="module")
-def samples(data_prefix, tokenizer, tmp_path_factory):
-    train, _, _ = _build(data_prefix, tokenizer, str(tmp_path_factory.mktemp("cache")))
+def _build_mock(tokenizer, binary_head=True, seed=1234, split="949,50,1"):
+    """--mock-data: synthetic sentences, no blend, indices built in memory (no cache path)."""
+    from megatron.core.datasets.bert_dataset import MockBERTMaskedWordPieceDataset
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    cfg = _config(tokenizer, None, binary_head, seed=seed, split=split)
+    return BlendedMegatronDatasetBuilder(MockBERTMaskedWordPieceDataset, [N_SAMPLES, 20, 20], lambda: True,
+                                         cfg).build()
+
+
+@pytest.fixture(scope="module", params=["corpus", "mock"])
+def samples(request, tokenizer, tmp_path_factory):
+    """The same sample checks hold for the preprocessed corpus and for --mock-data's synthetic text."""
+    if request.param == "mock":
+        train, _, _ = _build_mock(tokenizer)
+    else:
+        train, _, _ = _build(request.getfixturevalue("data_prefix"), tokenizer, str(tmp_path_factory.mktemp("cache")))
     return [train[i] for i in range(N_SAMPLES)]
 
 
@@ -92,8 +110,9 @@ def test_whole_word_masking(samples, tokenizer):
                 assert s["loss_mask"][i - 1] == 1
 
 
-def test_deterministic_and_cached(data_prefix, tokenizer, samples, tmp_path):
+def test_deterministic_and_cached(data_prefix, tokenizer, tmp_path):
     train, _, _ = _build(data_prefix, tokenizer, str(tmp_path))
+    samples = [train[i] for i in range(N_SAMPLES)]
     files = sorted(os.listdir(tmp_path))
     assert any(f.endswith("-BERTMaskedWordPieceDataset-train-sample_index.npy") for f in files), files
     again, _, _ = _build(data_prefix, tokenizer, str(tmp_path))
@@ -103,6 +122,33 @@ def test_deterministic_and_cached(data_prefix, tokenizer, samples, tmp_path):
             numpy.testing.assert_array_equal(again[i][key], samples[i][key])
     other, _, _ = _build(data_prefix, tokenizer, str(tmp_path), seed=99)
     assert any((other[i]["text"] != samples[i]["text"]).any() for i in range(5))
+
+
+def test_mock_data_is_seeded_and_uses_ordinary_tokens(tokenizer):
+    train, valid, test = _build_mock(tokenizer)
+    assert len(train) >= N_SAMPLES and len(valid) >= 20 and len(test) >= 20
+    again, _, _ = _build_mock(tokenizer)
+    for i in (0, 7, N_SAMPLES - 1):
+        for key, value in train[i].items():
+            numpy.testing.assert_array_equal(again[i][key], value)
+    other, _, _ = _build_mock(tokenizer, seed=99)
+    assert any((other[i]["text"] != train[i]["text"]).any() for i in range(5))
+    special = {tokenizer.cls, tokenizer.sep, tokenizer.pad, tokenizer.mask}
+    for i in range(50):
+        s = train[i]
+        assert not special & set(s["labels"][s["loss_mask"] == 1].tolist())
+    assert not train.built_anew_on_cache_miss  # nothing cached without --data-cache-path
+    no_head, _, _ = _build_mock(tokenizer, binary_head=False)
+    assert all(no_head[i]["is_random"] == 0 for i in range(20))
+
+
+def test_mock_dataset_refuses_a_blend(data_prefix, tokenizer):
+    from megatron.core.datasets.bert_dataset import MockBERTMaskedWordPieceDataset
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    cfg = _config(tokenizer, None, blend=([data_prefix], None))
+    with pytest.raises(ValueError, match="mock data"):
+        BlendedMegatronDatasetBuilder(MockBERTMaskedWordPieceDataset, [N_SAMPLES, 20, 20], lambda: True,
+                                      cfg).build()
 
 
 def test_no_binary_head_single_segment(data_prefix, tokenizer, tmp_path):

@@ -15,18 +15,34 @@ def tokenizer():
     return _BertWordPieceTokenizer(os.path.join(ROOT, "data", "bert-vocab-cased.txt"), lower_case=False)
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory, tokenizer):
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset, T5MaskedWordPieceDatasetConfig
-    tmp = str(tmp_path_factory.mktemp("t5"))
-    prefix = preprocess_subset(tmp, os.path.join(ROOT, "data", "bert-vocab-cased.txt"), "BertWordPieceCase")
-    cfg = T5MaskedWordPieceDatasetConfig(
-        random_seed=1234, sequence_length=ENC, sequence_length_encoder=ENC, sequence_length_decoder=DEC,
-        blend=([prefix], None), split="98,1,1", path_to_cache=os.path.join(tmp, "cache"), tokenizer=tokenizer,
+def _config(tokenizer, cache=None, blend=None, seed=1234, split="98,1,1"):
+    from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDatasetConfig
+    return T5MaskedWordPieceDatasetConfig(
+        random_seed=seed, sequence_length=ENC, sequence_length_encoder=ENC, sequence_length_decoder=DEC,
+        blend=blend, split=split, path_to_cache=cache, tokenizer=tokenizer,
         masking_probability=0.15, short_sequence_probability=0.1, masking_max_ngram=10,
         masking_do_full_word=False, masking_do_permutation=False, masking_use_longer_ngrams=False,
         masking_use_geometric_distribution=True)
+
+
+def _build_mock(tokenizer, seed=1234):
+    """--mock-data: synthetic sentences, no blend, indices built in memory."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.t5_dataset import MockT5MaskedWordPieceDataset
+    return BlendedMegatronDatasetBuilder(MockT5MaskedWordPieceDataset, [N_SAMPLES, 20, 20], lambda: True,
+                                         _config(tokenizer, seed=seed, split="99982,9,9")).build()
+
+
+@pytest.fixture(scope="module", params=["corpus", "mock"])
+def dataset(request, tmp_path_factory, tokenizer):
+    """The same sample checks hold for the preprocessed corpus and for --mock-data's synthetic text."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset
+    if request.param == "mock":
+        return _build_mock(tokenizer)[0]
+    tmp = str(tmp_path_factory.mktemp("t5"))
+    prefix = preprocess_subset(tmp, os.path.join(ROOT, "data", "bert-vocab-cased.txt"), "BertWordPieceCase")
+    cfg = _config(tokenizer, os.path.join(tmp, "cache"), ([prefix], None))
     train, _, _ = BlendedMegatronDatasetBuilder(T5MaskedWordPieceDataset, [N_SAMPLES, 20, 20], lambda: True,
                                                 cfg).build()
     return train
@@ -92,3 +108,13 @@ def test_decoder_too_short_is_a_clear_error(dataset):
     with pytest.raises(ValueError, match="--decoder-seq-length"):
         for i in range(50):
             short[i]
+
+
+def test_mock_data_is_seeded(tokenizer):
+    train, valid, test = _build_mock(tokenizer)
+    assert len(train) >= N_SAMPLES and len(valid) >= 20 and len(test) >= 20
+    again, other = _build_mock(tokenizer)[0], _build_mock(tokenizer, seed=99)[0]
+    for i in (0, 7, N_SAMPLES - 1):
+        for key, value in train[i].items():
+            numpy.testing.assert_array_equal(again[i][key], value)
+    assert any((other[i]["text_enc"] != train[i]["text_enc"]).any() for i in range(5))

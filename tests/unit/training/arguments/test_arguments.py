@@ -67,6 +67,14 @@ def test_validation_errors(extra, world, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
+def test_split_with_shell_quotes_kept_is_accepted():
+    """Megatron's llama example expands `"--split '99,1,0'"` unquoted: the quote characters reach argparse."""
+    assert _args("--split '99,1,0'").split == "99,1,0"
+    assert _args('--split "9,1"').split == "9,1"
+    with pytest.raises(ArgumentError, match="--split '99,x'"):
+        _args("--split '99,x'")
+
+
 def test_missing_data_files(tmp_path):
     argv = [a for a in BASE if a != "--mock-data"] + ["--data-path", str(tmp_path / "corpus")]
     args = parse_args(argv=argv)
