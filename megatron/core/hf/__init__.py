@@ -1,15 +1,16 @@
 """Hugging Face <-> Megatron checkpoints: one small mapping table per model family.
 
 Families: gpt2, llama (Llama 2/3/3.1), mistral, qwen2 (Qwen2/2.5), qwen3, mixtral, qwen3_moe, deepseek_v3
-(routed experts for SequentialMLP or --moe-grouped-gemm's GroupedMLP, see moe.py). The checkpoint-level
+(routed experts for SequentialMLP or --moe-grouped-gemm's GroupedMLP, see moe.py), and the hybrid models
+(pretrain_hybrid.py) mamba2 and nemotron_h (their Mamba-2 mixers in mamba.py). The checkpoint-level
 entry points (which also write args and the tracker) are in
 ``megatron.training.checkpointing.hf``: ``import_hf_checkpoint`` / ``export_hf_checkpoint``.
 """
-from . import deepseek_v3, gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from . import deepseek_v3, gpt2, llama, mamba2, mistral, mixtral, nemotron_h, qwen2, qwen3, qwen3_moe
 from .family import Family, Rule, UnsupportedConfig
 
 FAMILIES = {m.FAMILY.name: m.FAMILY for m in (gpt2, llama, mistral, qwen2, qwen3, mixtral, qwen3_moe,
-                                             deepseek_v3)}
+                                             deepseek_v3, mamba2, nemotron_h)}
 _BY_ARCH = {arch: fam for fam in FAMILIES.values() for arch in fam.architectures}
 
 

@@ -31,7 +31,12 @@ MODEL_ARGS = [("num_layers", False), ("hidden_size", False), ("ffn_hidden_size",
               ("moe_router_topk", True), ("moe_router_pre_softmax", True), ("moe_router_score_function", True),
               ("moe_router_topk_scaling_factor", False), ("moe_router_enable_expert_bias", True),
               ("moe_router_num_groups", False), ("moe_router_group_topk", False),
-              ("moe_shared_expert_intermediate_size", False), ("moe_grouped_gemm", True)]
+              ("moe_shared_expert_intermediate_size", False), ("moe_grouped_gemm", True),
+              # hybrid models: the layer pattern and the Mamba-2 / Gated DeltaNet shapes
+              ("is_hybrid_model", True), ("hybrid_layer_pattern", False), ("mamba_state_dim", True),
+              ("mamba_head_dim", True), ("mamba_num_groups", True), ("mamba_num_heads", False),
+              ("linear_num_key_heads", True), ("linear_num_value_heads", True), ("linear_key_head_dim", True),
+              ("linear_value_head_dim", True), ("linear_conv_kernel_dim", True)]
 
 
 def _legacy_file(checkpoint_dir: str) -> str:

@@ -160,6 +160,9 @@ def import_hf_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, fm
 
 def _infer_family(args):
     """The HF family of a checkpoint's saved args (getattr here: saves older than a flag lack it)."""
+    if getattr(args, "is_hybrid_model", False):
+        layers = set((args.hybrid_layer_pattern or "").replace("|", ""))
+        return FAMILIES["mamba2" if layers == {"M"} else "nemotron_h"]
     if getattr(args, "multi_latent_attention", False):
         return FAMILIES["deepseek_v3"]
     if getattr(args, "num_experts", None):
