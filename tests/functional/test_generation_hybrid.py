@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face hybrids (Mamba2; Nemotron-H with Mamba, attention and MLP layers), converted with
+"""Tiny random Hugging Face hybrids (Mamba2; Nemotron-H with Mamba, attention and MLP layers; Qwen3-Next with
+Gated DeltaNet, gated attention with partial RoPE, MoE and MLP layers), converted with
 import_hf_checkpoint, generate through tools/generate.py exactly the tokens of transformers' greedy generate():
 prompts of different lengths share one right-padded prefill, then every token comes from the per-request conv
 and SSM states (and the attention layers' KV cache). Nemotron-H also at TP=2 (torchrun, gloo): the heads and
@@ -16,7 +17,7 @@ pytest.importorskip("transformers")
 
 
 def _configs():
-    from transformers import Mamba2Config, NemotronHConfig
+    from transformers import Mamba2Config, NemotronHConfig, Qwen3NextConfig
     kinds = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
     common = dict(vocab_size=VOCAB, hidden_size=64, bos_token_id=1, eos_token_id=VOCAB - 1, pad_token_id=0,
                   tie_word_embeddings=False)
@@ -25,10 +26,17 @@ def _configs():
             "nemotron_h": NemotronHConfig(**common, layers_block_type=[kinds[c] for c in "M*-M-"],
                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                           intermediate_size=128, mamba_num_heads=16, mamba_head_dim=8,
-                                          ssm_state_size=16, n_groups=2, chunk_size=8, max_position_embeddings=128)}
+                                          ssm_state_size=16, n_groups=2, chunk_size=8, max_position_embeddings=128),
+            "qwen3_next": Qwen3NextConfig(**common, intermediate_size=96, num_hidden_layers=3,
+                                          layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                          linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                                          linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                          mlp_only_layers=[1], max_position_embeddings=128)}
 
 
-@pytest.mark.parametrize("family", ["mamba2", "nemotron_h"])
+@pytest.mark.parametrize("family", ["mamba2", "nemotron_h", "qwen3_next"])
 def test_converted_hybrid_greedy_equals_transformers(tmp_path, family):
     from transformers import AutoModelForCausalLM
 
@@ -36,6 +44,10 @@ def test_converted_hybrid_greedy_equals_transformers(tmp_path, family):
 
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(_configs()[family]).eval()
+    with torch.no_grad():  # large router weights: top-k far from ties (a routing flip would change the text)
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
     hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
     hf.save_pretrained(hf_dir)
     import_hf_checkpoint(hf_dir, ckpt, tp=1)

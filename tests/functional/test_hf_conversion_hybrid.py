@@ -1,10 +1,11 @@
-"""Hybrid models (Mamba2, Nemotron-H) <-> our checkpoints, proven by logits against transformers' models.
+"""Hybrid models (Mamba2, Nemotron-H, Qwen3-Next) <-> our checkpoints, proven by logits against transformers'.
 
-Tiny random HF models (fp32, CPU; transformers' torch fallbacks, no mamba-ssm / causal-conv1d): Mamba2 (two
-Mamba layers) and Nemotron-H (pattern M*-M*-: Mamba, GQA attention without position embedding, squared-ReLU
-MLP). Each is imported at TP=1 and (through tools/checkpoint/hf.py) at TP=2; ONE spawned 2-rank gloo world
-loads them under TP=1 (2 replicas), TP=2 and PP=2, then moves every weight (a stand-in for training) and saves,
-so export is checked on weights that are not the imported ones.
+Tiny random HF models (fp32, CPU; transformers' torch fallbacks, no mamba-ssm / causal-conv1d / fla): Mamba2 (two
+Mamba layers), Nemotron-H (pattern M*-M*-: Mamba, GQA attention without position embedding, squared-ReLU MLP) and
+Qwen3-Next (GE*-GE: Gated DeltaNet + MoE with a gated shared expert, gated attention with QK-norm and partial RoPE
++ a dense MLP, zero-centred norms). Each is imported at TP=1 and (through tools/checkpoint/hf.py) at TP=2; ONE
+spawned 2-rank gloo world loads them under TP=1 (2 replicas), TP=2 and PP=2, then moves every weight (a stand-in
+for training) and saves, so export is checked on weights that are not the imported ones.
 """
 import json
 import os
@@ -25,17 +26,18 @@ from tests.functional.test_hf_conversion import (  # noqa: E402
     forward_logits,
     load_ours,
 )
-from tests.functional.test_hf_conversion_moe import _perturb  # noqa: E402
+from tests.functional.test_hf_conversion_moe import _build_moe, _perturb  # noqa: E402
 from tests.parallel.dist_utils import run_distributed  # noqa: E402
 
 # fp32 on CPU, the same operations as transformers in another order (chunked scans of other chunk sizes, TP
-# splits): measured ~7e-7 relative. A dropped gated-norm group or a swapped B/C section moves them > 1e-2.
+# splits): measured ~7e-7 relative. A dropped gated-norm group or a swapped B/C section moves them > 1e-2; so does
+# a shared-expert gate left out (7e-2). Routing is discrete: router weights are drawn large (no top-k near ties).
 RTOL = 1e-5
-HYBRID = ["mamba2", "nemotron_h"]
+HYBRID = ["mamba2", "nemotron_h", "qwen3_next"]
 
 
 def _hybrid_configs():
-    from transformers import Mamba2Config, NemotronHConfig
+    from transformers import Mamba2Config, NemotronHConfig, Qwen3NextConfig
     kinds = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
     return {
         "mamba2": Mamba2Config(vocab_size=VOCAB, hidden_size=32, num_heads=8, head_dim=8, state_size=8, n_groups=2,
@@ -44,6 +46,13 @@ def _hybrid_configs():
         "nemotron_h": NemotronHConfig(vocab_size=VOCAB, hidden_size=32, layers_block_type=[kinds[c] for c in "M*-M*-"],
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
                                       mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=8, n_groups=2, chunk_size=8,
+                                      max_position_embeddings=64, tie_word_embeddings=False),
+        "qwen3_next": Qwen3NextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                      layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=8,
+                                      linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                      shared_expert_intermediate_size=24, mlp_only_layers=[1], norm_topk_prob=True,
                                       max_position_embeddings=64, tie_word_embeddings=False),
     }
 
@@ -78,13 +87,13 @@ def world(tmp_path_factory):
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
     ref = {}
     for name, cfg in _hybrid_configs().items():
-        ref[name] = _hf_logits(_build_hf(cfg, d[name]), tokens)
+        ref[name] = _hf_logits((_build_moe if name == "qwen3_next" else _build_hf)(cfg, d[name]), tokens)
         import_hf_checkpoint(d[name], d[name] + "_tp1")
         _cli("hf.py", "import", "--hf-model-path", d[name], "--output-path", d[name] + "_tp2", "--tp", "2")
     trained = {n: str(root / f"{n}_trained") for n in HYBRID}
-    phases = [(1, 1, [d[n] + "_tp1" for n in HYBRID], [None] * 2),
+    phases = [(1, 1, [d[n] + "_tp1" for n in HYBRID], [None] * len(HYBRID)),
               (2, 1, [d[n] + "_tp2" for n in HYBRID], [trained[n] for n in HYBRID]),
-              (1, 2, [d[n] + "_tp1" for n in HYBRID], [None] * 2)]
+              (1, 2, [d[n] + "_tp1" for n in HYBRID], [None] * len(HYBRID))]
     ranks = run_distributed(_world_fn, 2, phases, tokens, timeout=600)
     ours = [next(r[i] for r in ranks if r[i] is not None) for i in range(len(ranks[0]))]
     names = ([f"{n}_tp1" for n in HYBRID] + [x for n in HYBRID for x in (f"{n}_tp2", f"{n}_trained")] +
@@ -129,7 +138,7 @@ def test_hybrid_trained_checkpoint_loads_in_transformers(world, family, tmp_path
             if not hf_config:
                 os.rename(str(tmp_path / "hidden"), os.path.join(world["dirs"][family] + "_tp2", "hf_config.json"))
         assert json.load(open(os.path.join(out, "config.json")))["architectures"][0].lower().startswith(
-            family.split("_")[0])
+            family.replace("_", ""))
         model = AutoModelForCausalLM.from_pretrained(out).eval()
         assert _rel(ours, _hf_logits(model, world["tokens"])) <= RTOL, hf_config
 

@@ -14,9 +14,13 @@ from .family import Rule, need
 from .layout import Transform
 
 
-def _slice(start: int, size: int) -> Transform:
-    """Rows [start, start + size) of one HF tensor; on export the part itself (concatenated by state.py)."""
-    return Transform(lambda ts, d: ts[0][start:start + size], lambda t, d: [t])
+def part_of(start: int, size: int, groups: int = 1) -> Transform:
+    """Rows [start, start + size) of each of ``groups`` equal row blocks of one HF tensor (concatenated); on
+    export the part as [groups, size, ...], which state.py joins with the other parts group by group."""
+    def to_ours(ts, d):
+        t = ts[0]
+        return t.reshape(groups, -1, *t.shape[1:])[:, start:start + size].reshape(-1, *t.shape[1:])
+    return Transform(to_ours, lambda t, d: [t.reshape(groups, -1, *t.shape[1:])])
 
 
 def sections(num_heads: int, head_dim: int, groups: int, state: int):
@@ -33,7 +37,7 @@ def mixer_rules(ours: str, hf: str, num_heads: int, head_dim: int, groups: int, 
     for suffix, parts in (("in_proj.weight", in_parts), ("conv1d.weight", conv_parts), ("conv1d.bias", conv_parts)):
         start = 0
         for name, rows in parts:
-            rules.append(Rule(f"{ours}{suffix}.{name}", (hf + suffix,), _slice(start, rows)))
+            rules.append(Rule(f"{ours}{suffix}.{name}", (hf + suffix,), part_of(start, rows)))
             start += rows
     rules += [Rule(ours + n, (hf + n,)) for n in ("dt_bias", "A_log", "D", "norm.weight", "out_proj.weight")]
     return rules

@@ -117,7 +117,9 @@ def ours_to_hf(family: Family, cfg: dict, shapes: Shapes,
         items = batches.get(i, [])
         tensors = get_layer([(name, rule.stride) for rule, name, _ in items])
         # An HF tensor named by several rules (a fused projection we store part by part, e.g. Mamba's
-        # in_proj [z; x; B; C; dt]) is the concatenation of their outputs, in rule order.
+        # in_proj [z; x; B; C; dt]) is joined from their outputs: each part comes as [groups, rows, ...] and
+        # the HF tensor holds, group after group, every part's rows in rule order (groups = 1: plain
+        # concatenation; Qwen3-Next's in_proj_qkvz interleaves [q; k; v; z] per key head).
         wanted = Counter(n for _, _, hf_names in items for n in hf_names)
         parts: Dict[str, List[torch.Tensor]] = {}
         for rule, name, hf_names in items:
@@ -127,4 +129,5 @@ def ours_to_hf(family: Family, cfg: dict, shapes: Shapes,
                     continue
                 parts.setdefault(hf_name, []).append(out)
                 if len(parts[hf_name]) == wanted[hf_name]:
-                    yield hf_name, torch.cat(parts.pop(hf_name), dim=0)
+                    joined = torch.cat(parts.pop(hf_name), dim=1)  # [groups, rows of all parts, ...]
+                    yield hf_name, joined.reshape(-1, *joined.shape[2:])
