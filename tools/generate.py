@@ -13,11 +13,12 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 import torch  # noqa: E402
 
+import pretrain_gpt  # noqa: E402
+import pretrain_hybrid  # noqa: E402
 from megatron.core.inference import SamplingParams  # noqa: E402
 from megatron.inference.endpoints import tokenize  # noqa: E402
 from megatron.inference.engine_setup import build_engine, initialize_generation  # noqa: E402
 from megatron.training.global_vars import get_tokenizer  # noqa: E402
-from pretrain_gpt import model_provider  # noqa: E402
 
 
 def main():
@@ -25,7 +26,9 @@ def main():
     prompts = (args.prompts or []) + (args.prompt or [])
     if not prompts:
         sys.exit("error: pass --prompt TEXT (repeatable) or --prompts TEXT [TEXT ...]")
-    engine = build_engine(args, model_provider)
+    # --use-checkpoint-args sets --is-hybrid-model (and the layer pattern) from a hybrid checkpoint
+    provider = pretrain_hybrid if args.is_hybrid_model else pretrain_gpt
+    engine = build_engine(args, provider.model_provider)
     tokenizer = get_tokenizer()
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             num_tokens_to_generate=args.num_tokens_to_generate,

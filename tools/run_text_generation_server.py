@@ -15,16 +15,19 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 import torch  # noqa: E402
 
+import pretrain_gpt  # noqa: E402
+import pretrain_hybrid  # noqa: E402
 from megatron.inference.engine_setup import build_engine, initialize_generation  # noqa: E402
 from megatron.inference.scheduler import GenerationScheduler, follow  # noqa: E402
 from megatron.inference.text_generation_server import MegatronServer  # noqa: E402
 from megatron.training.global_vars import get_tokenizer  # noqa: E402
-from pretrain_gpt import model_provider  # noqa: E402
 
 
 def main():
     args = initialize_generation()
-    engine = build_engine(args, model_provider)
+    # --use-checkpoint-args sets --is-hybrid-model (and the layer pattern) from a hybrid checkpoint
+    provider = pretrain_hybrid if args.is_hybrid_model else pretrain_gpt
+    engine = build_engine(args, provider.model_provider)
     if torch.distributed.get_rank() != 0:
         follow(engine)
         return

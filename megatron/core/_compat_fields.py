@@ -35,8 +35,6 @@ class ModelParallelConfigCompat:
     tp_comm_overlap_disable_qkv: bool = False
     tp_comm_overlap_disable_fc1: bool = False
     tp_comm_bootstrap_backend: Any = 'nccl'
-    overlap_moe_expert_parallel_comm: bool = False
-    delay_wgrad_compute: bool = False
     overlap_dispatch_backward_with_experts_wgrad: bool = False
     ep_overlap_early_attn_memory_release: bool = False
     batch_p2p_sync: bool = True

@@ -29,7 +29,8 @@ def num_floating_point_operations(args, batch_size):
     if getattr(args, "multi_latent_attention", False):
         attention = L * mla_flops_per_token(args)
     else:
-        attention = 6 * L * (h * (d_q + 2 * d_kv) + d_q * h) + 6 * s * d_q * L
+        gate = d_q if getattr(args, "attention_output_gate", False) else 0  # linear_qkv also projects the gate
+        attention = 6 * L * (h * (d_q + gate + 2 * d_kv) + d_q * h) + 6 * s * d_q * L
     mlp_width = active_mlp_ffn_sum(args, ffn) + mtp * _last_layer_ffn(args, ffn)
     per_token = (6 * h * expansion * mlp_width
                  + attention

@@ -67,12 +67,13 @@ def _hf_logits(model, tokens):
 
 def load_ours(ckpt, tp, pp, ep=1, extra=()):
     """Our model chunks (eval mode) on this rank, loaded the way a training run does (--use-checkpoint-args)."""
+    import pretrain_gpt
+    import pretrain_hybrid
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.checkpointing import load_checkpoint
     from megatron.training.checkpointing.args import load_args_from_checkpoint
     from megatron.training.global_vars import set_args
     from megatron.training.model_setup import get_model
-    from pretrain_gpt import model_provider
     args = parse_args(argv=["--load", ckpt, "--use-checkpoint-args", "--micro-batch-size", "2",
                             "--seq-length", str(SEQ), "--tensor-model-parallel-size", str(tp),
                             "--pipeline-model-parallel-size", str(pp), "--expert-model-parallel-size", str(ep),
@@ -81,7 +82,8 @@ def load_ours(ckpt, tp, pp, ep=1, extra=()):
     args.rank, args.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     load_args_from_checkpoint(args)
     set_args(validate_args(args))
-    model = get_model(model_provider, wrap_with_ddp=False)
+    provider = pretrain_hybrid if args.is_hybrid_model else pretrain_gpt
+    model = get_model(provider.model_provider, wrap_with_ddp=False)
     load_checkpoint(model, None, None)
     for chunk in model:
         chunk.eval()  # dropout off (--use-checkpoint-args does not carry dropout rates)

@@ -240,8 +240,10 @@ def test_bad_inputs_of_every_family(world, tmp_path):
         json.dump(dict(cfg, **(edit or {})), open(os.path.join(dst, "config.json"), "w"))
         return dst
 
-    supported = ("supported: DeepseekV3ForCausalLM, GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, "
-                 "MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM")
+    supported = ("supported: DeepseekV3ForCausalLM, GPT2LMHeadModel, LlamaForCausalLM, LlavaForConditionalGeneration, "
+                 "Mamba2ForCausalLM, "
+                 "MistralForCausalLM, MixtralForCausalLM, NemotronHForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                 "Qwen3MoeForCausalLM, Qwen3NextForCausalLM")
     for family in _SHAPE_EDITS:
         expect(copy(family, "arch", {"architectures": ["FalconForCausalLM"]}), UnsupportedConfig,
                f"architecture FalconForCausalLM is not supported; {supported}")

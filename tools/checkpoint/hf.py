@@ -6,7 +6,8 @@
 
 Import writes OUT/iter_0000000 (+ tracker), the args for --use-checkpoint-args, OUT/model_args.sh with
 the equivalent flags, and the tokenizer files (--tokenizer-type HuggingFaceTokenizer --tokenizer-model OUT).
-Supported: GPT-2, Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V3.
+Supported: GPT-2, Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V3, and the hybrid
+models Mamba2, Nemotron-H and Qwen3-Next (pretrain_hybrid.py checkpoints).
 """
 import argparse
 import os

@@ -1,4 +1,5 @@
 """Stream a model family's tensors between the HF layout and our global (TP=PP=1) state dict."""
+from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Dict, Iterator, List, Tuple
@@ -115,6 +116,18 @@ def ours_to_hf(family: Family, cfg: dict, shapes: Shapes,
     for i in [-1] + list(range(shapes.layers)):
         items = batches.get(i, [])
         tensors = get_layer([(name, rule.stride) for rule, name, _ in items])
+        # An HF tensor named by several rules (a fused projection we store part by part, e.g. Mamba's
+        # in_proj [z; x; B; C; dt]) is joined from their outputs: each part comes as [groups, rows, ...] and
+        # the HF tensor holds, group after group, every part's rows in rule order (groups = 1: plain
+        # concatenation; Qwen3-Next's in_proj_qkvz interleaves [q; k; v; z] per key head).
+        wanted = Counter(n for _, _, hf_names in items for n in hf_names)
+        parts: Dict[str, List[torch.Tensor]] = {}
         for rule, name, hf_names in items:
-            outs = rule.transform.to_hf(tensors.pop(name), shapes.dims)
-            yield from zip(hf_names, outs)
+            for hf_name, out in zip(hf_names, rule.transform.to_hf(tensors.pop(name), shapes.dims)):
+                if wanted[hf_name] == 1:
+                    yield hf_name, out
+                    continue
+                parts.setdefault(hf_name, []).append(out)
+                if len(parts[hf_name]) == wanted[hf_name]:
+                    joined = torch.cat(parts.pop(hf_name), dim=1)  # [groups, rows of all parts, ...]
+                    yield hf_name, joined.reshape(-1, *joined.shape[2:])

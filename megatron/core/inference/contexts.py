@@ -12,6 +12,10 @@ Two kinds of forward use it (GPTModel passes it down to attention as ``inference
   their slots and attend causally among themselves;
 - decode: one token for each of slots 0..B-1 at ``decode_positions`` [B], attending over the cache
   slice [0, kv_len) of those slots. Shapes depend only on (B, kv_len): a CUDA graph per pair replays it.
+
+Recurrent layers (Mamba-2, Gated DeltaNet) keep, per slot, a fixed-size state instead of a growing cache
+(``recurrent_state``): prefill sets it from the prompt (each row up to its own length, ``prefill_lengths``),
+a decode step advances it by one token in place.
 """
 from typing import Optional
 
@@ -39,6 +43,7 @@ class StaticInferenceContext:
         self.window_size = None  # (left, right) sliding window of the model (--window-size), or None
         self._decode_mask = None
         self._mask_dtype = torch.float32
+        self._recurrent = {}  # layer_number -> tuple of [slots, ...] state buffers (recurrent layers)
 
     def is_static_batching(self) -> bool:
         return True
@@ -49,6 +54,21 @@ class StaticInferenceContext:
     def set_prefill(self, slot_ids: torch.Tensor, last_token_index: Optional[torch.Tensor]) -> None:
         """Next forward fills ``slot_ids``; logits only at ``last_token_index`` (None: every position)."""
         self.decode, self.slot_ids, self.last_token_index = False, slot_ids, last_token_index
+
+    @property
+    def prefill_lengths(self) -> Optional[torch.Tensor]:
+        """Prefill: [b] prompt length of each (right-padded) row; None when every row fills the batch
+        (the engine asks for all logits of one request at a time)."""
+        return None if self.last_token_index is None else self.last_token_index + 1
+
+    def recurrent_state(self, layer_number: int, specs) -> tuple:
+        """The layer's per-slot state buffers, zeros on first use: one [slots, *shape] tensor per
+        (shape, dtype, device) in ``specs``."""
+        if layer_number not in self._recurrent:
+            self._recurrent[layer_number] = tuple(
+                torch.zeros((self.max_batch_size,) + tuple(shape), dtype=dtype, device=device)
+                for shape, dtype, device in specs)
+        return self._recurrent[layer_number]
 
     def set_decode(self, positions: torch.Tensor, kv_len: int, dtype: torch.dtype = torch.float32) -> None:
         """Next forward decodes slots 0..B-1 (B = len(positions)); runs inside a captured graph too."""
@@ -169,4 +189,5 @@ class StaticInferenceContext:
         """Drop the cache (a new run with other shapes); slots are managed by the engine."""
         self.key_value_memory_dict.clear()
         self._kv.clear()
+        self._recurrent.clear()
         self._rotary = self._rope = None

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from megatron.core.process_groups_config import get_pg_size
 from megatron.core.ssm.mamba_mixer import _a_log_init
 from megatron.core.ssm.ops.kernels import gated_delta_rule
+from megatron.core.ssm.ops.recurrent_step import causal_conv1d_step, conv_state_after, gated_delta_step
 from megatron.core.ssm.utils import conv_init_fn, set_partition_sections, tp_param
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
@@ -83,15 +84,25 @@ class GatedDeltaNet(MegatronModule):
 
     def forward(self, hidden_states, attention_mask=None, inference_context=None, packed_seq_params=None,
                 **kwargs):
-        if inference_context is not None or packed_seq_params is not None:
-            raise NotImplementedError("Gated DeltaNet layers support neither generation nor packed sequences yet")
+        if packed_seq_params is not None:
+            raise NotImplementedError("Gated DeltaNet layers do not support packed sequences yet")
         proj, _ = self.in_proj(hidden_states)  # [s, b, proj/tp]
         s, b, _ = proj.shape
         proj = proj.transpose(0, 1)  # [b, s, proj/tp]
         qkv, z, beta, alpha = torch.split(
             proj, [2 * self.qk_local + self.v_local, self.v_local, self.nv_local, self.nv_local], dim=-1)
-        qkv = F.silu(self.conv1d(qkv.transpose(1, 2))[..., :s]).transpose(1, 2)  # causal depthwise conv
-        q, k, v = torch.split(qkv, [self.qk_local, self.qk_local, self.v_local], dim=-1)
+        states = None if inference_context is None else inference_context.recurrent_state(self.layer_number, [
+            ((qkv.shape[-1], self.conv_kernel_dim - 1), qkv.dtype, qkv.device),
+            ((self.nv_local, self.key_head_dim, self.value_head_dim), torch.float32, qkv.device)])
+        decode = states is not None and inference_context.is_decode_only()
+        if decode:
+            qkv = F.silu(causal_conv1d_step(states[0][:b], qkv[:, 0], self.conv1d.weight, self.conv1d.bias))[:, None]
+        else:
+            if states is not None:  # prefill: the conv state is the prompt's last inputs
+                states[0][inference_context.slot_ids] = conv_state_after(
+                    qkv, inference_context.prefill_lengths, self.conv_kernel_dim).to(states[0].dtype)
+            qkv = F.silu(self.conv1d(qkv.transpose(1, 2))[..., :s]).transpose(1, 2)  # causal depthwise conv
+        q, k, v = torch.split(qkv.to(proj.dtype), [self.qk_local, self.qk_local, self.v_local], dim=-1)
         q = q.reshape(b, s, self.nk_local, self.key_head_dim)
         k = k.reshape(b, s, self.nk_local, self.key_head_dim)
         v = v.reshape(b, s, self.nv_local, self.value_head_dim)
@@ -101,9 +112,22 @@ class GatedDeltaNet(MegatronModule):
             q = q.repeat_interleave(self.nv_local // self.nk_local, dim=2)
             k = k.repeat_interleave(self.nv_local // self.nk_local, dim=2)
         g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias.float())  # [b, s, nv/tp], <= 0
-        o, _ = gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g, beta.float().sigmoid().to(q.dtype))
+        beta = beta.float().sigmoid()
+        if decode:
+            o = gated_delta_step(states[1][:b], q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])[:, None]
+        elif states is None:
+            o, _ = gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g, beta.to(q.dtype))
+        else:
+            lengths = inference_context.prefill_lengths
+            if lengths is not None:  # g = beta = 0 past a row's prompt: no decay, no write; its state stops there
+                valid = torch.arange(s, device=g.device)[None, :] < lengths[:, None]
+                g, beta = g * valid[..., None], beta * valid[..., None]
+            o, final = gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g, beta.to(q.dtype),
+                                        output_final_state=True)
+            states[1][inference_context.slot_ids] = final.float()
         # Per-head norm, gated by silu(z): [b, s, nv/tp, dv]
-        y = self.out_norm(o) * F.silu(z.reshape(b, s, self.nv_local, self.value_head_dim).float())
+        y = self.out_norm(o.to(hidden_states.dtype)) * F.silu(z.reshape(b, s, self.nv_local,
+                                                                         self.value_head_dim).float())
         y = y.to(hidden_states.dtype).reshape(b, s, self.v_local).transpose(0, 1)  # [s, b, v/tp]
         return self.out_proj(y)
 

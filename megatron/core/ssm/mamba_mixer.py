@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from megatron.core.process_groups_config import get_pg_size
 from megatron.core.ssm.gated_norm import GatedRMSNorm
 from megatron.core.ssm.ops.kernels import ssd_scan
+from megatron.core.ssm.ops.recurrent_step import causal_conv1d_step, conv_state_after, ssd_step
 from megatron.core.ssm.utils import conv_init_fn, set_partition_sections, tp_param
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -93,24 +94,56 @@ class MambaMixer(MegatronModule):
             **tp_kwargs)
 
     def forward(self, hidden_states, inference_context=None, packed_seq_params=None, **kwargs):
-        if inference_context is not None or packed_seq_params is not None:
-            raise NotImplementedError("Mamba layers support neither generation nor packed sequences yet")
+        if packed_seq_params is not None:
+            raise NotImplementedError("Mamba layers do not support packed sequences yet")
         zxbcdt, _ = self.in_proj(hidden_states)  # [s, b, proj/tp] (sequence gathered under SP)
         s, b, _ = zxbcdt.shape
         zxbcdt = zxbcdt.transpose(0, 1)  # [b, s, proj/tp]
         gn = self.ngroups_local * self.d_state
         z, xbc, dt = torch.split(zxbcdt, [self.d_inner_local, self.d_inner_local + 2 * gn, self.nheads_local], -1)
-        xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :s]).transpose(1, 2)  # causal: drop the right pad
-        x, B, C = torch.split(xbc, [self.d_inner_local, gn, gn], dim=-1)
-        x = x.reshape(b, s, self.nheads_local, self.headdim)
-        B = B.reshape(b, s, self.ngroups_local, self.d_state)
-        C = C.reshape(b, s, self.ngroups_local, self.d_state)
-        dt = F.softplus(dt.float() + self.dt_bias.float())  # [b, s, h/tp]
         A = -torch.exp(self.A_log.float())
-        y = ssd_scan(x, dt, A, B, C, self.chunk_size, D=self.D)  # [b, s, h/tp, p]
+        if inference_context is not None and inference_context.is_decode_only():
+            y = self._decode_step(xbc, dt, A, inference_context)
+        else:
+            states = None if inference_context is None else self._states(inference_context, xbc)
+            if states is not None:  # prefill: the conv state is the prompt's last inputs
+                states[0][inference_context.slot_ids] = conv_state_after(
+                    xbc, inference_context.prefill_lengths, self.d_conv).to(states[0].dtype)
+            xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :s]).transpose(1, 2)  # causal: drop the right pad
+            x, B, C = torch.split(xbc, [self.d_inner_local, gn, gn], dim=-1)
+            x = x.reshape(b, s, self.nheads_local, self.headdim)
+            B = B.reshape(b, s, self.ngroups_local, self.d_state)
+            C = C.reshape(b, s, self.ngroups_local, self.d_state)
+            dt = F.softplus(dt.float() + self.dt_bias.float())  # [b, s, h/tp]
+            if states is None:
+                y = ssd_scan(x, dt, A, B, C, self.chunk_size, D=self.D)  # [b, s, h/tp, p]
+            else:
+                lengths = inference_context.prefill_lengths
+                if lengths is not None:  # dt = 0 past a row's prompt: no decay, no input; its state stops there
+                    dt = dt * (torch.arange(s, device=dt.device)[None, :] < lengths[:, None])[..., None]
+                y, final = ssd_scan(x, dt, A, B, C, self.chunk_size, D=self.D, return_final_states=True)
+                states[1][inference_context.slot_ids] = final.float()
         y = y.reshape(b, s, self.d_inner_local).transpose(0, 1)  # [s, b, d_inner/tp]
         y = self.norm(y, z.transpose(0, 1))
         return self.out_proj(y)
+
+    def _states(self, inference_context, xbc):
+        """(conv state [slots, c, d_conv - 1], SSM state [slots, h/tp, p, n] fp32) of this layer."""
+        return inference_context.recurrent_state(self.layer_number, [
+            ((xbc.shape[-1], self.d_conv - 1), xbc.dtype, xbc.device),
+            ((self.nheads_local, self.headdim, self.d_state), torch.float32, xbc.device)])
+
+    def _decode_step(self, xbc, dt, A, inference_context):
+        """One token per slot 0..b-1 (xbc [b, 1, c], dt [b, 1, h/tp]) from the states; returns y [b, 1, h/tp, p]."""
+        b, gn = xbc.shape[0], self.ngroups_local * self.d_state
+        conv_state, ssm_state = self._states(inference_context, xbc)
+        xbc = F.silu(causal_conv1d_step(conv_state[:b], xbc[:, 0], self.conv1d.weight, self.conv1d.bias))
+        x, B, C = torch.split(xbc.to(dt.dtype), [self.d_inner_local, gn, gn], dim=-1)
+        dt = F.softplus(dt[:, 0].float() + self.dt_bias.float())  # [b, h/tp]
+        y = ssd_step(ssm_state[:b], x.reshape(b, self.nheads_local, self.headdim), dt, A,
+                     B.reshape(b, self.ngroups_local, self.d_state), C.reshape(b, self.ngroups_local, self.d_state),
+                     self.D)
+        return y.to(x.dtype)[:, None]
 
 
 def check_mamba_shapes(nheads: int, ngroups: int, tp: int) -> None:

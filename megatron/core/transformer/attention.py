@@ -79,19 +79,25 @@ class Attention(MegatronModule, ABC):
                                           and "core_attn" in (config.recompute_modules or []))
 
     @abstractmethod
-    def get_query_key_value_tensors(self, hidden_states, key_value_states=None):
-        """(q [s, b, np, hn], k, v [sk, b, ng, hn]) from the input (and the encoder output)."""
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate: bool = False):
+        """(q [s, b, np, hn], k, v [sk, b, ng, hn]) from the input (and the encoder output); with
+        ``output_gate``, also the output gate [s, b, np, hn]."""
 
     def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None,
                 packed_seq_params=None, sequence_len_offset=None, **kwargs):
+        gated = self.attention_type == "self" and self.config.attention_output_gate
         if (inference_context is not None and key_value_states is None and hasattr(self, "linear_qkv")
                 and getattr(self, "q_layernorm", None) is None and getattr(self, "k_layernorm", None) is None
-                and hasattr(inference_context, "attention_from_qkv")):  # generation: the fused layout as is
+                and not gated and hasattr(inference_context, "attention_from_qkv")):  # generation: fused layout
             mixed, _ = self.linear_qkv(hidden_states)  # [s, b, ng * (np/ng + 2) * hn]
             return self.linear_proj(inference_context.attention_from_qkv(
                 self.layer_number, mixed, self.ng, self.hn, self.core_attention.softmax_scale))
-        q, k, v = self.get_query_key_value_tensors(hidden_states, key_value_states)
+        gate = None
+        if gated:
+            q, k, v, gate = self.get_query_key_value_tensors(hidden_states, key_value_states, output_gate=True)
+        else:
+            q, k, v = self.get_query_key_value_tensors(hidden_states, key_value_states)
         if rotary_pos_emb is not None:
             q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
             q = apply_rotary_pos_emb(q, q_emb, config=self.config)
@@ -104,6 +110,8 @@ class Attention(MegatronModule, ABC):
         else:
             ctx = self.core_attention(q, k, v, attention_mask, attention_bias=attention_bias,
                                       packed_seq_params=packed_seq_params)  # [s, b, np * hn]
+        if gate is not None:  # --attention-output-gate (Qwen3-Next): ctx * sigmoid(gate), per head channel
+            ctx = (ctx.float() * torch.sigmoid(gate.reshape(ctx.shape).float())).to(ctx.dtype)
         return self.linear_proj(ctx)  # (output, bias)
 
 
@@ -111,7 +119,8 @@ class SelfAttention(Attention):
     """x -> QKV (column-parallel) -> RoPE -> core attention per local head -> proj (row-parallel).
 
     The fused QKV output is laid out per query group, [ng, (np/ng + 2) * hn]: each group's queries,
-    then its key, then its value. TP splits whole groups, so a rank's slice is the same layout.
+    then its key, then its value. TP splits whole groups, so a rank's slice is the same layout. With
+    ``config.attention_output_gate`` (Megatron's layout) each group holds [queries, their gates, key, value].
     """
 
     def __init__(self, config, submodules: SelfAttentionSubmodules, layer_number: int,
@@ -119,8 +128,10 @@ class SelfAttention(Attention):
                  pg_collection=None, pp_layer_offset: Optional[int] = None, name: Optional[str] = None, **kwargs):
         super().__init__(config, submodules, layer_number, attn_mask_type, "self", cp_comm_type, pg_collection,
                          pp_layer_offset, name)
+        gate_size = self.query_projection_size if config.attention_output_gate else 0
         self.linear_qkv = build_module(
-            submodules.linear_qkv, config.hidden_size, self.query_projection_size + 2 * self.kv_projection_size,
+            submodules.linear_qkv, config.hidden_size,
+            self.query_projection_size + gate_size + 2 * self.kv_projection_size,
             config=config, init_method=config.init_method, gather_output=False,
             bias=config.add_bias_linear or config.add_qkv_bias, skip_bias_add=False, is_expert=False,
             tp_comm_buffer_name="qkv", **self._tp_kwargs)
@@ -138,17 +149,20 @@ class SelfAttention(Attention):
             p.sequence_parallel = self._tp > 1
         return norm
 
-    def get_query_key_value_tensors(self, hidden_states, key_value_states=None):
-        mixed, _ = self.linear_qkv(hidden_states)  # [s, b, ng * (np/ng + 2) * hn]
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate: bool = False):
+        mixed, _ = self.linear_qkv(hidden_states)  # [s, b, ng * ((1 + gated) np/ng + 2) * hn]
         s, b = mixed.shape[:2]
         per_group = self.np // self.ng
-        mixed = mixed.view(s, b, self.ng, (per_group + 2) * self.hn)  # [s, b, ng, (np/ng + 2) * hn]
-        q, k, v = torch.split(mixed, [per_group * self.hn, self.hn, self.hn], dim=3)
+        gate_size = per_group * self.hn if self.config.attention_output_gate else 0
+        mixed = mixed.view(s, b, self.ng, -1)  # [s, b, ng, ((1 + gated) np/ng + 2) * hn]
+        q, gate, k, v = torch.split(mixed, [per_group * self.hn, gate_size, self.hn, self.hn], dim=3)
         q = q.reshape(s, b, self.np, self.hn)  # [s, b, np, hn]
         if self.q_layernorm is not None:
             q = self.q_layernorm(q)
         if self.k_layernorm is not None:
             k = self.k_layernorm(k)  # [s, b, ng, hn]
+        if output_gate:
+            return q, k, v, gate.reshape(s, b, self.np, self.hn)
         return q, k, v
 
 

@@ -36,6 +36,7 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     activation_func: Callable = F.gelu
     activation_func_fp8_input_store: bool = False
     qk_layernorm: bool = False
+    attention_output_gate: bool = False  # self-attention output * sigmoid(gate), gate from linear_qkv (Qwen3-Next)
     test_mode: bool = False
     calculate_per_token_loss: bool = False
     window_size: Optional[Tuple[int, int]] = None

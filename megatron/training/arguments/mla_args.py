@@ -65,6 +65,8 @@ def validate_mla_args(args, require):
                               "use rope for standard attention")
         require(args.rope_type in (None, "rope"), f"--rope-type {args.rope_type} needs --multi-latent-attention")
     else:
+        require(not args.attention_output_gate, "--attention-output-gate is not supported with "
+                                                "--multi-latent-attention; drop one of them")
         require(args.context_parallel_size == 1,
                 "--multi-latent-attention is not supported with --context-parallel-size > 1 yet; use CP=1")
         require(args.kv_lora_rank is not None and args.kv_lora_rank > 0,

@@ -44,6 +44,9 @@ def add_network_size_args(parser):
                    help="Remove biases from all linear layers.")
     g.add_argument("--add-qkv-bias", action="store_true", help="Bias on the QKV projection only.")
     g.add_argument("--qk-layernorm", action="store_true", help="Normalize queries and keys per head.")
+    g.add_argument("--attention-output-gate", action="store_true",
+                   help="Gate the self-attention output per channel by sigmoid of a projection of the input "
+                        "(linear_qkv also computes the gate; Qwen3-Next).")
     g.add_argument("--qk-l2-norm", action="store_true",
                    help="L2-normalize queries and keys per head, without a learned scale (Llama 4).")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,

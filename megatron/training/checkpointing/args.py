@@ -24,6 +24,7 @@ MODEL_ARGS = [("num_layers", False), ("hidden_size", False), ("ffn_hidden_size",
               ("normalization", True), ("norm_epsilon", True), ("apply_layernorm_1p", True),
               ("swiglu", True), ("squared_relu", True), ("untie_embeddings_and_output_weights", True),
               ("add_bias_linear", True), ("add_qkv_bias", True), ("qk_layernorm", True),
+              ("attention_output_gate", True),
               ("use_rope_scaling", True), ("rope_scaling_factor", True), ("openai_gelu", True),
               ("window_size", False),
               # MoE: experts, layer pattern, router semantics and the expert layout (the checkpoint's tensor names)
@@ -31,13 +32,19 @@ MODEL_ARGS = [("num_layers", False), ("hidden_size", False), ("ffn_hidden_size",
               ("moe_router_topk", True), ("moe_router_pre_softmax", True), ("moe_router_score_function", True),
               ("moe_router_topk_scaling_factor", False), ("moe_router_enable_expert_bias", True),
               ("moe_router_num_groups", False), ("moe_router_group_topk", False),
-              ("moe_shared_expert_intermediate_size", False), ("moe_grouped_gemm", True),
+              ("moe_shared_expert_intermediate_size", False), ("moe_shared_expert_gate", True),
+              ("moe_grouped_gemm", True),
               # pretrain_vlm.py: the ViT, projector and image token (absent from other checkpoints: skipped)
               ("img_h", True), ("img_w", True), ("patch_dim", True), ("encoder_num_layers", False),
               ("vision_model_type", True), ("vision_hidden_size", False), ("vision_ffn_hidden_size", False),
               ("vision_num_attention_heads", False), ("vision_projection_type", True),
               ("vision_projection_ffn_hidden_size", False), ("disable_vision_class_token", True),
-              ("image_token_index", True)]
+              ("image_token_index", True),
+              # hybrid models: the layer pattern and the Mamba-2 / Gated DeltaNet shapes
+              ("is_hybrid_model", True), ("hybrid_layer_pattern", False), ("mamba_state_dim", True),
+              ("mamba_head_dim", True), ("mamba_num_groups", True), ("mamba_num_heads", False),
+              ("linear_num_key_heads", True), ("linear_num_value_heads", True), ("linear_key_head_dim", True),
+              ("linear_value_head_dim", True), ("linear_conv_kernel_dim", True)]
 
 
 def _legacy_file(checkpoint_dir: str) -> str:

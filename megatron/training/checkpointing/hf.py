@@ -167,6 +167,11 @@ def _infer_family(args):
     """The HF family of a checkpoint's saved args (getattr here: saves older than a flag lack it)."""
     if hasattr(args, "vision_model_type"):  # pretrain_vlm.py's flags
         return FAMILIES["llava"]
+    if getattr(args, "is_hybrid_model", False):
+        layers = set((args.hybrid_layer_pattern or "").replace("|", ""))
+        if "G" in layers or getattr(args, "attention_output_gate", False):
+            return FAMILIES["qwen3_next"]
+        return FAMILIES["mamba2" if layers == {"M"} else "nemotron_h"]
     if getattr(args, "multi_latent_attention", False):
         return FAMILIES["deepseek_v3"]
     if getattr(args, "num_experts", None):

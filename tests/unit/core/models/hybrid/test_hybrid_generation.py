@@ -1,0 +1,41 @@
+"""The generation engine over a HybridModel of every recurrent and attention kind (Mamba-2, gated attention with
+QK-norm and partial RoPE, Gated DeltaNet, MLP): greedy tokens equal the argmax of the full forward (fp32), eagerly
+and in the bucketed static-shape steps a CUDA graph replays (idle slots step on garbage states), and requests
+joining a running batch get their alone answers (a slot's states are reset by its prefill)."""
+import pytest
+import torch.nn.functional as F
+
+from megatron.core.inference import InferenceEngine, SamplingParams
+from megatron.core.models.hybrid.hybrid_layer_specs import get_hybrid_stack_spec
+from megatron.core.models.hybrid.hybrid_model import HybridModel
+from tests.fixtures.tiny_gpt import single_rank, tiny_config
+from tests.unit.core.inference.test_engine import MAX_LEN, VOCAB, full_logits, joining_vs_alone, prompts
+
+
+def build_tiny_hybrid(seed: int = 3, device: str = "cpu"):
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    single_rank()
+    model_parallel_cuda_manual_seed(seed)
+    cfg = tiny_config(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+                      normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                      qk_layernorm=True, attention_output_gate=True, mamba_state_dim=8, mamba_head_dim=8,
+                      mamba_num_groups=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                      linear_num_value_heads=4, use_cpu_initialization=True)
+    return HybridModel(cfg, get_hybrid_stack_spec(qk_layernorm=True), VOCAB, MAX_LEN, hybrid_layer_pattern="M*G-",
+                       position_embedding_type="rope", rotary_percent=0.5).to(device).eval()
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_hybrid_greedy_equals_full_recompute(graphs):
+    model = build_tiny_hybrid()
+    ps = prompts([5, 11, 2, 8])
+    reqs = InferenceEngine(model, max_batch_size=4, max_sequence_length=MAX_LEN, use_cuda_graphs=graphs).generate(
+        ps, SamplingParams(top_k=1, num_tokens_to_generate=10))
+    for p, req in zip(ps, reqs):
+        logits = full_logits(model, p + req.generated_tokens)
+        assert logits[len(p) - 1:-1].argmax(-1).tolist() == req.generated_tokens
+
+
+def test_hybrid_requests_joining_a_running_batch_get_their_alone_answers():
+    joined, alone = joining_vs_alone(build_tiny_hybrid())
+    assert joined == alone
