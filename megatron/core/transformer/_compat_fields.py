@@ -24,7 +24,6 @@ class TransformerConfigCompat:
     qk_clip_alpha: float = 0.5
     qk_clip_threshold: float = 100
     log_max_attention_logit: bool = False
-    attention_output_gate: bool = False
     no_rope_freq: Optional[Union[int, List[int]]] = None
     experimental_attention_variant: Any = None
     experimental_attention_variant_loss_scale_func: Any = None
