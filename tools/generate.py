@@ -48,16 +48,16 @@ def main():
     vlm = checkpoint_is_vlm(args)
     if args.image and not vlm:
         sys.exit("error: --image needs a vision-language checkpoint (saved by pretrain_vlm.py) under --load")
-    engine = build_engine(args, vlm_model_provider if vlm else gpt_model_provider)
     tokenizer = get_tokenizer()
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            num_tokens_to_generate=args.num_tokens_to_generate,
-                            return_log_probs=args.return_log_probs, random_seed=args.seed)
     images = tiles = None
-    if vlm:
+    if vlm:  # read the images before building the model: a bad file fails at once
         prompts, ids, images, tiles = prompts_with_images(args, prompts, tokenizer)
     else:
         ids = [tokenize(tokenizer, p, add_bos=not p) for p in prompts]
+    engine = build_engine(args, vlm_model_provider if vlm else gpt_model_provider)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            num_tokens_to_generate=args.num_tokens_to_generate,
+                            return_log_probs=args.return_log_probs, random_seed=args.seed)
     try:
         reqs = engine.generate(ids, params, images, tiles)
     except ValueError as e:
