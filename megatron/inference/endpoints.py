@@ -16,6 +16,7 @@ from megatron.inference.images import (
     ImageConfig,
     assign_images,
     decode_base64,
+    detokenize_with_images,
     group_images,
     image_tiles,
     token_strings,
@@ -193,7 +194,7 @@ def parse_completions_request(body, tokenizer, defaults, image_config: Optional[
                 per_prompt = group_images([p.count(image_token) for p in ids], images, "image tokens")
             except ValueError as e:
                 raise BadRequest(str(e)) from None
-        texts = ["".join(token_strings(tokenizer, p, image_token)) if image_token is not None
+        texts = [detokenize_with_images(tokenizer, p, image_token) if image_token is not None
                  else tokenizer.detokenize(p) for p in ids]
     if any(not 0 <= t < tokenizer.vocab_size and t != image_token for p in ids for t in p):
         raise BadRequest(f"prompt token ids must be in [0, {tokenizer.vocab_size})")

@@ -103,3 +103,18 @@ def tokenize_with_images(tokenizer, text: str, image_token_index: int, add_bos: 
 def token_strings(tokenizer, ids: Sequence[int], image_token_index: Optional[int]) -> List[str]:
     """Each token's text; an image token is ``<image>``."""
     return [IMAGE_TAG if t == image_token_index else tokenizer.detokenize([t]) for t in ids]
+
+
+def detokenize_with_images(tokenizer, ids: Sequence[int], image_token_index: int) -> str:
+    """Text of ``ids``: each run of text tokens detokenized together, each image token as ``<image>``."""
+    out, run = [], []
+    for t in list(ids) + [None]:
+        if t is None or t == image_token_index:
+            if run:
+                out.append(tokenizer.detokenize(run))
+                run = []
+            if t is not None:
+                out.append(IMAGE_TAG)
+        else:
+            run.append(t)
+    return "".join(out)
