@@ -44,8 +44,9 @@ def image_positions(args) -> int:
     return per_tile * tiles
 
 
-def check_vlm_args(args):
-    """Fill the text length and refuse what this entry point does not support, one line each."""
+def check_vlm_model_args(args):
+    """Refuse model flags this entry point does not support, one line each (also run by the generation
+    tools, which build the model without data)."""
     if args.num_channels != 3:
         raise ValueError(f"--num-channels {args.num_channels}: the image loader produces RGB (3 channels)")
     if args.virtual_pipeline_model_parallel_size is not None:
@@ -53,12 +54,17 @@ def check_vlm_args(args):
                          "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank")
     if args.sequence_parallel or args.context_parallel_size > 1:
         raise ValueError("pretrain_vlm.py: --sequence-parallel and --context-parallel-size > 1 are not supported")
-    if args.mock_data:
-        raise ValueError("pretrain_vlm.py: --mock-data is not supported; pass --data-path with a JSONL of "
-                         "image-text samples (tests/functional/test_pretrain_vlm.py builds one)")
     if args.img_h % args.patch_dim or args.img_w % args.patch_dim:
         raise ValueError(f"--img-h {args.img_h} / --img-w {args.img_w} must be multiples of --patch-dim "
                          f"{args.patch_dim}")
+
+
+def check_vlm_args(args):
+    """The model checks, then the data's: fill the text length, refuse what the data path cannot do."""
+    check_vlm_model_args(args)
+    if args.mock_data:
+        raise ValueError("pretrain_vlm.py: --mock-data is not supported; pass --data-path with a JSONL of "
+                         "image-text samples (tests/functional/test_pretrain_vlm.py builds one)")
     if args.data_path and data_format(args.data_path[0], args.vlm_data_format) == "energon":
         args.dataloader_type = "external"  # Energon's loader shards over DP ranks and workers itself
     if args.dataloader_seq_length is None:
@@ -71,7 +77,7 @@ def check_vlm_args(args):
 def model_provider(pre_process=True, post_process=True, vp_stage=None):
     """LLaVAModel from the flags; the ViT and projector on the first pipeline stage."""
     args = get_args()
-    check_vlm_args(args)
+    check_vlm_model_args(args)
     print_rank_0("building LLaVA model ...")
     language = core_transformer_config_from_args(args)
     first = parallel_state.is_pipeline_first_stage()

@@ -3,12 +3,25 @@
 ``PUT /api``: Megatron's text generation server format (prompts, tokens_to_generate, logprobs,
 temperature, top_k, top_p, add_BOS, random_seed, stop_on_eol, ...); ``POST /completions``: the OpenAI
 completions format (prompt, max_tokens, temperature, top_p, logprobs, echo, stop, seed).
+For a vision-language model both take images as Megatron's completions endpoint does:
+``"multi_modal_data": {"image": [<base64 PNG/JPEG>, ...]}`` (a string for one image), in the order of the
+prompts' ``<image>`` tags (see megatron/inference/images.py).
 Every problem raises ``BadRequest`` with a one-line reason (HTTP 400).
 """
 import time
-from typing import List
+from typing import List, Optional
 
 from megatron.core.inference import SamplingParams
+from megatron.inference.images import (
+    ImageConfig,
+    assign_images,
+    decode_base64,
+    detokenize_with_images,
+    group_images,
+    image_tiles,
+    token_strings,
+    tokenize_with_images,
+)
 
 
 class BadRequest(ValueError):
@@ -54,8 +67,41 @@ def _sampling(body, defaults, temperature_key="temperature"):
     return float(temperature), top_k, float(top_p)
 
 
-def parse_api_request(body, tokenizer, defaults):
-    """Megatron's PUT /api body -> (prompt texts, prompt token lists, SamplingParams)."""
+def _request_images(body, image_config: Optional[ImageConfig]):
+    """The decoded images of ``multi_modal_data`` (tiles of each, in order); [] when there are none."""
+    data = body.get("multi_modal_data")
+    if data is None:
+        return []
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise BadRequest("multi_modal_data must be an object with one key, image")
+    encoded = data.get("image") or []
+    encoded = [encoded] if isinstance(encoded, str) else encoded
+    if not isinstance(encoded, list):
+        raise BadRequest("multi_modal_data.image must be a base64 string or a list of them")
+    if encoded and image_config is None:
+        raise BadRequest("this model takes no images (multi_modal_data); serve a vision-language checkpoint")
+    try:
+        return [image_tiles(decode_base64(e, f"multi_modal_data.image[{i}]"), image_config,
+                            f"multi_modal_data.image[{i}]") for i, e in enumerate(encoded)]
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+
+
+def _text_ids(tokenizer, prompts, images, add_bos, image_config):
+    """Token lists of text prompts, and each prompt's images (None without)."""
+    if image_config is None:
+        return prompts, [tokenize(tokenizer, p, add_bos) for p in prompts], [None] * len(prompts)
+    try:
+        prompts, per_prompt = assign_images(prompts, images)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    ids = [tokenize_with_images(tokenizer, p, image_config.image_token_index, add_bos) for p in prompts]
+    return prompts, ids, per_prompt
+
+
+def parse_api_request(body, tokenizer, defaults, image_config: Optional[ImageConfig] = None):
+    """Megatron's PUT /api body -> (prompt texts, prompt token lists, SamplingParams, images per prompt).
+    ``image_config``: the served model's image processing (None: a text model, requests carry no images)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     for old, new in (("max_len", "tokens_to_generate"), ("sentences", "prompts")):
@@ -95,7 +141,8 @@ def parse_api_request(body, tokenizer, defaults):
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                             num_tokens_to_generate=tokens_to_generate, return_log_probs=logprobs,
                             random_seed=seed, stop_words=stop, add_BOS=add_bos)
-    return prompts, [tokenize(tokenizer, p, add_bos) for p in prompts], params
+    prompts, ids, images = _text_ids(tokenizer, prompts, _request_images(body, image_config), add_bos, image_config)
+    return prompts, ids, params, images
 
 
 def tokenize(tokenizer, text: str, add_bos: bool) -> List[int]:
@@ -103,23 +150,25 @@ def tokenize(tokenizer, text: str, add_bos: bool) -> List[int]:
     return [tokenizer.bos] + ids if add_bos else ids
 
 
-def api_response(prompts, requests, tokenizer, logprobs: bool) -> dict:
-    """Megatron's /api answer: prompt + generation text, the tokens, their strings, their log-probs."""
+def api_response(prompts, requests, tokenizer, logprobs: bool, image_token_index: Optional[int] = None) -> dict:
+    """Megatron's /api answer: prompt + generation text, the tokens, their strings, their log-probs
+    (an image is its one image token, with the string ``<image>``)."""
     out = {"text": [], "segments": [], "tokens": []}
     if logprobs:
         out["logprobs"] = []
     for prompt, req in zip(prompts, requests):
-        tokens = req.prompt_tokens + req.generated_tokens
+        tokens = req.given_prompt_tokens + req.generated_tokens
         out["text"].append(prompt + (req.generated_text or ""))
         out["tokens"].append(tokens)
-        out["segments"].append([tokenizer.detokenize([t]) for t in tokens])
+        out["segments"].append(token_strings(tokenizer, tokens, image_token_index))
         if logprobs:
             out["logprobs"].append(req.prompt_log_probs + req.generated_log_probs)
     return out
 
 
-def parse_completions_request(body, tokenizer, defaults):
-    """OpenAI completions body -> (prompt texts, token lists, SamplingParams, echo)."""
+def parse_completions_request(body, tokenizer, defaults, image_config: Optional[ImageConfig] = None):
+    """OpenAI completions body -> (prompt texts, token lists, SamplingParams, echo, logprobs, images per
+    prompt). Token-list prompts mark each image with the image token id itself."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     if "prompt" not in body:
@@ -128,15 +177,26 @@ def parse_completions_request(body, tokenizer, defaults):
     if isinstance(prompt, str):
         prompt = [prompt]
     is_list = isinstance(prompt, list) and len(prompt) > 0
+    images = _request_images(body, image_config)
+    image_token = None if image_config is None else image_config.image_token_index
     if is_list and all(isinstance(p, str) for p in prompt):
-        texts, ids = prompt, [tokenize(tokenizer, p, False) for p in prompt]
-    elif is_list and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        texts, ids = [tokenizer.detokenize(prompt)], [prompt]
-    elif is_list and all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
-        texts, ids = [tokenizer.detokenize(p) for p in prompt], prompt
+        texts, ids, per_prompt = _text_ids(tokenizer, prompt, images, False, image_config)
     else:
-        raise BadRequest("prompt must be a string, a list of strings, a token list or a list of token lists")
-    if any(not 0 <= t < tokenizer.vocab_size for p in ids for t in p):
+        if is_list and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = [prompt]
+        elif is_list and all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+            ids = prompt
+        else:
+            raise BadRequest("prompt must be a string, a list of strings, a token list or a list of token lists")
+        per_prompt = [None] * len(ids)
+        if image_config is not None:
+            try:
+                per_prompt = group_images([p.count(image_token) for p in ids], images, "image tokens")
+            except ValueError as e:
+                raise BadRequest(str(e)) from None
+        texts = [detokenize_with_images(tokenizer, p, image_token) if image_token is not None
+                 else tokenizer.detokenize(p) for p in ids]
+    if any(not 0 <= t < tokenizer.vocab_size and t != image_token for p in ids for t in p):
         raise BadRequest(f"prompt token ids must be in [0, {tokenizer.vocab_size})")
     if len(texts) > 128:
         raise BadRequest("Maximum number of prompts is 128")
@@ -163,20 +223,21 @@ def parse_completions_request(body, tokenizer, defaults):
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, num_tokens_to_generate=max_tokens,
                             return_log_probs=logprobs is not None or max_tokens == 0, random_seed=seed,
                             stop_words=_stop_words(body.get("stop")))
-    return texts, ids, params, echo, logprobs is not None
+    return texts, ids, params, echo, logprobs is not None, per_prompt
 
 
-def completions_response(texts, requests, tokenizer, echo: bool, logprobs: bool, model: str) -> dict:
+def completions_response(texts, requests, tokenizer, echo: bool, logprobs: bool, model: str,
+                         image_token_index: Optional[int] = None) -> dict:
     choices, prompt_tokens, completion_tokens = [], 0, 0
     for i, (text, req) in enumerate(zip(texts, requests)):
-        prompt_tokens += len(req.prompt_tokens)
+        prompt_tokens += len(req.prompt_tokens)  # the model's positions, images included
         completion_tokens += len(req.generated_tokens)
         choice = {"index": i, "text": (text if echo else "") + (req.generated_text or ""),
                   "finish_reason": req.finish_reason, "logprobs": None}
         if logprobs:
-            ids = (req.prompt_tokens if echo else []) + req.generated_tokens
+            ids = (req.given_prompt_tokens if echo else []) + req.generated_tokens
             lps = ([None] + req.prompt_log_probs if echo else []) + req.generated_log_probs
-            strings = [tokenizer.detokenize([t]) for t in ids]
+            strings = token_strings(tokenizer, ids, image_token_index)
             offsets, pos = [], 0
             for s in strings:
                 offsets.append(pos)

@@ -1,4 +1,8 @@
-"""Shared start-up of the generation tools: flags, process groups, model + checkpoint, engine."""
+"""Shared start-up of the generation tools: flags, process groups, model + checkpoint, engine.
+
+The tools serve a GPT checkpoint (pretrain_gpt.py's model) or a vision-language one (pretrain_vlm.py's
+LLaVA, whose saved flags include the vision ones): ``checkpoint_is_vlm`` tells which.
+"""
 import sys
 
 import torch
@@ -7,14 +11,29 @@ from megatron.core import parallel_state
 from megatron.core.inference import InferenceEngine
 from megatron.training.arguments import parse_args
 from megatron.training.arguments.inference_args import add_text_generate_args
+from megatron.training.arguments.vision_args import add_vlm_args
 from megatron.training.checkpointing import load_checkpoint
+from megatron.training.checkpointing.args import has_checkpoint, read_checkpoint_args
 from megatron.training.global_vars import get_args, get_tokenizer
 from megatron.training.initialize import initialize_megatron
 from megatron.training.model_setup import get_model
 from megatron.training.utils import print_rank_0
 
 
-def initialize_generation(extra_args_provider=add_text_generate_args):
+def add_generation_args(parser):
+    """The generation tools' flags and pretrain_vlm.py's (a vision-language checkpoint's architecture)."""
+    return add_vlm_args(add_text_generate_args(parser))
+
+
+def checkpoint_is_vlm(args) -> bool:
+    """True when --load holds a checkpoint saved with pretrain_vlm.py's flags (a LLaVA model)."""
+    if not args.load or not has_checkpoint(args.load):
+        return False
+    saved, _ = read_checkpoint_args(args.load)
+    return hasattr(saved, "vision_model_type")
+
+
+def initialize_generation(extra_args_provider=add_generation_args):
     """initialize_megatron for inference: no training run, data or optimizer state needed."""
     args = parse_args(extra_args_provider)
     args.skip_train = True

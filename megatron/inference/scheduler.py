@@ -21,10 +21,11 @@ _STOP = -1
 
 
 class Ticket:
-    """One prompt of an HTTP request: what to run, and where the loop leaves the result."""
+    """One prompt of an HTTP request: what to run (``images``: its PromptImages or None), and where the
+    loop leaves the result."""
 
-    def __init__(self, prompt_tokens: List[int], params: SamplingParams):
-        self.prompt_tokens, self.params = prompt_tokens, params
+    def __init__(self, prompt_tokens: List[int], params: SamplingParams, images=None):
+        self.prompt_tokens, self.params, self.images = prompt_tokens, params, images
         self.done = threading.Event()
         self.request: Optional[InferenceRequest] = None
         self.error: Optional[str] = None
@@ -51,18 +52,24 @@ def _broadcast(items):
     return box[0]
 
 
+def _image_args(images):
+    """(tiles, num_image_tiles) of a prompt's PromptImages, () without images."""
+    return () if images is None else (images.tiles, images.num_image_tiles)
+
+
 class GenerationScheduler:
     def __init__(self, engine: InferenceEngine):
         self.engine = engine
         self.queue: "queue.Queue[Optional[Ticket]]" = queue.Queue()
         self._stopping = threading.Event()
 
-    def submit(self, prompt_tokens: List[int], params: SamplingParams) -> Ticket:
-        """Validate (ValueError with the reason) and queue one prompt; thread-safe."""
-        self.engine.check_request(len(prompt_tokens), params)
+    def submit(self, prompt_tokens: List[int], params: SamplingParams, images=None) -> Ticket:
+        """Validate (ValueError with the reason) and queue one prompt (``images``: its PromptImages);
+        thread-safe."""
+        self.engine.prepare_prompt(prompt_tokens, params, *_image_args(images))
         if params.random_seed is None:  # every rank must draw the same numbers for this request
             params = replace(params, random_seed=random.SystemRandom().getrandbits(62))
-        ticket = Ticket(list(prompt_tokens), params)
+        ticket = Ticket(list(prompt_tokens), params, images)
         self.queue.put(ticket)
         return ticket
 
@@ -87,9 +94,9 @@ class GenerationScheduler:
             if self._stopping.is_set():
                 break
             if _distributed():
-                _broadcast([(t.prompt_tokens, t.params) for t in tickets])
+                _broadcast([(t.prompt_tokens, t.params, t.images) for t in tickets])
             for t in tickets:
-                t.request = self.engine.add_request(t.prompt_tokens, t.params, done=t.done)
+                t.request = self.engine.add_request(t.prompt_tokens, t.params, t.done, *_image_args(t.images))
             if self.engine.has_work():
                 self._step()
         if _distributed():
@@ -114,7 +121,7 @@ def follow(engine: InferenceEngine) -> None:
         items = _broadcast([])  # receives rank 0's list (or its stop)
         if items is None:
             return
-        for prompt_tokens, params in items:
-            engine.add_request(prompt_tokens, params)
+        for prompt_tokens, params, images in items:
+            engine.add_request(prompt_tokens, params, None, *_image_args(images))
         if engine.has_work():
             engine.step()

@@ -49,14 +49,16 @@ class _Handler(BaseHTTPRequestHandler):
         app = self.server.app
         try:
             body = self._body()
+            image_token = None if app.image_config is None else app.image_config.image_token_index
             if path == "/api":
-                prompts, ids, params = parse_api_request(body, app.tokenizer, app.defaults)
-                reqs = app.run(ids, params)
-                out = api_response(prompts, reqs, app.tokenizer, params.return_log_probs)
+                prompts, ids, params, images = parse_api_request(body, app.tokenizer, app.defaults, app.image_config)
+                reqs = app.run(ids, params, images)
+                out = api_response(prompts, reqs, app.tokenizer, params.return_log_probs, image_token)
             elif path in ("/completions", "/v1/completions"):
-                texts, ids, params, echo, logprobs = parse_completions_request(body, app.tokenizer, app.defaults)
-                reqs = app.run(ids, params)
-                out = completions_response(texts, reqs, app.tokenizer, echo, logprobs, app.model_name)
+                texts, ids, params, echo, logprobs, images = parse_completions_request(
+                    body, app.tokenizer, app.defaults, app.image_config)
+                reqs = app.run(ids, params, images)
+                out = completions_response(texts, reqs, app.tokenizer, echo, logprobs, app.model_name, image_token)
             else:
                 self._send(404, {"message": f"no endpoint {path}; use PUT /api or POST /completions"})
                 return
@@ -86,20 +88,24 @@ class _Handler(BaseHTTPRequestHandler):
 
 class MegatronServer:
     """``scheduler``: a GenerationScheduler (run by the caller's thread); ``defaults``: the server's
-    temperature / top_k / top_p for requests that set none of them."""
+    temperature / top_k / top_p for requests that set none of them; ``image_config``: how a
+    vision-language model's request images become tiles (None: a text model)."""
 
-    def __init__(self, scheduler, tokenizer, defaults: dict, model_name: str = "megatron"):
+    def __init__(self, scheduler, tokenizer, defaults: dict, model_name: str = "megatron", image_config=None):
         self.scheduler, self.tokenizer, self.defaults, self.model_name = scheduler, tokenizer, defaults, model_name
+        self.image_config = image_config
         self.httpd = None
 
-    def run(self, ids, params):
-        """Submit every prompt (all validated before any is queued), wait, return the finished requests."""
-        for p in ids:
+    def run(self, ids, params, images=None):
+        """Submit every prompt (all validated before any is queued), wait, return the finished requests.
+        ``images``: each prompt's PromptImages or None."""
+        images = images or [None] * len(ids)
+        for p, im in zip(ids, images):
             try:
-                self.scheduler.engine.check_request(len(p), params)
+                self.scheduler.engine.prepare_prompt(p, params, *((im.tiles, im.num_image_tiles) if im else ()))
             except ValueError as e:
                 raise BadRequest(str(e)) from None
-        tickets = [self.scheduler.submit(p, params) for p in ids]
+        tickets = [self.scheduler.submit(p, params, im) for p, im in zip(ids, images)]
         for t in tickets:
             t.done.wait()
         for t in tickets:

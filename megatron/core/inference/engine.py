@@ -1,4 +1,4 @@
-"""InferenceEngine: continuous batching of generation requests over one GPTModel.
+"""InferenceEngine: continuous batching of generation requests over one GPTModel (or a LLaVAModel).
 
 Each ``step()`` admits waiting requests into free KV-cache slots (one batched prefill, which also
 samples their first token), then runs one decode step for every active slot. Requests of any length
@@ -9,6 +9,10 @@ full logits are all-gathered and sampling is deterministic given the per-request
 Decode state lives in device buffers indexed by slot (last token, position, sampling parameters) and
 a step updates them in place (next token, position + 1), so on CUDA the whole step, sampling included,
 is one replayed graph and the host reads back only the sampled tokens.
+
+A vision-language model (LLaVAModel) takes images with a prompt: the prompt holds one image token per
+image, which the request expands to the image's feature positions; its prefill runs the vision encoder
+and projector and puts their features at those positions; decode is the text model's, as above.
 """
 import dataclasses
 import itertools
@@ -85,6 +89,7 @@ class InferenceEngine:
             raise NotImplementedError("text generation runs with --pipeline-model-parallel-size 1 only; load the "
                                       "checkpoint at PP=1 (torch_dist checkpoints reshard on load)")
         self.model = _unwrap(model).eval()
+        self.multimodal = hasattr(self.model, "expand_image_tokens")  # LLaVAModel: prompts may carry images
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.vocab_size = vocab_size or self.model.vocab_size
@@ -120,6 +125,24 @@ class InferenceEngine:
                                    capture=dev.type == "cuda") if use_cuda_graphs else None
 
     # ---------------------------------------------------------------- requests
+    def prepare_prompt(self, prompt_tokens: Sequence[int], sampling_params: SamplingParams,
+                       images: Optional[torch.Tensor] = None,
+                       num_image_tiles: Optional[Sequence[int]] = None) -> List[int]:
+        """The token sequence the model will see (image tokens expanded to their feature positions), after
+        ``check_request``; ValueError (one line) when the request cannot run. ``images`` [tiles, c, H, W]:
+        the tiles of the prompt's images in order; ``num_image_tiles``: tiles per image (default 1 each)."""
+        tokens = [int(t) for t in prompt_tokens]
+        if images is not None and not self.multimodal:
+            raise ValueError("this model takes no images (a vision-language model such as pretrain_vlm.py's does)")
+        if self.multimodal:
+            n_tiles = 0 if images is None else images.shape[0]
+            tiles = [1] * n_tiles if num_image_tiles is None else [int(n) for n in num_image_tiles]
+            if sum(tiles) != n_tiles:
+                raise ValueError(f"num_image_tiles {tiles} adds up to {sum(tiles)} tiles but {n_tiles} were given")
+            tokens = self.model.expand_image_tokens(tokens, tiles)
+        self.check_request(len(tokens), sampling_params)
+        return tokens
+
     def check_request(self, num_prompt_tokens: int, sampling_params: SamplingParams) -> None:
         """Raise ValueError (a one-line reason) when a request cannot run; touches no engine state."""
         sampling_params.validate()
@@ -137,13 +160,20 @@ class InferenceEngine:
             raise ValueError("tokens_to_generate=0 only makes sense with logprobs=true")
 
     def add_request(self, prompt_tokens: Sequence[int], sampling_params: SamplingParams,
-                    done=None) -> InferenceRequest:
-        """Queue a prompt (``done``: an Event to set when it finishes); ValueError when it cannot run."""
-        self.check_request(len(prompt_tokens), sampling_params)
+                    done=None, images: Optional[torch.Tensor] = None,
+                    num_image_tiles: Optional[Sequence[int]] = None) -> InferenceRequest:
+        """Queue a prompt (``done``: an Event to set when it finishes; ``images`` / ``num_image_tiles``: see
+        ``prepare_prompt``); ValueError when it cannot run."""
+        tokens = self.prepare_prompt(prompt_tokens, sampling_params, images, num_image_tiles)
         # The request keeps its own copy with the token count resolved (None: up to the max length).
         sampling_params = dataclasses.replace(sampling_params, num_tokens_total=None, num_tokens_to_generate=(
-            sampling_params.tokens_to_generate(len(prompt_tokens), self.max_sequence_length)))
-        req = InferenceRequest(next(self._ids), [int(t) for t in prompt_tokens], sampling_params)
+            sampling_params.tokens_to_generate(len(tokens), self.max_sequence_length)))
+        req = InferenceRequest(next(self._ids), tokens, sampling_params)
+        if len(tokens) != len(prompt_tokens):
+            req.input_prompt_tokens = [int(t) for t in prompt_tokens]
+            req.num_image_tiles = [1] * images.shape[0] if num_image_tiles is None else list(num_image_tiles)
+        if images is not None and images.shape[0]:
+            req.images = images.detach().to("cpu")
         if done is not None:
             req.done = done
         self.waiting.append(req)
@@ -163,10 +193,16 @@ class InferenceEngine:
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]],
-                 sampling_params: Union[SamplingParams, Sequence[SamplingParams]]) -> List[InferenceRequest]:
-        """Run ``prompts`` (token lists) to completion; returns their requests in order."""
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams]],
+                 images: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                 num_image_tiles: Optional[Sequence[Optional[Sequence[int]]]] = None) -> List[InferenceRequest]:
+        """Run ``prompts`` (token lists) to completion; returns their requests in order. ``images`` /
+        ``num_image_tiles``: per prompt (None for a text-only prompt), see ``prepare_prompt``."""
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else sampling_params
-        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        images = images or [None] * len(prompts)
+        num_image_tiles = num_image_tiles or [None] * len(prompts)
+        reqs = [self.add_request(p, sp, images=im, num_image_tiles=nt)
+                for p, sp, im, nt in zip(prompts, params, images, num_image_tiles)]
         while not all(r.status is Status.COMPLETED for r in reqs):
             self.step()
         if self._in_flight is not None and not self.waiting and all(r is None for r in self.slots):
@@ -221,11 +257,14 @@ class InferenceEngine:
         slots = torch.tensor([r.slot for r in reqs], device=dev)
         last = torch.tensor([n - 1 for n in lengths], device=dev)
         self.context.set_prefill(slots, None if all_logits else last)
-        logits = self._forward(tokens, positions)  # [b, s or 1, V]
+        images = [r.images for r in reqs if r.images is not None]
+        images = torch.cat(images).to(dev, self.dtype) if images else None  # every tile, in batch order
+        logits = self._forward(tokens, positions, images)  # [b, s or 1, V]
+        for r in reqs:
+            r.images = None  # its features are in the KV cache now
         if all_logits:  # one request: its prompt log-probs too
             req, n = reqs[0], lengths[0]
-            prompt = torch.tensor(req.prompt_tokens[1:], device=dev)
-            req.prompt_log_probs = token_log_probs(logits[0, :n - 1], prompt).tolist()
+            req.prompt_log_probs = self._prompt_log_probs(req, logits[0, :n - 1])
             logits = logits[:, n - 1]
         else:
             logits = logits[:, -1]
@@ -246,9 +285,30 @@ class InferenceEngine:
             else:
                 self._append(req, token, lp, finished)
 
+    def _prompt_log_probs(self, req: InferenceRequest, logits: torch.Tensor) -> List[Optional[float]]:
+        """Log-probs of the given prompt's tokens 1..n-1 from the logits [n_model - 1, V] of the model's
+        sequence; an image token (expanded or not) has none."""
+        targets = torch.tensor(req.prompt_tokens[1:], device=logits.device)
+        in_vocab = (targets >= 0) & (targets < logits.shape[-1])
+        lps = token_log_probs(logits, targets.clamp(0, logits.shape[-1] - 1)).tolist()
+        if req.input_prompt_tokens is None:
+            return [lp if ok else None for lp, ok in zip(lps, in_vocab.tolist())]
+        image, tiles = self.model.image_token_index, iter(req.num_image_tiles)
+        out, pos = [], 0  # pos: where given token j starts in the model's sequence
+        for j, t in enumerate(req.input_prompt_tokens):
+            if j:
+                out.append(None if t == image else lps[pos - 1])
+            pos += next(tiles) * self.model.img_seq_len if t == image else 1
+        return out
+
     # ---------------------------------------------------------------- decode
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        logits = self.model(tokens, positions, None, inference_context=self.context, runtime_gather_output=True)
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+                 images: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.multimodal:
+            logits, _ = self.model(images, tokens, positions, None, inference_context=self.context,
+                                   runtime_gather_output=True)
+        else:
+            logits = self.model(tokens, positions, None, inference_context=self.context, runtime_gather_output=True)
         return logits[..., :self.vocab_size].float()
 
     def _decode_step(self, batch: int, kv_len: int, greedy_only: bool) -> None:

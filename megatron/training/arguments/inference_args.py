@@ -27,6 +27,10 @@ def add_text_generate_args(parser):
     g.add_argument("--num-tokens-to-generate", type=int, default=30, help="Tokens to generate per prompt.")
     g.add_argument("--prompts", metavar="N", type=str, nargs="+", help="Prompts (tools/generate.py).")
     g.add_argument("--prompt", type=str, action="append", help="One prompt (tools/generate.py); repeatable.")
+    g.add_argument("--image", type=str, action="append",
+                   help="An image file for a vision-language checkpoint (tools/generate.py); repeatable: the "
+                        "prompts' <image> tags take the images in order (a single prompt without tags gets "
+                        "them first).")
     g.add_argument("--max-batch-size", type=int, default=None, help="Deprecated: --inference-max-requests.")
     return parser
 

@@ -29,9 +29,10 @@ def validate_inputs(args, require):
 
 
 def reads_image_text_data(args) -> bool:
-    """pretrain_vlm.py's --data-path is a JSONL of image-text samples or an Energon folder (its own loader
-    checks it), not a .bin/.idx prefix; its parser defines --vlm-data-format."""
-    return hasattr(args, "vlm_data_format")
+    """pretrain_vlm.py's --data-path is a JSONL of image-text samples or an Energon folder, and
+    pretrain_vision_classify.py's image folders (their own loaders check them), not .bin/.idx prefixes;
+    their parsers define --skip-bad-samples."""
+    return hasattr(args, "skip_bad_samples")
 
 
 def unquote_split(split):

@@ -94,8 +94,13 @@ REASONS = {
 OTHER_ENTRY_POINTS = {
     "--mask-prob": "pretrain_bert.py and pretrain_t5.py", "--short-seq-prob": "pretrain_bert.py and pretrain_t5.py",
     "--bert-no-binary-head": "pretrain_bert.py", "--encoder-num-layers": "pretrain_t5.py and pretrain_vlm.py",
-    "--img-h": "pretrain_vlm.py", "--img-w": "pretrain_vlm.py", "--patch-dim": "pretrain_vlm.py",
-    "--num-channels": "pretrain_vlm.py",
+    "--img-h": "pretrain_vlm.py and pretrain_vision_classify.py",
+    "--img-w": "pretrain_vlm.py and pretrain_vision_classify.py",
+    "--patch-dim": "pretrain_vlm.py and pretrain_vision_classify.py",
+    "--num-channels": "pretrain_vlm.py and pretrain_vision_classify.py",
+    "--num-classes": "pretrain_vision_classify.py", "--classes-fraction": "pretrain_vision_classify.py",
+    "--data-per-class-fraction": "pretrain_vision_classify.py",
+    "--vision-backbone-type": "pretrain_vision_classify.py", "--vision-pretraining-type": "pretrain_vision_classify.py",
     "--decoder-num-layers": "pretrain_t5.py", "--decoder-seq-length": "pretrain_t5.py",
 }
 # Why the flags of a Megatron parser group that our parser does not define are refused. Groups whose flags
@@ -104,8 +109,9 @@ _GROUP_REASONS = {
     "moe": "MoE upcycling (a dense checkpoint turned into experts) is not built; MoE itself works (docs/moe.md)",
     "mla": "this multi-latent attention option is not built; MLA itself works (docs/deepseek.md)",
     "rl": "RL training is not part of this project",
-    "vision": "this option of Megatron's legacy vision entry points (classification, inpainting, DINO) is not built; "
-              "vision-language models train with pretrain_vlm.py (docs/multimodal.md)",
+    "vision": "this option of Megatron's legacy vision entry points (inpainting, DINO, MiT/Swin backbones) is not "
+              "built; ViT classification trains with pretrain_vision_classify.py and vision-language models "
+              "with pretrain_vlm.py (docs/multimodal.md)",
     "biencoder": "retrieval models are not part of this project",
     "inference": "this option of Megatron's inference engines is not built; generation runs on "
                  "megatron/core/inference's engine (tools/generate.py, docs/inference.md)",

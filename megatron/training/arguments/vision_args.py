@@ -1,4 +1,4 @@
-"""Flags of the vision-language entry point (pretrain_vlm.py) and the configs they build.
+"""Flags of the vision entry points (pretrain_vlm.py, pretrain_vision_classify.py) and the configs they build.
 
 Megatron's names: --img-h, --img-w, --patch-dim, --num-channels, --encoder-num-layers (global flags in
 Megatron), --freeze-LM, --freeze-ViT, --disable-vision-class-token, --dataloader-seq-length (its
@@ -20,12 +20,36 @@ DEFAULT_IMAGE_TOKEN_INDEX = -200  # Megatron's placeholder id; a HF-imported LLa
 VISION_TYPES = {"clip": (quick_gelu, 1e-5, 1), "siglip": (fast_gelu, 1e-6, 0)}
 
 
-def add_vlm_args(parser):
-    g = parser.add_argument_group(title="vision language model")
+def _add_image_args(g):
+    """Megatron's image flags, shared by pretrain_vlm.py and pretrain_vision_classify.py."""
     g.add_argument("--img-h", type=int, default=224, help="Image height in pixels (the ViT's position grid).")
     g.add_argument("--img-w", type=int, default=224, help="Image width in pixels.")
     g.add_argument("--patch-dim", type=int, default=16, help="Patch size (the patch conv's kernel and stride).")
     g.add_argument("--num-channels", type=int, default=3, help="Image channels.")
+
+
+def add_vision_classify_args(parser):
+    """pretrain_vision_classify.py's flags (Megatron's vision group): the image size, the classes, the
+    image-folder data's fractions, and the bad-image policy."""
+    g = parser.add_argument_group(title="vision")
+    _add_image_args(g)
+    g.add_argument("--num-classes", type=int, default=1000, help="Classes of the classification head.")
+    g.add_argument("--classes-fraction", type=float, default=1.0,
+                   help="Train on the first part of the sorted class folders.")
+    g.add_argument("--data-per-class-fraction", type=float, default=1.0,
+                   help="Train on the first part of each class folder's sorted images.")
+    g.add_argument("--vision-backbone-type", default="vit", choices=["vit", "mit", "swin"],
+                   help="Backbone of the classifier; vit (a CLIP-style ViT) is built here.")
+    g.add_argument("--vision-pretraining-type", default="classify", choices=["classify", "inpaint", "dino"],
+                   help="What pretrain_vision_classify.py trains; classify is built here.")
+    g.add_argument("--skip-bad-samples", action="store_true", default=False,
+                   help="Skip (and log once per file) unreadable images instead of stopping.")
+    return parser
+
+
+def add_vlm_args(parser):
+    g = parser.add_argument_group(title="vision language model")
+    _add_image_args(g)
     g.add_argument("--encoder-num-layers", type=int, default=None, help="ViT layers (default --num-layers).")
     g.add_argument("--vision-model-type", default="clip", choices=sorted(VISION_TYPES),
                    help="clip: class token, pre-norm, quick GeLU; siglip: no class token, post-norm, tanh GeLU.")

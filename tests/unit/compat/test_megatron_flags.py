@@ -118,12 +118,13 @@ def test_a_flag_defined_elsewhere_becomes_works():
 
 
 def test_bert_and_t5_flags():
-    """Flags only BERT/T5/VLM define work there; OTHER_ENTRY_POINTS names exactly those flags."""
-    from megatron.training.arguments.vision_args import add_vlm_args
+    """Flags only BERT/T5/VLM/ViT classification define work there; OTHER_ENTRY_POINTS names exactly those."""
+    from megatron.training.arguments.vision_args import add_vision_classify_args, add_vlm_args
     bert, t5 = build_parser(pretrain_bert.add_bert_args), build_parser(pretrain_t5.add_t5_args)
-    vlm = build_parser(add_vlm_args)
+    vlm, vit = build_parser(add_vlm_args), build_parser(add_vision_classify_args)
     assert vlm.parse_args(BASE + ["--img-h", "336", "--freeze-ViT"]).img_h == 336
-    only_there = {o for p in (bert, t5, vlm) for o, (s, _) in p.megatron_flags.items()
+    assert vit.parse_args(BASE + ["--num-classes", "10", "--classes-fraction", "0.5"]).num_classes == 10
+    only_there = {o for p in (bert, t5, vlm, vit) for o, (s, _) in p.megatron_flags.items()
                   if s == mf.WORKS and PARSER.megatron_flags[o][0] != mf.WORKS}
     assert only_there == set(mf.OTHER_ENTRY_POINTS)
     assert bert.parse_args(BASE + ["--mask-prob", "0.3", "--use-mcore-models"]).mask_prob == 0.3

@@ -120,6 +120,10 @@ class LLaVAModel(MegatronModule):
                                   name_prefix="vision_projection.")
 
     @property
+    def vocab_size(self) -> int:
+        return self.language_model.vocab_size
+
+    @property
     def decoder(self):
         return self.language_model.decoder
 
@@ -143,6 +147,61 @@ class LLaVAModel(MegatronModule):
             if frozen and module is not None:
                 for p in module.parameters():
                     p.requires_grad = False
+
+    def image_embeddings(self, images: torch.Tensor) -> torch.Tensor:
+        """Image tiles [tiles, c, H, W] -> projected features [tiles, img_seq_len, h] (class token dropped
+        with --disable-vision-class-token)."""
+        features = self.vision_model(images)  # [tiles, s_v, h_v]
+        if self._drop_vision_class_token:
+            features = features[:, self._class_token_len:]
+        features = features.transpose(0, 1).contiguous()  # [s_v, tiles, h_v]
+        return self.vision_projection(features).transpose(0, 1)  # [tiles, s_v, h]
+
+    # ---- generation ------------------------------------------------------------------------------
+    def expand_image_tokens(self, tokens: List[int], num_image_tiles: List[int],
+                            image_token_index: Optional[int] = None) -> List[int]:
+        """A prompt with one image token per image -> the sequence the decoder sees: each image token
+        repeated tiles * img_seq_len times (the layout of Hugging Face's LLaVA prompts)."""
+        image_token_index = self.image_token_index if image_token_index is None else image_token_index
+        count = sum(1 for t in tokens if t == image_token_index)
+        if count != len(num_image_tiles):
+            raise ValueError(f"the prompt has {count} image tokens ({image_token_index}) for "
+                             f"{len(num_image_tiles)} image(s); put one image token per image")
+        tiles = iter(num_image_tiles)
+        out: List[int] = []
+        for t in tokens:
+            out += [t] * (next(tiles) * self.img_seq_len) if t == image_token_index else [t]
+        return out
+
+    def generate_forward(self, images, input_ids, position_ids, inference_context, image_token_index,
+                         runtime_gather_output=None):
+        """Logits [b, s or 1, V] of a generation step. Prefill: ``input_ids`` [b, s] hold
+        ``expand_image_tokens`` sequences; the image features (``images``: every tile of the batch, in
+        order) replace the image-token positions. Decode: text tokens only, straight to the decoder and
+        its KV cache (nothing here syncs with the host, so a CUDA graph can replay it)."""
+        if self._pipelined:
+            raise NotImplementedError("LLaVA generation runs with --pipeline-model-parallel-size 1")
+        lm = self.language_model
+        if inference_context.is_decode_only() or images is None or not images.numel():
+            return lm(input_ids, position_ids, None, inference_context=inference_context,
+                      runtime_gather_output=runtime_gather_output)
+        is_image = input_ids == image_token_index
+        features = self.image_embeddings(images)  # [tiles, img_seq_len, h]
+        if int(is_image.sum()) != features.shape[0] * features.shape[1]:
+            raise ValueError(f"the prompts hold {int(is_image.sum())} image positions for {features.shape[0]} "
+                             f"tile(s) of {features.shape[1]} features; expand each image token with "
+                             "expand_image_tokens")
+        emb = lm.embedding
+        words = emb.word_embeddings(input_ids.masked_fill(is_image, 0))  # [b, s, h]
+        # Row-major boolean indexing visits images in batch order, each one's positions in order.
+        combined = words.masked_scatter(is_image.unsqueeze(-1), features.reshape(-1, words.size(-1)).to(words.dtype))
+        if emb.add_position_embedding:
+            combined = combined + emb.position_embeddings(position_ids)
+        combined = combined.transpose(0, 1).contiguous()  # [s, b, h]
+        if self.config.fp32_residual_connection:
+            combined = combined.float()
+        return lm(None, position_ids, None, decoder_input=emb.embedding_dropout(combined),
+                  inference_context=inference_context, runtime_gather_output=runtime_gather_output)
 
     # ---- the combined sequence -------------------------------------------------------------------
     def _layout(self, input_ids: torch.Tensor, num_image_tiles: torch.Tensor, image_token_index: int):
@@ -208,10 +267,14 @@ class LLaVAModel(MegatronModule):
                 num_image_tiles: Optional[List[int]] = None, image_token_index: Optional[int] = None,
                 runtime_gather_output: Optional[bool] = None, packed_seq_params=None, **kwargs):
         """``images`` [tiles, c, H, W] (every tile of every image of the batch, in order), ``input_ids``
-        [b, t] with one ``image_token_index`` per image, ``num_image_tiles`` [images] (1 each when None)."""
-        if inference_context is not None or packed_seq_params is not None:
-            raise NotImplementedError("LLaVAModel: generation contexts and packed sequences are not supported")
+        [b, t] with one ``image_token_index`` per image, ``num_image_tiles`` [images] (1 each when None).
+        With an ``inference_context`` (generation) ``input_ids`` are already expanded: see ``generate_forward``."""
+        if packed_seq_params is not None:
+            raise NotImplementedError("LLaVAModel: packed sequences are not supported")
         image_token_index = self.image_token_index if image_token_index is None else image_token_index
+        if inference_context is not None:
+            return self.generate_forward(images, input_ids, position_ids, inference_context, image_token_index,
+                                         runtime_gather_output), None
         n_images = int((input_ids == image_token_index).sum())
         if num_image_tiles is None:
             num_image_tiles = torch.ones(n_images, dtype=torch.long, device=input_ids.device)
@@ -222,11 +285,7 @@ class LLaVAModel(MegatronModule):
         if self.pre_process:
             image_embeddings = None
             if self.add_encoder and images is not None and images.numel():
-                features = self.vision_model(images)  # [tiles, s_v, h_v]
-                if self._drop_vision_class_token:
-                    features = features[:, self._class_token_len:]
-                features = features.transpose(0, 1).contiguous()  # [s_v, tiles, h_v]
-                image_embeddings = self.vision_projection(features).transpose(0, 1)  # [tiles, s_v, h]
+                image_embeddings = self.image_embeddings(images)
             decoder_input = self._combined_embeddings(image_embeddings, input_ids, is_image, start, seq_lens,
                                                       length)
         combined_labels = combined_mask = None

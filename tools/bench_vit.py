@@ -1,0 +1,194 @@
+"""ViT classification training throughput: our VitClassificationModel through the training stack (bf16
+parameters in Float16Module, DDP's fp32 gradient buffer, Megatron's Adam with fp32 main weights, the
+pipeline schedule) next to timm's ``vit_large_patch16_224`` training step (bf16 autocast, fused AdamW) on
+the same GPU, same shapes and batch.
+
+    pip install timm        # optional: without it only our model is measured
+    python tools/bench_vit.py                                  # ViT-L/16, 224 px, batch 64
+    python tools/bench_vit.py --batch 128 --compile            # both models under torch.compile
+    python tools/bench_vit.py --layers 2 --hidden 64 --heads 4 --ffn 256 --batch 4 --device cpu --dtype fp32
+
+Prints, per implementation, ms/step, images/s, TFLOP/s and MFU against the device's dense bf16 peak
+(megatron/training/flops.py). FLOPs per image (training = 3 x forward, matmuls only): per layer and token
+2 * (4h^2 + 2hf) for the QKV / output / MLP GEMMs + 4sh for non-causal attention (QK^T and AV), over
+s = patches + 1 tokens and L layers, plus the patch embedding and the head.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from megatron.training.flops import current_device_name, dense_bf16_peak  # noqa: E402
+
+
+def parse_cli(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--img", type=int, default=224)
+    p.add_argument("--patch", type=int, default=16)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--ffn", type=int, default=4096)
+    p.add_argument("--classes", type=int, default=1000)
+    p.add_argument("--batch", type=int, default=64, help="Images per training step.")
+    p.add_argument("--steps", type=int, default=20, help="Timed steps (after --warmup).")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--impl", choices=["ours", "timm", "both"], default="both")
+    p.add_argument("--compile", action="store_true", help="torch.compile each model before timing.")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    return p.parse_args(argv)
+
+
+def flops_per_image(a) -> float:
+    """Training FLOPs of one image (3 x the forward's matmul FLOPs)."""
+    patches = (a.img // a.patch) ** 2
+    s, h, f = patches + 1, a.hidden, a.ffn
+    layers = a.layers * s * (2 * (4 * h * h + 2 * h * f) + 4 * s * h)
+    embed = 2 * patches * (3 * a.patch * a.patch) * h
+    head = 2 * (h * h + h * a.classes)  # timm's head is one linear; ours adds dense_in (the legacy MLP head)
+    return 3.0 * (layers + embed + head)
+
+
+def _init_single_process(device):
+    """A one-rank process group and model-parallel state, so our layers run as in a 1-GPU pretrain."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    parallel_state.initialize_model_parallel(1)
+    model_parallel_cuda_manual_seed(1234)
+
+
+def ours_step(a, device):
+    """A step function training VitClassificationModel the way pretrain_vision_classify.py does."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.vision.vit_classification_model import VitClassificationModel
+    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    _init_single_process(device)
+    bf16 = a.dtype == "bf16"
+    config = TransformerConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
+                               ffn_hidden_size=a.ffn, add_qkv_bias=True, hidden_dropout=0.0, attention_dropout=0.0,
+                               bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                               use_cpu_initialization=device.type == "cpu")
+    model = VitClassificationModel(config, get_vit_layer_with_local_spec(), a.classes, img_h=a.img, img_w=a.img,
+                                   patch_dim=a.patch)
+    if bf16:
+        model = Float16Module(config, model)
+    if a.compile:
+        model.module = torch.compile(model.module) if bf16 else torch.compile(model)
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-4, weight_decay=0.05, bf16=bf16, clip_grad=1.0), [model])
+    images = torch.randn(a.batch, 3, a.img, a.img, device=device)
+    labels = torch.randint(0, a.classes, (a.batch,), device=device)
+    seq = (a.img // a.patch) ** 2 + 1
+
+    def forward_step(data_iterator, m):
+        x, y = next(data_iterator)
+        return m(x), lambda logits: (F.cross_entropy(logits.float(), y, reduction="sum"),
+                                     torch.tensor(a.batch, device=device, dtype=torch.int),
+                                     {"loss": torch.zeros(2, device=device)})
+
+    def step():
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([(images, labels)]),
+                                    model=[model], num_microbatches=1, seq_length=seq, micro_batch_size=a.batch,
+                                    forward_only=False)
+        finalize_model_grads([model])
+        ok, _, _ = opt.step()
+        assert ok, "the optimizer skipped the step"
+    return step
+
+
+def timm_step(a, device):
+    """timm's ViT training step (as its train.py with --amp): fp32 weights, bf16 autocast, fused AdamW."""
+    try:
+        import timm  # lazy: optional; only this comparison needs it
+    except ImportError:
+        return None
+    model = timm.create_model("vit_large_patch16_224", pretrained=False, img_size=a.img, patch_size=a.patch,
+                              embed_dim=a.hidden, depth=a.layers, num_heads=a.heads, mlp_ratio=a.ffn / a.hidden,
+                              num_classes=a.classes).to(device)
+    if a.compile:
+        model = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=device.type == "cuda")
+    images = torch.randn(a.batch, 3, a.img, a.img, device=device)
+    labels = torch.randint(0, a.classes, (a.batch,), device=device)
+    amp = a.dtype == "bf16"
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            loss = F.cross_entropy(model(images).float(), labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return step
+
+
+def measure(step, a, device) -> float:
+    """Median seconds per step over ``a.steps`` steps after ``a.warmup``."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(a.warmup):
+        step()
+    times = []
+    for _ in range(a.steps):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def report(name, seconds, a, device_name) -> str:
+    tflops = flops_per_image(a) * a.batch / seconds / 1e12
+    peak = dense_bf16_peak(device_name)
+    mfu = f"{100 * tflops / peak:.1f}%" if peak else "n/a"
+    return (f"{name}: {seconds * 1e3:.1f} ms/step, {a.batch / seconds:.1f} images/s, {tflops:.1f} TFLOP/s, "
+            f"MFU {mfu} ({device_name})")
+
+
+def main(argv=None):
+    a = parse_cli(argv)
+    device = torch.device(a.device)
+    name = current_device_name() if device.type == "cuda" else "cpu"
+    print(f"ViT {a.layers}x{a.hidden} (heads {a.heads}, ffn {a.ffn}), {a.img}px / {a.patch}, batch {a.batch}, "
+          f"{a.dtype}{', compiled' if a.compile else ''}: {flops_per_image(a) / 1e9:.1f} GFLOP per image (training)",
+          flush=True)
+    results = {}
+    if a.impl in ("ours", "both"):
+        results["ours"] = measure(ours_step(a, device), a, device)
+        print(report("ours", results["ours"], a, name), flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if a.impl in ("timm", "both"):
+        step = timm_step(a, device)
+        if step is None:
+            print("timm: not installed (pip install timm) - skipped", flush=True)
+        else:
+            results["timm"] = measure(step, a, device)
+            print(report("timm", results["timm"], a, name), flush=True)
+    if len(results) == 2:
+        print(f"ours / timm images/s: {results['timm'] / results['ours']:.2f}x", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()
