@@ -19,16 +19,6 @@ class OptimizerConfigCompat:
     exp_avg_dtype: torch.dtype = torch.float32
     exp_avg_sq_dtype: torch.dtype = torch.float32
     decoupled_weight_decay: bool = True
-    muon_momentum: float = 0.95
-    muon_split_qkv: bool = True
-    muon_nesterov: bool = False
-    muon_scale_mode: str = 'spectral'
-    muon_fp32_matmul_prec: str = 'medium'
-    muon_coefficient_type: str = 'quintic'
-    muon_num_ns_steps: int = 5
-    muon_tp_mode: str = 'blockwise'
-    muon_extra_scale_factor: float = 1.0
-    muon_scalar_optimizer: str = 'adam'
     lion_beta1: float = 0.95
     lion_beta2: float = 0.98
     soap_shampoo_beta: float = 0.95
@@ -37,7 +27,6 @@ class OptimizerConfigCompat:
     adaptive_muon_moment2_method: str = 'adamuon'
     adaptive_muon_beta2: float = 0.95
     adaptive_muon_eps: float = 1e-08
-    use_layer_wise_distributed_optimizer: bool = False
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 0.0
     use_torch_optimizer_for_cpu_offload: bool = False
