@@ -1,15 +1,20 @@
-"""The application's queue of background checkpoint saves (`--async-save`).
+"""The application's queue of background checkpoint saves (`--async-save`) and their host buffers.
 
 `maybe_finalize_async_save` is called by the training loop every iteration (and with ``blocking=True`` at
-exit); it is collective, so every rank must call it at the same points.
+exit); it is collective, so every rank must call it at the same points. `host_staging` gives the buffers
+async saves copy the state into (kept for the whole run unless --no-async-save-pinned-buffers); they are
+freed when the queue is terminated at the end of training.
 """
 import shutil
+from typing import Optional
 
 import torch
 
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+from megatron.core.dist_checkpointing.strategies.staging import HostStaging
 
 _async_calls_queue = None
+_host_staging: Optional[HostStaging] = None
 
 
 def _queue() -> AsyncCallsQueue:
@@ -19,13 +24,30 @@ def _queue() -> AsyncCallsQueue:
     return _async_calls_queue
 
 
+def host_staging(reuse: bool = True) -> HostStaging:
+    """The buffers of the next async save: the run's reusable (page-locked on CUDA) ones, or with ``reuse``
+    False a pageable set freed once written."""
+    global _host_staging
+    if not reuse:
+        return HostStaging(pin=False, keep=False)
+    if _host_staging is None:
+        _host_staging = HostStaging()
+    return _host_staging
+
+
+def last_staging_stats() -> dict:
+    """`HostStaging.stats` of the latest save through the reusable buffers ({} when there was none)."""
+    return dict(_host_staging.stats) if _host_staging is not None else {}
+
+
 def schedule_async_save(async_request: AsyncRequest) -> None:
     _queue().schedule_async_request(async_request)
 
 
 def maybe_finalize_async_save(blocking: bool = False, terminate: bool = False) -> None:
-    """Record every background save that all ranks finished; ``blocking`` waits for all pending ones."""
-    global _async_calls_queue
+    """Record every background save that all ranks finished; ``blocking`` waits for all pending ones.
+    ``terminate`` also frees the host buffers."""
+    global _async_calls_queue, _host_staging
     if _async_calls_queue is None:
         return
     failed_before = len(_async_calls_queue.failed)
@@ -33,6 +55,9 @@ def maybe_finalize_async_save(blocking: bool = False, terminate: bool = False) -
     _remove_staging(_async_calls_queue.failed[failed_before:])
     if terminate:
         _async_calls_queue = None
+        if _host_staging is not None:
+            _host_staging.free()
+            _host_staging = None
 
 
 def _remove_staging(failed_dirs) -> None:

@@ -28,6 +28,7 @@ from .mapping import (
 )
 from .strategies import torch as torch_strategy
 from .strategies.async_utils import AsyncRequest
+from .strategies.staging import HostStaging
 from .validation import (
     StrictHandling,
     adjust_non_strict_load,
@@ -83,14 +84,17 @@ def _strip_sharded(tree):
     return tree
 
 
-def _prepare(sharded_state_dict: ShardedStateDict, copy_to_cpu: bool):
+def _prepare(sharded_state_dict: ShardedStateDict, copy_to_cpu: bool, host_staging=None):
     common, sharded = _split_common(sharded_state_dict)
     tensors = [v for _, v in sharded if isinstance(v, ShardedTensor) and v.is_main_replica()]
     objects = [v for _, v in sharded if isinstance(v, ShardedObject) and v.is_main_replica()]
     for sh in tensors:
         if sh.data is None:
             raise CheckpointingException(f"ShardedTensor {sh.key} has no data to save")
-    data = [_to_cpu(sh.data) if copy_to_cpu else sh.data.detach() for sh in tensors]
+    if host_staging is not None:
+        data = host_staging.stage([sh.data for sh in tensors])
+    else:
+        data = [_to_cpu(sh.data) if copy_to_cpu else sh.data.detach() for sh in tensors]
     shards = torch_strategy.tensor_shards(tensors, data)
     return common, shards, torch_strategy.object_shards(objects)
 
@@ -132,7 +136,7 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
          validate_access_integrity: bool = True, async_sharded_save: bool = False,
          preprocess_common_before_consistancy_check=None, content_metadata: Optional[dict] = None,
          async_strategy: str = "nvrx", verify_integrity: bool = False, *, common_strategy=None,
-         process_group=None) -> Optional[AsyncRequest]:
+         process_group=None, host_staging: Optional[HostStaging] = None) -> Optional[AsyncRequest]:
     """Save ``sharded_state_dict`` into ``checkpoint_dir`` (collective over all ranks).
 
     `validate_access_integrity` checks, before writing, that the main replicas of all ranks cover every
@@ -144,7 +148,9 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
 
     Only main replicas (``replica_id == 0``) are written. With ``async_sharded_save`` tensors are copied to
     host memory now and an `AsyncRequest` is returned whose function writes them (run it with an
-    `AsyncCallsQueue`); `metadata.json` is written by its finalize step.
+    `AsyncCallsQueue`); `metadata.json` is written by its finalize step. With ``host_staging`` (our
+    extension; async saves only) the copy goes into its reusable buffers and CUDA tensors are only queued
+    for copying: call ``host_staging.make_current_stream_wait()`` before changing any saved tensor in place.
     """
     if sharded_strategy not in (None, "torch_dist") and not isinstance(
             sharded_strategy, (tuple, torch_strategy.TorchDistSaveShardedStrategy)):
@@ -164,12 +170,26 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
         os.makedirs(checkpoint_dir, exist_ok=True)
         if os.path.exists(os.path.join(checkpoint_dir, CONFIG_FNAME)):
             raise CheckpointingException(f"{checkpoint_dir} already holds a checkpoint; save into an empty directory")
+    if host_staging is not None and not async_sharded_save:
+        raise ValueError("dist_checkpointing.save: host_staging is for async saves; pass async_sharded_save=True")
     _barrier(process_group)
-    common, shards, objects = _prepare(sharded_state_dict, copy_to_cpu=async_sharded_save)
-    _write_common(checkpoint_dir, common)
+    common, shards, objects = _prepare(sharded_state_dict, async_sharded_save, host_staging)
+    try:
+        _write_common(checkpoint_dir, common)
+    except BaseException:
+        if host_staging is not None:
+            host_staging.release()
+        raise
 
     def write(group=process_group):
-        torch_strategy.dcp_write(checkpoint_dir, shards, objects, process_group=group, thread_count=thread_count)
+        if host_staging is None:
+            torch_strategy.dcp_write(checkpoint_dir, shards, objects, process_group=group, thread_count=thread_count)
+            return
+        try:
+            host_staging.wait_copy()
+            torch_strategy.dcp_write(checkpoint_dir, shards, objects, process_group=group, thread_count=thread_count)
+        finally:
+            host_staging.release()
 
     def finalize():
         if _rank() == 0:

@@ -6,6 +6,7 @@ from typing import Dict, List
 
 import torch
 
+from megatron.core.dist_checkpointing.strategies.staging import wait_for_staged_copies
 from megatron.core.optimizer.clip_grads import clip_coefficient, clip_grad_by_total_norm_fp32
 
 
@@ -84,6 +85,7 @@ class ChainedOptimizer:
     @torch.no_grad()
     def step(self):
         """(update_successful, grad_norm, num_zeros_in_grad), as MegatronOptimizer.step, with its timers."""
+        wait_for_staged_copies()  # an async checkpoint's copy of the params and state must finish first
         found_inf = False
         with self._timed("optimizer-copy-to-main-grad"):
             for opt in self.chained_optimizers:

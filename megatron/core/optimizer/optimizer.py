@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.strategies.staging import wait_for_staged_copies
 from megatron.core.distributed.torch_fsdp2_state import full_local_tensor, shard_like
 from megatron.core.optimizer import optimizer_state
 from megatron.core.optimizer.clip_grads import (
@@ -239,6 +240,7 @@ class MegatronOptimizer:
 
     @torch.no_grad()
     def step(self) -> Tuple[bool, Optional[float], Optional[float]]:
+        wait_for_staged_copies()  # an async checkpoint's copy of the params and state must finish first
         with self._timed("optimizer-copy-to-main-grad"):
             self._copy_model_grads_to_main_grads()
         if self.grad_scaler is not None:

@@ -101,6 +101,12 @@ def add_checkpointing_args(parser):
     g.add_argument("--auto-detect-ckpt-format", action="store_true", help="Detect the format when loading.")
     g.add_argument("--async-save", action="store_true",
                    help="Write torch_dist checkpoints in the background; training continues.")
+    g.add_argument("--no-async-save-pinned-buffers", dest="async_save_pinned_buffers", action="store_false",
+                   help="(Not a Megatron-LM flag.) --async-save copies the state into host buffers allocated at "
+                        "the first save and kept for the next ones, page-locked on CUDA so that the copy runs "
+                        "in the background (host RAM equal to this rank's share of the checkpoint, held for the "
+                        "whole run). With this flag each save copies into fresh pageable host memory, freed "
+                        "after the write, and training waits for the whole copy.")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="Fail if --load has no checkpoint instead of starting from scratch.")
     g.add_argument("--ckpt-fallback-to-previous", action="store_true",

@@ -222,7 +222,11 @@ class TorchDistLoadShardedStrategy:
 def dcp_write(checkpoint_dir: str, shards: Shards, objects: Dict[str, object], process_group=None,
               thread_count: int = 1, no_dist=None) -> None:
     """Write ``shards`` and ``objects`` (already deduplicated by replica) into ``checkpoint_dir``."""
-    writer = FileSystemWriter(checkpoint_dir, single_file_per_rank=True, thread_count=thread_count)
+    on_host = all(t.device.type == "cpu" for chunks in shards.values() for _, t, _ in chunks)
+    # Host tensors (an async save's copies) are written as they are: DCP's copy-ahead loader would
+    # synchronize the CUDA stream of the writing thread (the training stream) between tensors for nothing.
+    writer = FileSystemWriter(checkpoint_dir, single_file_per_rank=True, thread_count=thread_count,
+                              **({"per_thread_copy_ahead": 0} if on_host else {}))
     if no_dist is None:
         no_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     dcp_save(dict(objects), storage_writer=writer, planner=_SavePlanner(shards),

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.strategies.staging import wait_for_staged_copies
 from megatron.core.process_groups_config import get_pg
 from megatron.core.tensor_parallel.layers import _make_param
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
@@ -263,6 +264,7 @@ def finalize_router_state(model_chunks, config):
     routers = list(_routers(model_chunks))
     biased = [r for r in routers if r.enable_expert_bias]
     if biased:
+        wait_for_staged_copies()  # the saved expert biases change below: an async save's copy goes first
         counts = torch.stack([r.local_tokens_per_expert for r in biased])
         biases = torch.stack([r.expert_bias for r in biased])
         # The routers of one model share its groups (parallel_state's, or its explicit collection's).

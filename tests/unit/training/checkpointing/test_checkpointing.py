@@ -128,6 +128,33 @@ def test_async_and_sync_saves_equal(tmp_path):
     assert ms == ma and all(torch.equal(ls[k], la[k]) for k in ("fc1.weight", "fc2.bias"))
 
 
+def _data_files(d):
+    """{name: bytes} of a torch_dist checkpoint's tensor files (`.distcp`)."""
+    return {n: open(os.path.join(d, n), "rb").read() for n in sorted(os.listdir(d)) if n.endswith(".distcp")}
+
+
+def test_async_saves_through_host_buffers_equal_sync_saves_bitwise(tmp_path, capsys):
+    """Two saves per run: sync, async through the run's reusable host buffers (the default), async with
+    --no-async-save-pinned-buffers (fresh buffers per save). Same files; reused buffers stay allocated."""
+    files = {}
+    for name, kw in (("sync", {}), ("reuse", dict(async_save=True)),
+                     ("fresh", dict(async_save=True, async_save_pinned_buffers=False))):
+        args = make_args(str(tmp_path / name), **kw)
+        set_args(args)
+        model, opt, sched = build(args)
+        train(args, model, opt, sched, 0, 4, save_at=(2, 4), async_save=args.async_save)
+        files[name] = [_data_files(str(tmp_path / name / f"iter_000000{i}")) for i in (2, 4)]
+        if name == "reuse":
+            staging = async_utils.host_staging()
+            assert staging.nbytes >= staging.stats["bytes"] >= 3 * sum(p.nbytes for p in model[0].parameters())
+            assert staging.stats["alloc_s"] == 0.0  # the second save reused the first save's buffers
+            async_utils.maybe_finalize_async_save(terminate=True)
+            assert staging.nbytes == 0  # freed at the end of training
+    assert files["sync"] == files["reuse"] == files["fresh"]
+    assert files["sync"][0] != files["sync"][1]
+    assert "host copy of" in capsys.readouterr().out
+
+
 def test_missing_and_mismatched(tmp_path, capsys):
     d = str(tmp_path / "ck")
     args = make_args(d, load=d)

@@ -1,0 +1,133 @@
+"""HostStaging: reusable host buffers of async saves. On CPU the copies are plain copies; a checkpoint
+written from the buffers is byte for byte the one a synchronous save writes."""
+import os
+import pickle
+
+import pytest
+import torch
+
+from megatron.core import dist_checkpointing as dc
+from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.strategies.staging import HostStaging, wait_for_staged_copies
+
+
+def _tensors(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(5, 3, generator=g), torch.randn(7, generator=g).to(torch.bfloat16),
+            torch.randint(0, 100, (2, 2, 3), generator=g), torch.tensor(2.5), torch.empty(0, 4),
+            torch.randn(6, 4, generator=g).t()]  # a non-contiguous source
+
+
+def test_stage_copies_and_reuses_the_buffers():
+    staging = HostStaging()
+    src = _tensors()
+    out = staging.stage(src)
+    assert [(o.shape, o.dtype) for o in out] == [(s.shape, s.dtype) for s in src]
+    assert all(torch.equal(o, s) for o, s in zip(out, src))
+    # Each buffer owns exactly its bytes: DCP's writer would copy a tensor with a larger storage first.
+    assert all(o.is_contiguous() and o.untyped_storage().nbytes() == o.nbytes for o in out)
+    ptrs, size = [o.data_ptr() for o in out if o.numel()], staging.nbytes
+    assert size >= sum(s.nbytes for s in src)
+    with pytest.raises(RuntimeError, match="release"):
+        staging.stage(src)  # the previous save was not written yet
+    for s in src:
+        s.add_(1) if s.dtype != torch.int64 else s.add_(3)
+    assert not torch.equal(out[0], src[0])  # a copy, not an alias
+    staging.release()
+    again = staging.stage(src)
+    assert [o.data_ptr() for o in again if o.numel()] == ptrs and staging.nbytes == size  # same memory
+    assert all(torch.equal(o, s) for o, s in zip(again, src))
+    assert staging.stats["alloc_s"] == 0.0 and staging.stats["bytes"] == sum(s.nbytes for s in src)
+    staging.release()
+    bigger = staging.stage([torch.ones(100, 10)])  # another structure: new buffers of its size
+    assert torch.equal(bigger[0], torch.ones(100, 10)) and staging.nbytes >= 4000
+    staging.release()
+    staging.free()
+    assert staging.nbytes == 0
+    wait_for_staged_copies()  # nothing pending on CPU
+
+
+def test_not_kept_buffers_are_freed_after_the_write():
+    staging = HostStaging(pin=False, keep=False)
+    out = staging.stage(_tensors())
+    assert staging.nbytes > 0 and torch.equal(out[0], _tensors()[0])
+    staging.release()
+    assert staging.nbytes == 0 and torch.equal(out[0], _tensors()[0])  # the writer's references stay valid
+
+
+def _state(seed):
+    g = torch.Generator().manual_seed(seed)
+    w, b = torch.randn(16, 8, generator=g), torch.randn(8, generator=g).to(torch.bfloat16)
+    return {"layer": {"weight": ShardedTensor.from_rank_offsets("layer.weight", w),
+                      "bias": ShardedTensor.from_rank_offsets("layer.bias", b)},
+            "opt": {"exp_avg": ShardedTensor.from_rank_offsets("opt.exp_avg", torch.randn(16, 8, generator=g))},
+            "rng": ShardedObject("rng", {"seed": seed}, (1,), (0,)), "iteration": seed}
+
+
+def _files(d):
+    """{name: bytes} of a checkpoint; DCP's `.metadata` unpickled without its per-save random id."""
+    out = {}
+    for name in sorted(os.listdir(d)):
+        data = open(os.path.join(d, name), "rb").read()
+        if name == ".metadata":
+            md = pickle.loads(data)
+            data = (md.state_dict_metadata, md.storage_data, md.planner_data)
+        out[name] = data
+    return out
+
+
+def _run(request):
+    q = dc.AsyncCallsQueue()
+    q.schedule_async_request(request)
+    assert q.maybe_finalize_async_calls(blocking=True) == [0]
+
+
+def test_staged_async_save_equals_a_sync_save_bitwise(tmp_path):
+    staging = HostStaging()
+    sd = _state(1)
+    dc.save(sd, str(tmp_path / "sync"))
+    request = dc.save(_state(1), str(tmp_path / "staged"), async_sharded_save=True, host_staging=staging)
+    sd2 = _state(2)  # the next save may not reuse the buffers before this one is written
+    with pytest.raises(RuntimeError, match="release"):
+        dc.save(sd2, str(tmp_path / "too_early"), async_sharded_save=True, host_staging=staging)
+    _run(request)
+    assert _files(tmp_path / "sync") == _files(tmp_path / "staged")
+    # The buffers are reused by the next save; the first checkpoint stays as written.
+    size = staging.nbytes
+    dc.save(_state(2), str(tmp_path / "sync2"))
+    _run(dc.save(_state(2), str(tmp_path / "staged2"), async_sharded_save=True, host_staging=staging))
+    assert staging.nbytes == size
+    assert _files(tmp_path / "sync2") == _files(tmp_path / "staged2")
+    assert _files(tmp_path / "sync") == _files(tmp_path / "staged")
+    loaded = dc.load(_state(0), str(tmp_path / "staged"))
+    assert torch.equal(loaded["layer"]["weight"], _state(1)["layer"]["weight"].data)
+
+
+def test_staged_save_holds_the_values_of_the_save_time(tmp_path):
+    staging = HostStaging()
+    sd = _state(3)
+    want = sd["layer"]["weight"].data.clone()
+    request = dc.save(sd, str(tmp_path / "a"), async_sharded_save=True, host_staging=staging)
+    sd["layer"]["weight"].data.mul_(-1)  # training goes on before the write
+    _run(request)
+    assert torch.equal(dc.load(_state(0), str(tmp_path / "a"))["layer"]["weight"], want)
+
+
+def test_write_error_inside_dcp_releases_the_buffers(tmp_path, monkeypatch):
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+    staging = HostStaging()
+    request = dc.save(_state(1), str(tmp_path / "a"), async_sharded_save=True, host_staging=staging)
+
+    def full(*a, **kw):
+        raise OSError("No space left on device")
+    monkeypatch.setattr(torch_strategy, "dcp_write", full)
+    q = dc.AsyncCallsQueue()
+    q.schedule_async_request(request)
+    assert q.maybe_finalize_async_calls(blocking=True) == []
+    assert q.failed == [str(tmp_path / "a")]
+    staging.stage([torch.ones(2)])  # released by the failed write
+
+
+def test_host_staging_needs_an_async_save(tmp_path):
+    with pytest.raises(ValueError, match="async_sharded_save"):
+        dc.save(_state(1), str(tmp_path / "a"), host_staging=HostStaging())
