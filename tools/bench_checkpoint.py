@@ -11,7 +11,10 @@ Builds model + optimizer as pretrain() does, trains a few iterations, then measu
 - disk: sequential write bandwidth of the save directory's file system (every rank writes its own file
   of --disk-gib GiB in 64 MiB blocks, then fsync; aggregate = all bytes / the slowest rank's time);
 - a synchronous torch_dist save (size on disk, time, GB/s, % of the disk's bandwidth) and its load;
-- --async-saves background saves: the time training is blocked in save_checkpoint, the time until the
+- --async-saves background saves: the time training is blocked in save_checkpoint, split into allocating
+  the host buffers (the first save only), launching the device-to-host copies, waiting for copies (CPU
+  tensors, or pageable buffers with -- --no-async-save-pinned-buffers) and the rest (state dict, sharding
+  check, common state, staging directory); the device time of the background copy; the time until the
   save is recorded (training steps run meanwhile) and the iteration time while it writes;
 - the anchor: DCP's own async_save (and save) of the same tensors (each rank's main replicas, no
   deduplication work left to DCP), blocked time and total time;
@@ -196,7 +199,7 @@ def main():
     # --load-only: the model is built without loading; the load below is the one timed.
     model, optimizer, scheduler, config, train_it = build(_without_load(flags) if cli.load_only else flags)
 
-    from megatron.training.async_utils import maybe_finalize_async_save
+    from megatron.training.async_utils import last_staging_stats, maybe_finalize_async_save
     from megatron.training.checkpointing import load_checkpoint, save_checkpoint
     from megatron.training.global_vars import get_args
     from megatron.training.utils import print_rank_0
@@ -257,26 +260,51 @@ def main():
                      f"{d_blocked:.2f} s, done after {d_async:.2f} s = {d_size / d_async:.2f} GB/s | save "
                      f"{d_sync:.2f} s = {d_size / d_sync:.2f} GB/s")
     args.async_save = True
-    blocked, recorded, during = [], [], []
+    blocked, recorded, during, splits, copies = [], [], [], [], []
     for k in range(cli.async_saves):
         it = 2 + k
         _sync()
         _barrier()
         t0 = time.perf_counter()
         save_checkpoint(it, model, optimizer, scheduler, 0)
-        blocked.append(_max_over_ranks(time.perf_counter() - t0))
+        local = time.perf_counter() - t0
+        blocked.append(_max_over_ranks(local))
+        splits.append(blocking_split(local, last_staging_stats()))
         during += _steps(model, optimizer, scheduler, config, train_it, 200, until_saved=True)
         maybe_finalize_async_save(blocking=True)
         recorded.append(_max_over_ranks(time.perf_counter() - t0))
+        copies.append(_max_over_ranks(last_staging_stats().get("copy_s", 0.0)))
         if k < cli.async_saves - 1 or not cli.keep:
             _remove(cli.save_dir, it)
     args.async_save = False
-    result.update(async_blocked_s=blocked, async_recorded_s=recorded, step_s_during_async=statistics.median(during))
-    print_rank_0(f"checkpoint async | blocked {', '.join(f'{b:.2f}' for b in blocked)} s | recorded after "
+    staged_gb = _max_over_ranks(last_staging_stats().get("bytes", 0.0)) / 1e9
+    result.update(async_blocked_s=blocked, async_blocked_split_s=splits, async_device_copy_s=copies,
+                  async_staged_gb_per_rank=staged_gb, async_recorded_s=recorded,
+                  step_s_during_async=statistics.median(during))
+    print_rank_0(f"checkpoint async | blocked {', '.join(f'{b:.2f}' for b in blocked)} s "
+                 f"({'; '.join(_split_text(s) for s in splits)}) | device-to-host copy of {staged_gb:.1f} GB/rank "
+                 f"{', '.join(f'{c:.2f}' for c in copies)} s in the background | recorded after "
                  f"{', '.join(f'{r:.2f}' for r in recorded)} s = {size / max(recorded):.2f} GB/s | iteration "
                  f"{base * 1000:.0f} ms normally, {statistics.median(during) * 1000:.0f} ms while writing")
 
     _write(cli, result, rank)
+
+
+SPLIT = ("alloc", "launch", "wait", "other")
+
+
+def blocking_split(blocked_s, stats):
+    """{alloc, launch, wait, other}: seconds of this rank's blocked time, each the max over ranks. alloc:
+    allocating (and page-locking) the host buffers; launch: queuing the background copies; wait: copies
+    training waited for; other: the rest of save_checkpoint."""
+    local = {"alloc": stats.get("alloc_s", 0.0), "launch": stats.get("launch_s", 0.0),
+             "wait": stats.get("sync_copy_s", 0.0)}
+    local["other"] = max(0.0, blocked_s - sum(local.values()))
+    return {k: _max_over_ranks(local[k]) for k in SPLIT}
+
+
+def _split_text(split):
+    return ", ".join(f"{k} {split[k]:.2f}" for k in SPLIT)
 
 
 def _without_load(flags):

@@ -15,6 +15,7 @@ from megatron.core.dist_checkpointing.strategies.staging import HostStaging
 
 _async_calls_queue = None
 _host_staging: Optional[HostStaging] = None
+_last_staging: Optional[HostStaging] = None  # the buffers of the latest save (reusable or not)
 
 
 def _queue() -> AsyncCallsQueue:
@@ -27,17 +28,23 @@ def _queue() -> AsyncCallsQueue:
 def host_staging(reuse: bool = True) -> HostStaging:
     """The buffers of the next async save: the run's reusable (page-locked on CUDA) ones, or with ``reuse``
     False a pageable set freed once written."""
-    global _host_staging
+    global _host_staging, _last_staging
     if not reuse:
-        return HostStaging(pin=False, keep=False)
-    if _host_staging is None:
-        _host_staging = HostStaging()
-    return _host_staging
+        _last_staging = HostStaging(pin=False, keep=False)
+    else:
+        if _host_staging is None:
+            _host_staging = HostStaging()
+        _last_staging = _host_staging
+    return _last_staging
 
 
 def last_staging_stats() -> dict:
-    """`HostStaging.stats` of the latest save through the reusable buffers ({} when there was none)."""
-    return dict(_host_staging.stats) if _host_staging is not None else {}
+    """`HostStaging.stats` of the latest async save ({} when there was none), plus ``copy_s``: the device
+    time of its background copy once that finished (absent on CPU, with pageable buffers or while it runs)."""
+    if _last_staging is None:
+        return {}
+    stats, copy_s = dict(_last_staging.stats), _last_staging.copy_seconds()
+    return stats if copy_s is None else {**stats, "copy_s": copy_s}
 
 
 def schedule_async_save(async_request: AsyncRequest) -> None:

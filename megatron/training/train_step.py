@@ -4,6 +4,7 @@ from functools import partial
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.strategies.staging import wait_for_staged_copies
 from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
@@ -70,6 +71,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     if forward_backward_func is None:
         forward_backward_func = get_forward_backward_func()
     rerun_state_machine = get_rerun_state_machine()
+    if isinstance(forward_backward_func, FullCudaGraphWrapper):
+        wait_for_staged_copies()  # the replayed graph updates saved state (MoE expert biases) and cannot wait
     # Once, or twice when a validated result (loss, grad norm) was rejected: see rerun_state_machine.
     while rerun_state_machine.should_run_forward_backward(data_iterator):
         for chunk in model:

@@ -62,7 +62,8 @@ class HostStaging:
         return 0 if self._slab is None else self._slab.numel()
 
     def stage(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Host copies of ``tensors`` (same shapes and dtypes, contiguous), valid after `wait_copy`."""
+        """Host copies of ``tensors`` (same shapes, dtypes and memory format as ``tensor.to("cpu")`` gives, so
+        a checkpoint written from them is the same bytes), valid after `wait_copy`."""
         with self._lock:
             if self._in_use:
                 raise RuntimeError("HostStaging.stage: the buffers still hold the previous save; write it and call "
@@ -76,7 +77,8 @@ class HostStaging:
 
     def _stage(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         start = time.perf_counter()
-        layout = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        # The strides `.to("cpu")` would give: a dense permuted tensor keeps its order, others are contiguous.
+        layout = tuple((tuple(t.shape), torch.empty_like(t, device="meta").stride(), t.dtype) for t in tensors)
         alloc_s = 0.0
         if layout != self._layout:
             self._allocate(layout)
@@ -151,7 +153,7 @@ class HostStaging:
     def _allocate(self, layout) -> None:
         self.free()
         sizes = [int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-                 for shape, dtype in layout]
+                 for shape, _, dtype in layout]
         total = sum(_aligned(n) for n in sizes)
         self._slab = torch.empty(max(total, 1), dtype=torch.uint8)
         if self.pin:
@@ -159,10 +161,10 @@ class HostStaging:
         # Each view has storage of exactly its own size: DCP's writer copies a tensor whose storage is larger
         # (a plain slice of the slab) before writing it.
         buf, views, offset = self._slab.numpy(), [], 0
-        for (shape, dtype), n in zip(layout, sizes):
+        for (shape, stride, dtype), n in zip(layout, sizes):
             raw = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=offset) if n else \
                 torch.empty(0, dtype=torch.uint8)
-            views.append(raw.view(dtype).view(shape))
+            views.append(raw.view(dtype).as_strided(shape, stride))
             offset += _aligned(n)
         self._views, self._layout = views, layout
 
@@ -191,7 +193,11 @@ def _free_all() -> None:
 def wait_for_staged_copies() -> None:
     """Make the current CUDA stream wait for every background copy still pending (no host wait). Called
     where training changes saved state in place (the optimizer step, the MoE expert-bias update), so that
-    an async save's copy reads the values of the step it was taken at."""
+    an async save's copy reads the values of the step it was taken at. Inside a CUDA graph capture it does
+    nothing (an outside event cannot be waited on there): a caller replaying graphs that change saved state
+    waits before the replay (train_step does)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return
     for staging in list(_LIVE):
         if staging._pending_wait:
             staging.make_current_stream_wait()

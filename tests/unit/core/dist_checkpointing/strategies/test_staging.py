@@ -22,10 +22,12 @@ def test_stage_copies_and_reuses_the_buffers():
     staging = HostStaging()
     src = _tensors()
     out = staging.stage(src)
-    assert [(o.shape, o.dtype) for o in out] == [(s.shape, s.dtype) for s in src]
+    # Shape, dtype and strides as `.to("cpu")` gives them (the transposed source stays transposed).
+    assert [(o.shape, o.dtype, o.stride()) for o in out] == [(s.shape, s.dtype, s.cpu().stride()) for s in src]
+    assert not out[-1].is_contiguous()
     assert all(torch.equal(o, s) for o, s in zip(out, src))
     # Each buffer owns exactly its bytes: DCP's writer would copy a tensor with a larger storage first.
-    assert all(o.is_contiguous() and o.untyped_storage().nbytes() == o.nbytes for o in out)
+    assert all(o.untyped_storage().nbytes() == o.nbytes for o in out)
     ptrs, size = [o.data_ptr() for o in out if o.numel()], staging.nbytes
     assert size >= sum(s.nbytes for s in src)
     with pytest.raises(RuntimeError, match="release"):
@@ -60,7 +62,9 @@ def _state(seed):
     w, b = torch.randn(16, 8, generator=g), torch.randn(8, generator=g).to(torch.bfloat16)
     return {"layer": {"weight": ShardedTensor.from_rank_offsets("layer.weight", w),
                       "bias": ShardedTensor.from_rank_offsets("layer.bias", b)},
-            "opt": {"exp_avg": ShardedTensor.from_rank_offsets("opt.exp_avg", torch.randn(16, 8, generator=g))},
+            "opt": {"exp_avg": ShardedTensor.from_rank_offsets("opt.exp_avg", torch.randn(16, 8, generator=g)),
+                    "t": ShardedTensor.from_rank_offsets("opt.t", torch.randn(6, 4, generator=g).t()),
+                    "cols": ShardedTensor.from_rank_offsets("opt.cols", torch.randn(6, 8, generator=g)[:, 2:5])},
             "rng": ShardedObject("rng", {"seed": seed}, (1,), (0,)), "iteration": seed}
 
 
