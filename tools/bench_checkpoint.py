@@ -66,6 +66,16 @@ def _max_over_ranks(value):
     return t.item()
 
 
+def _per_rank(value):
+    """[value of rank 0, rank 1, ...]."""
+    import torch
+    if not torch.distributed.is_initialized():
+        return [value]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, value)
+    return out
+
+
 def disk_write_bandwidth(directory, gib):
     """Aggregate GB/s of every rank writing ``gib`` GiB sequentially (64 MiB writes, fsync), like dd."""
     rank, world = _rank_world()
@@ -277,12 +287,14 @@ def main():
         if k < cli.async_saves - 1 or not cli.keep:
             _remove(cli.save_dir, it)
     args.async_save = False
-    staged_gb = _max_over_ranks(last_staging_stats().get("bytes", 0.0)) / 1e9
+    staged = [b / 1e9 for b in _per_rank(last_staging_stats().get("bytes", 0.0))]  # = each rank's host buffer
+    staged_gb = max(staged)
     result.update(async_blocked_s=blocked, async_blocked_split_s=splits, async_device_copy_s=copies,
-                  async_staged_gb_per_rank=staged_gb, async_recorded_s=recorded,
+                  async_staged_gb_per_rank=staged, async_recorded_s=recorded,
                   step_s_during_async=statistics.median(during))
     print_rank_0(f"checkpoint async | blocked {', '.join(f'{b:.2f}' for b in blocked)} s "
-                 f"({'; '.join(_split_text(s) for s in splits)}) | device-to-host copy of {staged_gb:.1f} GB/rank "
+                 f"({'; '.join(_split_text(s) for s in splits)}) | host buffers "
+                 f"{' + '.join(f'{g:.1f}' for g in staged)} GB | device-to-host copy of {staged_gb:.1f} GB "
                  f"{', '.join(f'{c:.2f}' for c in copies)} s in the background | recorded after "
                  f"{', '.join(f'{r:.2f}' for r in recorded)} s = {size / max(recorded):.2f} GB/s | iteration "
                  f"{base * 1000:.0f} ms normally, {statistics.median(during) * 1000:.0f} ms while writing")
