@@ -58,7 +58,11 @@ def _timed_save(tensors, path, staging):
 def test_blocked_time_is_a_small_part_of_the_copy_and_the_checkpoint_equals_a_sync_save(tmp_path):
     tensors = _state()
     nbytes = sum(t.nbytes for t in tensors.values())
-    dc.save(_sharded(tensors), str(tmp_path / "sync"))
+    # Synchronous saves: from host copies (DCP writes host tensors in plan order, as the async saves do: the
+    # files compare byte for byte) and from the GPU tensors (DCP's copy-ahead loader writes them sorted by
+    # size: the values compare).
+    dc.save(_sharded({k: v.cpu() for k, v in tensors.items()}), str(tmp_path / "sync"))
+    dc.save(_sharded(tensors), str(tmp_path / "sync_gpu"))
 
     # Before: a copy into fresh pageable memory, which the caller waits for.
     request, pageable_s = _timed_save(tensors, str(tmp_path / "pageable"), HostStaging(pin=False, keep=False))
@@ -87,6 +91,11 @@ def test_blocked_time_is_a_small_part_of_the_copy_and_the_checkpoint_equals_a_sy
     assert blocked_s < 0.25 * pageable_s, (blocked_s, pageable_s)
     assert _distcp(tmp_path / "staged") == _distcp(tmp_path / "sync") == _distcp(tmp_path / "pageable") \
         == _distcp(tmp_path / "first")
+    want = {k: -v.cpu() for k, v in tensors.items()}  # the values at save time (negated since)
+    template = _sharded({k: torch.empty_like(v) for k, v in want.items()})
+    for name in ("staged", "sync_gpu"):
+        got = dc.load(template, str(tmp_path / name))["state"]
+        assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want), name
 
     out = staging.stage([tensors["w0"]])  # another structure: new page-locked buffers
     try:

@@ -196,8 +196,8 @@ def wait_for_staged_copies() -> None:
     an async save's copy reads the values of the step it was taken at. Inside a CUDA graph capture it does
     nothing (an outside event cannot be waited on there): a caller replaying graphs that change saved state
     waits before the replay (train_step does)."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    pending = [staging for staging in list(_LIVE) if staging._pending_wait]
+    if not pending or torch.cuda.is_current_stream_capturing():
         return
-    for staging in list(_LIVE):
-        if staging._pending_wait:
-            staging.make_current_stream_wait()
+    for staging in pending:
+        staging.make_current_stream_wait()
