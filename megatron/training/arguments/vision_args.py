@@ -6,7 +6,9 @@ pretrain_vlm.py), --vision-model-type, --use-tiling, --max-num-tiles, --use-thum
 examples/multimodal). Ours, because Megatron's pretrain_vlm.py copies the language model's sizes into
 the ViT: --vision-hidden-size, --vision-ffn-hidden-size, --vision-num-attention-heads (default: the
 language model's), --vision-projection-type / --vision-projection-ffn-hidden-size, --image-token-index,
-and the data flags of the built-in image-text loader.
+the data flags of the built-in image-text loader, and Qwen2.5-VL's ViT shape (--vision-model-type
+qwen2.5_vit): --spatial-merge-size, --temporal-patch-size, --vision-window-size,
+--vision-full-attention-layers.
 """
 import copy
 
