@@ -242,8 +242,8 @@ def test_bad_inputs_of_every_family(world, tmp_path):
 
     supported = ("supported: DeepseekV3ForCausalLM, GPT2LMHeadModel, LlamaForCausalLM, LlavaForConditionalGeneration, "
                  "Mamba2ForCausalLM, "
-                 "MistralForCausalLM, MixtralForCausalLM, NemotronHForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-                 "Qwen3MoeForCausalLM, Qwen3NextForCausalLM")
+                 "MistralForCausalLM, MixtralForCausalLM, NemotronHForCausalLM, Qwen2ForCausalLM, "
+                 "Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3NextForCausalLM")
     for family in _SHAPE_EDITS:
         expect(copy(family, "arch", {"architectures": ["FalconForCausalLM"]}), UnsupportedConfig,
                f"architecture FalconForCausalLM is not supported; {supported}")

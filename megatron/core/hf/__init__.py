@@ -2,15 +2,30 @@
 
 Families: gpt2, llama (Llama 2/3/3.1), mistral, qwen2 (Qwen2/2.5), qwen3, mixtral, qwen3_moe, deepseek_v3
 (routed experts for SequentialMLP or --moe-grouped-gemm's GroupedMLP, see moe.py), llava (CLIP ViT +
-Llama/Mistral, for pretrain_vlm.py), and the hybrid models (pretrain_hybrid.py) mamba2, nemotron_h (their
+Llama/Mistral, for pretrain_vlm.py), qwen2_5_vl (Qwen2.5-VL: windowed ViT, patch merger, mRoPE decoder; pretrain_vlm.py
+--vision-model-type qwen2.5_vit), and the hybrid models (pretrain_hybrid.py) mamba2, nemotron_h (their
 Mamba-2 mixers in mamba.py) and qwen3_next. The checkpoint-level entry points (which also write args and the
 tracker) are in ``megatron.training.checkpointing.hf``: ``import_hf_checkpoint`` / ``export_hf_checkpoint``.
 """
-from . import deepseek_v3, gpt2, llama, llava, mamba2, mistral, mixtral, nemotron_h, qwen2, qwen3, qwen3_moe, qwen3_next
+from . import (
+    deepseek_v3,
+    gpt2,
+    llama,
+    llava,
+    mamba2,
+    mistral,
+    mixtral,
+    nemotron_h,
+    qwen2,
+    qwen2_5_vl,
+    qwen3,
+    qwen3_moe,
+    qwen3_next,
+)
 from .family import Family, Rule, UnsupportedConfig
 
 FAMILIES = {m.FAMILY.name: m.FAMILY for m in (gpt2, llama, mistral, qwen2, qwen3, mixtral, qwen3_moe,
-                                             deepseek_v3, llava, mamba2, nemotron_h, qwen3_next)}
+                                             deepseek_v3, llava, qwen2_5_vl, mamba2, nemotron_h, qwen3_next)}
 _BY_ARCH = {arch: fam for fam in FAMILIES.values() for arch in fam.architectures}
 
 

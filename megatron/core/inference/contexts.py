@@ -75,15 +75,19 @@ class StaticInferenceContext:
         self.decode, self.decode_positions, self.kv_len, self._mask_dtype = True, positions, kv_len, dtype
         self.last_token_index = None
 
-    def begin_forward(self, rotary_module, position_ids: torch.Tensor, window_size=None) -> None:
+    def begin_forward(self, rotary_module, position_ids: torch.Tensor, window_size=None, rotary_freqs=None) -> None:
         """Called by the model before its layers: what every layer shares in this forward, computed once:
-        RoPE cos/sin for the [b, s] positions (``rotary_module`` None: no RoPE) and the decode mask."""
+        RoPE cos/sin for the [b, s] positions (``rotary_module`` None: no RoPE) and the decode mask.
+        ``rotary_freqs`` [s, b, 1, d]: angles the model computed itself (multimodal RoPE), used as given."""
         self.window_size = window_size
         self._rope = None
         if rotary_module is not None:
-            if self._rotary is None or self._rotary[0] is not rotary_module:
-                self._rotary = (rotary_module, rotary_module(self.max_sequence_length))  # [max_len, 1, 1, d] fp32
-            freqs = self._rotary[1][position_ids.t()].squeeze(2)  # [s, b, 1, d]
+            if rotary_freqs is not None:
+                freqs = rotary_freqs
+            else:
+                if self._rotary is None or self._rotary[0] is not rotary_module:
+                    self._rotary = (rotary_module, rotary_module(self.max_sequence_length))  # [max_len, 1, 1, d]
+                freqs = self._rotary[1][position_ids.t()].squeeze(2)  # [s, b, 1, d]
             half = freqs.shape[-1] // 2
             # rotate_half(t) = roll(t, d/2) with the first half negated: fold that sign into sin.
             sign = torch.ones(freqs.shape[-1], device=freqs.device)

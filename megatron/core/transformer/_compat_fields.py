@@ -129,7 +129,6 @@ class TransformerConfigCompat:
     inference_grouped_gemm_backend: Any = 'vllm'
     inference_moe_disable_fused_quant_kernels: bool = False
     inference_moe_token_dispatcher_type: Any = 'nvls'
-    mrope_section: Optional[List[int]] = None
     mamba_training_ssm_states_dtype: Optional[torch.dtype] = None
     use_mamba_mem_eff_path: bool = True
     mlp_chunks_for_prefill: int = 1

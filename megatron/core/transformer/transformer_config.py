@@ -41,6 +41,9 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     calculate_per_token_loss: bool = False
     window_size: Optional[Tuple[int, int]] = None
     rotary_interleaved: bool = False
+    # Multimodal RoPE (--position-embedding-type mrope): rotary frequency bands per (temporal, height, width)
+    # position component; sums to the rotary dim / 2 (Qwen2-VL: [16, 24, 24]).
+    mrope_section: Optional[List[int]] = None
 
     # Pipeline layer split
     num_layers_in_first_pipeline_stage: Optional[int] = None

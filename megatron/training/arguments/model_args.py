@@ -14,8 +14,12 @@ def add_network_size_args(parser):
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="Maximum sequence length (size of the learned position table / RoPE range).")
     g.add_argument("--position-embedding-type", type=str, default="learned_absolute",
-                   choices=["learned_absolute", "rope", "yarn", "none"],
-                   help="Position embedding type (yarn: with --multi-latent-attention).")
+                   choices=["learned_absolute", "rope", "yarn", "mrope", "none"],
+                   help="Position embedding type (yarn: with --multi-latent-attention; mrope: multimodal RoPE "
+                        "with --mrope-section).")
+    g.add_argument("--mrope-section", nargs="+", type=int, default=None,
+                   help="Multimodal RoPE: rotary frequency bands of the temporal, height and width position "
+                        "ids (sum: rotary dim / 2), e.g. 16 24 24.")
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="Deprecated alias of --position-embedding-type rope.")
     g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",

@@ -254,6 +254,12 @@ def _validate_positions(args):
                  "--no-position-embedding conflicts with --position-embedding-type")
         args.position_embedding_type = "none"
     _require(0.0 < args.rotary_percent <= 1.0, f"--rotary-percent ({args.rotary_percent}) must be in (0, 1]")
+    if args.position_embedding_type == "mrope":
+        _require(args.mrope_section is not None and len(args.mrope_section) == 3,
+                 "--position-embedding-type mrope needs --mrope-section with three values (temporal, height, "
+                 "width bands), e.g. --mrope-section 16 24 24")
+    else:
+        _require(args.mrope_section is None, "--mrope-section applies to --position-embedding-type mrope only")
 
 
 def _validate_precision(args):

@@ -6,7 +6,9 @@ pretrain_vlm.py), --vision-model-type, --use-tiling, --max-num-tiles, --use-thum
 examples/multimodal). Ours, because Megatron's pretrain_vlm.py copies the language model's sizes into
 the ViT: --vision-hidden-size, --vision-ffn-hidden-size, --vision-num-attention-heads (default: the
 language model's), --vision-projection-type / --vision-projection-ffn-hidden-size, --image-token-index,
-and the data flags of the built-in image-text loader.
+the data flags of the built-in image-text loader, and Qwen2.5-VL's ViT shape (--vision-model-type
+qwen2.5_vit): --spatial-merge-size, --temporal-patch-size, --vision-window-size,
+--vision-full-attention-layers.
 """
 import copy
 
@@ -16,8 +18,13 @@ from megatron.core.activations import fast_gelu, quick_gelu
 
 DEFAULT_IMAGE_TOKEN_INDEX = -200  # Megatron's placeholder id; a HF-imported LLaVA uses its vocabulary id
 # The ViT architecture of each --vision-model-type (Megatron's examples/multimodal/config.py): activation,
-# norm epsilon, class tokens.
-VISION_TYPES = {"clip": (quick_gelu, 1e-5, 1), "siglip": (fast_gelu, 1e-6, 0)}
+# norm epsilon, class tokens. qwen2.5_vit: Qwen2.5-VL's native-resolution ViT (RMSNorm, SwiGLU, 2-D RoPE,
+# window attention) with its patch merger, and a decoder with --position-embedding-type mrope.
+VISION_TYPES = {"clip": (quick_gelu, 1e-5, 1), "siglip": (fast_gelu, 1e-6, 0), "qwen2.5_vit": (F.silu, 1e-6, 0)}
+QWEN_VIT = "qwen2.5_vit"
+# Qwen2.5-VL's ViT flags (ours) and their defaults (the released models'); they apply to qwen2.5_vit only.
+QWEN_VIT_DEFAULTS = {"spatial_merge_size": 2, "temporal_patch_size": 2, "vision_window_size": 112,
+                     "vision_full_attention_layers": [7, 15, 23, 31]}
 
 
 def _add_image_args(g):
@@ -52,7 +59,18 @@ def add_vlm_args(parser):
     _add_image_args(g)
     g.add_argument("--encoder-num-layers", type=int, default=None, help="ViT layers (default --num-layers).")
     g.add_argument("--vision-model-type", default="clip", choices=sorted(VISION_TYPES),
-                   help="clip: class token, pre-norm, quick GeLU; siglip: no class token, post-norm, tanh GeLU.")
+                   help="clip: class token, pre-norm, quick GeLU; siglip: no class token, post-norm, tanh GeLU; "
+                        "qwen2.5_vit: Qwen2.5-VL's windowed native-resolution ViT and patch merger.")
+    g.add_argument("--spatial-merge-size", type=int, default=QWEN_VIT_DEFAULTS["spatial_merge_size"],
+                   help="qwen2.5_vit: neighbouring patches (m x m) merged into one language-model token.")
+    g.add_argument("--temporal-patch-size", type=int, default=QWEN_VIT_DEFAULTS["temporal_patch_size"],
+                   help="qwen2.5_vit: frames per patch (an image is repeated to fill them).")
+    g.add_argument("--vision-window-size", type=int, default=QWEN_VIT_DEFAULTS["vision_window_size"],
+                   help="qwen2.5_vit: side of the attention windows in pixels.")
+    g.add_argument("--vision-full-attention-layers", type=int, nargs="*",
+                   default=QWEN_VIT_DEFAULTS["vision_full_attention_layers"],
+                   help="qwen2.5_vit: ViT layers (from 0) that attend over the whole image; the others attend "
+                        "within windows.")
     g.add_argument("--vision-hidden-size", type=int, default=None, help="ViT width (default --hidden-size).")
     g.add_argument("--vision-ffn-hidden-size", type=int, default=None,
                    help="ViT MLP width (default 4 x the ViT width).")
@@ -88,15 +106,17 @@ def vision_config_from(language_config, args):
     """The ViT's TransformerConfig: the language config's parallel and precision settings, CLIP/SigLIP's
     architecture, the --vision-* sizes; kept whole on the first pipeline stage."""
     activation, eps, _ = VISION_TYPES[args.vision_model_type]
+    qwen = args.vision_model_type == QWEN_VIT
     hidden = args.vision_hidden_size or language_config.hidden_size
     heads = args.vision_num_attention_heads or language_config.num_attention_heads
     config = copy.deepcopy(language_config)
     config.__dict__.update(
         num_layers=args.encoder_num_layers or language_config.num_layers, hidden_size=hidden,
         num_attention_heads=heads, num_query_groups=heads, kv_channels=hidden // heads,
-        ffn_hidden_size=args.vision_ffn_hidden_size or 4 * hidden, gated_linear_unit=False,
+        ffn_hidden_size=args.vision_ffn_hidden_size or 4 * hidden, gated_linear_unit=qwen,
         activation_func=activation, bias_activation_fusion=False, add_bias_linear=True, add_qkv_bias=True,
-        normalization="LayerNorm", layernorm_epsilon=eps, layernorm_zero_centered_gamma=False,
+        normalization="RMSNorm" if qwen else "LayerNorm", layernorm_epsilon=eps, layernorm_zero_centered_gamma=False,
+        rotary_interleaved=False, mrope_section=None,
         qk_layernorm=False, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
         num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
         account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False,

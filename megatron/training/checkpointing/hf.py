@@ -35,13 +35,17 @@ HF_CONFIG_NAME = "hf_config.json"
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError)
 FLAGS_NAME = "model_args.sh"
 # Families trained by another entry point than pretrain_gpt.py: the flags that entry point adds.
-EXTRA_ARGS = {"llava": add_vlm_args}
+EXTRA_ARGS = {"llava": add_vlm_args, "qwen2_5_vl": add_vlm_args}
 
 
 def _argv(flags):
+    """[(flag, value)] -> argv; a value None is a switch, a list gives the flag's several values."""
     out = []
     for flag, value in flags:
-        out += [flag] if value is None else [flag, str(value)]
+        if isinstance(value, (list, tuple)):
+            out += [flag] + [str(v) for v in value]
+        else:
+            out += [flag] if value is None else [flag, str(value)]
     return out
 
 
@@ -105,9 +109,11 @@ def _write_sidecars(hf_dir, out_dir, cfg, flags, tokenizer_argv):
     argv = _argv(flags) + tokenizer_argv
     i = 0
     while i < len(argv):
-        j = i + 1 if i + 1 < len(argv) and not argv[i + 1].startswith("--") else i
-        lines.append("    " + " ".join(shlex.quote(a) for a in argv[i:j + 1]))
-        i = j + 1
+        j = i + 1
+        while j < len(argv) and not argv[j].startswith("--"):  # the flag's values
+            j += 1
+        lines.append("    " + " ".join(shlex.quote(a) for a in argv[i:j]))
+        i = j
     lines.append(")")
     with open(os.path.join(out_dir, FLAGS_NAME), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -166,7 +172,7 @@ def import_hf_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, fm
 def _infer_family(args):
     """The HF family of a checkpoint's saved args (getattr here: saves older than a flag lack it)."""
     if hasattr(args, "vision_model_type"):  # pretrain_vlm.py's flags
-        return FAMILIES["llava"]
+        return FAMILIES["qwen2_5_vl" if args.vision_model_type == "qwen2.5_vit" else "llava"]
     if getattr(args, "is_hybrid_model", False):
         layers = set((args.hybrid_layer_pattern or "").replace("|", ""))
         if "G" in layers or getattr(args, "attention_output_gate", False):
