@@ -10,6 +10,7 @@ import time
 import torch
 
 from megatron.core import dist_checkpointing
+from megatron.core.optimizer import megatron_format
 from megatron.training import async_utils
 from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0
@@ -76,7 +77,10 @@ def _save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_float
         sd = preprocess_common_state_dict_fn(sd)
     finalize = _finalize_fn(save_dir, iteration, tmp_dir, final_dir, start)
     if fmt == "torch_dist":
-        request = dist_checkpointing.save(sd, tmp_dir, async_sharded_save=True)
+        if getattr(args, "ckpt_save_megatron_layout", False):
+            request = _save_megatron_layout(sd, tmp_dir, args)
+        else:
+            request = dist_checkpointing.save(sd, tmp_dir, async_sharded_save=True)
         request.finalize_fns.insert(0, lambda: paths.fault_point("data_written"))
         request.finalize_fns.append(finalize)
         if args.async_save:
@@ -93,6 +97,17 @@ def _save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_float
         finalize()
     else:
         raise ValueError(f"--ckpt-format {fmt} is not supported; use torch_dist or torch")
+
+
+def _save_megatron_layout(sd, tmp_dir, args):
+    """--ckpt-save-megatron-layout: the same state in Megatron-LM's torch_dist layout (stacked layers, its
+    distributed optimizer's fully_reshardable state, its content metadata), which Megatron-LM --load resumes
+    from (with --use-distributed-optimizer when the optimizer is saved) and this project loads as well."""
+    if "optimizer" in sd:
+        sd["optimizer"] = megatron_format.to_megatron(sd["optimizer"])
+    return dist_checkpointing.save_in_megatron_layout(
+        sd, tmp_dir, args.num_layers, getattr(args, "num_experts", None), async_sharded_save=True,
+        content_metadata=dict(megatron_format.CONTENT_METADATA) if "optimizer" in sd else None)
 
 
 def _save_legacy(sd, tmp_dir, save_dir, iteration, args) -> None:
