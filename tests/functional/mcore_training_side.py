@@ -7,12 +7,13 @@ with the megatron-core 0.19.2 wheel's files (see mcore_checkpoint_side.py, whose
 
     python mcore_training_side.py JOB_JSON
 
-The job holds ``tp``, ``batches``, ``flags_tsv`` and a list of ``runs`` (each: ``mode``, ``model``, ``args``,
-``ckpt_dir``, ``out``...), run one after another on the same TP ranks, so one interpreter start serves several
-models. Mode ``train`` trains ``save_at`` iterations, saves, and trains on to ``train_iters``; ``resume`` loads the
-latest checkpoint under ``ckpt_dir`` (its RNG state only when saved at this TP/PP layout, as Megatron-LM's
-load_checkpoint) and trains on to ``train_iters``. Each run writes ``{iteration: lm loss}`` to its ``out``.
-The batches (one row per sample) come from ``batches``, the file the test wrote from our mock dataset.
+The job holds ``ranks``, ``tp``, ``batches``, ``flags_tsv`` and a list of ``runs`` (each: ``mode``, ``model``,
+``args``, ``ckpt_dir``, ``out``, optionally its own ``tp``...), run one after another on the same ranks, so one
+interpreter start serves several models. Mode ``train`` trains ``save_at`` iterations, saves, and trains on to
+``train_iters``; ``resume`` loads the latest checkpoint under ``ckpt_dir`` (its RNG state only when saved at this
+TP/PP layout, as Megatron-LM's load_checkpoint) and trains on to ``train_iters``. Each run writes
+``{iteration: lm loss}`` to its ``out``. The batches (one row per sample) come from ``batches``, the file the test
+wrote from our mock dataset.
 """
 import argparse
 import ast
@@ -111,7 +112,8 @@ def megatron_args(job, tp, iteration, consumed):
     for k, v in job["args"].items():
         setattr(ns, k, v)
     ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size = tp, 1
-    ns.world_size, ns.data_parallel_size = tp, 1
+    ns.world_size = dist.get_world_size()
+    ns.data_parallel_size = ns.world_size // tp
     ns.iteration, ns.consumed_train_samples, ns.consumed_valid_samples = iteration, consumed, 0
     ns.ckpt_format = "torch_dist"
     return ns
@@ -180,7 +182,7 @@ def rng_state():
     state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
              "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": None, "rng_tracker_states": {}}
     return ShardedObject("rng_state", [state], (1, tp), (0, parallel_state.get_tensor_model_parallel_rank()),
-                         replica_id=0)
+                         replica_id=parallel_state.get_data_parallel_rank())
 
 
 def state_dict(job, model, optimizer, scheduler, iteration, loading=False):
@@ -230,9 +232,7 @@ def load(job, model, optimizer, scheduler):
 
 
 def rank_main(rank, job, port):
-    tp = job["tp"]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=job["ranks"])
     _gloo_tensor_collectives()
     _cuda_factories_on_cpu()
     batches = torch.load(job["batches"])
@@ -243,6 +243,11 @@ def rank_main(rank, job, port):
 
 
 def run_one(job, batches, rank):
+    """One run at its own TP (the job's ``tp`` by default); the other ranks are data parallel, each computing the
+    whole global batch (the average of equal gradients is exact), so the losses do not depend on the DP size."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=job["tp"])
     torch.manual_seed(job["model"].get("seed", 1234))
     model, optimizer, scheduler = build(job, job["tp"])
     losses = {}
@@ -266,7 +271,7 @@ def main(argv):
         port = s.getsockname()[1]
     for run in job["runs"]:
         os.makedirs(run["ckpt_dir"], exist_ok=True)
-    torch.multiprocessing.spawn(rank_main, args=(job, port), nprocs=job["tp"])
+    torch.multiprocessing.spawn(rank_main, args=(job, port), nprocs=job["ranks"])
 
 
 if __name__ == "__main__":

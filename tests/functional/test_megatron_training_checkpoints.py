@@ -1,13 +1,16 @@
 """Megatron-LM training checkpoints round trip: Megatron -> ours -> Megatron, losses equal at each hop.
 
 Megatron Core 0.19.2 (its GPTModel with the local spec, DDP, distributed optimizer and LR scheduler; CPU, gloo,
-fp32, TP=2; tests/functional/mcore_training_side.py) trains tiny GPTs (dense, MoE, MLA) 9 iterations on our mock
+fp32, 2 ranks; tests/functional/mcore_training_side.py) trains tiny GPTs (dense and MLA at TP=2, MoE at TP=1 x DP=2:
+Megatron trains MoE under TP only with sequence parallelism, which its local spec's torch norms refuse) 9 iterations
+on our mock
 data, saving a training checkpoint at 3 as megatron/training/checkpointing.py does. Our ``pretrain_gpt.py --load``
 of it continues to 6 (iteration 4 needs the weights, 5 and 6 also the Adam moments, step, LR schedule and consumed
 samples) and saves with ``--ckpt-save-megatron-layout``; Megatron resumes from that and trains 7 to 9. Both
 continuations equal Megatron's uninterrupted run. Our layouts: dense at TP=1 x PP=2 (the layer axis split by
 stage), MoE with grouped experts at TP=1 and with sequential experts at TP=2, MLA at TP=1; Megatron reads our
-PP=2 save back at TP=2. One Megatron interpreter trains all models and one resumes all our checkpoints.
+PP=2 save back at TP=2 and our TP=2 MoE save at TP=1. One Megatron interpreter trains all models and one resumes
+all our checkpoints.
 
 Skipped without Megatron Core 0.19.2 unpacked at MCORE_SITE (scripts/fetch_megatron_core.sh).
 """
@@ -52,10 +55,10 @@ _CORE = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4}
 MODELS = {
     "dense": ({"config": dict(_CORE), "model": {"share_embeddings_and_output_weights": True}, "seed": 5},
               {"ffn_hidden_size": 128}, []),
-    # Megatron trains MoE under TP only with sequence parallelism.
+    # Megatron trains MoE under TP only with sequence parallelism, which its local spec's torch norms refuse:
+    # its MoE model trains at TP=1 (MEGATRON_TP).
     "moe": ({"config": {**_CORE, "num_moe_experts": 4, "moe_router_topk": 2, "ffn_hidden_size": 48,
-                        "gated_linear_unit": True, "activation": "silu", "add_bias_linear": False,
-                        "sequence_parallel": True}, "seed": 3},
+                        "gated_linear_unit": True, "activation": "silu", "add_bias_linear": False}, "seed": 3},
             {"ffn_hidden_size": 48, "num_experts": 4, "moe_router_topk": 2, "swiglu": True, "add_bias_linear": False},
             "--num-experts 4 --moe-router-topk 2 --ffn-hidden-size 48 --swiglu --disable-bias-linear".split()),
     # Megatron-LM's training passes --rotary-scaling-factor (default 1) into MLATransformerConfig.
@@ -67,6 +70,7 @@ MODELS = {
             ("--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 8 --qk-head-dim 8 --qk-pos-emb-head-dim 4 "
              "--v-head-dim 8 --disable-bias-linear --normalization RMSNorm --position-embedding-type rope").split()),
 }
+MEGATRON_TP = {"dense": 2, "moe": 1, "mla": 2}
 # case: (Megatron model, our (TP, PP), our extra flags).
 CASES = {
     "dense_tp1pp2": ("dense", (1, 2), ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]),
@@ -99,8 +103,9 @@ def _batches(path: str) -> None:
 
 def _megatron_run(name, mode, ckpt_dir, out):
     model, args, _ = MODELS[name]
-    return {"mode": mode, "ckpt_dir": ckpt_dir, "out": out, "save_at": SAVE_AT, "distributed_optimizer": True,
-            "sharding_type": "fully_reshardable", "model": {"vocab_size": VOCAB, **model},
+    return {"mode": mode, "tp": MEGATRON_TP[name], "ckpt_dir": ckpt_dir, "out": out, "save_at": SAVE_AT,
+            "distributed_optimizer": True, "sharding_type": "fully_reshardable",
+            "model": {"vocab_size": VOCAB, **model},
             "args": {"lr": 1e-3, "min_lr": 0.0, "weight_decay": 0.01, "clip_grad": 1.0, "global_batch_size": GBS,
                      "micro_batch_size": MBS, "train_iters": ITERS, "lr_warmup_iters": 2, "lr_decay_style": "linear",
                      "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "kv_channels": 8,
@@ -111,8 +116,8 @@ def _megatron_run(name, mode, ckpt_dir, out):
 
 
 def megatron(tmp_path, runs):
-    """Megatron Core at TP=2 in one interpreter: each run of ``runs`` in turn; their {iteration: lm loss}."""
-    job = {"tp": 2, "batches": str(tmp_path / "batches.pt"), "flags_tsv": FLAGS_TSV, "runs": runs}
+    """Megatron Core on 2 ranks in one interpreter: each run of ``runs`` in turn; their {iteration: lm loss}."""
+    job = {"ranks": 2, "tp": 2, "batches": str(tmp_path / "batches.pt"), "flags_tsv": FLAGS_TSV, "runs": runs}
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(PYTHONPATH=MCORE_SITE, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-W", "ignore", SIDE, json.dumps(job)], cwd=str(tmp_path), env=env,

@@ -97,6 +97,9 @@ def groups_to_ours(common_optimizer: Dict, our_groups: List[Dict]) -> List[Dict]
     out = []
     for group in our_groups:
         identity = tuple(group.get(k) for k in GROUP_IDENTITY)
+        dense_twin = identity[:2] + (False,) + identity[3:]
+        if identity not in by_identity and group.get("is_expert_parallel") and dense_twin in by_identity:
+            identity = dense_twin  # Megatron's local spec leaves expert params in the dense groups
         if identity not in by_identity:
             wanted = dict(zip(GROUP_IDENTITY, identity))
             raise ValueError(f"the checkpoint's optimizer has no param group with {wanted} "
@@ -151,22 +154,32 @@ def to_megatron_common(our_common: Dict) -> Dict:
     return out
 
 
-def to_megatron(our_sharded: Dict) -> Dict:
+def to_megatron(our_sharded: Dict, expert_optimizer: bool = True) -> Dict:
     """Our optimizer's sharded state dict (``optimizer.sharded_state_dict``; a ChainedOptimizer's ``{index:
-    ...}``) as Megatron's distributed optimizer's, fully_reshardable: what Megatron-LM's loader asks for. A model
-    with expert params gets Megatron's chained pair (dense optimizer, expert optimizer), each with its own groups;
-    the tensors' keys name their params, so where they sit in the dict does not matter."""
+    ...}``) as Megatron's distributed optimizer's, fully_reshardable: what Megatron-LM's loader asks for.
+    Megatron gives expert params (``allreduce=False``: its Transformer Engine spec marks them so) their own
+    optimizer, chained after the dense one; with ``expert_optimizer`` (a model with experts built from that
+    spec) the state is that chained pair, each with its own groups, else one optimizer whose groups hold the
+    expert params too (its local spec). The tensors' keys name their params, so where they sit does not matter."""
     if "param_groups" not in our_sharded:  # a ChainedOptimizer: one state with all groups
         parts = [our_sharded[i] for i in sorted(our_sharded)]
         our_sharded = {**parts[0], "param_groups": [g for p in parts for g in p["param_groups"]],
                        "param_state": {k: v for p in parts for k, v in p["param_state"].items()}}
-    dense = [g for g in our_sharded["param_groups"] if not g.get("is_expert_parallel")]
-    expert = [g for g in our_sharded["param_groups"] if g.get("is_expert_parallel")]
+    step = max((g.get("step", 0.0) for g in our_sharded["param_groups"]), default=0.0)
+    groups = [dict(g, step=step) for g in our_sharded["param_groups"]]
+    dense = [g for g in groups if not g.get("is_expert_parallel")]
+    expert = [g for g in groups if g.get("is_expert_parallel")]
     state = rename_state_keys(our_sharded["param_state"])
+    if not expert_optimizer:  # expert groups folded into their dense twins (same hyper-parameters)
+        identities = {tuple(g.get(k) for k in GROUP_IDENTITY) for g in dense}
+        for g in expert:
+            g = dict(g, is_expert_parallel=False)
+            if tuple(g.get(k) for k in GROUP_IDENTITY) not in identities:
+                dense.append(g)
+                identities.add(tuple(g.get(k) for k in GROUP_IDENTITY))
+        expert = []
     if not expert:
-        return {**to_megatron_common(our_sharded), "param_state": state}
-    step = max(g.get("step", 0.0) for g in our_sharded["param_groups"])
-    chained = {i: to_megatron_common({**our_sharded, "param_groups": [dict(g, step=step) for g in groups]})
-               for i, groups in enumerate((dense, expert))}
+        return {**to_megatron_common({**our_sharded, "param_groups": dense}), "param_state": state}
+    chained = {i: to_megatron_common({**our_sharded, "param_groups": part}) for i, part in enumerate((dense, expert))}
     chained[0]["param_state"] = state
     return chained

@@ -104,7 +104,9 @@ def _save_megatron_layout(sd, tmp_dir, args):
     distributed optimizer's fully_reshardable state, its content metadata), which Megatron-LM --load resumes
     from (with --use-distributed-optimizer when the optimizer is saved) and this project loads as well."""
     if "optimizer" in sd:
-        sd["optimizer"] = megatron_format.to_megatron(sd["optimizer"])
+        # Megatron's Transformer Engine spec gives expert params their own (chained) optimizer; its local spec not.
+        te_spec = getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine"
+        sd["optimizer"] = megatron_format.to_megatron(sd["optimizer"], expert_optimizer=te_spec)
     return dist_checkpointing.save_in_megatron_layout(
         sd, tmp_dir, args.num_layers, getattr(args, "num_experts", None), async_sharded_save=True,
         content_metadata=dict(megatron_format.CONTENT_METADATA) if "optimizer" in sd else None)

@@ -92,3 +92,15 @@ def test_to_megatron_moe_is_chained_dense_then_expert():
     assert [g["is_expert_parallel"] for g in theirs[1]["optimizer"]["param_groups"]] == [True]
     assert [g["is_expert_parallel"] for g in theirs[0]["optimizer"]["param_groups"]] == [False]
     assert megatron_format.is_megatron_optimizer_state(theirs)
+
+
+def test_megatron_local_spec_moe_state_has_experts_in_dense_groups():
+    """Megatron's local spec does not mark expert params (no ``allreduce=False``): one optimizer, dense groups.
+    Our expert groups read their dense twins, and the way back writes that layout for --transformer-impl local."""
+    expert = {**OURS[1], "is_expert_parallel": True}
+    groups = megatron_format.groups_to_ours(_megatron_common(), OURS + [expert])
+    assert groups[2]["wd_mult"] == 1.0 and groups[2]["is_expert_parallel"] is False
+    theirs = megatron_format.to_megatron(_our_sharded([{**OURS[0], "lr": 1e-3, "step": 2.0},
+                                                       {**OURS[1], "lr": 1e-3, "step": 2.0},
+                                                       {**expert, "lr": 1e-3, "step": 2.0}]), expert_optimizer=False)
+    assert [g["is_expert_parallel"] for g in theirs["optimizer"]["param_groups"]] == [False, False]
