@@ -32,6 +32,7 @@ from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
 from megatron.core.dist_checkpointing.mapping import ShardedObject  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 
 
@@ -212,6 +213,39 @@ def save(job, model, optimizer, scheduler, iteration):
     dist.barrier()
 
 
+def _init_optimizer_state(optimizer):
+    """Zero Adam state for a fresh optimizer: Megatron's DistributedOptimizer.state_dict (called while building the
+    load request) reads each param's ``step``, which torch's AdamW (its optimizer without TE / Apex, as on CPU)
+    creates only at the first step; TE's FusedAdam keeps it in the param groups instead."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                state = opt.optimizer.state[p]
+                if not state:
+                    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+
+
+def _torch_adam_step_on_load():
+    """Megatron's fully_reshardable load copies each saved state into the optimizer's per-param state tensors,
+    which for torch's AdamW include ``step`` (TE's FusedAdam keeps it in the param groups) that the checkpoint has
+    per group, not per param: that entry is skipped (the step itself is restored from the groups)."""
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def patched(self, model_param, tensors):
+        return set_states(self, model_param, {"step": None, **tensors})
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = patched
+
+
+def _own_steps(optimizer):
+    """Megatron's load (torch AdamW path) gives every param the same ``step`` tensor, which AdamW increments in
+    place once per param: each param gets its own copy, as after a fresh start."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+
 def load(job, model, optimizer, scheduler):
     with open(os.path.join(job["ckpt_dir"], "latest_checkpointed_iteration.txt")) as f:
         iteration = int(f.read().strip())
@@ -219,12 +253,14 @@ def load(job, model, optimizer, scheduler):
     common = dist_checkpointing.load_common_state_dict(ckpt)
     job["loaded_metadata"] = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
     saved_layout = (common["args"].tensor_model_parallel_size, common["args"].pipeline_model_parallel_size)
+    _init_optimizer_state(optimizer)
     sd = state_dict(job, model, optimizer, scheduler, iteration, loading=True)
     if saved_layout != (job["tp"], 1):
         del sd["rng_state"]  # "(TP, PP) mismatch after resume ...: RNG state will be ignored"
     loaded = dist_checkpointing.load(sd, ckpt)
     model.module.load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
+    _own_steps(optimizer)
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
     consumed = loaded["args"].consumed_train_samples
     assert consumed == iteration * job["args"]["global_batch_size"], (consumed, iteration)
@@ -235,6 +271,7 @@ def rank_main(rank, job, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=job["ranks"])
     _gloo_tensor_collectives()
     _cuda_factories_on_cpu()
+    _torch_adam_step_on_load()
     batches = torch.load(job["batches"])
     for run in job["runs"]:
         run_one({**{k: v for k, v in job.items() if k != "runs"}, **run}, batches, rank)

@@ -45,27 +45,29 @@ BASE = (f"--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length {
         f"--micro-batch-size {MBS} --global-batch-size {GBS} --lr 1e-3 --min-lr 0 --lr-warmup-iters 2 --mock-data "
         f"--tokenizer-type NullTokenizer --vocab-size {VOCAB} --log-interval 1 --eval-iters 0 --eval-interval 100 "
         f"--num-workers 0 --hidden-dropout 0 --attention-dropout 0 --train-iters {ITERS} "
-        f"--transformer-impl local").split()
+        f"--transformer-impl local --make-vocab-size-divisible-by 64").split()  # 128 rows at TP=1 and TP=2
 LOSS = re.compile(r"iteration +(\d+)/ +\d+ \|.*\| lm loss: (\S+) \|")
 # fp32 on CPU, the same operations in both frameworks; the log prints 7 significant digits.
 RTOL = 2e-6
 
 _CORE = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4}
+_TIED = {"share_embeddings_and_output_weights": True}  # Megatron-LM's default (no --untie-embeddings-...)
 # name: (Megatron's model, its args beyond the base, our flags beyond BASE).
 MODELS = {
-    "dense": ({"config": dict(_CORE), "model": {"share_embeddings_and_output_weights": True}, "seed": 5},
+    "dense": ({"config": dict(_CORE), "model": _TIED, "seed": 5},
               {"ffn_hidden_size": 128}, []),
     # Megatron trains MoE under TP only with sequence parallelism, which its local spec's torch norms refuse:
     # its MoE model trains at TP=1 (MEGATRON_TP).
     "moe": ({"config": {**_CORE, "num_moe_experts": 4, "moe_router_topk": 2, "ffn_hidden_size": 48,
-                        "gated_linear_unit": True, "activation": "silu", "add_bias_linear": False}, "seed": 3},
+                        "gated_linear_unit": True, "activation": "silu", "add_bias_linear": False},
+             "model": _TIED, "seed": 3},
             {"ffn_hidden_size": 48, "num_experts": 4, "moe_router_topk": 2, "swiglu": True, "add_bias_linear": False},
             "--num-experts 4 --moe-router-topk 2 --ffn-hidden-size 48 --swiglu --disable-bias-linear".split()),
     # Megatron-LM's training passes --rotary-scaling-factor (default 1) into MLATransformerConfig.
     "mla": ({"config": {**_CORE, "multi_latent_attention": True, "q_lora_rank": 16, "kv_lora_rank": 8,
                         "qk_head_dim": 8, "qk_pos_emb_head_dim": 4, "v_head_dim": 8, "add_bias_linear": False,
                         "normalization": "RMSNorm", "rotary_scaling_factor": 1.0},
-             "model": {"position_embedding_type": "rope"}, "seed": 11},
+             "model": {**_TIED, "position_embedding_type": "rope"}, "seed": 11},
             {"ffn_hidden_size": 128, "multi_latent_attention": True, "add_bias_linear": False},
             ("--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 8 --qk-head-dim 8 --qk-pos-emb-head-dim 4 "
              "--v-head-dim 8 --disable-bias-linear --normalization RMSNorm --position-embedding-type rope").split()),
@@ -110,7 +112,8 @@ def _megatron_run(name, mode, ckpt_dir, out):
                      "micro_batch_size": MBS, "train_iters": ITERS, "lr_warmup_iters": 2, "lr_decay_style": "linear",
                      "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "kv_channels": 8,
                      "seq_length": SEQ, "max_position_embeddings": SEQ, "tokenizer_type": "NullTokenizer",
-                     "vocab_size": VOCAB, "padded_vocab_size": VOCAB, "use_distributed_optimizer": True,
+                     "vocab_size": VOCAB, "padded_vocab_size": VOCAB, "make_vocab_size_divisible_by": 64,
+                     "use_distributed_optimizer": True,
                      "transformer_impl": "local", "dist_ckpt_optim_fully_reshardable": True,
                      "hidden_dropout": 0.0, "attention_dropout": 0.0, **args}}
 
@@ -140,7 +143,9 @@ def ours(case, load_dir, save_dir):
     if tp * pp > 1:
         argv = ["-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp), "--master-port",
                 str(free_port())] + argv
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    # Runs start together: each single-process one gets its own rendezvous port.
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
     return subprocess.Popen([sys.executable] + argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT, env=env)
 

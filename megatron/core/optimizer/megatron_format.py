@@ -154,13 +154,30 @@ def to_megatron_common(our_common: Dict) -> Dict:
     return out
 
 
-def to_megatron(our_sharded: Dict, expert_optimizer: bool = True) -> Dict:
+def _with_main_params(param_state: Dict, model_sharded_sd: Dict) -> Dict:
+    """``param_state`` with a ``param`` entry for each param that has none: Megatron's distributed optimizer always
+    keeps an fp32 main param and its loader reads it, while ours (fp32 training) uses the model param itself."""
+    model = {v.key: v for _, v in dict_utils.iter_leaves(model_sharded_sd)
+             if isinstance(v, (ShardedTensor, ShardedTensorFactory))}
+    out = {}
+    for key, entry in param_state.items():
+        if isinstance(entry, dict) and entry and "fp32_param" not in entry:
+            if key not in model:
+                raise ValueError(f"optimizer state of '{key}' has no model tensor of that key to save as its "
+                                 "main param")
+            entry = {**entry, "param": replace(model[key], key=f"{_PREFIX}param.{key}")}
+        out[key] = entry
+    return out
+
+
+def to_megatron(our_sharded: Dict, expert_optimizer: bool = True, model_sharded_sd: Dict = None) -> Dict:
     """Our optimizer's sharded state dict (``optimizer.sharded_state_dict``; a ChainedOptimizer's ``{index:
     ...}``) as Megatron's distributed optimizer's, fully_reshardable: what Megatron-LM's loader asks for.
     Megatron gives expert params (``allreduce=False``: its Transformer Engine spec marks them so) their own
     optimizer, chained after the dense one; with ``expert_optimizer`` (a model with experts built from that
     spec) the state is that chained pair, each with its own groups, else one optimizer whose groups hold the
-    expert params too (its local spec). The tensors' keys name their params, so where they sit does not matter."""
+    expert params too (its local spec). The tensors' keys name their params, so where they sit does not matter.
+    ``model_sharded_sd`` (the model's sharded state dict) supplies the main params an fp32 run keeps none of."""
     if "param_groups" not in our_sharded:  # a ChainedOptimizer: one state with all groups
         parts = [our_sharded[i] for i in sorted(our_sharded)]
         our_sharded = {**parts[0], "param_groups": [g for p in parts for g in p["param_groups"]],
@@ -170,6 +187,8 @@ def to_megatron(our_sharded: Dict, expert_optimizer: bool = True) -> Dict:
     dense = [g for g in groups if not g.get("is_expert_parallel")]
     expert = [g for g in groups if g.get("is_expert_parallel")]
     state = rename_state_keys(our_sharded["param_state"])
+    if model_sharded_sd is not None:
+        state = _with_main_params(state, model_sharded_sd)
     if not expert_optimizer:  # expert groups folded into their dense twins (same hyper-parameters)
         identities = {tuple(g.get(k) for k in GROUP_IDENTITY) for g in dense}
         for g in expert:

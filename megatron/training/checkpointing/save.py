@@ -106,7 +106,8 @@ def _save_megatron_layout(sd, tmp_dir, args):
     if "optimizer" in sd:
         # Megatron's Transformer Engine spec gives expert params their own (chained) optimizer; its local spec not.
         te_spec = getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine"
-        sd["optimizer"] = megatron_format.to_megatron(sd["optimizer"], expert_optimizer=te_spec)
+        sd["optimizer"] = megatron_format.to_megatron(sd["optimizer"], expert_optimizer=te_spec,
+                                                      model_sharded_sd=state.merged_model_sharded_sd(sd))
     return dist_checkpointing.save_in_megatron_layout(
         sd, tmp_dir, args.num_layers, getattr(args, "num_experts", None), async_sharded_save=True,
         content_metadata=dict(megatron_format.CONTENT_METADATA) if "optimizer" in sd else None)

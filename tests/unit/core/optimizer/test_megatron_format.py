@@ -104,3 +104,19 @@ def test_megatron_local_spec_moe_state_has_experts_in_dense_groups():
                                                        {**OURS[1], "lr": 1e-3, "step": 2.0},
                                                        {**expert, "lr": 1e-3, "step": 2.0}]), expert_optimizer=False)
     assert [g["is_expert_parallel"] for g in theirs["optimizer"]["param_groups"]] == [False, False]
+
+
+def test_to_megatron_adds_the_main_param_an_fp32_run_keeps_none_of():
+    """Megatron's distributed optimizer always saves an fp32 main param ('param'); ours at fp32 trains the model
+    param itself, which the way back saves in its place."""
+    weight = torch.ones(2, 3)
+    model = {"decoder.layers.0.mlp.linear_fc1.weight": ShardedTensor.from_rank_offsets(
+        "decoder.layers.0.mlp.linear_fc1.weight", weight)}
+    exp_avg = ShardedTensor.from_rank_offsets("optimizer.state.exp_avg.decoder.layers.0.mlp.linear_fc1.weight",
+                                              torch.zeros(2, 3))
+    ours = {"param_groups": [{**OURS[1], "lr": 1e-3, "step": 1.0}], "param_state_sharding_type": "fully_reshardable",
+            "param_state": {"decoder.layers.0.mlp.linear_fc1.weight": {"exp_avg": exp_avg}}}
+    entry = megatron_format.to_megatron(ours, model_sharded_sd=model)["param_state"][
+        "decoder.layers.0.mlp.linear_fc1.weight"]
+    assert entry["param"].key == "optimizer.state.param.decoder.layers.0.mlp.linear_fc1.weight"
+    assert entry["param"].data is weight
