@@ -5,11 +5,15 @@ does (tracker file, ``iter_{:07d}``, the state dict of its ``generate_state_dict
 metadata of ``_build_sharded_state_dict_metadata`` as content metadata). Run in a subprocess whose sys.path starts
 with the megatron-core 0.19.2 wheel's files (see mcore_checkpoint_side.py, whose CPU patches it reuses).
 
-    python mcore_training_side.py train|resume JOB_JSON
+    python mcore_training_side.py JOB_JSON
 
-``train`` trains ``save_at`` iterations, saves, and trains on to ``train_iters``; ``resume`` loads the latest
-checkpoint under ``ckpt_dir`` and trains on to ``train_iters``. Both write ``{iteration: lm loss}`` to ``out``.
-The batches (one row per sample) come from ``batches``, the file the test wrote from our mock dataset.
+The job holds ``ranks``, ``tp``, ``batches``, ``flags_tsv`` and a list of ``runs`` (each: ``mode``, ``model``,
+``args``, ``ckpt_dir``, ``out``, optionally its own ``tp``...), run one after another on the same ranks, so one
+interpreter start serves several models. Mode ``train`` trains ``save_at`` iterations, saves, and trains on to
+``train_iters``; ``resume`` loads the latest checkpoint under ``ckpt_dir`` (its RNG state only when saved at this
+TP/PP layout, as Megatron-LM's load_checkpoint) and trains on to ``train_iters``. Each run writes
+``{iteration: lm loss}`` to its ``out``. The batches (one row per sample) come from ``batches``, the file the test
+wrote from our mock dataset.
 """
 import argparse
 import ast
@@ -28,25 +32,31 @@ from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
 from megatron.core.dist_checkpointing.mapping import ShardedObject  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 
 
-def _single_rank_collectives():
-    """gloo lacks reduce_scatter_tensor (Megatron's DDP and distributed optimizer use it and
-    all_gather_into_tensor); at DP=1 both are a copy."""
-    reduce_scatter, all_gather = dist.reduce_scatter_tensor, dist.all_gather_into_tensor
+def _gloo_tensor_collectives():
+    """gloo lacks reduce_scatter_tensor and all_gather_into_tensor (Megatron's DDP, distributed optimizer and
+    sequence parallelism use them): an all-reduce then this rank's dim-0 chunk, and an all-gather into a list."""
 
     def rs(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if dist.get_world_size(group) == 1:
-            output.copy_(input)
-            return _Done() if async_op else None
-        return reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+        n = dist.get_world_size(group)
+        full = input.clone()
+        if n > 1:
+            dist.all_reduce(full, op=op, group=group)
+        output.copy_(full.chunk(n)[dist.get_rank(group)])
+        return _Done() if async_op else None
 
     def ag(output, input, group=None, async_op=False):
-        if dist.get_world_size(group) == 1:
-            output.copy_(input)
-            return _Done() if async_op else None
-        return all_gather(output, input, group=group, async_op=async_op)
+        n = dist.get_world_size(group)
+        parts = [torch.empty_like(input) for _ in range(n)]
+        if n > 1:
+            dist.all_gather(parts, input.contiguous(), group=group)
+        else:
+            parts = [input]
+        output.copy_(torch.cat(parts).view_as(output))
+        return _Done() if async_op else None
 
     dist.reduce_scatter_tensor, dist.all_gather_into_tensor = rs, ag
     dist._reduce_scatter_base, dist._all_gather_base = rs, ag
@@ -103,7 +113,8 @@ def megatron_args(job, tp, iteration, consumed):
     for k, v in job["args"].items():
         setattr(ns, k, v)
     ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size = tp, 1
-    ns.world_size, ns.data_parallel_size = tp, 1
+    ns.world_size = dist.get_world_size()
+    ns.data_parallel_size = ns.world_size // tp
     ns.iteration, ns.consumed_train_samples, ns.consumed_valid_samples = iteration, consumed, 0
     ns.ckpt_format = "torch_dist"
     return ns
@@ -172,7 +183,7 @@ def rng_state():
     state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
              "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": None, "rng_tracker_states": {}}
     return ShardedObject("rng_state", [state], (1, tp), (0, parallel_state.get_tensor_model_parallel_rank()),
-                         replica_id=0)
+                         replica_id=parallel_state.get_data_parallel_rank())
 
 
 def state_dict(job, model, optimizer, scheduler, iteration, loading=False):
@@ -202,15 +213,54 @@ def save(job, model, optimizer, scheduler, iteration):
     dist.barrier()
 
 
+def _init_optimizer_state(optimizer):
+    """Zero Adam state for a fresh optimizer: Megatron's DistributedOptimizer.state_dict (called while building the
+    load request) reads each param's ``step``, which torch's AdamW (its optimizer without TE / Apex, as on CPU)
+    creates only at the first step; TE's FusedAdam keeps it in the param groups instead."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                state = opt.optimizer.state[p]
+                if not state:
+                    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+
+
+def _torch_adam_step_on_load():
+    """Megatron's fully_reshardable load copies each saved state into the optimizer's per-param state tensors,
+    which for torch's AdamW include ``step`` (TE's FusedAdam keeps it in the param groups) that the checkpoint has
+    per group, not per param: that entry is skipped (the step itself is restored from the groups)."""
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def patched(self, model_param, tensors):
+        return set_states(self, model_param, {"step": None, **tensors})
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = patched
+
+
+def _own_steps(optimizer):
+    """Megatron's load (torch AdamW path) gives every param the same ``step`` tensor, which AdamW increments in
+    place once per param: each param gets its own copy, as after a fresh start."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+
 def load(job, model, optimizer, scheduler):
     with open(os.path.join(job["ckpt_dir"], "latest_checkpointed_iteration.txt")) as f:
         iteration = int(f.read().strip())
     ckpt = os.path.join(job["ckpt_dir"], f"iter_{iteration:07d}")
-    job["loaded_metadata"] = dist_checkpointing.load_content_metadata(ckpt)
+    common = dist_checkpointing.load_common_state_dict(ckpt)
+    job["loaded_metadata"] = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
+    saved_layout = (common["args"].tensor_model_parallel_size, common["args"].pipeline_model_parallel_size)
+    _init_optimizer_state(optimizer)
     sd = state_dict(job, model, optimizer, scheduler, iteration, loading=True)
+    if saved_layout != (job["tp"], 1):
+        del sd["rng_state"]  # "(TP, PP) mismatch after resume ...: RNG state will be ignored"
     loaded = dist_checkpointing.load(sd, ckpt)
     model.module.load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
+    _own_steps(optimizer)
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
     consumed = loaded["args"].consumed_train_samples
     assert consumed == iteration * job["args"]["global_batch_size"], (consumed, iteration)
@@ -218,14 +268,25 @@ def load(job, model, optimizer, scheduler):
 
 
 def rank_main(rank, job, port):
-    tp = job["tp"]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    torch.manual_seed(job["model"].get("seed", 1234))
-    _single_rank_collectives()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=job["ranks"])
+    _gloo_tensor_collectives()
     _cuda_factories_on_cpu()
-    model, optimizer, scheduler = build(job, tp)
+    _torch_adam_step_on_load()
     batches = torch.load(job["batches"])
+    for run in job["runs"]:
+        run_one({**{k: v for k, v in job.items() if k != "runs"}, **run}, batches, rank)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_one(job, batches, rank):
+    """One run at its own TP (the job's ``tp`` by default); the other ranks are data parallel, each computing the
+    whole global batch (the average of equal gradients is exact), so the losses do not depend on the DP size."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=job["tp"])
+    torch.manual_seed(job["model"].get("seed", 1234))
+    model, optimizer, scheduler = build(job, job["tp"])
     losses = {}
     start = 0
     if job["mode"] == "resume":
@@ -238,17 +299,16 @@ def rank_main(rank, job, port):
         with open(job["out"], "w") as f:
             json.dump(losses, f)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def main(argv):
-    job = json.loads(argv[1])
-    job["mode"] = argv[0]
+    job = json.loads(argv[0])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.makedirs(job["ckpt_dir"], exist_ok=True)
-    torch.multiprocessing.spawn(rank_main, args=(job, port), nprocs=job["tp"])
+    for run in job["runs"]:
+        os.makedirs(run["ckpt_dir"], exist_ok=True)
+    torch.multiprocessing.spawn(rank_main, args=(job, port), nprocs=job["ranks"])
 
 
 if __name__ == "__main__":

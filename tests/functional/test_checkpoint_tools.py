@@ -1,5 +1,5 @@
 """tools/checkpoint: inspect a GPT checkpoint; convert torch_dist TP=1 -> torch TP=2 -> torch_dist TP=1 and
-get back exactly the original weights."""
+get back exactly the original weights; --saver megatron writes them stacked in Megatron-LM's layout."""
 import os
 import subprocess
 import sys
@@ -52,3 +52,13 @@ def test_inspect_and_convert_round_trip(tmp_path):
     for k in model_keys:
         assert torch.equal(orig[k], conv[k]), k
     assert conv["args"].tensor_model_parallel_size == 1 and conv["iteration"] == 2
+
+    mlayout = str(tmp_path / "megatron")
+    out = _run(os.path.join(tool, "convert.py"), "--loader", "core", "--saver", "megatron", "--load-dir", back,
+               "--save-dir", mlayout)
+    assert "in Megatron-LM's layout" in out
+    stacked, meta_m = _full_tensors(os.path.join(mlayout, "iter_0000002"))
+    qkv = "decoder.layers.self_attention.linear_qkv.weight"  # Megatron's [L, 3h, h]
+    assert meta_m[qkv].global_shape == (2, 96, 32) and "decoder.layers.0.self_attention.linear_qkv.weight" not in meta_m
+    for layer in range(2):
+        assert torch.equal(stacked[qkv][layer], orig[f"decoder.layers.{layer}.self_attention.linear_qkv.weight"])

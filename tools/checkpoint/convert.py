@@ -3,6 +3,10 @@
 Our checkpoints, torch <-> torch_dist and any TP/PP layout:
     python tools/checkpoint/convert.py --load-dir A --save-dir B --target-format torch|torch_dist \\
         [--target-tensor-parallel-size T] [--target-pipeline-parallel-size P] [--iteration N]
+Megatron-LM's own torch_dist layout (stacked layers; model weights, which Megatron-LM --load reads; a training run
+saves its whole state so with --ckpt-save-megatron-layout):
+    python tools/checkpoint/convert.py --loader core --saver megatron --load-dir A --save-dir B \
+        [--target-tensor-parallel-size T] [--target-pipeline-parallel-size P]
 Hugging Face in and out (Megatron's spelling; loaders llama_mistral and mixtral_hf are aliases of hf):
     python tools/checkpoint/convert.py --model-type GPT --loader hf --saver core --load-dir HF_DIR \\
         --save-dir OUT --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
@@ -70,7 +74,10 @@ def main(argv=None):
     parser.add_argument("--model-type", default="GPT", choices=["GPT", "BERT"], help="Only GPT for --loader/--saver.")
     parser.add_argument("--loader", default=None, choices=HF_LOADERS + CORE,
                         help="hf (aliases llama_mistral, mixtral_hf) or core; omit for a layout/format conversion.")
-    parser.add_argument("--saver", default=None, choices=CORE + ("hf",), help="core or hf.")
+    parser.add_argument("--saver", default=None, choices=CORE + ("hf",),
+                        help="core, hf, or megatron (with --loader core: model weights in Megatron-LM's torch_dist "
+                             "layout, which Megatron-LM loads; for the whole training state save with "
+                             "--ckpt-save-megatron-layout instead).")
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                         help="Import pads the vocab to a multiple of this x target TP.")
     parser.add_argument("--true-vocab-size", type=int, default=None,
@@ -91,16 +98,23 @@ def main(argv=None):
         if not (opts.loader and opts.saver):
             parser.error("--loader and --saver go together")
         if opts.loader in CORE and opts.saver in CORE:
+            megatron_layout = opts.saver == "megatron"
             opts.loader = opts.saver = None  # our format to our format: a layout conversion
+            if megatron_layout:
+                if opts.target_format not in (None, "torch_dist"):
+                    parser.error("--saver megatron writes Megatron-LM's torch_dist layout; drop --target-format")
+                opts.target_format = "torch_dist"
         else:
             return _hf(opts)
+    else:
+        megatron_layout = False
     if opts.target_format is None:
         parser.error("--target-format is required for a layout/format conversion")
     if opts.target_expert_parallel_size not in (None, 1) or opts.moe_grouped_gemm:
         parser.error("--target-expert-parallel-size / --moe-grouped-gemm apply to Hugging Face imports only "
                      "(a torch_dist checkpoint loads under any --expert-model-parallel-size)")
     convert(opts.load_dir, opts.save_dir, opts.target_format, opts.target_tensor_parallel_size,
-            opts.target_pipeline_parallel_size, opts.iteration)
+            opts.target_pipeline_parallel_size, opts.iteration, megatron_layout=megatron_layout)
 
 
 if __name__ == "__main__":

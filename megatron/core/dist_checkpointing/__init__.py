@@ -9,6 +9,7 @@ from .mapping import (
     ShardedTensorFactory,
 )
 from .serialization import (
+    fp8_extra_state_key,
     load,
     load_common_state_dict,
     load_content_metadata,
@@ -24,4 +25,5 @@ from .strategies.async_utils import AsyncCallsQueue, AsyncRequest
 __all__ = ["ShardedTensor", "ShardedObject", "ShardedTensorFactory", "ShardedStateDict", "save", "load",
            "load_common_state_dict", "load_tensors_metadata", "load_sharded_metadata", "load_plain_tensors",
            "load_content_metadata", "remove_sharded_tensors", "ShardedBase", "check_is_distributed_checkpoint",
-           "CheckpointingException", "AsyncCallsQueue", "AsyncRequest", "save_in_megatron_layout"]
+           "CheckpointingException", "AsyncCallsQueue", "AsyncRequest", "save_in_megatron_layout",
+           "fp8_extra_state_key"]

@@ -41,6 +41,30 @@ _GROUPED_NAMES = {"weight1": "experts.linear_fc1.weight", "weight2": "experts.li
 _STACKED_EXPERTS = re.compile(r"^(?:.*\.)?decoder\.layers\..*\bexperts\.experts\.")
 
 
+# Model families whose checkpoints a model of another family cannot read: (pattern of a tensor key, what it is,
+# the entry script that builds it).
+_FAMILIES = ((re.compile(r"^(?:.*\.)?decoder\.layers\.(?:\d+\.)?mixer\."), "a Mamba / hybrid model",
+              "pretrain_mamba.py or pretrain_hybrid.py (with its --hybrid-override-pattern)"),
+             (re.compile(r"^(?:.*\.)?vision_(?:model|projection)\."), "a multimodal (LLaVA-style) model",
+              "pretrain_vlm.py"),
+             (re.compile(r"^(?:.*\.)?(?:binary_head|lm_head)\."), "a BERT model", "pretrain_bert.py"),
+             (re.compile(r"^(?:.*\.)?encoder\.layers\."), "an encoder (BERT / T5) model",
+              "pretrain_bert.py or pretrain_t5.py"))
+
+
+def missing_tensor_message(key: str, checkpoint_dir: str, saved_keys: Iterable[str]) -> str:
+    """One line for a tensor the model needs and the checkpoint lacks: which model family the checkpoint holds
+    when its keys tell (a Megatron-LM checkpoint of an architecture other than this run's), and what to do."""
+    saved_keys = list(saved_keys)
+    for pattern, what, script in _FAMILIES:
+        found = next((k for k in saved_keys if pattern.match(k) and not pattern.match(key)), None)
+        if found is not None:
+            return (f"checkpoint {checkpoint_dir} has no tensor '{key}' that this model needs: it holds {what} "
+                    f"(tensor '{found}'); load it with {script}")
+    return (f"checkpoint {checkpoint_dir} has no tensor '{key}' that this model needs (saved from another "
+            "architecture?); pass the checkpoint's architecture flags (--use-checkpoint-args reads them from it)")
+
+
 def is_megatron_layout(checkpoint_keys: Iterable[str]) -> bool:
     """True when a checkpoint's tensor keys stack the decoder layers (Megatron Core's torch_dist layout)."""
     return any(_STACKED_KEY.match(k) for k in checkpoint_keys)

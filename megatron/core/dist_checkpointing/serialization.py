@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional
 import torch
 from torch.distributed.checkpoint.api import CheckpointException as DCPException
 
-from megatron.core.transformer.te_key_map import alternative_key
+from megatron.core.transformer.te_key_map import alternative_key, has_fp8_scaling_state
 from megatron.core.utils import lazy_names
 
 from . import dict_utils, megatron_layout
@@ -235,6 +235,23 @@ def load_common_state_dict(checkpoint_dir: str) -> Dict[str, Any]:
     if not keys:
         raise CheckpointingException(f"{checkpoint_dir} has neither {COMMON_FNAME} nor a 'common_state' object")
     return _unwrap_object(keys[0], _guarded_read(checkpoint_dir, {}, keys[:1], no_dist=True)[keys[0]])
+
+
+def fp8_extra_state_key(checkpoint_dir: str) -> Optional[str]:
+    """The first ``_extra_state`` object of a checkpoint that carries Transformer Engine FP8 scaling state (scales,
+    amax history of an --fp8 run), or None (read on any rank; the objects are small)."""
+    keys = sorted(k for k, v in _read_dcp_metadata(checkpoint_dir).state_dict_metadata.items()
+                  if not hasattr(v, "size") and "._extra_state" in k)
+    if not keys:
+        return None
+    objs = _guarded_read(checkpoint_dir, {}, keys, no_dist=True)
+    for key in keys:
+        value = objs[key]
+        if isinstance(value, list) and len(value) == 1:  # Megatron's encoding of a ShardedObject
+            value = value[0]
+        if has_fp8_scaling_state(value):
+            return key
+    return None
 
 
 def _unwrap_object(key: str, saved):

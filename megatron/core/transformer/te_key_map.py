@@ -115,13 +115,18 @@ def _extra_state_value(tensor):
     return tensor
 
 
-def check_extra_state(key: str, tensor) -> None:
-    """Accept an ``_extra_state`` that carries no FP8 state; refuse one whose FP8 scales we cannot honour."""
+def has_fp8_scaling_state(tensor) -> bool:
+    """True when a Transformer Engine ``_extra_state`` carries FP8 scaling state (scales, amax history)."""
     value = _extra_state_value(tensor)
     if not value:
-        return
-    if isinstance(value, dict) and not any(k.startswith(("scale", "amax")) and value[k] is not None
-                                           for k in value):
+        return False
+    return not (isinstance(value, dict) and not any(k.startswith(("scale", "amax")) and value[k] is not None
+                                                    for k in value))
+
+
+def check_extra_state(key: str, tensor) -> None:
+    """Accept an ``_extra_state`` that carries no FP8 state; refuse one whose FP8 scales we cannot honour."""
+    if not has_fp8_scaling_state(tensor):
         return
     raise ValueError(f"{key}: Transformer Engine FP8 scaling state (amax history / scales of a delayed-scaling "
                      "--fp8 run) cannot be honoured here (our FP8 recomputes tensorwise scales every step); "

@@ -98,6 +98,9 @@ def add_checkpointing_args(parser):
     g.add_argument("--ckpt-step", type=int, default=None, help="Iteration to load instead of the latest.")
     g.add_argument("--ckpt-format", default="torch_dist", choices=["torch", "torch_dist"],
                    help="Checkpoint format.")
+    g.add_argument("--ckpt-save-megatron-layout", action="store_true",
+                   help="Save torch_dist checkpoints in Megatron-LM's own layout (stacked layers, its distributed "
+                        "optimizer's fully_reshardable state), so Megatron-LM resumes from them; loads here too.")
     g.add_argument("--auto-detect-ckpt-format", action="store_true", help="Detect the format when loading.")
     g.add_argument("--async-save", action="store_true",
                    help="Write torch_dist checkpoints in the background; training continues.")

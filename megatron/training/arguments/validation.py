@@ -317,6 +317,8 @@ def _validate_checkpointing(args):
     if args.save is not None:
         _require(args.save_interval is not None and args.save_interval > 0,
                  "--save requires --save-interval > 0")
+    _require(not getattr(args, "ckpt_save_megatron_layout", False) or args.ckpt_format == "torch_dist",
+             "--ckpt-save-megatron-layout writes Megatron-LM's torch_dist layout; pass --ckpt-format torch_dist")
     if args.skip_train and args.no_load_optim is None:
         args.no_load_optim = True
     _require(not args.verify_integrity or args.ckpt_format == "torch_dist",

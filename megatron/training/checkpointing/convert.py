@@ -28,8 +28,9 @@ from .save import save_checkpoint
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def _rank_args(ckpt_args, load_dir, save_dir, fmt, tp, pp, iteration):
-    """The checkpoint's args re-targeted: new layout, model weights only."""
+def _rank_args(ckpt_args, load_dir, save_dir, fmt, tp, pp, iteration, megatron_layout=False):
+    """The checkpoint's args re-targeted: new layout, model weights only (in Megatron-LM's layout with
+    ``megatron_layout``)."""
     args = copy.deepcopy(ckpt_args)
     world = tp * pp
     overrides = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=world,
@@ -38,7 +39,7 @@ def _rank_args(ckpt_args, load_dir, save_dir, fmt, tp, pp, iteration):
                      ckpt_step=iteration, no_load_optim=True, no_save_optim=True, no_load_rng=True,
                      no_save_rng=True, finetune=False, pretrained_checkpoint=None, async_save=False,
                      exit_on_missing_checkpoint=True, save_retain_interval=None, use_distributed_optimizer=False,
-                     sequence_parallel=False, use_checkpoint_args=False)
+                     sequence_parallel=False, use_checkpoint_args=False, ckpt_save_megatron_layout=megatron_layout)
     for k, v in overrides.items():
         setattr(args, k, v)
     return args
@@ -104,7 +105,7 @@ def run_ranks(args, world):
         raise SystemExit(f"error: conversion failed on rank {errors[0][0]}:\n{errors[0][1]}")
 
 
-def convert(load_dir, save_dir, target_format, tp=None, pp=None, iteration=None):
+def convert(load_dir, save_dir, target_format, tp=None, pp=None, iteration=None, megatron_layout=False):
     ckpt_args, iteration = read_checkpoint_args(load_dir, iteration)
     src_dir = paths.get_checkpoint_name(load_dir, iteration, return_base_dir=True)
     tp = tp or ckpt_args.tensor_model_parallel_size
@@ -119,8 +120,10 @@ def convert(load_dir, save_dir, target_format, tp=None, pp=None, iteration=None)
             stp, spp = ckpt_args.tensor_model_parallel_size, ckpt_args.pipeline_model_parallel_size
             run_ranks(_rank_args(ckpt_args, load_dir, tmp, "torch_dist", stp, spp, iteration), stp * spp)
             load_dir = tmp
-        run_ranks(_rank_args(ckpt_args, load_dir, save_dir, target_format, tp, pp, iteration), tp * pp)
+        run_ranks(_rank_args(ckpt_args, load_dir, save_dir, target_format, tp, pp, iteration, megatron_layout),
+                  tp * pp)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    print(f"converted {src_dir} to {target_format} (TP={tp}, PP={pp}) under {save_dir}")
+    layout = " in Megatron-LM's layout" if megatron_layout else ""
+    print(f"converted {src_dir} to {target_format}{layout} (TP={tp}, PP={pp}) under {save_dir}")

@@ -193,6 +193,8 @@ def _load_state(fmt, checkpoint_dir, load_dir, iteration, release, model, optimi
     load_optim = (not skip_state and not args.no_load_optim and optimizer is not None
                   and not getattr(ckpt_args, "no_save_optim", False))
     load_rng = not skip_state and not args.no_load_rng and not getattr(ckpt_args, "no_save_rng", False)
+    if not skip_state and getattr(args, "fp8", None):
+        _refuse_fp8_scaling_state(checkpoint_dir)
     lay = state.layout()
     if load_rng and ckpt_args is not None and (
             getattr(ckpt_args, "tensor_model_parallel_size", 1) != lay["tp_size"]
@@ -205,10 +207,10 @@ def _load_state(fmt, checkpoint_dir, load_dir, iteration, release, model, optimi
         megatron_format.check_sharding_type(common["optimizer"], checkpoint_dir)
     megatron_optim = load_optim and megatron_format.is_megatron_optimizer_state(common.get("optimizer"))
     if megatron_optim:  # a Megatron-LM training checkpoint: its optimizer state names
-        if common["optimizer"].get("param_state_sharding_type") is not None:
+        kind = megatron_format.sharding_type(common["optimizer"])
+        if kind is not None:
             sd["optimizer"] = megatron_format.rename_state_keys(sd["optimizer"])
-        print_rank_0(f" loading Megatron-LM's optimizer state "
-                     f"({common['optimizer'].get('param_state_sharding_type', 'non-distributed optimizer')})")
+        print_rank_0(f" loading Megatron-LM's optimizer state ({kind or 'non-distributed optimizer'})")
     for k in ("args", "checkpoint_version", "iteration", "num_floating_point_operations_so_far"):
         sd.pop(k, None)
     strict = getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected")
@@ -225,6 +227,18 @@ def _load_state(fmt, checkpoint_dir, load_dir, iteration, release, model, optimi
     if "rerun_state_machine" in common:
         loaded["rerun_state_machine"] = common["rerun_state_machine"]
     return loaded
+
+
+def _refuse_fp8_scaling_state(checkpoint_dir: str) -> None:
+    """An --fp8 resume of a checkpoint whose Transformer Engine modules saved delayed-scaling FP8 state (Megatron-LM
+    --fp8-format with its default --fp8-recipe delayed): our FP8 recomputes tensorwise scales every step, so
+    that state would silently not be continued; one line instead."""
+    key = dist_checkpointing.fp8_extra_state_key(checkpoint_dir)
+    if key is not None:
+        raise ValueError(f"checkpoint {checkpoint_dir}: {key} holds Transformer Engine FP8 scaling state (scales, "
+                         f"amax history) that cannot be honoured here (our FP8 recomputes tensorwise scales every "
+                         f"step); resume without --fp8-format (bf16), or start a new run from its weights with "
+                         f"--finetune")
 
 
 def _restore_model(ckpt, model, strict: bool) -> None:

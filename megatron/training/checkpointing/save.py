@@ -11,6 +11,7 @@ import torch
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import CheckpointingException
+from megatron.core.optimizer import megatron_format
 from megatron.training import async_utils
 from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0
@@ -87,9 +88,12 @@ def _save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_float
     if fmt == "torch_dist":
         staging = async_utils.host_staging(reuse=getattr(args, "async_save_pinned_buffers", True)) \
             if args.async_save else None
-        request = dist_checkpointing.save(sd, tmp_dir, async_sharded_save=True,
-                                          verify_integrity=getattr(args, "verify_integrity", False),
-                                          host_staging=staging)
+        kwargs = dict(async_sharded_save=True, verify_integrity=getattr(args, "verify_integrity", False),
+                      host_staging=staging)
+        if getattr(args, "ckpt_save_megatron_layout", False):
+            request = _save_megatron_layout(sd, tmp_dir, args, **kwargs)
+        else:
+            request = dist_checkpointing.save(sd, tmp_dir, **kwargs)
         write = request.async_fn
 
         def write_shards(*a, **kw):
@@ -129,6 +133,20 @@ def _staging_report(staging) -> str:
     parts = [f"{st[key]:.3f}s {what}" for key, what in (("launch_s", "to queue"), ("sync_copy_s", "copying"),
                                                          ("alloc_s", "allocating host buffers")) if st.get(key)]
     return f"; host copy of {st['bytes'] / 1e9:.2f} GB: {', '.join(parts)}" if parts else ""
+
+
+def _save_megatron_layout(sd, tmp_dir, args, **kwargs):
+    """--ckpt-save-megatron-layout: the same state in Megatron-LM's torch_dist layout (stacked layers, its
+    distributed optimizer's fully_reshardable state, its content metadata), which Megatron-LM --load resumes
+    from (with --use-distributed-optimizer when the optimizer is saved) and this project loads as well."""
+    if "optimizer" in sd:
+        # Megatron's Transformer Engine spec gives expert params their own (chained) optimizer; its local spec not.
+        te_spec = getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine"
+        sd["optimizer"] = megatron_format.to_megatron(sd["optimizer"], expert_optimizer=te_spec,
+                                                      model_sharded_sd=state.merged_model_sharded_sd(sd))
+    return dist_checkpointing.save_in_megatron_layout(
+        sd, tmp_dir, args.num_layers, getattr(args, "num_experts", None),
+        content_metadata=dict(megatron_format.CONTENT_METADATA) if "optimizer" in sd else None, **kwargs)
 
 
 def _save_legacy(sd, tmp_dir, save_dir, iteration, args) -> None:

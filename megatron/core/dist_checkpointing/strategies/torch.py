@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_b
 
 from ..core import CheckpointingException
 from ..mapping import ShardedBase, ShardedObject, ShardedTensor
+from ..megatron_layout import missing_tensor_message
 from ..validation import save_integrity_manifest
 
 
@@ -105,7 +106,7 @@ class _LoadPlanner(DefaultLoadPlanner):
         items = []
         for fqn, chunks in self.shards.items():
             if fqn not in md:
-                raise CheckpointingException(f"checkpoint {self.checkpoint_dir} has no tensor '{fqn}'")
+                raise CheckpointingException(missing_tensor_message(fqn, self.checkpoint_dir, md))
             saved = md[fqn]
             if isinstance(saved, BytesStorageMetadata):
                 raise CheckpointingException(f"checkpoint {self.checkpoint_dir}: '{fqn}' is an object, not a tensor")

@@ -121,3 +121,33 @@ def test_mla_layers_keep_their_norm_names():
     assert out["decoder.layers.1.pre_mlp_layernorm.weight"].key == "decoder.layers.pre_mlp_layernorm.weight"
     assert out["decoder.layers.0.self_attention.linear_q_up_proj._extra_state"].key == \
         "decoder.layers.self_attention.linear_q_up_proj._extra_state"
+
+
+@pytest.mark.parametrize("saved_key, needle", [
+    ("decoder.layers.mixer.in_proj.weight", "a Mamba / hybrid model .*pretrain_mamba.py"),
+    ("vision_model.decoder.layers.self_attention.linear_qkv.weight", "multimodal .*pretrain_vlm.py"),
+    ("decoder.layers.self_attention.linear_q_proj.weight", "another architecture.*--use-checkpoint-args")])
+def test_checkpoint_of_another_architecture_is_one_line(tmp_path, saved_key, needle):
+    """A Megatron checkpoint of a model family this run does not build: the missing tensor, what the checkpoint
+    holds, and which entry script builds it."""
+    dc.save({"x": ShardedTensor.from_rank_offsets(saved_key, torch.zeros(2, 4, 4))}, str(tmp_path))
+    wanted = "decoder.layers.self_attention.linear_qkv.weight"
+    with pytest.raises(dc.CheckpointingException, match=f"no tensor '{wanted}' that this model needs.*{needle}"):
+        dc.load({"q": ShardedTensor.from_rank_offsets(wanted, torch.zeros(2, 12, 4))}, str(tmp_path))
+
+
+def _te_extra_state(value):
+    """Transformer Engine's saved extra state: a uint8 tensor of pickle bytes."""
+    import pickle  # lazy: only this helper pickles
+    return torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fp8_extra_state_is_found_in_a_megatron_layout_checkpoint(tmp_path, fp8):
+    key = "decoder.layers.self_attention.linear_qkv._extra_state"
+    state = {"scale_fwd": torch.ones(3), "amax_history_fwd": torch.zeros(1, 3)} if fp8 else None
+    objs = {f"e{layer}": ShardedObject(key, [_te_extra_state(state if layer == 1 else None)], (2,), (layer,),
+                                       replica_id=0) for layer in range(2)}  # Megatron stores [data]
+    dc.save({**objs, "w": ShardedTensor.from_rank_offsets("decoder.layers.mlp.linear_fc2.weight",
+                                                          torch.zeros(2, 4, 4))}, str(tmp_path))
+    assert dc.fp8_extra_state_key(str(tmp_path)) == (f"{key}/shard_1_2" if fp8 else None)
