@@ -154,6 +154,11 @@ class DotProductAttention(MegatronModule):
         self.cp_comm_type = cp_comm_type or config.cp_comm_type_of_layer(self.layer_number)
         self.records_max_logit = attention_type == "self" and (config.qk_clip or config.log_max_attention_logit)
         self.current_max_attn_logits = None  # [np] fp32, see the class docstring
+        if self.records_max_logit and _RECORD["eager"] is None:
+            # Eager under --torch-compile: a graph break instead of guards on the attribute it rebinds every
+            # step. Wrapped on first use, not decorated: torch.compiler.disable imports torch._dynamo (~2 s),
+            # which runs without the flags need not pay.
+            _RECORD["eager"] = torch.compiler.disable(_record_max_logit)
         if pg_collection is not None and config.context_parallel_size > 1 and self.cp_comm_type == "a2a+p2p":
             hcp = get_pg(pg_collection, "hcp", "DotProductAttention")
             if len(hcp) != 2 or hcp[0].size() * hcp[1].size() != config.context_parallel_size:
@@ -177,7 +182,7 @@ class DotProductAttention(MegatronModule):
             cp_group = (parallel_state.get_context_parallel_group() if self.pg_collection is None
                         else self.pg_collection.cp)
         if self.records_max_logit and self.training:
-            self._record_max_logit(query, key, attention_mask, mask_type, cp_group is not None, packed_seq_params)
+            _RECORD["eager"](self, query, key, attention_mask, mask_type, cp_group is not None, packed_seq_params)
         if cp_group is not None or packed_seq_params is not None:
             return self._long_context(query, key, value, cp_group, packed_seq_params, mask_type)
         # [s, b, n, hn] -> [b, n, s, hn]
@@ -218,26 +223,6 @@ class DotProductAttention(MegatronModule):
         ctx = ctx[..., :v_dim]
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, np_ * v_dim)  # [s, b, np * hv]
 
-    def _record_max_logit(self, query, key, attention_mask, mask_type, context_parallel, packed_seq_params):
-        """Fold this micro-batch's per-head max logit into ``current_max_attn_logits`` (masks as in forward)."""
-        sq, b = query.shape[:2]
-        if context_parallel:
-            # The whole CP group (for a2a+p2p too): the max needs every key, whatever the attention's comm.
-            group = (parallel_state.get_context_parallel_group() if self.pg_collection is None
-                     else get_pg(self.pg_collection, "cp", "DotProductAttention"))
-            cp = torch.distributed.get_world_size(group)
-            layout = None if packed_seq_params is None else document_layout(packed_seq_params, b, sq * cp)
-            m = context_parallel_max_attention_logit(query, key, self.softmax_scale, group, layout)
-        elif packed_seq_params is not None:
-            doc = document_layout(packed_seq_params, b, sq).doc
-            m = max_attention_logit(query, key, self.softmax_scale, causal=True, q_doc=doc, k_doc=doc)
-        else:
-            causal = attention_mask is None and mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
-            m = max_attention_logit(query, key, self.softmax_scale, causal=causal, attention_mask=attention_mask,
-                                    window=self.window_size)
-        prev = self.current_max_attn_logits
-        self.current_max_attn_logits = m if prev is None else torch.maximum(prev, m)
-
     def _long_context(self, query, key, value, cp_group, packed_seq_params, mask_type):
         """Causal attention over the CP group's sequence and/or within packed documents (no dense mask)."""
         if mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
@@ -254,6 +239,31 @@ class DotProductAttention(MegatronModule):
         ctx = long_context_attention(query, key, value, self.softmax_scale, cp_group, self.cp_comm_type,
                                      packed_seq_params)  # [s, b, np, hn]
         return ctx.reshape(sq, b, np_ * hn)
+
+_RECORD = {"eager": None}  # _record_max_logit under torch.compiler.disable, made when first needed
+
+
+def _record_max_logit(core, query, key, attention_mask, mask_type, context_parallel, packed_seq_params):
+    """Fold this micro-batch's per-head max logit into ``core.current_max_attn_logits`` (``core``: a
+    DotProductAttention; the masks are those its forward applies)."""
+    sq, b = query.shape[:2]
+    if context_parallel:
+        # The whole CP group (for a2a+p2p too): the max needs every key, whatever the attention's comm.
+        group = (parallel_state.get_context_parallel_group() if core.pg_collection is None
+                 else get_pg(core.pg_collection, "cp", "DotProductAttention"))
+        cp = torch.distributed.get_world_size(group)
+        layout = None if packed_seq_params is None else document_layout(packed_seq_params, b, sq * cp)
+        m = context_parallel_max_attention_logit(query, key, core.softmax_scale, group, layout)
+    elif packed_seq_params is not None:
+        doc = document_layout(packed_seq_params, b, sq).doc
+        m = max_attention_logit(query, key, core.softmax_scale, causal=True, q_doc=doc, k_doc=doc)
+    else:
+        causal = attention_mask is None and mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        m = max_attention_logit(query, key, core.softmax_scale, causal=causal, attention_mask=attention_mask,
+                                window=core.window_size)
+    prev = core.current_max_attn_logits
+    core.current_max_attn_logits = m if prev is None else torch.maximum(prev, m)
+
 
 _BANDS = {}
 

@@ -53,26 +53,35 @@ def max_attention_logit(query: torch.Tensor, key: torch.Tensor, scale: float, ca
     for q0 in range(0, sq, bq):
         q1 = min(sq, q0 + bq)
         first, last = q_start + q0, q_start + q1 - 1  # key positions of the tile's first and last query
-        qpos = torch.arange(first, last + 1, device=query.device)[:, None]
+        qpos = torch.arange(first, last + 1, device=query.device)[:, None]  # [tq, 1]
         for k0 in range(0, sk, bk):
             k1 = min(sk, k0 + bk)
             if causal and k0 > last or right >= 0 and k0 > last + right or left >= 0 and k1 - 1 < first - left:
                 continue  # every logit of this tile is masked
             logits = torch.matmul(q[:, :, :, q0:q1], k[:, :, :, k0:k1].transpose(-1, -2))  # [b, ng, rep, tq, tk]
-            kpos = torch.arange(k0, k1, device=query.device)[None, :]
-            keep = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=query.device)
-            if causal:
-                keep &= kpos <= qpos
-            if left >= 0:
-                keep &= kpos >= qpos - left
-            if right >= 0:
-                keep &= kpos <= qpos + right
-            keep = keep.expand(b, 1, 1, q1 - q0, k1 - k0)
+            # Masks on positions only where the tile crosses the diagonal or a window edge: below the diagonal
+            # a causal tile is fully visible and goes straight to the max.
+            cut_causal = causal and k1 - 1 > first
+            cut_left = left >= 0 and k0 < last - left
+            cut_right = right >= 0 and k1 - 1 > first + right
+            keep = None
+            if cut_causal or cut_left or cut_right:
+                kpos = torch.arange(k0, k1, device=query.device)[None, :]
+                keep = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=query.device)
+                if cut_causal:
+                    keep &= kpos <= qpos
+                if cut_left:
+                    keep &= kpos >= qpos - left
+                if cut_right:
+                    keep &= kpos <= qpos + right
             if q_doc is not None:
-                keep = keep & (q_doc[:, q0:q1, None] == k_doc[:, None, k0:k1])[:, None, None]
+                same = (q_doc[:, q0:q1, None] == k_doc[:, None, k0:k1])[:, None, None]  # [b, 1, 1, tq, tk]
+                keep = same if keep is None else keep & same
             if mask is not None:
-                keep = keep & ~mask[:, :, :, q0:q1, k0:k1]
-            logits = logits.masked_fill(~keep, float("-inf"))
+                visible = ~mask[:, :, :, q0:q1, k0:k1]
+                keep = visible if keep is None else keep & visible
+            if keep is not None:
+                logits = logits.masked_fill(~keep, float("-inf"))
             best = torch.maximum(best, logits.amax(dim=(0, 3, 4)).float())
     # max(scale * x) = scale * max(x) for scale > 0: scaling once keeps the tile in the input dtype.
     return best.reshape(np_) * scale
