@@ -1,7 +1,7 @@
 """QK-clip through pretrain_gpt's providers with a threshold low enough that it clips every step: TP=2, PP=2,
 CP=2 and DP=2 with the distributed optimizer (overlapped param all-gather) equal one process, both the loss and
-the logged max attention logit, and dist_muon equals muon; bf16 with the distributed optimizer keeps each fp32
-main shard equal to its clipped bf16 weight.
+the logged max attention logit, and dist_muon equals muon; bf16 with the distributed optimizer (Adam, dist_muon)
+keeps each fp32 main shard equal to its clipped bf16 weight.
 
 fp32, dropout 0: layouts differ only in summation order (~1e-7 relative per op), 1e-5 relative over 5 steps.
 """
@@ -22,23 +22,24 @@ MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --group-query-
 
 def _train(extra, check_main=False):
     """Per-iteration ('lm loss' or None off the last stage, max attention logit) of pretrain()."""
-    record = []
+    record, checked = [], []
 
     def on_step(model, opt, out):
         record.append((float(out[0]["lm loss"]) if "lm loss" in out[0] else None, out[4]))
         if check_main:
-            _check_main_shards(opt)
+            checked.append(_check_main_shards(opt))
     run_pretrain((MODEL + " " + extra).split(), on_step)
-    return record
+    return (record, checked) if check_main else record
 
 
 def _check_main_shards(opt):
-    """Each fp32 main shard rounds to its bf16 weight (within the one rounding the two paths may differ by)."""
+    """Each fp32 main shard of a QKV weight rounds to its clipped bf16 weight (within the one rounding the two
+    paths may differ by); returns how many this rank holds."""
     ranges = [r for r in opt.main_param_ranges() if r[1].dim() == 2 and r[1].shape[0] == 64]  # linear_qkv
-    assert ranges, "no fp32 main shard of a QKV weight on this rank"
     for main, model, lo, hi in ranges:
         weight = model.detach().view(-1)[lo:hi].float()
         torch.testing.assert_close(main.detach().view(-1), weight, rtol=2 ** -7, atol=1e-6)
+    return len(ranges)
 
 
 def _all_runs():
@@ -53,6 +54,7 @@ def _all_runs():
         "muon": run_distributed(_train, 1, "--optimizer muon --muon-fp32-matmul-prec high")[0],
         "dist_muon": run_distributed(_train, 2, "--optimizer dist_muon --muon-fp32-matmul-prec high"),
         "bf16_dp2": run_distributed(_train, 2, "--bf16 --use-distributed-optimizer", check_main=True),
+        "bf16_dist_muon": run_distributed(_train, 2, "--bf16 --optimizer dist_muon", check_main=True),
     }
 
 
@@ -95,5 +97,10 @@ def test_dist_muon_equals_muon(runs):
         _close(rank_record, runs["muon"])
 
 
-def test_bf16_distributed_optimizer_runs(runs):
-    assert all(logit > THRESHOLD for rank_record in runs["bf16_dp2"] for _, logit in rank_record)
+@pytest.mark.parametrize("run", ["bf16_dp2", "bf16_dist_muon"])
+def test_bf16_main_shards_follow_the_clip(runs, run):
+    """Checked after every step on every rank (`_check_main_shards`); both layers' QKV weights have main
+    shards somewhere (Adam: a range on each rank; dist_muon: whole matrices on their owners)."""
+    for record, _ in runs[run]:
+        assert all(logit > THRESHOLD for _, logit in record)
+    assert sum(checked[0] for _, checked in runs[run]) >= 2
