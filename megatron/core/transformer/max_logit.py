@@ -4,7 +4,8 @@
 Megatron reads it from Transformer Engine's fused attention (``return_max_logit``); the SDPA / flash kernels
 used here do not return it, so it is computed alongside, eagerly, over tiles of queries x keys: the
 [s, s] logit matrix never exists, only one tile of at most ``TILE_ELEMENTS`` logits. Tiles that the causal
-mask or the sliding window hide entirely are skipped. Masks: causal, sliding window, packed documents
+mask or the sliding window hide entirely are skipped, and position masks are built only for tiles that cross
+the diagonal or a window edge. Masks: causal, sliding window, packed documents
 (document ids) and an explicit boolean mask (True = masked, Megatron's convention).
 """
 from typing import Optional, Tuple
