@@ -136,8 +136,8 @@ def time_iterations(model, optimizer, scheduler, config, train_it, warmup, iters
             events.append(torch.cuda.Event(enable_timing=True))
             events[-1].record()
         start = time.perf_counter()
-        loss_dict, skipped, _, _ = train_step(forward_step, train_it, model, optimizer, scheduler, config,
-                                              fb_func)
+        loss_dict, skipped, *_ = train_step(forward_step, train_it, model, optimizer, scheduler, config,
+                                            fb_func)
         losses.append(loss_dict.get("lm loss"))
         if i < warmup or not cuda:
             _sync()

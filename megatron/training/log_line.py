@@ -46,8 +46,10 @@ def accumulate(total_loss_dict, loss_dict, skipped_iter):
 
 
 def format_log_line(args, iteration, elapsed_per_iter, learning_rate, batch_size, total_loss_dict, loss_scale,
-                    grad_norm, num_zeros, params_norm, throughput=None):
-    """Megatron's line: fields in order, each followed by ' |'."""
+                    grad_norm, num_zeros, params_norm, throughput=None, max_attention_logit=None):
+    """Megatron's line: fields in order, each followed by ' |'. ``max_attention_logit``
+    (--log-max-attention-logit, this iteration's) follows the params norm; Megatron writes it to TensorBoard
+    and W&B only."""
     s = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}]"
     s += " iteration {:8d}/{:8d} |".format(iteration, args.train_iters)
     s += " consumed samples: {:12d} |".format(args.consumed_train_samples)
@@ -72,21 +74,24 @@ def format_log_line(args, iteration, elapsed_per_iter, learning_rate, batch_size
         s += " num zeros: {} |".format(int(num_zeros))
     if params_norm is not None:
         s += " params norm: {:.3f} |".format(params_norm)
+    if max_attention_logit is not None:
+        s += " max attention logit: {:.3f} |".format(max_attention_logit)
     s += " number of skipped iterations: {:3d} |".format(total_loss_dict.get(SKIPPED, 0))
     s += " number of nan iterations: {:3d} |".format(total_loss_dict.get(NAN, 0))
     return s
 
 
 def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
-                 skipped_iter, grad_norm, params_norm, num_zeros_in_grad):
-    """Accumulate, and at log points print the line (last rank), timers and memory. Returns report flag."""
+                 skipped_iter, grad_norm, params_norm, num_zeros_in_grad, max_attention_logit=None):
+    """Accumulate, and at log points print the line (last rank), timers and memory. Returns report flag.
+    ``max_attention_logit``: this iteration's (--log-max-attention-logit), None otherwise."""
     args, timers = get_args(), get_timers()
     accumulate(total_loss_dict, loss_dict, skipped_iter)
     if getattr(args, "num_experts", None):  # getattr: the throughput tests drive this with a partial namespace
         _track_moe(args, iteration, total_loss_dict)
     batch_size = args.micro_batch_size * args.data_parallel_size * _num_microbatches()
     _write_scalars(args, iteration, learning_rate, batch_size, loss_dict, loss_scale, grad_norm,
-                   num_zeros_in_grad, params_norm)
+                   num_zeros_in_grad, params_norm, max_attention_logit)
     if not (iteration % args.log_interval == 0 or iteration == 1):
         return report_memory_flag
     elapsed = timers("interval-time").elapsed(barrier=True)
@@ -105,7 +110,8 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
     if wandb is not None:
         wandb.log({"iteration-time": per_iter}, step=iteration)
     print_rank_last(format_log_line(args, iteration, per_iter, learning_rate, batch_size, total_loss_dict,
-                                    loss_scale, grad_norm, num_zeros_in_grad, params_norm, throughput))
+                                    loss_scale, grad_norm, num_zeros_in_grad, params_norm, throughput,
+                                    max_attention_logit))
     if throughput is not None:
         print_rank_last(format_throughput_line(batch_size * args.seq_length, per_iter, args.world_size,
                                                throughput, current_device_name()))
@@ -143,7 +149,7 @@ def _num_microbatches():
 
 
 def _write_scalars(args, iteration, learning_rate, batch_size, loss_dict, loss_scale, grad_norm, num_zeros,
-                   params_norm):
+                   params_norm, max_attention_logit=None):
     """TensorBoard (Megatron's names, each also '... vs samples') and W&B, every --tensorboard-log-interval."""
     writer, wandb = get_tensorboard_writer(), get_wandb_writer()
     if iteration % args.tensorboard_log_interval != 0:
@@ -163,6 +169,8 @@ def _write_scalars(args, iteration, learning_rate, batch_size, loss_dict, loss_s
     for name, value in (("grad-norm", grad_norm), ("num-zeros", num_zeros), ("params-norm", params_norm)):
         if value is not None:
             scalars[name] = float(value)
+    if max_attention_logit is not None:  # Megatron's name (with an underscore, unlike the others)
+        scalars["max_attention_logit"] = float(max_attention_logit)
     if args.log_memory_to_tensorboard and torch.cuda.is_available():
         scalars["mem-reserved-bytes"] = torch.cuda.memory_reserved()
         scalars["mem-allocated-bytes"] = torch.cuda.memory_allocated()

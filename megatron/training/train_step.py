@@ -7,6 +7,7 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.strategies.staging import wait_for_staged_copies
 from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 from megatron.core.num_microbatches_calculator import get_num_microbatches
+from megatron.core.optimizer.qk_clip import clip_qk
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.training.global_vars import get_args, get_timers
@@ -65,7 +66,9 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
 
     ``forward_backward_func`` defaults to the layout's schedule; `train()` passes the one from
     `get_training_forward_backward_func()` (which may hold a CUDA graph).
-    Returns (loss_dict, skipped_iter, grad_norm, num_zeros_in_grad); loss_dict is empty off the last stage.
+    Returns (loss_dict, skipped_iter, grad_norm, num_zeros_in_grad, max_attention_logit); loss_dict is empty
+    off the last stage; max_attention_logit (the whole model's, every rank) is None without --qk-clip or
+    --log-max-attention-logit.
     """
     args = get_args()
     if forward_backward_func is None:
@@ -88,7 +91,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         # train() saves and exits, or counts the iteration as skipped: the update is not applied.
         loss_dict = reduce_loss_dicts(losses_reduced) if parallel_state.is_pipeline_last_stage(ignore_virtual=True) \
             else {}
-        return loss_dict, 1, None, None
+        return loss_dict, 1, None, None, None
     pending_check = None
     if getattr(forward_backward_func, "replayed", False) and args.check_for_nan_in_loss_and_grad:
         pending_check = _losses_to_host(losses_reduced)
@@ -96,6 +99,9 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     timer.start(barrier=args.barrier_with_L1_time)
     with torch.profiler.record_function("optimizer"):  # a named range in profiler traces (NVTX under nsys)
         update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+        max_attention_logit = None
+        if args.qk_clip or args.log_max_attention_logit:  # part of the step, as in Megatron (MuonClip)
+            max_attention_logit = clip_qk(model, log_max_only=not args.qk_clip, optimizer=optimizer)
     timer.stop()
     if pending_check is not None:
         _check_losses_finite(pending_check())
@@ -106,8 +112,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     if args.empty_unused_memory_level >= 1 and torch.cuda.is_available():
         torch.cuda.empty_cache()
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        return reduce_loss_dicts(losses_reduced), skipped_iter, grad_norm, num_zeros_in_grad
-    return {}, skipped_iter, grad_norm, num_zeros_in_grad
+        return reduce_loss_dicts(losses_reduced), skipped_iter, grad_norm, num_zeros_in_grad, max_attention_logit
+    return {}, skipped_iter, grad_norm, num_zeros_in_grad, max_attention_logit
 
 
 def _validate_grad_norm(model, rerun_state_machine):

@@ -255,7 +255,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             profiling.before_step(iteration)
             update_num_microbatches(args.consumed_train_samples, consistency_check=True)
             straggler.step_start()
-            loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
+            loss_dict, skipped_iter, grad_norm, num_zeros, max_attention_logit = train_step(
                 forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config,
                 forward_backward_func)
             _maybe_stop_on_failed_validation(iteration, model, optimizer, opt_param_scheduler)
@@ -271,7 +271,8 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             report_memory_flag = training_log(
                 loss_dict, total_loss_dict, _learning_rate(optimizer), iteration,
                 optimizer.get_loss_scale().item(), report_memory_flag, skipped_iter, grad_norm,
-                params_norm, num_zeros if args.log_num_zeros_in_grad else None)
+                params_norm, num_zeros if args.log_num_zeros_in_grad else None,
+                max_attention_logit if args.log_max_attention_logit else None)
             if args.eval_interval and iteration % args.eval_interval == 0 and valid_data_iterator is not None \
                     and args.eval_iters > 0:
                 timers("interval-time").stop()

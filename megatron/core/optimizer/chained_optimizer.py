@@ -73,6 +73,9 @@ class ChainedOptimizer:
         for opt in self.chained_optimizers:
             opt.reload_model_params()
 
+    def main_param_ranges(self):
+        return [r for opt in self.chained_optimizers for r in opt.main_param_ranges()]
+
     def get_grad_norm(self) -> float:
         return math.sqrt(sum(opt.get_grad_norm() ** 2 for opt in self.chained_optimizers))
 

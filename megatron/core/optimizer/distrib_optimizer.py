@@ -121,6 +121,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             copies[main] = None if target.data_ptr() == main.data_ptr() else target
         return copies
 
+    def main_param_ranges(self):
+        # fp32 params are their own main shard (a view of the param): nothing of their own to edit.
+        return [(main, model, lo, hi) for main, (model, lo, hi) in self.shard_ranges.items()
+                if main.data_ptr() != model.detach().view(-1)[lo:hi].data_ptr()]
+
     def _copy_main_params_to_model_params(self):
         for main, target in self._model_param_copies().items():
             if target is not None:

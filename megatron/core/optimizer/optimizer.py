@@ -90,6 +90,13 @@ class MegatronOptimizer:
     def model_params(self) -> List[torch.nn.Parameter]:
         return list(dict.fromkeys(self.main_to_model.values()))
 
+    def main_param_ranges(self):
+        """(main, model param, start, end) for each fp32 main copy that is a tensor of its own (not the model
+        param itself): it holds [start, end) of model.view(-1). Code that edits model weights between steps
+        (QK-clip) edits these alike."""
+        return [(main, model, 0, model.numel()) for main, model in self.main_to_model.items()
+                if main.data_ptr() != model.data_ptr()]
+
     def get_grad_stats_parallel_group(self):
         """Groups to sum grad statistics over: model parallel (TP x PP); DP grads are replicas,
         except under FSDP2 where each DP rank holds a shard (DTensor params)."""

@@ -20,10 +20,6 @@ class TransformerConfigCompat:
     glu_linear_offset: float = 0.0
     activation_func_clamp_value: Optional[float] = None
     window_attn_skip_freq: Optional[Union[int, List[int]]] = None
-    qk_clip: bool = False
-    qk_clip_alpha: float = 0.5
-    qk_clip_threshold: float = 100
-    log_max_attention_logit: bool = False
     no_rope_freq: Optional[Union[int, List[int]]] = None
     experimental_attention_variant: Any = None
     experimental_attention_variant_loss_scale_func: Any = None

@@ -149,6 +149,42 @@ class SelfAttention(Attention):
             p.sequence_parallel = self._tp > 1
         return norm
 
+    def qk_clip_row_scale(self) -> torch.Tensor:
+        """QK-clip's factor for each row of linear_qkv.weight, fp32 [rows] (Megatron's formula, per query group):
+        eta = threshold / max logit of the group's heads where that exceeds the threshold, else 1; the group's
+        query rows get eta^alpha, its key rows eta^(1 - alpha), gate and value rows 1. The logits q.k of a head
+        then shrink by eta, to at most the threshold."""
+        cfg = self.config
+        max_logits = self.core_attention.current_max_attn_logits  # [np], this rank's heads
+        assert max_logits.shape == (self.np,), f"current_max_attn_logits has shape {tuple(max_logits.shape)}"
+        grouped = max_logits.view(self.ng, -1).amax(dim=1)  # [ng]
+        eta = torch.where(grouped > cfg.qk_clip_threshold, cfg.qk_clip_threshold / grouped,
+                          torch.ones_like(grouped))[:, None]  # [ng, 1]
+        per_group, hn = self.np // self.ng, self.hn
+        ones = torch.ones(self.ng, hn, dtype=torch.float32, device=eta.device)
+        parts = [(eta ** cfg.qk_clip_alpha).expand(self.ng, per_group * hn)]
+        if cfg.attention_output_gate:
+            parts.append(ones.repeat(1, per_group))
+        parts += [(eta ** (1.0 - cfg.qk_clip_alpha)).expand(self.ng, hn), ones]
+        return torch.cat(parts, dim=1).reshape(-1)  # the fused layout: [ng, (queries, gates, key, value) rows]
+
+    @torch.no_grad()
+    def clip_qk(self, main_params=()):
+        """QK-clip (Megatron's method): rescale linear_qkv.weight by `qk_clip_row_scale` and reset the recorded
+        max. ``main_params``: the optimizer's fp32 copies of that weight as (tensor, start, end), each holding
+        [start, end) of weight.view(-1) (a whole copy, or a distributed optimizer's shard); they are rescaled
+        alike so that the next step starts from the clipped weight. Rows with factor 1 are unchanged."""
+        if not self.config.qk_clip:
+            raise ValueError("clip_qk needs config.qk_clip (--qk-clip)")
+        if self.core_attention.current_max_attn_logits is None:
+            raise ValueError("clip_qk: no max attention logit recorded (no training forward since the last clip)")
+        scale = self.qk_clip_row_scale()
+        weight = self.linear_qkv.weight
+        for main, start, end in main_params:
+            _scale_rows_of_range(main.detach().view(-1), start, weight.shape[1], scale.to(main.device))
+        weight.detach().mul_(scale.to(weight.device)[:, None])  # computed in fp32, stored in the weight's dtype
+        self.core_attention.current_max_attn_logits = None
+
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate: bool = False):
         mixed, _ = self.linear_qkv(hidden_states)  # [s, b, ng * ((1 + gated) np/ng + 2) * hn]
         s, b = mixed.shape[:2]
@@ -164,6 +200,22 @@ class SelfAttention(Attention):
         if output_gate:
             return q, k, v, gate.reshape(s, b, self.np, self.hn)
         return q, k, v
+
+
+def _scale_rows_of_range(flat, start, cols, scale):
+    """flat holds elements [start, start + numel) of a row-major [rows, cols] matrix: multiply each element by
+    ``scale`` of its row, in place (a partial first row, whole rows, a partial last row; no index tensor)."""
+    n, row, done = flat.numel(), start // cols, 0
+    head = min(n, (cols - start % cols) % cols)
+    if head:
+        flat[:head].mul_(scale[row])
+        row, done = row + 1, head
+    full = (n - done) // cols
+    if full:
+        flat[done:done + full * cols].view(full, cols).mul_(scale[row:row + full, None])
+        row, done = row + full, done + full * cols
+    if done < n:
+        flat[done:].mul_(scale[row])
 
 
 @dataclass

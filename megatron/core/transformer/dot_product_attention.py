@@ -8,9 +8,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron.core import parallel_state
 from megatron.core.context_parallel.kernels import _dropout_words
+from megatron.core.context_parallel.utils import document_layout
 from megatron.core.process_groups_config import get_pg, get_pg_size
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.max_logit import context_parallel_max_attention_logit, max_attention_logit
 from megatron.core.transformer.module import MegatronModule
 
 # --attention-backend -> SDPA kernels, in priority order (CUDA only; CPU keeps torch's choice).
@@ -123,6 +125,11 @@ class DotProductAttention(MegatronModule):
     all layers; SDPA then runs its masked kernels (memory-efficient on CUDA, not flash).
     ``pg_collection``: its ``tp`` group splits the heads and its ``cp`` group the sequence (``hcp``, the
     [a2a, p2p] pair, for ``a2a+p2p``; parallel_state's groups when None).
+
+    With ``config.qk_clip`` or ``config.log_max_attention_logit``, a training forward of self-attention also
+    records ``current_max_attn_logits`` (Megatron's name): the per-local-head max pre-softmax logit, the
+    running max over the step's micro-batches, this rank's queries only (the DP x CP max is taken by
+    `megatron.core.optimizer.qk_clip.clip_qk`, which also resets it).
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
@@ -145,6 +152,13 @@ class DotProductAttention(MegatronModule):
         self.masked_sdpa_backends = masked_sdpa_backends(deterministic)
         self.window_size = config.window_size
         self.cp_comm_type = cp_comm_type or config.cp_comm_type_of_layer(self.layer_number)
+        self.records_max_logit = attention_type == "self" and (config.qk_clip or config.log_max_attention_logit)
+        self.current_max_attn_logits = None  # [np] fp32, see the class docstring
+        if self.records_max_logit and _RECORD["eager"] is None:
+            # Eager under --torch-compile: a graph break instead of guards on the attribute it rebinds every
+            # step. Wrapped on first use, not decorated: torch.compiler.disable imports torch._dynamo (~2 s),
+            # which runs without the flags need not pay.
+            _RECORD["eager"] = torch.compiler.disable(_record_max_logit)
         if pg_collection is not None and config.context_parallel_size > 1 and self.cp_comm_type == "a2a+p2p":
             hcp = get_pg(pg_collection, "hcp", "DotProductAttention")
             if len(hcp) != 2 or hcp[0].size() * hcp[1].size() != config.context_parallel_size:
@@ -167,6 +181,8 @@ class DotProductAttention(MegatronModule):
         elif self.config.context_parallel_size > 1:
             cp_group = (parallel_state.get_context_parallel_group() if self.pg_collection is None
                         else self.pg_collection.cp)
+        if self.records_max_logit and self.training:
+            _RECORD["eager"](self, query, key, attention_mask, mask_type, cp_group is not None, packed_seq_params)
         if cp_group is not None or packed_seq_params is not None:
             return self._long_context(query, key, value, cp_group, packed_seq_params, mask_type)
         # [s, b, n, hn] -> [b, n, s, hn]
@@ -223,6 +239,31 @@ class DotProductAttention(MegatronModule):
         ctx = long_context_attention(query, key, value, self.softmax_scale, cp_group, self.cp_comm_type,
                                      packed_seq_params)  # [s, b, np, hn]
         return ctx.reshape(sq, b, np_ * hn)
+
+_RECORD = {"eager": None}  # _record_max_logit under torch.compiler.disable, made when first needed
+
+
+def _record_max_logit(core, query, key, attention_mask, mask_type, context_parallel, packed_seq_params):
+    """Fold this micro-batch's per-head max logit into ``core.current_max_attn_logits`` (``core``: a
+    DotProductAttention; the masks are those its forward applies)."""
+    sq, b = query.shape[:2]
+    if context_parallel:
+        # The whole CP group (for a2a+p2p too): the max needs every key, whatever the attention's comm.
+        group = (parallel_state.get_context_parallel_group() if core.pg_collection is None
+                 else get_pg(core.pg_collection, "cp", "DotProductAttention"))
+        cp = torch.distributed.get_world_size(group)
+        layout = None if packed_seq_params is None else document_layout(packed_seq_params, b, sq * cp)
+        m = context_parallel_max_attention_logit(query, key, core.softmax_scale, group, layout)
+    elif packed_seq_params is not None:
+        doc = document_layout(packed_seq_params, b, sq).doc
+        m = max_attention_logit(query, key, core.softmax_scale, causal=True, q_doc=doc, k_doc=doc)
+    else:
+        causal = attention_mask is None and mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        m = max_attention_logit(query, key, core.softmax_scale, causal=causal, attention_mask=attention_mask,
+                                window=core.window_size)
+    prev = core.current_max_attn_logits
+    core.current_max_attn_logits = m if prev is None else torch.maximum(prev, m)
+
 
 _BANDS = {}
 

@@ -37,6 +37,13 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     activation_func_fp8_input_store: bool = False
     qk_layernorm: bool = False
     attention_output_gate: bool = False  # self-attention output * sigmoid(gate), gate from linear_qkv (Qwen3-Next)
+    # QK-clip (MuonClip, Megatron's fields): after each optimizer step, the query and key rows of linear_qkv of a
+    # query group whose max pre-softmax logit exceeded the threshold are scaled by eta^alpha and eta^(1 - alpha),
+    # eta = threshold / max logit (megatron/core/optimizer/qk_clip.py). Either flag records the max logit.
+    qk_clip: bool = False
+    qk_clip_alpha: float = 0.5
+    qk_clip_threshold: float = 100
+    log_max_attention_logit: bool = False
     test_mode: bool = False
     calculate_per_token_loss: bool = False
     window_size: Optional[Tuple[int, int]] = None
@@ -198,6 +205,7 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
         self._check_fp8()
         self._check_context_parallel()
         self._check_mtp()
+        self._check_qk_clip()
         if self.window_size is not None:
             self.window_size = tuple(int(x) for x in self.window_size)
             if len(self.window_size) != 2 or min(self.window_size) < -1:
@@ -214,6 +222,14 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
                                       "drop the flag")
         if self.activation_func_fp8_input_store:
             raise NotImplementedError("--activation-func-fp8-input-store needs FP8 support; drop the flag")
+
+    def _check_qk_clip(self):
+        if not self.qk_clip:
+            return
+        if not 0.0 < self.qk_clip_alpha < 1.0:
+            raise ValueError(f"--qk-clip-alpha must be between 0 and 1 (exclusive), got {self.qk_clip_alpha}")
+        if not self.qk_clip_threshold > 0:
+            raise ValueError(f"--qk-clip-threshold must be > 0, got {self.qk_clip_threshold}")
 
     def _check_context_parallel(self):
         if isinstance(self.cp_comm_type, list) and len(self.cp_comm_type) == 1:
@@ -350,6 +366,9 @@ class MLATransformerConfig(TransformerConfig):
         if self.kv_channels is None:  # unused by MLA; keeps hidden % heads from mattering
             self.kv_channels = self.v_head_dim
         super().__post_init__()
+        if self.qk_clip:
+            raise NotImplementedError("--qk-clip with --multi-latent-attention is not supported yet (QK-clip "
+                                      "rescales linear_qkv); drop --qk-clip (--log-max-attention-logit works)")
         if self.kv_lora_rank is None or self.kv_lora_rank < 1:
             raise ValueError(f"--kv-lora-rank (kv_lora_rank={self.kv_lora_rank}) must be set to a positive "
                              "rank with --multi-latent-attention")

@@ -28,6 +28,7 @@ from .moe_args import add_moe_args
 from .optimizer_args import add_muon_args
 from .parallel_data_args import add_data_args, add_distributed_args, add_tokenizer_args
 from .profiling_args import add_profiling_args
+from .qk_clip_args import add_qk_clip_args
 from .sft_args import add_sft_args
 from .tp_overlap_args import add_tp_overlap_args
 from .training_args import (
@@ -66,6 +67,7 @@ def build_parser(extra_args_provider=None):
                 add_mla_args,
                 add_hybrid_args,
                 add_muon_args,
+                add_qk_clip_args,
                 add_dropin_args,
                 add_diagnostics_args,
                 add_profiling_args,

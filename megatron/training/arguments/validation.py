@@ -23,6 +23,7 @@ from .mla_args import validate_mla_args
 from .moe_args import validate_moe_args
 from .optimizer_args import validate_optimizer_args
 from .profiling_args import validate_profiling_args
+from .qk_clip_args import validate_qk_clip_args
 from .sft_args import validate_sft_args
 from .tp_overlap_args import validate_tp_overlap_args
 from .window_args import validate_window_args
@@ -48,6 +49,7 @@ def validate_args(args, defaults={}):
     validate_tp_overlap_args(args, _require, lambda m: print(m, flush=True))
     validate_moe_args(args, _require)
     validate_fast_path_args(args, _require, lambda m: print(m, flush=True))
+    validate_qk_clip_args(args, _require)
     validate_context_parallel_args(args, _require, _warn)
     validate_mla_args(args, _require)
     _validate_precision(args)

@@ -47,3 +47,26 @@ def test_training_log_prints_second_line(monkeypatch, capsys, log_throughput):
     assert len(lines) == 4 and lines[1] == extra[0] and lines[3] == extra[1]  # right after each log line
     # 2 x 64 tokens per iteration / 0.5 s
     assert re.fullmatch(r" throughput: tokens/s: 256 \| tokens/s/GPU: 256 \| MFU: .+ \|", extra[-1])
+
+
+def test_max_attention_logit_in_line_and_tensorboard(monkeypatch, capsys):
+    """--log-max-attention-logit: the field after params norm, and Megatron's `max_attention_logit` scalar."""
+    args = types.SimpleNamespace(
+        micro_batch_size=2, data_parallel_size=1, seq_length=64, log_interval=1, train_iters=10,
+        consumed_train_samples=8, log_throughput=False, world_size=1, tensorboard_log_interval=1,
+        log_timers_to_tensorboard=False, tensorboard_dir="tb", log_loss_scale_to_tensorboard=False,
+        log_world_size_to_tensorboard=False, log_memory_to_tensorboard=False)
+    scalars = {}
+    writer = types.SimpleNamespace(add_scalar=lambda name, value, step: scalars.setdefault(name, value))
+    monkeypatch.setattr(log_line, "get_args", lambda: args)
+    monkeypatch.setattr(log_line, "get_timers", lambda: _Timers())
+    monkeypatch.setattr(log_line, "get_tensorboard_writer", lambda: writer)
+    monkeypatch.setattr(log_line, "get_wandb_writer", lambda: None)
+    monkeypatch.setattr(log_line, "_num_microbatches", lambda: 1)
+    monkeypatch.setattr(log_line, "print_rank_last", print)
+    log_line.training_log({"lm loss": torch.tensor(2.0)}, {}, 1e-3, 1, 1.0, False, 0, 1.0, 3.5, None, 42.125)
+    line = [ln for ln in capsys.readouterr().out.splitlines() if " iteration " in ln][0]
+    assert " params norm: 3.500 | max attention logit: 42.125 | number of skipped" in line
+    assert scalars["max_attention_logit"] == 42.125
+    log_line.training_log({"lm loss": torch.tensor(2.0)}, {}, 1e-3, 2, 1.0, False, 0, 1.0, None, None)
+    assert "max attention logit" not in capsys.readouterr().out
