@@ -28,6 +28,7 @@ from .mapping import (
 )
 from .strategies import torch as torch_strategy
 from .strategies.async_utils import AsyncRequest
+from .strategies.fully_parallel import FullyParallelSaveStrategyWrapper, distribute_main_replicas
 from .strategies.staging import HostStaging
 from .validation import (
     StrictHandling,
@@ -142,6 +143,8 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     `validate_access_integrity` checks, before writing, that the main replicas of all ranks cover every
     tensor's chunk grid exactly once (a CheckpointingException otherwise); `content_metadata` is stored
     with the common state (read back by load_content_metadata);
+    A `FullyParallelSaveStrategyWrapper` as ``sharded_strategy`` spreads the writes of tensors replicated
+    over its group (the DP replicas of the weights) evenly over that group's ranks (fully_parallel.py).
     `async_strategy` names Megatron's async backends and has no effect (async saves run through
     AsyncRequest/AsyncCallsQueue); `verify_integrity` writes integrity.json (SHA-256 per file) for
     load(verify_integrity=True); the common-state consistency check is refused.
@@ -152,10 +155,10 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     extension; async saves only) the copy goes into its reusable buffers and CUDA tensors are only queued
     for copying: call ``host_staging.make_current_stream_wait()`` before changing any saved tensor in place.
     """
-    if sharded_strategy not in (None, "torch_dist") and not isinstance(
-            sharded_strategy, (tuple, torch_strategy.TorchDistSaveShardedStrategy)):
-        raise ValueError(f"sharded_strategy {sharded_strategy!r} is not supported; use None, 'torch_dist' or "
-                         "a TorchDistSaveShardedStrategy")
+    if sharded_strategy not in (None, "torch_dist") and not isinstance(sharded_strategy, (
+            tuple, torch_strategy.TorchDistSaveShardedStrategy, FullyParallelSaveStrategyWrapper)):
+        raise ValueError(f"sharded_strategy {sharded_strategy!r} is not supported; use None, 'torch_dist', "
+                         "a TorchDistSaveShardedStrategy or a FullyParallelSaveStrategyWrapper")
     thread_count = getattr(sharded_strategy, "thread_count", 1)
     if preprocess_common_before_consistancy_check is not None:
         raise NotImplementedError("dist_checkpointing.save: the common-state consistency check "
@@ -164,6 +167,8 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     sharded_state_dict, _ = _split_nonpersistent(sharded_state_dict)
     if validate_access_integrity:
         _check_sharding(sharded_state_dict, process_group)
+    if isinstance(sharded_strategy, FullyParallelSaveStrategyWrapper):
+        distribute_main_replicas(sharded_state_dict, sharded_strategy.parallelization_group)
     if content_metadata is not None:
         sharded_state_dict = {**sharded_state_dict, _CONTENT_METADATA_KEY: content_metadata}
     if _rank() == 0:

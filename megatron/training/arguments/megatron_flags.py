@@ -52,15 +52,17 @@ NO_EFFECT = {
                                    "TP process group, no userbuffers",
     "--use-ring-exchange-p2p": "pipeline send/recv are torch.distributed P2P ops; results are the same",
     "--no-clone-scatter-output-in-embedding": "a memory workaround of Megatron's embedding; ours has no clone",
-    "--ckpt-fully-parallel-save": "torch_dist saves already spread replicated tensors over ranks (DCP planner)",
-    "--no-ckpt-fully-parallel-save": "torch_dist saves already spread replicated tensors over ranks (DCP planner)",
+    "--ckpt-fully-parallel-save": "deprecated in Megatron-LM too: the fully parallel save is on by default; "
+                                  "--no-ckpt-fully-parallel-save turns it off",
     "--dist-ckpt-optim-fully-reshardable": "optimizer state is always saved fully reshardable here (one tensor per "
                                            "param and state, any TP/PP/DP layout loads it); Megatron-LM's "
                                            "fully_reshardable checkpoints load",
     "--distrib-optim-fully-reshardable-mem-efficient": "only tunes how Megatron gathers the state for "
                                                        "--dist-ckpt-optim-fully-reshardable; same checkpoint",
-    "--ckpt-fully-parallel-load": "torch_dist loads read each rank's own shards; the loaded values are the same",
-    "--ckpt-fully-parallel-save-process-group": "only tunes --ckpt-fully-parallel-save (no effect here)",
+    "--ckpt-fully-parallel-load": "torch_dist loads always read only each rank's own slices (its TP/PP part of "
+                                  "the weights, its DP range of the distributed optimizer's state); weights "
+                                  "replicated over DP are read by each DP rank, with no exchange between them; "
+                                  "the loaded values are the same",
     "--ckpt-fully-parallel-load-process-group": "only tunes --ckpt-fully-parallel-load (no effect here)",
     "--ckpt-fully-parallel-load-exchange-algo": "only tunes --ckpt-fully-parallel-load (no effect here)",
     "--ckpt-assume-constant-structure": "a save-plan cache; checkpoint contents are the same",
