@@ -12,7 +12,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
-from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper  # noqa: E402
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (  # noqa: E402
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
@@ -38,9 +41,17 @@ def main(save_dir):
     group = ps.get_data_parallel_group(with_context_parallel=True)
     dist_checkpointing.save(sd, save_dir, sharded_strategy=FullyParallelSaveStrategyWrapper(None, group))
     torch.cuda.synchronize()
+    save_peak_extra = torch.cuda.max_memory_allocated() - before
+    # Fully parallel load over NCCL: each weight read by one rank and broadcast; equal to the saved weights.
+    loaded = dist_checkpointing.load({"model": model.module.sharded_state_dict()}, save_dir,
+                                     sharded_strategy=FullyParallelLoadStrategyWrapper(None, group))["model"]
+    current = model.module.state_dict()
+    load_equal = all(torch.equal(loaded[k].reshape(-1), current[k].reshape(-1))
+                     for k in loaded if k in current and torch.is_tensor(loaded[k]))
     params = sum(p.numel() for p in model.module.parameters())
-    out = {"rank": dist.get_rank(), "save_peak_extra_bytes": torch.cuda.max_memory_allocated() - before,
+    out = {"rank": dist.get_rank(), "save_peak_extra_bytes": save_peak_extra,
            "full_optimizer_bytes": 12 * params,  # fp32 main weight + two Adam moments per parameter
+           "load_equal": load_equal,
            "file_bytes": os.path.getsize(os.path.join(save_dir, f"__{dist.get_rank()}_0.distcp"))}
     print(json.dumps(out), flush=True)
     dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """Fully parallel torch_dist save on two GPUs (DP=2, distributed optimizer, bf16): a save allocates far less
 GPU memory than the whole optimizer state (no rank gathers it; each writes its own range), and both ranks write
-about half of the checkpoint. Needs two CUDA devices; skipped otherwise."""
+about half of the checkpoint; the fully parallel load gives the weights back. Needs two CUDA devices; skipped
+otherwise."""
 import json
 import os
 import subprocess
@@ -26,5 +27,6 @@ def test_dp2_save_holds_no_gathered_optimizer_state(tmp_path):
     for r in ranks:
         # Gathering the state (the old save) allocated at least the whole optimizer state on every rank.
         assert r["save_peak_extra_bytes"] < 0.25 * r["full_optimizer_bytes"], r
+        assert r["load_equal"], r  # the fully parallel load (NCCL broadcasts) gives back the saved weights
     sizes = [r["file_bytes"] for r in ranks]
     assert min(sizes) > 0.4 * sum(sizes), sizes

@@ -28,7 +28,14 @@ from .mapping import (
 )
 from .strategies import torch as torch_strategy
 from .strategies.async_utils import AsyncRequest
-from .strategies.fully_parallel import FullyParallelSaveStrategyWrapper, distribute_main_replicas
+from .strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+    distribute_main_replicas,
+    exchange_loaded,
+    plan_parallel_reads,
+    shard_id,
+)
 from .strategies.staging import HostStaging
 from .validation import (
     StrictHandling,
@@ -345,14 +352,16 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     ``return_all`` strict modes a tuple (state dict, missing keys, unexpected keys), as Megatron. Each
     rank reads the slices its ShardedTensors ask for, so the saving layout may differ from the loading
     one. A ShardedTensor with ``allow_shape_mismatch`` reads what the saved tensor covers and is zero
-    elsewhere. A rank whose request fails makes every rank raise the same one-line error (none hangs).
+    elsewhere. With a `FullyParallelLoadStrategyWrapper` as ``sharded_strategy`` a chunk that several ranks
+    of its group request is read once and broadcast (same values, fewer reads). A rank whose request fails
+    makes every rank raise the same one-line error (none hangs).
     """
     if verify_integrity:
         verify_integrity_manifest(checkpoint_dir)
-    if sharded_strategy not in (None, "torch_dist") and not isinstance(
-            sharded_strategy, (tuple, torch_strategy.TorchDistLoadShardedStrategy)):
-        raise ValueError(f"sharded_strategy {sharded_strategy!r} is not supported; use None, 'torch_dist' or "
-                         "a TorchDistLoadShardedStrategy")
+    if sharded_strategy not in (None, "torch_dist") and not isinstance(sharded_strategy, (
+            tuple, torch_strategy.TorchDistLoadShardedStrategy, FullyParallelLoadStrategyWrapper)):
+        raise ValueError(f"sharded_strategy {sharded_strategy!r} is not supported; use None, 'torch_dist', "
+                         "a TorchDistLoadShardedStrategy or a FullyParallelLoadStrategyWrapper")
     strict = parse_strict_flag(strict)
     # The saved tensors' shapes, read once (an incomplete checkpoint has none; the load below says so in one line).
     # A failure here is raised inside the try below, so that every rank learns of it.
@@ -395,8 +404,16 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
         missing, _ = determine_missing_and_unexpected_keys(ckpt_keys, set(), set().union(*(k for _, k in gathered)))
     _handle_mismatch(strict, missing, unexpected)
     allow = [sh.key for _, sh in tensors if sh.allow_shape_mismatch]
+    exchange = []
+    if isinstance(sharded_strategy, FullyParallelLoadStrategyWrapper):  # read replicated chunks once each
+        group = sharded_strategy.parallelization_group
+        mine, exchange = plan_parallel_reads([sh for _, sh in tensors], group)
+        shards = torch_strategy.tensor_shards([tensors[i][1] for i in mine], [bufs[i] for i in mine])
     objs = _guarded_read(checkpoint_dir, shards, sorted({o.unique_key for _, o in objects}),
                          process_group=process_group, allow_shape_mismatch=allow)
+    if exchange:
+        device = bufs[0].device if bufs else None
+        exchange_loaded(exchange, {shard_id(sh): buf for (_, sh), buf in zip(tensors, bufs)}, group, device)
     if megatron_encoded:
         objs = {k: _unwrap_object(k, v) for k, v in objs.items()}
     merged = common if isinstance(common, dict) else {}

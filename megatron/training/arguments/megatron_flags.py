@@ -59,12 +59,8 @@ NO_EFFECT = {
                                            "fully_reshardable checkpoints load",
     "--distrib-optim-fully-reshardable-mem-efficient": "only tunes how Megatron gathers the state for "
                                                        "--dist-ckpt-optim-fully-reshardable; same checkpoint",
-    "--ckpt-fully-parallel-load": "torch_dist loads always read only each rank's own slices (its TP/PP part of "
-                                  "the weights, its DP range of the distributed optimizer's state); weights "
-                                  "replicated over DP are read by each DP rank, with no exchange between them; "
-                                  "the loaded values are the same",
-    "--ckpt-fully-parallel-load-process-group": "only tunes --ckpt-fully-parallel-load (no effect here)",
-    "--ckpt-fully-parallel-load-exchange-algo": "only tunes --ckpt-fully-parallel-load (no effect here)",
+    "--ckpt-fully-parallel-load-exchange-algo": "the fully parallel load broadcasts each chunk from the rank that "
+                                                "read it; Megatron's other exchange algorithms give the same values",
     "--ckpt-assume-constant-structure": "a save-plan cache; checkpoint contents are the same",
     "--no-ckpt-load-validate-sharding-integrity": "skips a load-time check that torch_dist loads do not run",
     "--use-persistent-ckpt-worker": "--async-save writes from a background thread; same files either way",

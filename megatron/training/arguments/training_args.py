@@ -111,6 +111,9 @@ def add_checkpointing_args(parser):
                    help="torch_dist: DP rank 0 writes every DP-replicated tensor (the weights) instead of spreading "
                         "those writes evenly over the DP ranks. Each DP rank writes its own range of the "
                         "distributed optimizer's state either way.")
+    g.add_argument("--ckpt-fully-parallel-load", action="store_true",
+                   help="torch_dist: each weight replicated over DP is read from storage by one DP rank (reads "
+                        "spread evenly) and broadcast to the others, instead of every DP rank reading it.")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="Fail if --load has no checkpoint instead of starting from scratch.")
     g.add_argument("--ckpt-fallback-to-previous", action="store_true",
