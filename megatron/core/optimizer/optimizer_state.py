@@ -164,7 +164,7 @@ def _dp_sharded_param_state(opt, model_sharded_state_dict: Dict, is_loading: boo
 
 def flat_range_boxes(shape, lo: int, hi: int) -> List[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
     """[(offset, size)]: the boxes of a row-major tensor of ``shape`` that cover its flat range [lo, hi) in
-    order, each a contiguous run of that range (at most 2 per dim + 1: a partial first row, whole rows, a
+    order, each a contiguous run of that range (at most 2 x dims - 1: a partial first row, whole rows, a
     partial last row, recursively)."""
     if lo >= hi:
         return []
