@@ -128,13 +128,18 @@ def _remove(save_dir, iteration):
 def _dcp_state(model, optimizer, scheduler):
     """This rank's main-replica tensors of the checkpoint, as plain tensors under unique keys: what our
     torch_dist save writes, handed to DCP with nothing left to plan or deduplicate."""
+    from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.dict_utils import iter_leaves
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import distribute_main_replicas
     from megatron.training.checkpointing import state
     from megatron.training.global_vars import get_args
     sd = state.generate_state_dict(get_args(), model, optimizer, scheduler, None, 0, 0, sharded=True,
                                    save_rng=False)
     apply_factories(sd)
+    if getattr(get_args(), "ckpt_fully_parallel_save", True) and ps.model_parallel_is_initialized():
+        # The same writers as our save: DP-replicated weights spread over the DP ranks.
+        distribute_main_replicas(sd, ps.get_data_parallel_group(with_context_parallel=True))
     out = {}
     for _, leaf in iter_leaves(sd):
         if isinstance(leaf, ShardedTensor) and is_main_replica(leaf.replica_id) and leaf.data is not None:

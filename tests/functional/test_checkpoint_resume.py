@@ -81,10 +81,15 @@ def test_resume_torch_format_after_exit_interval(tmp_path, straight):
 
 
 def test_resume_dp2_async_save(tmp_path):
+    """DP=2 with the distributed optimizer: each rank writes its own optimizer range and half the weights (the
+    default fully parallel save); resumed with a plain load and with --ckpt-fully-parallel-load."""
     d = str(tmp_path / "c")
-    _, saved = run("--save", d, "--async-save", nproc=2)
+    _, saved = run("--save", d, "--async-save", "--use-distributed-optimizer", nproc=2)
     assert sorted(os.listdir(d)) == ["iter_0000003", "iter_0000006", "latest_checkpointed_iteration.txt",
                                      "launch_record.json"]
     assert {"__0_0.distcp", "__1_0.distcp", "metadata.json"} <= set(os.listdir(os.path.join(d, "iter_0000003")))
-    _, resumed = run("--load", d, "--ckpt-step", "3", nproc=2)
+    _, resumed = run("--load", d, "--ckpt-step", "3", "--use-distributed-optimizer", nproc=2)
     _check_resume(saved, saved, resumed, "dp2")
+    _, resumed = run("--load", d, "--ckpt-step", "3", "--use-distributed-optimizer", "--ckpt-fully-parallel-load",
+                     nproc=2)
+    _check_resume(saved, saved, resumed, "dp2 fully parallel load")

@@ -92,7 +92,8 @@ SINGLE = dict(tp=1, pp=1, distopt=False)
 def _two_rank_results(base):
     cases = [("tp2_to_tp1dp2", TP2, DP2_DISTOPT),      # TP=2 -> TP=1, plain -> distributed optimizer
              ("dp2distopt_to_tp2", DP2_DISTOPT, TP2),  # TP=1 -> TP=2, distributed -> plain optimizer
-             ("pp2_to_dp2", PP2, DP2_DISTOPT)]          # PP=2 -> PP=1
+             ("pp2_to_dp2", PP2, DP2_DISTOPT),          # PP=2 -> PP=1
+             ("dp2distopt_to_pp2", DP2_DISTOPT, PP2)]   # each DP rank's optimizer range -> PP=2, DP=1
     return run_distributed(_cases, 2, base, cases)
 
 
@@ -112,7 +113,9 @@ def test_reshard_two_ranks_and_to_one_rank(tmp_path):
 
 def _tp2pp2_case(base):
     return _cases(base, [("tp2pp2_to_dp4", dict(tp=2, pp=2, distopt=True), DP2_DISTOPT),
-                         ("dp4_to_tp2pp2", SINGLE, dict(tp=2, pp=2, distopt=False))])
+                         ("dp4_to_tp2pp2", SINGLE, dict(tp=2, pp=2, distopt=False)),
+                         # TP=2 x DP=2 with the distributed optimizer (each DP rank writes its own ranges) -> PP=2
+                         ("tp2dp2distopt_to_pp2dp2", dict(tp=2, pp=1, distopt=True), dict(tp=1, pp=2, distopt=True))])
 
 
 def test_reshard_tp2_pp2_to_tp1_and_back(tmp_path):

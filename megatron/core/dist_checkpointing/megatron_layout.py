@@ -95,8 +95,20 @@ def _gate_up_axis(sh: ShardedTensor, grouped: bool):
         return None
     n, local = sh.prepend_axis_num, len(sh.local_shape) - int(grouped)
     g = n + int(grouped)
-    gated = local == (3 if sh.key.endswith("weight") else 2) and sh.local_shape[g - n] == 2 == sh.global_shape[g]
+    # A distributed optimizer's range piece may hold one half only (local size 1 on that axis).
+    gated = local == (3 if sh.key.endswith("weight") else 2) and sh.local_shape[g - n] in (1, 2) \
+        and sh.global_shape[g] == 2
     return g if gated else None
+
+
+def _gate_up_piece(sh: ShardedTensor, g: int) -> ShardedTensor:
+    """A piece of one half (gate or up) of our [2, f, ...] tensor as the chunk of Megatron's [2f, ...] it is."""
+    n, f = sh.prepend_axis_num, sh.global_shape[g + 1]
+    return replace(sh, data=None if sh.data is None else sh.data.select(g - n, 0),
+                   local_shape=sh.local_shape[:g - n] + sh.local_shape[g - n + 1:],
+                   global_shape=sh.global_shape[:g] + (2 * f,) + sh.global_shape[g + 2:],
+                   global_offset=sh.global_offset[:g] + (sh.global_offset[g] * f + sh.global_offset[g + 1],)
+                   + sh.global_offset[g + 2:], axis_fragmentations=None)
 
 
 def _gate_up_factory(sh: ShardedTensor, g: int) -> ShardedTensorFactory:
@@ -104,7 +116,7 @@ def _gate_up_factory(sh: ShardedTensor, g: int) -> ShardedTensorFactory:
     tensor: the gate half at the rank's offset in [0, f), the up half at f plus that offset (Megatron's
     apply_swiglu_sharded_factory)."""
     n = sh.prepend_axis_num
-    f, off, tp = sh.global_shape[g + 1], sh.global_offset[g + 1], sh.axis_fragmentations[g + 1]
+    f, off, frags = sh.global_shape[g + 1], sh.global_offset[g + 1], sh.axis_fragmentations
 
     def build(key, data, replica_id, flattened_range):
         halves = {}
@@ -113,7 +125,7 @@ def _gate_up_factory(sh: ShardedTensor, g: int) -> ShardedTensorFactory:
                 sh, data=None if data is None else data.select(g - n, half), local_shape=sh.local_shape[:g - n] +
                 sh.local_shape[g - n + 1:], global_shape=sh.global_shape[:g] + (2 * f,) + sh.global_shape[g + 2:],
                 global_offset=sh.global_offset[:g] + (half * f + off,) + sh.global_offset[g + 2:],
-                axis_fragmentations=sh.axis_fragmentations[:g] + (2 * tp,) + sh.axis_fragmentations[g + 2:])
+                axis_fragmentations=None if frags is None else frags[:g] + (2 * frags[g + 1],) + frags[g + 2:])
         return halves
 
     def merge(loaded):  # [..., f/tp, ...] x 2 -> [..., 2, f/tp, ...]
@@ -174,7 +186,9 @@ def to_megatron_layout(sharded_state_dict, num_layers: int, num_experts: Optiona
                 name = f"{local_module}.{module}.{i}" if grouped else local_module
                 added[path[:-1] + (name + "._extra_state",)] = obj
         g = _gate_up_axis(sh, grouped)
-        return sh if g is None else _gate_up_factory(sh, g)
+        if g is None:
+            return sh
+        return _gate_up_factory(sh, g) if sh.local_shape[g - sh.prepend_axis_num] == 2 else _gate_up_piece(sh, g)
 
     out = _map_with_paths(convert, sharded_state_dict, ())
     for path, obj in added.items():

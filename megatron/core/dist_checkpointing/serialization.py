@@ -28,6 +28,14 @@ from .mapping import (
 )
 from .strategies import torch as torch_strategy
 from .strategies.async_utils import AsyncRequest
+from .strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+    distribute_main_replicas,
+    exchange_loaded,
+    plan_parallel_reads,
+    shard_id,
+)
 from .strategies.staging import HostStaging
 from .validation import (
     StrictHandling,
@@ -142,6 +150,8 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     `validate_access_integrity` checks, before writing, that the main replicas of all ranks cover every
     tensor's chunk grid exactly once (a CheckpointingException otherwise); `content_metadata` is stored
     with the common state (read back by load_content_metadata);
+    A `FullyParallelSaveStrategyWrapper` as ``sharded_strategy`` spreads the writes of tensors replicated
+    over its group (the DP replicas of the weights) evenly over that group's ranks (fully_parallel.py).
     `async_strategy` names Megatron's async backends and has no effect (async saves run through
     AsyncRequest/AsyncCallsQueue); `verify_integrity` writes integrity.json (SHA-256 per file) for
     load(verify_integrity=True); the common-state consistency check is refused.
@@ -152,10 +162,10 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     extension; async saves only) the copy goes into its reusable buffers and CUDA tensors are only queued
     for copying: call ``host_staging.make_current_stream_wait()`` before changing any saved tensor in place.
     """
-    if sharded_strategy not in (None, "torch_dist") and not isinstance(
-            sharded_strategy, (tuple, torch_strategy.TorchDistSaveShardedStrategy)):
-        raise ValueError(f"sharded_strategy {sharded_strategy!r} is not supported; use None, 'torch_dist' or "
-                         "a TorchDistSaveShardedStrategy")
+    if sharded_strategy not in (None, "torch_dist") and not isinstance(sharded_strategy, (
+            tuple, torch_strategy.TorchDistSaveShardedStrategy, FullyParallelSaveStrategyWrapper)):
+        raise ValueError(f"sharded_strategy {sharded_strategy!r} is not supported; use None, 'torch_dist', "
+                         "a TorchDistSaveShardedStrategy or a FullyParallelSaveStrategyWrapper")
     thread_count = getattr(sharded_strategy, "thread_count", 1)
     if preprocess_common_before_consistancy_check is not None:
         raise NotImplementedError("dist_checkpointing.save: the common-state consistency check "
@@ -164,6 +174,8 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     sharded_state_dict, _ = _split_nonpersistent(sharded_state_dict)
     if validate_access_integrity:
         _check_sharding(sharded_state_dict, process_group)
+    if isinstance(sharded_strategy, FullyParallelSaveStrategyWrapper):
+        distribute_main_replicas(sharded_state_dict, sharded_strategy.parallelization_group)
     if content_metadata is not None:
         sharded_state_dict = {**sharded_state_dict, _CONTENT_METADATA_KEY: content_metadata}
     if _rank() == 0:
@@ -357,14 +369,16 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     ``return_all`` strict modes a tuple (state dict, missing keys, unexpected keys), as Megatron. Each
     rank reads the slices its ShardedTensors ask for, so the saving layout may differ from the loading
     one. A ShardedTensor with ``allow_shape_mismatch`` reads what the saved tensor covers and is zero
-    elsewhere. A rank whose request fails makes every rank raise the same one-line error (none hangs).
+    elsewhere. With a `FullyParallelLoadStrategyWrapper` as ``sharded_strategy`` a chunk that several ranks
+    of its group request is read once and broadcast (same values, fewer reads). A rank whose request fails
+    makes every rank raise the same one-line error (none hangs).
     """
     if verify_integrity:
         verify_integrity_manifest(checkpoint_dir)
-    if sharded_strategy not in (None, "torch_dist") and not isinstance(
-            sharded_strategy, (tuple, torch_strategy.TorchDistLoadShardedStrategy)):
-        raise ValueError(f"sharded_strategy {sharded_strategy!r} is not supported; use None, 'torch_dist' or "
-                         "a TorchDistLoadShardedStrategy")
+    if sharded_strategy not in (None, "torch_dist") and not isinstance(sharded_strategy, (
+            tuple, torch_strategy.TorchDistLoadShardedStrategy, FullyParallelLoadStrategyWrapper)):
+        raise ValueError(f"sharded_strategy {sharded_strategy!r} is not supported; use None, 'torch_dist', "
+                         "a TorchDistLoadShardedStrategy or a FullyParallelLoadStrategyWrapper")
     strict = parse_strict_flag(strict)
     # The saved tensors' shapes, read once (an incomplete checkpoint has none; the load below says so in one line).
     # A failure here is raised inside the try below, so that every rank learns of it.
@@ -407,8 +421,16 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
         missing, _ = determine_missing_and_unexpected_keys(ckpt_keys, set(), set().union(*(k for _, k in gathered)))
     _handle_mismatch(strict, missing, unexpected)
     allow = [sh.key for _, sh in tensors if sh.allow_shape_mismatch]
+    exchange = []
+    if isinstance(sharded_strategy, FullyParallelLoadStrategyWrapper):  # read replicated chunks once each
+        group = sharded_strategy.parallelization_group
+        mine, exchange = plan_parallel_reads([sh for _, sh in tensors], group)
+        shards = torch_strategy.tensor_shards([tensors[i][1] for i in mine], [bufs[i] for i in mine])
     objs = _guarded_read(checkpoint_dir, shards, sorted({o.unique_key for _, o in objects}),
                          process_group=process_group, allow_shape_mismatch=allow)
+    if exchange:
+        device = bufs[0].device if bufs else None
+        exchange_loaded(exchange, {shard_id(sh): buf for (_, sh), buf in zip(tensors, bufs)}, group, device)
     if megatron_encoded:
         objs = {k: _unwrap_object(k, v) for k, v in objs.items()}
     merged = common if isinstance(common, dict) else {}

@@ -4,6 +4,7 @@ integrity manifest (SHA-256 per file)."""
 import hashlib
 import json
 import logging
+import math
 import os
 from enum import Enum
 from typing import List, Optional, Set, Tuple, Union
@@ -131,7 +132,11 @@ def _sharding_errors(key, shards) -> List[str]:
             return [f"{key}: ranks disagree on dtype or global shape ({sh.dtype} {sh.global_shape} vs "
                     f"{first.dtype} {first.global_shape})"]
     if not all(sh.has_regular_grid for sh in shards):
-        return []  # uneven sharding: the storage layer checks coverage
+        # Uneven chunks (a distributed optimizer's flat ranges): the main replicas must add up to the tensor.
+        written = sum(math.prod(sh.local_shape) for sh in shards if sh.is_main_replica())
+        if written != math.prod(first.global_shape):
+            return [f"{key}: main replicas hold {written} of the {math.prod(first.global_shape)} elements"]
+        return []
     counts = torch.zeros(first.axis_fragmentations, dtype=torch.int)
     for sh in shards:
         if sh.is_main_replica():

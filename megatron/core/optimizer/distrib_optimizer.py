@@ -156,18 +156,36 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             if source.data_ptr() != main.data_ptr():
                 main.detach().copy_(source)
 
-    # -- checkpointing: gather each param's full (TP-local) state across DP, scatter on load ----
-    def param_state_for_save(self):
+    # -- checkpointing ------------------------------------------------------------------------
+    def local_param_state(self):
+        """``{model param: (lo, hi, {state name: [hi - lo] fp32 tensor})}``: this rank's own flat range
+        ``[lo, hi)`` of each param (into ``param.view(-1)``) and its state, no communication. A torch_dist
+        save writes these pieces from every DP rank (optimizer_state.sharded_state_dict)."""
+        optimizer_state.init_state(self)
+        with_fp32 = any(p.dtype != torch.float32 for p in self.param_to_buffer_bucket)
+        out = {}
+        for main, (param, lo, hi) in self.shard_ranges.items():
+            keys = sorted(k for k in self.optimizer.state[main] if k != "step") + (["fp32_param"] if with_fp32 else [])
+            out[param] = (lo, hi, {k: self._local_state(main, k).detach().reshape(-1) for k in keys})
+        return out
+
+    def param_state_for_save(self, params=None):
+        """Each param's full (TP-local) state, gathered across DP (collective over the DP groups): only
+        ``params`` when given (the same on every DP rank), all params otherwise."""
         optimizer_state.init_state(self)
         keys = sorted({k for main in self.shard_ranges for k in self.optimizer.state[main] if k != "step"})
         if any(p.dtype != torch.float32 for p in self.param_to_buffer_bucket):
             keys.append("fp32_param")
         keys = _agree_on_keys(keys)
-        out = {param: {} for param in self.param_to_buffer_bucket}
-        for bucket, params in self._bucket_params().items():
+        wanted = set(self.param_to_buffer_bucket) if params is None else set(params)
+        out = {param: {} for param in self.param_to_buffer_bucket if param in wanted}
+        for bucket, params_of_bucket in self._bucket_params().items():
+            params_of_bucket = [p for p in params_of_bucket if p in wanted]
+            if not params_of_bucket:
+                continue
             for key in keys:
                 full = self._gather_bucket_state(bucket, key)  # [bucket numel], fp32
-                for param in params:
+                for param in params_of_bucket:
                     _, _, start, end = self.param_to_buffer_bucket[param]
                     out[param][key] = full[start - bucket.offset:end - bucket.offset].view(param.shape).clone()
         return out
@@ -197,7 +215,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         optimizer_state.init_state(self)
         for main, (param, lo, hi) in self.shard_ranges.items():
             for key, value in model_param_state.get(param, {}).items():
-                piece = value.reshape(-1)[lo:hi].view_as(main).to(main.device)
+                # The whole param's state, or (local_param_state's pieces loaded back) this rank's range only.
+                flat = value.reshape(-1)
+                piece = (flat[lo:hi] if flat.numel() == param.numel() else flat).view_as(main).to(main.device)
                 if key == "fp32_param":
                     main.detach().copy_(piece)
                 elif key in self.optimizer.state[main]:

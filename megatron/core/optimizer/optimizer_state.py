@@ -7,7 +7,8 @@ Every per-param state tensor (fp32 main param, exp_avg, exp_avg_sq, momentum_buf
 go in the common part.
 """
 import dataclasses
-from typing import Dict
+import math
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -102,28 +103,110 @@ def _param_to_sharded_tensor(model_sharded_state_dict: Dict, params):
 
 
 def sharded_state_dict(opt, model_sharded_state_dict: Dict, is_loading: bool = False) -> Dict:
-    param_state = opt.param_state_for_save()
-    param_to_st = _param_to_sharded_tensor(model_sharded_state_dict, list(param_state))
-    sharded = {}
-    opt._sharded_key_to_param = {}
-    for param, state in param_state.items():
-        st = param_to_st.get(param)
-        if st is None:
-            raise ValueError("optimizer param has no entry in the model's sharded_state_dict; "
-                             "pass the sharded_state_dict of the same model chunks the optimizer was built on")
-        opt._sharded_key_to_param[st.key] = param
-        entry = {}
-        for name, tensor in state.items():
-            data = torch.empty_like(tensor) if is_loading else tensor
-            if data.shape != st.data.shape and data.numel() == st.data.numel():
-                data = data.reshape(st.data.shape)  # the model's saved view of this param
-            # A factory (a param saved in parts) builds the same parts of its optimizer state.
-            dtype = {} if isinstance(st, ShardedTensorFactory) else {"dtype": data.dtype}
-            entry[name] = dataclasses.replace(st, key=f"optimizer.state.{name}.{st.key}", data=data, **dtype)
-        sharded[st.key] = entry
+    if hasattr(opt, "local_param_state"):  # distributed optimizer: each DP rank saves its own range
+        sharded = _dp_sharded_param_state(opt, model_sharded_state_dict, is_loading)
+    else:
+        sharded = {}
+        opt._sharded_key_to_param = {}
+        param_state = opt.param_state_for_save()
+        param_to_st = _matching_sharded_tensors(model_sharded_state_dict, list(param_state))
+        for param, state in param_state.items():
+            sharded[param_to_st[param].key] = _whole_entry(opt, param, param_to_st[param], state, is_loading)
     out = _common_state(opt)
     out["param_state"] = sharded
     return out
+
+
+def _matching_sharded_tensors(model_sharded_state_dict: Dict, params):
+    param_to_st = _param_to_sharded_tensor(model_sharded_state_dict, params)
+    if any(p not in param_to_st for p in params):
+        raise ValueError("optimizer param has no entry in the model's sharded_state_dict; "
+                         "pass the sharded_state_dict of the same model chunks the optimizer was built on")
+    return param_to_st
+
+
+def _whole_entry(opt, param, st, state, is_loading):
+    """{state name: ShardedTensor like the param's ``st``} for a param's whole (TP-local) state."""
+    opt._sharded_key_to_param[st.key] = param
+    entry = {}
+    for name, tensor in state.items():
+        data = torch.empty_like(tensor) if is_loading else tensor
+        if data.shape != st.data.shape and data.numel() == st.data.numel():
+            data = data.reshape(st.data.shape)  # the model's saved view of this param
+        # A factory (a param saved in parts) builds the same parts of its optimizer state.
+        dtype = {} if isinstance(st, ShardedTensorFactory) else {"dtype": data.dtype}
+        entry[name] = dataclasses.replace(st, key=f"optimizer.state.{name}.{st.key}", data=data, **dtype)
+    return entry
+
+
+def _dp_sharded_param_state(opt, model_sharded_state_dict: Dict, is_loading: bool) -> Dict:
+    """The distributed optimizer's state with no gather: each DP rank describes only its flat range of each
+    param, as boxes of the param's global tensor (`flat_range_boxes`), so every rank writes (and on load reads)
+    its own part and the checkpoint reshards like the full per-param tensors. Params the model saves through
+    a factory (in parts, e.g. Mamba's sectioned in_proj) are gathered whole and written by DP rank 0."""
+    params = list(opt.param_to_buffer_bucket)
+    param_to_st = _matching_sharded_tensors(model_sharded_state_dict, params)
+    opt._sharded_key_to_param = {}
+    factory_params = [p for p in params if isinstance(param_to_st[p], ShardedTensorFactory)]
+    sharded = {}
+    # Collective over every rank (the same call everywhere, even with no factory param).
+    for param, state in opt.param_state_for_save(factory_params).items():
+        sharded[param_to_st[param].key] = _whole_entry(opt, param, param_to_st[param], state, is_loading)
+    for param, (lo, hi, state) in opt.local_param_state().items():
+        st = param_to_st[param]
+        if isinstance(st, ShardedTensorFactory):
+            continue
+        opt._sharded_key_to_param[st.key] = param
+        sharded[st.key] = {name: _range_pieces(st, f"optimizer.state.{name}.{st.key}", lo, hi, flat, is_loading)
+                           for name, flat in state.items()}
+    return sharded
+
+
+def flat_range_boxes(shape, lo: int, hi: int) -> List[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+    """[(offset, size)]: the boxes of a row-major tensor of ``shape`` that cover its flat range [lo, hi) in
+    order, each a contiguous run of that range (at most 2 x dims - 1: a partial first row, whole rows, a
+    partial last row, recursively)."""
+    if lo >= hi:
+        return []
+    if len(shape) <= 1:
+        return [((lo,), (hi - lo,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    (r0, c0), (r1, c1) = divmod(lo, inner), divmod(hi, inner)
+    row = lambda r, a, b: [((r,) + o, (1,) + z) for o, z in flat_range_boxes(shape[1:], a, b)]  # noqa: E731
+    if r0 == r1:
+        return row(r0, c0, c1)
+    out = []
+    if c0:
+        out += row(r0, c0, inner)
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0,) + (0,) * (len(shape) - 1), (r1 - r0,) + tuple(shape[1:])))
+    if c1:
+        out += row(r1, 0, c1)
+    return out
+
+
+def _replica_without_dp(replica_id):
+    """The model tensor's replica id with its DP part (the last) set to 0: a DP rank's range is its own."""
+    return tuple(replica_id[:-1]) + (0,) if isinstance(replica_id, (tuple, list)) else 0
+
+
+def _range_pieces(st: ShardedTensor, key: str, lo: int, hi: int, flat: torch.Tensor, is_loading: bool) -> Dict:
+    """{flat start: ShardedTensor} for the range [lo, hi) of the param that ``st`` describes (its local shape,
+    whose row-major order is the param's), with ``flat`` the state of that range."""
+    shape, n = tuple(st.local_shape), st.prepend_axis_num
+    whole = (lo, hi) == (0, math.prod(shape))
+    pieces = {}
+    for offset, size in flat_range_boxes(shape, lo, hi):
+        start = sum(o * math.prod(shape[i + 1:]) for i, o in enumerate(offset))
+        data = flat[start - lo:start - lo + math.prod(size)]
+        data = (torch.empty_like(data) if is_loading else data).view(size)
+        pieces[start] = dataclasses.replace(
+            st, key=key, data=data, dtype=data.dtype, local_shape=tuple(size),
+            global_offset=tuple(st.global_offset[:n]) + tuple(g + o for g, o in zip(st.global_offset[n:], offset)),
+            axis_fragmentations=st.axis_fragmentations if whole else None,
+            replica_id=_replica_without_dp(st.replica_id))
+    return pieces
 
 
 def _as_param_shape(t, param):
@@ -131,6 +214,13 @@ def _as_param_shape(t, param):
     if torch.is_tensor(t) and t.dim() > 0 and t.shape != param.shape and t.numel() == param.numel():
         return t.reshape(param.shape)
     return t
+
+
+def _loaded_value(t, param):
+    """A whole param's loaded state in the param's shape, or a range's pieces ({flat start: tensor}) joined."""
+    if isinstance(t, dict):
+        return torch.cat([t[k].reshape(-1) for k in sorted(t)])
+    return _as_param_shape(t.data if isinstance(t, ShardedTensor) else t, param)
 
 
 def load_sharded(opt, state_dict: Dict):
@@ -143,8 +233,7 @@ def load_sharded(opt, state_dict: Dict):
     loaded = {}
     for key, entry in state_dict["param_state"].items():
         param = key_to_param[key]
-        loaded[param] = {name: _as_param_shape(t.data if isinstance(t, ShardedTensor) else t, param)
-                         for name, t in entry.items()}
+        loaded[param] = {name: _loaded_value(t, param) for name, t in entry.items()}
     opt.set_param_state_from_load(loaded)
     groups = opt.optimizer.param_groups
     if len(state_dict["param_groups"]) != len(groups):

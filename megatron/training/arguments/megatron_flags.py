@@ -52,17 +52,15 @@ NO_EFFECT = {
                                    "TP process group, no userbuffers",
     "--use-ring-exchange-p2p": "pipeline send/recv are torch.distributed P2P ops; results are the same",
     "--no-clone-scatter-output-in-embedding": "a memory workaround of Megatron's embedding; ours has no clone",
-    "--ckpt-fully-parallel-save": "torch_dist saves already spread replicated tensors over ranks (DCP planner)",
-    "--no-ckpt-fully-parallel-save": "torch_dist saves already spread replicated tensors over ranks (DCP planner)",
+    "--ckpt-fully-parallel-save": "deprecated in Megatron-LM too: the fully parallel save is on by default; "
+                                  "--no-ckpt-fully-parallel-save turns it off",
     "--dist-ckpt-optim-fully-reshardable": "optimizer state is always saved fully reshardable here (one tensor per "
                                            "param and state, any TP/PP/DP layout loads it); Megatron-LM's "
                                            "fully_reshardable checkpoints load",
     "--distrib-optim-fully-reshardable-mem-efficient": "only tunes how Megatron gathers the state for "
                                                        "--dist-ckpt-optim-fully-reshardable; same checkpoint",
-    "--ckpt-fully-parallel-load": "torch_dist loads read each rank's own shards; the loaded values are the same",
-    "--ckpt-fully-parallel-save-process-group": "only tunes --ckpt-fully-parallel-save (no effect here)",
-    "--ckpt-fully-parallel-load-process-group": "only tunes --ckpt-fully-parallel-load (no effect here)",
-    "--ckpt-fully-parallel-load-exchange-algo": "only tunes --ckpt-fully-parallel-load (no effect here)",
+    "--ckpt-fully-parallel-load-exchange-algo": "the fully parallel load broadcasts each chunk from the rank that "
+                                                "read it; Megatron's other exchange algorithms give the same values",
     "--ckpt-assume-constant-structure": "a save-plan cache; checkpoint contents are the same",
     "--no-ckpt-load-validate-sharding-integrity": "skips a load-time check that torch_dist loads do not run",
     "--use-persistent-ckpt-worker": "--async-save writes from a background thread; same files either way",

@@ -110,6 +110,13 @@ def add_checkpointing_args(parser):
                         "in the background (host RAM equal to this rank's share of the checkpoint, held for the "
                         "whole run). With this flag each save copies into fresh pageable host memory, freed "
                         "after the write, and training waits for the whole copy.")
+    g.add_argument("--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_false",
+                   help="torch_dist: DP rank 0 writes every DP-replicated tensor (the weights) instead of spreading "
+                        "those writes evenly over the DP ranks. Each DP rank writes its own range of the "
+                        "distributed optimizer's state either way.")
+    g.add_argument("--ckpt-fully-parallel-load", action="store_true",
+                   help="torch_dist: each weight replicated over DP is read from storage by one DP rank (reads "
+                        "spread evenly) and broadcast to the others, instead of every DP rank reading it.")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="Fail if --load has no checkpoint instead of starting from scratch.")
     g.add_argument("--ckpt-fallback-to-previous", action="store_true",

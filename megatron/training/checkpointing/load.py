@@ -7,7 +7,9 @@ import torch
 
 from megatron.core import dist_checkpointing
 from megatron.core import num_microbatches_calculator as mbc
+from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing import CheckpointingException
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 from megatron.core.optimizer import megatron_format
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.utils import unwrap_model
@@ -214,7 +216,7 @@ def _load_state(fmt, checkpoint_dir, load_dir, iteration, release, model, optimi
     for k in ("args", "checkpoint_version", "iteration", "num_floating_point_operations_so_far"):
         sd.pop(k, None)
     strict = getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected")
-    loaded = dist_checkpointing.load(sd, checkpoint_dir, strict=strict,
+    loaded = dist_checkpointing.load(sd, checkpoint_dir, sharded_strategy=_load_strategy(args), strict=strict,
                                      verify_integrity=getattr(args, "verify_integrity", False))
     if megatron_optim:
         loaded["optimizer"] = megatron_format.to_our_state(loaded["optimizer"], optimizer.param_groups)
@@ -266,3 +268,10 @@ def _restore_training_state(ckpt, optimizer, opt_param_scheduler, args) -> None:
     if not args.no_load_rng and ckpt.get("rng_state") is not None:
         rng = ckpt["rng_state"]
         state.set_rng_state(rng[0] if isinstance(rng, list) else rng)
+
+
+def _load_strategy(args):
+    """Read each DP-replicated weight once over the DP (x CP) group with --ckpt-fully-parallel-load."""
+    if not getattr(args, "ckpt_fully_parallel_load", False) or not ps.model_parallel_is_initialized():
+        return None
+    return FullyParallelLoadStrategyWrapper(None, ps.get_data_parallel_group(with_context_parallel=True))

@@ -10,8 +10,10 @@ import time
 import torch
 
 from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing import CheckpointingException
 from megatron.core.optimizer import megatron_format
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.training import async_utils
 from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0
@@ -88,7 +90,8 @@ def _save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_float
     if fmt == "torch_dist":
         staging = async_utils.host_staging(reuse=getattr(args, "async_save_pinned_buffers", True)) \
             if args.async_save else None
-        kwargs = dict(async_sharded_save=True, verify_integrity=getattr(args, "verify_integrity", False),
+        kwargs = dict(sharded_strategy=_save_strategy(args), async_sharded_save=True,
+                      verify_integrity=getattr(args, "verify_integrity", False),
                       host_staging=staging)
         if getattr(args, "ckpt_save_megatron_layout", False):
             request = _save_megatron_layout(sd, tmp_dir, args, **kwargs)
@@ -117,6 +120,13 @@ def _save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_float
         finalize()
     else:
         raise ValueError(f"--ckpt-format {fmt} is not supported; use torch_dist or torch")
+
+
+def _save_strategy(args):
+    """Spread the writes of DP-replicated tensors over the DP (x CP) group unless --no-ckpt-fully-parallel-save."""
+    if not getattr(args, "ckpt_fully_parallel_save", True) or not ps.model_parallel_is_initialized():
+        return None
+    return FullyParallelSaveStrategyWrapper(None, ps.get_data_parallel_group(with_context_parallel=True))
 
 
 def _finish_param_gathers(model) -> None:

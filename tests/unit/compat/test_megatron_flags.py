@@ -93,10 +93,10 @@ def test_not_supported_accepted_at_default():
 
 
 def test_no_effect_accepted_and_logged_once(capsys):
-    args = _validate("--use-mcore-models --no-ckpt-fully-parallel-save --ckpt-fully-parallel-load".split())
+    args = _validate("--use-mcore-models --ckpt-fully-parallel-save".split())
     out = capsys.readouterr().out
     assert out.count("--use-mcore-models has no effect here (same result): ") == 1
-    assert out.count("--ckpt-fully-parallel-load has no effect here") == 1
+    assert out.count("--ckpt-fully-parallel-save has no effect here") == 1
     assert not hasattr(args, mf._SEEN)  # nothing left on args for print_args or checkpoints
 
 

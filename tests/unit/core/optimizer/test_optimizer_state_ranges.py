@@ -1,0 +1,57 @@
+"""A distributed optimizer's flat range of a param, as boxes of the param's tensor (optimizer_state.py)."""
+import math
+
+import pytest
+import torch
+
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.optimizer.optimizer_state import _loaded_value, _range_pieces, flat_range_boxes
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 4), (2, 3, 4), (2, 1, 3, 5)])
+def test_boxes_cover_the_range_once_in_order(shape):
+    n = math.prod(shape)
+    for lo in range(n):
+        for hi in range(lo, n + 1):
+            covered = torch.zeros(shape, dtype=torch.int)
+            at = lo
+            for offset, size in flat_range_boxes(shape, lo, hi):
+                start = sum(o * math.prod(shape[i + 1:]) for i, o in enumerate(offset))
+                assert start == at  # each box continues the range where the previous one ended
+                at += math.prod(size)
+                covered[tuple(slice(o, o + z) for o, z in zip(offset, size))] += 1
+            expected = torch.zeros(n, dtype=torch.int)
+            expected[lo:hi] = 1
+            assert at == hi and torch.equal(covered.reshape(-1), expected), (shape, lo, hi)
+            assert len(flat_range_boxes(shape, lo, hi)) <= 2 * len(shape) - 1
+
+
+def test_pieces_carry_global_offsets_and_join_back():
+    # Rows 4..7 of a [8, 5] tensor split over TP (this rank: global rows 4..7), DP rank 1 of its replicas.
+    param = torch.arange(20.0).reshape(4, 5)
+    st = ShardedTensor.from_rank_offsets("w", param, (0, 1, 2), replica_id=(0, 0, 1))
+    flat = param.reshape(-1)[3:17]
+    pieces = _range_pieces(st, "optimizer.state.exp_avg.w", 3, 17, flat, is_loading=False)
+    full = torch.zeros(8, 5)
+    for p in pieces.values():
+        assert p.replica_id == (0, 0, 0) and p.global_shape == (8, 5)  # every DP rank writes its own range
+        full[p.global_slice()] = p.data
+    expected = torch.zeros(8, 5)
+    expected[4:8].view(-1)[3:17] = flat
+    assert torch.equal(full, expected)
+    assert torch.equal(_loaded_value({k: v.data for k, v in pieces.items()}, param), flat)
+
+
+def test_range_pieces_of_a_gated_fc1_map_to_megatrons_stacked_layout():
+    """Pieces of our [2, f, h] SwiGLU fc1 state land where Megatron's [L, 2f, h] tensor keeps those values."""
+    from megatron.core.dist_checkpointing.megatron_layout import to_megatron_layout
+
+    fc1 = torch.arange(2 * 6 * 3, dtype=torch.float32).reshape(2, 6, 3)  # [gate/up, f, h], TP=1
+    st = ShardedTensor.from_rank_offsets("decoder.layers.1.mlp.linear_fc1.weight", fc1, replica_id=(0, 0, 1))
+    stacked = torch.full((2, 12, 3), -1.0)  # Megatron's [L, 2f, h]
+    for lo, hi in ((0, 13), (13, 29), (29, 36)):  # three DP ranks' ranges, the middle one crossing gate -> up
+        pieces = _range_pieces(st, st.key, lo, hi, fc1.reshape(-1)[lo:hi], is_loading=False)
+        for sh in to_megatron_layout(pieces, num_layers=2, extra_state=False).values():
+            assert sh.key == "decoder.layers.mlp.linear_fc1.weight" and sh.global_shape == (2, 12, 3)
+            stacked[sh.global_slice()] = sh.data
+    assert torch.equal(stacked[1], torch.cat([fc1[0], fc1[1]]))
