@@ -12,8 +12,8 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing import CheckpointingException
-from megatron.core.optimizer import megatron_format
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+from megatron.core.optimizer import megatron_format
 from megatron.training import async_utils
 from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0
