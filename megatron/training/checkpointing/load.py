@@ -117,10 +117,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     if not skip_load_to_model_and_opt:
         _restore_model(ckpt, model, strict)
         if main_params:  # Megatron's dp_reshardable slices: the main params must be the weights just loaded
-            parts = getattr(optimizer, "chained_optimizers", [optimizer])
-            dp_resh.check_main_params(main_params, {k: p for part in parts for k, p in
-                                                    getattr(part, "_sharded_key_to_param", {}).items()},
-                                      load_dir)
+            dp_resh.check_main_params(main_params, optimizer._sharded_key_to_param, load_dir)
     if not skip_state:
         _restore_training_state(ckpt, optimizer, opt_param_scheduler, args)
     if (optimizer is not None and not skip_load_to_model_and_opt
@@ -257,10 +254,10 @@ def _dp_reshardable_request(checkpoint_dir, ckpt_args, optimizer, model):
                          f"TP/PP/VPP {saved} and reads only at that layout (this run: {ours}); pass the "
                          f"checkpoint's --tensor-model-parallel-size / --pipeline-model-parallel-size, resume with "
                          f"--no-load-optim, or re-save it from Megatron-LM with --dist-ckpt-optim-fully-reshardable")
-    if any(g.get("is_expert_parallel") for g in optimizer.param_groups):
-        raise ValueError(f"checkpoint {checkpoint_dir}: Megatron-LM's dp_reshardable optimizer state of a model with "
-                         f"experts is not read here; resume with --no-load-optim, or re-save it from Megatron-LM "
-                         f"with --dist-ckpt-optim-fully-reshardable")
+    if hasattr(optimizer, "chained_optimizers") or any(g.get("is_expert_parallel") for g in optimizer.param_groups):
+        raise ValueError(f"checkpoint {checkpoint_dir}: Megatron-LM's dp_reshardable optimizer state is read here only "
+                         f"into one Adam optimizer of a model without experts; resume with --no-load-optim, or "
+                         f"re-save it from Megatron-LM with --dist-ckpt-optim-fully-reshardable")
     objects = {k.split("/shard_")[0] for k in dist_checkpointing.load_sharded_metadata(checkpoint_dir)}
     return dp_resh.request(dist_checkpointing.load_tensors_metadata(checkpoint_dir), objects,
                            lay["pp"] * lay["tp_size"] + lay["tp"], checkpoint_dir)
@@ -268,12 +265,7 @@ def _dp_reshardable_request(checkpoint_dir, ckpt_args, optimizer, model):
 
 def _from_dp_reshardable(loaded, our_request, optimizer, model):
     """(our optimizer state, {key: Megatron's fp32 main param}) from the loaded dp_reshardable entries."""
-    parts = getattr(optimizer, "chained_optimizers", [optimizer])
-    key_to_param = {k: p for part in parts for k, p in getattr(part, "_sharded_key_to_param", {}).items()}
-    if "param_state" not in our_request:  # a ChainedOptimizer's {index: state}: one state with all groups
-        our_request = {"param_state": {k: v for i in sorted(our_request) for k, v in
-                                       our_request[i]["param_state"].items()}}
-    param_state, main = dp_resh.to_our_state(loaded, our_request, key_to_param,
+    param_state, main = dp_resh.to_our_state(loaded, our_request, optimizer._sharded_key_to_param,
                                              [unwrap_model(c) for c in model], megatron_format.STATE_NAMES)
     out = megatron_format.to_our_state({"optimizer": loaded["optimizer"]}, optimizer.param_groups)
     if "grad_scaler" in loaded:
