@@ -5,12 +5,12 @@ fp32, 2 ranks; tests/functional/mcore_training_side.py) trains tiny GPTs (dense 
 Megatron trains MoE under TP only with sequence parallelism, which its local spec's torch norms refuse) 9 iterations
 on our mock
 data, saving a training checkpoint at 3 as megatron/training/checkpointing.py does (the dense model also at
-TP=1 x DP=2 in Megatron's default dp_reshardable optimizer format). Our ``pretrain_gpt.py --load`` of it
+TP=1 x DP=2 and at TP=2 in Megatron's default dp_reshardable optimizer format). Our ``pretrain_gpt.py --load`` of it
 continues to 6 (iteration 4 needs the weights, 5 and 6 also the Adam moments, step, LR schedule and consumed
 samples) and saves with ``--ckpt-save-megatron-layout``; Megatron resumes from that and trains 7 to 9. Both
 continuations equal Megatron's uninterrupted run. Our layouts: dense at TP=1 x PP=2 (the layer axis split by
 stage), MoE with grouped experts at TP=1 and with sequential experts at TP=2, MLA at TP=1, the dp_reshardable dense
-at TP=1 x DP=1 (its DP=2 buckets sliced per param); Megatron reads our
+at TP=1 x DP=1 (its DP=2 buckets sliced per param) and at TP=2; Megatron reads our
 PP=2 save back at TP=2 and our TP=2 MoE save at TP=1. One Megatron interpreter trains all models and one resumes
 all our checkpoints.
 
@@ -75,10 +75,11 @@ MODELS = {
              "--v-head-dim 8 --disable-bias-linear --normalization RMSNorm --position-embedding-type rope").split()),
 }
 # The same dense model saved in Megatron's default distributed-optimizer format (no
-# --dist-ckpt-optim-fully-reshardable): flat gradient-buffer buckets, at TP=1 x DP=2.
-MODELS["dense_dp_reshardable"] = MODELS["dense"]
-MEGATRON_TP = {"dense": 2, "moe": 1, "mla": 2, "dense_dp_reshardable": 1}
-SHARDING = {"dense_dp_reshardable": "dp_reshardable"}  # else fully_reshardable
+# --dist-ckpt-optim-fully-reshardable): flat gradient-buffer buckets, at TP=1 x DP=2 and at TP=2 (one bucket set
+# per TP rank).
+MODELS["dense_dp_reshardable"] = MODELS["dense_dp_reshardable_tp2"] = MODELS["dense"]
+MEGATRON_TP = {"dense": 2, "moe": 1, "mla": 2, "dense_dp_reshardable": 1, "dense_dp_reshardable_tp2": 2}
+SHARDING = {"dense_dp_reshardable": "dp_reshardable", "dense_dp_reshardable_tp2": "dp_reshardable"}
 # case: (Megatron model, our (TP, PP), our extra flags).
 CASES = {
     "dense_tp1pp2": ("dense", (1, 2), ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]),
@@ -87,6 +88,7 @@ CASES = {
     "mla_tp1": ("mla", (1, 1), []),
     # Megatron's DP=2 buckets read at DP=1
     "dense_dp_reshardable_tp1": ("dense_dp_reshardable", (1, 1), ["--use-distributed-optimizer"]),
+    "dense_dp_reshardable_tp2": ("dense_dp_reshardable_tp2", (2, 1), ["--use-distributed-optimizer"]),
 }
 
 
