@@ -4,11 +4,13 @@ Megatron Core 0.19.2 (its GPTModel with the local spec, DDP, distributed optimiz
 fp32, 2 ranks; tests/functional/mcore_training_side.py) trains tiny GPTs (dense and MLA at TP=2, MoE at TP=1 x DP=2:
 Megatron trains MoE under TP only with sequence parallelism, which its local spec's torch norms refuse) 9 iterations
 on our mock
-data, saving a training checkpoint at 3 as megatron/training/checkpointing.py does. Our ``pretrain_gpt.py --load``
-of it continues to 6 (iteration 4 needs the weights, 5 and 6 also the Adam moments, step, LR schedule and consumed
+data, saving a training checkpoint at 3 as megatron/training/checkpointing.py does (the dense model also at
+TP=1 x DP=2 and at TP=2 in Megatron's default dp_reshardable optimizer format). Our ``pretrain_gpt.py --load`` of it
+continues to 6 (iteration 4 needs the weights, 5 and 6 also the Adam moments, step, LR schedule and consumed
 samples) and saves with ``--ckpt-save-megatron-layout``; Megatron resumes from that and trains 7 to 9. Both
 continuations equal Megatron's uninterrupted run. Our layouts: dense at TP=1 x PP=2 (the layer axis split by
-stage), MoE with grouped experts at TP=1 and with sequential experts at TP=2, MLA at TP=1; Megatron reads our
+stage), MoE with grouped experts at TP=1 and with sequential experts at TP=2, MLA at TP=1, the dp_reshardable dense
+at TP=1 x DP=1 (its DP=2 buckets sliced per param) and at TP=2; Megatron reads our
 PP=2 save back at TP=2 and our TP=2 MoE save at TP=1. One Megatron interpreter trains all models and one resumes
 all our checkpoints.
 
@@ -72,13 +74,21 @@ MODELS = {
             ("--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 8 --qk-head-dim 8 --qk-pos-emb-head-dim 4 "
              "--v-head-dim 8 --disable-bias-linear --normalization RMSNorm --position-embedding-type rope").split()),
 }
-MEGATRON_TP = {"dense": 2, "moe": 1, "mla": 2}
+# The same dense model saved in Megatron's default distributed-optimizer format (no
+# --dist-ckpt-optim-fully-reshardable): flat gradient-buffer buckets, at TP=1 x DP=2 and at TP=2 (one bucket set
+# per TP rank).
+MODELS["dense_dp_reshardable"] = MODELS["dense_dp_reshardable_tp2"] = MODELS["dense"]
+MEGATRON_TP = {"dense": 2, "moe": 1, "mla": 2, "dense_dp_reshardable": 1, "dense_dp_reshardable_tp2": 2}
+SHARDING = {"dense_dp_reshardable": "dp_reshardable", "dense_dp_reshardable_tp2": "dp_reshardable"}
 # case: (Megatron model, our (TP, PP), our extra flags).
 CASES = {
     "dense_tp1pp2": ("dense", (1, 2), ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]),
     "moe_grouped_tp1": ("moe", (1, 1), ["--moe-grouped-gemm"]),
     "moe_sequential_tp2": ("moe", (2, 1), ["--sequence-parallel"]),
     "mla_tp1": ("mla", (1, 1), []),
+    # Megatron's DP=2 buckets read at DP=1
+    "dense_dp_reshardable_tp1": ("dense_dp_reshardable", (1, 1), ["--use-distributed-optimizer"]),
+    "dense_dp_reshardable_tp2": ("dense_dp_reshardable_tp2", (2, 1), ["--use-distributed-optimizer"]),
 }
 
 
@@ -105,8 +115,9 @@ def _batches(path: str) -> None:
 
 def _megatron_run(name, mode, ckpt_dir, out):
     model, args, _ = MODELS[name]
+    sharding = SHARDING.get(name, "fully_reshardable")
     return {"mode": mode, "tp": MEGATRON_TP[name], "ckpt_dir": ckpt_dir, "out": out, "save_at": SAVE_AT,
-            "distributed_optimizer": True, "sharding_type": "fully_reshardable",
+            "distributed_optimizer": True, "sharding_type": sharding,
             "model": {"vocab_size": VOCAB, **model},
             "args": {"lr": 1e-3, "min_lr": 0.0, "weight_decay": 0.01, "clip_grad": 1.0, "global_batch_size": GBS,
                      "micro_batch_size": MBS, "train_iters": ITERS, "lr_warmup_iters": 2, "lr_decay_style": "linear",
@@ -114,7 +125,8 @@ def _megatron_run(name, mode, ckpt_dir, out):
                      "seq_length": SEQ, "max_position_embeddings": SEQ, "tokenizer_type": "NullTokenizer",
                      "vocab_size": VOCAB, "padded_vocab_size": VOCAB, "make_vocab_size_divisible_by": 64,
                      "use_distributed_optimizer": True,
-                     "transformer_impl": "local", "dist_ckpt_optim_fully_reshardable": True,
+                     "transformer_impl": "local",
+                     "dist_ckpt_optim_fully_reshardable": sharding == "fully_reshardable",
                      "hidden_dropout": 0.0, "attention_dropout": 0.0, **args}}
 
 
@@ -180,7 +192,7 @@ def _check(theirs, continued, iterations):
 @pytest.mark.parametrize("case", list(CASES))
 def test_megatron_ours_megatron_losses_match(round_trip, case):
     theirs, ours_losses, back, log = round_trip[case]
-    assert "loading Megatron-LM's optimizer state (fully_reshardable)" in log
+    assert f"loading Megatron-LM's optimizer state ({SHARDING.get(CASES[case][0], 'fully_reshardable')})" in log
     assert f"consumed samples: {(SAVE_AT + 1) * GBS:>12d}" in log
     _check(theirs, ours_losses, range(SAVE_AT + 1, OURS_TO + 1))  # Megatron -> ours
     _check(theirs, back, range(OURS_TO + 1, ITERS + 1))  # ours -> Megatron

@@ -15,8 +15,7 @@ An MoE model's Megatron optimizer is a ChainedOptimizer of a dense and an expert
 with that flag (chained for an MoE model), so Megatron-LM resumes from it.
 
 Megatron's ``dp_reshardable`` sharding type (its default without that flag) stores the distributed optimizer's
-flat gradient-buffer shards instead, which only Megatron's own buffer layout can read; such a checkpoint is
-refused with one line (load it with ``--no-load-optim``, or re-save it from Megatron with the flag).
+flat gradient-buffer shards instead: megatron_dp_reshardable.py rebuilds Megatron's buffer layout to read them.
 """
 from dataclasses import replace
 from typing import Dict, List
@@ -61,10 +60,10 @@ def sharding_type(common_optimizer: Dict):
 def check_sharding_type(common_optimizer: Dict, checkpoint_dir: str) -> None:
     """Raise one line for a Megatron optimizer state this loader cannot read."""
     kind = sharding_type(common_optimizer)
-    if kind is not None and kind != SHARDING_TYPE:
+    if kind is not None and kind not in (SHARDING_TYPE, "dp_reshardable"):
         raise ValueError(f"checkpoint {checkpoint_dir}: Megatron-LM's distributed optimizer state is in its "
-                         f"'{kind}' format, which only Megatron's own gradient-buffer layout reads; resume with "
-                         f"--no-load-optim, or re-save it from Megatron-LM with --dist-ckpt-optim-fully-reshardable")
+                         f"'{kind}' format, which is not read here; resume with --no-load-optim, or re-save it "
+                         f"from Megatron-LM with --dist-ckpt-optim-fully-reshardable")
 
 
 def _rename(key: str, names: Dict[str, str]) -> str:

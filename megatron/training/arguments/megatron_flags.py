@@ -56,7 +56,8 @@ NO_EFFECT = {
                                   "--no-ckpt-fully-parallel-save turns it off",
     "--dist-ckpt-optim-fully-reshardable": "optimizer state is always saved fully reshardable here (one tensor per "
                                            "param and state, any TP/PP/DP layout loads it); Megatron-LM's "
-                                           "fully_reshardable checkpoints load",
+                                           "fully_reshardable checkpoints load, and so do its default "
+                                           "dp_reshardable ones (at their TP/PP, any DP)",
     "--distrib-optim-fully-reshardable-mem-efficient": "only tunes how Megatron gathers the state for "
                                                        "--dist-ckpt-optim-fully-reshardable; same checkpoint",
     "--ckpt-fully-parallel-load-exchange-algo": "the fully parallel load broadcasts each chunk from the rank that "

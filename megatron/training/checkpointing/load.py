@@ -10,6 +10,7 @@ from megatron.core import num_microbatches_calculator as mbc
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing import CheckpointingException
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+from megatron.core.optimizer import megatron_dp_reshardable as dp_resh
 from megatron.core.optimizer import megatron_format
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.utils import unwrap_model
@@ -114,8 +115,11 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     ckpt_args = ckpt.get("args")
     if not skip_state and ckpt_args is not None:
         check_checkpoint_args(ckpt_args, args, fmt, checkpoint_dir)
+    main_params = ckpt.pop("megatron_main_params", None)
     if not skip_load_to_model_and_opt:
         _restore_model(ckpt, model, strict)
+        if main_params:  # Megatron's dp_reshardable slices: the main params must be the weights just loaded
+            dp_resh.check_main_params(main_params, optimizer._sharded_key_to_param, load_dir)
     if not skip_state:
         _restore_training_state(ckpt, optimizer, opt_param_scheduler, args)
     if (optimizer is not None and not skip_load_to_model_and_opt
@@ -207,8 +211,14 @@ def _load_state(fmt, checkpoint_dir, load_dir, iteration, release, model, optimi
                                    is_loading=True, save_optim=load_optim, save_rng=load_rng)
     if load_optim and isinstance(common.get("optimizer"), dict):
         megatron_format.check_sharding_type(common["optimizer"], checkpoint_dir)
+    dp_reshardable = load_optim and megatron_format.sharding_type(common.get("optimizer")) == dp_resh.SHARDING_TYPE
     megatron_optim = load_optim and megatron_format.is_megatron_optimizer_state(common.get("optimizer"))
-    if megatron_optim:  # a Megatron-LM training checkpoint: its optimizer state names
+    our_optim_request = None
+    if dp_reshardable:  # Megatron-LM's flat bucket shards: read whole, sliced per param after loading
+        our_optim_request = sd["optimizer"]
+        sd["optimizer"] = _dp_reshardable_request(checkpoint_dir, ckpt_args, optimizer, model)
+        print_rank_0(f" loading Megatron-LM's optimizer state ({dp_resh.SHARDING_TYPE})")
+    elif megatron_optim:  # a Megatron-LM training checkpoint: its optimizer state names
         kind = megatron_format.sharding_type(common["optimizer"])
         if kind is not None:
             sd["optimizer"] = megatron_format.rename_state_keys(sd["optimizer"])
@@ -218,7 +228,10 @@ def _load_state(fmt, checkpoint_dir, load_dir, iteration, release, model, optimi
     strict = getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected")
     loaded = dist_checkpointing.load(sd, checkpoint_dir, sharded_strategy=_load_strategy(args), strict=strict,
                                      verify_integrity=getattr(args, "verify_integrity", False))
-    if megatron_optim:
+    if dp_reshardable:
+        loaded["optimizer"], loaded["megatron_main_params"] = _from_dp_reshardable(
+            loaded["optimizer"], our_optim_request, optimizer, model)
+    elif megatron_optim:
         loaded["optimizer"] = megatron_format.to_our_state(loaded["optimizer"], optimizer.param_groups)
     if not load_optim:
         loaded.pop("optimizer", None)
@@ -229,6 +242,38 @@ def _load_state(fmt, checkpoint_dir, load_dir, iteration, release, model, optimi
     if "rerun_state_machine" in common:
         loaded["rerun_state_machine"] = common["rerun_state_machine"]
     return loaded
+
+
+def _dp_reshardable_request(checkpoint_dir, ckpt_args, optimizer, model):
+    """The load request for Megatron's dp_reshardable optimizer state of this rank's model-parallel rank (its
+    ``dp_group_idx``: pp rank * TP size + TP rank), which only this run's TP/PP layout can read."""
+    saved = tuple(getattr(ckpt_args, f, None) or 1 for f in (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size"))
+    lay = state.layout()
+    ours = (lay["tp_size"], lay["pp_size"], len(model) if len(model) > 1 else 1)
+    if saved != ours:
+        raise ValueError(f"checkpoint {checkpoint_dir}: Megatron-LM's dp_reshardable optimizer state was saved at "
+                         f"TP/PP/VPP {saved} and reads only at that layout (this run: {ours}); pass the "
+                         f"checkpoint's --tensor-model-parallel-size / --pipeline-model-parallel-size, resume with "
+                         f"--no-load-optim, or re-save it from Megatron-LM with --dist-ckpt-optim-fully-reshardable")
+    if hasattr(optimizer, "chained_optimizers") or any(g.get("is_expert_parallel") for g in optimizer.param_groups):
+        raise ValueError(f"checkpoint {checkpoint_dir}: Megatron-LM's dp_reshardable optimizer state is read here only "
+                         f"into one Adam optimizer of a model without experts; resume with --no-load-optim, or "
+                         f"re-save it from Megatron-LM with --dist-ckpt-optim-fully-reshardable")
+    objects = {k.split("/shard_")[0] for k in dist_checkpointing.load_sharded_metadata(checkpoint_dir)}
+    return dp_resh.request(dist_checkpointing.load_tensors_metadata(checkpoint_dir), objects,
+                           lay["pp"] * lay["tp_size"] + lay["tp"], checkpoint_dir)
+
+
+def _from_dp_reshardable(loaded, our_request, optimizer, model):
+    """(our optimizer state, {key: Megatron's fp32 main param}) from the loaded dp_reshardable entries."""
+    param_state, main = dp_resh.to_our_state(loaded, our_request, optimizer._sharded_key_to_param,
+                                             [unwrap_model(c) for c in model], megatron_format.STATE_NAMES)
+    out = megatron_format.to_our_state({"optimizer": loaded["optimizer"]}, optimizer.param_groups)
+    if "grad_scaler" in loaded:
+        out["grad_scaler"] = loaded["grad_scaler"]
+    out["param_state"] = param_state
+    return out, main
 
 
 def _refuse_fp8_scaling_state(checkpoint_dir: str) -> None:

@@ -33,10 +33,11 @@ def test_missing_group_is_one_line():
         megatron_format.groups_to_ours(_megatron_common(), [{**OURS[0], "lr_mult": 2.0}])
 
 
-def test_dp_reshardable_is_refused_naming_the_fix():
+def test_unknown_sharding_type_is_refused_naming_the_fix():
     megatron_format.check_sharding_type(_megatron_common(), "ckpt")
-    with pytest.raises(ValueError, match=r"'dp_reshardable' format.*--no-load-optim.*--dist-ckpt-optim-fully-resh"):
-        megatron_format.check_sharding_type(_megatron_common("dp_reshardable"), "ckpt")
+    megatron_format.check_sharding_type(_megatron_common("dp_reshardable"), "ckpt")
+    with pytest.raises(ValueError, match=r"'dp_zero_gather_scatter' format.*--no-load-optim.*--dist-ckpt-optim-fully"):
+        megatron_format.check_sharding_type(_megatron_common("dp_zero_gather_scatter"), "ckpt")
 
 
 def test_state_names_round_trip():
