@@ -27,8 +27,9 @@ TIMER = re.compile(r"^ +optimizer \.+: \(?([\d.]+)(?:, ([\d.]+)\))?$", re.M)
 def step_times(config, optimizer, nproc, iters, interval, extra):
     argv = (f"{CONFIGS[config]} {_COMMON} --train-iters {iters} --timing-log-level 1 --log-interval {interval} "
             f"--optimizer {optimizer}").split() + extra
-    # _COMMON sets a huge --log-interval; the later value wins in argparse.
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+    # _COMMON sets a huge --log-interval; the later value wins in argparse. --standalone takes a free port,
+    # so two benchmarks on one machine (disjoint GPUs) do not collide on torchrun's default 29500.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            os.path.join(ROOT, "pretrain_gpt.py")] + argv
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
     if p.returncode != 0:

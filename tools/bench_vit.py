@@ -65,7 +65,7 @@ def _init_single_process(device):
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device.index or 0)  # a bare "cuda" device has no index
     parallel_state.initialize_model_parallel(1)
     model_parallel_cuda_manual_seed(1234)
 

@@ -101,7 +101,7 @@ def test_flex_block_backward_matches_math():
 
 def _bench(tmp_path, name, nproc, *flags):
     results = tmp_path / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", "29521",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
            os.path.join(ROOT, "tools", "benchmark.py"), "--config", "tiny", "--iters", "8", "--warmup", "2",
            "--results", str(results), "--",
            "--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--group-query-attention",

@@ -41,7 +41,7 @@ def _run(tmp_path, name, nproc, *flags):
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                    "--nproc-per-node", str(nproc), "--master-port", "29531"]
+                                                    "--nproc-per-node", str(nproc), "--standalone"]
     env = {k: v for k, v in os.environ.items() if k not in ("NCCL_ALGO", "CUBLAS_WORKSPACE_CONFIG")}
     p = subprocess.run(launcher + [str(driver), out] + FLAGS + list(flags), cwd=ROOT, capture_output=True,
                        text=True, timeout=600, env={**env, "PYTHONPATH": ROOT})

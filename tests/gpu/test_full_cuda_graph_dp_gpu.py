@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _run(tmp_path, name, *flags):
     results = tmp_path / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            os.path.join(ROOT, "tools", "benchmark.py"), "--config", "gpt-125m", "--iters", "8", "--warmup", "4",
            "--results", str(results), "--", "--global-batch-size", "16", *flags]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)

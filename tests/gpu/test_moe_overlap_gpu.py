@@ -54,7 +54,7 @@ def _run(tmp_path, name, *flags):
     out = str(tmp_path / name)
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29541",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            str(driver), out] + FLAGS + list(flags)
     # The overlap refuses CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue could order the two NCCL
     # communicators' kernels differently on the two ranks and deadlock); every run here gets 8.

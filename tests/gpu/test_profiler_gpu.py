@@ -22,7 +22,7 @@ FLAGS = ("--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 
 
 
 def _run(extra):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29541",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            os.path.join(ROOT, "pretrain_gpt.py"), *FLAGS, *extra]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

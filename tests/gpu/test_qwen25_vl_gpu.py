@@ -62,7 +62,10 @@ def _ours(cfg, hf_state, dtype):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-def test_vision_features_match_transformers_on_cuda(dtype, tol):
+def test_vision_features_match_transformers_on_cuda(dtype, tol, monkeypatch):
+    # transformers' patch embedding is a Conv3d, which cuDNN runs in TF32 by default (~1e-3 relative); ours is the
+    # linear it equals. Full fp32 on both sides for the 1e-4 comparison.
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     hf, cfg = _hf(dtype)
     vit, proj = _ours(cfg, hf.state_dict(), dtype)
     grid = torch.tensor(GRIDS, device="cuda")

@@ -29,7 +29,7 @@ def _run(tmp_path, name, *flags):
     if name in _RUNS:
         return _RUNS[name]
     results = tmp_path / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29519",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            os.path.join(ROOT, "tools", "benchmark.py"), "--config", "gpt-125m", "--iters", "26", "--warmup", "4",
            "--results", str(results), "--", *MODEL.split(), *flags]
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")

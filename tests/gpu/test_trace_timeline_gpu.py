@@ -25,7 +25,7 @@ FLAGS = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 
 
 
 def test_pipeline_timeline_from_nccl_traces(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29543",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            os.path.join(ROOT, "pretrain_gpt.py"), *FLAGS, "--tensorboard-dir", str(tmp_path)]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
