@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.ssm.ops.gated_delta_reference import chunk_gated_delta_rule_torch
-from megatron.core.ssm.ops.kernels import load_mamba_ssm_triton
+from megatron.core.ssm.ops.kernels import _fla_unsafe_here, load_mamba_ssm_triton
 from megatron.core.ssm.ops.ssd_reference import ssd_chunk_scan_torch
 
 
@@ -79,27 +79,31 @@ def main():
     for name, kernel in ssd.items():
         ms = _time(lambda x, dt, A, B, C, D, k=kernel: k(x, dt, A, B, C, args.chunk, D=D), make)
         print(f"Mamba-2 SSD (Nemotron-H-8B: 128 heads x 64, state 128, 8 groups)  {name:18s} {ms:9.2f} ms fwd+bwd")
-    try:  # the same recurrence as fla's scalar-decay linear attention: q = C, k = B, v = x dt, log decay A dt
-        simple_gla = importlib.import_module("fla.ops.simple_gla").chunk_simple_gla
-    except ImportError as e:
-        print(f"fla simple_gla not importable: {e}")
+    # fla's kernels: not on Hopper with Triton 3.4.0-3.7.0 (their backward is wrong there; kernels.py says why)
+    unsafe = _fla_unsafe_here(torch.device("cuda"))
+    fla = {}
+    if unsafe:
+        print(f"fla's kernels not timed: {unsafe}")
     else:
+        for module, name in (("fla.ops.simple_gla", "chunk_simple_gla"),
+                             ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")):
+            try:
+                fla[name] = getattr(importlib.import_module(module), name)
+            except ImportError as e:
+                print(f"fla not importable: {e}")
+    if "chunk_simple_gla" in fla:  # the same recurrence: q = C, k = B, v = x dt, log decay A dt, + D x
         def fla_ssd(x, dt, A, B, C, D):
             rep = x.shape[2] // B.shape[2]
-            q = C.repeat_interleave(rep, dim=2)
-            k = B.repeat_interleave(rep, dim=2)
-            v = (x * dt.unsqueeze(-1)).to(x.dtype)
-            o, _ = simple_gla(q, k, v, g=A * dt, scale=1.0)
+            q, k = C.repeat_interleave(rep, dim=2), B.repeat_interleave(rep, dim=2)
+            o, _ = fla["chunk_simple_gla"](q, k, (x * dt.unsqueeze(-1)).to(x.dtype), g=A * dt, scale=1.0)
             return o + x * D[:, None].to(x.dtype)
         ms = _time(fla_ssd, make)
         print(f"Mamba-2 SSD (Nemotron-H-8B: 128 heads x 64, state 128, 8 groups)  {'fla simple_gla':18s} {ms:9.2f} ms "
               "fwd+bwd (incl. the group expansion)")
 
     gdn = {}
-    try:
-        gdn["fla chunk"] = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
-    except ImportError as e:
-        print(f"fla not importable: {e}")
+    if "chunk_gated_delta_rule" in fla:
+        gdn["fla chunk"] = fla["chunk_gated_delta_rule"]
     if not args.skip_eager:
         gdn["eager chunked"] = chunk_gated_delta_rule_torch
     make = gdn_inputs(args.batch, args.seq)

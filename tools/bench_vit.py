@@ -43,6 +43,8 @@ def parse_cli(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile each model before timing.")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="After timing, profile 3 steps of each and print its N most expensive kernels (device time).")
     return p.parse_args(argv)
 
 
@@ -157,6 +159,20 @@ def measure(step, a, device) -> float:
     return statistics.median(times)
 
 
+def profile(step, name, a, device) -> None:
+    """The ``a.profile`` kernels with the most device time over 3 steps: where one implementation's step goes."""
+    from torch.profiler import ProfilerActivity
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(3):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"--- {name}: top {a.profile} of 3 steps by device time", flush=True)
+    print(prof.key_averages().table(sort_by=sort, row_limit=a.profile, max_name_column_width=70), flush=True)
+
+
 def report(name, seconds, a, device_name) -> str:
     tflops = flops_per_image(a) * a.batch / seconds / 1e12
     peak = dense_bf16_peak(device_name)
@@ -174,8 +190,12 @@ def main(argv=None):
           flush=True)
     results = {}
     if a.impl in ("ours", "both"):
-        results["ours"] = measure(ours_step(a, device), a, device)
+        step = ours_step(a, device)
+        results["ours"] = measure(step, a, device)
         print(report("ours", results["ours"], a, name), flush=True)
+        if a.profile:
+            profile(step, "ours", a, device)
+        del step
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if a.impl in ("timm", "both"):
@@ -185,6 +205,8 @@ def main(argv=None):
         else:
             results["timm"] = measure(step, a, device)
             print(report("timm", results["timm"], a, name), flush=True)
+            if a.profile:
+                profile(step, "timm", a, device)
     if len(results) == 2:
         print(f"ours / timm images/s: {results['timm'] / results['ours']:.2f}x", flush=True)
     return results

@@ -70,11 +70,41 @@ def ssd_kernel(t: torch.Tensor):
     return _cache["ssd"] or ssd_chunk_scan_torch
 
 
+def _version(text: str) -> tuple:
+    parts = []
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def _fla_unsafe_here(device: torch.device) -> str:
+    """Why fla's gated delta rule must not run on this device, or "". fla's backward (``chunk_bwd_dqkwg``) is
+    wrong with Triton 3.4.0 up to 3.7.1 on Hopper (fla issue #640) unless tilelang provides it; fla raises in the
+    backward then, mid-training. Checked up front so the mixer uses the eager scan from the first step."""
+    if torch.cuda.get_device_capability(device)[0] != 9 or importlib.util.find_spec("tilelang") is not None:
+        return ""
+    try:
+        triton_version = _version(importlib.import_module("triton").__version__)
+    except ImportError:
+        return ""
+    if (3, 4, 0) <= triton_version < (3, 7, 1):
+        return (f"Triton {'.'.join(map(str, triton_version))} on a Hopper GPU computes its backward wrongly; "
+                "Triton >= 3.7.1 or `pip install tilelang` enables it")
+    return ""
+
+
 def gated_delta_kernel(t: torch.Tensor):
     """The chunked gated delta rule for tensors like ``t``: fla's Triton kernel on CUDA when installed."""
     if not _triton_wanted(t):
         return chunk_gated_delta_rule_torch
     if "gdn" not in _cache:
+        unsafe = _fla_unsafe_here(t.device)
+        if unsafe:
+            _cache["gdn"] = None
+            _say_once("gdn", f"Gated DeltaNet: not using flash-linear-attention here ({unsafe}); using the eager "
+                             "PyTorch scan")
+            return chunk_gated_delta_rule_torch
         try:
             _cache["gdn"] = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
         except ImportError as e:

@@ -80,3 +80,23 @@ def test_gated_delta_chunked_equals_recurrence_forward_and_backward(chunk):
     ((o_ref * weight).sum() + state_ref.sum()).backward()
     for a, r in zip(f32, f64):
         _close(a.grad, r.grad)
+
+
+def test_fla_refused_where_its_backward_is_wrong(monkeypatch):
+    """fla's gated-delta backward is wrong with Triton 3.4.0-3.7.0 on Hopper (it raises mid-backward); the kernel
+    picker says so up front and the eager scan runs instead. Other GPUs, other Triton versions or tilelang: no
+    objection."""
+    import sys
+    import types
+
+    from megatron.core.ssm.ops import kernels
+
+    monkeypatch.setattr(kernels.importlib.util, "find_spec", lambda name: None)  # no tilelang
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.6.0"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert "Triton 3.6.0 on a Hopper GPU" in kernels._fla_unsafe_here(torch.device("cpu"))
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.7.1+git"))
+    assert kernels._fla_unsafe_here(torch.device("cpu")) == ""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.6.0"))
+    assert kernels._fla_unsafe_here(torch.device("cpu")) == ""
