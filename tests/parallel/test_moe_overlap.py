@@ -2,7 +2,8 @@
 pretrain(): each run's loss and grad norm per iteration equal the plain run's. The overlap runs the
 same operations in the same order on each side (bitwise equal); the delayed weight gradient is the
 same sum computed by a per-expert GEMM instead of autograd's (fp32, 1e-6 relative).
-4 micro-batches per step (gbs 8, mbs 1, DP 2), so 3 of each step's 4 forwards run beside a backward."""
+4 micro-batches per step (gbs 8, mbs 1, DP 2), so 3 of each step's 4 forwards run beside a backward (from the
+second step on: the first runs the same plan sequentially)."""
 import pytest
 
 from tests.fixtures.tiny_gpt import run_pretrain
@@ -68,5 +69,5 @@ def test_matches_plain_run(runs, name, ref, rel):
 def test_forwards_ran_beside_backwards(runs):
     for rank in runs:
         assert rank["plain"][1] == 0 and rank["delay"][1] == 0
-        assert rank["overlap"][1] == 3 * 3  # 3 steps x (4 micro-batches - 1)
-        assert rank["overlap_delay"][1] == 3 * 3
+        assert rank["overlap"][1] == 2 * 3  # 3 steps, the first sequential: 2 x (4 micro-batches - 1)
+        assert rank["overlap_delay"][1] == 2 * 3

@@ -12,9 +12,18 @@ The forward and the backward share no communicator: the MoE dispatcher's backwar
 twin of the EP group (token_dispatcher.backward_twin_group), and the data-parallel reduction waits
 for the last backward, which runs alone. config_checks.check_ep_overlap lists what else is excluded.
 Each side runs the same operations in the same order as the plain schedule: the results are the same.
+
+The first step of each model runs this plan on the same streams without the second thread. Two host
+threads whose NCCL kernels wait on each other across ranks must never stop at an implicit device
+synchronisation: growing the caching allocator (cudaMalloc), allocating pinned host memory, or creating a
+communicator at its first collective all wait for the other stream's all-to-all, which waits for a peer
+that is stuck the same way. The sequential first step makes each side stream's memory pool, the pinned
+count buffers and both EP communicators exist before the threads run concurrently (at EP=4 on 4 H200s the
+concurrent first step hung in iteration 1).
 """
 import contextlib
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -23,6 +32,7 @@ from megatron.core.pipeline_parallel import step
 
 _EXECUTOR = {}
 _STREAMS = {}
+_WARMED = weakref.WeakSet()  # model chunks whose first step ran sequentially (see the module docstring)
 # How many forwards ran beside a backward, for tests and the docs' measurements.
 stats = {"overlapped_forwards": 0}
 
@@ -80,10 +90,17 @@ def run_overlapped(forward_step_func, data_iterator, model, state: step.RunState
         with _on(streams, i):
             step.backward_step(None, output, None, config)
 
+    concurrent = model in _WARMED
+    _WARMED.add(model)
     _join(streams)
     output = forward(0)
     for i in range(1, n):
         _join(streams)
+        if not concurrent:  # the first step: the same plan, one side after the other
+            following = forward(i)
+            backward(i - 1, output)
+            output = following
+            continue
         pending = _executor().submit(forward, i)
         try:
             backward(i - 1, output)

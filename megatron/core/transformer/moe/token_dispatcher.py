@@ -10,6 +10,7 @@ partial sums, so every combine ends in a sum over the expert-TP ranks.
 - MoEAlltoAllTokenDispatcher: sort tokens by expert, all-to-all over EP with the exact split sizes (one
   host read of the token counts per layer), all-gather over expert-TP, and the mirror image to combine.
 """
+import threading
 from typing import List
 
 import torch
@@ -227,6 +228,10 @@ class MoEAllGatherTokenDispatcher(_LocalExpertsDispatcher):
 
 
 class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._count_buffers = {}  # (host thread, size) -> pinned host copy of the token counts
+
     def _start_counts(self, routing_map):
         """Launch the gather of C[u][j][e] (tokens that the rank at expert-TP u, EP j routes to expert e) and
         its copy to the host (non-blocking on CUDA: pinned memory and an event), so the host can queue more
@@ -242,7 +247,12 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
             counts = out
         if not counts.is_cuda:
             return counts, None
-        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        # One pinned buffer per host thread, allocated once: a pinned allocation synchronises the device,
+        # which under --overlap-moe-expert-parallel-comm would wait on the other thread's all-to-all.
+        key = (threading.get_ident(), counts.numel())
+        host = self._count_buffers.get(key)
+        if host is None:
+            host = self._count_buffers[key] = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
         host.copy_(counts, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
