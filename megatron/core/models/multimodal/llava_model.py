@@ -17,11 +17,9 @@ from typing import List, Optional
 import torch
 
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.models.multimodal.vision_language_module import VisionLanguageModule
 from megatron.core.models.vision.clip_vit_model import CLIPViTModel, get_num_image_embeddings
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
-from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
-from megatron.core.transformer.initialize import initialize_parameters
-from megatron.core.transformer.module import MegatronModule
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +28,7 @@ DEFAULT_IMAGE_TOKEN_INDEX = -200  # Megatron's image placeholder id in input_ids
 IMAGE_TOKEN = "<image>"
 
 
-class LLaVAModel(MegatronModule):
+class LLaVAModel(VisionLanguageModule):
     """Vision-language model. ``add_encoder``: this stage holds the ViT and projector (the first pipeline
     stage); ``pre_process`` / ``post_process``: it embeds the text / computes the loss. Forward returns
     ``(output, loss_mask)``: the per-token loss [b, S] with ``labels`` (logits [b, S, V/tp] without) and
@@ -67,17 +65,14 @@ class LLaVAModel(MegatronModule):
             raise ValueError("LLaVA: virtual pipeline stages are not supported; drop "
                              "--num-layers-per-virtual-pipeline-stage")
         vision_type = getattr(vision_transformer_config, "vision_model_type", "clip")
-        self.pre_process, self.post_process = pre_process, post_process
-        self.add_encoder, self.add_decoder = add_encoder, add_decoder
-        self.pg_collection, self.vp_stage = pg_collection, vp_stage
-        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self._set_stage(pre_process, post_process, add_encoder, add_decoder, pg_collection, vp_stage,
+                        share_embeddings_and_output_weights)
         self.image_token_index = image_token_index
         self.patch_dim = patch_dim
         self._language_max_sequence_length = language_max_sequence_length
         self._pipelined = lc.pipeline_model_parallel_size > 1
         self._drop_vision_class_token = drop_vision_class_token
         self.encoder_hidden_state = None
-        self.vision_model = self.vision_projection = None
 
         self.language_model = GPTModel(
             config=lc, transformer_layer_spec=language_transformer_layer_spec, vocab_size=language_vocab_size,
@@ -106,47 +101,6 @@ class LLaVAModel(MegatronModule):
             self._initialize_encoder()
         self.img_seq_len = get_num_image_embeddings(img_h, img_w, patch_dim, vision_type, drop_vision_class_token,
                                                     class_token_len)
-
-    def _initialize_encoder(self) -> None:
-        """Layout-independent values for the encoder parts, named by their path in this model (so the ViT's
-        ``decoder.layers.0`` does not draw the language model's numbers)."""
-        for p in self.vision_projection.parameters():
-            set_defaults_if_not_set_tensor_model_parallel_attributes(p)
-            p.allreduce = True
-        if self.vision_model.config.perform_initialization:
-            self.vision_model.finalize_parameters(name_prefix="vision_model.")
-        if self.vision_projection.config.perform_initialization:
-            initialize_parameters(self.vision_projection, pg_collection=self.pg_collection,
-                                  name_prefix="vision_projection.")
-
-    @property
-    def vocab_size(self) -> int:
-        return self.language_model.vocab_size
-
-    @property
-    def decoder(self):
-        return self.language_model.decoder
-
-    def shared_embedding_or_output_weight(self):
-        return self.language_model.shared_embedding_or_output_weight()
-
-    def set_input_tensor(self, input_tensor) -> None:
-        """The previous stage's activation; the first stage gets none (its decoder input is built here)."""
-        if isinstance(input_tensor, (list, tuple)):
-            assert len(input_tensor) == 1, "LLaVAModel takes one input tensor"
-            input_tensor = input_tensor[0]
-        if not self.pre_process:
-            self.language_model.set_input_tensor(input_tensor)
-
-    def freeze(self, freeze_language_model: bool, freeze_vision_model: bool, freeze_vision_projection: bool,
-               **kwargs) -> None:
-        """requires_grad=False on the chosen parts (--freeze-LM, --freeze-ViT)."""
-        parts = [(freeze_language_model, self.language_model), (freeze_vision_model, self.vision_model),
-                 (freeze_vision_projection, self.vision_projection)]
-        for frozen, module in parts:
-            if frozen and module is not None:
-                for p in module.parameters():
-                    p.requires_grad = False
 
     def image_embeddings(self, images: torch.Tensor) -> torch.Tensor:
         """Image tiles [tiles, c, H, W] -> projected features [tiles, img_seq_len, h] (class token dropped

@@ -16,14 +16,12 @@ import torch
 
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.multimodal.qwen25_vl_rope_index import get_rope_index
+from megatron.core.models.multimodal.vision_language_module import VisionLanguageModule
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.models.vision.qwen25_vl_vit_model import Qwen25VLVisionModel
-from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
-from megatron.core.transformer.initialize import initialize_parameters
-from megatron.core.transformer.module import MegatronModule
 
 
-class Qwen25VLModel(MegatronModule):
+class Qwen25VLModel(VisionLanguageModule):
     """Vision-language model. ``add_encoder``: this stage holds the ViT and projector (the first pipeline
     stage); ``pre_process`` / ``post_process``: it embeds the text / computes logits or the loss. Forward
     returns ``(output, loss_mask)``: the per-token loss [b, s] with ``labels`` (logits [b, s, V/tp]
@@ -42,12 +40,9 @@ class Qwen25VLModel(MegatronModule):
         super().__init__(config=lc)
         if not add_decoder:
             raise NotImplementedError("Qwen25VLModel without a decoder (add_decoder=False) is not supported")
-        self.pre_process, self.post_process = pre_process, post_process
-        self.add_encoder, self.add_decoder = add_encoder, add_decoder
-        self.pg_collection, self.vp_stage = pg_collection, vp_stage
-        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self._set_stage(pre_process, post_process, add_encoder, add_decoder, pg_collection, vp_stage,
+                        share_embeddings_and_output_weights)
         self.image_token_index, self.spatial_merge_size = image_token_index, spatial_merge_size
-        self.vision_model = self.vision_projection = None
         self.language_model = GPTModel(
             config=lc, transformer_layer_spec=language_transformer_layer_spec, vocab_size=language_vocab_size,
             max_sequence_length=language_max_sequence_length, parallel_output=parallel_output,
@@ -67,46 +62,6 @@ class Qwen25VLModel(MegatronModule):
                 vision_transformer_config.hidden_size * spatial_merge_size ** 2,
                 tp_group=None if pg_collection is None else pg_collection.tp)
             self._initialize_encoder()
-
-    def _initialize_encoder(self) -> None:
-        """Layout-independent values for the encoder parts, named by their path in this model."""
-        for p in self.vision_projection.parameters():
-            set_defaults_if_not_set_tensor_model_parallel_attributes(p)
-            p.allreduce = True
-        if self.vision_model.config.perform_initialization:
-            self.vision_model.finalize_parameters(name_prefix="vision_model.")
-        if self.vision_projection.config.perform_initialization:
-            initialize_parameters(self.vision_projection, pg_collection=self.pg_collection,
-                                  name_prefix="vision_projection.")
-
-    @property
-    def vocab_size(self) -> int:
-        return self.language_model.vocab_size
-
-    @property
-    def decoder(self):
-        return self.language_model.decoder
-
-    def shared_embedding_or_output_weight(self):
-        return self.language_model.shared_embedding_or_output_weight()
-
-    def set_input_tensor(self, input_tensor) -> None:
-        """The previous stage's activation; the first stage gets none (its decoder input is built here)."""
-        if isinstance(input_tensor, (list, tuple)):
-            assert len(input_tensor) == 1, "Qwen25VLModel takes one input tensor"
-            input_tensor = input_tensor[0]
-        if not self.pre_process:
-            self.language_model.set_input_tensor(input_tensor)
-
-    def freeze(self, freeze_language_model: bool, freeze_vision_model: bool, freeze_vision_projection: bool,
-               **kwargs) -> None:
-        """requires_grad=False on the chosen parts (--freeze-LM, --freeze-ViT)."""
-        parts = [(freeze_language_model, self.language_model), (freeze_vision_model, self.vision_model),
-                 (freeze_vision_projection, self.vision_projection)]
-        for frozen, module in parts:
-            if frozen and module is not None:
-                for p in module.parameters():
-                    p.requires_grad = False
 
     def image_embeddings(self, images: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """Patches [N, c*t*p*p] -> projected features [N / merge^2, h], images in order."""
