@@ -228,10 +228,6 @@ class MoEAllGatherTokenDispatcher(_LocalExpertsDispatcher):
 
 
 class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._count_buffers = {}  # (host thread, size) -> pinned host copy of the token counts
-
     def _start_counts(self, routing_map):
         """Launch the gather of C[u][j][e] (tokens that the rank at expert-TP u, EP j routes to expert e) and
         its copy to the host (non-blocking on CUDA: pinned memory and an event), so the host can queue more
@@ -249,10 +245,11 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
             return counts, None
         # One pinned buffer per host thread, allocated once: a pinned allocation synchronises the device,
         # which under --overlap-moe-expert-parallel-comm would wait on the other thread's all-to-all.
+        buffers = self.__dict__.setdefault("_count_buffers", {})  # (host thread, size) -> pinned copy
         key = (threading.get_ident(), counts.numel())
-        host = self._count_buffers.get(key)
+        host = buffers.get(key)
         if host is None:
-            host = self._count_buffers[key] = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            host = buffers[key] = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
         host.copy_(counts, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
