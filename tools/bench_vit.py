@@ -72,6 +72,27 @@ def _init_single_process(device):
     model_parallel_cuda_manual_seed(1234)
 
 
+def _config_as_pretrain(a, device):
+    """The TransformerConfig that ``pretrain_vision_classify.py`` builds from the same flags: Megatron's flag
+    defaults switch on the fusions users get (bias + GeLU, bias + dropout + add, weight-gradient accumulation
+    into main_grad), which a bare TransformerConfig leaves off."""
+    from megatron.training.arguments import core_transformer_config_from_args, parse_args
+    from megatron.training.arguments.validation import validate_args
+    from megatron.training.arguments.vision_args import add_vision_classify_args
+    from pretrain_vision_classify import vit_defaults
+
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    flags = (f"--num-layers {a.layers} --hidden-size {a.hidden} --num-attention-heads {a.heads} "
+             f"--ffn-hidden-size {a.ffn} --img-h {a.img} --img-w {a.img} --patch-dim {a.patch} "
+             f"--num-classes {a.classes} --micro-batch-size {a.batch} --global-batch-size {a.batch} "
+             "--attention-dropout 0 --hidden-dropout 0 --lr 1e-4 --train-iters 1 --mock-data").split()
+    flags += ["--bf16"] if a.dtype == "bf16" else []
+    flags += ["--use-cpu-initialization"] if device.type == "cpu" else []
+    args = validate_args(parse_args(add_vision_classify_args, argv=flags), vit_defaults(flags))
+    return core_transformer_config_from_args(args)
+
+
 def ours_step(a, device):
     """A step function training VitClassificationModel the way pretrain_vision_classify.py does."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -80,14 +101,10 @@ def ours_step(a, device):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     _init_single_process(device)
     bf16 = a.dtype == "bf16"
-    config = TransformerConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
-                               ffn_hidden_size=a.ffn, add_qkv_bias=True, hidden_dropout=0.0, attention_dropout=0.0,
-                               bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                               use_cpu_initialization=device.type == "cpu")
+    config = _config_as_pretrain(a, device)
     model = VitClassificationModel(config, get_vit_layer_with_local_spec(), a.classes, img_h=a.img, img_w=a.img,
                                    patch_dim=a.patch)
     if bf16:
