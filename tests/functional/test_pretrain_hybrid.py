@@ -1,5 +1,7 @@
 """pretrain_hybrid.py / pretrain_mamba.py as a user runs them: a tiny hybrid of every layer kind trains on
-mock data and its loss falls; bad patterns stop the run with one line naming the flag."""
+mock data and its loss falls; multi-token prediction depths in the pattern ('/', or Megatron's older
+--mtp-hybrid-override-pattern) train and log their losses; bad patterns stop the run with one line naming the
+flag."""
 import os
 import re
 import subprocess
@@ -37,7 +39,25 @@ def test_pretrain_mamba_takes_the_older_pattern_flag():
     assert len([m for m in map(LOSS.search, p.stdout.splitlines()) if m]) == 3
 
 
+MTP_LOSS = re.compile(r"\| lm loss: (\S+) \| mtp_1 loss: (\S+) \| mtp_2 loss: (\S+) \|")
+
+
+@pytest.mark.parametrize("flags", [
+    ["--hybrid-layer-pattern", "M*-/M-/M-"],
+    ["--hybrid-layer-pattern", "M*-", "--mtp-hybrid-override-pattern", "M-", "--mtp-num-layers", "2"],
+], ids=["unified_pattern", "older_flag"])
+def test_mtp_depths_in_the_pattern_train(flags):
+    p = _run("pretrain_hybrid.py", flags + ["--train-iters", "12"])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [[float(x) for x in m.groups()] for m in map(MTP_LOSS.search, p.stdout.splitlines()) if m]
+    assert len(rows) == 12, p.stdout[-3000:]
+    assert all(rows[-1][i] < 0.95 * rows[0][i] for i in range(3)), rows  # the main and both MTP losses fall
+
+
 @pytest.mark.parametrize("extra, message", [
+    (["--hybrid-layer-pattern", "M*M-", "--mtp-num-layers", "2"],
+     "--mtp-num-layers 2 in a hybrid model needs the MTP layers in --hybrid-layer-pattern"),
+    (["--hybrid-layer-pattern", "M*M-/M-/*-"], "every MTP depth must have the same pattern"),
     (["--hybrid-layer-pattern", "M*X-"], "--hybrid-layer-pattern: 'X' at position 2 is not a layer symbol"),
     (["--hybrid-layer-pattern", "M*M-", "--num-layers", "6"],
      "--hybrid-layer-pattern has 4 layers but --num-layers is 6"),

@@ -8,7 +8,13 @@ embedding of token i + k (the inputs rolled left by k):
 and the shared output head turns h_k into logits scored against the labels rolled left by k (the rolled-in
 positions are masked out). The D losses, each a mean over its tokens, are added to the main loss with
 weight ``mtp_loss_scaling_factor / D``.
+
+In a hybrid model (``--hybrid-layer-pattern "<main>/<mtp>/<mtp>..."``) each depth's layer is a HybridStack of
+the MTP pattern's layers (Mamba-2, attention, MLP, ...), built as Megatron does from ``mtp_layer_pattern`` and
+the stack's ``hybrid_submodules`` and kept under Megatron's name ``mtp_model_layer``
+(keys mtp.layers.<d>.mtp_model_layer.layers.<i>.*).
 """
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import List, Optional, Union
@@ -115,10 +121,17 @@ class MultiTokenPredictionLayerSubmodules:
     mtp_model_layer: Union[ModuleSpec, type] = None
 
 
-def _refuse_hybrid(mtp_layer_pattern, hybrid_submodules, mamba_submodules):
-    if mtp_layer_pattern is not None or hybrid_submodules is not None or mamba_submodules is not None:
-        raise NotImplementedError("hybrid (Mamba) MTP layers (mtp_layer_pattern / hybrid_submodules / "
-                                  "mamba_submodules) are not supported: MTP depths are transformer layers")
+def _hybrid_parts(mtp_layer_pattern, hybrid_submodules, mamba_submodules):
+    """(pattern, submodules) of a hybrid depth, or (None, None) for a transformer-layer depth.
+    ``mamba_submodules`` is Megatron's older name for ``hybrid_submodules``."""
+    submodules = hybrid_submodules if hybrid_submodules is not None else mamba_submodules
+    if (mtp_layer_pattern is None) != (submodules is None):
+        raise ValueError("a hybrid MTP depth needs both mtp_layer_pattern and hybrid_submodules")
+    if mtp_layer_pattern is not None:
+        if not mtp_layer_pattern or "|" in mtp_layer_pattern or "/" in mtp_layer_pattern:
+            raise ValueError(f"MTP layer pattern '{mtp_layer_pattern}': one depth's layer symbols, without "
+                             "'|' or '/'")
+    return mtp_layer_pattern, submodules
 
 
 class MultiTokenPredictionLayer(MegatronModule):
@@ -128,7 +141,7 @@ class MultiTokenPredictionLayer(MegatronModule):
                  vp_stage: Optional[int] = None, pg_collection=None, mtp_layer_pattern: Optional[str] = None,
                  hybrid_submodules=None, mamba_submodules=None, name: Optional[str] = None, **kwargs):
         super().__init__(config)
-        _refuse_hybrid(mtp_layer_pattern, hybrid_submodules, mamba_submodules)
+        self.mtp_layer_pattern, hybrid = _hybrid_parts(mtp_layer_pattern, hybrid_submodules, mamba_submodules)
         self.name = name
         self.layer_number = layer_number  # 1-based depth; names checkpoint keys mtp.layers.<depth - 1>
         # Explicit groups: eh_proj and the gathers use its TP group, the layer gets the collection
@@ -141,12 +154,21 @@ class MultiTokenPredictionLayer(MegatronModule):
         self.eh_proj = build_module(submodules.eh_proj, 2 * h, h, config=config, init_method=config.init_method,
                                     gather_output=False, bias=False, skip_bias_add=False, is_expert=False,
                                     tp_comm_buffer_name="mtp_eh_proj", **tp_kwargs)
-        layer_spec = submodules.mtp_model_layer if submodules.mtp_model_layer is not None \
-            else submodules.transformer_layer
-        # Numbered by depth (1..D), without the stage offset; its metrics keep the decoder's slots 1..D.
-        self.transformer_layer = build_module(layer_spec, config=config, layer_number=layer_number,
-                                              vp_stage=vp_stage, add_layer_offset=False,
-                                              **process_group_kwargs(layer_spec, pg_collection, type(self).__name__))
+        if hybrid is not None:
+            # The depth's own stack, numbered 1..len(pattern); the depth's final_layernorm below ends it.
+            # HybridStack comes from the module that defines the submodules' class (already imported, and
+            # importing it here would run the hybrid package, which imports this module: a cycle).
+            stack = sys.modules[type(hybrid).__module__].HybridStack
+            self.mtp_model_layer = stack(config, hybrid, pre_process=True, layer_type_list=list(self.mtp_layer_pattern),
+                                         pp_layer_offset=0, post_layer_norm=False, post_process=True,
+                                         pg_collection=pg_collection, is_mtp_layer=True, vp_stage=vp_stage)
+        else:
+            layer_spec = submodules.mtp_model_layer if submodules.mtp_model_layer is not None \
+                else submodules.transformer_layer
+            # Numbered by depth (1..D), without the stage offset; its metrics keep the decoder's slots 1..D.
+            self.transformer_layer = build_module(
+                layer_spec, config=config, layer_number=layer_number, vp_stage=vp_stage, add_layer_offset=False,
+                **process_group_kwargs(layer_spec, pg_collection, type(self).__name__))
         self.final_layernorm = build_module(submodules.layer_norm, config=config, hidden_size=h, eps=eps)
 
     def forward(self, input_ids, position_ids, hidden_states, attention_mask, rotary_pos_emb=None,
@@ -160,9 +182,12 @@ class MultiTokenPredictionLayer(MegatronModule):
         x = gather_from_tensor_model_parallel_region(x, group=self._tp_group)  # [s, b, h]
         if self.config.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, group=self._tp_group)  # [s/tp, b, h]
-        rng = get_cuda_rng_tracker().fork() if self.config.sequence_parallel else nullcontext()
-        with rng:
-            x, _ = self.transformer_layer(x, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+        if self.mtp_layer_pattern is not None:  # the stack forks the RNG itself under sequence parallelism
+            x = self.mtp_model_layer(x, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+        else:
+            rng = get_cuda_rng_tracker().fork() if self.config.sequence_parallel else nullcontext()
+            with rng:
+                x, _ = self.transformer_layer(x, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
         x = self.final_layernorm(x)
         return make_viewless_tensor(x, requires_grad=True, keep_graph=True), input_ids, position_ids
 
@@ -178,18 +203,28 @@ class MultiTokenPredictionBlock(MegatronModule):
     def __init__(self, config, spec, vp_stage: Optional[int] = None, pg_collection=None,
                  mtp_layer_pattern: Optional[str] = None, mtp_num_depths: int = 0, hybrid_submodules=None,
                  mamba_submodules=None, name: Optional[str] = None, **kwargs):
-        """``mtp_num_depths`` > 0 overrides the number of depths (Megatron: for a repeated layer, which is
-        not implemented here), so it must equal config.mtp_num_layers."""
+        """``mtp_num_depths`` > 0 (a hybrid pattern's '/' count) must equal config.mtp_num_layers; the hybrid
+        path builds that many depths from the spec's layer specs (the last one repeated, as Megatron does),
+        each a HybridStack of ``mtp_layer_pattern``."""
         super().__init__(config)
-        _refuse_hybrid(mtp_layer_pattern, hybrid_submodules, mamba_submodules)
+        self.mtp_layer_pattern, hybrid = _hybrid_parts(mtp_layer_pattern, hybrid_submodules, mamba_submodules)
+        self.mtp_num_depths = mtp_num_depths
         self.name = name
         submodules = spec.submodules if isinstance(spec, ModuleSpec) else spec
         specs = submodules.layer_specs
-        if len(specs) != config.mtp_num_layers or mtp_num_depths not in (0, config.mtp_num_layers):
-            raise ValueError(f"MTP block spec has {len(specs)} layer specs (mtp_num_depths {mtp_num_depths}); "
-                             f"--mtp-num-layers is {config.mtp_num_layers}")
+        if mtp_num_depths not in (0, config.mtp_num_layers):
+            raise ValueError(f"the MTP pattern has {mtp_num_depths} depths but --mtp-num-layers is "
+                             f"{config.mtp_num_layers}")
+        if hybrid is not None:
+            specs = [specs[min(i, len(specs) - 1)] for i in range(config.mtp_num_layers)]
+            extra = dict(mtp_layer_pattern=self.mtp_layer_pattern, hybrid_submodules=hybrid)
+        elif len(specs) != config.mtp_num_layers:
+            raise ValueError(f"MTP block spec has {len(specs)} layer specs; --mtp-num-layers is "
+                             f"{config.mtp_num_layers}")
+        else:
+            extra = {}
         self.layers = torch.nn.ModuleList(
-            build_module(s, config=config, layer_number=i + 1, vp_stage=vp_stage,
+            build_module(s, config=config, layer_number=i + 1, vp_stage=vp_stage, **extra,
                          **process_group_kwargs(s, pg_collection, type(self).__name__)) for i, s in enumerate(specs))
 
     def forward(self, input_ids, position_ids, hidden_states, attention_mask, rotary_pos_emb=None,

@@ -19,6 +19,9 @@ def add_hybrid_args(parser):
                         "between pipeline stages. Sets --num-layers.")
     g.add_argument("--hybrid-override-pattern", type=str, default=None,
                    help="Deprecated spelling of --hybrid-layer-pattern.")
+    g.add_argument("--mtp-hybrid-override-pattern", type=str, default=None,
+                   help="Deprecated: one multi-token prediction depth's layers (e.g. '*-'); with --mtp-num-layers N "
+                        "it becomes N '/'-separated copies after the main --hybrid-layer-pattern.")
     g.add_argument("--mamba-state-dim", type=int, default=128, help="Mamba-2 state size per head (n).")
     g.add_argument("--mamba-head-dim", type=int, default=64, help="Mamba-2 head dim (p).")
     g.add_argument("--mamba-num-groups", type=int, default=8, help="Mamba-2 B/C groups (G).")
@@ -39,6 +42,13 @@ def validate_hybrid_args(args, require):
         require(args.hybrid_layer_pattern is None, "--hybrid-override-pattern and --hybrid-layer-pattern cannot "
                                                    "both be set; keep --hybrid-layer-pattern")
         args.hybrid_layer_pattern, args.hybrid_override_pattern = args.hybrid_override_pattern, None
+    if args.mtp_hybrid_override_pattern is not None:  # Megatron's older MTP spelling -> the unified pattern
+        require(args.hybrid_layer_pattern is not None and Symbols.MTP_SEPARATOR not in args.hybrid_layer_pattern,
+                "--mtp-hybrid-override-pattern needs a --hybrid-layer-pattern without '/' MTP depths; write the "
+                "depths into --hybrid-layer-pattern instead ('<main>/<mtp>/<mtp>...')")
+        require(bool(args.mtp_num_layers), "--mtp-hybrid-override-pattern needs --mtp-num-layers (the depths)")
+        args.hybrid_layer_pattern += (Symbols.MTP_SEPARATOR + args.mtp_hybrid_override_pattern) * args.mtp_num_layers
+        args.mtp_hybrid_override_pattern = None
     pattern = args.hybrid_layer_pattern
     if pattern is None:
         require(not args.is_hybrid_model, "a hybrid model needs --hybrid-layer-pattern (e.g. 'M-M*-')")
@@ -49,8 +59,15 @@ def validate_hybrid_args(args, require):
         parsed = parse_hybrid_pattern(pattern)
     except ValueError as e:
         require(False, str(e))
-    require(parsed.mtp_num_depths == 0, "--hybrid-layer-pattern: multi-token prediction depths ('/...') are not "
-                                        "supported yet; drop the '/' part")
+    if parsed.mtp_num_depths:  # Megatron: the pattern's depth count wins over --mtp-num-layers
+        if args.mtp_num_layers not in (None, parsed.mtp_num_depths) and getattr(args, "rank", 0) == 0:
+            print(f"WARNING: --mtp-num-layers {args.mtp_num_layers} disagrees with the {parsed.mtp_num_depths} "
+                  f"MTP depths of --hybrid-layer-pattern; using {parsed.mtp_num_depths}", flush=True)
+        args.mtp_num_layers = parsed.mtp_num_depths
+    else:
+        require(not args.mtp_num_layers, f"--mtp-num-layers {args.mtp_num_layers} in a hybrid model needs the MTP "
+                                         "layers in --hybrid-layer-pattern: '<main>/<mtp>/<mtp>...' (e.g. "
+                                         "'M*M-/*-/*-')")
     n = get_hybrid_total_layer_count(pattern)
     require(n > 0, "--hybrid-layer-pattern has no layers")
     require(args.num_layers is None or args.num_layers == n,
@@ -67,7 +84,7 @@ def validate_hybrid_args(args, require):
                 "--decoder-first/last-pipeline-num-layers cannot be combined with '|' in --hybrid-layer-pattern")
     require(args.num_layers_per_virtual_pipeline_stage is None and args.num_virtual_stages_per_pipeline_rank is None,
             "virtual pipeline stages are not supported with --hybrid-layer-pattern yet")
-    main = parsed.main_pattern or ""
+    main = (parsed.main_pattern or "") + (parsed.mtp_pattern or "")  # every layer kind the model builds
     tp = args.tensor_model_parallel_size
     try:
         if Symbols.MAMBA in main:

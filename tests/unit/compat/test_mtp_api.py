@@ -66,8 +66,8 @@ def test_megatron_style_provider_builds_mtp_and_trains():
     loss = model(ids, pos, None, labels=torch.roll(ids, -1, 1))
     loss.mean().backward()
     assert model.mtp.layers[1].eh_proj.weight.grad.abs().sum() > 0  # the MTP loss reaches the depths
-    with pytest.raises(NotImplementedError, match="hybrid"):
-        mtp.MultiTokenPredictionBlock(config, block, mtp_layer_pattern="*")
+    with pytest.raises(ValueError, match="needs both mtp_layer_pattern and hybrid_submodules"):
+        mtp.MultiTokenPredictionBlock(config, block, mtp_layer_pattern="*")  # a hybrid depth without its layers
 
 
 def test_tied_weight_entries_become_replicas():

@@ -13,6 +13,12 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlock,
+    MultiTokenPredictionBlockSubmodules,
+    MultiTokenPredictionLayer,
+    MultiTokenPredictionLayerSubmodules,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.te_key_map import TRANSFORMER_ENGINE
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -52,8 +58,13 @@ def get_hybrid_stack_spec(moe_grouped_gemm: bool = False, qk_layernorm: bool = F
     moe = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
         pre_mlp_layernorm=norm, mlp=get_moe_module_spec_for_backend(LocalSpecProvider(), 8, moe_grouped_gemm),
         mlp_bda=get_bias_dropout_add, **keys))
+    # One MTP depth: its layer is a HybridStack of the pattern's MTP part, built from these same submodules.
+    mtp = ModuleSpec(module=MultiTokenPredictionBlock, submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[
+        ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
+            enorm=norm, hnorm=norm, eh_proj=ColumnParallelLinear, mtp_model_layer=None, layer_norm=norm))]))
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
-        mamba_layer=mamba, gdn_layer=gdn, attention_layer=attention, mlp_layer=mlp, moe_layer=moe))
+        mamba_layer=mamba, gdn_layer=gdn, attention_layer=attention, mlp_layer=mlp, moe_layer=moe,
+        mtp_block_spec=mtp))
 
 
 # Megatron's module-level spec names.

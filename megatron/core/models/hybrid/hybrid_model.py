@@ -14,6 +14,7 @@ from megatron.core.models.hybrid.hybrid_layer_allocation import (
     pattern_from_ratios,
     select_pipeline_segment,
 )
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 logger = logging.getLogger(__name__)
@@ -36,9 +37,13 @@ def resolve_hybrid_pattern(config, hybrid_layer_pattern=None, hybrid_override_pa
     if not hybrid_layer_pattern:
         raise ValueError("a hybrid model needs --hybrid-layer-pattern (e.g. 'M*M-')")
     parsed = parse_hybrid_pattern(hybrid_layer_pattern)
-    if parsed.mtp_num_depths:
-        raise NotImplementedError("multi-token prediction depths ('/') in --hybrid-layer-pattern are not "
-                                  "supported yet; drop the '/...' part")
+    if parsed.mtp_num_depths and parsed.mtp_num_depths != (config.mtp_num_layers or 0):
+        raise ValueError(f"--hybrid-layer-pattern has {parsed.mtp_num_depths} multi-token prediction depths ('/') "
+                         f"but --mtp-num-layers is {config.mtp_num_layers}; make them equal (or leave "
+                         "--mtp-num-layers unset)")
+    if not parsed.mtp_num_depths and config.mtp_num_layers:
+        raise ValueError(f"--mtp-num-layers {config.mtp_num_layers} in a hybrid model needs the MTP layers in the "
+                         "pattern: '<main>/<mtp>/<mtp>...' (e.g. 'M*M-/*-/*-')")
     n = get_hybrid_total_layer_count(hybrid_layer_pattern)
     if config.num_layers and n != config.num_layers:
         raise ValueError(f"--hybrid-layer-pattern has {n} layers but --num-layers is {config.num_layers}; make "
@@ -94,7 +99,17 @@ class HybridModel(GPTModel):
         self.decoder = build_module(hybrid_stack_spec, config=config, pre_process=pre_process,
                                     layer_type_list=layer_types, pp_layer_offset=offset, post_process=post_process,
                                     pg_collection=pg_collection, vp_stage=vp_stage)
-        self.mtp_process = False
+        # Multi-token prediction depths ('/' in the pattern) on the last stage, each a HybridStack of the MTP part.
+        parsed = parse_hybrid_pattern(self.hybrid_layer_pattern)
+        self.mtp_process = parsed.mtp_num_depths > 0 and post_process
+        if self.mtp_process:
+            mtp_spec = hybrid_stack_spec.submodules.mtp_block_spec
+            if mtp_spec is None:
+                raise ValueError("the pattern has MTP depths ('/') but the hybrid stack spec has no mtp_block_spec")
+            self.mtp = MultiTokenPredictionBlock(config, mtp_spec, vp_stage=vp_stage, pg_collection=pg_collection,
+                                                 mtp_layer_pattern=parsed.mtp_pattern,
+                                                 mtp_num_depths=parsed.mtp_num_depths,
+                                                 hybrid_submodules=hybrid_stack_spec.submodules)
         self.mtp_loss_stats = None
         if post_process:
             self.output_layer = build_output_layer(config, vocab_size, False, parallel_output, pre_process,
