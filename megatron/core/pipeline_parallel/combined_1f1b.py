@@ -18,8 +18,8 @@ threads whose NCCL kernels wait on each other across ranks must never stop at an
 synchronisation: growing the caching allocator (cudaMalloc), allocating pinned host memory, or creating a
 communicator at its first collective all wait for the other stream's all-to-all, which waits for a peer
 that is stuck the same way. The sequential first step makes each side stream's memory pool, the pinned
-count buffers and both EP communicators exist before the threads run concurrently (at EP=4 on 4 H200s the
-concurrent first step hung in iteration 1).
+count buffers (one per host thread: the forward thread runs its forwards here too) and both EP communicators
+exist before the threads run concurrently (at EP=4 on 4 H200s the concurrent first step hung in iteration 1).
 """
 import contextlib
 import threading
@@ -96,8 +96,8 @@ def run_overlapped(forward_step_func, data_iterator, model, state: step.RunState
     output = forward(0)
     for i in range(1, n):
         _join(streams)
-        if not concurrent:  # the first step: the same plan, one side after the other
-            following = forward(i)
+        if not concurrent:  # the first step: the same plan, one side after the other, each on its own thread
+            following = _executor().submit(forward, i).result()
             backward(i - 1, output)
             output = following
             continue
