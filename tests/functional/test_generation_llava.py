@@ -24,6 +24,7 @@ import torch
 pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 
+from tests.fixtures.hf_checks import randomize_vectors
 from tests.parallel.dist_utils import free_port, run_distributed  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -68,10 +69,7 @@ def world(tmp_path_factory):
         Image.fromarray(pixels).save(root / name)
     torch.manual_seed(0)
     hf = LlavaForConditionalGeneration(_hf_config()).eval()
-    with torch.no_grad():  # random norms and biases, so a swapped or dropped tensor shows in the tokens
-        for name, p in hf.named_parameters():
-            if p.dim() == 1:
-                p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    randomize_vectors(hf)  # random norms and biases, so a swapped or dropped tensor shows in the tokens
     hf.save_pretrained(str(root / "hf"))
     import_hf_checkpoint(str(root / "hf"), str(root / "ckpt"))
     images = [torch.cat([_tiles(root / f) for f in files]) if files else None for _, files in PROMPTS]

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from safetensors.torch import load_file  # noqa: E402
 
+from tests.fixtures.hf_checks import max_rel_err, randomize_vectors, safetensors_in
 from tests.parallel.dist_utils import run_distributed  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,10 +52,7 @@ def _build_hf(cfg, path, shard=None):
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
-    with torch.no_grad():  # random norms and biases, so a swapped or dropped tensor shows in the logits
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.normal_(1.0 if "norm" in name or "ln" in name else 0.0, 0.1)
+    randomize_vectors(model, norm_markers=("norm", "ln"))
     model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
     return model
 
@@ -168,26 +165,15 @@ def world(tmp_path_factory):
                 tp2pp2=dict(zip(FAMILIES, ours[len(tp1):-1])), torch_tp2=ours[-1])
 
 
-def _rel(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_hf(world, family):
-    assert _rel(world["tp1"][family], world["ref"][family]) <= RTOL
-    assert _rel(world["tp2pp2"][family], world["ref"][family]) <= RTOL
+    assert max_rel_err(world["tp1"][family], world["ref"][family]) <= RTOL
+    assert max_rel_err(world["tp2pp2"][family], world["ref"][family]) <= RTOL
 
 
 def test_torch_format_import_matches_hf(world):
     """Legacy torch format: one file per TP rank, loaded under that layout (TP=2 x DP=2)."""
-    assert _rel(world["torch_tp2"], world["ref"]["llama31"]) <= RTOL
-
-
-def _hf_tensors(path):
-    out = {}
-    for f in glob.glob(os.path.join(path, "*.safetensors")):
-        out.update(load_file(f))
-    return out
+    assert max_rel_err(world["torch_tp2"], world["ref"]["llama31"]) <= RTOL
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -196,7 +182,7 @@ def test_export_round_trip_is_bitwise(world, family):
     from megatron.training.checkpointing.hf import export_hf_checkpoint
     src, out = world["dirs"][family], str(world["root"] / f"{family}_back")
     export_hf_checkpoint(src + "_tp2pp2", out, max_shard_bytes=20_000 if family == "qwen2" else 5 * 2 ** 30)
-    orig, back = _hf_tensors(src), _hf_tensors(out)
+    orig, back = safetensors_in(src), safetensors_in(out)
     assert sorted(orig) == sorted(back)
     for k in orig:
         assert torch.equal(orig[k], back[k]), k
@@ -210,7 +196,7 @@ def test_torch_format_export_cli(world):
     """Bridge's spelling from the legacy per-rank files (rewritten as torch_dist on spawned ranks first)."""
     src, out = world["dirs"]["llama31"], str(world["root"] / "llama31_from_torch")
     _cli("hf.py", "export", "--checkpoint-path", src + "_torch", "--output-path", out)
-    orig, back = _hf_tensors(src), _hf_tensors(out)
+    orig, back = safetensors_in(src), safetensors_in(out)
     assert sorted(orig) == sorted(back) and all(torch.equal(orig[k], back[k]) for k in orig)
 
 
@@ -224,8 +210,8 @@ def test_trained_checkpoint_loads_in_transformers(world):
     model = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     assert type(model).__name__ == "Qwen3ForCausalLM"
     hf = _hf_logits(model, world["tokens"])
-    assert _rel(world["tp1"]["trained"], world["ref"]["qwen3"]) > 1e-3  # training changed the model
-    assert _rel(world["tp1"]["trained"], hf) <= RTOL
+    assert max_rel_err(world["tp1"]["trained"], world["ref"]["qwen3"]) > 1e-3  # training changed the model
+    assert max_rel_err(world["tp1"]["trained"], hf) <= RTOL
 
 
 def test_import_writes_flags_and_args(world):

@@ -4,7 +4,6 @@ model provider (--use-checkpoint-args) and run on two samples of two images each
 combined sequence equal transformers' (its text holds image_seq_length image tokens per image, ours one).
 Export writes the imported tensors back bit for bit, and transformers loads the export to the same logits.
 """
-import glob
 import json
 import os
 
@@ -12,8 +11,8 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from safetensors.torch import load_file  # noqa: E402
 
+from tests.fixtures.hf_checks import max_rel_err, randomize_vectors, safetensors_in
 from tests.parallel.dist_utils import run_distributed  # noqa: E402
 
 VOCAB, IMAGE_TOKEN, IMG, PATCH = 120, 119, 8, 4
@@ -53,10 +52,7 @@ def _build_hf(path):
     from transformers import LlavaForConditionalGeneration
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(_hf_config()).eval()
-    with torch.no_grad():  # random norms and biases, so a swapped or dropped tensor shows in the logits
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    randomize_vectors(model, norm_markers=("norm",))
     model.save_pretrained(path)
     return model
 
@@ -128,14 +124,10 @@ def world(tmp_path_factory):
     return dict(root=root, src=src, ref=ref, tp1=logits[0], tp2pp2=logits[1], hf_ids=hf_ids, images=images)
 
 
-def _rel(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
 def test_logits_match_transformers(world):
     assert world["tp1"].shape == world["ref"].shape
-    assert _rel(world["tp1"], world["ref"]) <= RTOL
-    assert _rel(world["tp2pp2"], world["ref"]) <= RTOL
+    assert max_rel_err(world["tp1"], world["ref"]) <= RTOL
+    assert max_rel_err(world["tp2pp2"], world["ref"]) <= RTOL
 
 
 def test_flags_written(world):
@@ -145,16 +137,9 @@ def test_flags_written(world):
         assert flag in flags, flag
 
 
-def _tensors(path):
-    out = {}
-    for f in glob.glob(os.path.join(path, "*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 def test_export_round_trip_and_transformers_loads_it(world):
     from transformers import LlavaForConditionalGeneration
-    orig, back = _tensors(world["src"]), _tensors(str(world["root"] / "back"))
+    orig, back = safetensors_in(world["src"]), safetensors_in(str(world["root"] / "back"))
     # The third ViT layer (never read: vision_feature_layer -2) is not part of our model.
     orig = {k: v for k, v in orig.items() if "encoder.layers.2." not in k and "post_layernorm" not in k}
     back = {k: v for k, v in back.items() if "post_layernorm" not in k}
@@ -164,7 +149,7 @@ def test_export_round_trip_and_transformers_loads_it(world):
     cfg = json.load(open(os.path.join(world["root"] / "back", "config.json")))
     assert cfg["vision_feature_layer"] == -1 and cfg["vision_config"]["num_hidden_layers"] == 2
     model = LlavaForConditionalGeneration.from_pretrained(str(world["root"] / "back")).eval()
-    assert _rel(_hf_logits(model, world["hf_ids"], world["images"]), world["ref"]) <= RTOL
+    assert max_rel_err(_hf_logits(model, world["hf_ids"], world["images"]), world["ref"]) <= RTOL
 
 
 def test_unsupported_configs_fail_in_one_line():

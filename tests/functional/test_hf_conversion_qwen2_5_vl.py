@@ -4,7 +4,6 @@ imported at TP=1 and TP=2 x PP=2, loaded by pretrain_vlm.py's model provider (--
 run on two samples holding three images of different sizes; our logits equal transformers'. Export writes
 the imported tensors back bit for bit, and transformers loads the export to the same logits.
 """
-import glob
 import json
 import os
 
@@ -12,8 +11,8 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from safetensors.torch import load_file  # noqa: E402
 
+from tests.fixtures.hf_checks import max_rel_err, randomize_vectors, safetensors_in
 from tests.parallel.dist_utils import run_distributed  # noqa: E402
 
 VOCAB, IMAGE, START, END = 128, 120, 122, 123
@@ -64,10 +63,7 @@ def _build_hf(path):
     from transformers import Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(0)
     model = Qwen2_5_VLForConditionalGeneration(_hf_config()).eval()
-    with torch.no_grad():  # random norms and biases, so a swapped or dropped tensor shows in the logits
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.normal_(1.0 if "norm" in name or "ln_q" in name else 0.0, 0.1)
+    randomize_vectors(model, norm_markers=("norm", "ln_q"))
     model.save_pretrained(path)
     return model
 
@@ -140,15 +136,11 @@ def world(tmp_path_factory):
                 grid=grid)
 
 
-def _rel(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
 def test_logits_match_transformers(world):
-    assert _rel(world["plain"], world["ref"]) > 1e-3  # the 3-D image positions matter in this test
+    assert max_rel_err(world["plain"], world["ref"]) > 1e-3  # the 3-D image positions matter in this test
     assert world["tp1"].shape == world["ref"].shape
-    assert _rel(world["tp1"], world["ref"]) <= RTOL
-    assert _rel(world["tp2pp2"], world["ref"]) <= RTOL
+    assert max_rel_err(world["tp1"], world["ref"]) <= RTOL
+    assert max_rel_err(world["tp2pp2"], world["ref"]) <= RTOL
 
 
 def test_flags_written(world):
@@ -160,16 +152,9 @@ def test_flags_written(world):
         assert flag in flags, flag
 
 
-def _tensors(path):
-    out = {}
-    for f in glob.glob(os.path.join(path, "*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 def test_export_round_trip_and_transformers_loads_it(world):
     from transformers import Qwen2_5_VLForConditionalGeneration
-    orig, back = _tensors(world["src"]), _tensors(str(world["root"] / "back"))
+    orig, back = safetensors_in(world["src"]), safetensors_in(str(world["root"] / "back"))
     assert sorted(orig) == sorted(back)
     for k in orig:
         assert torch.equal(orig[k], back[k]), k
@@ -177,7 +162,7 @@ def test_export_round_trip_and_transformers_loads_it(world):
     assert cfg["text_config"]["rope_parameters"]["mrope_section"] == [2, 3, 3]
     assert cfg["vision_config"]["fullatt_block_indexes"] == [1]
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(world["root"] / "back")).eval()
-    assert _rel(_hf_logits(model, world["ids"], world["patches"], world["grid"]), world["ref"]) <= RTOL
+    assert max_rel_err(_hf_logits(model, world["ids"], world["patches"], world["grid"]), world["ref"]) <= RTOL
 
 
 def test_rope_index_matches_transformers(world):
