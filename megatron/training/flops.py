@@ -46,7 +46,9 @@ def hybrid_floating_point_operations(args, batch_size):
       MLP        4 h f (x 3/2 with SwiGLU);   MoE: 4 h (topk f_moe + f_shared) (x 3/2 with SwiGLU)
       Mamba-2    2 h (2 d_in + 2 G n + H) + 7 d_in n + 2 d_in h   (in_proj, scan estimate, out_proj; d_in = H p)
       GDN        2 (h (2 qk + 2 v + 2 nv) + w (2 qk + v) + 4 nv dv^2 + h v)
-      logits     2 h V
+      logits     2 h V, once per prediction depth (1 + --mtp-num-layers)
+    Layers of the MTP depths count like the main ones; multi-latent attention layers ('+') count nothing, as
+    in Megatron's formula (its hybrid FLOPs have no MLA term).
     """
     # lazy: megatron.core.models imports the whole model stack; only hybrid runs need the pattern parser
     from megatron.core.models.hybrid.hybrid_layer_allocation import get_hybrid_layer_counts  # lazy: see above
@@ -72,8 +74,9 @@ def hybrid_floating_point_operations(args, batch_size):
     gdn = 2 * (h * (2 * qk + 2 * v + 2 * nv) + args.linear_conv_kernel_dim * (2 * qk + v)
                + 4 * nv * args.linear_value_head_dim ** 2 + h * v)
     vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size
+    mtp = getattr(args, "mtp_num_layers", None) or 0
     forward = (counts["*"] * attention + counts["-"] * mlp + counts["E"] * moe + counts["M"] * mamba
-               + counts["G"] * gdn + 2 * h * vocab)
+               + counts["G"] * gdn + 2 * h * vocab * (1 + mtp))  # one output head pass per prediction depth
     return 3 * tokens * forward
 
 

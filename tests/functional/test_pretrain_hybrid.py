@@ -1,5 +1,5 @@
 """pretrain_hybrid.py / pretrain_mamba.py as a user runs them: a tiny hybrid of every layer kind trains on
-mock data and its loss falls; multi-token prediction depths in the pattern ('/', or Megatron's older
+mock data and its loss falls (multi-latent attention layers too); multi-token prediction depths in the pattern ('/', or Megatron's older
 --mtp-hybrid-override-pattern) train and log their losses; bad patterns stop the run with one line naming the
 flag."""
 import os
@@ -39,6 +39,17 @@ def test_pretrain_mamba_takes_the_older_pattern_flag():
     assert len([m for m in map(LOSS.search, p.stdout.splitlines()) if m]) == 3
 
 
+MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16"]
+
+
+def test_multi_latent_attention_layers_train():
+    p = _run("pretrain_hybrid.py", ["--hybrid-layer-pattern", "M+-*-", "--train-iters", "12"] + MLA)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    losses = [float(m.group(2)) for m in map(LOSS.search, p.stdout.splitlines()) if m]
+    assert len(losses) == 12 and losses[-1] < 0.9 * losses[0], losses
+
+
 MTP_LOSS = re.compile(r"\| lm loss: (\S+) \| mtp_1 loss: (\S+) \| mtp_2 loss: (\S+) \|")
 
 
@@ -58,6 +69,7 @@ def test_mtp_depths_in_the_pattern_train(flags):
     (["--hybrid-layer-pattern", "M*M-", "--mtp-num-layers", "2"],
      "--mtp-num-layers 2 in a hybrid model needs the MTP layers in --hybrid-layer-pattern"),
     (["--hybrid-layer-pattern", "M*M-/M-/*-"], "every MTP depth must have the same pattern"),
+    (["--hybrid-layer-pattern", "M+M-"], "has multi-latent attention layers (+): pass --multi-latent-attention"),
     (["--hybrid-layer-pattern", "M*X-"], "--hybrid-layer-pattern: 'X' at position 2 is not a layer symbol"),
     (["--hybrid-layer-pattern", "M*M-", "--num-layers", "6"],
      "--hybrid-layer-pattern has 4 layers but --num-layers is 6"),

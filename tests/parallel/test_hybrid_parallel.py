@@ -3,7 +3,8 @@ pattern's '|'), DP with the distributed optimizer and CP (attention/MLP patterns
 fp32, dropout 0, same global batches, loss per iteration within 1e-5 relative (summation order only).
 Then torch_dist checkpoints of model + optimizer reshard between TP=2, PP=2 and one rank. Multi-token prediction
 depths from the pattern ('/', each a hybrid stack of Mamba-2 and MLP layers) train under TP=2 + SP and DP=2 like
-one process, and their checkpoint reshards TP=2 -> one rank."""
+one process, and their checkpoint reshards TP=2 -> one rank. Multi-latent attention layers ('+') beside Mamba-2 and
+standard attention train under TP=2 + SP like one process."""
 import torch
 
 from megatron.core import parallel_state as ps
@@ -13,6 +14,7 @@ from megatron.core.models.hybrid.hybrid_layer_specs import get_hybrid_stack_spec
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from tests.fixtures.tiny_gpt import VOCAB, global_batch, loss_func, tiny_config, train_step
 from tests.parallel.dist_utils import run_distributed
 
@@ -28,7 +30,11 @@ def _build(pattern=PATTERN, tp=1, pp=1, cp=1, distopt=False, sp=False):
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  context_parallel_size=cp)
     model_parallel_cuda_manual_seed(1234)
-    cfg = tiny_config(num_layers=4, ffn_hidden_size=64, normalization="RMSNorm", add_bias_linear=False,
+    mla = "+" in pattern  # multi-latent attention layers need the MLA config and its sizes
+    mla_sizes = dict(q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8,
+                     rotary_base=10000) if mla else {}
+    cfg = tiny_config(MLATransformerConfig if mla else TransformerConfig, **mla_sizes,
+                      num_layers=len(pattern.split("/")[0].replace("|", "")), ffn_hidden_size=64, normalization="RMSNorm", add_bias_linear=False,
                       mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2, linear_key_head_dim=8,
                       linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
                       is_hybrid_model=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -163,3 +169,17 @@ def test_mtp_depths_equal_one_process_and_reshard(tmp_path):
         _close(f"mtp {name}", results[0][name], ref["with_mtp"])
     resumed = run_distributed(_load_and_continue, 1, f"{tmp_path}/mtp_tp2", dict(pattern=MTP_PATTERN))[0]
     _close("mtp tp2 -> one rank", resumed, results[0]["ckpt"])
+
+
+MLA_PATTERN = "M+-*"
+
+
+def _mla_two_ranks():
+    return _losses(dict(pattern=MLA_PATTERN, tp=2, sp=True))
+
+
+def test_mla_layers_equal_one_process():
+    ref = run_distributed(_losses, 1, dict(pattern=MLA_PATTERN))[0]
+    assert ref[-1] < ref[0]
+    for losses in run_distributed(_mla_two_ranks, 2):
+        _close("mla tp2_sp", losses, ref)

@@ -97,6 +97,9 @@ def validate_hybrid_args(args, require):
     require(args.context_parallel_size == 1 or not (Symbols.MAMBA in main or Symbols.GDN in main),
             "--context-parallel-size > 1 is supported for attention and MLP layers only; Mamba (M) and Gated "
             "DeltaNet (G) layers need CP=1")
+    require(Symbols.MLA not in main or args.multi_latent_attention,
+            "--hybrid-layer-pattern has multi-latent attention layers (+): pass --multi-latent-attention with its "
+            "sizes (--q-lora-rank, --kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim)")
     require(Symbols.MOE not in main or args.num_experts is not None,
             "--hybrid-layer-pattern has MoE layers (E): set --num-experts")
     require(args.num_experts is None or Symbols.MOE in main,

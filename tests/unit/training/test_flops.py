@@ -117,3 +117,23 @@ def test_hybrid_formula_counts_each_layer_kind():
     logits = 2 * t * h * 131072
     expected = 3 * (2 * mamba + mlp + attention + gdn + moe + logits)
     assert num_floating_point_operations(args, 2) == pytest.approx(expected, rel=1e-12)
+
+
+def test_hybrid_formula_counts_mtp_depths():
+    """With MTP depths ('/' in the pattern) the depths' layers count like the main ones and the output head
+    runs once per prediction depth, as in Megatron's hybrid formula."""
+    from types import SimpleNamespace
+    common = dict(is_hybrid_model=True, hidden_size=256, seq_length=128, num_attention_heads=4, num_query_groups=4,
+                  group_query_attention=False, kv_channels=64, ffn_hidden_size=512, swiglu=False,
+                  moe_ffn_hidden_size=None, moe_router_topk=1, moe_shared_expert_intermediate_size=None,
+                  mamba_state_dim=16, mamba_head_dim=32, mamba_num_groups=2, mamba_num_heads=16,
+                  linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_conv_kernel_dim=4, padded_vocab_size=1024, vocab_size=None)
+    plain = num_floating_point_operations(SimpleNamespace(hybrid_layer_pattern="M*-M*-", mtp_num_layers=None,
+                                                          **common), 1)
+    main = num_floating_point_operations(SimpleNamespace(hybrid_layer_pattern="M*-", mtp_num_layers=None, **common), 1)
+    with_mtp = num_floating_point_operations(SimpleNamespace(hybrid_layer_pattern="M*-/M*-", mtp_num_layers=1,
+                                                             **common), 1)
+    logits = 3 * 2 * 128 * 256 * 1024
+    assert with_mtp == pytest.approx(plain + logits, rel=1e-12)  # the depth's layers plus one more head pass
+    assert with_mtp > main

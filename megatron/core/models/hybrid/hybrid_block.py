@@ -20,7 +20,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 @dataclass
 class HybridStackSubmodules:
-    """The layer spec of each symbol (Megatron's fields; dsa_layer and mla_layer are not built here)."""
+    """The layer spec of each symbol (Megatron's fields; dsa_layer is not built here)."""
 
     mamba_layer: Union[ModuleSpec, type] = IdentityOp
     gdn_layer: Union[ModuleSpec, type] = IdentityOp
@@ -34,7 +34,7 @@ class HybridStackSubmodules:
 
 
 _SPEC_OF = {Symbols.MAMBA: "mamba_layer", Symbols.GDN: "gdn_layer", Symbols.ATTENTION: "attention_layer",
-            Symbols.MLP: "mlp_layer", Symbols.MOE: "moe_layer"}
+            Symbols.MLA: "mla_layer", Symbols.MLP: "mlp_layer", Symbols.MOE: "moe_layer"}
 
 
 class HybridStack(TransformerBlock):

@@ -1,7 +1,8 @@
 """Hybrid layer patterns (Megatron's syntax): one character per layer, '|' between pipeline segments,
 '/' before each multi-token-prediction depth's pattern.
 
-    M Mamba-2   G Gated DeltaNet   * attention   - MLP   E MoE        e.g. "M-M*-|M-M*-/*-/*-"
+    M Mamba-2   G Gated DeltaNet   * attention   + multi-latent attention   - MLP   E MoE
+    e.g. "M-M*-|M-M*-/*-/*-"
 
 Errors are one line naming the symbol and its position (0-based, in the whole pattern string).
 """
@@ -23,8 +24,7 @@ class Symbols:
     MTP_SEPARATOR = "/"
     VALID_LAYERS = {MAMBA, GDN, ATTENTION, DS_ATTENTION, MLA, MLP, MOE}
     # Megatron symbols whose layers are not built here yet, with what to use instead.
-    NOT_BUILT = {DS_ATTENTION: "DeepSeek sparse attention layers are not supported yet",
-                 MLA: "multi-latent attention layers are not supported in hybrid patterns yet; use '*'"}
+    NOT_BUILT = {DS_ATTENTION: "DeepSeek sparse attention layers are not supported yet"}
 
     @classmethod
     def name_sorted_valid_layer_symbols(cls) -> List[str]:

@@ -12,7 +12,9 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron.core.transformer.multi_token_prediction import (
     MultiTokenPredictionBlock,
     MultiTokenPredictionBlockSubmodules,
@@ -32,7 +34,8 @@ from megatron.core.transformer.transformer_layer import (
 
 def get_hybrid_stack_spec(moe_grouped_gemm: bool = False, qk_layernorm: bool = False,
                           checkpoint_key_names: str = TRANSFORMER_ENGINE) -> ModuleSpec:
-    """The HybridStack spec: Mamba-2 (M), Gated DeltaNet (G), attention (*), MLP (-) and MoE (E) layers.
+    """The HybridStack spec: Mamba-2 (M), Gated DeltaNet (G), attention (*), multi-latent attention (+), MLP (-)
+    and MoE (E) layers.
     ``checkpoint_key_names="local"`` keeps separate norm names (``norm.weight``, ``input_layernorm.weight``)."""
     norm = WrappedTorchNorm
     keys = {"checkpoint_key_names": checkpoint_key_names}
@@ -51,6 +54,18 @@ def get_hybrid_stack_spec(moe_grouped_gemm: bool = False, qk_layernorm: bool = F
                 linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention, linear_proj=RowParallelLinear,
                 q_layernorm=norm if qk_layernorm else None, k_layernorm=norm if qk_layernorm else None)),
         self_attn_bda=get_bias_dropout_add, **keys))
+    # Multi-latent attention (+): needs an MLATransformerConfig (--multi-latent-attention and its sizes); the
+    # layer keeps its own rotary embedding. No query / key-value latent norms, as in Megatron's hybrid spec
+    # (its checkpoints then load here unchanged).
+    mla = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=norm, self_attention=ModuleSpec(
+            module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+            submodules=MLASelfAttentionSubmodules(
+                linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
+                linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
+                linear_kv_up_proj=ColumnParallelLinear, core_attention=DotProductAttention,
+                linear_proj=RowParallelLinear, q_layernorm=IdentityOp, kv_layernorm=IdentityOp)),
+        self_attn_bda=get_bias_dropout_add, **keys))
     mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
         pre_mlp_layernorm=norm, mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
             linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
@@ -63,7 +78,7 @@ def get_hybrid_stack_spec(moe_grouped_gemm: bool = False, qk_layernorm: bool = F
         ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
             enorm=norm, hnorm=norm, eh_proj=ColumnParallelLinear, mtp_model_layer=None, layer_norm=norm))]))
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
-        mamba_layer=mamba, gdn_layer=gdn, attention_layer=attention, mlp_layer=mlp, moe_layer=moe,
+        mamba_layer=mamba, gdn_layer=gdn, attention_layer=attention, mla_layer=mla, mlp_layer=mlp, moe_layer=moe,
         mtp_block_spec=mtp))
 
 

@@ -9,6 +9,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.common.language_module.language_module import LanguageModule, build_output_layer
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.hybrid.hybrid_layer_allocation import (
+    Symbols,
     get_hybrid_total_layer_count,
     parse_hybrid_pattern,
     pattern_from_ratios,
@@ -91,6 +92,10 @@ class HybridModel(GPTModel):
                 config.kv_channels, rotary_percent, rotary_interleaved=config.rotary_interleaved,
                 seq_len_interpolation_factor=seq_len_interpolation_factor, rotary_base=rotary_base,
                 use_cpu_initialization=config.use_cpu_initialization)
+        if Symbols.MLA in self.hybrid_layer_pattern and not getattr(config, "multi_latent_attention", False):
+            raise ValueError("--hybrid-layer-pattern has multi-latent attention layers ('+'): pass "
+                             "--multi-latent-attention with its sizes (--q-lora-rank, --kv-lora-rank, --qk-head-dim, "
+                             "--qk-pos-emb-head-dim, --v-head-dim)")
         main = parse_hybrid_pattern(self.hybrid_layer_pattern).main_pattern or ""
         pp_rank, pp_size = self._pp_coords(pg_collection)
         layer_types, offset = select_pipeline_segment(
