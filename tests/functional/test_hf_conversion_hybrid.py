@@ -15,14 +15,13 @@ import torch
 
 pytest.importorskip("transformers")
 
+from tests.fixtures.hf_checks import max_rel_err, safetensors_in  # noqa: E402
 from tests.functional.test_hf_conversion import (  # noqa: E402
     SEQ,
     VOCAB,
     _build_hf,
     _cli,
     _hf_logits,
-    _hf_tensors,
-    _rel,
     forward_logits,
     load_ours,
 )
@@ -104,7 +103,7 @@ def world(tmp_path_factory):
 @pytest.mark.parametrize("family", HYBRID)
 def test_hybrid_logits_match_hf(world, family):
     for layout in ("_tp1", "_tp2", "_pp2"):
-        assert _rel(world["ours"][family + layout], world["ref"][family]) <= RTOL, layout
+        assert max_rel_err(world["ours"][family + layout], world["ref"][family]) <= RTOL, layout
 
 
 @pytest.mark.parametrize("family", HYBRID)
@@ -113,7 +112,7 @@ def test_hybrid_export_round_trip_is_bitwise(world, family):
     from megatron.training.checkpointing.hf import export_hf_checkpoint
     src, out = world["dirs"][family], str(world["root"] / f"{family}_back")
     export_hf_checkpoint(src + "_tp2", out)
-    orig, back = _hf_tensors(src), _hf_tensors(out)
+    orig, back = safetensors_in(src), safetensors_in(out)
     assert sorted(orig) == sorted(back)
     for k in orig:
         assert torch.equal(orig[k], back[k]), k
@@ -127,7 +126,7 @@ def test_hybrid_trained_checkpoint_loads_in_transformers(world, family, tmp_path
 
     from megatron.training.checkpointing.hf import export_hf_checkpoint
     ours = world["ours"][f"{family}_trained"]
-    assert _rel(ours, world["ref"][family]) > 1e-3  # the weights did move
+    assert max_rel_err(ours, world["ref"][family]) > 1e-3  # the weights did move
     for hf_config in (True, False):
         out = str(tmp_path / f"{family}_{hf_config}")
         if not hf_config:  # the trained run's --load (the import, with its hf_config.json) hidden
@@ -140,7 +139,7 @@ def test_hybrid_trained_checkpoint_loads_in_transformers(world, family, tmp_path
         assert json.load(open(os.path.join(out, "config.json")))["architectures"][0].lower().startswith(
             family.replace("_", ""))
         model = AutoModelForCausalLM.from_pretrained(out).eval()
-        assert _rel(ours, _hf_logits(model, world["tokens"])) <= RTOL, hf_config
+        assert max_rel_err(ours, _hf_logits(model, world["tokens"])) <= RTOL, hf_config
 
 
 def test_hybrid_flags_and_bad_configs(world):

@@ -18,6 +18,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from tests.fixtures.hf_checks import max_rel_err, safetensors_in  # noqa: E402
 from tests.functional.test_hf_conversion import (  # noqa: E402
     SEQ,
     VOCAB,
@@ -25,8 +26,6 @@ from tests.functional.test_hf_conversion import (  # noqa: E402
     _cli,
     _hf_configs,
     _hf_logits,
-    _hf_tensors,
-    _rel,
     forward_logits,
     load_ours,
 )
@@ -126,7 +125,7 @@ def world(tmp_path_factory):
 def test_moe_logits_match_hf(world, family):
     ours, ref = world["ours"], world["ref"][family]
     for layout in ("_tp1", "_tp2pp2", "_grouped_tp2pp2", "_ep2" if family == "mixtral" else "_grouped_ep2"):
-        assert _rel(ours[family + layout], ref) <= RTOL, layout
+        assert max_rel_err(ours[family + layout], ref) <= RTOL, layout
 
 
 @pytest.mark.parametrize("family", MOE)
@@ -136,7 +135,7 @@ def test_moe_export_round_trip_is_bitwise(world, family, experts):
     from megatron.training.checkpointing.hf import export_hf_checkpoint
     src, out = world["dirs"][family], str(world["root"] / f"{family}{experts}_back")
     export_hf_checkpoint(src + experts, out)
-    orig, back = _hf_tensors(src), _hf_tensors(out)
+    orig, back = safetensors_in(src), safetensors_in(out)
     assert sorted(orig) == sorted(back)
     for k in orig:
         assert torch.equal(orig[k], back[k]), k
@@ -152,8 +151,8 @@ def test_moe_trained_checkpoint_loads_in_transformers(world, family):
     export_hf_checkpoint(world["trained"][family], out)
     model = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     ours = world["ours"][f"{family}_trained"]
-    assert _rel(ours, world["ref"][family]) > 1e-3  # the weights did move
-    assert _rel(ours, _hf_logits(model, world["tokens"])) <= RTOL
+    assert max_rel_err(ours, world["ref"][family]) > 1e-3  # the weights did move
+    assert max_rel_err(ours, _hf_logits(model, world["tokens"])) <= RTOL
 
 
 def test_moe_flags_rebuild_the_architecture(world):
@@ -249,7 +248,7 @@ def test_bad_inputs_of_every_family(world, tmp_path):
                f"architecture FalconForCausalLM is not supported; {supported}")
         # an index naming a second shard that is not there
         shard = copy(family, "shard")
-        names = list(_hf_tensors(shard))
+        names = list(safetensors_in(shard))
         index = {"weight_map": {n: "model-00001-of-00002.safetensors" for n in names}}
         index["weight_map"][names[0]] = "model-00002-of-00002.safetensors"
         os.replace(os.path.join(shard, "model.safetensors"), os.path.join(shard, "model-00001-of-00002.safetensors"))

@@ -1,7 +1,7 @@
 """pretrain_hybrid.py / pretrain_mamba.py as a user runs them: a tiny hybrid of every layer kind trains on
-mock data and its loss falls (multi-latent attention layers too); multi-token prediction depths in the pattern ('/', or Megatron's older
---mtp-hybrid-override-pattern) train and log their losses; bad patterns stop the run with one line naming the
-flag."""
+mock data and its loss falls (multi-latent attention layers too); multi-token prediction depths in the pattern
+('/', or Megatron's older --mtp-hybrid-override-pattern) train and log their losses; bad patterns stop the run
+with one line naming the flag."""
 import os
 import re
 import subprocess

@@ -1,5 +1,5 @@
 """Hybrid models (Mamba-2, Gated DeltaNet, attention, MLP layers) under TP (with SP), PP (placed by the
-pattern's '|'), DP with the distributed optimizer and CP (attention/MLP patterns) reproduce one process:
+pattern's '|'), DP with the distributed optimizer and CP (attention, MLP and Mamba-2 patterns) reproduce one process:
 fp32, dropout 0, same global batches, loss per iteration within 1e-5 relative (summation order only).
 Then torch_dist checkpoints of model + optimizer reshard between TP=2, PP=2 and one rank. Multi-token prediction
 depths from the pattern ('/', each a hybrid stack of Mamba-2 and MLP layers) train under TP=2 + SP and DP=2 like
@@ -24,9 +24,10 @@ PATTERN = "M*G-"
 
 
 MTP_PATTERN = "M*G-/M-/M-"  # two MTP depths
+CP_MAMBA = "M*M-"  # Mamba-2 layers under CP: each of the 2 ranks scans the whole sequence for 1 of the 2 groups
 
 
-def _build(pattern=PATTERN, tp=1, pp=1, cp=1, distopt=False, sp=False):
+def _build(pattern=PATTERN, tp=1, pp=1, cp=1, distopt=False, sp=False, groups=2):
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  context_parallel_size=cp)
     model_parallel_cuda_manual_seed(1234)
@@ -34,8 +35,9 @@ def _build(pattern=PATTERN, tp=1, pp=1, cp=1, distopt=False, sp=False):
     mla_sizes = dict(q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8,
                      rotary_base=10000) if mla else {}
     cfg = tiny_config(MLATransformerConfig if mla else TransformerConfig, **mla_sizes,
-                      num_layers=len(pattern.split("/")[0].replace("|", "")), ffn_hidden_size=64, normalization="RMSNorm", add_bias_linear=False,
-                      mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2, linear_key_head_dim=8,
+                      num_layers=len(pattern.split("/")[0].replace("|", "")), ffn_hidden_size=64,
+                      normalization="RMSNorm", add_bias_linear=False,
+                      mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=groups, linear_key_head_dim=8,
                       linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
                       is_hybrid_model=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                       context_parallel_size=cp, sequence_parallel=sp,
@@ -75,11 +77,13 @@ def _close(name, got, expected):
 
 def _two_rank_layouts():
     return {"tp2_sp": _losses(dict(tp=2, sp=True)), "pp2_pipe": _losses(dict(pattern="M*G|-", pp=2)),
-            "dp2_distopt": _losses(dict(distopt=True)), "cp2": _losses(dict(pattern="*-*-", cp=2))}
+            "dp2_distopt": _losses(dict(distopt=True)), "cp2": _losses(dict(pattern="*-*-", cp=2)),
+            "cp2_mamba": _losses(dict(pattern=CP_MAMBA, cp=2))}
 
 
 def _single_references():
-    return {"hybrid": _losses({}), "attention": _losses(dict(pattern="*-*-"))}
+    return {"hybrid": _losses({}), "attention": _losses(dict(pattern="*-*-")),
+            "cp2_mamba": _losses(dict(pattern=CP_MAMBA))}
 
 
 def test_tp_pp_dp_cp_equal_one_process():
@@ -87,7 +91,7 @@ def test_tp_pp_dp_cp_equal_one_process():
     assert ref["hybrid"][-1] < ref["hybrid"][0]
     for rank_results in run_distributed(_two_rank_layouts, 2):
         for name, losses in rank_results.items():
-            _close(name, losses, ref["attention" if name == "cp2" else "hybrid"])
+            _close(name, losses, ref[{"cp2": "attention", "cp2_mamba": "cp2_mamba"}.get(name, "hybrid")])
 
 
 def _sharded(model, opt, is_loading=False):
@@ -183,3 +187,10 @@ def test_mla_layers_equal_one_process():
     assert ref[-1] < ref[0]
     for losses in run_distributed(_mla_two_ranks, 2):
         _close("mla tp2_sp", losses, ref)
+
+
+def test_mamba_tp2_cp2_equal_one_process():
+    """4 ranks: TP=2 (+SP) x CP=2 over Mamba-2, attention and MLP layers, 4 groups (1 per TP x CP rank)."""
+    ref = run_distributed(_losses, 1, dict(pattern=CP_MAMBA, groups=4))[0]
+    for losses in run_distributed(_losses, 4, dict(pattern=CP_MAMBA, groups=4, tp=2, cp=2, sp=True)):
+        _close("mamba tp2 x cp2", losses, ref)

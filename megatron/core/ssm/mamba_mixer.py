@@ -13,7 +13,8 @@ from typing import Union
 import torch
 import torch.nn.functional as F
 
-from megatron.core.process_groups_config import get_pg_size
+from megatron.core.context_parallel.all_to_all import seq_gather_head_scatter, seq_scatter_head_gather
+from megatron.core.process_groups_config import get_pg, get_pg_size
 from megatron.core.ssm.gated_norm import GatedRMSNorm
 from megatron.core.ssm.ops.kernels import ssd_scan
 from megatron.core.ssm.ops.recurrent_step import causal_conv1d_step, conv_state_after, ssd_step
@@ -63,9 +64,9 @@ class MambaMixer(MegatronModule):
         self.nheads = config.mamba_num_heads or (expand * d_model) // self.headdim
         self.d_inner = self.nheads * self.headdim
         tp = get_pg_size(pg_collection, "tp", "MambaMixer")
-        if get_pg_size(pg_collection, "cp", "MambaMixer") > 1:
-            raise NotImplementedError("Mamba layers do not support --context-parallel-size > 1 yet; use CP=1")
-        check_mamba_shapes(self.nheads, self.ngroups, tp)
+        self.cp = get_pg_size(pg_collection, "cp", "MambaMixer")
+        check_mamba_shapes(self.nheads, self.ngroups, tp, self.cp)
+        self.cp_group = get_pg(pg_collection, "cp", "MambaMixer") if self.cp > 1 else None
         self.nheads_local, self.ngroups_local = self.nheads // tp, self.ngroups // tp
         self.d_inner_local = self.d_inner // tp
         gn_local = self.ngroups_local * self.d_state
@@ -97,6 +98,10 @@ class MambaMixer(MegatronModule):
         if packed_seq_params is not None:
             raise NotImplementedError("Mamba layers do not support packed sequences yet")
         zxbcdt, _ = self.in_proj(hidden_states)  # [s, b, proj/tp] (sequence gathered under SP)
+        if self.cp > 1:
+            if inference_context is not None:
+                raise NotImplementedError("Mamba layers generate with --context-parallel-size 1 only")
+            return self._forward_context_parallel(zxbcdt)
         s, b, _ = zxbcdt.shape
         zxbcdt = zxbcdt.transpose(0, 1)  # [b, s, proj/tp]
         gn = self.ngroups_local * self.d_state
@@ -127,6 +132,42 @@ class MambaMixer(MegatronModule):
         y = self.norm(y, z.transpose(0, 1))
         return self.out_proj(y)
 
+    def _forward_context_parallel(self, zxbcdt):
+        """CP > 1 (Megatron's all-to-all Mamba context parallelism): the scan needs the whole sequence, so an
+        all-to-all trades this rank's two sequence chunks of every group for the whole sequence of 1/CP of the
+        groups (with their heads' x and dt and the groups' B and C); conv and scan run on those, a second
+        all-to-all trades back, and the gated norm and out_proj run on the local chunks. Each rank uses the
+        conv, dt_bias, A_log and D entries of its groups; gradients reach the full parameters."""
+        s, b, _ = zxbcdt.shape  # s: this rank's two chunks
+        g, cp, ds, p = self.ngroups_local, self.cp, self.d_state, self.headdim
+        hpg = self.nheads_local // g  # heads per group
+        gn = g * ds
+        z, x, B, C, dt = torch.split(zxbcdt, [self.d_inner_local, self.d_inner_local, gn, gn, self.nheads_local], -1)
+        per_group = torch.cat([x.reshape(s, b, g, hpg * p), B.reshape(s, b, g, ds), C.reshape(s, b, g, ds),
+                               dt.reshape(s, b, g, hpg)], dim=-1)  # [s, b, g, w]
+        full = seq_gather_head_scatter(per_group, self.cp_group)  # [S, b, g/cp, w], natural order
+        S, gl = full.shape[0], g // cp
+        x, B, C, dt = torch.split(full, [hpg * p, ds, ds, hpg], dim=-1)
+        g0 = torch.distributed.get_rank(self.cp_group) * gl  # this rank's first group
+        heads = slice(g0 * hpg, (g0 + gl) * hpg)
+        channels = torch.cat([torch.arange(g0 * hpg * p, (g0 + gl) * hpg * p),  # x of the groups' heads
+                              self.d_inner_local + torch.arange(g0 * ds, (g0 + gl) * ds),  # B
+                              self.d_inner_local + gn + torch.arange(g0 * ds, (g0 + gl) * ds)]).to(x.device)
+        xbc = torch.cat([x.reshape(S, b, gl * hpg * p), B.reshape(S, b, gl * ds), C.reshape(S, b, gl * ds)], -1)
+        weight, bias = self.conv1d.weight.index_select(0, channels), self.conv1d.bias.index_select(0, channels)
+        xbc = F.conv1d(xbc.permute(1, 2, 0), weight, bias, padding=self.d_conv - 1, groups=channels.numel())
+        xbc = F.silu(xbc[..., :S]).transpose(1, 2)  # [b, S, channels]
+        x, B, C = torch.split(xbc, [gl * hpg * p, gl * ds, gl * ds], dim=-1)
+        x = x.reshape(b, S, gl * hpg, p)
+        B, C = B.reshape(b, S, gl, ds), C.reshape(b, S, gl, ds)
+        dt = F.softplus(dt.reshape(S, b, gl * hpg).transpose(0, 1).float() + self.dt_bias[heads].float())
+        A = -torch.exp(self.A_log[heads].float())
+        D = self.D[heads] if self.D.numel() == self.nheads_local else self.D[heads.start * p:heads.stop * p]
+        y = ssd_scan(x, dt, A, B, C, self.chunk_size, D=D)  # [b, S, heads/cp, p]
+        y = y.transpose(0, 1).reshape(S, b, gl, hpg * p)
+        y = seq_scatter_head_gather(y, self.cp_group).reshape(s, b, self.d_inner_local)  # [s, b, d_inner/tp]
+        return self.out_proj(self.norm(y, z))
+
     def _states(self, inference_context, xbc):
         """(conv state [slots, c, d_conv - 1], SSM state [slots, h/tp, p, n] fp32) of this layer."""
         return inference_context.recurrent_state(self.layer_number, [
@@ -146,8 +187,8 @@ class MambaMixer(MegatronModule):
         return y.to(x.dtype)[:, None]
 
 
-def check_mamba_shapes(nheads: int, ngroups: int, tp: int) -> None:
-    """One-line errors for Mamba head/group counts that TP or the grouping cannot split."""
+def check_mamba_shapes(nheads: int, ngroups: int, tp: int, cp: int = 1) -> None:
+    """One-line errors for Mamba head/group counts that TP, CP or the grouping cannot split."""
     if nheads % ngroups:
         raise ValueError(f"Mamba heads ({nheads}) must be divisible by --mamba-num-groups ({ngroups})")
     if nheads % tp:
@@ -155,3 +196,6 @@ def check_mamba_shapes(nheads: int, ngroups: int, tp: int) -> None:
                          f"must be divisible by --tensor-model-parallel-size ({tp})")
     if ngroups % tp:
         raise ValueError(f"--mamba-num-groups ({ngroups}) must be divisible by --tensor-model-parallel-size ({tp})")
+    if (ngroups // tp) % cp:
+        raise ValueError(f"--mamba-num-groups ({ngroups}) must be divisible by --tensor-model-parallel-size x "
+                         f"--context-parallel-size ({tp} x {cp}): context parallelism gives each rank whole groups")

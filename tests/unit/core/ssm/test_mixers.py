@@ -1,6 +1,7 @@
 """Mamba-2 and Gated DeltaNet mixers on one process: Megatron's parameter names and shapes, the TP layout
 of the fused in_proj (each section sliced on its own), gradients reaching every parameter, and the
 mixer equal to its math written out with the sequential references."""
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -106,3 +107,12 @@ def test_local_slice_splits_each_section_over_tp():
     rank0 = local_slice(full, _Sectioned(), PG(0))
     rank1 = local_slice(full, _Sectioned(), PG(1))
     assert rank0.tolist() == [0, 1, 2, 6, 8, 9] and rank1.tolist() == [3, 4, 5, 7, 10, 11]
+
+
+def test_context_parallel_needs_whole_groups_per_rank():
+    """Mamba-2 under CP gives each CP rank whole B/C groups (the all-to-all splits the groups)."""
+    from megatron.core.ssm.mamba_mixer import check_mamba_shapes
+    check_mamba_shapes(16, 4, 2, 2)  # 2 groups per TP rank, 1 per CP rank
+    with pytest.raises(ValueError, match=r"--mamba-num-groups \(2\) must be divisible by --tensor-model-parallel-size "
+                                         r"x --context-parallel-size \(2 x 2\)"):
+        check_mamba_shapes(16, 2, 2, 2)
