@@ -1,5 +1,6 @@
 """Hybrid models (Mamba-2, Gated DeltaNet, attention, MLP layers) under TP (with SP), PP (placed by the
-pattern's '|'), DP with the distributed optimizer and CP (attention, MLP and Mamba-2 patterns) reproduce one process:
+pattern's '|'), DP with the distributed optimizer and CP (attention, MLP, Mamba-2 and Gated DeltaNet patterns) reproduce
+one process:
 fp32, dropout 0, same global batches, loss per iteration within 1e-5 relative (summation order only).
 Then torch_dist checkpoints of model + optimizer reshard between TP=2, PP=2 and one rank. Multi-token prediction
 depths from the pattern ('/', each a hybrid stack of Mamba-2 and MLP layers) train under TP=2 + SP and DP=2 like
@@ -25,6 +26,7 @@ PATTERN = "M*G-"
 
 MTP_PATTERN = "M*G-/M-/M-"  # two MTP depths
 CP_MAMBA = "M*M-"  # Mamba-2 layers under CP: each of the 2 ranks scans the whole sequence for 1 of the 2 groups
+CP_GDN = "G*G-"  # Gated DeltaNet under CP: each rank runs 1 of the 2 key heads (2 value heads each), whole sequence
 
 
 def _build(pattern=PATTERN, tp=1, pp=1, cp=1, distopt=False, sp=False, groups=2):
@@ -78,12 +80,12 @@ def _close(name, got, expected):
 def _two_rank_layouts():
     return {"tp2_sp": _losses(dict(tp=2, sp=True)), "pp2_pipe": _losses(dict(pattern="M*G|-", pp=2)),
             "dp2_distopt": _losses(dict(distopt=True)), "cp2": _losses(dict(pattern="*-*-", cp=2)),
-            "cp2_mamba": _losses(dict(pattern=CP_MAMBA, cp=2))}
+            "cp2_mamba": _losses(dict(pattern=CP_MAMBA, cp=2)), "cp2_gdn": _losses(dict(pattern=CP_GDN, cp=2))}
 
 
 def _single_references():
     return {"hybrid": _losses({}), "attention": _losses(dict(pattern="*-*-")),
-            "cp2_mamba": _losses(dict(pattern=CP_MAMBA))}
+            "cp2_mamba": _losses(dict(pattern=CP_MAMBA)), "cp2_gdn": _losses(dict(pattern=CP_GDN))}
 
 
 def test_tp_pp_dp_cp_equal_one_process():
@@ -91,7 +93,8 @@ def test_tp_pp_dp_cp_equal_one_process():
     assert ref["hybrid"][-1] < ref["hybrid"][0]
     for rank_results in run_distributed(_two_rank_layouts, 2):
         for name, losses in rank_results.items():
-            _close(name, losses, ref[{"cp2": "attention", "cp2_mamba": "cp2_mamba"}.get(name, "hybrid")])
+            same = {"cp2": "attention", "cp2_mamba": "cp2_mamba", "cp2_gdn": "cp2_gdn"}  # else the hybrid pattern
+            _close(name, losses, ref[same.get(name, "hybrid")])
 
 
 def _sharded(model, opt, is_loading=False):

@@ -12,7 +12,8 @@ from typing import Union
 import torch
 import torch.nn.functional as F
 
-from megatron.core.process_groups_config import get_pg_size
+from megatron.core.context_parallel.all_to_all import seq_gather_head_scatter, seq_scatter_head_gather
+from megatron.core.process_groups_config import get_pg, get_pg_size
 from megatron.core.ssm.mamba_mixer import _a_log_init
 from megatron.core.ssm.ops.kernels import gated_delta_rule
 from megatron.core.ssm.ops.recurrent_step import causal_conv1d_step, conv_state_after, gated_delta_step
@@ -48,10 +49,9 @@ class GatedDeltaNet(MegatronModule):
         self.num_key_heads, self.num_value_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.conv_kernel_dim = config.linear_conv_kernel_dim
         tp = get_pg_size(pg_collection, "tp", "GatedDeltaNet")
-        if get_pg_size(pg_collection, "cp", "GatedDeltaNet") > 1:
-            raise NotImplementedError("Gated DeltaNet layers do not support --context-parallel-size > 1 yet; "
-                                      "use CP=1")
-        check_gdn_shapes(self.num_key_heads, self.num_value_heads, tp)
+        self.cp = get_pg_size(pg_collection, "cp", "GatedDeltaNet")
+        check_gdn_shapes(self.num_key_heads, self.num_value_heads, tp, self.cp)
+        self.cp_group = get_pg(pg_collection, "cp", "GatedDeltaNet") if self.cp > 1 else None
         self.nk_local, self.nv_local = self.num_key_heads // tp, self.num_value_heads // tp
         self.qk_local, self.v_local = self.nk_local * self.key_head_dim, self.nv_local * self.value_head_dim
         qk_dim, v_dim = self.num_key_heads * self.key_head_dim, self.num_value_heads * self.value_head_dim
@@ -87,6 +87,10 @@ class GatedDeltaNet(MegatronModule):
         if packed_seq_params is not None:
             raise NotImplementedError("Gated DeltaNet layers do not support packed sequences yet")
         proj, _ = self.in_proj(hidden_states)  # [s, b, proj/tp]
+        if self.cp > 1:
+            if inference_context is not None:
+                raise NotImplementedError("Gated DeltaNet layers generate with --context-parallel-size 1 only")
+            return self.out_proj(self._forward_context_parallel(proj, hidden_states.dtype))
         s, b, _ = proj.shape
         proj = proj.transpose(0, 1)  # [b, s, proj/tp]
         qkv, z, beta, alpha = torch.split(
@@ -131,12 +135,57 @@ class GatedDeltaNet(MegatronModule):
         y = y.to(hidden_states.dtype).reshape(b, s, self.v_local).transpose(0, 1)  # [s, b, v/tp]
         return self.out_proj(y)
 
+    def _forward_context_parallel(self, proj, dtype):
+        """CP > 1 (as Megatron's): an all-to-all trades this rank's two sequence chunks of every key head (with
+        its value heads' v, beta and alpha) for the whole sequence of 1/CP of the key heads; the conv and the
+        gated delta rule run there with this rank's conv, dt_bias and A_log entries; a second all-to-all
+        trades the outputs back, and the gated norm runs on the local chunks. Returns [s, b, v/tp]."""
+        s, b, _ = proj.shape
+        nk, cp, dk, dv = self.nk_local, self.cp, self.key_head_dim, self.value_head_dim
+        r = self.nv_local // nk  # value heads per key head
+        q, k, v, z, beta, alpha = torch.split(
+            proj, [self.qk_local, self.qk_local, self.v_local, self.v_local, self.nv_local, self.nv_local], dim=-1)
+        per_head = torch.cat([q.reshape(s, b, nk, dk), k.reshape(s, b, nk, dk), v.reshape(s, b, nk, r * dv),
+                              beta.reshape(s, b, nk, r), alpha.reshape(s, b, nk, r)], dim=-1)
+        full = seq_gather_head_scatter(per_head, self.cp_group)  # [S, b, nk/cp, w], natural order
+        S, kl = full.shape[0], nk // cp
+        q, k, v, beta, alpha = torch.split(full, [dk, dk, r * dv, r, r], dim=-1)
+        h0 = torch.distributed.get_rank(self.cp_group) * kl  # this rank's first key head
+        channels = torch.cat([torch.arange(h0 * dk, (h0 + kl) * dk),  # query
+                              self.qk_local + torch.arange(h0 * dk, (h0 + kl) * dk),  # key
+                              2 * self.qk_local + torch.arange(h0 * r * dv, (h0 + kl) * r * dv)]).to(proj.device)
+        qkv = torch.cat([q.reshape(S, b, kl * dk), k.reshape(S, b, kl * dk), v.reshape(S, b, kl * r * dv)], -1)
+        bias = None if self.conv1d.bias is None else self.conv1d.bias.index_select(0, channels)
+        qkv = F.conv1d(qkv.permute(1, 2, 0), self.conv1d.weight.index_select(0, channels), bias,
+                       padding=self.conv_kernel_dim - 1, groups=channels.numel())
+        qkv = F.silu(qkv[..., :S]).transpose(1, 2).to(proj.dtype)  # [b, S, channels]
+        q, k, v = torch.split(qkv, [kl * dk, kl * dk, kl * r * dv], dim=-1)
+        q, k = q.reshape(b, S, kl, dk), k.reshape(b, S, kl, dk)
+        v = v.reshape(b, S, kl * r, dv)
+        if self.use_qk_l2norm:
+            q, k = _l2norm(q), _l2norm(k)
+        if r > 1:
+            q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
+        heads = slice(h0 * r, (h0 + kl) * r)  # this rank's value heads
+        alpha = alpha.reshape(S, b, kl * r).transpose(0, 1).float()
+        g = -self.A_log[heads].float().exp() * F.softplus(alpha + self.dt_bias[heads].float())  # [b, S, nv/cp]
+        beta = beta.reshape(S, b, kl * r).transpose(0, 1).float().sigmoid()
+        o, _ = gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g, beta.to(q.dtype))
+        o = o.transpose(0, 1).reshape(S, b, kl, r * dv)  # [S, b, nk/cp, r dv]
+        o = seq_scatter_head_gather(o, self.cp_group).reshape(s, b, self.nv_local, dv).transpose(0, 1)
+        y = self.out_norm(o.to(dtype)) * F.silu(z.reshape(s, b, self.nv_local, dv).transpose(0, 1).float())
+        return y.to(dtype).reshape(b, s, self.v_local).transpose(0, 1)  # [s, b, v/tp]
 
-def check_gdn_shapes(num_key_heads: int, num_value_heads: int, tp: int) -> None:
-    """One-line errors for Gated DeltaNet head counts that TP or the key/value grouping cannot split."""
+
+def check_gdn_shapes(num_key_heads: int, num_value_heads: int, tp: int, cp: int = 1) -> None:
+    """One-line errors for Gated DeltaNet head counts that TP, CP or the key/value grouping cannot split."""
     if num_value_heads % num_key_heads:
         raise ValueError(f"--linear-num-value-heads ({num_value_heads}) must be a multiple of "
                          f"--linear-num-key-heads ({num_key_heads})")
     if num_key_heads % tp or num_value_heads % tp:
         raise ValueError(f"--linear-num-key-heads ({num_key_heads}) and --linear-num-value-heads "
                          f"({num_value_heads}) must be divisible by --tensor-model-parallel-size ({tp})")
+    if (num_key_heads // tp) % cp:
+        raise ValueError(f"--linear-num-key-heads ({num_key_heads}) must be divisible by --tensor-model-parallel-size "
+                         f"x --context-parallel-size ({tp} x {cp}): context parallelism gives each rank whole key "
+                         "heads")

@@ -91,12 +91,9 @@ def validate_hybrid_args(args, require):
             heads = args.mamba_num_heads or (2 * args.hidden_size) // args.mamba_head_dim
             check_mamba_shapes(heads, args.mamba_num_groups, tp, args.context_parallel_size)
         if Symbols.GDN in main:
-            check_gdn_shapes(args.linear_num_key_heads, args.linear_num_value_heads, tp)
+            check_gdn_shapes(args.linear_num_key_heads, args.linear_num_value_heads, tp, args.context_parallel_size)
     except ValueError as e:
         require(False, str(e))
-    require(args.context_parallel_size == 1 or Symbols.GDN not in main,
-            "--context-parallel-size > 1 is supported for attention, MLA, Mamba-2 and MLP layers; Gated DeltaNet "
-            "(G) layers need CP=1")
     require(Symbols.MLA not in main or args.multi_latent_attention,
             "--hybrid-layer-pattern has multi-latent attention layers (+): pass --multi-latent-attention with its "
             "sizes (--q-lora-rank, --kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim)")

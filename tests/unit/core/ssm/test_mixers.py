@@ -116,3 +116,11 @@ def test_context_parallel_needs_whole_groups_per_rank():
     with pytest.raises(ValueError, match=r"--mamba-num-groups \(2\) must be divisible by --tensor-model-parallel-size "
                                          r"x --context-parallel-size \(2 x 2\)"):
         check_mamba_shapes(16, 2, 2, 2)
+
+
+def test_gated_deltanet_context_parallel_needs_whole_key_heads_per_rank():
+    from megatron.core.ssm.gated_delta_net import check_gdn_shapes
+    check_gdn_shapes(4, 8, 2, 2)  # 2 key heads per TP rank, 1 per CP rank
+    with pytest.raises(ValueError, match=r"--linear-num-key-heads \(2\) must be divisible by "
+                                         r"--tensor-model-parallel-size x --context-parallel-size \(2 x 2\)"):
+        check_gdn_shapes(2, 4, 2, 2)
