@@ -80,3 +80,30 @@ def test_bad_patterns_fail_with_one_line(extra, message):
     assert p.returncode != 0
     lines = [l for l in (p.stdout + p.stderr).splitlines() if message in l]
     assert lines, p.stdout[-2000:] + p.stderr[-2000:]
+
+
+def test_sft_packs_conversations_through_mamba_and_gdn_layers(tmp_path):
+    """--sft packs several conversations per row: the Mamba-2 and Gated DeltaNet layers restart at each
+    conversation (tests/unit/core/models/hybrid/test_hybrid_packed.py proves the equality), and training runs."""
+    import json
+    import random
+
+    from tests.fixtures.tiny_chat_tokenizer import write_tiny_chat_tokenizer
+    write_tiny_chat_tokenizer(str(tmp_path / "tok"))
+    rng = random.Random(0)
+    with open(tmp_path / "chats.jsonl", "w") as f:
+        for _ in range(60):
+            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"{a}+{b}?"},
+                                             {"role": "assistant", "content": f"{a + b}"}]}) + "\n")
+    flags = [f for f in SHAPES.split() if f not in ("--mock-data",)]
+    flags[flags.index("NullTokenizer")] = "HuggingFaceTokenizer"
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_hybrid.py")] + flags + [
+        "--hybrid-layer-pattern", "M*G-", "--tokenizer-model", str(tmp_path / "tok"), "--sft",
+        "--sft-tokenizer-prompt-format", "default", "--data-path", str(tmp_path / "chats.jsonl"), "--split",
+        "100,0,0", "--attention-dropout", "0", "--lr", "3e-3", "--train-iters", "10"]
+    p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"},
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    losses = [float(m.group(2)) for m in map(LOSS.search, p.stdout.splitlines()) if m]
+    assert len(losses) == 10 and losses[-1] < 0.9 * losses[0], losses

@@ -16,6 +16,7 @@ from megatron.core.context_parallel.all_to_all import seq_gather_head_scatter, s
 from megatron.core.process_groups_config import get_pg, get_pg_size
 from megatron.core.ssm.mamba_mixer import _a_log_init
 from megatron.core.ssm.ops.kernels import gated_delta_rule
+from megatron.core.ssm.ops.packed import causal_conv1d_documents, document_ids, document_spans, per_document
 from megatron.core.ssm.ops.recurrent_step import causal_conv1d_step, conv_state_after, gated_delta_step
 from megatron.core.ssm.utils import conv_init_fn, set_partition_sections, tp_param
 from megatron.core.transformer.identity_op import IdentityOp
@@ -84,9 +85,10 @@ class GatedDeltaNet(MegatronModule):
 
     def forward(self, hidden_states, attention_mask=None, inference_context=None, packed_seq_params=None,
                 **kwargs):
-        if packed_seq_params is not None:
-            raise NotImplementedError("Gated DeltaNet layers do not support packed sequences yet")
         proj, _ = self.in_proj(hidden_states)  # [s, b, proj/tp]
+        if packed_seq_params is not None and (self.cp > 1 or inference_context is not None):
+            raise NotImplementedError("packed sequences through Gated DeltaNet layers need --context-parallel-size "
+                                      "1 and training (not generation)")
         if self.cp > 1:
             if inference_context is not None:
                 raise NotImplementedError("Gated DeltaNet layers generate with --context-parallel-size 1 only")
@@ -105,7 +107,11 @@ class GatedDeltaNet(MegatronModule):
             if states is not None:  # prefill: the conv state is the prompt's last inputs
                 states[0][inference_context.slot_ids] = conv_state_after(
                     qkv, inference_context.prefill_lengths, self.conv_kernel_dim).to(states[0].dtype)
-            qkv = F.silu(self.conv1d(qkv.transpose(1, 2))[..., :s]).transpose(1, 2)  # causal depthwise conv
+            if packed_seq_params is not None:  # the conv never reads back into the previous document
+                doc = document_ids(packed_seq_params, b, s)
+                qkv = F.silu(causal_conv1d_documents(qkv, self.conv1d.weight, self.conv1d.bias, doc))
+            else:
+                qkv = F.silu(self.conv1d(qkv.transpose(1, 2))[..., :s]).transpose(1, 2)  # causal depthwise conv
         q, k, v = torch.split(qkv.to(proj.dtype), [self.qk_local, self.qk_local, self.v_local], dim=-1)
         q = q.reshape(b, s, self.nk_local, self.key_head_dim)
         k = k.reshape(b, s, self.nk_local, self.key_head_dim)
@@ -119,6 +125,9 @@ class GatedDeltaNet(MegatronModule):
         beta = beta.float().sigmoid()
         if decode:
             o = gated_delta_step(states[1][:b], q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])[:, None]
+        elif packed_seq_params is not None:  # each document from a zero state
+            o = per_document(lambda *t: gated_delta_rule(*(x.contiguous() for x in t))[0], document_spans(doc),
+                             q, k, v, g, beta.to(q.dtype))
         elif states is None:
             o, _ = gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g, beta.to(q.dtype))
         else:

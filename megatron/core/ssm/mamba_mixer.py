@@ -17,6 +17,7 @@ from megatron.core.context_parallel.all_to_all import seq_gather_head_scatter, s
 from megatron.core.process_groups_config import get_pg, get_pg_size
 from megatron.core.ssm.gated_norm import GatedRMSNorm
 from megatron.core.ssm.ops.kernels import ssd_scan
+from megatron.core.ssm.ops.packed import causal_conv1d_documents, document_ids, document_spans, per_document
 from megatron.core.ssm.ops.recurrent_step import causal_conv1d_step, conv_state_after, ssd_step
 from megatron.core.ssm.utils import conv_init_fn, set_partition_sections, tp_param
 from megatron.core.transformer.module import MegatronModule
@@ -95,9 +96,12 @@ class MambaMixer(MegatronModule):
             **tp_kwargs)
 
     def forward(self, hidden_states, inference_context=None, packed_seq_params=None, **kwargs):
-        if packed_seq_params is not None:
-            raise NotImplementedError("Mamba layers do not support packed sequences yet")
         zxbcdt, _ = self.in_proj(hidden_states)  # [s, b, proj/tp] (sequence gathered under SP)
+        if packed_seq_params is not None:
+            if self.cp > 1 or inference_context is not None:
+                raise NotImplementedError("packed sequences through Mamba layers need --context-parallel-size 1 "
+                                          "and training (not generation)")
+            return self._forward_packed(zxbcdt, packed_seq_params)
         if self.cp > 1:
             if inference_context is not None:
                 raise NotImplementedError("Mamba layers generate with --context-parallel-size 1 only")
@@ -131,6 +135,26 @@ class MambaMixer(MegatronModule):
         y = y.reshape(b, s, self.d_inner_local).transpose(0, 1)  # [s, b, d_inner/tp]
         y = self.norm(y, z.transpose(0, 1))
         return self.out_proj(y)
+
+    def _forward_packed(self, zxbcdt, packed_seq_params):
+        """Several documents per row: the conv masks its taps at document boundaries and the scan runs once per
+        document, so every document starts from a zero state (ops/packed.py)."""
+        s, b, _ = zxbcdt.shape
+        doc = document_ids(packed_seq_params, b, s)
+        zxbcdt = zxbcdt.transpose(0, 1)  # [b, s, proj/tp]
+        gn = self.ngroups_local * self.d_state
+        z, xbc, dt = torch.split(zxbcdt, [self.d_inner_local, self.d_inner_local + 2 * gn, self.nheads_local], -1)
+        xbc = F.silu(causal_conv1d_documents(xbc, self.conv1d.weight, self.conv1d.bias, doc))
+        x, B, C = torch.split(xbc, [self.d_inner_local, gn, gn], dim=-1)
+        x = x.reshape(b, s, self.nheads_local, self.headdim)
+        B = B.reshape(b, s, self.ngroups_local, self.d_state)
+        C = C.reshape(b, s, self.ngroups_local, self.d_state)
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        A = -torch.exp(self.A_log.float())
+        y = per_document(lambda *t: ssd_scan(*t[:2], A, *t[2:], self.chunk_size, D=self.D), document_spans(doc),
+                         x, dt, B, C)
+        y = y.reshape(b, s, self.d_inner_local).transpose(0, 1)
+        return self.out_proj(self.norm(y, z.transpose(0, 1)))
 
     def _forward_context_parallel(self, zxbcdt):
         """CP > 1 (Megatron's all-to-all Mamba context parallelism): the scan needs the whole sequence, so an
