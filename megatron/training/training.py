@@ -8,6 +8,7 @@ import torch
 
 from megatron.core.distributed import DistributedDataParallel as DDP
 from megatron.core.distributed import finalize_model_grads
+from megatron.core.distributed.param_hashes import param_hashes_match_across_dp
 from megatron.core.num_microbatches_calculator import (
     get_num_microbatches,
     update_num_microbatches,
@@ -245,6 +246,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         train_data_iterator = ([RerunDataIterator(it) if it is not None else None for it in train_data_iterator]
                                if isinstance(train_data_iterator, list) else
                                RerunDataIterator(train_data_iterator) if train_data_iterator is not None else None)
+    _check_weight_hashes(model, iteration, args)  # the replicas start identical
     timers("interval-time", log_level=0).start(barrier=True)
     profiling = ProfilingWindow(args, torch.distributed.get_rank())
     profiling.begin_training()
@@ -260,6 +262,9 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                 forward_backward_func)
             _maybe_stop_on_failed_validation(iteration, model, optimizer, opt_param_scheduler)
             iteration += 1
+            interval = args.check_weight_hash_across_dp_replicas_interval
+            if interval and iteration % interval == 0:
+                _check_weight_hashes(model, iteration, args)
             profiling.after_step(iteration)
             straggler.step_end(iteration, args.log_interval)
             gc_control.after_iteration(args, iteration)
@@ -288,6 +293,24 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             if _checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration):
                 return iteration, True
     return iteration, False
+
+
+def _check_weight_hashes(model, iteration: int, args) -> None:
+    """--check-weight-hash-across-dp-replicas-interval (Megatron's): every data-parallel replica holds the same
+    weights, at the start of training and every N iterations; otherwise every rank stops with the parameters
+    that differ. The parameter all-gathers still in flight (--overlap-param-gather) are waited for first."""
+    if not args.check_weight_hash_across_dp_replicas_interval:
+        return
+    for chunk in model:
+        if hasattr(chunk, "finish_param_sync"):
+            chunk.finish_param_sync()
+    ok, differing = param_hashes_match_across_dp(model)
+    if not ok:
+        where = f": {', '.join(differing[:5])}{' ...' if len(differing) > 5 else ''}" if differing else \
+            " (on other ranks' replica groups)"
+        raise RuntimeError(f"--check-weight-hash-across-dp-replicas-interval: parameter hashes differ across "
+                           f"data-parallel replicas after {iteration} iterations{where}")
+    print_rank_0(f">>> Weight hashes match after {iteration} iterations...")
 
 
 @contextlib.contextmanager

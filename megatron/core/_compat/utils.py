@@ -26,6 +26,7 @@ from megatron.core import parallel_state
 from megatron.core.config import is_experimental_enabled
 from megatron.core.context_parallel.utils import get_batch_on_this_cp_rank as _on_cp_rank
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.distributed.param_hashes import param_hashes_match_across_dp
 from megatron.core.tensor_parallel.weight_grad import (  # noqa: F401  (Megatron's path: megatron.core.utils)
     drain_embedding_wgrad_compute,
     prepare_input_tensors_for_wgrad_compute,
@@ -34,7 +35,7 @@ from megatron.core.transformer.sharded_state import (  # noqa: F401  (Megatron's
     checkpoint_groups,
     make_tp_sharded_tensor_for_checkpoint,
 )
-from megatron.core.utils import get_attr_wrapped_model, get_device, get_pg_rank, get_pg_size
+from megatron.core.utils import get_attr_wrapped_model, get_device, get_pg_rank
 
 logger = logging.getLogger(__name__)
 
@@ -216,24 +217,10 @@ def log_on_each_pipeline_stage(logger, *args, tp_group=None, dp_cp_group=None, *
 
 
 def check_param_hashes_across_dp_replicas(model, cross_check=False):
-    """True when every parameter is bit-identical across data-parallel replicas (all ranks agree).
-
-    Hashes are sums of the raw bytes per parameter (cheap, catches any divergence in practice);
-    with `cross_check` every rank compares against every other, else against DP rank 0."""
-    models = model if isinstance(model, list) else [model]
-    params = [p for m in models for p in m.parameters()]
-    local = torch.stack([p.detach().contiguous().view(torch.uint8).to(torch.int64).sum().cpu()
-                         if p.numel() else torch.zeros((), dtype=torch.int64) for p in params])
-    group = parallel_state.get_data_parallel_group()
-    if group is None or get_pg_size(group) == 1:
-        return True
-    device = params[0].device if params else torch.device("cpu")
-    gathered = [torch.empty_like(local, device=device) for _ in range(group.size())]
-    torch.distributed.all_gather(gathered, local.to(device), group=group)
-    references = gathered if cross_check else gathered[:1]
-    ok = torch.tensor(int(all(torch.equal(r, g) for r in references for g in gathered)), device=device)
-    torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
-    return bool(ok.item())
+    """True when every parameter is bit-identical across its data-parallel replicas (SHA-1 per parameter, expert
+    parameters over the expert data-parallel group); every rank gets the same answer. ``cross_check`` is
+    accepted for Megatron's signature: every replica is compared with every other either way."""
+    return param_hashes_match_across_dp(model)[0]
 
 
 # ---- DTensor (torch FSDP2) -----------------------------------------------------------------------

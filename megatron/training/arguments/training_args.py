@@ -14,6 +14,9 @@ def add_training_args(parser):
     g.add_argument("--train-iters", type=int, default=None, help="Iterations to train.")
     g.add_argument("--train-samples", type=int, default=None, help="Samples to train (sample-based run).")
     g.add_argument("--exit-interval", type=int, default=None, help="Exit when iteration %% N == 0.")
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+                   help="Every N iterations (and at the start), check that every data-parallel replica holds the "
+                        "same weights (a SHA-1 per parameter); stop with the differing parameters otherwise.")
     g.add_argument("--exit-duration-in-mins", type=int, default=None, help="Exit after N minutes of training.")
     g.add_argument("--manual-gc", action="store_true",
                    help="Turn Python's automatic garbage collector off during training; collect every "

@@ -310,7 +310,9 @@ def _validate_run_length(args):
     _require(args.eval_interval is None or args.eval_interval > 0, "--eval-interval must be > 0")
     _require(args.eval_iters >= 0, "--eval-iters must be >= 0")
     for flag, value in (("--exit-interval", args.exit_interval), ("--exit-duration-in-mins",
-                                                                   args.exit_duration_in_mins)):
+                                                                   args.exit_duration_in_mins),
+                        ("--check-weight-hash-across-dp-replicas-interval",
+                         args.check_weight_hash_across_dp_replicas_interval)):
         _require(value is None or value > 0, f"{flag} ({value}) must be > 0")
     _require(args.manual_gc_interval >= 0, f"--manual-gc-interval ({args.manual_gc_interval}) must be >= 0")
 
