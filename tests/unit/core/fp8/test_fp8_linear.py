@@ -139,7 +139,7 @@ def test_fp8_flags_parse_and_reject():
             _args(bad)
 
 
-def _train_losses(extra, steps=50):
+def _train_losses(extra, steps=30):
     """AdamW on a bf16 tiny GPT over 8 fixed sequences with structure (next token = token + 1 mod 128)."""
     config = core_transformer_config_from_args(_args(extra))
     torch.manual_seed(0)
@@ -163,6 +163,8 @@ def _train_losses(extra, steps=50):
 
 
 def test_tiny_gpt_fp8_hybrid_loss_tracks_bf16():
+    # 30 steps: the loss falls to ~0.18 of its start and fp8 stays within 0.7% of bf16 (measured); the fp8 run
+    # emulates the casts on CPU at ~0.55 s a step, so this is the suite's costliest single test.
     ref = _train_losses("")
     fp8 = _train_losses("--fp8-format hybrid")
     assert ref[-1] < 0.5 * ref[0]  # it learns
