@@ -85,17 +85,9 @@ def test_bad_patterns_fail_with_one_line(extra, message):
 def test_sft_packs_conversations_through_mamba_and_gdn_layers(tmp_path):
     """--sft packs several conversations per row: the Mamba-2 and Gated DeltaNet layers restart at each
     conversation (tests/unit/core/models/hybrid/test_hybrid_packed.py proves the equality), and training runs."""
-    import json
-    import random
-
-    from tests.fixtures.tiny_chat_tokenizer import write_tiny_chat_tokenizer
+    from tests.fixtures.tiny_chat_tokenizer import write_arithmetic_chats, write_tiny_chat_tokenizer
     write_tiny_chat_tokenizer(str(tmp_path / "tok"))
-    rng = random.Random(0)
-    with open(tmp_path / "chats.jsonl", "w") as f:
-        for _ in range(60):
-            a, b = rng.randint(0, 99), rng.randint(0, 99)
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"{a}+{b}?"},
-                                             {"role": "assistant", "content": f"{a + b}"}]}) + "\n")
+    write_arithmetic_chats(str(tmp_path / "chats.jsonl"), 60)
     flags = [f for f in SHAPES.split() if f not in ("--mock-data",)]
     flags[flags.index("NullTokenizer")] = "HuggingFaceTokenizer"
     cmd = [sys.executable, os.path.join(ROOT, "pretrain_hybrid.py")] + flags + [

@@ -8,7 +8,6 @@ gives the tokens of transformers' greedy generate() on the export.
 """
 import json
 import os
-import random
 import re
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.fixtures.tiny_chat_tokenizer import write_tiny_chat_tokenizer  # noqa: E402
+from tests.fixtures.tiny_chat_tokenizer import write_arithmetic_chats, write_tiny_chat_tokenizer  # noqa: E402
 from tests.parallel.dist_utils import run_distributed  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,12 +58,7 @@ def world(tmp_path_factory):
                       tie_word_embeddings=False, bos_token_id=256, eos_token_id=259)
     LlamaForCausalLM(cfg).save_pretrained(hf_dir)
     write_tiny_chat_tokenizer(hf_dir)
-    rng = random.Random(0)
-    with open(root / "chats.jsonl", "w") as f:
-        for _ in range(40):
-            a, b = rng.randint(0, 99), rng.randint(0, 99)
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"{a}+{b}?"},
-                                             {"role": "assistant", "content": f"{a + b}"}]}) + "\n")
+    write_arithmetic_chats(str(root / "chats.jsonl"), 40)
     _run("tools/checkpoint/hf.py", "import", "--hf-model-path", hf_dir, "--output-path", ckpt)
     full, resumed = str(root / "sft_full"), str(root / "sft_resumed")
     full_log = _sft(ckpt, full, 4)
