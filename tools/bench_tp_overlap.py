@@ -18,11 +18,12 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
+from megatron.core.nccl_group_options import get_nccl_options  # noqa: E402
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from tools.bench_long_context_attention import _time as _median_ms  # noqa: E402  (median ms, CUDA events)
 
 
-def _layers(a, tp, dtype, device, overlap):
+def _layers(a, tp, dtype, device, overlap, group):
     cfg = ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=True, tp_comm_overlap=overlap,
                               params_dtype=dtype)
     init = lambda w: torch.nn.init.normal_(w, std=0.02)
@@ -32,7 +33,7 @@ def _layers(a, tp, dtype, device, overlap):
     layers = []
     for cls, i, o in specs:
         kw = dict(input_is_parallel=True) if cls is RowParallelLinear else {}
-        layers.append(cls(i, o, config=cfg, init_method=init, bias=False, tp_group=torch.distributed.group.WORLD,
+        layers.append(cls(i, o, config=cfg, init_method=init, bias=False, tp_group=group,
                           **kw).to(device))
     return layers
 
@@ -72,6 +73,10 @@ def main():
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--trace", default=None)
+    p.add_argument("--high-priority", action="store_true",
+                   help="the TP communicator's stream at high priority (--high-priority-stream-groups tp)")
+    p.add_argument("--max-ctas", type=int, default=None, help="NCCL max_ctas of the TP communicator")
+    p.add_argument("--min-ctas", type=int, default=None, help="NCCL min_ctas of the TP communicator")
     a = p.parse_args()
     cuda = torch.cuda.is_available()
     if cuda:
@@ -83,9 +88,15 @@ def main():
     torch.distributed.init_process_group("nccl" if cuda else "gloo")
     tp, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     torch.manual_seed(0)
+    group = torch.distributed.group.WORLD
+    options = {k: v for k, v in (("max_ctas", a.max_ctas), ("min_ctas", a.min_ctas)) if v is not None}
+    if a.high_priority:
+        options["is_high_priority_stream"] = True
+    if options and cuda:  # the TP communicator as initialize_model_parallel builds it from these options
+        group = torch.distributed.new_group(list(range(tp)), pg_options=get_nccl_options("tp", {"tp": options}))
     res = {}
     for name, overlap in (("plain", False), ("overlap", True)):
-        layers = _layers(a, tp, dtype, device, overlap)
+        layers = _layers(a, tp, dtype, device, overlap, group)
         inputs = _inputs(layers, a, tp, dtype, device)
         res[name] = _median_ms(lambda: _step(layers, inputs), a.iters)
         if name == "plain":
@@ -100,7 +111,9 @@ def main():
     if rank == 0:
         exposed = res["plain"] - res["gemms only"]
         hidden = (res["plain"] - res["overlap"]) / exposed if exposed > 0 else float("nan")
-        print(f"TP={tp} seq {a.seq} hidden {a.hidden} ffn {a.ffn} {str(dtype)[6:]} on {device.type}: "
+        print(f"TP={tp} {options or 'default NCCL options'} "
+              f"CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'unset')} "
+              f"seq {a.seq} hidden {a.hidden} ffn {a.ffn} {str(dtype)[6:]} on {device.type}: "
               + ", ".join(f"{k} {v:.2f} ms" for k, v in res.items()) + f"; communication hidden {100 * hidden:.0f}%",
               flush=True)
     torch.distributed.destroy_process_group()

@@ -13,6 +13,11 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import torch
 
+from megatron.core.nccl_group_options import (  # noqa: F401  (get_nccl_options: Megatron's name)
+    get_nccl_options,
+    megatron_group_name,
+    nccl_group_configs,
+)
 from megatron.core.process_group_registry import GROUPS as _GROUPS  # this rank's groups by name
 from megatron.core.process_group_registry import RANKS as _RANKS  # ... and their global ranks
 from megatron.core.process_group_registry import build_extra_groups as _build_extra_groups
@@ -24,7 +29,6 @@ from megatron.core.process_group_registry import (  # noqa: F401  (Megatron's na
     create_hybrid_dp_cp_groups,
     get_hierarchical_context_parallel_groups,
     get_hybrid_data_context_parallel_groups,
-    get_nccl_options,
     update_pg_timeout,
 )
 from megatron.core.process_group_registry import named_group as _group
@@ -127,13 +131,14 @@ def initialize_model_parallel(
     `hierarchical_context_parallel_sizes` / `hybrid_context_parallel` build Megatron's extra CP groups
     (get_hierarchical_context_parallel_groups, which cp_comm_type a2a+p2p attends over /
     get_hybrid_data_context_parallel_groups, whose dynamic CP is not implemented). `local_world_size` (GPUs per
-    node, for NCCL tuning) has no effect here."""
+    node, for NCCL tuning) has no effect here. `nccl_communicator_config_path` (a YAML of group name -> NCCL
+    options) and `high_priority_stream_groups` (e.g. ['tp', 'ep']) give the named NCCL groups their options
+    (megatron/core/nccl_group_options.py)."""
     _check_unsupported(use_sharp=(use_sharp, False),
                        gtp_remat_size=(gtp_remat_size, 1), expert_gtp_remat_size=(expert_gtp_remat_size, 1),
                        sharp_enabled_group=(sharp_enabled_group, None), rank_offset=(rank_offset, 0),
                        num_distributed_optimizer_instances=(num_distributed_optimizer_instances, 1),
-                       nccl_communicator_config_path=(nccl_communicator_config_path, None),
-                       high_priority_stream_groups=(high_priority_stream_groups or None, None))
+                       )
     if not torch.distributed.is_initialized():
         raise RuntimeError("initialize_model_parallel needs torch.distributed.init_process_group() first")
     world_size = torch.distributed.get_world_size()
@@ -167,11 +172,14 @@ def initialize_model_parallel(
                          "put 'pp' last or first in --order")
     timeout = timedelta(minutes=distributed_timeout_minutes)
     gloo_is_default = torch.distributed.get_backend() == "gloo"
+    nccl_cfgs = nccl_group_configs(nccl_communicator_config_path, high_priority_stream_groups,
+                                   nccl=not gloo_is_default)
 
     def build(name, rank_groups, backend=None, gloo_name=None):
         rank = torch.distributed.get_rank()
+        options = None if backend not in (None, "nccl") else get_nccl_options(megatron_group_name(name), nccl_cfgs)
         for ranks in rank_groups:
-            group = torch.distributed.new_group(ranks, timeout=timeout, backend=backend)
+            group = torch.distributed.new_group(ranks, timeout=timeout, backend=backend, pg_options=options)
             gloo = None
             if gloo_name and create_gloo_process_groups:
                 gloo = group if gloo_is_default else torch.distributed.new_group(ranks, timeout=timeout,

@@ -5,7 +5,7 @@
 hierarchical context-parallel sub-groups, power-of-two "hybrid" DP x CP groups, and all-gather
 communicators that mirror the DP groups (for overlapping all-gather with reduce-scatter).
 
-This module imports no other ``megatron`` module, so anything may read the registry.
+This module imports only ``nccl_group_options`` (itself import-free), so anything may read the registry.
 """
 from datetime import timedelta
 from math import log2
@@ -13,6 +13,8 @@ from typing import Dict, List
 
 import numpy as np
 import torch
+
+from megatron.core.nccl_group_options import get_nccl_options
 
 # name -> group / global ranks of this rank's group; filled by parallel_state.initialize_model_parallel.
 GROUPS: Dict[str, object] = {}
@@ -70,21 +72,6 @@ def update_pg_timeout(timeout: timedelta, pg=None):
     torch.distributed.barrier(pg)
     for group in ([pg] if pg is not None else [None] + _CREATED_GROUPS):
         set_timeout(timeout, group)
-
-
-def get_nccl_options(pg_name, nccl_comm_cfgs):
-    """ProcessGroupNCCL.Options for `pg_name` from a --nccl-communicator-config-path dict, else None."""
-    cfg = nccl_comm_cfgs.get(pg_name)
-    if cfg is None:
-        return None
-    options = torch.distributed.ProcessGroupNCCL.Options(
-        is_high_priority_stream=cfg.get("is_high_priority_stream", False))
-    for key in ("cga_cluster_size", "max_ctas", "min_ctas", "net_name"):
-        if key in cfg:
-            setattr(options.config, key, cfg[key])
-    if "net_name" in cfg and cfg["net_name"].lower() not in ("ib", "socket"):
-        raise ValueError(f"NCCL config for {pg_name}: net_name '{cfg['net_name']}' must be IB or socket")
-    return options
 
 
 # ---- extra groups --------------------------------------------------------------------------------------------------

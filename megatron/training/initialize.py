@@ -233,6 +233,8 @@ def _initialize_model_parallel(args):
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         order="tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp",
+        nccl_communicator_config_path=args.nccl_communicator_config_path,
+        high_priority_stream_groups=args.high_priority_stream_groups,
     )
     if args.rank == 0:
         print(f"> initialized tensor model parallel with size {parallel_state.get_tensor_model_parallel_world_size()}")

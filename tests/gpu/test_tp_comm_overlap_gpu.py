@@ -76,3 +76,17 @@ def test_tp2_sp_overlap_with_compiled_layers(tmp_path):
         assert losses[:4] == pytest.approx(eager[:4], abs=5e-2)
         assert abs(_tail(losses) - _tail(eager)) < 0.25 * _tail(eager) + 0.25
     assert abs(_tail(overlap) - _tail(plain)) < 0.25 * _tail(plain) + 0.25
+
+
+def test_tp_group_nccl_options_and_high_priority_overlap(tmp_path):
+    """--high-priority-stream-groups / --nccl-communicator-config-path reach the TP communicator, and the
+    overlapped run with them trains as the plain one."""
+    cfg = tmp_path / "nccl.yaml"
+    cfg.write_text("tp:\n  max_ctas: 8\n")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                        os.path.join(ROOT, "tests", "gpu", "nccl_options_worker.py"), str(cfg)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "nccl options ok" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+    plain = _run(tmp_path, "plain")
+    fast = _run(tmp_path, "overlap-high-priority", "--tp-comm-overlap", "--high-priority-stream-groups", "tp")
+    assert fast == pytest.approx(plain, abs=2e-2)

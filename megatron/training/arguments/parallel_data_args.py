@@ -28,6 +28,12 @@ def add_distributed_args(parser):
     g.add_argument("--local-rank", "--local_rank", type=int, default=None,
                    help="Set by old launchers; LOCAL_RANK from the environment wins.")
     g.add_argument("--use-tp-pp-dp-mapping", action="store_true", help="Rank order tp-cp-ep-pp-dp.")
+    g.add_argument("--nccl-communicator-config-path", type=str, default=None,
+                   help="YAML of group name -> NCCL communicator options (is_high_priority_stream, "
+                        "cga_cluster_size, max_ctas, min_ctas, net_name), e.g. 'tp: {max_ctas: 16}'.")
+    g.add_argument("--high-priority-stream-groups", nargs="+", type=str, default=[],
+                   help="Groups whose NCCL stream gets high priority (e.g. tp ep dp_cp), so overlapped "
+                        "communication kernels take SMs ahead of queued compute.")
     g.add_argument("--use-torch-fsdp2", action="store_true",
                    help="Shard params, grads and optimizer state over DP with torch FSDP2 (composes with TP).")
     return parser

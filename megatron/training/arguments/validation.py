@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
+from megatron.core.nccl_group_options import nccl_group_configs
 from megatron.core.transformer.transformer_block import layers_per_pipeline_rank
 
 from .autoresume_args import validate_autoresume_args
@@ -108,6 +109,11 @@ def _validate_parallel(args):
                  "--use-torch-fsdp2 already shards optimizer state; drop --use-distributed-optimizer")
     if not torch.cuda.is_available() and args.distributed_backend == "nccl":
         args.distributed_backend = "gloo"  # NCCL needs CUDA; gloo is the CPU backend
+    try:  # unknown groups, keys or an unreadable file: one line now, not at process-group creation
+        nccl_group_configs(args.nccl_communicator_config_path, args.high_priority_stream_groups,
+                           nccl=args.distributed_backend == "nccl")
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
 
 
 def _validate_pipeline_split(args):
