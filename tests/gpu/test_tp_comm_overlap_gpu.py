@@ -90,3 +90,12 @@ def test_tp_group_nccl_options_and_high_priority_overlap(tmp_path):
     plain = _run(tmp_path, "plain")
     fast = _run(tmp_path, "overlap-high-priority", "--tp-comm-overlap", "--high-priority-stream-groups", "tp")
     assert fast == pytest.approx(plain, abs=2e-2)
+
+
+def test_peer_copy_transfers_equal_nccl():
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                        os.path.join(ROOT, "tests", "gpu", "peer_copy_worker.py")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, TORCH_SYMM_MEM_DISABLE_MULTICAST="1"))
+    assert p.returncode == 0 and "peer copies ok" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+    print(p.stdout.strip().splitlines()[-1])

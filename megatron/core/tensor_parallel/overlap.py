@@ -1,13 +1,16 @@
 """Sequence-parallel linears with their TP communication overlapped with the GEMMs (``--tp-comm-overlap``).
 
-Our own implementation over plain torch.distributed (no Transformer Engine userbuffers, no NVLink
-multicast or symmetric memory). Under SP the column-parallel linears (QKV, fc1) all-gather X along the
-sequence before their GEMM and the row-parallel ones (proj, fc2) reduce-scatter Y after it. Here both are
-split into the TP ranks' sequence blocks and pipelined as a ring: while block i's GEMM runs, block i+1
-travels to the next rank (``batch_isend_irecv``). On CUDA the NCCL transfers run on NCCL's own stream
-and the GEMMs on the current one, so they proceed concurrently; ``work.wait()`` only makes the current
-stream wait where a block is consumed. Backward of the column layer uses Megatron's bulk overlaps: the
-re-gather of X runs behind the dX GEMM and the dX reduce-scatter behind the wgrad GEMM.
+Our own implementation (no Transformer Engine userbuffers, no NVLink multicast). Under SP the
+column-parallel linears (QKV, fc1) all-gather X along the sequence before their GEMM and the row-parallel
+ones (proj, fc2) reduce-scatter Y after it. Here both are split into the TP ranks' sequence blocks and
+pipelined: while one block's GEMM runs, another block travels. Two transports:
+- on NCCL groups with symmetric memory (GPUs of one node), ``peer_copy``: the copy engines read the peers'
+  blocks over NVLink, beside GEMMs that fill every SM;
+- elsewhere (gloo, or where symmetric memory cannot be set up: said once), a ring of ``batch_isend_irecv``:
+  block i+1 travels to the next rank while block i's GEMM runs; on a GPU its NCCL kernels need SMs and
+  mostly wait for the GEMMs.
+Backward of the column layer uses Megatron's bulk overlaps: the re-gather of X runs behind the dX GEMM
+and the dX reduce-scatter behind the wgrad GEMM.
 
 The math is that of the plain path: the same GEMM, row block by row block (the all-gather side gives
 the same values), and for the reduce-scatter the same partial sums added in ring order.
@@ -15,6 +18,7 @@ the same values), and for the reduce-scatter the same partial sums added in ring
 import torch
 import torch.distributed as dist
 
+from megatron.core.tensor_parallel import peer_copy
 from megatron.core.tensor_parallel.mappings import _all_gather_single, _reduce_scatter_single
 from megatron.core.tensor_parallel.weight_grad import weight_grad
 
@@ -85,6 +89,43 @@ def ring_mm_reduce_scatter(x, mat, group):
     return part
 
 
+def all_gather_mm(x, mat, group):
+    """(all_gather(x) @ mat, all_gather(x)) along dim 0, the transfers pipelined with the GEMM."""
+    done = peer_copy.all_gather_mm(x, mat, group)
+    return done if done is not None else ring_all_gather_mm(x, mat, group)
+
+
+def mm_reduce_scatter(x, mat, group):
+    """reduce_scatter(x @ mat) along dim 0, the transfers pipelined with the GEMM."""
+    done = peer_copy.mm_reduce_scatter(x, mat, group)
+    return done if done is not None else ring_mm_reduce_scatter(x, mat, group)
+
+
+def _gather_start(x, group, async_op):
+    """(total, wait): all_gather(x) along dim 0, running until ``wait()`` where ``async_op``."""
+    if async_op:
+        started = peer_copy.all_gather_start(x, group)
+        if started is not None:
+            return started
+    total, work = _gather(x, group, async_op)
+    return total, (work.wait if work is not None else lambda: None)
+
+
+def _reduce_scatter_start(x, group, async_op):
+    """finish() -> reduce_scatter(x) along dim 0, running until then where ``async_op``."""
+    if async_op:
+        finish = peer_copy.reduce_scatter_start(x, group)
+        if finish is not None:
+            return finish
+    out, work = _reduce_scatter(x, group, async_op)
+
+    def finish_nccl():
+        if work is not None:
+            work.wait()
+        return out
+    return finish_nccl
+
+
 def _gather(x, group, async_op):
     total = x.new_empty((dist.get_world_size(group) * x.size(0),) + tuple(x.shape[1:]))
     work = _all_gather_single(total, x.contiguous(), group=group, async_op=async_op)
@@ -114,7 +155,7 @@ class ColumnParallelLinearWithOverlap(torch.autograd.Function):
         ctx.use_bias, ctx.fusion, ctx.group = bias is not None, fusion, group
         ctx.bulk_dgrad, ctx.bulk_wgrad = bulk_dgrad, bulk_wgrad
         if overlap_ag:
-            out, _ = ring_all_gather_mm(x, weight.t(), group)  # [s, b, out/tp]
+            out, _ = all_gather_mm(x, weight.t(), group)  # [s, b, out/tp]
         else:
             out = torch.matmul(_gather(x, group, False)[0], weight.t())
         return out.add_(bias) if bias is not None else out
@@ -123,17 +164,14 @@ class ColumnParallelLinearWithOverlap(torch.autograd.Function):
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
         grad_output = grad_output.contiguous()
-        total_x, ag = _gather(x, ctx.group, ctx.bulk_dgrad)  # [s, b, h], in flight during the dX GEMM
-        grad_input, rs = _reduce_scatter(grad_output.matmul(weight), ctx.group, ctx.bulk_wgrad)  # [s/tp, b, h]
-        if ag is not None:
-            ag.wait()
+        total_x, gathered = _gather_start(x, ctx.group, ctx.bulk_dgrad)  # [s, b, h], during the dX GEMM
+        finish_rs = _reduce_scatter_start(grad_output.matmul(weight), ctx.group, ctx.bulk_wgrad)  # [s/tp, b, h]
+        gathered()
         grad_bias = grad_output.reshape(-1, grad_output.size(-1)).sum(dim=0) if ctx.use_bias else None
         grad_weight = None
         if ctx.needs_input_grad[1]:  # runs while dX is reduce-scattered
             grad_weight = _weight_grad(weight, ctx.fusion, grad_output, total_x)
-        if rs is not None:
-            rs.wait()
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+        return finish_rs(), grad_weight, grad_bias, None, None, None, None, None
 
 
 class RowParallelLinearWithOverlap(torch.autograd.Function):
@@ -147,7 +185,7 @@ class RowParallelLinearWithOverlap(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.fusion, ctx.group, ctx.overlap_ag = fusion, group, overlap_ag
         if overlap_rs:
-            return ring_mm_reduce_scatter(x, weight.t(), group)  # [s/tp, b, h]
+            return mm_reduce_scatter(x, weight.t(), group)  # [s/tp, b, h]
         return _reduce_scatter(torch.matmul(x, weight.t()), group, False)[0]
 
     @staticmethod
@@ -155,7 +193,7 @@ class RowParallelLinearWithOverlap(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_output = grad_output.contiguous()
         if ctx.overlap_ag:
-            grad_input, total_grad = ring_all_gather_mm(grad_output, weight, ctx.group)
+            grad_input, total_grad = all_gather_mm(grad_output, weight, ctx.group)
         else:
             total_grad = _gather(grad_output, ctx.group, False)[0]  # [s, b, h]
             grad_input = total_grad.matmul(weight)
