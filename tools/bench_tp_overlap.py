@@ -81,6 +81,7 @@ def main():
                    help="the TP communicator's stream at high priority (--high-priority-stream-groups tp)")
     p.add_argument("--max-ctas", type=int, default=None, help="NCCL max_ctas of the TP communicator")
     p.add_argument("--min-ctas", type=int, default=None, help="NCCL min_ctas of the TP communicator")
+    p.add_argument("--ring", action="store_true", help="the overlap over the NCCL ring only (no copy engines)")
     a = p.parse_args()
     cuda = torch.cuda.is_available()
     if cuda:
@@ -99,6 +100,8 @@ def main():
     if options and cuda:  # the TP communicator as initialize_model_parallel builds it from these options
         group = torch.distributed.new_group(list(range(tp)), pg_options=get_nccl_options("tp", {"tp": options}))
     res = {}
+    if a.ring:
+        peer_copy.disable("--ring")
     for name, overlap in (("plain", False), ("overlap", True), ("overlap NCCL ring", True)):
         if name == "overlap NCCL ring":
             if not cuda or peer_copy.unavailable():
