@@ -84,19 +84,28 @@ def get_batch(data_iterator, vp_stage=None):
     # Without --reset-attention-mask the data loader's mask is the plain causal one, which attention applies
     # itself (SDPA's is_causal): it is neither copied to the device nor checked there (a host sync that
     # CUDA-graph capture refuses). Under CP or packed documents the mask is never needed.
-    want_mask = args.context_parallel_size == 1 and not packed and args.reset_attention_mask
-    has_mask = torch.tensor([int(want_mask and data is not None and "attention_mask" in data)], dtype=torch.long)
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        has_mask = tensor_parallel.broadcast_data(["m"], {"m": has_mask}, torch.long)["m"]
+    # Every rank knows what the loader yields (the dataset makes a mask iff create_attention_mask), and
+    # without packed documents every shape is [micro-batch, seq]: the broadcasts need no size exchange and
+    # nothing here waits for the device, so the host keeps queueing work ahead of the GPU under TP.
+    has_mask = (args.context_parallel_size == 1 and not packed and args.reset_attention_mask
+                and args.create_attention_mask_in_dataloader)
+    if data is not None and has_mask and "attention_mask" not in data:
+        raise ValueError("get_batch: --reset-attention-mask without --no-create-attention-mask-in-dataloader "
+                         "expects the data loader to yield an attention_mask; this one does not")
     keys = _INT_KEYS + (["cu_seqlens"] if packed else [])
     if data is not None and packed:
         data = dict(data, cu_seqlens=data["cu_seqlens"].long())
-    batch = tensor_parallel.broadcast_data(keys, data, torch.int64)
-    batch["loss_mask"] = tensor_parallel.broadcast_data(["loss_mask"], data, torch.float32)["loss_mask"]
+    shapes = None
+    if not packed:
+        s = (args.micro_batch_size, args.seq_length)
+        shapes = {k: s for k in _INT_KEYS + ["loss_mask"]} | {"attention_mask": (s[0], 1, s[1], s[1])}
+    batch = tensor_parallel.broadcast_data(keys, data, torch.int64, shapes=shapes)
+    batch["loss_mask"] = tensor_parallel.broadcast_data(["loss_mask"], data, torch.float32,
+                                                        shapes=shapes)["loss_mask"]
     batch["attention_mask"] = None
-    if int(has_mask.item()):
-        batch["attention_mask"] = tensor_parallel.broadcast_data(["attention_mask"], data,
-                                                                 torch.bool)["attention_mask"]
+    if has_mask:
+        batch["attention_mask"] = tensor_parallel.broadcast_data(["attention_mask"], data, torch.bool,
+                                                                 shapes=shapes)["attention_mask"]
     packed_seq_params = _packed_seq_params(batch.pop("cu_seqlens"), batch["tokens"].size(1)) if packed else None
     batch = get_batch_on_this_cp_rank(batch)
     if not first and not last:

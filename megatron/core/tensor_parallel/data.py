@@ -1,5 +1,6 @@
 """Broadcast a batch from TP rank 0 to the other ranks of its TP group."""
-from typing import Dict, List
+import math
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -9,15 +10,19 @@ from megatron.core.utils import get_device
 
 
 def broadcast_data(keys: List[str], data: Dict[str, torch.Tensor], datatype: torch.dtype,
-                   tp_group=None) -> Dict[str, torch.Tensor]:
+                   tp_group=None, shapes: Optional[Dict[str, Sequence[int]]] = None) -> Dict[str, torch.Tensor]:
     """Return ``{key: tensor}`` on every TP rank; only TP rank 0 needs ``data``. Sizes go first, then one
-    flattened buffer, so only two broadcasts are issued."""
+    flattened buffer, so only two broadcasts are issued. With ``shapes`` (every key's shape, known on every
+    rank) only the buffer is broadcast and nothing waits for the device: reading the sizes back is a host
+    synchronisation that stops the host from queueing work ahead of the GPU, once per micro-batch."""
     device = get_device()
     group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
     if group is None or dist.get_world_size(group) == 1:
         return {k: data[k].to(device=device, dtype=datatype) for k in keys}
     src = dist.get_process_group_ranks(group)[0]
     is_src = group.rank() == 0
+    if shapes is not None:
+        return _broadcast_known_shapes(keys, data, datatype, group, src, is_src, shapes, device)
     max_dims = 8
     sizes = torch.zeros(len(keys), max_dims, dtype=torch.long, device=device)
     if is_src:
@@ -32,6 +37,27 @@ def broadcast_data(keys: List[str], data: Dict[str, torch.Tensor], datatype: tor
     numels = [int(torch.tensor(s).prod()) if s else 0 for s in shapes]
     if is_src:
         flat = torch.cat([data[k].reshape(-1).to(device) for k in keys])
+    else:
+        flat = torch.empty(sum(numels), dtype=datatype, device=device)
+    dist.broadcast(flat, src, group=group)
+    out, offset = {}, 0
+    for k, shape, n in zip(keys, shapes, numels):
+        out[k] = flat[offset:offset + n].view(shape)
+        offset += n
+    return out
+
+
+def _broadcast_known_shapes(keys, data, datatype, group, src, is_src, shapes, device):
+    shapes = [tuple(int(d) for d in shapes[k]) for k in keys]
+    numels = [math.prod(s) for s in shapes]
+    if is_src:
+        for k, shape in zip(keys, shapes):
+            if tuple(data[k].shape) != shape:
+                raise ValueError(f"broadcast_data: '{k}' has shape {tuple(data[k].shape)}, the other TP ranks "
+                                 f"expect {shape}")
+            if data[k].dtype != datatype:
+                raise ValueError(f"broadcast_data: '{k}' has dtype {data[k].dtype}, expected {datatype}")
+        flat = torch.cat([data[k].reshape(-1).to(device, non_blocking=True) for k in keys])
     else:
         flat = torch.empty(sum(numels), dtype=datatype, device=device)
     dist.broadcast(flat, src, group=group)
