@@ -84,9 +84,9 @@ def get_batch(data_iterator, vp_stage=None):
     # Without --reset-attention-mask the data loader's mask is the plain causal one, which attention applies
     # itself (SDPA's is_causal): it is neither copied to the device nor checked there (a host sync that
     # CUDA-graph capture refuses). Under CP or packed documents the mask is never needed.
-    # Every rank knows what the loader yields (the dataset makes a mask iff create_attention_mask), and
-    # without packed documents every shape is [micro-batch, seq]: the broadcasts need no size exchange and
-    # nothing here waits for the device, so the host keeps queueing work ahead of the GPU under TP.
+    # Every rank knows what the loader yields (the dataset makes a mask iff create_attention_mask) and its
+    # shapes ([micro-batch, seq]): the broadcasts need no size exchange and nothing here waits for the
+    # device, so the host keeps queueing work ahead of the GPU under TP.
     has_mask = (args.context_parallel_size == 1 and not packed and args.reset_attention_mask
                 and args.create_attention_mask_in_dataloader)
     if data is not None and has_mask and "attention_mask" not in data:
@@ -95,11 +95,10 @@ def get_batch(data_iterator, vp_stage=None):
     keys = _INT_KEYS + (["cu_seqlens"] if packed else [])
     if data is not None and packed:
         data = dict(data, cu_seqlens=data["cu_seqlens"].long())
-    shapes = None
-    if not packed:
-        s = (args.micro_batch_size, args.seq_length)
-        shapes = {k: s for k in _INT_KEYS + ["loss_mask"]} | {"attention_mask": (s[0], 1, s[1], s[1])}
-    batch = tensor_parallel.broadcast_data(keys, data, torch.int64, shapes=shapes)
+    s = (args.micro_batch_size, args.seq_length)
+    shapes = {k: s for k in _INT_KEYS + ["loss_mask"]} | {"attention_mask": (s[0], 1, s[1], s[1])}
+    # Packed documents' offsets differ per sample: that one broadcast exchanges sizes.
+    batch = tensor_parallel.broadcast_data(keys, data, torch.int64, shapes=None if packed else shapes)
     batch["loss_mask"] = tensor_parallel.broadcast_data(["loss_mask"], data, torch.float32,
                                                         shapes=shapes)["loss_mask"]
     batch["attention_mask"] = None

@@ -171,6 +171,13 @@ def _check_broadcast(tp, rank):
     data = {"tokens": torch.arange(6).view(2, 3), "labels": torch.arange(4)} if rank == 0 else None
     out = broadcast_data(["tokens", "labels"], data, torch.int64)
     assert out["tokens"].tolist() == [[0, 1, 2], [3, 4, 5]] and out["labels"].tolist() == [0, 1, 2, 3]
+    # Shapes known on every rank: one broadcast, no size exchange; a wrong shape is one line on rank 0.
+    shapes = {"tokens": (2, 3), "labels": (4,)}
+    out = broadcast_data(["tokens", "labels"], data, torch.int64, shapes=shapes)
+    assert out["tokens"].tolist() == [[0, 1, 2], [3, 4, 5]] and out["labels"].tolist() == [0, 1, 2, 3]
+    if rank == 0:
+        with pytest.raises(ValueError, match="'labels' has shape \\(4,\\), the other TP ranks expect \\(5,\\)"):
+            broadcast_data(["tokens", "labels"], data, torch.int64, shapes={"tokens": (2, 3), "labels": (5,)})
 
 
 def _all_checks(tp):
