@@ -20,8 +20,9 @@ Decisions (modes from --rerun-mode):
 - report_stats: every step runs twice; the largest relative difference per check is logged (a measure of
   non-determinism). Fatal results still stop the run.
 - disabled: no re-runs; a fatal result stops the run (RuntimeError), a non-fatal one is reported.
-Every decision is logged on the rank that saw the result, appended to --result-rejected-tracker-filename,
-and kept in `state_dict()`, which checkpoints save.
+Results validated inside the step loop are judged when its pass ends, all in one device transfer (no host
+synchronisation per micro-batch), before the step's update. Every decision is logged on the rank that saw
+the result, appended to --result-rejected-tracker-filename, and kept in `state_dict()`, which checkpoints save.
 
 Fault injection (--error-injection-rate N, --error-injection-type): every Nth validated result of an
 initial run is made NaN in place (a real fault: the backward and the optimizer see it); a persistent or
@@ -152,6 +153,7 @@ class RerunStateMachine:
         self.failed_call, self.initial_result, self.fatal = None, None, True
         self.saved_results = {}
         self.saved_state = None
+        self.pending = []  # (call, message, fatal, verdict, value) of checks judged at the step's end
 
     # --- the step loop -------------------------------------------------------------------------------
     def should_run_forward_backward(self, data_iterator):
@@ -169,6 +171,11 @@ class RerunStateMachine:
                     d.advance()
             return True
         if self.state == RerunState.INITIAL_RUN:
+            try:
+                self._judge_pending()
+            except RuntimeError:
+                self.state = RerunState.NOT_RUNNING_YET  # a fatal result with re-runs disabled: the run stops
+                raise
             if self.mode == RerunMode.DISABLED or not self._reduce_any(self.rerun_requested):
                 self.state = RerunState.NOT_RUNNING_YET
                 return False
@@ -212,19 +219,21 @@ class RerunStateMachine:
                 result.mul_(float("nan"))
         comparison_func = comparison_func or _compare_floats
         if self.mode == RerunMode.DISABLED or self.state == RerunState.NOT_RUNNING_YET:
-            if rejection_func(result):
-                self._decide(message, result, None, "rejected, no re-run (--rerun-mode disabled)",
-                             "stop" if fatal else "report", fatal)
+            verdict = rejection_func(result)
+            if self.state == RerunState.INITIAL_RUN and self._defer(call, message, fatal, result, verdict):
+                return
+            if verdict:
+                self._rejected_without_rerun(message, result, fatal)
             return
         if self.mode == RerunMode.REPORT_DETERMINISM_STATS:
             self._record_stats(call, result, comparison_func, rejection_func, message, fatal)
             return
         if self.state == RerunState.INITIAL_RUN:
-            if not self.rerun_requested and rejection_func(result):
-                self.rerun_requested, self.failed_call, self.fatal = True, call, fatal
-                self.initial_result = float(result)
-                logger.error("rank %d: unexpected result %s at iteration %d (%s); the step will be re-run",
-                             _rank(), self.initial_result, self.current_iteration, message)
+            if self.rerun_requested:
+                return
+            verdict = rejection_func(result)
+            if not self._defer(call, message, fatal, result, verdict) and verdict:
+                self._request_rerun(call, message, fatal, float(result))
         elif call == self.failed_call:
             reproduced = rejection_func(result) and comparison_func(self.initial_result, result) <= tolerance
             if reproduced:
@@ -233,6 +242,41 @@ class RerunStateMachine:
             else:
                 self._decide(message, self.initial_result, float(result), RerunDiagnostic.TRANSIENT_ERROR.value,
                              "stop" if fatal else "report", fatal)
+
+    # A result checked inside the step loop is judged when the step's forward/backward has run, not when
+    # it is computed: a device tensor's verdict read on the spot is a host synchronisation per micro-batch
+    # (the loss's NaN and Inf checks: two per micro-batch), which stops the host from queueing the backward
+    # ahead of the GPU. The verdicts wait on the device and come back in one transfer at the step's end,
+    # before any optimizer update, in call order; the decisions are those an immediate check would make.
+    def _defer(self, call, message, fatal, result, verdict):
+        if not isinstance(verdict, torch.Tensor) or not isinstance(result, torch.Tensor):
+            return False
+        self.pending.append((call, message, fatal, verdict.detach().reshape(-1)[0].float(),
+                             result.detach().reshape(-1)[0].float()))
+        return True
+
+    def _judge_pending(self):
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        flags, values = torch.stack([torch.stack([p[3], p[4]]) for p in pending]).cpu().unbind(1)
+        for (call, message, fatal, _, _), flag, value in zip(pending, flags.tolist(), values.tolist()):
+            if not flag:
+                continue
+            if self.mode == RerunMode.DISABLED:
+                self._rejected_without_rerun(message, value, fatal)
+            elif not self.rerun_requested:
+                self._request_rerun(call, message, fatal, value)
+
+    def _rejected_without_rerun(self, message, result, fatal):
+        self._decide(message, result, None, "rejected, no re-run (--rerun-mode disabled)",
+                     "stop" if fatal else "report", fatal)
+
+    def _request_rerun(self, call, message, fatal, value):
+        self.rerun_requested, self.failed_call, self.fatal = True, call, fatal
+        self.initial_result = value
+        logger.error("rank %d: unexpected result %s at iteration %d (%s); the step will be re-run",
+                     _rank(), self.initial_result, self.current_iteration, message)
 
     def _decide(self, message, initial, rerun, diagnosis, decision, fatal):
         record = {"iteration": self.current_iteration, "rank": _rank(), "node": socket.gethostname(),

@@ -44,3 +44,31 @@ def test_spike_and_nan_decisions():
     restored = RerunStateMachine(mode="validate_results")
     restored.load_state_dict(rsm.state_dict())
     assert restored.decisions == rsm.decisions and restored.max_values == {"loss": 1.0}
+
+
+def test_tensor_verdicts_inside_the_step_are_judged_at_its_end():
+    """A device verdict (torch.isnan of the loss) is not read back at the call, which would synchronise the
+    host once per micro-batch; the step's end judges all of them, in call order, before any update."""
+    import pytest
+    rsm = RerunStateMachine(mode="disabled")
+    it = RerunDataIterator(iter(range(10)))
+    assert rsm.should_run_forward_backward(it)
+    rsm.validate_result(torch.tensor(1.0), torch.isnan, "NaN loss", fatal=True)
+    rsm.validate_result(torch.tensor(float("nan")), torch.isnan, "NaN loss", fatal=True)  # no raise here
+    assert len(rsm.pending) == 2 and not rsm.decisions
+    with pytest.raises(RuntimeError, match="NaN loss"):
+        rsm.should_run_forward_backward(it)
+    assert rsm.decisions[-1]["decision"] == "stop" and rsm.decisions[-1]["initial_result"] != 1.0
+    # validate_results: the first rejected call of the step is the one the re-run compares against.
+    rsm = RerunStateMachine(mode="validate_results")
+    values = iter([2.0, float("inf"), 3.0, 2.0, float("inf"), 3.0])
+    while rsm.should_run_forward_backward(it):
+        for _ in range(3):
+            rsm.validate_result(torch.tensor(next(values)), torch.isinf, "Inf loss", fatal=True)
+        if rsm.state.name == "INITIAL_RUN":
+            assert rsm.pending and not rsm.rerun_requested  # judged only when the step's passes end
+    assert rsm.failed_call == ("Inf loss", 2) and rsm.initial_result == float("inf")
+    assert rsm.decisions[-1]["decision"] == "skip"  # reproduced: the data or the model, not the device
+    # Outside a step (evaluation) and for Python-bool verdicts the judgement stays immediate.
+    with pytest.raises(RuntimeError, match="NaN eval"):
+        RerunStateMachine(mode="disabled").validate_result(torch.tensor(float("nan")), torch.isnan, "NaN eval")
