@@ -206,8 +206,9 @@ def test_nan_from_a_bad_batch_stops_with_a_checkpoint_and_restart_resumes(cli, t
     (without the injection) resumes from iteration 2."""
     load, d = _ckpt(tmp_path)
     tracker = tmp_path / "rejected.txt"
-    # With one micro-batch a step validates 2 results (NaN and Inf checks): rate 5 hits step 3's NaN check.
-    inject = ["--error-injection-rate", "5", "--error-injection-type", "transient_error",
+    # With one micro-batch and one gradient bucket a step validates 4 results (NaN and Inf checks of the loss,
+    # then of the bucket's gradients): rate 9 hits step 3's loss NaN check.
+    inject = ["--error-injection-rate", "9", "--error-injection-type", "transient_error",
               "--result-rejected-tracker-filename", tracker]
     results = _run(cli, tmp_path / "first", *load, *inject)
     assert [r.rc for r in results] == [17, 17], results[0].err[-3000:]

@@ -12,9 +12,10 @@ from tests.functional.cli_runner import CliRunner
 MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
          "--micro-batch-size 2 --lr 1e-3 --tokenizer-type NullTokenizer --vocab-size 128 --eval-iters 0 "
          "--mock-data --log-interval 1").split()
-# With one micro-batch a step validates 2 results (NaN and Inf checks of the loss): rate 5 hits the NaN
-# check of step 3 and no other within 4 steps.
-INJECT = ["--error-injection-rate", "5", "--train-iters", "4"]
+# With one micro-batch and one gradient bucket a step validates 4 results (the NaN and Inf checks of the
+# loss, then of the bucket's gradients, as Megatron counts them): rate 9 hits the NaN check of step 3's loss
+# and no other within 4 steps.
+INJECT = ["--error-injection-rate", "9", "--train-iters", "4"]
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from typing import Dict, List, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.utils import lazy_names
 
 # Megatron's buffer-kind enum, which the buffers here do not use, resolved on first use.
@@ -65,12 +66,19 @@ class _ParamAndGradBucket:
 
     # -- gradient reduction --------------------------------------------------------------------
     def check_for_nan(self):
+        """This rank's gradients of the bucket must be finite before they are reduced (Megatron's check, so
+        a bad rank names itself). Judged by the rerun state machine: inside a training step's loop the
+        verdict stays on the device until the step's pass ends (no host synchronisation per bucket); a
+        capture records no check (the replayed graph's losses are checked instead)."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
         norm = self.grad_data.float().norm(p=2)
-        if not torch.isfinite(norm):
-            names = [self.param_to_name.get(p, "?") for p in self.params]
-            raise RuntimeError(
-                f"Rank {dist.get_rank()}: found NaN or Inf in local grad norm ({norm.item()}) of bucket "
-                f"#{self.bucket_id} before data-parallel communication; params: {', '.join(names)}")
+        names = ", ".join(self.param_to_name.get(p, "?") for p in self.params)
+        rsm = get_rerun_state_machine()
+        for what, reject in (("NaN", torch.isnan), ("Inf", torch.isinf)):
+            rsm.validate_result(norm, reject, f"found {what} in local grad norm for bucket #{self.bucket_id} in "
+                                f"backward pass before data-parallel communication collective (params: {names})",
+                                tolerance=0.001, fatal=True)
 
     def start_grad_sync(self):
         """Launch this bucket's reduction (async when overlapping the grad reduce)."""

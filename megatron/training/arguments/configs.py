@@ -90,6 +90,8 @@ def ddp_config_from_args(args, config_class=None):
     kw = config_kwargs_from_args(
         config_class, args,
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        # Megatron's: --check-for-nan-in-loss-and-grad also checks each bucket's local grads before the reduce.
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
         bucket_size=args.ddp_bucket_size,
         average_in_collective=args.ddp_average_in_collective,
         # The layer-wise optimizer (dist_muon) reduce-scatters grads like the distributed optimizer.
