@@ -1,0 +1,123 @@
+#!/bin/bash
+# The scale issues' rows in one device call, each side by side (Megatron Core 0.19.2, then ours, same flags,
+# `.mref/side_by_side.sh`), or ours alone with MREF=0. Rows run as many at a time as the machine's GPUs allow
+# (one-GPU rows on GPUs 0..N-1, two-GPU rows on 0,1 and 2,3, own ports), four-GPU rows one after another. A
+# RESULT line per system as each row ends; logs under $OUT. Needs ../shared/megatron_reference copied to .mref/
+# with its wheel (see its README); run from the repository root on the GPU machine.
+#
+#   ROWS="l8_tp2 l8b_dp2 mix_ep2" bash tools/bench_scale_rows.sh        # a chosen few
+#   MREF=0 ROWS="mix_ep2_overlap fine_ep2_overlap" bash tools/bench_scale_rows.sh   # ours only
+#   bash tools/bench_scale_rows.sh --list                                # the rows and their flags
+#
+# Rows (LLAMA8B = the 32-layer Llama-3-8B shape; the 32-layer rows on 2 GPUs need H200s' memory):
+#   one GPU: l8b_1gpu (8 layers) / g13_1gpu / mix_1gpu / fine_1gpu / cp1_64k
+#   two GPUs (issues 38 and 39): l8_tp2 (8 layers) / l8b_tp2 / l8b_dp2 / l8b_pp2 / l8b_pp2_vp / l8b_cp2_16k /
+#     l8_cp2_64k / nemo_cp2 / g13_pp2 / g13_dp2 / mix_ep2 / fine_ep2 / qwen3_ep2 / dsv3_ep2
+#   four GPUs (issues 44 and 45): l8b_dp4 / l8b_tp2dp2 / l8b_tp4 / l8b_pp2dp2 / l8b_pp4_vp / l8b_cp2dp2_16k /
+#     nemo_cp2dp2 / cp4_64k / cp4_128k / mix_ep4 / fine_ep4 / mix_ep2dp2 / mix_ep2pp2 / qwen3_ep4 / dsv3_ep4
+#   *_overlap (ours only: --overlap-moe-expert-parallel-comm --delay-wgrad-compute, which needs
+#   CUDA_DEVICE_MAX_CONNECTIONS > 1 where side_by_side.sh sets 1): mix_ep2_overlap / fine_ep2_overlap /
+#   mix_ep4_overlap / fine_ep4_overlap
+set -u -f  # -f: --moe-layer-freq patterns hold glob characters
+R=$(pwd)/.mref; OUT=${OUT:-/tmp/scale_rows}; mkdir -p "$OUT"
+source "$R/configs.sh"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+OVERLAPS="--overlap-grad-reduce --overlap-param-gather"
+L8="--num-layers 8 --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+L8="$L8 --no-create-attention-mask-in-dataloader"
+OVERLAP_MOE="--overlap-moe-expert-parallel-comm --delay-wgrad-compute"
+
+# row NAME -> "GPUS CONFIG flags..."
+row() {
+  case $1 in
+    l8b_1gpu)        echo "1 LLAMA8B --num-layers 8 --global-batch-size 4" ;;
+    g13_1gpu)        echo "1 GPT13B" ;;
+    l8_tp2)          echo "2 LLAMA8B --num-layers 8 --tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap" ;;
+    l8b_tp2)         echo "2 LLAMA8B --tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap" ;;
+    l8b_dp2)         echo "2 LLAMA8B --global-batch-size 8 $OVERLAPS" ;;
+    l8b_pp2)         echo "2 LLAMA8B --pipeline-model-parallel-size 2 --global-batch-size 16" ;;
+    l8b_pp2_vp)      echo "2 LLAMA8B --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 4 --global-batch-size 16" ;;
+    l8b_cp2_16k)     echo "2 LLAMA8B --context-parallel-size 2 --seq-length 16384 --max-position-embeddings 16384 --global-batch-size 2" ;;
+    l8_cp2_64k)      echo "2 LLAMA8B $L8 --seq-length 65536 --max-position-embeddings 65536 --global-batch-size 1 --train-iters 14 --context-parallel-size 2" ;;
+    nemo_cp2)        echo "2 LLAMA8B --context-parallel-size 2 --global-batch-size 32 --train-iters 14" ;;
+    g13_pp2)         echo "2 GPT13B --pipeline-model-parallel-size 2 --global-batch-size 32" ;;
+    g13_dp2)         echo "2 GPT13B --global-batch-size 8 --use-distributed-optimizer $OVERLAPS" ;;
+    mix_ep2)         echo "2 MOE_MIXTRAL --expert-model-parallel-size 2 --global-batch-size 16" ;;
+    fine_ep2)        echo "2 MOE_FINE --expert-model-parallel-size 2 --global-batch-size 16" ;;
+    qwen3_ep2)       echo "2 QWEN3_30B_A3B --num-layers 8 --expert-model-parallel-size 2 --global-batch-size 8" ;;
+    dsv3_ep2)        echo "2 DEEPSEEK_V3_PROXY --num-layers 3 --moe-layer-freq ([0]*1+[1]*2) --expert-model-parallel-size 2 --global-batch-size 8" ;;
+    mix_ep2_overlap) echo "2 MOE_MIXTRAL --expert-model-parallel-size 2 --global-batch-size 16 $OVERLAP_MOE" ;;
+    fine_ep2_overlap) echo "2 MOE_FINE --expert-model-parallel-size 2 --global-batch-size 16 $OVERLAP_MOE" ;;
+    l8b_dp4)         echo "4 LLAMA8B --global-batch-size 16 $OVERLAPS" ;;
+    l8b_tp2dp2)      echo "4 LLAMA8B --tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap --global-batch-size 8 $OVERLAPS" ;;
+    l8b_tp4)         echo "4 LLAMA8B --tensor-model-parallel-size 4 --sequence-parallel --tp-comm-overlap --global-batch-size 4" ;;
+    l8b_pp2dp2)      echo "4 LLAMA8B --pipeline-model-parallel-size 2 --global-batch-size 32 $OVERLAPS" ;;
+    l8b_pp4_vp)      echo "4 LLAMA8B --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 2 --global-batch-size 32" ;;
+    l8b_cp2dp2_16k)  echo "4 LLAMA8B --context-parallel-size 2 --seq-length 16384 --max-position-embeddings 16384 --global-batch-size 4 $OVERLAPS" ;;
+    nemo_cp2dp2)     echo "4 LLAMA8B --context-parallel-size 2 --global-batch-size 32 --train-iters 14 $OVERLAPS" ;;
+    cp1_64k)         echo "1 LLAMA8B $L8 --seq-length 65536 --max-position-embeddings 65536 --global-batch-size 1 --train-iters 14" ;;
+    cp4_64k)         echo "4 LLAMA8B $L8 --seq-length 65536 --max-position-embeddings 65536 --global-batch-size 1 --train-iters 14 --context-parallel-size 4" ;;
+    cp4_128k)        echo "4 LLAMA8B $L8 --seq-length 131072 --max-position-embeddings 131072 --global-batch-size 1 --train-iters 14 --context-parallel-size 4" ;;
+    mix_1gpu)        echo "1 MOE_MIXTRAL" ;;
+    fine_1gpu)       echo "1 MOE_FINE" ;;
+    mix_ep4)         echo "4 MOE_MIXTRAL --expert-model-parallel-size 4 --global-batch-size 32" ;;
+    fine_ep4)        echo "4 MOE_FINE --expert-model-parallel-size 4 --global-batch-size 32" ;;
+    mix_ep2dp2)      echo "4 MOE_MIXTRAL --expert-model-parallel-size 2 --global-batch-size 32" ;;
+    mix_ep2pp2)      echo "4 MOE_MIXTRAL --expert-model-parallel-size 2 --pipeline-model-parallel-size 2 --global-batch-size 32" ;;
+    qwen3_ep4)       echo "4 QWEN3_30B_A3B" ;;
+    dsv3_ep4)        echo "4 DEEPSEEK_V3_PROXY" ;;
+    mix_ep4_overlap) echo "4 MOE_MIXTRAL --expert-model-parallel-size 4 --global-batch-size 32 $OVERLAP_MOE" ;;
+    fine_ep4_overlap) echo "4 MOE_FINE --expert-model-parallel-size 4 --global-batch-size 32 $OVERLAP_MOE" ;;
+    *) return 1 ;;
+  esac
+}
+ALL="l8b_1gpu g13_1gpu l8_tp2 l8b_tp2 l8b_dp2 l8b_pp2 l8b_pp2_vp l8b_cp2_16k l8_cp2_64k nemo_cp2 g13_pp2 g13_dp2
+mix_ep2 fine_ep2 qwen3_ep2 dsv3_ep2 mix_ep2_overlap fine_ep2_overlap l8b_dp4 l8b_tp2dp2 l8b_tp4 l8b_pp2dp2 l8b_pp4_vp l8b_cp2dp2_16k nemo_cp2dp2 cp1_64k cp4_64k cp4_128k
+mix_1gpu fine_1gpu mix_ep4 fine_ep4 mix_ep2dp2 mix_ep2pp2 qwen3_ep4 dsv3_ep4 mix_ep4_overlap fine_ep4_overlap"
+if [ "${1:-}" = "--list" ]; then
+  for r in $ALL; do printf '%-18s %s\n' "$r" "$(row "$r")"; done; exit 0
+fi
+
+# side_by_side.sh installs the wheel under `set -f`, where its glob does not expand: install it here.
+[ -d /tmp/mref_site/megatron ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  --target /tmp/mref_site $(set +f; echo "$R"/whl/megatron_core-*.whl) || exit 1
+T0=$(date +%s)
+nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tee "$OUT/device.txt"
+port=29700
+run_row() {  # run_row NAME [CUDA_VISIBLE_DEVICES]
+  local name=$1 devices=${2:-0,1,2,3} spec n cfg flags seq gbs
+  spec=$(row "$name") || { echo "RESULT $name: unknown row (--list)"; return; }
+  read -r n cfg flags <<< "$spec"
+  port=$((port + 2))
+  if [[ "$name" == *_overlap ]] || [ "${MREF:-1}" = 0 ]; then  # ours alone
+    seq=$(echo ${!cfg} $flags | grep -oE -- '--seq-length [0-9]+' | tail -1 | awk '{print $2}')
+    gbs=$(echo ${!cfg} $flags | grep -oE -- '--global-batch-size [0-9]+' | tail -1 | awk '{print $2}')
+    CUDA_VISIBLE_DEVICES=$devices CUDA_DEVICE_MAX_CONNECTIONS=8 timeout "${MREF_TIMEOUT:-300}" torchrun \
+      --nproc_per_node "$n" --master_port "$port" pretrain_gpt.py ${!cfg} $flags > "$OUT/ours_$name.log" 2>&1
+    python3 "$R/res.py" "ours_$name" "$gbs" "$n" "$OUT/ours_$name.log" "$seq" 0
+  else
+    CUDA_VISIBLE_DEVICES=$devices PORT=$port OUT=$OUT bash "$R/side_by_side.sh" "$name" "$n" "$cfg" $flags
+  fi
+  echo "[t+$(( $(date +%s) - T0 ))s] $name done" >> "$OUT/steps.txt"
+}
+ngpu=$(nvidia-smi -L | wc -l)
+ones=(); twos=(); fours=()
+for r in ${ROWS:-$ALL}; do
+  spec=$(row "$r") || { echo "RESULT $r: unknown row (--list)"; continue; }
+  case "${spec%% *}" in 1) ones+=("$r") ;; 2) twos+=("$r") ;; *) fours+=("$r") ;; esac
+done
+# Rows of one and two GPUs as many at a time as the GPUs allow, each on its own GPUs.
+for ((i = 0; i < ${#ones[@]}; i += ngpu)); do
+  for ((g = 0; g < ngpu && i + g < ${#ones[@]}; g++)); do run_row "${ones[$((i + g))]}" $g & done
+  wait
+done
+pairs=$((ngpu / 2))
+for ((i = 0; i < ${#twos[@]}; i += pairs)); do
+  for ((g = 0; g < pairs && i + g < ${#twos[@]}; g++)); do run_row "${twos[$((i + g))]}" "$((2 * g)),$((2 * g + 1))" & done
+  wait
+done
+if [ ${#fours[@]} -gt 0 ] && [ "$ngpu" -lt 4 ]; then
+  echo "RESULT ${fours[*]}: need 4 GPUs, this machine has $ngpu"; fours=()
+fi
+for r in "${fours[@]}"; do run_row "$r"; done
+echo "round: ${#ones[@]} one-GPU, ${#twos[@]} two-GPU and ${#fours[@]} four-GPU rows in $(( $(date +%s) - T0 )) s; logs in $OUT"
