@@ -18,7 +18,9 @@ def broadcast_data(keys: List[str], data: Dict[str, torch.Tensor], datatype: tor
     device = get_device()
     group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
     if group is None or dist.get_world_size(group) == 1:
-        return {k: data[k].to(device=device, dtype=datatype) for k in keys}
+        # non_blocking: the loader pins its batches, and a blocking copy from pinned memory waits for the
+        # device (a host synchronisation per tensor per micro-batch).
+        return {k: data[k].to(device=device, dtype=datatype, non_blocking=True) for k in keys}
     src = dist.get_process_group_ranks(group)[0]
     is_src = group.rank() == 0
     if shapes is not None:
@@ -36,7 +38,7 @@ def broadcast_data(keys: List[str], data: Dict[str, torch.Tensor], datatype: tor
     shapes = [[int(d) for d in row if d > 0] for row in sizes.tolist()]
     numels = [int(torch.tensor(s).prod()) if s else 0 for s in shapes]
     if is_src:
-        flat = torch.cat([data[k].reshape(-1).to(device) for k in keys])
+        flat = torch.cat([data[k].reshape(-1).to(device, non_blocking=True) for k in keys])
     else:
         flat = torch.empty(sum(numels), dtype=datatype, device=device)
     dist.broadcast(flat, src, group=group)
