@@ -153,7 +153,7 @@ class RerunStateMachine:
         self.failed_call, self.initial_result, self.fatal = None, None, True
         self.saved_results = {}
         self.saved_state = None
-        self.pending = []  # (call, message, fatal, verdict, value) of checks judged at the step's end
+        self.pending = []  # (call, message, fatal, result, rejection function) judged at the step's end
 
     # --- the step loop -------------------------------------------------------------------------------
     def should_run_forward_backward(self, data_iterator):
@@ -219,20 +219,18 @@ class RerunStateMachine:
                 result.mul_(float("nan"))
         comparison_func = comparison_func or _compare_floats
         if self.mode == RerunMode.DISABLED or self.state == RerunState.NOT_RUNNING_YET:
-            verdict = rejection_func(result)
-            if self.state == RerunState.INITIAL_RUN and self._defer(call, message, fatal, result, verdict):
+            if self.state == RerunState.INITIAL_RUN and self._defer(call, message, fatal, result, rejection_func):
                 return
-            if verdict:
+            if rejection_func(result):
                 self._rejected_without_rerun(message, result, fatal)
             return
         if self.mode == RerunMode.REPORT_DETERMINISM_STATS:
             self._record_stats(call, result, comparison_func, rejection_func, message, fatal)
             return
         if self.state == RerunState.INITIAL_RUN:
-            if self.rerun_requested:
+            if self.rerun_requested or self._defer(call, message, fatal, result, rejection_func):
                 return
-            verdict = rejection_func(result)
-            if not self._defer(call, message, fatal, result, verdict) and verdict:
+            if rejection_func(result):
                 self._request_rerun(call, message, fatal, float(result))
         elif call == self.failed_call:
             reproduced = rejection_func(result) and comparison_func(self.initial_result, result) <= tolerance
@@ -243,30 +241,35 @@ class RerunStateMachine:
                 self._decide(message, self.initial_result, float(result), RerunDiagnostic.TRANSIENT_ERROR.value,
                              "stop" if fatal else "report", fatal)
 
-    # A result checked inside the step loop is judged when the step's forward/backward has run, not when
-    # it is computed: a device tensor's verdict read on the spot is a host synchronisation per micro-batch
-    # (the loss's NaN and Inf checks: two per micro-batch), which stops the host from queueing the backward
-    # ahead of the GPU. The verdicts wait on the device and come back in one transfer at the step's end,
-    # before any optimizer update, in call order; the decisions are those an immediate check would make.
-    def _defer(self, call, message, fatal, result, verdict):
-        if not isinstance(verdict, torch.Tensor) or not isinstance(result, torch.Tensor):
+    # A result checked inside the step loop is judged when the step's forward/backward has run, not when it
+    # is computed: reading a device tensor on the spot is a host synchronisation per check (the loss's NaN and
+    # Inf checks: two per micro-batch; the gradient buckets': two per bucket), which stops the host from
+    # queueing work ahead of the GPU. The results wait on the device (no kernel per check) and come back in
+    # one transfer at the step's end, before any optimizer update; the rejection functions then run on them
+    # in call order, so the decisions are those an immediate check would make. A deferred result must not be
+    # changed in place before then (error injection's in-place NaN is queued before the transfer).
+    def _defer(self, call, message, fatal, result, rejection_func):
+        if not isinstance(result, torch.Tensor) or result.numel() != 1:
             return False
-        self.pending.append((call, message, fatal, verdict.detach().reshape(-1)[0].float(),
-                             result.detach().reshape(-1)[0].float()))
+        self.pending.append((call, message, fatal, result.detach(), rejection_func))
         return True
 
     def _judge_pending(self):
         pending, self.pending = self.pending, []
         if not pending:
             return
-        flags, values = torch.stack([torch.stack([p[3], p[4]]) for p in pending]).cpu().unbind(1)
-        for (call, message, fatal, _, _), flag, value in zip(pending, flags.tolist(), values.tolist()):
-            if not flag:
+        values = [p[3].reshape(()).float() for p in pending]
+        try:
+            values = torch.stack(values).cpu()
+        except RuntimeError:  # results on several devices
+            values = torch.stack([v.cpu() for v in values])
+        for (call, message, fatal, _, rejection_func), value in zip(pending, values):
+            if not rejection_func(value):
                 continue
             if self.mode == RerunMode.DISABLED:
-                self._rejected_without_rerun(message, value, fatal)
+                self._rejected_without_rerun(message, float(value), fatal)
             elif not self.rerun_requested:
-                self._request_rerun(call, message, fatal, value)
+                self._request_rerun(call, message, fatal, float(value))
 
     def _rejected_without_rerun(self, message, result, fatal):
         self._decide(message, result, None, "rejected, no re-run (--rerun-mode disabled)",
