@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.fixtures.hf_checks import max_rel_err, randomize_vectors, safetensors_in
+from tests.fixtures.hf_checks import max_rel_err, randomize_vectors, safetensors_in, vlm_logits
 from tests.parallel.dist_utils import run_distributed  # noqa: E402
 
 VOCAB, IMAGE, START, END = 128, 120, 122, 123
@@ -68,52 +68,10 @@ def _build_hf(path):
     return model
 
 
-def _load_ours(ckpt, tp, pp, seq):
-    from megatron.training.arguments import parse_args, validate_args
-    from megatron.training.arguments.vision_args import add_vlm_args
-    from megatron.training.checkpointing import load_checkpoint
-    from megatron.training.checkpointing.args import load_args_from_checkpoint
-    from megatron.training.global_vars import set_args
-    from megatron.training.model_setup import get_model
-    from pretrain_vlm import model_provider
-    args = parse_args(add_vlm_args, argv=[
-        "--load", ckpt, "--use-checkpoint-args", "--micro-batch-size", "2", "--seq-length", str(seq),
-        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp), "--lr", "0",
-        "--train-iters", "1", "--data-path", "unused.jsonl", "--exit-on-missing-checkpoint"])
-    args.rank, args.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    load_args_from_checkpoint(args)
-    set_args(validate_args(args))
-    model = get_model(model_provider, wrap_with_ddp=False)
-    load_checkpoint(model, None, None)
-    for chunk in model:
-        chunk.eval()
-    return model
-
-
 def our_logits(phases, ids, patches, grid):
     """For each (tp, pp, checkpoint): full-vocab logits [b, s, V] on the last stage's TP rank 0, else None."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region, model_parallel_cuda_manual_seed
-    from megatron.training.global_vars import destroy_global_vars
-
-    def step(data, model):
-        out, _ = model(patches, next(data), None, None, image_grid_thw=grid)
-        return out, lambda o, non_loss_data=False: gather_from_tensor_model_parallel_region(o)
-
-    results = []
-    for tp, pp, ckpt in phases:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        model_parallel_cuda_manual_seed(1)
-        model = _load_ours(ckpt, tp, pp, ids.shape[1])
-        out = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter([ids]), model=model, num_microbatches=1,
-            seq_length=ids.shape[1], micro_batch_size=2, forward_only=True, collect_non_loss_data=True)
-        last = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-        results.append(out[0][..., :VOCAB].detach().clone() if last and out else None)
-        destroy_global_vars()
-        ps.destroy_model_parallel()
-    return results
+    return vlm_logits(phases, lambda model, x: model(patches, x, None, None, image_grid_thw=grid)[0], ids,
+                      ids.shape[1], VOCAB)
 
 
 @pytest.fixture(scope="module")

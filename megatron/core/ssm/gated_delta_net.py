@@ -111,38 +111,22 @@ class GatedDeltaNet(MegatronModule):
                 doc = document_ids(packed_seq_params, b, s)
                 qkv = F.silu(causal_conv1d_documents(qkv, self.conv1d.weight, self.conv1d.bias, doc))
             else:
-                qkv = F.silu(self.conv1d(qkv.transpose(1, 2))[..., :s]).transpose(1, 2)  # causal depthwise conv
-        q, k, v = torch.split(qkv.to(proj.dtype), [self.qk_local, self.qk_local, self.v_local], dim=-1)
-        q = q.reshape(b, s, self.nk_local, self.key_head_dim)
-        k = k.reshape(b, s, self.nk_local, self.key_head_dim)
-        v = v.reshape(b, s, self.nv_local, self.value_head_dim)
-        if self.use_qk_l2norm:
-            q, k = _l2norm(q), _l2norm(k)
-        if self.nv_local != self.nk_local:  # value heads share key heads in consecutive groups
-            q = q.repeat_interleave(self.nv_local // self.nk_local, dim=2)
-            k = k.repeat_interleave(self.nv_local // self.nk_local, dim=2)
-        g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias.float())  # [b, s, nv/tp], <= 0
-        beta = beta.float().sigmoid()
+                qkv = _causal_conv_silu(qkv, self.conv1d.weight, self.conv1d.bias)
+        q, k, v, g, beta = self._scan_inputs(qkv.to(proj.dtype), beta, alpha)
         if decode:
             o = gated_delta_step(states[1][:b], q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])[:, None]
         elif packed_seq_params is not None:  # each document from a zero state
-            o = per_document(lambda *t: gated_delta_rule(*(x.contiguous() for x in t))[0], document_spans(doc),
-                             q, k, v, g, beta.to(q.dtype))
+            o = per_document(lambda *t: _scan(*t)[0], document_spans(doc), q, k, v, g, beta)
         elif states is None:
-            o, _ = gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g, beta.to(q.dtype))
+            o, _ = _scan(q, k, v, g, beta)
         else:
             lengths = inference_context.prefill_lengths
             if lengths is not None:  # g = beta = 0 past a row's prompt: no decay, no write; its state stops there
                 valid = torch.arange(s, device=g.device)[None, :] < lengths[:, None]
                 g, beta = g * valid[..., None], beta * valid[..., None]
-            o, final = gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g, beta.to(q.dtype),
-                                        output_final_state=True)
+            o, final = _scan(q, k, v, g, beta, output_final_state=True)
             states[1][inference_context.slot_ids] = final.float()
-        # Per-head norm, gated by silu(z): [b, s, nv/tp, dv]
-        y = self.out_norm(o.to(hidden_states.dtype)) * F.silu(z.reshape(b, s, self.nv_local,
-                                                                         self.value_head_dim).float())
-        y = y.to(hidden_states.dtype).reshape(b, s, self.v_local).transpose(0, 1)  # [s, b, v/tp]
-        return self.out_proj(y)
+        return self.out_proj(self._gated_norm(o, z, hidden_states.dtype))
 
     def _forward_context_parallel(self, proj, dtype):
         """CP > 1 (as Megatron's): an all-to-all trades this rank's two sequence chunks of every key head (with
@@ -165,25 +149,53 @@ class GatedDeltaNet(MegatronModule):
                               2 * self.qk_local + torch.arange(h0 * r * dv, (h0 + kl) * r * dv)]).to(proj.device)
         qkv = torch.cat([q.reshape(S, b, kl * dk), k.reshape(S, b, kl * dk), v.reshape(S, b, kl * r * dv)], -1)
         bias = None if self.conv1d.bias is None else self.conv1d.bias.index_select(0, channels)
-        qkv = F.conv1d(qkv.permute(1, 2, 0), self.conv1d.weight.index_select(0, channels), bias,
-                       padding=self.conv_kernel_dim - 1, groups=channels.numel())
-        qkv = F.silu(qkv[..., :S]).transpose(1, 2).to(proj.dtype)  # [b, S, channels]
-        q, k, v = torch.split(qkv, [kl * dk, kl * dk, kl * r * dv], dim=-1)
-        q, k = q.reshape(b, S, kl, dk), k.reshape(b, S, kl, dk)
-        v = v.reshape(b, S, kl * r, dv)
-        if self.use_qk_l2norm:
-            q, k = _l2norm(q), _l2norm(k)
-        if r > 1:
-            q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
+        qkv = _causal_conv_silu(qkv.transpose(0, 1), self.conv1d.weight.index_select(0, channels), bias)
         heads = slice(h0 * r, (h0 + kl) * r)  # this rank's value heads
-        alpha = alpha.reshape(S, b, kl * r).transpose(0, 1).float()
-        g = -self.A_log[heads].float().exp() * F.softplus(alpha + self.dt_bias[heads].float())  # [b, S, nv/cp]
-        beta = beta.reshape(S, b, kl * r).transpose(0, 1).float().sigmoid()
-        o, _ = gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g, beta.to(q.dtype))
+        beta, alpha = beta.reshape(S, b, kl * r).transpose(0, 1), alpha.reshape(S, b, kl * r).transpose(0, 1)
+        q, k, v, g, beta = self._scan_inputs(qkv.to(proj.dtype), beta, alpha, heads)  # [b, S, nv/cp, ...]
+        o, _ = _scan(q, k, v, g, beta)
         o = o.transpose(0, 1).reshape(S, b, kl, r * dv)  # [S, b, nk/cp, r dv]
         o = seq_scatter_head_gather(o, self.cp_group).reshape(s, b, self.nv_local, dv).transpose(0, 1)
-        y = self.out_norm(o.to(dtype)) * F.silu(z.reshape(s, b, self.nv_local, dv).transpose(0, 1).float())
-        return y.to(dtype).reshape(b, s, self.v_local).transpose(0, 1)  # [s, b, v/tp]
+        return self._gated_norm(o, z.transpose(0, 1), dtype)
+
+    def _scan_inputs(self, qkv, beta, alpha, heads=slice(None)):
+        """The gated delta rule's inputs for kh key heads and their value heads ``heads`` (of this rank's nv/tp):
+        from the conv output ``qkv`` [b, S, kh dk | kh dk | kh r dv] and the raw ``beta``, ``alpha`` [b, S, kh r],
+        q and k [b, S, kh r, dk] (L2-normalised, repeated for each key head's r value heads), v [b, S, kh r, dv],
+        the decay g = -exp(A_log) softplus(alpha + dt_bias) <= 0 and the write strength sigmoid(beta), fp32."""
+        b, S, _ = qkv.shape
+        dk, dv, nv = self.key_head_dim, self.value_head_dim, alpha.shape[-1]
+        kh = nv // (self.nv_local // self.nk_local)
+        q, k, v = torch.split(qkv, [kh * dk, kh * dk, nv * dv], dim=-1)
+        q, k, v = q.reshape(b, S, kh, dk), k.reshape(b, S, kh, dk), v.reshape(b, S, nv, dv)
+        if self.use_qk_l2norm:
+            q, k = _l2norm(q), _l2norm(k)
+        if nv != kh:  # value heads share key heads in consecutive groups
+            q, k = q.repeat_interleave(nv // kh, dim=2), k.repeat_interleave(nv // kh, dim=2)
+        g = -self.A_log[heads].float().exp() * F.softplus(alpha.float() + self.dt_bias[heads].float())
+        return q, k, v, g, beta.float().sigmoid()
+
+    def _gated_norm(self, o, z, dtype):
+        """The per-head norm of the scan output ``o`` [b, s, nv/tp, dv], gated by silu(z) (``z`` [b, s, v/tp]);
+        returns [s, b, v/tp] in ``dtype``."""
+        b, s = z.shape[:2]
+        y = self.out_norm(o.to(dtype)) * F.silu(z.reshape(b, s, self.nv_local, self.value_head_dim).float())
+        return y.to(dtype).reshape(b, s, self.v_local).transpose(0, 1)
+
+
+def _causal_conv_silu(x, weight, bias):
+    """silu of the causal depthwise conv of ``x`` [b, S, channels] with taps ``weight`` [channels, 1, width]
+    (and ``bias``): the left-padded conv1d cut to the first S outputs. Returns [b, S, channels]."""
+    S = x.shape[1]
+    y = F.conv1d(x.transpose(1, 2), weight, bias, padding=weight.shape[-1] - 1, groups=weight.shape[0])
+    return F.silu(y[..., :S]).transpose(1, 2)
+
+
+def _scan(q, k, v, g, beta, output_final_state=False):
+    """The chunked gated delta rule over [b, S, heads, d] q, k, v and [b, S, heads] g, beta (cast to q's
+    dtype), from a zero state: (o [b, S, heads, dv], the final state or None)."""
+    return gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
+                            beta.to(q.dtype).contiguous(), output_final_state=output_final_state)
 
 
 def check_gdn_shapes(num_key_heads: int, num_value_heads: int, tp: int, cp: int = 1) -> None:

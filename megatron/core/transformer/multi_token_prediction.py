@@ -14,7 +14,6 @@ the MTP pattern's layers (Mamba-2, attention, MLP, ...), built as Megatron does 
 the stack's ``hybrid_submodules`` and kept under Megatron's name ``mtp_model_layer``
 (keys mtp.layers.<d>.mtp_model_layer.layers.<i>.*).
 """
-import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import List, Optional, Union
@@ -22,6 +21,7 @@ from typing import List, Optional, Union
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.models.hybrid.hybrid_block import HybridStack
 from megatron.core.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -156,12 +156,10 @@ class MultiTokenPredictionLayer(MegatronModule):
                                     tp_comm_buffer_name="mtp_eh_proj", **tp_kwargs)
         if hybrid is not None:
             # The depth's own stack, numbered 1..len(pattern); the depth's final_layernorm below ends it.
-            # HybridStack comes from the module that defines the submodules' class (already imported, and
-            # importing it here would run the hybrid package, which imports this module: a cycle).
-            stack = sys.modules[type(hybrid).__module__].HybridStack
-            self.mtp_model_layer = stack(config, hybrid, pre_process=True, layer_type_list=list(self.mtp_layer_pattern),
-                                         pp_layer_offset=0, post_layer_norm=False, post_process=True,
-                                         pg_collection=pg_collection, is_mtp_layer=True, vp_stage=vp_stage)
+            self.mtp_model_layer = HybridStack(
+                config, hybrid, pre_process=True, layer_type_list=list(self.mtp_layer_pattern), pp_layer_offset=0,
+                post_layer_norm=False, post_process=True, pg_collection=pg_collection, is_mtp_layer=True,
+                vp_stage=vp_stage)
         else:
             layer_spec = submodules.mtp_model_layer if submodules.mtp_model_layer is not None \
                 else submodules.transformer_layer
