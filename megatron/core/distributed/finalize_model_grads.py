@@ -131,7 +131,8 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
             pp_group = get_pg(pg_collection, "pp", "finalize_model_grads")
             dist.broadcast(num_tokens, src=dist.get_global_rank(pp_group, pp_group.size() - 1), group=pp_group)
             dist.all_reduce(num_tokens, group=get_pg(pg_collection, "dp_cp", "finalize_model_grads"))
-        if num_tokens.item() > 0:
-            scaling = 1.0 / num_tokens.item()
-            for chunk in model:
-                chunk.scale_gradients(scaling)
+        # 1 / tokens on the device (no tokens: 1 / 1, grads unchanged): reading the count back here would be
+        # a host synchronisation before the optimizer step's launches.
+        scaling = 1.0 / num_tokens.clamp(min=1).float()
+        for chunk in model:
+            chunk.scale_gradients(scaling)

@@ -89,6 +89,8 @@ class TorchFullyShardedDataParallel(WrappedModule):
         """FSDP2 reduce-scatters during backward; nothing is pending here."""
 
     def scale_gradients(self, scaling_factor: float):
+        if torch.is_tensor(scaling_factor):  # sharded grads (DTensors) take a Python number
+            scaling_factor = float(scaling_factor)
         for param in self.module.parameters():
             if param.grad is not None:
                 param.grad.mul_(scaling_factor)
