@@ -1,18 +1,17 @@
 """Exact resume through the real CLI: a run that saves at iteration 3 and a run that restarts from that
 checkpoint print the same `lm loss` text as one uninterrupted run (dropout on, so RNG state matters).
 
-Single process for torch_dist and torch (saved by --exit-interval); torchrun DP=2 with --async-save
+Single process for torch_dist and torch (saved by --exit-interval), and DP=2 with --async-save, each run
+forked from one CliRunner server that imported torch once (ranks get torchrun's environment)
 (single-process async resume is covered in tests/unit/training/checkpointing/test_checkpointing.py).
 SIGTERM with --exit-signal-handler (save, exit 0, resume) is a fault drill: tests/functional/test_fault_drills.py.
 """
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from tests.functional.torchrun import torchrun
+from tests.functional.cli_runner import CliRunner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ITERS = 6
@@ -23,32 +22,27 @@ CMD = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 
 LOSS = re.compile(r"iteration +(\d+)/ +\d+ \|.*\| lm loss: (\S+) \|")
 
 
-def _env():
-    return {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-
-
-def _launcher(nproc):
-    assert nproc == 1, "multi-rank runs go through tests.functional.torchrun"
-    return [sys.executable, os.path.join(ROOT, "pretrain_gpt.py")]
-
-
 ARCH = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
 
 
-def run(*extra, nproc=1, iters=ITERS, base=CMD):
-    """Run pretrain_gpt.py; return (stdout, {iteration: loss text})."""
-    args = base + ["--train-iters", str(iters)] + list(extra)
-    if nproc == 1:
-        p = subprocess.run(_launcher(1) + args, capture_output=True, text=True, timeout=180, cwd=ROOT, env=_env())
-    else:
-        p = torchrun(nproc, [os.path.join(ROOT, "pretrain_gpt.py")] + args, timeout=180, cwd=ROOT, env=_env())
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p.stdout, {int(m.group(1)): m.group(2) for m in LOSS.finditer(p.stdout)}
+@pytest.fixture(scope="module")
+def cli():
+    with CliRunner() as runner:
+        yield runner
+
+
+def run(cli, *extra, nproc=1, iters=ITERS, base=CMD):
+    """Run pretrain_gpt.py on ``nproc`` ranks; return (the ranks' stdout, {iteration: loss text})."""
+    runs = cli.run(["pretrain_gpt.py"] + base + ["--train-iters", str(iters)] + list(extra), nranks=nproc,
+                   timeout=300, stop_others=True)
+    assert all(r.rc == 0 for r in runs), "".join(r.out[-3000:] + r.err[-3000:] for r in runs)
+    out = "".join(r.out for r in runs)  # rank 0 reports the checkpoints, the last rank the losses
+    return out, {int(m.group(1)): m.group(2) for m in LOSS.finditer(out)}
 
 
 @pytest.fixture(scope="module")
-def straight():
-    return run()[1]
+def straight(cli):
+    return run(cli)[1]
 
 
 def _check_resume(ref, saved, resumed, tag):
@@ -57,39 +51,39 @@ def _check_resume(ref, saved, resumed, tag):
     assert resumed == {k: ref[k] for k in range(4, ITERS + 1)}, (tag, resumed, ref)
 
 
-def test_resume_torch_dist(tmp_path, straight):
+def test_resume_torch_dist(cli, tmp_path, straight):
     d = str(tmp_path / "c")
-    out, saved = run("--save", d)
+    out, saved = run(cli, "--save", d)
     assert saved == straight  # saving does not perturb training
     assert "successfully saved checkpoint from iteration       3 to" in out
     assert open(os.path.join(d, "latest_checkpointed_iteration.txt")).read() == "6"
     # --use-checkpoint-args: the architecture flags come from the checkpoint.
     no_arch = [a for i, a in enumerate(CMD) if a not in ARCH[::2] and (i == 0 or CMD[i - 1] not in ARCH[::2])]
-    out, resumed = run("--load", d, "--ckpt-step", "3", "--use-checkpoint-args", base=no_arch)
+    out, resumed = run(cli, "--load", d, "--ckpt-step", "3", "--use-checkpoint-args", base=no_arch)
     assert f"loading checkpoint from {d} at iteration 3" in out
     assert re.search(r"^  num_layers \.+ 2$", out, re.M) and re.search(r"^  hidden_size \.+ 32$", out, re.M)
     _check_resume(straight, saved, resumed, "torch_dist")
 
 
-def test_resume_torch_format_after_exit_interval(tmp_path, straight):
+def test_resume_torch_format_after_exit_interval(cli, tmp_path, straight):
     d = str(tmp_path / "c")
-    out, saved = run("--save", d, "--ckpt-format", "torch", "--exit-interval", "3", "--save-interval", "100")
+    out, saved = run(cli, "--save", d, "--ckpt-format", "torch", "--exit-interval", "3", "--save-interval", "100")
     assert "exiting program at iteration 3" in out and sorted(saved) == [1, 2, 3]
     assert os.path.isfile(os.path.join(d, "iter_0000003", "mp_rank_00", "model_optim_rng.pt"))
-    _, resumed = run("--load", d, "--ckpt-format", "torch")
+    _, resumed = run(cli, "--load", d, "--ckpt-format", "torch")
     _check_resume(straight, saved, resumed, "torch")
 
 
-def test_resume_dp2_async_save(tmp_path):
+def test_resume_dp2_async_save(cli, tmp_path):
     """DP=2 with the distributed optimizer: each rank writes its own optimizer range and half the weights (the
     default fully parallel save); resumed with a plain load and with --ckpt-fully-parallel-load."""
     d = str(tmp_path / "c")
-    _, saved = run("--save", d, "--async-save", "--use-distributed-optimizer", nproc=2)
+    _, saved = run(cli, "--save", d, "--async-save", "--use-distributed-optimizer", nproc=2)
     assert sorted(os.listdir(d)) == ["iter_0000003", "iter_0000006", "latest_checkpointed_iteration.txt",
                                      "launch_record.json"]
     assert {"__0_0.distcp", "__1_0.distcp", "metadata.json"} <= set(os.listdir(os.path.join(d, "iter_0000003")))
-    _, resumed = run("--load", d, "--ckpt-step", "3", "--use-distributed-optimizer", nproc=2)
+    _, resumed = run(cli, "--load", d, "--ckpt-step", "3", "--use-distributed-optimizer", nproc=2)
     _check_resume(saved, saved, resumed, "dp2")
-    _, resumed = run("--load", d, "--ckpt-step", "3", "--use-distributed-optimizer", "--ckpt-fully-parallel-load",
+    _, resumed = run(cli, "--load", d, "--ckpt-step", "3", "--use-distributed-optimizer", "--ckpt-fully-parallel-load",
                      nproc=2)
     _check_resume(saved, saved, resumed, "dp2 fully parallel load")

@@ -16,6 +16,12 @@ CMD = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 
 LOSS = re.compile(r"iteration +(\d+)/ +15 \|.* lm loss: (\S+) \|")
 
 
+@pytest.fixture(scope="module")
+def cli():
+    with CliRunner() as runner:  # one server (torch and pretrain_gpt imported once) for every refused combination
+        yield runner
+
+
 @pytest.mark.parametrize("optimizer", ["muon", "dist_muon"])
 def test_loss_falls_and_timers_logged(optimizer):
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
@@ -39,9 +45,8 @@ def test_loss_falls_and_timers_logged(optimizer):
     ("--optimizer muon --muon-fp32-matmul-prec low", "--muon-fp32-matmul-prec low is not supported"),
     ("--optimizer muon --muon-coefficient-type custom", "--muon-coefficient-type custom: use one of"),
 ])
-def test_bad_combination_one_line(extra, needle):
-    with CliRunner() as cli:
-        (run,) = cli.run(["pretrain_gpt.py"] + CMD.split() + extra.split(), nranks=1, timeout=120)
+def test_bad_combination_one_line(cli, extra, needle):
+    (run,) = cli.run(["pretrain_gpt.py"] + CMD.split() + extra.split(), nranks=1, timeout=120)
     assert run.rc != 0
     lines = [line for line in (run.out + run.err).splitlines() if needle in line]
     assert lines, run.err[-2000:]

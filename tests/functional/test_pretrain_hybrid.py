@@ -1,15 +1,14 @@
 """pretrain_hybrid.py / pretrain_mamba.py as a user runs them: a tiny hybrid of every layer kind trains on
 mock data and its loss falls (multi-latent attention layers too); multi-token prediction depths in the pattern
 ('/', or Megatron's older --mtp-hybrid-override-pattern) train and log their losses; bad patterns stop the run
-with one line naming the flag."""
-import os
+with one line naming the flag. Every run forks from one CliRunner server that imported torch once."""
 import re
-import subprocess
-import sys
+from types import SimpleNamespace
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.functional.cli_runner import CliRunner
+
 SHAPES = ("--hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
           "--micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --lr-warmup-iters 2 --mock-data "
           "--tokenizer-type NullTokenizer --vocab-size 512 --log-interval 1 --eval-interval 100 --eval-iters 0 "
@@ -19,22 +18,28 @@ SHAPES = ("--hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-positi
 LOSS = re.compile(r"iteration +(\d+)/ +\d+ \|.*throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \|.*lm loss: (\S+) \|")
 
 
-def _run(script, extra, timeout=300):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, os.path.join(ROOT, script)] + SHAPES.split() + extra, cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+@pytest.fixture(scope="module")
+def cli():
+    with CliRunner() as runner:
+        yield runner
 
 
-def test_tiny_hybrid_trains_and_loss_falls():
-    p = _run("pretrain_hybrid.py", ["--hybrid-layer-pattern", "M*-G-E", "--num-experts", "4",
+def _run(cli, script, extra, timeout=300, shapes=SHAPES.split()):
+    """``python script <shapes> <extra>``; the result as subprocess.run would give it (returncode, stdout, stderr)."""
+    (r,) = cli.run([script] + shapes + extra, timeout=timeout)
+    return SimpleNamespace(returncode=r.rc, stdout=r.out, stderr=r.err)
+
+
+def test_tiny_hybrid_trains_and_loss_falls(cli):
+    p = _run(cli, "pretrain_hybrid.py", ["--hybrid-layer-pattern", "M*-G-E", "--num-experts", "4",
                                     "--moe-router-topk", "2", "--train-iters", "15"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     losses = [float(m.group(2)) for m in map(LOSS.search, p.stdout.splitlines()) if m]
     assert len(losses) == 15 and losses[-1] < 0.85 * losses[0], losses
 
 
-def test_pretrain_mamba_takes_the_older_pattern_flag():
-    p = _run("pretrain_mamba.py", ["--hybrid-override-pattern", "M-M-", "--train-iters", "3"])
+def test_pretrain_mamba_takes_the_older_pattern_flag(cli):
+    p = _run(cli, "pretrain_mamba.py", ["--hybrid-override-pattern", "M-M-", "--train-iters", "3"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert len([m for m in map(LOSS.search, p.stdout.splitlines()) if m]) == 3
 
@@ -43,8 +48,8 @@ MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16"
        "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16"]
 
 
-def test_multi_latent_attention_layers_train():
-    p = _run("pretrain_hybrid.py", ["--hybrid-layer-pattern", "M+-*-", "--train-iters", "12"] + MLA)
+def test_multi_latent_attention_layers_train(cli):
+    p = _run(cli, "pretrain_hybrid.py", ["--hybrid-layer-pattern", "M+-*-", "--train-iters", "12"] + MLA)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     losses = [float(m.group(2)) for m in map(LOSS.search, p.stdout.splitlines()) if m]
     assert len(losses) == 12 and losses[-1] < 0.9 * losses[0], losses
@@ -57,8 +62,8 @@ MTP_LOSS = re.compile(r"\| lm loss: (\S+) \| mtp_1 loss: (\S+) \| mtp_2 loss: (\
     ["--hybrid-layer-pattern", "M*-/M-/M-"],
     ["--hybrid-layer-pattern", "M*-", "--mtp-hybrid-override-pattern", "M-", "--mtp-num-layers", "2"],
 ], ids=["unified_pattern", "older_flag"])
-def test_mtp_depths_in_the_pattern_train(flags):
-    p = _run("pretrain_hybrid.py", flags + ["--train-iters", "12"])
+def test_mtp_depths_in_the_pattern_train(cli, flags):
+    p = _run(cli, "pretrain_hybrid.py", flags + ["--train-iters", "12"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = [[float(x) for x in m.groups()] for m in map(MTP_LOSS.search, p.stdout.splitlines()) if m]
     assert len(rows) == 12, p.stdout[-3000:]
@@ -75,14 +80,14 @@ def test_mtp_depths_in_the_pattern_train(flags):
      "--hybrid-layer-pattern has 4 layers but --num-layers is 6"),
     (["--hybrid-layer-pattern", "M*M-", "--mamba-num-groups", "3"], "must be divisible by --mamba-num-groups (3)"),
 ])
-def test_bad_patterns_fail_with_one_line(extra, message):
-    p = _run("pretrain_hybrid.py", extra + ["--train-iters", "1"], timeout=120)
+def test_bad_patterns_fail_with_one_line(cli, extra, message):
+    p = _run(cli, "pretrain_hybrid.py", extra + ["--train-iters", "1"], timeout=120)
     assert p.returncode != 0
     lines = [l for l in (p.stdout + p.stderr).splitlines() if message in l]
     assert lines, p.stdout[-2000:] + p.stderr[-2000:]
 
 
-def test_sft_packs_conversations_through_mamba_and_gdn_layers(tmp_path):
+def test_sft_packs_conversations_through_mamba_and_gdn_layers(cli, tmp_path):
     """--sft packs several conversations per row: the Mamba-2 and Gated DeltaNet layers restart at each
     conversation (tests/unit/core/models/hybrid/test_hybrid_packed.py proves the equality), and training runs."""
     from tests.fixtures.tiny_chat_tokenizer import write_arithmetic_chats, write_tiny_chat_tokenizer
@@ -90,12 +95,10 @@ def test_sft_packs_conversations_through_mamba_and_gdn_layers(tmp_path):
     write_arithmetic_chats(str(tmp_path / "chats.jsonl"), 60)
     flags = [f for f in SHAPES.split() if f not in ("--mock-data",)]
     flags[flags.index("NullTokenizer")] = "HuggingFaceTokenizer"
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_hybrid.py")] + flags + [
+    p = _run(cli, "pretrain_hybrid.py", [
         "--hybrid-layer-pattern", "M*G-", "--tokenizer-model", str(tmp_path / "tok"), "--sft",
         "--sft-tokenizer-prompt-format", "default", "--data-path", str(tmp_path / "chats.jsonl"), "--split",
-        "100,0,0", "--attention-dropout", "0", "--lr", "3e-3", "--train-iters", "10"]
-    p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"},
-                       capture_output=True, text=True, timeout=300)
+        "100,0,0", "--attention-dropout", "0", "--lr", "3e-3", "--train-iters", "10"], shapes=flags)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     losses = [float(m.group(2)) for m in map(LOSS.search, p.stdout.splitlines()) if m]
     assert len(losses) == 10 and losses[-1] < 0.9 * losses[0], losses

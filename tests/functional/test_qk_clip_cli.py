@@ -58,14 +58,19 @@ def test_clip_holds_the_logit(runs):
     assert sum(clipped[1:]) < 0.85 * sum(logged[1:]), (logged, clipped)
 
 
+@pytest.fixture(scope="module")
+def cli():
+    with CliRunner() as runner:  # one server (torch and pretrain_gpt imported once) for every refused value
+        yield runner
+
+
 @pytest.mark.parametrize("extra,needle", [
     ("--qk-clip --qk-clip-alpha 1.0", "--qk-clip-alpha must be between 0.0 and 1.0"),
     ("--qk-clip --qk-clip-threshold 0", "--qk-clip-threshold must be greater than 0"),
     ("--qk-clip --use-torch-fsdp2", "--qk-clip does not support --use-torch-fsdp2"),
 ])
-def test_bad_values_one_line(extra, needle):
-    with CliRunner() as cli:
-        (run,) = cli.run(["pretrain_gpt.py"] + CMD.replace("--tensor-model-parallel-size 2", "").split()
-                         + extra.split(), nranks=1, timeout=120)
+def test_bad_values_one_line(cli, extra, needle):
+    (run,) = cli.run(["pretrain_gpt.py"] + CMD.replace("--tensor-model-parallel-size 2", "").split()
+                     + extra.split(), nranks=1, timeout=120)
     assert run.rc != 0
     assert [line for line in (run.out + run.err).splitlines() if needle in line], run.err[-2000:]

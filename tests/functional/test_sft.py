@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("transformers")
 
 from tests.fixtures.tiny_chat_tokenizer import write_arithmetic_chats, write_tiny_chat_tokenizer  # noqa: E402
+from tests.functional.cli_runner import CliRunner  # noqa: E402
 from tests.parallel.dist_utils import run_distributed  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,7 +26,12 @@ VOCAB, SEQ = 260, 128
 RTOL = 1e-5  # fp32 on CPU, same operations as transformers: only summation order differs (~3e-7)
 
 
-def _run(*cmd):
+def _run(*cmd, cli=None):
+    """``python <cmd>`` (forked from ``cli``, a CliRunner, when given); its stdout."""
+    if cli is not None:
+        (r,) = cli.run(list(cmd), timeout=300)
+        assert r.rc == 0, r.out[-3000:] + r.err[-3000:]
+        return r.out
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable] + list(cmd), capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -37,13 +43,13 @@ def _losses(log):
             for m in re.finditer(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)", log)}
 
 
-def _sft(ckpt, save, iters, extra=()):
+def _sft(cli, ckpt, save, iters, extra=()):
     return _run("pretrain_gpt.py", "--pretrained-checkpoint", ckpt, "--load", save, "--save", save,
                 "--use-checkpoint-args", "--tokenizer-model", ckpt, "--sft", "--sft-tokenizer-prompt-format",
                 "default", "--data-path", os.path.join(os.path.dirname(ckpt), "chats.jsonl"), "--split", "100,0,0",
                 "--seq-length", str(SEQ), "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters",
                 str(iters), "--lr", "3e-3", "--eval-iters", "0", "--num-workers", "0",
-                "--save-interval", "2", "--log-interval", "1", "--attention-dropout", "0", *extra)
+                "--save-interval", "2", "--log-interval", "1", "--attention-dropout", "0", *extra, cli=cli)
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +67,10 @@ def world(tmp_path_factory):
     write_arithmetic_chats(str(root / "chats.jsonl"), 40)
     _run("tools/checkpoint/hf.py", "import", "--hf-model-path", hf_dir, "--output-path", ckpt)
     full, resumed = str(root / "sft_full"), str(root / "sft_resumed")
-    full_log = _sft(ckpt, full, 4)
-    _sft(ckpt, resumed, 4, ["--exit-interval", "2"])  # stops after 2 of 4 iterations ...
-    resumed_log = _sft(ckpt, resumed, 4)  # ... and resumes from iteration 2's checkpoint
+    with CliRunner() as cli:  # the three training runs fork from one server that imported torch once
+        full_log = _sft(cli, ckpt, full, 4)
+        _sft(cli, ckpt, resumed, 4, ["--exit-interval", "2"])  # stops after 2 of 4 iterations ...
+        resumed_log = _sft(cli, ckpt, resumed, 4)  # ... and resumes from iteration 2's checkpoint
     exported = str(root / "exported")
     _run("tools/checkpoint/hf.py", "export", "--checkpoint-path", full, "--output-path", exported)
     return dict(root=root, hf=hf_dir, ckpt=ckpt, trained=full, exported=exported, full_log=full_log,

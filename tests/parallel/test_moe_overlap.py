@@ -6,7 +6,7 @@ same sum computed by a per-expert GEMM instead of autograd's (fp32, 1e-6 relativ
 second step on: the first runs the same plan sequentially)."""
 import pytest
 
-from tests.fixtures.tiny_gpt import run_pretrain
+from tests.fixtures.tiny_gpt import mock_data_cache, run_pretrain
 from tests.parallel.dist_utils import run_distributed
 
 MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
@@ -41,6 +41,12 @@ def _runs():
         run_pretrain((MODEL + " " + flags).split(), record)
         out[name] = (curve, combined_1f1b.stats["overlapped_forwards"] - before)
     return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _mock_data_cache(tmp_path_factory):
+    """Every run of the module reads the mock data's indices built by its first run."""
+    yield from mock_data_cache(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ amplify that a little, so per-iteration losses agree to 1e-5 relative over 6 ste
 """
 import pytest
 
-from tests.fixtures.tiny_gpt import run_pretrain
+from tests.fixtures.tiny_gpt import mock_data_cache, run_pretrain
 from tests.parallel.dist_utils import run_distributed
 
 MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
@@ -61,6 +61,12 @@ def _tp1_from_tp2(ckpt_dir):
 
 def _dp1_from_dist_muon(ckpt_dir):
     return _train(f"--load {ckpt_dir}/dm --ckpt-step 3")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _mock_data_cache(tmp_path_factory):
+    """Every run of the module reads the mock data's indices built by its first run."""
+    yield from mock_data_cache(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ fp32, dropout 0: layouts differ only in summation order (~1e-7 relative per op),
 import pytest
 import torch
 
-from tests.fixtures.tiny_gpt import run_pretrain
+from tests.fixtures.tiny_gpt import mock_data_cache, run_pretrain
 from tests.parallel.dist_utils import run_distributed
 
 THRESHOLD = 0.02
@@ -56,6 +56,12 @@ def _all_runs():
         "bf16_dp2": run_distributed(_train, 2, "--bf16 --use-distributed-optimizer", check_main=True),
         "bf16_dist_muon": run_distributed(_train, 2, "--bf16 --optimizer dist_muon", check_main=True),
     }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _mock_data_cache(tmp_path_factory):
+    """Every run of the module reads the mock data's indices built by its first run."""
+    yield from mock_data_cache(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
