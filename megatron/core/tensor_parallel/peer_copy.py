@@ -36,7 +36,7 @@ class _Workspace:
     """Two slots of symmetric memory for one TP group, the side stream and the slot counter."""
 
     def __init__(self, group, slot_bytes, device):
-        from torch.distributed import _symmetric_memory as symm  # lazy: CUDA builds only
+        from torch.distributed import _symmetric_memory as symm  # lazy: only CUDA TP groups with the overlap use it
         self.group, self.slot_bytes = group, slot_bytes
         self.buffer = symm.empty(2 * slot_bytes, dtype=torch.uint8, device=device)
         self.handle = symm.rendezvous(self.buffer, group)
