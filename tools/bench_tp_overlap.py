@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 2 tools/bench_tp_overlap.py [--seq 8192 --hidden 4096 --ffn 14336 --trace DIR]
 
 Shapes default to Llama-3-8B (QKV 4096 -> 6144 with 8 KV groups, proj 4096 -> 4096, fc1 4096 -> 2 x 14336,
-fc2 14336 -> 4096), batch 1, bf16. Prints median ms per layer (CUDA events) and the share of the exposed
+fc2 14336 -> 4096), batch 1, bf16, ``--layers`` of them forward then backward (the host queues a whole pass,
+as in training). Prints median ms per layer (CUDA events) and the share of the exposed
 communication the overlap hides: (plain - overlap) / (plain - GEMMs only). On CPU (gloo) it runs at toy
 size in fp32 as a smoke test. --trace writes a Chrome trace per rank of the overlapped run.
 """
@@ -55,17 +56,21 @@ def _inputs(layers, a, tp, dtype, device):
 
 
 def _step(layers, inputs):
-    for layer, (x, dy) in zip(layers, inputs):
-        layer(x)[0].backward(dy)
+    """Every linear's forward, then one backward through all of them: as in training, the host queues a
+    whole pass while the GPU works (one linear at a time, the GPU would wait for the host between them)."""
+    outs = [layer(x)[0] for layer, (x, _) in zip(layers, inputs)]
+    torch.autograd.backward(outs, [dy for _, dy in inputs])
 
 
 def _gemms_only(layers, inputs, tp):
     """The same forward and backward GEMMs on full-sequence tensors, no communication."""
+    outs, grads = [], []
     for layer, (x, dy) in zip(layers, inputs):
         col = isinstance(layer, ColumnParallelLinear)
         full_x = x.detach().repeat(tp, 1, 1) if col else x
-        y = F.linear(full_x, layer.weight)
-        y.backward(dy if col else dy.repeat(tp, 1, 1))
+        outs.append(F.linear(full_x, layer.weight))
+        grads.append(dy if col else dy.repeat(tp, 1, 1))
+    torch.autograd.backward(outs, grads)
 
 
 def main():
@@ -76,6 +81,7 @@ def main():
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--layers", type=int, default=4, help="layers timed together; times are per layer")
     p.add_argument("--trace", default=None)
     p.add_argument("--high-priority", action="store_true",
                    help="the TP communicator's stream at high priority (--high-priority-stream-groups tp)")
@@ -107,13 +113,13 @@ def main():
             if not cuda or peer_copy.unavailable():
                 continue  # the overlap row above already ran the ring
             peer_copy.disable("the bench's NCCL ring row")
-        layers = _layers(a, tp, dtype, device, overlap, group)
+        layers = [lin for _ in range(a.layers) for lin in _layers(a, tp, dtype, device, overlap, group)]
         inputs = _inputs(layers, a, tp, dtype, device)
-        res[name] = _median_ms(lambda: _step(layers, inputs), a.iters)
+        res[name] = _median_ms(lambda: _step(layers, inputs), a.iters) / a.layers
         if name == "overlap":
             transport = "copy engines" if cuda and not peer_copy.unavailable() else "NCCL ring"
         if name == "plain":
-            res["gemms only"] = _median_ms(lambda: _gemms_only(layers, inputs, tp), a.iters)
+            res["gemms only"] = _median_ms(lambda: _gemms_only(layers, inputs, tp), a.iters) / a.layers
         elif a.trace and name == "overlap":
             os.makedirs(a.trace, exist_ok=True)
             with torch.profiler.profile() as prof:
