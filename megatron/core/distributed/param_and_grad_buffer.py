@@ -72,7 +72,7 @@ class _ParamAndGradBucket:
         capture records no check (the replayed graph's losses are checked instead)."""
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return
-        norm = self.grad_data.float().norm(p=2)
+        norm = torch.linalg.vector_norm(self.grad_data, dtype=torch.float32)  # no fp32 copy of 16-bit grads
         names = ", ".join(self.param_to_name.get(p, "?") for p in self.params)
         rsm = get_rerun_state_machine()
         for what, reject in (("NaN", torch.isnan), ("Inf", torch.isinf)):
