@@ -48,6 +48,7 @@ class _ParamAndGradBucket:
         self.param_gather_handle = None
         self._gather_input = None
         self._reduce_output = None
+        self._nan_messages = None  # (rejection function, message) of check_for_nan
 
     # -- shards (distributed optimizer) --------------------------------------------------------
     def shard_range(self, rank=None):
@@ -73,12 +74,14 @@ class _ParamAndGradBucket:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return
         norm = torch.linalg.vector_norm(self.grad_data, dtype=torch.float32)  # no fp32 copy of 16-bit grads
-        names = ", ".join(self.param_to_name.get(p, "?") for p in self.params)
+        if self._nan_messages is None:  # built once: the check runs every step
+            names = ", ".join(self.param_to_name.get(p, "?") for p in self.params)
+            self._nan_messages = [(reject, f"found {what} in local grad norm for bucket #{self.bucket_id} in "
+                                   f"backward pass before data-parallel communication collective (params: {names})")
+                                  for what, reject in (("NaN", torch.isnan), ("Inf", torch.isinf))]
         rsm = get_rerun_state_machine()
-        for what, reject in (("NaN", torch.isnan), ("Inf", torch.isinf)):
-            rsm.validate_result(norm, reject, f"found {what} in local grad norm for bucket #{self.bucket_id} in "
-                                f"backward pass before data-parallel communication collective (params: {names})",
-                                tolerance=0.001, fatal=True)
+        for reject, message in self._nan_messages:
+            rsm.validate_result(norm, reject, message, tolerance=0.001, fatal=True)
 
     def start_grad_sync(self):
         """Launch this bucket's reduction (async when overlapping the grad reduce)."""
