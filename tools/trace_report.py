@@ -46,6 +46,18 @@ def _host_op_at(host_ops, t: float) -> str:
     return max(running)[1] if running else ""
 
 
+def _gaps_by_host_op(gaps, host_ops, top: int) -> List[Dict]:
+    """The host operations under which the GPU sat idle longest in total (a synchronisation repeated per
+    micro-batch shows up here as one op with many gaps, where the longest-gap list shows only single pauses)."""
+    totals: Dict[str, List[float]] = {}
+    for g, t in gaps:
+        entry = totals.setdefault(_host_op_at(host_ops, t) or "-", [0, 0.0])
+        entry[0] += 1
+        entry[1] += g
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"host_op": op, "gaps": n, "ms": round(us / 1e3, 3)} for op, (n, us) in ranked]
+
+
 def analyse(events: List[dict], gap_us: float = 10.0, top: int = 5) -> Dict:
     timed = [e for e in events if e.get("ph") == "X" and "ts" in e]
     if not timed:
@@ -67,6 +79,7 @@ def analyse(events: List[dict], gap_us: float = 10.0, top: int = 5) -> Dict:
             "idle_ms": (busy[-1][1] - busy[0][0] - sum(b - a for a, b in busy)) / 1e3,
             "gaps": len(gaps), "gaps_ms": sum(g for g, _ in gaps) / 1e3,
             "longest": [{"us": round(g, 1), "host_op": _host_op_at(host_ops, t)} for g, t in gaps[:top]],
+            "by_host_op": _gaps_by_host_op(gaps, host_ops, top),
         }
     if any(e.get("cat") == "user_annotation" and e.get("name") in RANGES for e in timed):
         report["timeline"] = analyse_timeline(events, gap_us)
@@ -130,6 +143,8 @@ def _print(path: str, report: Dict) -> None:
           f"over the threshold totalling {gpu['gaps_ms']:.1f} ms")
     for gap in gpu["longest"]:
         print(f"    {gap['us']:9.1f} us idle, host in: {gap['host_op'] or '-'}")
+    print("  idle by the host op it started under: " + "; ".join(
+        f"{o['host_op']} {o['ms']:.1f} ms in {o['gaps']}" for o in gpu["by_host_op"]))
 
 
 def _print_all(path: str, report: Dict) -> None:

@@ -31,6 +31,8 @@ def test_ranges_busy_idle_and_gaps():
     assert round(gpu["idle_ms"] * 1e3) == 5 + 140 + 30
     assert gpu["gaps"] == 2 and round(gpu["gaps_ms"] * 1e3) == 170
     assert gpu["longest"] == [{"us": 140.0, "host_op": "forward"}, {"us": 30.0, "host_op": "backward"}]
+    assert gpu["by_host_op"] == [{"host_op": "forward", "gaps": 1, "ms": 0.14},
+                                 {"host_op": "backward", "gaps": 1, "ms": 0.03}]
 
 
 def test_cli_on_a_cpu_trace(tmp_path, capsys):
