@@ -1,6 +1,7 @@
 """pretrain_bert.py end to end on the shipped corpus: preprocess with --split-sentences, train at
-PP=2 under torchrun (every stage reads the padding mask), evaluate, save; lm loss and sop loss are
-logged and the lm loss falls. TP is covered by tests/parallel/test_bert_tp_invariance.py and the T5 CLI test."""
+PP=2 on 2 ranks with torchrun's environment (every stage reads the padding mask), evaluate, save; lm loss and
+sop loss are logged and the lm loss falls. TP is covered by tests/parallel/test_bert_tp_invariance.py and the
+T5 CLI test."""
 import os
 import re
 import subprocess
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.functional.torchrun import torchrun as launch
+from tests.functional.cli_runner import CliRunner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ITERS = 10
@@ -28,9 +29,12 @@ def preprocess_corpus(out_dir, vocab, tokenizer_type):
     return prefix + "_text_sentence"
 
 
-def torchrun(script, args, nproc=2):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    return launch(nproc, [os.path.join(ROOT, script)] + args, timeout=240, cwd=ROOT, env=env)
+def run_ranks(script, args, nproc=2):
+    """``script`` on ``nproc`` ranks forked from a CliRunner (torchrun's environment, without its launcher and
+    per-rank imports): (exit codes, every rank's stdout as torchrun would merge it, every rank's stderr)."""
+    with CliRunner() as cli:
+        results = cli.run([script] + args, nranks=nproc, timeout=300)
+    return [r.rc for r in results], "".join(r.out for r in results), "".join(r.err for r in results)
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +43,9 @@ def run(tmp_path_factory):
     prefix = preprocess_corpus(str(tmp), os.path.join(ROOT, "data", "bert-vocab.txt"), "BertWordPieceLowerCase")
     args = CMD.split() + ["--data-path", prefix, "--vocab-file", os.path.join(ROOT, "data", "bert-vocab.txt"),
                           "--save", str(tmp / "ckpt")]
-    p = torchrun("pretrain_bert.py", args)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p.stdout, tmp
+    rcs, out, err = run_ranks("pretrain_bert.py", args)
+    assert rcs == [0, 0], out[-3000:] + err[-3000:]
+    return out, tmp
 
 
 def test_lm_and_sop_loss_logged_and_lm_loss_falls(run):

@@ -1,5 +1,6 @@
 """pretrain_t5.py end to end on the shipped corpus: preprocess with --split-sentences (cased WordPiece,
-sentinels), train at TP=2 under torchrun with different encoder/decoder depths, evaluate; lm loss falls."""
+sentinels), train at TP=2 on 2 ranks with torchrun's environment with different encoder/decoder depths,
+evaluate; lm loss falls."""
 import argparse
 import os
 import re
@@ -7,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.functional.test_pretrain_bert import ROOT, preprocess_corpus, torchrun
+from tests.functional.test_pretrain_bert import ROOT, preprocess_corpus, run_ranks
 
 ITERS = 10
 CMD = (f"--encoder-num-layers 2 --decoder-num-layers 1 --hidden-size 64 --num-attention-heads 4 "
@@ -22,9 +23,9 @@ def out(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("t5_cli")
     vocab = os.path.join(ROOT, "data", "bert-vocab-cased.txt")
     prefix = preprocess_corpus(str(tmp), vocab, "BertWordPieceCase")
-    p = torchrun("pretrain_t5.py", CMD.split() + ["--data-path", prefix, "--vocab-file", vocab])
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p.stdout
+    rcs, out, err = run_ranks("pretrain_t5.py", CMD.split() + ["--data-path", prefix, "--vocab-file", vocab])
+    assert rcs == [0, 0], out[-3000:] + err[-3000:]
+    return out
 
 
 def test_lm_loss_logged_and_falls(out):
