@@ -2,14 +2,13 @@
 pretrain_cfg_container_from_args -> pretrain(cfg, ...), the pattern of code written for Megatron Core
 0.19.2. The model built by GPTModelConfig's builder trains exactly like pretrain_gpt.py's model_provider
 (same initialization, same losses); a container without a model uses the model_provider given."""
-import os
 import re
-import subprocess
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.functional.cli_runner import CliRunner
+
 FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
          "--micro-batch-size 2 --global-batch-size 2 --lr 1e-3 --mock-data --vocab-size 100 --log-interval 1 "
          "--eval-interval 100 --eval-iters 0 --num-workers 0 --train-iters 3 --swiglu --normalization RMSNorm "
@@ -36,26 +35,31 @@ pretrain(cfg, pretrain_gpt.train_valid_test_datasets_provider, ModelType.encoder
 """
 
 
-def _run(cmd, **extra_env):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **extra_env}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p.stdout, {int(m.group(1)): m.group(2) for m in LOSS.finditer(p.stdout)}
+@pytest.fixture(scope="module")
+def cli():
+    with CliRunner() as runner:
+        yield runner
+
+
+def _run(cli, argv, **env):
+    """One process running ``argv`` (a script and its flags) as `__main__`, forked from the module's CliRunner."""
+    (res,) = cli.run(argv, timeout=300, env=env)
+    assert res.rc == 0, res.out[-3000:] + res.err[-3000:]
+    return res.out, {int(m.group(1)): m.group(2) for m in LOSS.finditer(res.out)}
 
 
 @pytest.fixture(scope="module")
-def classic():
-    return _run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py")] + FLAGS
-                + ["--tokenizer-type", "NullTokenizer"])[1]
+def classic(cli):
+    return _run(cli, ["pretrain_gpt.py"] + FLAGS + ["--tokenizer-type", "NullTokenizer"])[1]
 
 
-def test_pretrain_with_gpt_model_config(classic, tmp_path):
+def test_pretrain_with_gpt_model_config(cli, classic, tmp_path):
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
-    out, losses = _run([sys.executable, str(driver)] + FLAGS)
+    out, losses = _run(cli, [str(driver)] + FLAGS)
     assert sorted(classic) == [1, 2, 3] and losses == classic
     assert "model config warning: False" in out
-    out, losses = _run([sys.executable, str(driver)] + FLAGS, NO_MODEL_CFG="1")
+    out, losses = _run(cli, [str(driver)] + FLAGS, NO_MODEL_CFG="1")
     assert losses == classic and "model config warning: True" in out
 
 

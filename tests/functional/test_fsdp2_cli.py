@@ -1,18 +1,16 @@
-"""`pretrain_gpt.py --use-torch-fsdp2` against plain DDP through the real CLI (torchrun, DP=2, fp32).
+"""`pretrain_gpt.py --use-torch-fsdp2` against plain DDP through the real CLI (2 ranks with torchrun's
+environment, forked from one module CliRunner; DP=2, fp32).
 
 Same seed, data and dropout 0: five iterations of lm loss and grad norm (read at full precision from
 TensorBoard) must agree within 1e-5 relative. The default GPT ties the word embedding to the output
 layer and uses gradient-accumulation fusion, so this pins that DDP adds the embedding lookup's grad
 (in `.grad`) on top of the fused output-layer wgrad (in `main_grad`), while FSDP2 reduces plain grads.
 """
-import os
-
 import pytest
 import torch
 
-from tests.functional.torchrun import torchrun
+from tests.functional.cli_runner import CliRunner
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ITERS = 5
 CMD = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
        f"--micro-batch-size 2 --global-batch-size 8 --train-iters {ITERS} --lr 1e-3 --mock-data "
@@ -21,11 +19,10 @@ CMD = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 
 RTOL = 1e-5
 
 
-def _run(tb_dir, extra):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    p = torchrun(2, [os.path.join(ROOT, "pretrain_gpt.py")] + CMD.split() + ["--tensorboard-dir", str(tb_dir)] + extra,
-                 timeout=240, cwd=ROOT, env=env)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+def _run(cli, tb_dir, extra):
+    results = cli.run(["pretrain_gpt.py"] + CMD.split() + ["--tensorboard-dir", str(tb_dir)] + extra, nranks=2,
+                      timeout=300)
+    assert [r.rc for r in results] == [0, 0], results[0].err[-3000:] + results[1].err[-3000:]
     return _scalars(str(tb_dir))
 
 
@@ -44,8 +41,9 @@ def _scalars(tb_dir):
 
 @pytest.fixture(scope="module")
 def curves(tmp_path_factory):
-    return (_run(tmp_path_factory.mktemp("ddp"), []),
-            _run(tmp_path_factory.mktemp("fsdp2"), ["--use-torch-fsdp2"]))
+    with CliRunner() as cli:
+        return (_run(cli, tmp_path_factory.mktemp("ddp"), []),
+                _run(cli, tmp_path_factory.mktemp("fsdp2"), ["--use-torch-fsdp2"]))
 
 
 @pytest.mark.parametrize("tag", ["lm loss", "grad-norm"])

@@ -1,14 +1,12 @@
-"""`pretrain_gpt.py --optimizer muon` / `dist_muon` as a user runs it (torchrun, 2 ranks, mock data): the
-loss falls, the log shows the optimizer's timers, and bad combinations stop with one line naming the flag."""
-import os
+"""`pretrain_gpt.py --optimizer muon` / `dist_muon` as a user runs it (2 ranks with torchrun's environment,
+forked from one module CliRunner; mock data): the loss falls, the log shows the optimizer's timers, and bad
+combinations stop with one line naming the flag."""
 import re
 
 import pytest
 
 from tests.functional.cli_runner import CliRunner
-from tests.functional.torchrun import torchrun
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CMD = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
        "--position-embedding-type rope --micro-batch-size 2 --global-batch-size 8 --train-iters 15 --lr 1e-2 "
        "--lr-warmup-iters 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 512 --log-interval 1 "
@@ -18,22 +16,21 @@ LOSS = re.compile(r"iteration +(\d+)/ +15 \|.* lm loss: (\S+) \|")
 
 @pytest.fixture(scope="module")
 def cli():
-    with CliRunner() as runner:  # one server (torch and pretrain_gpt imported once) for every refused combination
+    with CliRunner() as runner:  # one server (torch and pretrain_gpt imported once) for every run of the module
         yield runner
 
 
 @pytest.mark.parametrize("optimizer", ["muon", "dist_muon"])
-def test_loss_falls_and_timers_logged(optimizer):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    p = torchrun(2, [os.path.join(ROOT, "pretrain_gpt.py")] + CMD.split() + ["--optimizer", optimizer],
-                 timeout=300, cwd=ROOT, env=env)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    losses = [float(m.group(2)) for m in LOSS.finditer(p.stdout)]
+def test_loss_falls_and_timers_logged(cli, optimizer):
+    results = cli.run(["pretrain_gpt.py"] + CMD.split() + ["--optimizer", optimizer], nranks=2, timeout=300)
+    assert [r.rc for r in results] == [0, 0], results[0].err[-3000:] + results[1].err[-3000:]
+    out = results[-1].out  # the last rank prints the iteration lines and the timers
+    losses = [float(m.group(2)) for m in LOSS.finditer(out)]
     assert len(losses) == 15 and losses[-1] < 0.8 * losses[0], losses
     for timer in ("optimizer-inner-step", "optimizer-clip-main-grad", "optimizer "):
-        assert re.search(rf"^ +{timer}.*: \(", p.stdout, re.M), timer
+        assert re.search(rf"^ +{timer}.*: \(", out, re.M), timer
     if optimizer == "dist_muon":
-        assert re.search(r"^ +params-all-gather.*: \(", p.stdout, re.M)
+        assert re.search(r"^ +params-all-gather.*: \(", out, re.M)
 
 
 @pytest.mark.parametrize("extra,needle", [

@@ -1,11 +1,10 @@
-"""tools/pipeline_timeline.py on two gloo ranks (PP=2, tiny GPT): one row per stage whose parts add up to the
-iteration, p2p kinds that match each stage's role, and a Chrome trace per rank."""
+"""tools/pipeline_timeline.py on two gloo ranks (PP=2, tiny GPT; torchrun's environment, forked from a CliRunner):
+one row per stage whose parts add up to the iteration, p2p kinds that match each stage's role, and a Chrome trace
+per rank."""
 import json
-import os
 
-from tests.functional.torchrun import torchrun
+from tests.functional.cli_runner import CliRunner
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
          "--micro-batch-size 2 --global-batch-size 8 --train-iters 5 --lr 1e-3 --mock-data "
          "--tokenizer-type NullTokenizer --vocab-size 128 --eval-iters 0 --pipeline-model-parallel-size 2 "
@@ -13,11 +12,11 @@ FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 1
 
 
 def test_two_stage_timeline(tmp_path):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    p = torchrun(2, [os.path.join(ROOT, "tools", "pipeline_timeline.py"), "--out", tmp_path, "--skip", "2", "--",
-                     *FLAGS.split()], timeout=240, cwd=ROOT, env=env)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "| rank | pp stage | iteration | forward | backward |" in p.stdout
+    with CliRunner() as cli:
+        results = cli.run(["tools/pipeline_timeline.py", "--out", tmp_path, "--skip", "2", "--", *FLAGS.split()],
+                          nranks=2, timeout=300)
+    assert [r.rc for r in results] == [0, 0], results[0].err[-3000:] + results[1].err[-3000:]
+    assert "| rank | pp stage | iteration | forward | backward |" in "".join(r.out for r in results)
     rows = json.loads((tmp_path / "summary.json").read_text())
     assert [r["pp_rank"] for r in rows] == [0, 1]
     for r in rows:

@@ -1,6 +1,7 @@
 """pretrain_bert.py end to end on the shipped corpus: preprocess with --split-sentences, train at
-PP=2 under torchrun (every stage reads the padding mask), evaluate, save; lm loss and sop loss are
-logged and the lm loss falls. TP is covered by tests/parallel/test_bert_tp_invariance.py and the T5 CLI test."""
+PP=2 on 2 ranks with torchrun's environment (every stage reads the padding mask), evaluate, save; lm loss and
+sop loss are logged and the lm loss falls. TP is covered by tests/parallel/test_bert_tp_invariance.py and the
+T5 CLI test."""
 import os
 import re
 import subprocess
@@ -8,15 +9,15 @@ import sys
 
 import pytest
 
-from tests.functional.torchrun import torchrun as launch
+from tests.functional.cli_runner import CliRunner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ITERS = 20
+ITERS = 10
 CMD = (f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
        f"--micro-batch-size 4 --global-batch-size 16 --train-iters {ITERS} --lr 5e-3 --lr-warmup-iters 2 "
-       "--split 98,1,1 --log-interval 1 --eval-interval 10 --eval-iters 2 --num-workers 0 "
-       "--pipeline-model-parallel-size 2 --save-interval 20")
-LOSSES = re.compile(r" iteration +(\d+)/ +20 \| .* \| lm loss: (\S+) \| sop loss: (\S+) \| loss scale: 1\.0 \|")
+       "--split 98,1,1 --log-interval 1 --eval-interval 5 --eval-iters 2 --num-workers 0 "
+       f"--pipeline-model-parallel-size 2 --save-interval {ITERS}")
+LOSSES = re.compile(rf" iteration +(\d+)/ +{ITERS} \| .* \| lm loss: (\S+) \| sop loss: (\S+) \| loss scale: 1\.0 \|")
 
 
 def preprocess_corpus(out_dir, vocab, tokenizer_type):
@@ -28,9 +29,12 @@ def preprocess_corpus(out_dir, vocab, tokenizer_type):
     return prefix + "_text_sentence"
 
 
-def torchrun(script, args, nproc=2):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    return launch(nproc, [os.path.join(ROOT, script)] + args, timeout=240, cwd=ROOT, env=env)
+def run_ranks(script, args, nproc=2):
+    """``script`` on ``nproc`` ranks forked from a CliRunner (torchrun's environment, without its launcher and
+    per-rank imports): (exit codes, every rank's stdout as torchrun would merge it, every rank's stderr)."""
+    with CliRunner() as cli:
+        results = cli.run([script] + args, nranks=nproc, timeout=300)
+    return [r.rc for r in results], "".join(r.out for r in results), "".join(r.err for r in results)
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +43,9 @@ def run(tmp_path_factory):
     prefix = preprocess_corpus(str(tmp), os.path.join(ROOT, "data", "bert-vocab.txt"), "BertWordPieceLowerCase")
     args = CMD.split() + ["--data-path", prefix, "--vocab-file", os.path.join(ROOT, "data", "bert-vocab.txt"),
                           "--save", str(tmp / "ckpt")]
-    p = torchrun("pretrain_bert.py", args)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p.stdout, tmp
+    rcs, out, err = run_ranks("pretrain_bert.py", args)
+    assert rcs == [0, 0], out[-3000:] + err[-3000:]
+    return out, tmp
 
 
 def test_lm_and_sop_loss_logged_and_lm_loss_falls(run):
@@ -50,15 +54,15 @@ def test_lm_and_sop_loss_logged_and_lm_loss_falls(run):
     rows = [(int(m.group(1)), float(m.group(2)), float(m.group(3))) for m in rows if m]
     assert [r[0] for r in rows] == list(range(1, ITERS + 1))
     lm = [r[1] for r in rows]
-    assert sum(lm[-3:]) / 3 < lm[0] - 1.5, lm  # ~9.0 -> ~6.5
+    assert sum(lm[-3:]) / 3 < lm[0] - 0.7, lm  # ~9.02 -> ~7.99 (last 3)
     assert all(0.3 < r[2] < 1.2 for r in rows)  # sentence order: near ln 2 early on
 
 
 def test_validation_lines_and_checkpoint(run):
     out, tmp = run
-    assert re.search(r"^ validation loss at iteration 10 \| lm loss value: \S+ \| lm loss PPL: \S+ \| "
+    assert re.search(r"^ validation loss at iteration 5 \| lm loss value: \S+ \| lm loss PPL: \S+ \| "
                      r"sop loss value: \S+ \| sop loss PPL: \S+ \| $", out, re.M)
-    assert re.search(r"^ validation loss at iteration 20 on test set \| lm loss value: ", out, re.M)
+    assert re.search(r"^ validation loss at iteration 10 on test set \| lm loss value: ", out, re.M)
     assert open(tmp / "ckpt" / "latest_checkpointed_iteration.txt").read().strip() == str(ITERS)
 
 

@@ -6,6 +6,8 @@ import glob
 import json
 import re
 
+import pytest
+
 from tests.functional.cli_runner import CliRunner
 from tools.trace_report import analyse
 
@@ -14,17 +16,22 @@ FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 1
          "--tokenizer-type NullTokenizer --vocab-size 128 --log-interval 1 --eval-iters 0").split()
 
 
+@pytest.fixture(scope="module")
+def cli():
+    with CliRunner() as runner:
+        yield runner
+
+
 def _names(trace_path):
     events = json.load(open(trace_path))["traceEvents"]
     return {e.get("name") for e in events}
 
 
-def test_pytorch_profiler_traces_the_window_on_the_chosen_ranks(tmp_path):
+def test_pytorch_profiler_traces_the_window_on_the_chosen_ranks(cli, tmp_path):
     window = ["--profile", "--use-pytorch-profiler", "--profile-step-start", "1", "--profile-step-end", "3",
               "--tensorboard-dir", str(tmp_path / "tb")]
-    with CliRunner() as cli:
-        plain = cli.run(["pretrain_gpt.py", *FLAGS], nranks=2, timeout=300)
-        profiled = cli.run(["pretrain_gpt.py", *FLAGS, *window, "--profile-ranks", "1"], nranks=2, timeout=300)
+    plain = cli.run(["pretrain_gpt.py", *FLAGS], nranks=2, timeout=300)
+    profiled = cli.run(["pretrain_gpt.py", *FLAGS, *window, "--profile-ranks", "1"], nranks=2, timeout=300)
     for res in plain + profiled:
         assert res.rc == 0, res.err[-3000:]
     loss = re.compile(r"lm loss: ([\d.E+-]+)")
@@ -41,15 +48,14 @@ def test_pytorch_profiler_traces_the_window_on_the_chosen_ranks(tmp_path):
     assert 0 < report["ranges"]["forward"]["ms"] < report["wall_ms"]
 
 
-def test_flags_that_cannot_work_here_are_refused_in_one_line():
-    with CliRunner() as cli:
-        cases = {
-            "--use-pytorch-profiler writes its traces under --tensorboard-dir": ["--profile", "--use-pytorch-profiler"],
-            "--use-pytorch-profiler needs --profile": ["--use-pytorch-profiler", "--tensorboard-dir", "/tmp/x"],
-            "--record-memory-history records CUDA allocations": ["--record-memory-history"],
-            "--profile-step-start (5) must be": ["--profile", "--use-pytorch-profiler", "--tensorboard-dir", "/tmp/x",
-                                                 "--profile-step-start", "5", "--profile-step-end", "5"],
-        }
-        for message, extra in cases.items():
-            (res,) = cli.run(["pretrain_gpt.py", *FLAGS, *extra], timeout=120)
-            assert res.rc != 0 and message in res.out + res.err, (extra, res.out[-1500:], res.err[-1500:])
+def test_flags_that_cannot_work_here_are_refused_in_one_line(cli):
+    cases = {
+        "--use-pytorch-profiler writes its traces under --tensorboard-dir": ["--profile", "--use-pytorch-profiler"],
+        "--use-pytorch-profiler needs --profile": ["--use-pytorch-profiler", "--tensorboard-dir", "/tmp/x"],
+        "--record-memory-history records CUDA allocations": ["--record-memory-history"],
+        "--profile-step-start (5) must be": ["--profile", "--use-pytorch-profiler", "--tensorboard-dir", "/tmp/x",
+                                             "--profile-step-start", "5", "--profile-step-end", "5"],
+    }
+    for message, extra in cases.items():
+        (res,) = cli.run(["pretrain_gpt.py", *FLAGS, *extra], timeout=120)
+        assert res.rc != 0 and message in res.out + res.err, (extra, res.out[-1500:], res.err[-1500:])

@@ -6,8 +6,9 @@ every case.
    against SDPA over the whole sequence run per document: output and q/k/v grads within 1e-5 absolute
    (O(1) values; only the fp32 summation order differs).
 2. Training through pretrain(): each layout reproduces CP=1's per-iteration loss within 1e-5 relative
-   (the same global batch; CP=1 runs as DP=4, DP invariance being tested elsewhere). Layouts: CP=4 for
-   each comm type and a2a+p2p [2, 2], CP=2 x DP=2 with the distributed optimizer and per-layer comm types,
+   (the same global batch; CP=1 runs as DP=4, DP invariance being tested elsewhere). Layouts: CP=4 with
+   p2p, allgather and a2a (one per layer, so one run trains through each comm type) and a2a+p2p [2, 2],
+   CP=2 x DP=2 with the distributed optimizer and per-layer comm types,
    CP=2 x TP=2 with SP (p2p, and a2a+p2p [2, 1]), CP=2 x PP=2 interleaved, and packed documents
    (--reset-attention-mask --reset-position-ids --eod-mask-loss) at CP=2 x PP=2 and at CP=4 a2a+p2p [2, 2]
    mixed per layer with p2p and a2a, against packed CP=1.
@@ -30,9 +31,8 @@ GPT = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --group-query-at
        "--swiglu --micro-batch-size 1 --train-iters 3 --make-vocab-size-divisible-by 64 ")  # vocab 128 at TP 1 and 2
 PACKED = "--reset-attention-mask --reset-position-ids --eod-mask-loss "
 LAYOUTS = {
-    "cp4_p2p": "--context-parallel-size 4 --cp-comm-type p2p",
-    "cp4_allgather": "--context-parallel-size 4 --cp-comm-type allgather",
-    "cp4_a2a": "--context-parallel-size 4 --cp-comm-type a2a",
+    # each comm type at CP=4 in one run (the attention cases above compare each one alone, layer by layer)
+    "cp4_p2p_allgather_a2a_per_layer": "--context-parallel-size 4 --cp-comm-type p2p allgather a2a p2p",
     "cp2_dp2_distopt_per_layer": "--context-parallel-size 2 --use-distributed-optimizer "
                                  "--cp-comm-type p2p allgather a2a p2p",
     "cp2_tp2_sp": "--context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel",

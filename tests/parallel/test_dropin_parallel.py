@@ -10,7 +10,7 @@ import torch
 
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-from tests.fixtures.tiny_gpt import run_pretrain, tiny_config, tiny_gpt
+from tests.fixtures.tiny_gpt import mock_data_cache, run_pretrain, tiny_config, tiny_gpt
 from tests.parallel.dist_utils import run_distributed
 
 ITERS = 3
@@ -19,6 +19,12 @@ MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 1
          f"--attention-dropout 0 --log-interval 10 --eval-iters 0 --num-workers 0 --train-iters {ITERS} "
          "--micro-batch-size 2 --global-batch-size 8 --seed 1234")
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+
+@pytest.fixture(scope="module", autouse=True)
+def _mock_data_cache(tmp_path_factory):
+    """Every run of the module reads the mock data's indices built by its first run."""
+    yield from mock_data_cache(tmp_path_factory)
+
 
 
 def _init_values(tp, cpu_init):

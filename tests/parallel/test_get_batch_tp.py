@@ -4,11 +4,18 @@ documents (--reset-attention-mask) the per-sample document offsets still travel 
 as TP=1 x DP=2 on the same global batch (fp32, 1e-5 relative per iteration)."""
 import pytest
 
+from tests.fixtures.tiny_gpt import mock_data_cache
 from tests.parallel.dist_utils import run_distributed
 from tests.parallel.test_training_invariance import _train
 
 PLAIN = "--micro-batch-size 2 --eval-iters 0 --make-vocab-size-divisible-by 64"  # vocab 128 at TP 1 and 2
 PACKED = PLAIN + " --reset-attention-mask --reset-position-ids --eod-mask-loss"
+
+@pytest.fixture(scope="module", autouse=True)
+def _mock_data_cache(tmp_path_factory):
+    """Every run of the module reads the mock data's indices built by its first run."""
+    yield from mock_data_cache(tmp_path_factory)
+
 
 
 def _tp2_counting_size_exchanges(flags):

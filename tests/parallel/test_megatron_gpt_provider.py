@@ -5,7 +5,9 @@ equal to fp32 rounding, relative 1e-6). Two models: MoE + MTP through the flags 
 with MTP where the builder is handed args with transformer_impl 'transformer_engine' (its
 get_gpt_layer_with_transformer_engine_spec path; the flag itself is refused here, Transformer Engine
 being absent)."""
-from tests.fixtures.tiny_gpt import run_pretrain
+import pytest
+
+from tests.fixtures.tiny_gpt import mock_data_cache, run_pretrain
 from tests.parallel.dist_utils import run_distributed
 
 COMMON = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
@@ -15,6 +17,12 @@ COMMON = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 
           "--sequence-parallel --mtp-num-layers 1 --disable-bias-linear --position-embedding-type rope ")
 MOE = (COMMON + "--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01").split()
 DENSE = COMMON.split()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _mock_data_cache(tmp_path_factory):
+    """Every run of the module reads the mock data's indices built by its first run."""
+    yield from mock_data_cache(tmp_path_factory)
 
 
 def _losses(provider, flags):

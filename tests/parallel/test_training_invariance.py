@@ -2,13 +2,19 @@
 accumulation (mbs 2 x 4) equals one micro-batch of 8. fp32, dropout 0, relative 1e-5 per iteration."""
 import pytest
 
-from tests.fixtures.tiny_gpt import run_pretrain
+from tests.fixtures.tiny_gpt import mock_data_cache, run_pretrain
 from tests.parallel.dist_utils import run_distributed
 
 MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
          "--vocab-size 128 --tokenizer-type NullTokenizer --mock-data --lr 1e-3 --train-iters 6 "
          "--hidden-dropout 0 --attention-dropout 0 --log-interval 1 --eval-iters 1 --num-workers 0 "
          "--global-batch-size 8 --seed 1234")
+
+@pytest.fixture(scope="module", autouse=True)
+def _mock_data_cache(tmp_path_factory):
+    """Every run of the module reads the mock data's indices built by its first run."""
+    yield from mock_data_cache(tmp_path_factory)
+
 
 
 def _train(extra, base=MODEL):

@@ -1,9 +1,10 @@
 """--check-weight-hash-across-dp-replicas-interval on 2 gloo ranks (DP=2), through pretrain(): identical replicas
 pass at the start and every N iterations (also with the distributed optimizer's overlapped param gather, whose
 all-gathers are waited for first); a replica whose weight drifted stops every rank with the parameter named."""
+import pytest
 import torch
 
-from tests.fixtures.tiny_gpt import run_pretrain
+from tests.fixtures.tiny_gpt import mock_data_cache, run_pretrain
 from tests.parallel.dist_utils import run_distributed
 
 MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
@@ -11,6 +12,12 @@ MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 1
          "--train-iters 4 --hidden-dropout 0 --attention-dropout 0 --log-interval 1 --eval-iters 0 "
          "--eval-interval 1000 --num-workers 0 --global-batch-size 4 --micro-batch-size 1 --seed 1234 "
          "--check-weight-hash-across-dp-replicas-interval 2").split()
+
+@pytest.fixture(scope="module", autouse=True)
+def _mock_data_cache(tmp_path_factory):
+    """Every run of the module reads the mock data's indices built by its first run."""
+    yield from mock_data_cache(tmp_path_factory)
+
 
 
 def _runs():
