@@ -33,7 +33,7 @@ from megatron.training.diagnostics.profiler import ProfilingWindow
 from megatron.training.evaluate import evaluate_and_print_results
 from megatron.training.exit import duration_exceeded
 from megatron.training.flops import num_floating_point_operations
-from megatron.training.global_vars import get_args, get_signal_handler, get_timers
+from megatron.training.global_vars import get_args, get_signal_handler, get_tensorboard_writer, get_timers
 from megatron.training.initialize import initialize_megatron
 from megatron.training.log_line import training_log
 from megatron.training.model_setup import get_model, print_startup_banner, setup_model_and_optimizer  # noqa: F401
@@ -173,6 +173,9 @@ def _run(train_valid_test_dataset_provider, model_provider, model_type, forward_
             _finalize_async_saves(blocking=True, terminate=True)
     else:
         print_rank_0("skipping training (--skip-train) ...")
+    writer = get_tensorboard_writer()
+    if writer is not None:  # every event of the run on disk now, not at interpreter exit (which a kill skips)
+        writer.flush()
     if should_exit:
         return
     if valid_it is not None and args.eval_iters > 0:
