@@ -35,23 +35,12 @@ def broadcast_data(keys: List[str], data: Dict[str, torch.Tensor], datatype: tor
                 raise ValueError(f"broadcast_data: '{k}' has dtype {data[k].dtype}, expected {datatype}")
             sizes[i, :data[k].dim()] = torch.tensor(data[k].shape)
     dist.broadcast(sizes, src, group=group)
-    shapes = [[int(d) for d in row if d > 0] for row in sizes.tolist()]
-    numels = [int(torch.tensor(s).prod()) if s else 0 for s in shapes]
-    if is_src:
-        flat = torch.cat([data[k].reshape(-1).to(device, non_blocking=True) for k in keys])
-    else:
-        flat = torch.empty(sum(numels), dtype=datatype, device=device)
-    dist.broadcast(flat, src, group=group)
-    out, offset = {}, 0
-    for k, shape, n in zip(keys, shapes, numels):
-        out[k] = flat[offset:offset + n].view(shape)
-        offset += n
-    return out
+    shapes = [tuple(int(d) for d in row if d > 0) for row in sizes.tolist()]
+    return _broadcast_flat(keys, data, datatype, group, src, is_src, shapes, device)
 
 
 def _broadcast_known_shapes(keys, data, datatype, group, src, is_src, shapes, device):
     shapes = [tuple(int(d) for d in shapes[k]) for k in keys]
-    numels = [math.prod(s) for s in shapes]
     if is_src:
         for k, shape in zip(keys, shapes):
             if tuple(data[k].shape) != shape:
@@ -59,6 +48,13 @@ def _broadcast_known_shapes(keys, data, datatype, group, src, is_src, shapes, de
                                  f"expect {shape}")
             if data[k].dtype != datatype:
                 raise ValueError(f"broadcast_data: '{k}' has dtype {data[k].dtype}, expected {datatype}")
+    return _broadcast_flat(keys, data, datatype, group, src, is_src, shapes, device)
+
+
+def _broadcast_flat(keys, data, datatype, group, src, is_src, shapes, device):
+    """One broadcast of every key's tensor flattened into a buffer; views of it in ``shapes`` on every rank."""
+    numels = [math.prod(s) for s in shapes]
+    if is_src:
         flat = torch.cat([data[k].reshape(-1).to(device, non_blocking=True) for k in keys])
     else:
         flat = torch.empty(sum(numels), dtype=datatype, device=device)

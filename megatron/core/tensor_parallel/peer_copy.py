@@ -111,21 +111,15 @@ def all_gather_mm(x, mat, group):
     This rank's GEMM block runs while the copy engines bring the peers' blocks; each peer's block is
     multiplied as soon as it has arrived."""
     x = x.contiguous()
-    ws = workspace(group, x.numel() * x.element_size(), x.device)
-    if ws is None:
+    started = _gather(x, group)
+    if started is None:
         return None
-    m, r, n = x.size(0), ws.rank, ws.size
-    mine, peer = ws.begin(x.numel() * x.element_size())
-    mine.view(x.dtype).view(x.shape).copy_(x)
-    ws.exchange()
-    total = x.new_empty((n * m,) + tuple(x.shape[1:]))
-    out = x.new_empty((n * m,) + tuple(x.shape[1:-1]) + (mat.size(-1),))
-    order = [(r + i) % n for i in range(1, n)]
-    arrived = {c: ws.copy(_rows(total, c, m), peer(c, x.shape, x.dtype)) for c in order}
-    _rows(total, r, m).copy_(x)
+    total, arrived, r = started
+    m = x.size(0)
+    out = x.new_empty((total.size(0),) + tuple(x.shape[1:-1]) + (mat.size(-1),))
     _mm(x, mat, _rows(out, r, m))
-    for c in order:
-        torch.cuda.current_stream().wait_event(arrived[c])
+    for c, done in arrived.items():  # ring order from the next rank
+        torch.cuda.current_stream().wait_event(done)
         _mm(_rows(total, c, m), mat, _rows(out, c, m))
     return out, total
 
@@ -166,7 +160,20 @@ def mm_reduce_scatter(x, mat, group):
 def all_gather_start(x, group):
     """Start all_gather(x) along dim 0 on the copy engines: (total, wait) with ``wait()`` making the current
     stream wait for it, or None if unavailable. Meant to run behind a GEMM issued before ``wait()``."""
-    x = x.contiguous()
+    started = _gather(x.contiguous(), group)
+    if started is None:
+        return None
+    total, arrived, _ = started
+
+    def wait():
+        for e in arrived.values():
+            torch.cuda.current_stream().wait_event(e)
+    return total, wait
+
+
+def _gather(x, group):
+    """Stage ``x`` (contiguous [m, ...]) and start the peers' copies: (total [n*m, ...] with this rank's rows
+    in place, {peer: its copy's event} in ring order from the next rank, this rank), or None if unavailable."""
     ws = workspace(group, x.numel() * x.element_size(), x.device)
     if ws is None:
         return None
@@ -175,13 +182,9 @@ def all_gather_start(x, group):
     mine.view(x.dtype).view(x.shape).copy_(x)
     ws.exchange()
     total = x.new_empty((n * m,) + tuple(x.shape[1:]))
-    events = [ws.copy(_rows(total, c, m), peer(c, x.shape, x.dtype)) for c in range(n) if c != r]
+    arrived = {c: ws.copy(_rows(total, c, m), peer(c, x.shape, x.dtype)) for c in ((r + i) % n for i in range(1, n))}
     _rows(total, r, m).copy_(x)
-
-    def wait():
-        for e in events:
-            torch.cuda.current_stream().wait_event(e)
-    return total, wait
+    return total, arrived, r
 
 
 def reduce_scatter_start(x, group):
