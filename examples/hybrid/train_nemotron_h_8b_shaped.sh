@@ -8,7 +8,9 @@
 # for the Triton SSD kernel (else the eager scan runs, much slower). Mock data unless DATA_PATH is set.
 #
 #   bash examples/hybrid/train_nemotron_h_8b_shaped.sh
-#   DATA_PATH=data/corpus_text_document TOKENIZER_MODEL=gpt2 bash examples/hybrid/train_nemotron_h_8b_shaped.sh
+#   DATA_PATH=data/processed/corpus_text_document bash examples/hybrid/train_nemotron_h_8b_shaped.sh
+#   DATA_PATH=/data/my_text_document TOKENIZER_MODEL=/models/tokenizer bash examples/hybrid/train_nemotron_h_8b_shaped.sh
+# (the first: the shipped corpus as scripts/quickstart.sh tokenizes it, with the GPT-2 BPE files in data/)
 # Tokens per iteration: 8 samples x 8192 = 65,536. MFU in the log uses Megatron's hybrid FLOPs formula.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -36,8 +38,12 @@ TRAINING_ARGS=(
     --tensor-model-parallel-size "${TP:-1}"
 )
 if [ -n "${DATA_PATH:-}" ]; then
-    DATA_ARGS=(--data-path "$DATA_PATH" --tokenizer-type HuggingFaceTokenizer
-               --tokenizer-model "${TOKENIZER_MODEL:?set TOKENIZER_MODEL with DATA_PATH}" --split 99,1,0)
+    if [ -n "${TOKENIZER_MODEL:-}" ]; then
+        TOKENIZER_ARGS=(--tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL")
+    else
+        TOKENIZER_ARGS=(--tokenizer-type GPT2BPETokenizer --vocab-file data/vocab.json --merge-file data/merges.txt)
+    fi
+    DATA_ARGS=(--data-path "$DATA_PATH" "${TOKENIZER_ARGS[@]}" --split 99,1,0)
 else
     DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 131072)
 fi
