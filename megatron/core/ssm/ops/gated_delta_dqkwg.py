@@ -14,17 +14,22 @@ import torch
 import torch.nn.functional as F
 
 
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32, or wider if it is (fp64 in tests)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def _chunked(x: torch.Tensor, nt: int, bt: int, groups: int = 1) -> torch.Tensor:
     """[B, T, heads, D] -> [B, NT, heads / groups, groups, BT, D] in fp32, zero-padded to NT * BT tokens."""
     b, t, heads, d = x.shape
-    x = F.pad(x.float(), (0, 0, 0, 0, 0, nt * bt - t))
+    x = F.pad(_acc(x), (0, 0, 0, 0, 0, nt * bt - t))
     return x.view(b, nt, bt, heads // groups, groups, d).permute(0, 1, 3, 4, 2, 5)
 
 
 def _unchunked(x: torch.Tensor, t: int) -> torch.Tensor:
-    """[B, NT, heads, BT, D] -> [B, T, heads, D] (the padding dropped)."""
+    """[B, NT, heads, BT, D] -> [B, T, heads, D] (the padding dropped), contiguous as fla's kernels need."""
     b, nt, heads, bt, d = x.shape
-    return x.permute(0, 1, 3, 2, 4).reshape(b, nt * bt, heads, d)[:, :t]
+    return x.permute(0, 1, 3, 2, 4).reshape(b, nt * bt, heads, d)[:, :t].contiguous()
 
 
 def chunk_bwd_dqkwg_torch(q, k, v, w, g, h, dv, do, dh, scale: float, chunk_size: int = 64,
@@ -34,7 +39,7 @@ def chunk_bwd_dqkwg_torch(q, k, v, w, g, h, dv, do, dh, scale: float, chunk_size
     q, k [B, T, H, K]; v (fla's v_new), do, dv [B, T, HV, V]; w [B, T, HV, K]; g [B, T, HV] (chunk-local cumsum, log2
     units); h, dh [B, NT, HV, K, V] ([.., V, K] if ``state_v_first``). Value head i reads key head i // (HV / H).
     Returns dq, dk [B, T, H, K] (summed over each key head's value heads), dw [B, T, HV, K], dg [B, T, HV] fp32.
-    All arithmetic in fp32; no loop over chunks."""
+    All arithmetic in fp32 (fp64 for fp64 inputs); no loop over chunks."""
     B, T, H, K = q.shape
     HV = v.shape[2]
     G, bt = HV // H, chunk_size
@@ -44,10 +49,10 @@ def chunk_bwd_dqkwg_torch(q, k, v, w, g, h, dv, do, dh, scale: float, chunk_size
     qc, kc = _chunked(q, nt, bt), _chunked(k, nt, bt)
     vc, doc, dvc = (_chunked(t, nt, bt, G) for t in (v, do, dv))
     # padded tokens repeat the last cumulative decay, so g_last is each chunk's last real token's value
-    gp = torch.cat([g.float(), g[:, -1:].float().expand(B, nt * bt - T, HV)], dim=1)
+    gp = torch.cat([_acc(g), _acc(g[:, -1:]).expand(B, nt * bt - T, HV)], dim=1)
     gc = gp.view(B, nt, bt, H, G).permute(0, 1, 3, 4, 2)  # [B, NT, H, G, BT]
     g_last = gc[..., -1:]  # [B, NT, H, G, 1]
-    hc, dhc = (t.float().view(B, nt, H, G, *t.shape[-2:]) for t in (h, dh))
+    hc, dhc = (_acc(t).view(B, nt, H, G, *t.shape[-2:]) for t in (h, dh))
     if state_v_first:
         hc, dhc = hc.transpose(-1, -2), dhc.transpose(-1, -2)  # -> [.., K, V]
 

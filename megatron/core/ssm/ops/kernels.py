@@ -4,7 +4,9 @@ the eager chunked references otherwise (CPU, or no package), with one line sayin
 - Mamba-2 SSD: ``mamba-ssm``'s Triton ``mamba_chunk_scan_combined`` (``MAMBA_SKIP_CUDA_BUILD=TRUE pip install
   mamba-ssm``: its Triton kernels need no CUDA build, but the package's ``__init__`` imports the CUDA
   selective-scan extension, so the Triton subpackage is loaded on its own when that import fails).
-- Gated delta rule: ``flash-linear-attention``'s (fla) ``chunk_gated_delta_rule`` (pure Triton).
+- Gated delta rule: ``flash-linear-attention``'s (fla) ``chunk_gated_delta_rule`` (pure Triton); on Hopper with
+  Triton 3.4.0 - 3.7.0, where fla's ``chunk_bwd_dqkwg`` kernel is wrong, fla 0.6.0's other kernels with that one
+  backward step in PyTorch (``_fla_gated_delta.py``).
 ``MEGATRON_SSM_KERNELS=torch`` forces the eager references (benchmarks and tests compare the two).
 """
 import importlib
@@ -79,9 +81,9 @@ def _version(text: str) -> tuple:
 
 
 def _fla_unsafe_here(device: torch.device) -> str:
-    """Why fla's gated delta rule must not run on this device, or "". fla's backward (``chunk_bwd_dqkwg``) is
+    """Why fla's own gated delta rule must not run on this device, or "". fla's backward step ``chunk_bwd_dqkwg`` is
     wrong with Triton 3.4.0 up to 3.7.1 on Hopper (fla issue #640) unless tilelang provides it; fla raises in the
-    backward then, mid-training. Checked up front so the mixer uses the eager scan from the first step."""
+    backward then, mid-training. Checked up front so the mixer uses the PyTorch step from the first step."""
     if torch.cuda.get_device_capability(device)[0] != 9 or importlib.util.find_spec("tilelang") is not None:
         return ""
     try:
@@ -89,22 +91,37 @@ def _fla_unsafe_here(device: torch.device) -> str:
     except ImportError:
         return ""
     if (3, 4, 0) <= triton_version < (3, 7, 1):
-        return (f"Triton {'.'.join(map(str, triton_version))} on a Hopper GPU computes its backward wrongly; "
-                "Triton >= 3.7.1 or `pip install tilelang` enables it")
+        return (f"Triton {'.'.join(map(str, triton_version))} on a Hopper GPU; Triton >= 3.7.1 or `pip install "
+                "tilelang` makes it right")
     return ""
 
 
+def _fla_with_torch_dqkwg(unsafe: str):
+    """fla's kernels with the dq/dk/dw/dg backward step in PyTorch (where fla's own step is wrong), or None."""
+    try:
+        module = importlib.import_module("megatron.core.ssm.ops._fla_gated_delta")
+        reason = module.unsupported_reason()
+    except ImportError as e:
+        reason = f"flash-linear-attention is not importable ({e})"
+    if reason:
+        _say_once("gdn", f"Gated DeltaNet: not using flash-linear-attention here ({unsafe}; {reason}); using the "
+                         "eager PyTorch scan")
+        return None
+    _say_once("gdn", f"Gated DeltaNet: flash-linear-attention's kernels with the dq/dk/dw/dg backward step "
+                     f"(chunk_bwd_dqkwg) in PyTorch: its Triton kernel is wrong here ({unsafe})")
+    return module.chunk_gated_delta_rule_torch_dqkwg
+
+
 def gated_delta_kernel(t: torch.Tensor):
-    """The chunked gated delta rule for tensors like ``t``: fla's Triton kernel on CUDA when installed."""
+    """The chunked gated delta rule for tensors like ``t``: fla's Triton kernel on CUDA when installed (one backward
+    step in PyTorch on Hopper with Triton 3.4.0 - 3.7.0)."""
     if not _triton_wanted(t):
         return chunk_gated_delta_rule_torch
     if "gdn" not in _cache:
         unsafe = _fla_unsafe_here(t.device)
         if unsafe:
-            _cache["gdn"] = None
-            _say_once("gdn", f"Gated DeltaNet: not using flash-linear-attention here ({unsafe}); using the eager "
-                             "PyTorch scan")
-            return chunk_gated_delta_rule_torch
+            _cache["gdn"] = _fla_with_torch_dqkwg(unsafe)
+            return _cache["gdn"] or chunk_gated_delta_rule_torch
         try:
             _cache["gdn"] = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
         except ImportError as e:
