@@ -1,8 +1,10 @@
 """Time the SSM scans, forward + backward in bf16 on one GPU, for every kernel available here:
-the eager chunked references, mamba-ssm's Triton SSD (Mamba-2) and fla's chunked gated delta rule.
+the eager chunked references, mamba-ssm's Triton SSD (Mamba-2) and fla's chunked gated delta rule (fla's own where
+it is right, and fla's kernels with the dq/dk/dw/dg backward step in PyTorch, "fla + torch dqkwg").
 
     python tools/bench_ssm.py                 # Nemotron-H-8B Mamba-2 and Qwen3-Next GDN shapes
     python tools/bench_ssm.py --seq 4096 --batch 2
+    python tools/bench_ssm.py --skip-eager    # the kernels only
 
 Shapes: Nemotron-H-8B's mixer (hidden 4096 -> 128 heads of 64, state 128, 8 groups, seq 8192) and
 Qwen3-Next-80B-A3B's Gated DeltaNet (16 key heads / 32 value heads of 128, seq 8192), batch 1.
@@ -83,7 +85,7 @@ def main():
     unsafe = _fla_unsafe_here(torch.device("cuda"))
     fla = {}
     if unsafe:
-        print(f"fla's kernels not timed: {unsafe}")
+        print(f"fla's own kernels not timed: {unsafe}")
     else:
         for module, name in (("fla.ops.simple_gla", "chunk_simple_gla"),
                              ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")):
@@ -104,6 +106,16 @@ def main():
     gdn = {}
     if "chunk_gated_delta_rule" in fla:
         gdn["fla chunk"] = fla["chunk_gated_delta_rule"]
+    # fla's kernels with the dq/dk/dw/dg backward step in PyTorch: what Hopper with Triton 3.4-3.7 runs
+    try:
+        composed = importlib.import_module("megatron.core.ssm.ops._fla_gated_delta")
+        why_not = composed.unsupported_reason()
+    except ImportError as e:
+        composed, why_not = None, f"fla not importable: {e}"
+    if why_not:
+        print(f"fla + torch dqkwg not timed: {why_not}")
+    else:
+        gdn["fla + torch dqkwg"] = composed.chunk_gated_delta_rule_torch_dqkwg
     if not args.skip_eager:
         gdn["eager chunked"] = chunk_gated_delta_rule_torch
     make = gdn_inputs(args.batch, args.seq)
