@@ -52,9 +52,12 @@ def test_tp2_sp_overlap_matches_plain(tmp_path):
     assert plain[-1] < plain[0]  # it trains
     # bf16: the same GEMMs on row blocks (cuBLAS may pick another kernel for a smaller M) and the same
     # two-term sums, so only bf16 rounding noise separates the curves; attention backward is not bitwise
-    # deterministic either. 2e-2 absolute on a loss of ~7-11 over 30 steps.
-    assert overlap == pytest.approx(plain, abs=2e-2)
-    assert rs_only == pytest.approx(plain, abs=2e-2)
+    # deterministic either. The loss falls from 11 to ~1 in 30 steps, and on that steep stretch the noise
+    # reaches 0.5% (2 H100s: 4.113 vs 4.134 at step 14, the ring's reduce-scatter summing in another order
+    # than NCCL's; the last losses agree to 5e-4): 1% relative or 2e-2 absolute, whichever is larger. A
+    # transfer that drops or misplaces a block is off by far more from the first steps on.
+    assert overlap == pytest.approx(plain, rel=1e-2, abs=2e-2)
+    assert rs_only == pytest.approx(plain, rel=1e-2, abs=2e-2)
 
 
 def test_tp2_sp_overlap_with_compiled_layers(tmp_path):
