@@ -70,6 +70,11 @@ class StaticInferenceContext:
                 for shape, dtype, device in specs)
         return self._recurrent[layer_number]
 
+    def recurrent_buffers(self) -> list:
+        """Every recurrent layer's per-slot state tensors: what a decode step updates in place besides the
+        KV cache (a CUDA graph's warm-up step must put them back)."""
+        return [t for states in self._recurrent.values() for t in states]
+
     def set_decode(self, positions: torch.Tensor, kv_len: int, dtype: torch.dtype = torch.float32) -> None:
         """Next forward decodes slots 0..B-1 (B = len(positions)); runs inside a captured graph too."""
         self.decode, self.decode_positions, self.kv_len, self._mask_dtype = True, positions, kv_len, dtype

@@ -4,6 +4,8 @@ A decode step of an 8B model is ~1,000 small kernels; replaying them as one grap
 gaps that otherwise dominate batch-1 decoding. The step reads and writes only static buffers (tokens,
 positions, sampling parameters, the KV cache), so a graph captured once replays for any requests.
 """
+from typing import Callable, List, Sequence, Union
+
 import torch
 
 
@@ -18,9 +20,12 @@ def bucket(n: int, cap: int, minimum: int = 1) -> int:
 class DecodeGraphs:
     """``capture`` False (CPU): each bucketed step runs eagerly, the very calls a graph would record."""
 
-    def __init__(self, step_fn, state_buffers, capture: bool = True):
+    def __init__(self, step_fn, state_buffers: Union[Sequence[torch.Tensor], Callable[[], List[torch.Tensor]]],
+                 capture: bool = True):
         self.step_fn = step_fn  # step_fn(B, kv_len, greedy_only) runs one decode step on the buffers
-        self.state_buffers = state_buffers  # buffers a step updates in place (restored after warm-up)
+        # Buffers a step updates in place, restored after the warm-up step: a list, or a function giving
+        # them at capture time (a hybrid model's recurrent states exist only once a prefill made them).
+        self.state_buffers = state_buffers
         self.capture = capture
         self.graphs = {}
         self.pool = None
@@ -37,17 +42,26 @@ class DecodeGraphs:
             graph = self.graphs[key] = self._capture(key)
         graph.replay()
 
+    def _buffers(self) -> List[torch.Tensor]:
+        return list(self.state_buffers() if callable(self.state_buffers) else self.state_buffers)
+
+    def warm_up(self, key) -> None:
+        """Run one step eagerly (lazy allocations, cuBLAS workspaces) and undo its state updates. The
+        KV-cache writes it made are the ones the first replay repeats, but a recurrent layer's state update
+        (conv window, SSM or delta-rule state) is not idempotent: left in place, every new graph would
+        advance the hybrid model's states by one extra token."""
+        buffers = self._buffers()
+        saved = [b.clone() for b in buffers]
+        self.step_fn(*key)
+        for buf, value in zip(buffers, saved):
+            buf.copy_(value)
+
     def _capture(self, key):
-        saved = [b.clone() for b in self.state_buffers]
-        # Warm up on a side stream (lazy allocations, cuBLAS workspaces), then undo its state updates:
-        # the KV-cache writes it made are the ones the first replay repeats.
-        side = torch.cuda.Stream()
+        side = torch.cuda.Stream()  # warm up on a side stream, as torch.cuda.graph asks
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.step_fn(*key)
+            self.warm_up(key)
         torch.cuda.current_stream().wait_stream(side)
-        for buf, value in zip(self.state_buffers, saved):
-            buf.copy_(value)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()

@@ -121,7 +121,8 @@ class InferenceEngine:
         self._step_fn = self._decode_step
         if compile_decode and dev.type == "cuda":
             self._step_fn = _compiled(self._decode_step)
-        self.graphs = DecodeGraphs(self._step_fn, [self.tokens, self.positions],
+        self.graphs = DecodeGraphs(self._step_fn,
+                                   lambda: [self.tokens, self.positions, *self.context.recurrent_buffers()],
                                    capture=dev.type == "cuda") if use_cuda_graphs else None
 
     # ---------------------------------------------------------------- requests

@@ -3,6 +3,7 @@ QK-norm and partial RoPE, Gated DeltaNet, MLP): greedy tokens equal the argmax o
 and in the bucketed static-shape steps a CUDA graph replays (idle slots step on garbage states), and requests
 joining a running batch get their alone answers (a slot's states are reset by its prefill)."""
 import pytest
+import torch
 import torch.nn.functional as F
 
 from megatron.core.inference import InferenceEngine, SamplingParams
@@ -39,3 +40,22 @@ def test_hybrid_greedy_equals_full_recompute(graphs):
 def test_hybrid_requests_joining_a_running_batch_get_their_alone_answers():
     joined, alone = joining_vs_alone(build_tiny_hybrid())
     assert joined == alone
+
+
+def test_decode_graph_warm_up_puts_the_recurrent_states_back():
+    """A CUDA graph's capture first runs the step once eagerly; a hybrid's conv and SSM / delta-rule states
+    are updated in place by that step and, unlike a KV-cache write, not idempotently: left advanced, every
+    new graph shifted the states by a token (GPU decode diverged from eager after the first graph). The
+    warm-up here is the same code the capture runs; the bare step shows the states do move."""
+    model = build_tiny_hybrid()
+    engine = InferenceEngine(model, max_batch_size=4, max_sequence_length=MAX_LEN, use_cuda_graphs=True)
+    engine.generate(prompts([5, 11, 2, 8]), SamplingParams(top_k=1, num_tokens_to_generate=3))
+    states = engine.context.recurrent_buffers()
+    assert len(states) >= 4  # the Mamba-2 and Gated DeltaNet layers' conv and recurrent states
+    before = [t.clone() for t in states]
+    key = (4, 64, True)
+    with torch.inference_mode():
+        engine.graphs.warm_up(key)
+        assert all(torch.equal(a, b) for a, b in zip(engine.context.recurrent_buffers(), before))
+        engine.graphs.step_fn(*key)
+    assert not all(torch.equal(a, b) for a, b in zip(engine.context.recurrent_buffers(), before))
