@@ -141,12 +141,16 @@ def test_clip_folded_into_fused_adam_matches_explicit_clip():
         assert _rel(a, b) < 1e-6
 
 
-def test_triton_adamw_matches_torch_fused_adamw():
+@pytest.mark.parametrize("small_numel", [0, 100_000, 1 << 22])
+def test_triton_adamw_matches_torch_fused_adamw(small_numel, monkeypatch):
     """The Triton AdamW (which also writes the bf16 model copy and divides grads by the clip factor as it
     reads them) and torch's fused AdamW against the same AdamW in float64, over 3 steps with two groups:
     both within fp32 rounding of it (torch's kernel rounds its intermediates differently, so the two
-    fp32 results are compared through the float64 one)."""
+    fp32 results are compared through the float64 one). ``small_numel``: every tensor through the Triton
+    kernel, the largest only, or none (the multi-tensor path for small tensors)."""
+    from megatron.core.optimizer import fused_adamw
     from megatron.core.optimizer.fused_adamw import triton_adamw_applies, triton_adamw_step
+    monkeypatch.setattr(fused_adamw, "SMALL_NUMEL", small_numel)
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(3, 70001), (128,), (5, 7)]
     hyper = [(3e-3, 0.1), (3e-3, 0.1), (1e-3, 0.0)]  # (lr, weight decay) per param, by group
