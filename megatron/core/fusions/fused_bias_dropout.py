@@ -1,10 +1,15 @@
 """residual + dropout(x + bias), Megatron's bias-dropout-add ("bda") factories.
 
-There is no separate fused kernel here: the "fused" variants run the same eager expression, which
-torch.compile fuses when the layer is compiled (--bias-dropout-fusion has no other effect)."""
+With --bias-dropout-fusion (Megatron's default) the training variant with a bias runs as one compiled
+element-wise kernel on CUDA, as Megatron's ``jit_fuser`` does: eager torch writes and re-reads ``x + bias``
+before adding the residual. Without a bias (Llama-style models) there is nothing to fuse at dropout 0, and
+the inference variant stays eager (decode shapes change every step; each would be a new compiled graph).
+Inside a compiled layer (--torch-compile) the layer's graph fuses it either way."""
 from typing import Optional, Tuple
 
 import torch
+
+from megatron.core.fusions.compile import maybe_compile
 
 
 def _bias_dropout_add(x_with_bias, residual, prob: float, training: bool):
@@ -22,9 +27,18 @@ def bias_dropout_add_unfused(training):
     return bda
 
 
+@maybe_compile
+def _bias_dropout_add_train_compiled(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
+                                     prob: float) -> torch.Tensor:
+    return residual + torch.nn.functional.dropout(x + bias, p=prob, training=True)
+
+
 def bias_dropout_add_fused_train(x_with_bias: Tuple[torch.Tensor, Optional[torch.Tensor]],
                                  residual: torch.Tensor, prob: float) -> torch.Tensor:
-    return _bias_dropout_add(x_with_bias, residual, prob, True)
+    x, bias = x_with_bias
+    if bias is None:
+        return _bias_dropout_add(x_with_bias, residual, prob, True)
+    return _bias_dropout_add_train_compiled(x, bias, residual, prob)
 
 
 def bias_dropout_add_fused_inference(x_with_bias: Tuple[torch.Tensor, Optional[torch.Tensor]],
