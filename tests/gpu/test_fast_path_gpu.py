@@ -389,3 +389,22 @@ def test_fused_bias_dropout_add_matches_eager():
         x.grad = bias.grad = residual.grad = None
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_linear_bias_in_gemm_epilogue_matches_matmul_plus_bias():
+    """A linear that adds its own bias does it in the GEMM (addmm) on CUDA: same output as matmul then add
+    (bf16: one rounding fewer), same gradients."""
+    from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(197, 4, 1024, device="cuda", generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(3072, 1024, device="cuda", generator=gen) * 0.03).bfloat16().requires_grad_()
+    b = torch.randn(3072, device="cuda", generator=gen).bfloat16().requires_grad_()
+    outs = []
+    for fn in (lambda: linear_with_grad_accumulation_and_async_allreduce(x, w, b), lambda: x @ w.t() + b):
+        out = fn()
+        out.float().square().mean().backward()
+        outs.append((out.detach().float(), x.grad.float(), w.grad.float(), b.grad.float()))
+        x.grad = w.grad = b.grad = None
+    assert outs[0][0].shape == (197, 4, 3072)
+    for a, ref in zip(*outs):
+        torch.testing.assert_close(a, ref, rtol=2e-2, atol=2e-2)

@@ -108,6 +108,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.fusion = gradient_accumulation_fusion
         ctx.sequence_parallel, ctx.tp_group = sequence_parallel, tp_group
         total = _gather_along_first_dim(x, tp_group) if sequence_parallel else x  # [s, b, h]
+        if bias is not None and total.is_cuda:  # the bias added in the GEMM's epilogue, not a second pass
+            out = torch.addmm(bias, total.reshape(-1, total.shape[-1]), weight.t())
+            return out.view(*total.shape[:-1], weight.shape[0])
         out = torch.matmul(total, weight.t())
         return out + bias if bias is not None else out
 
