@@ -6,6 +6,7 @@ the same GPU, same shapes and batch.
     pip install timm        # optional: without it only our model is measured
     python tools/bench_vit.py                                  # ViT-L/16, 224 px, batch 64
     python tools/bench_vit.py --batch 128 --compile            # both models under torch.compile
+    python tools/bench_vit.py --cuda-graph                     # ours replayed as one graph a step
     python tools/bench_vit.py --layers 2 --hidden 64 --heads 4 --ffn 256 --batch 4 --device cpu --dtype fp32
 
 Prints, per implementation, ms/step, images/s, TFLOP/s and MFU against the device's dense bf16 peak
@@ -41,6 +42,9 @@ def parse_cli(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--impl", choices=["ours", "timm", "both"], default="both")
     p.add_argument("--compile", action="store_true", help="torch.compile each model before timing.")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="ours: forward and backward of the step replayed as one CUDA graph, as pretrain's "
+                        "--cuda-graph-impl full_iteration does (the optimizer step stays eager); timm as usual.")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -58,7 +62,7 @@ def flops_per_image(a) -> float:
     return 3.0 * (layers + embed + head)
 
 
-def _init_single_process(device):
+def _init_single_process(device, graph_safe_rng: bool = False):
     """A one-rank process group and model-parallel state, so our layers run as in a 1-GPU pretrain."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -69,7 +73,7 @@ def _init_single_process(device):
     if device.type == "cuda":
         torch.cuda.set_device(device.index or 0)  # a bare "cuda" device has no index
     parallel_state.initialize_model_parallel(1)
-    model_parallel_cuda_manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=graph_safe_rng)
 
 
 def _config_as_pretrain(a, device):
@@ -102,7 +106,9 @@ def ours_step(a, device):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
 
-    _init_single_process(device)
+    if a.cuda_graph and device.type != "cuda":
+        raise SystemExit("--cuda-graph needs a CUDA device")
+    _init_single_process(device, graph_safe_rng=a.cuda_graph)
     bf16 = a.dtype == "bf16"
     config = _config_as_pretrain(a, device)
     model = VitClassificationModel(config, get_vit_layer_with_local_spec(), a.classes, img_h=a.img, img_w=a.img,
@@ -116,19 +122,24 @@ def ours_step(a, device):
     images = torch.randn(a.batch, 3, a.img, a.img, device=device)
     labels = torch.randint(0, a.classes, (a.batch,), device=device)
     seq = (a.img // a.patch) ** 2 + 1
+    # Made once: a host-to-device copy per step would also be illegal inside a captured graph.
+    count, report_zeros = torch.tensor(a.batch, device=device, dtype=torch.int), torch.zeros(2, device=device)
+    forward_backward = get_forward_backward_func()
+    if a.cuda_graph:
+        from megatron.core.full_cuda_graph import FullCudaGraphWrapper  # lazy: CUDA-only option
+        forward_backward = FullCudaGraphWrapper(forward_backward, cuda_graph_warmup_steps=3)
 
     def forward_step(data_iterator, m):
         x, y = next(data_iterator)
-        return m(x), lambda logits: (F.cross_entropy(logits.float(), y, reduction="sum"),
-                                     torch.tensor(a.batch, device=device, dtype=torch.int),
-                                     {"loss": torch.zeros(2, device=device)})
+        return m(x), lambda logits: (F.cross_entropy(logits.float(), y, reduction="sum"), count,
+                                     {"loss": report_zeros})
 
     def step():
         model.zero_grad_buffer()
         opt.zero_grad()
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([(images, labels)]),
-                                    model=[model], num_microbatches=1, seq_length=seq, micro_batch_size=a.batch,
-                                    forward_only=False)
+        forward_backward(forward_step_func=forward_step, data_iterator=iter([(images, labels)]),
+                         model=[model], num_microbatches=1, seq_length=seq, micro_batch_size=a.batch,
+                         forward_only=False)
         finalize_model_grads([model])
         ok, _, _ = opt.step()
         assert ok, "the optimizer skipped the step"
@@ -202,9 +213,9 @@ def main(argv=None):
     a = parse_cli(argv)
     device = torch.device(a.device)
     name = current_device_name() if device.type == "cuda" else "cpu"
+    mode = (", compiled" if a.compile else "") + (", ours as one CUDA graph" if a.cuda_graph else "")
     print(f"ViT {a.layers}x{a.hidden} (heads {a.heads}, ffn {a.ffn}), {a.img}px / {a.patch}, batch {a.batch}, "
-          f"{a.dtype}{', compiled' if a.compile else ''}: {flops_per_image(a) / 1e9:.1f} GFLOP per image (training)",
-          flush=True)
+          f"{a.dtype}{mode}: {flops_per_image(a) / 1e9:.1f} GFLOP per image (training)", flush=True)
     results = {}
     if a.impl in ("ours", "both"):
         step = ours_step(a, device)

@@ -49,3 +49,15 @@ def test_bench_vit_small():
         assert "timm: not installed" in p.stdout
     else:
         assert re.search(r"^timm: [\d.]+ ms/step", p.stdout, re.M) and "ours / timm images/s" in p.stdout
+
+
+def test_bench_vit_small_as_one_cuda_graph():
+    """Our step replayed as one graph (as --cuda-graph-impl full_iteration) runs and trains: the replays
+    must not skip the optimizer step (the bench asserts every step is taken)."""
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "bench_vit.py"), "--layers", "4", "--hidden", "256",
+           "--heads", "4", "--ffn", "1024", "--batch", "16", "--steps", "5", "--warmup", "4", "--impl", "ours",
+           "--cuda-graph"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "ours as one CUDA graph" in p.stdout
+    assert re.search(r"^ours: [\d.]+ ms/step, [\d.]+ images/s", p.stdout, re.M), p.stdout
