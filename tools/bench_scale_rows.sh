@@ -8,6 +8,10 @@
 #   ROWS="l8_tp2 l8b_dp2 mix_ep2" bash tools/bench_scale_rows.sh        # a chosen few
 #   MREF=0 ROWS="mix_ep2_overlap fine_ep2_overlap" bash tools/bench_scale_rows.sh   # ours only
 #   bash tools/bench_scale_rows.sh --list                                # the rows and their flags
+#   PROFILE=1 MREF=0 ROWS="l8_tp2 nemo_cp2" bash tools/bench_scale_rows.sh   # ours, one profiled step each:
+#       --profile --use-pytorch-profiler on step 8, every rank's Chrome trace under $OUT/tb_<row>/ and
+#       tools/trace_report.py's summary (GPU busy/idle, longest gaps and their host ops, exposed
+#       collectives) appended to the row's log
 #
 # Rows (LLAMA8B = the 32-layer Llama-3-8B shape; the 32-layer rows on 2 GPUs need H200s' memory):
 #   one GPU: l8b_1gpu (8 layers) / g13_1gpu / mix_1gpu / fine_1gpu / cp1_64k
@@ -19,7 +23,7 @@
 #   CUDA_DEVICE_MAX_CONNECTIONS > 1 where side_by_side.sh sets 1): mix_ep2_overlap / fine_ep2_overlap /
 #   mix_ep4_overlap / fine_ep4_overlap
 set -u -f  # -f: --moe-layer-freq patterns hold glob characters
-R=$(pwd)/.mref; OUT=${OUT:-/tmp/scale_rows}; mkdir -p "$OUT"
+R=${MREF_DIR:-$(pwd)/.mref}; OUT=${OUT:-/tmp/scale_rows}
 source "$R/configs.sh"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OVERLAPS="--overlap-grad-reduce --overlap-param-gather"
@@ -40,6 +44,8 @@ row() {
     l8b_cp2_16k)     echo "2 LLAMA8B --context-parallel-size 2 --seq-length 16384 --max-position-embeddings 16384 --global-batch-size 2" ;;
     l8_cp2_64k)      echo "2 LLAMA8B $L8 --seq-length 65536 --max-position-embeddings 65536 --global-batch-size 1 --train-iters 14 --context-parallel-size 2" ;;
     nemo_cp2)        echo "2 LLAMA8B --context-parallel-size 2 --global-batch-size 32 --train-iters 14" ;;
+    nemo_cp2_a2a)    echo "2 LLAMA8B --context-parallel-size 2 --cp-comm-type a2a --global-batch-size 32 --train-iters 14" ;;
+    nemo_cp2_ag)     echo "2 LLAMA8B --context-parallel-size 2 --cp-comm-type allgather --global-batch-size 32 --train-iters 14" ;;
     g13_pp2)         echo "2 GPT13B --pipeline-model-parallel-size 2 --global-batch-size 32" ;;
     g13_dp2)         echo "2 GPT13B --global-batch-size 8 --use-distributed-optimizer $OVERLAPS" ;;
     mix_ep2)         echo "2 MOE_MIXTRAL --expert-model-parallel-size 2 --global-batch-size 16" ;;
@@ -71,12 +77,17 @@ row() {
     *) return 1 ;;
   esac
 }
-ALL="l8b_1gpu g13_1gpu l8_tp2 l8b_tp2 l8b_dp2 l8b_pp2 l8b_pp2_vp l8b_cp2_16k l8_cp2_64k nemo_cp2 g13_pp2 g13_dp2
+ALL="l8b_1gpu g13_1gpu l8_tp2 l8b_tp2 l8b_dp2 l8b_pp2 l8b_pp2_vp l8b_cp2_16k l8_cp2_64k nemo_cp2 nemo_cp2_a2a nemo_cp2_ag g13_pp2 g13_dp2
 mix_ep2 fine_ep2 qwen3_ep2 dsv3_ep2 mix_ep2_overlap fine_ep2_overlap l8b_dp4 l8b_tp2dp2 l8b_tp4 l8b_pp2dp2 l8b_pp4_vp l8b_cp2dp2_16k nemo_cp2dp2 cp1_64k cp4_64k cp4_128k
 mix_1gpu fine_1gpu mix_ep4 fine_ep4 mix_ep2dp2 mix_ep2pp2 qwen3_ep4 dsv3_ep4 mix_ep4_overlap fine_ep4_overlap"
 if [ "${1:-}" = "--list" ]; then
   for r in $ALL; do printf '%-18s %s\n' "$r" "$(row "$r")"; done; exit 0
 fi
+if [ "${1:-}" = "--flags" ]; then  # --flags ROW: its GPU count, then every flag ours receives (configs expanded)
+  spec=$(row "${2:-}") || { echo "unknown row '${2:-}' (--list)" >&2; exit 1; }
+  read -r n cfg flags <<< "$spec"; echo $n ${!cfg} $flags; exit 0
+fi
+mkdir -p "$OUT"
 
 # side_by_side.sh installs the wheel under `set -f`, where its glob does not expand: install it here.
 [ -d /tmp/mref_site/megatron ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -89,12 +100,21 @@ run_row() {  # run_row NAME [CUDA_VISIBLE_DEVICES]
   spec=$(row "$name") || { echo "RESULT $name: unknown row (--list)"; return; }
   read -r n cfg flags <<< "$spec"
   port=$((port + 2))
-  if [[ "$name" == *_overlap ]] || [ "${MREF:-1}" = 0 ]; then  # ours alone
+  if [[ "$name" == *_overlap ]] || [ "${MREF:-1}" = 0 ] || [ "${PROFILE:-0}" = 1 ]; then  # ours alone
     seq=$(echo ${!cfg} $flags | grep -oE -- '--seq-length [0-9]+' | tail -1 | awk '{print $2}')
     gbs=$(echo ${!cfg} $flags | grep -oE -- '--global-batch-size [0-9]+' | tail -1 | awk '{print $2}')
+    local prof=""
+    if [ "${PROFILE:-0}" = 1 ]; then
+      rm -rf "$OUT/tb_$name"
+      prof="--profile --use-pytorch-profiler --profile-step-start 8 --profile-step-end 9 --profile-ranks $(seq -s ' ' 0 $((n - 1))) --tensorboard-dir $OUT/tb_$name"
+    fi
     CUDA_VISIBLE_DEVICES=$devices CUDA_DEVICE_MAX_CONNECTIONS=8 timeout "${MREF_TIMEOUT:-300}" torchrun \
-      --nproc_per_node "$n" --master_port "$port" pretrain_gpt.py ${!cfg} $flags > "$OUT/ours_$name.log" 2>&1
+      --nproc_per_node "$n" --master_port "$port" pretrain_gpt.py ${!cfg} $flags $prof > "$OUT/ours_$name.log" 2>&1
     python3 "$R/res.py" "ours_$name" "$gbs" "$n" "$OUT/ours_$name.log" "$seq" 0
+    if [ -n "$prof" ]; then
+      python3 tools/trace_report.py $(set +f; ls "$OUT/tb_$name"/*.pt.trace.json 2>/dev/null) --top 8 \
+        >> "$OUT/ours_$name.log" 2>&1 || echo "trace_report: no trace for $name" >> "$OUT/ours_$name.log"
+    fi
   else
     CUDA_VISIBLE_DEVICES=$devices PORT=$port OUT=$OUT bash "$R/side_by_side.sh" "$name" "$n" "$cfg" $flags
   fi
