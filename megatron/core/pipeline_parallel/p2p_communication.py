@@ -112,11 +112,12 @@ class P2PCommunicator:
                 reqs = dist.batch_isend_irecv(ops)
             else:
                 reqs = [op.op(op.tensor, op.peer, op.group) for op in ops]
+            # On NCCL, wait() makes the current stream wait for the exchange (the host does not): compute
+            # queued after it reads the received tensors once they have arrived, and the host can go on
+            # queueing. (Megatron adds a device-wide synchronize here, against a race of old PyTorch
+            # versions; it stalls the host at every exchange and leaves the GPU idle while it refills.)
             for req in reqs:
                 req.wait()
-            if torch.cuda.is_available() and recv_prev_t is not None and recv_prev_t.is_cuda:
-                # NCCL batched p2p runs on its own stream; make the result visible to compute.
-                torch.cuda.synchronize()
         return recv_prev_t, recv_next_t
 
     def _to_send(self, tensor: torch.Tensor) -> torch.Tensor:
