@@ -76,9 +76,11 @@ def loss_func(labels, logits):
     logits = logits.float()
     loss = F.cross_entropy(logits, labels, reduction="sum")
     correct = (logits.argmax(-1) == labels).sum().float()
-    count = torch.tensor(labels.numel(), device=labels.device)
-    return loss, count.int(), {"loss": torch.stack([loss.detach(), count.float()]),
-                               "accuracy": torch.stack([correct, count.float()])}
+    # A fill on the device: torch.tensor(n, device=cuda) copies from pageable host memory, which waits for the
+    # stream (a host sync per micro-batch) and cannot be captured by --cuda-graph-impl full_iteration.
+    count = torch.full((), labels.numel(), dtype=torch.int, device=labels.device)
+    return loss, count, {"loss": torch.stack([loss.detach(), count.float()]),
+                         "accuracy": torch.stack([correct, count.float()])}
 
 
 def forward_step(data_iterator, model):
