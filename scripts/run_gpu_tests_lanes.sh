@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The GPU suite on a machine of 4+ GPUs in lanes that run at once: files that need one GPU alternate between
-# GPU 0 and GPU 1, two-GPU files run on GPUs 2,3, and the four-GPU files run last on GPUs 0-3. Each file is its
+# The GPU suite in lanes that run at once. 4+ GPUs: files that need one GPU alternate between GPU 0 and GPU 1,
+# two-GPU files run on GPUs 2,3, and the four-GPU files run last on GPUs 0-3. 2-3 GPUs: the one-GPU files
+# alternate between GPU 0 and GPU 1, then the two-GPU files run on 0,1 (the four-GPU files skip). Each file is its
 # own pytest run (scripts/run_gpu_tests.sh), so a file cut off by its time limit still leaves the others'
 # results; rendezvous ports are free ones (the tests launch torchrun --standalone), so lanes do not collide.
-# With fewer than 4 GPUs this is scripts/run_gpu_tests.sh. Ends with one line per file and a total.
+# With one GPU this is scripts/run_gpu_tests.sh. Ends with one line per file and a total.
 #   bash scripts/run_gpu_tests_lanes.sh                 # logs in $LOG_DIR (default /tmp/gpu_lanes)
 #   FILE_TIMEOUT=300 bash scripts/run_gpu_tests_lanes.sh -x
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 gpus=$($PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-if [ "$gpus" -lt 4 ]; then
+if [ "$gpus" -lt 2 ]; then
   exec bash scripts/run_gpu_tests.sh "$@"
 fi
 LOG_DIR=${LOG_DIR:-/tmp/gpu_lanes}; FILE_TIMEOUT=${FILE_TIMEOUT:-600}
@@ -37,9 +38,16 @@ for i in "${!one[@]}"; do
   if (( i % 2 == 0 )); then lane0+=("${one[$i]}"); else lane1+=("${one[$i]}"); fi
 done
 start=$(date +%s)
-run_lane 0 "${lane0[@]}" & run_lane 1 "${lane1[@]}" & run_lane 2,3 "${two[@]}" &
-wait
-[ ${#four[@]} -gt 0 ] && run_lane 0,1,2,3 "${four[@]}"
+if [ "$gpus" -ge 4 ]; then
+  run_lane 0 "${lane0[@]}" & run_lane 1 "${lane1[@]}" & run_lane 2,3 "${two[@]}" &
+  wait
+  [ ${#four[@]} -gt 0 ] && run_lane 0,1,2,3 "${four[@]}"
+else
+  run_lane 0 "${lane0[@]}" & run_lane 1 "${lane1[@]}" &
+  wait
+  run_lane 0,1 "${two[@]}"
+  [ ${#four[@]} -gt 0 ] && run_lane 0,1 "${four[@]}"  # they skip themselves: a summary line each
+fi
 rc=0
 for f in "${one[@]}" "${two[@]}" "${four[@]}"; do
   line=$(grep -E "^GPU tests:" "$LOG_DIR/$(basename "$f" .py).log" | tail -1)
