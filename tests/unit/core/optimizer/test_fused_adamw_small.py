@@ -39,4 +39,4 @@ def test_small_tensors_step_like_torch_fused_adamw():
         assert float(opt.state[q]["step"]) == 3.0
         if copies[q] is not None:
             assert torch.equal(copies[q], q.detach().bfloat16().flatten())
-    assert float(init[0][0, 0]) != float(ps[0][0, 0])  # it stepped
+    assert not torch.equal(init[0], ps[0].detach())  # it stepped
