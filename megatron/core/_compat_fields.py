@@ -41,7 +41,6 @@ class ModelParallelConfigCompat:
     use_ring_exchange_p2p: bool = False
     defer_embedding_wgrad_compute: bool = False
     wgrad_deferral_limit: int = 0
-    overlap_p2p_comm_warmup_flush: bool = False
     mtp_standalone: bool = False
     cpu_offloading: bool = False
     cpu_offloading_num_layers: int = 0

@@ -52,7 +52,10 @@ class ModelParallelConfig(ModelParallelConfigCompat):
     variable_seq_lengths: bool = False
     deallocate_pipeline_outputs: bool = False
     batch_p2p_comm: bool = True
+    # Interleaved schedule: post each direction's exchange asynchronously and wait only where the tensors
+    # are needed (steady-state calls; warm-up and flush calls too with overlap_p2p_comm_warmup_flush).
     overlap_p2p_comm: bool = False
+    overlap_p2p_comm_warmup_flush: bool = False
     microbatch_group_size_per_vp_stage: Optional[int] = None
 
     # Performance
@@ -88,6 +91,9 @@ class ModelParallelConfig(ModelParallelConfigCompat):
             self.expert_tensor_parallel_size = self.tensor_model_parallel_size
         if self.microbatch_group_size_per_vp_stage is None:
             self.microbatch_group_size_per_vp_stage = self.pipeline_model_parallel_size
+        if self.overlap_p2p_comm_warmup_flush and not self.overlap_p2p_comm:
+            raise ValueError("overlap_p2p_comm_warmup_flush (--overlap-p2p-communication-warmup-flush) extends "
+                             "overlap_p2p_comm to warm-up and flush: drop --no-overlap-p2p-communication")
         if self.tp_comm_overlap and not self.sequence_parallel:
             raise ValueError("tp_comm_overlap (--tp-comm-overlap) overlaps the sequence-parallel communication: "
                              "it needs sequence_parallel and tensor_model_parallel_size > 1")

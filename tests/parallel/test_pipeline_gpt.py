@@ -1,5 +1,6 @@
-"""GPT loss-curve invariance under pipeline layouts (PP, virtual stages, uneven split, TP x PP with SP,
-PP x DP): 10 Adam steps on fixed data must give the TP=PP=DP=1 loss at every iteration.
+"""GPT loss-curve invariance under pipeline layouts (PP, virtual stages with p2p overlapped and synchronous,
+uneven split, TP x PP with SP, PP x DP): 10 Adam steps on fixed data must give the TP=PP=DP=1 loss at every
+iteration.
 
 fp32 on CPU with dropout 0: layouts differ only in summation order (TP partial sums, DP grad
 averaging), which stays far below 1e-5 relative over 10 steps of a tiny model.
@@ -25,12 +26,16 @@ from tests.parallel.dist_utils import run_distributed
 ITERS, LAYERS = 10, 8
 
 
-def _config(tp=1, pp=1, vp=None, sp=False, first=None, last=None):
+def _config(tp=1, pp=1, vp=None, sp=False, first=None, last=None, overlap_p2p=False):
+    # overlap_p2p: the interleaved schedule's p2p overlapped in every phase, with the sent outputs freed
+    # (deallocate_pipeline_outputs) as pretrain_gpt.py's config does.
+    p2p = dict(overlap_p2p_comm=True, batch_p2p_comm=False, overlap_p2p_comm_warmup_flush=True,
+               deallocate_pipeline_outputs=True) if overlap_p2p else {}
     return tiny_config(
         num_layers=LAYERS, ffn_hidden_size=64, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
         sequence_parallel=sp, num_layers_in_first_pipeline_stage=first,
-        num_layers_in_last_pipeline_stage=last, seed=1234)
+        num_layers_in_last_pipeline_stage=last, seed=1234, **p2p)
 
 
 def _build(config, vp):
@@ -62,7 +67,8 @@ def _train(layout):
                                              pipeline_model_parallel_size=pp,
                                              virtual_pipeline_model_parallel_size=vp)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    config = _config(tp, pp, vp, layout.get("sp", False), layout.get("first"), layout.get("last"))
+    config = _config(tp, pp, vp, layout.get("sp", False), layout.get("first"), layout.get("last"),
+                     layout.get("overlap_p2p", False))
     chunks = _build(config, vp)
     opt = torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=1e-3)
     losses = [train_step(chunks, opt, global_batch(it, seed=0), finalize=_reduce_grads)[0] for it in range(ITERS)]
@@ -111,7 +117,7 @@ def _reference():
 
 def test_two_rank_pipelines():
     reference = _reference()
-    layouts = [{"pp": 2}, {"pp": 2, "vp": 2}, {"pp": 2, "first": 3, "last": 5}]
+    layouts = [{"pp": 2}, {"pp": 2, "vp": 2, "overlap_p2p": True}, {"pp": 2, "first": 3, "last": 5}]
     _check(run_distributed(_train_layouts, 2, layouts), reference)
 
 

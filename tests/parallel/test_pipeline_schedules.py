@@ -1,5 +1,8 @@
 """Schedules on a small stage-aware model: every pipeline layout reproduces the single-process loss
-and gradients. fp32 on CPU; the only differences come from summation order, so 1e-5 relative."""
+and gradients bitwise (fp32 on CPU, one thread: each layer runs the same ops on the same micro-batch and
+accumulates its grads over micro-batches in the same order). That holds for the interleaved schedule
+with its p2p synchronous, overlapped in the steady phase (overlap_p2p_comm) and overlapped everywhere
+(overlap_p2p_comm_warmup_flush), and those runs are also compared with each other."""
 from dataclasses import dataclass
 
 import torch
@@ -7,6 +10,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.utils import make_plan
 from tests.parallel.dist_utils import run_distributed
 
 S, B, H, LAYERS = 4, 2, 8, 8
@@ -86,7 +91,34 @@ class RecordingTimers:
         pass
 
 
-def _run(pp, chunks, n_mb, forward_only=False, dealloc=False):
+class RecordingCommunicator(P2PCommunicator):
+    """Keeps every handle of an overlapped exchange; ``forward_step`` counts those still in flight when a
+    forward starts."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.handles, self.most_in_flight = [], 0
+
+    def communicate_async(self, **kwargs):
+        recv_prev, recv_next, handle = super().communicate_async(**kwargs)
+        self.handles.append(handle)
+        return recv_prev, recv_next, handle
+
+    def forward_step(self, data_iterator, model):
+        self.most_in_flight = max(self.most_in_flight, sum(not h.done for h in self.handles))
+        return forward_step_func(data_iterator, model)
+
+
+# p2p modes of the interleaved schedule: the batched synchronous exchange, overlapped in the steady phase
+# (Megatron's default with virtual stages), overlapped in every phase (--overlap-p2p-communication-warmup-flush).
+P2P_MODES = {"sync": {}, "overlap": {"overlap_p2p_comm": True, "batch_p2p_comm": False},
+             "overlap_all": {"overlap_p2p_comm": True, "batch_p2p_comm": False,
+                             "overlap_p2p_comm_warmup_flush": True}}
+
+
+def _run(pp, chunks, n_mb, forward_only=False, dealloc=False, p2p="sync"):
+    """One schedule run checked against the single-process reference; returns the timer names and the
+    last stage's losses and every chunk's grads (for the exact comparison of p2p modes)."""
     parallel_state.initialize_model_parallel(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None)
@@ -102,7 +134,8 @@ def _run(pp, chunks, n_mb, forward_only=False, dealloc=False):
 
     config = ToyConfig(pipeline_model_parallel_size=pp, deallocate_pipeline_outputs=dealloc,
                        timers=RecordingTimers(), no_sync_func=NoSync,
-                       finalize_model_grads_func=lambda m, n: calls["finalize"].append(n))
+                       finalize_model_grads_func=lambda m, n: calls["finalize"].append(n), **P2P_MODES[p2p])
+    comm = RecordingCommunicator(parallel_state.get_pipeline_model_parallel_group(), config)
     model, ids = [], []
     for c in range(chunks):
         v = c * pp + rank
@@ -110,22 +143,33 @@ def _run(pp, chunks, n_mb, forward_only=False, dealloc=False):
         model.append(ToyStage(config, ids[-1], v == 0))
     iters = [iter(_batches(n_mb)) for _ in range(chunks)]
     dicts = get_forward_backward_func()(
-        forward_step_func=forward_step_func, data_iterator=iters if chunks > 1 else iters[0],
+        forward_step_func=comm.forward_step, data_iterator=iters if chunks > 1 else iters[0],
         model=model if chunks > 1 else model[0], num_microbatches=n_mb, seq_length=S,
-        micro_batch_size=B, forward_only=forward_only)
+        micro_batch_size=B, forward_only=forward_only, p2p_communicator=comm if pp > 1 else None)
+    # Every overlapped request was waited on before the schedule returned; the sync mode posts none.
+    assert all(h.done for h in comm.handles) and bool(comm.handles) == (p2p != "sync")
+    # Overlapped: on some rank an exchange is still in flight while a forward computes. Without
+    # overlap_p2p_comm_warmup_flush only steady calls (a forward and a backward) overlap; forward-only runs
+    # and runs with too few micro-batches have none.
+    plans = [make_plan(pp, r, n_mb, chunks, pp, forward_only) for r in range(pp)] if chunks > 1 else []
+    steady = any(p.forward_at(c) and p.backward_at(c) for p in plans for c in range(p.num_calls))
+    most = torch.tensor(comm.most_in_flight)
+    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+    assert (most > 0) == (p2p == "overlap_all" or (p2p == "overlap" and steady)), (p2p, most)
     ref_dicts, ref_grads = reference(n_mb)
     last = rank == pp - 1
     assert len(dicts) == (n_mb if last else 0)
     for d, r in zip(dicts, ref_dicts):
-        torch.testing.assert_close(d["lm loss"], r["lm loss"], rtol=1e-5, atol=0)
+        torch.testing.assert_close(d["lm loss"], r["lm loss"], rtol=0, atol=0)
     for c, m in enumerate(model):
         for i, layer in zip(ids[c], m.layers):
             if forward_only:
                 assert layer.weight.grad is None
             else:
-                torch.testing.assert_close(layer.weight.grad, ref_grads[i], rtol=1e-5, atol=1e-7)
+                torch.testing.assert_close(layer.weight.grad, ref_grads[i], rtol=0, atol=0)
     assert calls["finalize"] == ([] if forward_only else [None])
-    return config.timers.names
+    grads = [layer.weight.grad for m in model for layer in m.layers]
+    return config.timers.names, ([d["lm loss"] for d in dicts], grads)
 
 
 def _too_few_microbatches():
@@ -139,28 +183,49 @@ def _too_few_microbatches():
             num_microbatches=1, seq_length=S, micro_batch_size=B)
     except ValueError as e:
         assert "num_microbatches (1)" in str(e) and "--global-batch-size" in str(e), e
-        return set()
+        return set(), None
     raise AssertionError("interleaved schedule accepted 1 micro-batch on 2 stages")
 
 
 def _run_cases(cases):
-    """Several schedule runs in one set of processes (spawning ranks dominates the cost)."""
+    """Several schedule runs in one set of processes (spawning ranks dominates the cost). A case whose
+    last item is a list of p2p modes runs once per mode; the modes must agree bitwise."""
     names = set()
     for case in cases:
-        names |= _too_few_microbatches() if case == "too_few" else _run(*case)
-        parallel_state.destroy_model_parallel()
+        if case == "too_few":
+            names |= _too_few_microbatches()[0]
+            parallel_state.destroy_model_parallel()
+            continue
+        modes = case[-1] if isinstance(case[-1], list) else ["sync"]
+        case = case[:-1] if isinstance(case[-1], list) else case
+        results = []
+        for mode in modes:
+            run_names, result = _run(*case, p2p=mode)
+            names |= run_names
+            results.append(result)
+            parallel_state.destroy_model_parallel()
+        for mode, (losses, grads) in zip(modes[1:], results[1:]):
+            torch.testing.assert_close(losses, results[0][0], rtol=0, atol=0, msg=lambda m: f"{case} {mode}: {m}")
+            torch.testing.assert_close(grads, results[0][1], rtol=0, atol=0, msg=lambda m: f"{case} {mode}: {m}")
     return names
 
 
+ALL_P2P = ["sync", "overlap", "overlap_all"]
+
+
 def test_two_stage_layouts():
-    # (pp, chunks, micro-batches, forward_only, deallocate_pipeline_outputs); pp=1 runs as DP=2
-    cases = [(2, 1, 4), (2, 2, 4), (2, 1, 3, True), (2, 1, 3, False, True), (2, 2, 2, False, True),
-             (2, 2, 4, True), (1, 1, 3), (1, 1, 2, True), "too_few"]
+    # (pp, chunks, micro-batches, forward_only, deallocate_pipeline_outputs[, p2p modes]); pp=1 runs as DP=2
+    cases = [(2, 1, 4), (2, 2, 4, False, False, ALL_P2P), (2, 1, 3, True), (2, 1, 3, False, True),
+             (2, 2, 2, False, True, ALL_P2P), (2, 2, 4, True, False, ALL_P2P), (1, 1, 3), (1, 1, 2, True),
+             "too_few"]
     names = set().union(*run_distributed(_run_cases, 2, cases))
     assert {"forward-backward", "forward-compute", "backward-compute", "forward-send-backward-recv",
             "backward-send-forward-recv", "forward-backward-send-forward-backward-recv",
-            "forward-send-forward-recv", "backward-send-backward-recv"} <= names
+            "forward-send-forward-recv", "backward-send-backward-recv",
+            # where an overlapped exchange's time shows
+            "forward-send-forward-recv-wait", "backward-send-backward-recv-wait"} <= names
 
 
 def test_four_stage_layouts():
-    run_distributed(_run_cases, 4, [(4, 1, 6), (4, 2, 4), (4, 2, 8, False, True)])
+    run_distributed(_run_cases, 4, [(4, 1, 6), (4, 2, 4, False, False, ALL_P2P),
+                                    (4, 2, 8, False, True, ALL_P2P), (4, 2, 4, True, False, ALL_P2P)])

@@ -1,7 +1,9 @@
 """Point-to-point exchange of activations and gradients between adjacent pipeline stages.
 
 Every exchange is one batch of isend/irecv (``torch.distributed.batch_isend_irecv``), which works on
-gloo (CPU) and NCCL (GPU). Shapes are known in advance from the config, so no shape handshake is needed:
+gloo (CPU) and NCCL (GPU). ``communicate`` waits for its batch; ``communicate_async`` returns a
+``P2PHandle`` instead, which the interleaved schedule waits on when it needs the tensors
+(``--overlap-p2p-communication``). Shapes are known in advance from the config, so no shape handshake is needed:
 ``[s / CP (/ TP with sequence parallelism), micro_batch_size, hidden_size]``.
 
 Ordering matters when the previous and the next stage are the same rank (PP=2 with virtual stages):
@@ -85,14 +87,8 @@ class P2PCommunicator:
         return torch.empty(tuple(shape), dtype=self.dtype, device=current_device(),
                            requires_grad=requires_grad)
 
-    def communicate(self, *, tensor_send_next: Optional[torch.Tensor],
-                    tensor_send_prev: Optional[torch.Tensor], recv_prev: bool, recv_next: bool,
-                    tensor_shape: Shape) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """One batched exchange with both neighbours; returns (from_prev, from_next).
-
-        Tensors received from the previous stage are activations, so they require grad (the
-        backward step reads their .grad); tensors from the next stage are output gradients.
-        """
+    def _post(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape, batch):
+        """Post one exchange; returns (from_prev, from_next, requests, the tensors the requests use)."""
         recv_prev_t = self._empty(tensor_shape, True) if recv_prev else None
         recv_next_t = self._empty(tensor_shape, False) if recv_next else None
         ops = []
@@ -106,19 +102,46 @@ class P2PCommunicator:
                                   self.pp_group))
         if recv_next_t is not None:
             ops.append(dist.P2POp(dist.irecv, recv_next_t, self.next_rank, self.pp_group))
+        reqs = []
         if ops:
-            # batch_p2p_comm=False posts the same ops one by one (same order, same result).
-            if getattr(self.config, "batch_p2p_comm", True):
-                reqs = dist.batch_isend_irecv(ops)
-            else:
-                reqs = [op.op(op.tensor, op.peer, op.group) for op in ops]
-            # On NCCL, wait() makes the current stream wait for the exchange (the host does not): compute
-            # queued after it reads the received tensors once they have arrived, and the host can go on
-            # queueing. (Megatron adds a device-wide synchronize here, against a race of old PyTorch
-            # versions; it stalls the host at every exchange and leaves the GPU idle while it refills.)
-            for req in reqs:
-                req.wait()
+            # batch=False posts the same ops one by one (same order, same result).
+            reqs = dist.batch_isend_irecv(ops) if batch else [op.op(op.tensor, op.peer, op.group) for op in ops]
+        return recv_prev_t, recv_next_t, reqs, [op.tensor for op in ops]
+
+    def communicate(self, *, tensor_send_next: Optional[torch.Tensor],
+                    tensor_send_prev: Optional[torch.Tensor], recv_prev: bool, recv_next: bool,
+                    tensor_shape: Shape) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """One batched exchange with both neighbours; returns (from_prev, from_next).
+
+        Tensors received from the previous stage are activations, so they require grad (the
+        backward step reads their .grad); tensors from the next stage are output gradients.
+        """
+        # config.batch_p2p_comm=False posts the ops one by one.
+        recv_prev_t, recv_next_t, reqs, _ = self._post(
+            tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape,
+            getattr(self.config, "batch_p2p_comm", True))
+        # On NCCL, wait() makes the current stream wait for the exchange (the host does not): compute
+        # queued after it reads the received tensors once they have arrived, and the host can go on
+        # queueing. (Megatron adds a device-wide synchronize here, against a race of old PyTorch
+        # versions; it stalls the host at every exchange and leaves the GPU idle while it refills.)
+        for req in reqs:
+            req.wait()
         return recv_prev_t, recv_next_t
+
+    def communicate_async(self, *, tensor_send_next: Optional[torch.Tensor],
+                          tensor_send_prev: Optional[torch.Tensor], recv_prev: bool, recv_next: bool,
+                          tensor_shape: Shape, name: str = "p2p",
+                          ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], "P2PHandle"]:
+        """``communicate`` without the wait: returns (from_prev, from_next, handle). The received
+        tensors hold data, and the sent ones may be freed or changed, only after ``handle.wait()``.
+
+        Always one ``batch_isend_irecv`` (one NCCL group, whatever config.batch_p2p_comm says): ops
+        posted one by one, each its own NCCL kernel in one stream, could wait on each other across
+        ranks (a send to a rank that is itself still sending to us).
+        """
+        recv_prev_t, recv_next_t, reqs, tensors = self._post(
+            tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape, True)
+        return recv_prev_t, recv_next_t, P2PHandle(self, name, reqs, tensors)
 
     def _to_send(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dtype != self.dtype:
@@ -127,13 +150,14 @@ class P2PCommunicator:
                 "set --fp16/--bf16 consistently (config.pipeline_dtype)")
         return tensor.detach().contiguous()
 
-    def _timed(self, name, **kwargs):
+    def _timed(self, name, async_op=False, **kwargs):
+        """Run (or, with ``async_op``, post) one exchange under the timer and profiler range ``name``."""
         timer = self._timer(name)
         timer.start()
         # A named range in profiler traces (NVTX under nsys): tools/trace_report.py tells the pipeline's
         # p2p from other sends and receives (the context-parallel ring) by it.
         with torch.profiler.record_function(f"p2p:{name}"):
-            result = self.communicate(**kwargs)
+            result = self.communicate_async(name=name, **kwargs) if async_op else self.communicate(**kwargs)
         timer.stop()
         return result
 
@@ -187,12 +211,52 @@ class P2PCommunicator:
                            tensor_send_prev=input_tensor_grad, recv_prev=False,
                            recv_next=recv_next, tensor_shape=tensor_shape)[1]
 
+    # Overlapped interleaved helpers: post one direction, return (received tensor or None, handle).
+    def send_forward_recv_forward_async(self, output_tensor, recv_prev: bool, tensor_shape: Shape):
+        from_prev, _, handle = self._timed("forward-send-forward-recv", async_op=True,
+                                           tensor_send_next=output_tensor, tensor_send_prev=None,
+                                           recv_prev=recv_prev, recv_next=False, tensor_shape=tensor_shape)
+        return from_prev, handle
+
+    def send_backward_recv_backward_async(self, input_tensor_grad, recv_next: bool, tensor_shape: Shape):
+        _, from_next, handle = self._timed("backward-send-backward-recv", async_op=True,
+                                           tensor_send_next=None, tensor_send_prev=input_tensor_grad,
+                                           recv_prev=False, recv_next=recv_next, tensor_shape=tensor_shape)
+        return from_next, handle
+
     def send_forward_backward_recv_forward_backward(self, output_tensor, input_tensor_grad,
                                                     recv_prev: bool, recv_next: bool,
                                                     tensor_shape: Shape):
         return self._timed("forward-backward-send-forward-backward-recv",
                            tensor_send_next=output_tensor, tensor_send_prev=input_tensor_grad,
                            recv_prev=recv_prev, recv_next=recv_next, tensor_shape=tensor_shape)
+
+
+class P2PHandle:
+    """The requests of one posted exchange and the tensors they read or fill (kept alive until done).
+
+    ``wait()`` is where an overlapped exchange's time shows: it runs under the timer and profiler range
+    ``<name>-wait``. On NCCL it makes the current stream wait (the host goes on), on gloo the host waits.
+    """
+
+    def __init__(self, comm: P2PCommunicator, name: str, reqs, tensors):
+        self.comm, self.name, self._reqs, self._tensors = comm, name, list(reqs), tensors
+
+    @property
+    def done(self) -> bool:
+        """True once waited on (a handle with no requests is done from the start)."""
+        return not self._reqs
+
+    def wait(self) -> None:
+        if not self._reqs:
+            return
+        timer = self.comm._timer(f"{self.name}-wait")
+        timer.start()
+        with torch.profiler.record_function(f"p2p:{self.name}-wait"):
+            for req in self._reqs:
+                req.wait()
+        timer.stop()
+        self._reqs, self._tensors = [], None
 
 
 def default_communicator(config) -> P2PCommunicator:

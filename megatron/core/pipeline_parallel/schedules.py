@@ -250,6 +250,7 @@ def forward_backward_pipelining_with_interleaving(
     """Interleaved 1F1B over virtual stages (``model`` is a list of chunks; chunk c on PP rank r
     is virtual stage c * PP + r). Warm-up = 2 * (PP - rank - 1) + (chunks - 1) * group_size forwards,
     groups of ``microbatch_group_size_per_vp_stage`` micro-batches go through each chunk in turn.
+    ``config.overlap_p2p_comm`` overlaps the stage-to-stage exchange with compute (interleaved.py).
     ``pg_collection``: explicit groups, as for the non-interleaved schedule."""
     _refuse_force_all_reduce(force_all_reduce)
     models, iterators = _check_common(model, data_iterator)
@@ -258,8 +259,6 @@ def forward_backward_pipelining_with_interleaving(
                                   "schedule")
     config = get_model_config(models[0])
     _refuse_ep_overlap(config)
-    if getattr(config, "overlap_p2p_comm", False):
-        raise NotImplementedError("--overlap-p2p-communication is not supported; drop the flag")
     comm = _communicator(p2p_communicator, pg_collection, config)
     group_size = getattr(config, "microbatch_group_size_per_vp_stage", None) or comm.world_size
     check_interleaved_microbatches(num_microbatches, comm.world_size, group_size)

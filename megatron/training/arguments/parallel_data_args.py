@@ -18,7 +18,11 @@ def add_distributed_args(parser):
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
                    help="Count the output layer and loss as one layer slot of the last pipeline stage.")
     g.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm",
-                   help="Do not overlap pipeline send/recv with compute.")
+                   help="Interleaved schedule: wait for each pipeline send/recv batch at once (no overlap).")
+    g.add_argument("--overlap-p2p-communication-warmup-flush", action="store_true",
+                   dest="overlap_p2p_comm_warmup_flush",
+                   help="Interleaved schedule: overlap pipeline send/recv in warm-up and flush too, not only "
+                        "in steady 1F1B.")
     g.add_argument("--sequence-parallel", action="store_true", help="Sequence parallelism (needs TP > 1).")
     g.add_argument("--context-parallel-size", type=int, default=1, help="Context-parallel degree.")
     g.add_argument("--expert-model-parallel-size", type=int, default=1, help="Expert-parallel degree.")

@@ -150,7 +150,10 @@ def _validate_virtual_pipeline(args):
              "mutually exclusive; pass one")
     args.virtual_pipeline_model_parallel_size = None
     if per_stage is None and per_rank is None:
-        args.overlap_p2p_comm = False
+        _require(not args.overlap_p2p_comm_warmup_flush,
+                 "--overlap-p2p-communication-warmup-flush needs the interleaved schedule: add "
+                 "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank")
+        args.overlap_p2p_comm = False  # only the interleaved schedule overlaps its p2p (as in Megatron)
         return
     _require(pp > 1, "interleaved pipelining (virtual stages) needs --pipeline-model-parallel-size > 1")
     if per_stage is not None:
@@ -162,10 +165,12 @@ def _validate_virtual_pipeline(args):
         args.virtual_pipeline_model_parallel_size = per_rank
     if args.virtual_pipeline_model_parallel_size == 1:
         args.virtual_pipeline_model_parallel_size = None
-    if args.virtual_pipeline_model_parallel_size and args.overlap_p2p_comm:
-        # Megatron's default; our interleaved schedule sends/receives synchronously (batched) instead.
-        _warn(args, "pipeline send/recv are not overlapped with compute in the interleaved schedule; "
-                    "running them batched and synchronous (as with --no-overlap-p2p-communication)")
+    _require(not args.overlap_p2p_comm_warmup_flush or args.overlap_p2p_comm,
+             "--overlap-p2p-communication-warmup-flush extends the p2p overlap to warm-up and flush: drop "
+             "--no-overlap-p2p-communication or the warm-up flag")
+    if not args.virtual_pipeline_model_parallel_size:
+        _require(not args.overlap_p2p_comm_warmup_flush,
+                 "--overlap-p2p-communication-warmup-flush needs more than one virtual stage per pipeline rank")
         args.overlap_p2p_comm = False
 
 

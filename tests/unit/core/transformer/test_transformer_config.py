@@ -139,3 +139,11 @@ def test_hidden_size_default_zero_constructs_and_a_model_refuses_it():
         TransformerBlock(c, get_gpt_layer_local_spec())
     with pytest.raises(ValueError, match="TransformerConfig.hidden_size must be > 0, got -1"):
         _cfg(hidden_size=-1)
+
+
+def test_warmup_flush_p2p_overlap_needs_overlap_p2p_comm():
+    with pytest.raises(ValueError, match="drop --no-overlap-p2p-communication"):
+        TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, overlap_p2p_comm_warmup_flush=True)
+    config = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, overlap_p2p_comm=True,
+                               overlap_p2p_comm_warmup_flush=True)
+    assert config.overlap_p2p_comm_warmup_flush

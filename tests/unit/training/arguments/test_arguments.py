@@ -5,7 +5,13 @@ import sys
 
 import pytest
 
-from megatron.training.arguments import ArgumentError, parse_args, print_args, validate_args
+from megatron.training.arguments import (
+    ArgumentError,
+    core_transformer_config_from_args,
+    parse_args,
+    print_args,
+    validate_args,
+)
 from tests import ROOT
 
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
@@ -150,8 +156,29 @@ def test_uneven_pipeline_split_never_drops_layers(extra, needle):
     assert needle in str(e.value)
 
 
-def test_interleaved_schedule_runs_p2p_synchronously_with_a_warning():
-    with pytest.warns(UserWarning, match="not overlapped with compute"):
-        a = _args("--num-layers 4 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
-                  "--global-batch-size 8", world_size=2)
-    assert a.virtual_pipeline_model_parallel_size == 2 and not a.overlap_p2p_comm
+def test_interleaved_schedule_overlaps_p2p_by_default():
+    vp = ("--num-layers 4 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
+          "--global-batch-size 8")
+    a = _args(vp, world_size=2)
+    assert a.virtual_pipeline_model_parallel_size == 2 and a.overlap_p2p_comm and not a.overlap_p2p_comm_warmup_flush
+    config = core_transformer_config_from_args(a)
+    assert config.overlap_p2p_comm and not config.batch_p2p_comm
+    a = _args(vp + " --overlap-p2p-communication-warmup-flush", world_size=2)
+    assert core_transformer_config_from_args(a).overlap_p2p_comm_warmup_flush
+    assert not _args(vp + " --no-overlap-p2p-communication", world_size=2).overlap_p2p_comm
+    # Only the interleaved schedule overlaps its p2p.
+    assert not _args("--num-layers 4 --pipeline-model-parallel-size 2 --global-batch-size 8",
+                     world_size=2).overlap_p2p_comm
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ("--num-layers-per-virtual-pipeline-stage 1 --no-overlap-p2p-communication",
+     "drop --no-overlap-p2p-communication"),
+    ("", "needs the interleaved schedule"),
+    ("--num-layers-per-virtual-pipeline-stage 2", "needs more than one virtual stage"),
+])
+def test_warmup_flush_overlap_needs_the_overlapped_interleaved_schedule(extra, needle):
+    with pytest.raises(ArgumentError) as e:
+        _args("--num-layers 4 --pipeline-model-parallel-size 2 --global-batch-size 8 "
+              "--overlap-p2p-communication-warmup-flush " + extra, world_size=2)
+    assert needle in str(e.value)
