@@ -10,8 +10,26 @@ log decay in log2 units (fla keeps g / ln 2 and uses exp2), the step is the back
     h_next = exp2(g_last) h + (exp2(g_last - g) k)^T v,     v_new = u - w h.
 dg is the gradient with respect to the cumulative decay (natural-log units, as fla's), before the reverse cumsum.
 """
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
+
+
+@contextmanager
+def _tf32_matmuls(on_cuda: bool):
+    """fp32 matmuls on TF32 tensor cores on CUDA (fp32 accumulation; 10-bit input mantissas hold the bf16 inputs
+    exactly and round only the fp32 intermediates, which fla's kernel rounds to bf16 before its dots), instead of
+    the fp32 SIMT path, several times slower. CPU keeps full fp32 (and fp64 in the tests)."""
+    if not on_cuda:
+        yield
+        return
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
@@ -39,7 +57,12 @@ def chunk_bwd_dqkwg_torch(q, k, v, w, g, h, dv, do, dh, scale: float, chunk_size
     q, k [B, T, H, K]; v (fla's v_new), do, dv [B, T, HV, V]; w [B, T, HV, K]; g [B, T, HV] (chunk-local cumsum, log2
     units); h, dh [B, NT, HV, K, V] ([.., V, K] if ``state_v_first``). Value head i reads key head i // (HV / H).
     Returns dq, dk [B, T, H, K] (summed over each key head's value heads), dw [B, T, HV, K], dg [B, T, HV] fp32.
-    All arithmetic in fp32 (fp64 for fp64 inputs); no loop over chunks."""
+    Arithmetic in fp32 (fp64 for fp64 inputs), matmuls on TF32 tensor cores on CUDA; no loop over chunks."""
+    with _tf32_matmuls(q.is_cuda):
+        return _chunk_bwd_dqkwg(q, k, v, w, g, h, dv, do, dh, scale, chunk_size, state_v_first)
+
+
+def _chunk_bwd_dqkwg(q, k, v, w, g, h, dv, do, dh, scale: float, chunk_size: int, state_v_first: bool):
     B, T, H, K = q.shape
     HV = v.shape[2]
     G, bt = HV // H, chunk_size
