@@ -52,8 +52,9 @@ def _all_reduce(tensor, groups, op=dist.ReduceOp.SUM):
 
 
 def get_grad_norm_fp32(grads_for_norm: Sequence[torch.Tensor], norm_type: Union[int, float] = 2,
-                       grad_stats_parallel_group=None) -> float:
-    """Norm of the concatenation of `grads_for_norm` across every rank of the given group(s)."""
+                       grad_stats_parallel_group=None, as_tensor: bool = False):
+    """Norm of the concatenation of `grads_for_norm` across every rank of the given group(s): a float, or with
+    ``as_tensor`` a float64 device scalar holding the same value, without reading it back to the host."""
     norm_type = float(norm_type)
     groups = _groups(grad_stats_parallel_group)
     device = grads_for_norm[0].device if grads_for_norm else _default_device()
@@ -63,7 +64,7 @@ def get_grad_norm_fp32(grads_for_norm: Sequence[torch.Tensor], norm_type: Union[
                     default=torch.zeros((), device=device))
         total = _all_reduce(torch.as_tensor(local, dtype=torch.float32, device=device).reshape(1),
                             groups, dist.ReduceOp.MAX)
-        return total.item()
+        return total[0].double() if as_tensor else total.item()
     total = torch.zeros(1, dtype=torch.float32, device=device)
     # FSDP2: the local shard of a DTensor. One multi-tensor norm kernel instead of a launch per grad.
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads_for_norm]
@@ -72,6 +73,8 @@ def get_grad_norm_fp32(grads_for_norm: Sequence[torch.Tensor], norm_type: Union[
         norms = torch._foreach_norm(local, norm_type)
         total += torch.stack(norms).pow(norm_type).sum()
     _all_reduce(total, groups)
+    if as_tensor:  # float64, as the host's float arithmetic below
+        return total[0].double() ** (1.0 / norm_type)
     return total.item() ** (1.0 / norm_type)
 
 

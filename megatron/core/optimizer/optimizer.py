@@ -146,14 +146,16 @@ class MegatronOptimizer:
                 if p.grad is not None and param_counts_for_grad_stats(self.main_to_model[p])
                 and (expert is None or expert == (not getattr(self.main_to_model[p], "allreduce", True)))]
 
-    def get_grad_norm(self) -> float:
+    def get_grad_norm(self, as_tensor: bool = False):
+        """The global grad norm: a float, or with ``as_tensor`` a float64 device scalar (no host sync) whose
+        value is that float's."""
         if not self.has_expert_params:
-            return get_grad_norm_fp32(self._main_grads_for_stats(),
+            return get_grad_norm_fp32(self._main_grads_for_stats(), as_tensor=as_tensor,
                                       grad_stats_parallel_group=self.get_grad_stats_parallel_group())
         # Each element once: dense over the dense groups, experts over the expert groups.
-        dense = get_grad_norm_fp32(self._main_grads_for_stats(expert=False),
+        dense = get_grad_norm_fp32(self._main_grads_for_stats(expert=False), as_tensor=as_tensor,
                                    grad_stats_parallel_group=self.get_grad_stats_parallel_group())
-        expert = get_grad_norm_fp32(self._main_grads_for_stats(expert=True),
+        expert = get_grad_norm_fp32(self._main_grads_for_stats(expert=True), as_tensor=as_tensor,
                                     grad_stats_parallel_group=self.get_expert_grad_stats_parallel_group())
         return (dense ** 2 + expert ** 2) ** 0.5
 
@@ -164,6 +166,17 @@ class MegatronOptimizer:
         it as they are read) instead of a separate in-place pass over the fp32 grads. Only when the clip
         is active: the fused kernel also writes the divided grads back, which costs more than nothing.
         """
+        if clip_grad > 0.0 and self._inner_step_unscales_grads():
+            copies = self._triton_step_copies()
+            if copies is not None:
+                # The Triton AdamW divides by the scale as it reads the grads and writes nothing back, so
+                # the clip can stay on the device: the norm reaches the host after the update is queued
+                # (step()), not before, where the GPU would idle while the host launches the update.
+                grad_norm = self.get_grad_norm(as_tensor=True)
+                coeff = clip_grad / (grad_norm + 1.0e-6)  # clip_coefficient's arithmetic, in float64
+                self._clip_grad_scale = torch.where(coeff < 1.0, 1.0 / coeff, 1.0).float()
+                self._triton_copies = copies
+                return grad_norm
         grad_norm = self.get_grad_norm()
         if clip_grad > 0.0:
             coeff = clip_coefficient(clip_grad, grad_norm)
@@ -187,11 +200,12 @@ class MegatronOptimizer:
         the 16-bit model params, so no copy pass is needed (the Triton AdamW of `fused_adamw`)."""
         scale = getattr(self, "_clip_grad_scale", None)
         self._clip_grad_scale = None
-        if self.grad_scaler is None and triton_adamw_applies(self.optimizer):
-            copies = self._model_param_copies()
-            if copies is not None:
-                triton_adamw_step(self.optimizer, copies, scale)
-                return True
+        copies = self.__dict__.pop("_triton_copies", None)  # found by clip_grad_norm this step
+        if copies is None:
+            copies = self._triton_step_copies()
+        if copies is not None:
+            triton_adamw_step(self.optimizer, copies, scale)
+            return True
         if scale is None:
             self.optimizer.step()
             return False
@@ -201,6 +215,13 @@ class MegatronOptimizer:
         finally:
             del self.optimizer.grad_scale
         return False
+
+    def _triton_step_copies(self) -> Optional[Dict[torch.Tensor, Optional[torch.Tensor]]]:
+        """`_model_param_copies` when the Triton AdamW computes this step (CUDA, fused AdamW, no loss
+        scaler), else None."""
+        if self.grad_scaler is not None or not triton_adamw_applies(self.optimizer):
+            return None
+        return self._model_param_copies()
 
     def _model_param_copies(self) -> Optional[Dict[torch.Tensor, Optional[torch.Tensor]]]:
         """{main param: the contiguous 16-bit model tensor its update is copied into (None: main is the
@@ -268,6 +289,8 @@ class MegatronOptimizer:
             with self._timed("optimizer-copy-main-to-model-params"):
                 self._copy_main_params_to_model_params()
         self._after_step()
+        if torch.is_tensor(grad_norm):  # kept on the device until the update was queued
+            grad_norm = grad_norm.item()
         return True, grad_norm, num_zeros
 
     def zero_grad(self, set_to_none: bool = True):

@@ -93,3 +93,23 @@ def test_folded_clip_matches_explicit_clip(grad_scale_factor):
     for a, b, c in zip(folded, explicit, reference):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(b, c, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("grad_scale_factor", [10.0, 1e-3])  # clip active / inactive
+def test_clip_kept_on_device_matches_host_clip(grad_scale_factor, monkeypatch):
+    """Where the Triton AdamW runs (CUDA), the clip scale is computed on the device and the norm is read back
+    only after the update is queued. Its small-tensor path (torch's fused AdamW) runs on CPU too, so the
+    device-side clip is checked here against the host-side one: the same reported norms, bit for bit, and
+    the same params. (The Triton kernel itself is checked on CUDA in tests/gpu/test_fast_path_gpu.py.)"""
+    from megatron.core.optimizer import optimizer as optimizer_module
+    host, norms_host = _run(fused=True, fold=True, grad_scale_factor=grad_scale_factor)
+    monkeypatch.setattr(optimizer_module, "triton_adamw_applies", lambda inner: True)
+    calls = []
+    real_norm = Float16OptimizerWithFloat16Params.get_grad_norm
+    monkeypatch.setattr(Float16OptimizerWithFloat16Params, "get_grad_norm",
+                        lambda self, as_tensor=False: calls.append(as_tensor) or real_norm(self, as_tensor))
+    device, norms_device = _run(fused=True, fold=True, grad_scale_factor=grad_scale_factor)
+    assert calls == [True] * 3  # the device path ran, once per step
+    assert norms_device == norms_host
+    for a, b in zip(device, host):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
