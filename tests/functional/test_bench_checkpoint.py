@@ -1,0 +1,28 @@
+"""tools/bench_checkpoint.py end to end on 2 gloo ranks, in the layouts docs/fault_tolerance.md gives for two 80 GB
+GPUs: a TP=2 (+ SP, distributed optimizer) run measures the disk, a synchronous and an async save and keeps the
+last checkpoint; a PP=2 run loads it (a resharding load) and takes a step. Every measurement line is printed."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _bench(tmp_path, *args):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           os.path.join(ROOT, "tools", "bench_checkpoint.py"), "--config", "tiny", "--save-dir", str(tmp_path / "ck"),
+           *args]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout
+
+
+def test_tp2_save_then_pp2_resharding_load(tmp_path):
+    common = ["--num-layers", "4", "--global-batch-size", "2", "--use-distributed-optimizer"]
+    out = _bench(tmp_path, "--keep", "--no-anchor", "--async-saves", "1", "--disk-gib", "0.01", "--",
+                 *common, "--tensor-model-parallel-size", "2", "--sequence-parallel")
+    for line in ("checkpoint disk |", "checkpoint sync | TP=2 PP=1 DP=1 distopt=1", "checkpoint async | blocked"):
+        assert line in out, out[-3000:]
+    out = _bench(tmp_path, "--load-only", "--", *common, "--pipeline-model-parallel-size", "2")
+    assert "checkpoint load | TP=1 PP=2 DP=1 distopt=1 | iteration 2" in out, out[-3000:]
