@@ -1,8 +1,11 @@
-"""Muon: one update equals a float64 reference step; Megatron's param split, scale modes and QKV split."""
+"""Muon: one update equals a float64 reference step; Megatron's param split, scale modes and QKV split; the
+batched Newton-Schulz over same-shaped matrices equals one matrix at a time."""
 import math
+from collections import Counter
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.layer_wise_optimizer import qkv_split_shapes, uses_muon
@@ -137,3 +140,92 @@ def test_invalid_config_one_line(kwargs, needle):
     with pytest.raises(ValueError) as e:
         OptimizerConfig(optimizer="muon", lr=1e-3, **kwargs)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_batched_newton_schulz_equals_one_matrix_at_a_time():
+    """A [n, m, k] stack gives each matrix's 2-D result, wide and tall (transposed), fp32 and bf16."""
+    g = torch.Generator().manual_seed(4)
+    for shape in [(24, 40), (40, 24)]:
+        xs = torch.randn(3, *shape, generator=g)
+        for bf16 in (False, True):
+            one = torch.stack([newton_schulz(x, 5, bf16=bf16) for x in xs])
+            # bmm and mm may sum in other orders: fp32 ~1e-7 relative; in bf16 one rounding flip is ~4e-3 of an
+            # entry (CPU gives equal bits here).
+            tol = 1e-2 if bf16 else 1e-5
+            assert ((newton_schulz(xs, 5, bf16=bf16) - one).norm() / one.norm()).item() < tol
+
+
+def _shaped_params(seed):
+    """Two of each: a fused QKV weight split [4, 2, 2] rows per group (k and v parts share a shape), square,
+    tall (orthogonalised transposed) and wide weights, and one odd shape; 3 steps of grads."""
+    g = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in [(48, 16), (16, 16), (64, 16), (16, 64)] * 2 + [(40, 24)]:
+        p = torch.nn.Parameter(torch.randn(*shape, generator=g))
+        if shape == (48, 16):
+            p.is_qkv, p.qkv_split_shapes = True, [4, 2, 2]
+        params.append(p)
+    return params, [[torch.randn(p.shape, generator=g) for p in params] for _ in range(3)]
+
+
+def _run_muon(params, grads, **kwargs):
+    """Updates (after - before) of 3 steps; two param groups with their own lr and weight decay."""
+    before = [p.detach().clone() for p in params]
+    groups = [{"params": params[:5], "lr": 0.02}, {"params": params[5:], "lr": 0.03, "weight_decay": 0.0}]
+    opt = TensorParallelMuon(groups, lr=0.02, momentum=0.9, weight_decay=0.1, **kwargs)
+    for step in grads:
+        for p, grad in zip(params, step):
+            p.grad = grad.clone()
+        opt.step()
+    return [p.detach() - b for p, b in zip(params, before)], opt
+
+
+@pytest.mark.parametrize("prec", ["high", "medium"])
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_batched_step_equals_one_matrix_at_a_time(prec, nesterov):
+    """The default step (stacks of same-shaped matrices, here also cut into stacks of <= 2 matrices) equals
+    ns_batch_elements=0 (one matrix at a time): updates and momentum."""
+    kwargs = dict(fp32_matmul_prec=prec, nesterov=nesterov)
+    ref, ref_opt = _run_muon(*_shaped_params(5), ns_batch_elements=0, **kwargs)
+    for budget in (2 ** 28, 2 * 64 * 16):
+        params, grads = _shaped_params(5)
+        out, opt = _run_muon(params, grads, ns_batch_elements=budget, **kwargs)
+        for a, b in zip(out, ref):
+            # Measured on CPU: fp32 equal bits at these shapes (~1e-7 relative at 128-512 rows); bf16 equal bits
+            # or a rounding flip in the first cast of the momentum (~1e-5 of the update over 3 steps).
+            assert ((a - b).norm() / b.norm()).item() < (1e-3 if prec == "medium" else 5e-6)
+        for p, q in zip(params, ref_opt.state):
+            assert torch.equal(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"])
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm):
+            self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_batched_step_launches_one_gemm_sequence_per_stack():
+    """Llama-like layers (GQA QKV, proj, SwiGLU fc1, fc2) at 1/128 scale: 6 layers x 6 matrices x 15 GEMMs one
+    at a time; stacked, q + proj (same shape), k + v, fc1 and fc2 are 4 stacks of 15 batched GEMMs."""
+    def layers():
+        params = []
+        for _ in range(6):
+            qkv = torch.nn.Parameter(torch.randn(2 * (16 + 4 + 4), 32))  # 2 query groups of [q 16, k 4, v 4]
+            qkv.is_qkv, qkv.qkv_split_shapes = True, [16, 4, 4]
+            params += [qkv, torch.nn.Parameter(torch.randn(32, 32)), torch.nn.Parameter(torch.randn(224, 32)),
+                       torch.nn.Parameter(torch.randn(32, 112))]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        return params
+
+    counts = {}
+    for budget in (0, 2 ** 28):
+        with _CountMatmuls() as mode:
+            TensorParallelMuon(layers(), ns_batch_elements=budget).step()
+        counts[budget] = dict(mode.counts)
+    assert counts == {0: {"mm": 6 * 6 * 5, "addmm": 6 * 6 * 10}, 2 ** 28: {"bmm": 4 * 5, "baddbmm": 4 * 10}}
