@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from megatron.core.context_parallel.all_gather import AllGatherAttention
 from megatron.core.context_parallel.all_to_all import seq_gather_head_scatter, seq_scatter_head_gather
 from megatron.core.context_parallel.documents import document_attention
+from megatron.core.context_parallel.kernels import cudnn_gqa_attention, cudnn_gqa_usable
 from megatron.core.context_parallel.ring import RingAttention
 from megatron.core.context_parallel.utils import CP_COMM_TYPES, document_layout
 
@@ -18,6 +19,11 @@ def _causal_attention(q, k, v, scale, layout):
     """Whole-sequence attention in [b, n, S, d]: plain causal SDPA, or per document."""
     if layout is not None:
         return document_attention(q, k, v, scale, layout)
+    if (k.size(1) != q.size(1) and cudnn_gqa_usable(q, v) and torch.backends.cuda.cudnn_sdp_enabled()
+            and not torch.are_deterministic_algorithms_enabled()):
+        out = cudnn_gqa_attention(q, k, v, True, scale)  # K/V read at their own head count, not repeated
+        if out is not None:
+            return out
     if k.size(1) != q.size(1):
         k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
         v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)

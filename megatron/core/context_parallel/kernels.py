@@ -150,6 +150,59 @@ def _flash_backward_ops(dout, q, ke, ve, out, lse, causal, scale):
         dout, q, ke, ve, out, lse, 0.0, causal, scale=scale)
 
 
+_CUDNN_GQA = {"ok": None}  # whole-sequence GQA through cuDNN: None not tried yet; False refused once
+
+
+def cudnn_gqa_usable(q, v) -> bool:
+    """Whether `cudnn_gqa_attention` may run on these tensors: CUDA on Hopper or newer, 16-bit, head dim <= 128
+    (V's equal to Q's), outside torch.compile (which traces SDPA itself), and this torch has the op. The caller
+    adds its own policy (the attention backends it was given, deterministic mode)."""
+    return (q.is_cuda and _CUDNN_GQA["ok"] is not False and q.dtype in (torch.bfloat16, torch.float16)
+            and q.size(-1) <= 128 and v.size(-1) == q.size(-1) and not torch.compiler.is_compiling()
+            and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
+            and torch.cuda.get_device_capability(q.device) >= (9, 0))
+
+
+class _CudnnGQAAttention(torch.autograd.Function):
+    """cuDNN's fused attention with K/V at their own (fewer) head count. SDPA's dispatcher only takes GQA
+    through FlashAttention-2 or by repeating K/V to every query head (two [b, n, s, d] copies forward and
+    a reduction of their gradients backward); cuDNN's kernel reads each K/V head once per group and
+    accumulates dK/dV over the group itself."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout.stride() != out.stride():  # the kernel reads dO in O's layout
+            dout = torch.empty_like(out).copy_(dout)
+        seed, offset = _dropout_words(q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse, seed, offset, None, None, None, q.size(2), k.size(2), 0.0, ctx.causal,
+            scale=ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def cudnn_gqa_attention(q, k, v, causal: bool, scale):
+    """[b, n, s, d] attention of q [b, n, s, d] over k, v [b, g, s, d] (g divides n), or None where this cuDNN
+    refuses the configuration (then never tried again)."""
+    try:
+        out = _CudnnGQAAttention.apply(q, k, v, causal, scale)
+    except RuntimeError:
+        if _CUDNN_GQA["ok"]:
+            raise  # it ran before: a real error
+        _CUDNN_GQA["ok"] = False
+        return None
+    _CUDNN_GQA["ok"] = True
+    return out
+
+
 def _native_gqa(q, k) -> bool:
     return q.size(1) != k.size(1) and q.device.type == "cuda" and _CUDNN["gqa"] is not False and _use_cudnn(q)
 

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron.core import parallel_state
-from megatron.core.context_parallel.kernels import _dropout_words
+from megatron.core.context_parallel.kernels import _CUDNN_GQA, cudnn_gqa_usable  # noqa: F401  (tests read _CUDNN_GQA)
+from megatron.core.context_parallel.kernels import cudnn_gqa_attention as _cudnn_gqa_attention
 from megatron.core.context_parallel.utils import document_layout
 from megatron.core.process_groups_config import get_pg, get_pg_size
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -32,56 +33,10 @@ _NONDETERMINISTIC = ("CUDNN_ATTENTION",)
 _MASKED_DETERMINISTIC = ("EFFICIENT_ATTENTION", "MATH")  # flash takes no explicit mask
 
 
-_CUDNN_GQA = {"ok": None}  # None: not tried yet; False: this torch/cuDNN refused it once
-
-
 def _cudnn_gqa_applies(q, v, backends) -> bool:
-    """GQA attention straight through cuDNN (Hopper+, 16-bit, head dim <= 128, cuDNN first in the allowed
-    backends, so never under deterministic mode), outside torch.compile (which traces SDPA itself)."""
-    return (q.is_cuda and _CUDNN_GQA["ok"] is not False and q.dtype in (torch.bfloat16, torch.float16)
-            and q.size(-1) <= 128 and v.size(-1) == q.size(-1) and backends
-            and backends[0] == SDPBackend.CUDNN_ATTENTION and not torch.compiler.is_compiling()
-            and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
-            and torch.cuda.get_device_capability(q.device) >= (9, 0))
-
-
-class _CudnnGQAAttention(torch.autograd.Function):
-    """cuDNN's fused attention with K/V at their own (fewer) head count. SDPA's dispatcher only takes GQA
-    through FlashAttention-2 or by repeating K/V to every query head (two [b, n, s, d] copies forward and
-    a reduction of their gradients backward); cuDNN's kernel reads each K/V head once per group and
-    accumulates dK/dV over the group itself."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, causal, False, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale = causal, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout.stride() != out.stride():  # the kernel reads dO in O's layout
-            dout = torch.empty_like(out).copy_(dout)
-        seed, offset = _dropout_words(q.device)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, k, v, out, lse, seed, offset, None, None, None, q.size(2), k.size(2), 0.0, ctx.causal,
-            scale=ctx.scale)
-        return dq, dk, dv, None, None
-
-
-def _cudnn_gqa_attention(q, k, v, causal: bool, scale):
-    """[b, n, s, d] output, or None where this cuDNN refuses the configuration (then never tried again)."""
-    try:
-        out = _CudnnGQAAttention.apply(q, k, v, causal, scale)
-    except RuntimeError:
-        if _CUDNN_GQA["ok"]:
-            raise  # it ran before: a real error
-        _CUDNN_GQA["ok"] = False
-        return None
-    _CUDNN_GQA["ok"] = True
-    return out
+    """GQA attention straight through cuDNN (see context_parallel.kernels.cudnn_gqa_usable), with cuDNN first
+    in the allowed backends (so never under deterministic mode)."""
+    return bool(backends) and backends[0] == SDPBackend.CUDNN_ATTENTION and cudnn_gqa_usable(q, v)
 
 
 def sdpa_backends(attention_backend: str, deterministic: bool = False):
