@@ -2,18 +2,14 @@
 send/recv overlapped (the default), overlapped in warm-up and flush too, and synchronous
 (--no-overlap-p2p-communication) gives the same losses. Prints ms/iteration of each run (the overlap's gain).
 Needs two CUDA devices."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+
+from tests.gpu.benchmark_runs import run_two_gpus
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Llama-shaped and small: 8 layers x 1024, seq 2048, 2 layers per virtual stage (VP=2 on each of 2 stages),
 # 16 micro-batches of 1 per iteration.
 MODEL = ("--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --group-query-attention --num-query-groups 4 "
@@ -24,16 +20,7 @@ MODEL = ("--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --group-que
 
 
 def _run(tmp_path, name, *flags):
-    results = tmp_path / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           os.path.join(ROOT, "tools", "benchmark.py"), "--config", "gpt-125m", "--iters", "16", "--warmup", "4",
-           "--results", str(results), "--", *MODEL.split(), *flags]
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    result = json.loads(results.read_text().splitlines()[-1])
-    print(f"{name}: {result['ms_per_iter']:.1f} ms/iter, losses {result['losses'][:3]} ... {result['losses'][-1]}")
-    return result["losses"]
+    return run_two_gpus(tmp_path, name, MODEL, *flags, iters=16)["losses"]
 
 
 def test_pp2_vp2_overlapped_p2p_matches_synchronous(tmp_path):

@@ -2,13 +2,14 @@
 reduce-scatters reproduces the plain TP=2 + SP losses (eager, and with the compiled layers, where the
 ring runs between compiled pieces); the compiled runs also train like the eager layers. Prints
 ms/iteration of each run. Needs two CUDA devices."""
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from tests.gpu.benchmark_runs import run_two_gpus
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
@@ -26,19 +27,9 @@ _RUNS = {}  # name -> losses: the eager plain run serves both tests
 
 
 def _run(tmp_path, name, *flags):
-    if name in _RUNS:
-        return _RUNS[name]
-    results = tmp_path / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           os.path.join(ROOT, "tools", "benchmark.py"), "--config", "gpt-125m", "--iters", "26", "--warmup", "4",
-           "--results", str(results), "--", *MODEL.split(), *flags]
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    result = json.loads(results.read_text().splitlines()[-1])
-    print(f"{name}: {result['ms_per_iter']:.1f} ms/iter, losses {result['losses'][:3]} ... {result['losses'][-1]}")
-    _RUNS[name] = result["losses"]
-    return result["losses"]
+    if name not in _RUNS:
+        _RUNS[name] = run_two_gpus(tmp_path, name, MODEL, *flags, iters=26)["losses"]
+    return _RUNS[name]
 
 
 def _tail(losses, n=10):
