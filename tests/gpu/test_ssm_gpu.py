@@ -49,35 +49,6 @@ def test_mamba_ssm_triton_ssd_matches_eager():
         assert _rel_err(a, b) < TOL, name
 
 
-@pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="flash-linear-attention not installed")
-def test_fla_gated_delta_rule_matches_eager():
-    from megatron.core.ssm.ops.gated_delta_reference import chunk_gated_delta_rule_torch
-    from megatron.core.ssm.ops.kernels import _fla_unsafe_here, gated_delta_kernel
-    unsafe = _fla_unsafe_here(torch.device("cuda"))
-    if unsafe:
-        pytest.skip(f"fla is not used on this machine: {unsafe}")
-    kernel = gated_delta_kernel(torch.empty(1, device="cuda"))
-    assert kernel is not chunk_gated_delta_rule_torch, "fla is installed but its kernel did not load"
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    b, l, h, dk, dv = 2, 512, 4, 128, 128
-    kw = dict(device="cuda", generator=gen)
-    q = F.normalize(torch.randn(b, l, h, dk, **kw), dim=-1).bfloat16()
-    k = F.normalize(torch.randn(b, l, h, dk, **kw), dim=-1).bfloat16()
-    v = torch.randn(b, l, h, dv, **kw).bfloat16()
-    g = F.logsigmoid(torch.randn(b, l, h, **kw))  # log decay <= 0, fp32
-    beta = torch.rand(b, l, h, **kw).bfloat16()
-    outs, grads = [], []
-    for fn in (kernel, chunk_gated_delta_rule_torch):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
-        o, _ = fn(*leaves)
-        o.float().pow(2).sum().backward()
-        outs.append(o)
-        grads.append([t.grad for t in leaves])
-    assert _rel_err(outs[0], outs[1]) < TOL
-    for name, a, b_ in zip("q k v g beta".split(), *grads):
-        assert _rel_err(a, b_) < TOL, name
-
-
 def _gdn_inputs(b, l, h, hv, dk, dv):
     gen = torch.Generator(device="cuda").manual_seed(l)
     kw = dict(device="cuda", generator=gen)
@@ -88,6 +59,28 @@ def _gdn_inputs(b, l, h, hv, dk, dv):
     beta = torch.rand(b, l, hv, **kw).bfloat16()
     h0 = torch.randn(b, hv, dk, dv, **kw) * 0.1
     return q, k, v, g, beta, h0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="flash-linear-attention not installed")
+def test_fla_gated_delta_rule_matches_eager():
+    from megatron.core.ssm.ops.gated_delta_reference import chunk_gated_delta_rule_torch
+    from megatron.core.ssm.ops.kernels import _fla_unsafe_here, gated_delta_kernel
+    unsafe = _fla_unsafe_here(torch.device("cuda"))
+    if unsafe:
+        pytest.skip(f"fla is not used on this machine: {unsafe}")
+    kernel = gated_delta_kernel(torch.empty(1, device="cuda"))
+    assert kernel is not chunk_gated_delta_rule_torch, "fla is installed but its kernel did not load"
+    q, k, v, g, beta, _ = _gdn_inputs(2, 512, 4, 4, 128, 128)
+    outs, grads = [], []
+    for fn in (kernel, chunk_gated_delta_rule_torch):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+        o, _ = fn(*leaves)
+        o.float().pow(2).sum().backward()
+        outs.append(o)
+        grads.append([t.grad for t in leaves])
+    assert _rel_err(outs[0], outs[1]) < TOL
+    for name, a, b_ in zip("q k v g beta".split(), *grads):
+        assert _rel_err(a, b_) < TOL, name
 
 
 @pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="flash-linear-attention not installed")
