@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The GPU suite in lanes that run at once. 4+ GPUs: files that need one GPU alternate between GPU 0 and GPU 1,
-# two-GPU files run on GPUs 2,3, and the four-GPU files run last on GPUs 0-3. 2-3 GPUs: the one-GPU files
-# alternate between GPU 0 and GPU 1, then the two-GPU files run on 0,1 (the four-GPU files skip). Each file is its
-# own pytest run (scripts/run_gpu_tests.sh), so a file cut off by its time limit still leaves the others'
-# results; rendezvous ports are free ones (the tests launch torchrun --standalone), so lanes do not collide.
-# With one GPU this is scripts/run_gpu_tests.sh. Ends with one line per file and a total.
+# The GPU suite in lanes that run at once, each file its own pytest run (scripts/run_gpu_tests.sh), so a file cut
+# off by its time limit still leaves the others' results. Files are taken from shared queues, slowest known first:
+# every GPU takes one-GPU files until none is left, then every pair of GPUs (0,1 / 2,3 / ...) takes two-GPU files,
+# then the four-GPU files run on GPUs 0-3 (on fewer GPUs they skip, a summary line each). Rendezvous ports are free
+# ones (the tests launch torchrun --standalone), so lanes do not collide. With one GPU this is
+# scripts/run_gpu_tests.sh. Ends with one line per file and a total.
 #   bash scripts/run_gpu_tests_lanes.sh                 # logs in $LOG_DIR (default /tmp/gpu_lanes)
 #   FILE_TIMEOUT=300 bash scripts/run_gpu_tests_lanes.sh -x
 set -uo pipefail
@@ -16,38 +16,42 @@ if [ "$gpus" -lt 2 ]; then
 fi
 LOG_DIR=${LOG_DIR:-/tmp/gpu_lanes}; FILE_TIMEOUT=${FILE_TIMEOUT:-600}
 mkdir -p "$LOG_DIR"
+# Measured slowest first (Triton autotuning, compiled graphs, many torchrun launches), so no lane starts one late.
+SLOW="test_ssm_gpu test_hybrid_generation_gpu test_muon_gpu test_vlm_gpu test_qwen25_vl_gpu test_sft_gpu
+ test_fast_path_gpu test_fp8_gpu test_moe_gpu test_context_parallel_gpu test_tp_comm_overlap_gpu test_moe_overlap_gpu
+ test_fault_drills_gpu test_pipeline_overlap_gpu"
+ordered=()
+for s in $SLOW; do [ -e "tests/gpu/$s.py" ] && ordered+=("tests/gpu/$s.py"); done
+for f in tests/gpu/test_*.py; do [[ " ${ordered[*]} " == *" $f "* ]] || ordered+=("$f"); done
 one=(); two=(); four=()
-for f in tests/gpu/test_*.py; do
+for f in "${ordered[@]}"; do
   if grep -q "device_count() < 4" "$f"; then four+=("$f")
   elif grep -q "device_count() < 2" "$f"; then two+=("$f")
   else one+=("$f"); fi
 done
-run_lane() {  # run_lane DEVICES FILE... : each file in turn on DEVICES
-  local devices=$1; shift
-  for f in "$@"; do
-    local log="$LOG_DIR/$(basename "$f" .py).log"
-    CUDA_VISIBLE_DEVICES=$devices timeout -k 10 "$FILE_TIMEOUT" bash scripts/run_gpu_tests.sh "$f" "${EXTRA[@]}" \
-      > "$log" 2>&1
-    local rc=$?
-    [ $rc -eq 124 ] && echo "GPU tests: cut off after ${FILE_TIMEOUT} s (FILE_TIMEOUT)" >> "$log"
-  done
-}
 EXTRA=("$@")
-lane0=(); lane1=()
-for i in "${!one[@]}"; do
-  if (( i % 2 == 0 )); then lane0+=("${one[$i]}"); else lane1+=("${one[$i]}"); fi
-done
+run_file() {  # run_file DEVICES FILE
+  local log="$LOG_DIR/$(basename "$2" .py).log"
+  CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$FILE_TIMEOUT" bash scripts/run_gpu_tests.sh "$2" "${EXTRA[@]}" > "$log" 2>&1
+  [ $? -eq 124 ] && echo "GPU tests: cut off after ${FILE_TIMEOUT} s (FILE_TIMEOUT)" >> "$log"
+}
+pop() {  # pop QUEUE: print and remove its first line, under a lock shared by the lanes
+  ( flock 9; head -n 1 "$1"; sed -i 1d "$1" ) 9> "$1.lock"
+}
+drain() {  # drain QUEUE DEVICES: run files from QUEUE on DEVICES until it is empty
+  local f
+  while f=$(pop "$1"); [ -n "$f" ]; do run_file "$2" "$f"; done
+}
+queue=$(mktemp); trap 'rm -f "$queue" "$queue.lock"' EXIT
 start=$(date +%s)
-if [ "$gpus" -ge 4 ]; then
-  run_lane 0 "${lane0[@]}" & run_lane 1 "${lane1[@]}" & run_lane 2,3 "${two[@]}" &
-  wait
-  [ ${#four[@]} -gt 0 ] && run_lane 0,1,2,3 "${four[@]}"
-else
-  run_lane 0 "${lane0[@]}" & run_lane 1 "${lane1[@]}" &
-  wait
-  run_lane 0,1 "${two[@]}"
-  [ ${#four[@]} -gt 0 ] && run_lane 0,1 "${four[@]}"  # they skip themselves: a summary line each
-fi
+printf '%s\n' "${one[@]}" > "$queue"
+for ((g = 0; g < gpus; g++)); do drain "$queue" "$g" & done
+wait
+[ ${#two[@]} -gt 0 ] && printf '%s\n' "${two[@]}" > "$queue"
+for ((g = 0; g + 1 < gpus; g += 2)); do drain "$queue" "$g,$((g + 1))" & done
+wait
+all=$(seq -s, 0 $((gpus < 4 ? gpus - 1 : 3)))
+for f in "${four[@]}"; do run_file "$all" "$f"; done
 rc=0
 for f in "${one[@]}" "${two[@]}" "${four[@]}"; do
   line=$(grep -E "^GPU tests:" "$LOG_DIR/$(basename "$f" .py).log" | tail -1)

@@ -7,6 +7,7 @@
 #
 #   ROWS="l8_tp2 l8b_dp2 mix_ep2" bash tools/bench_scale_rows.sh        # a chosen few
 #   MREF=0 ROWS="mix_ep2_overlap fine_ep2_overlap" bash tools/bench_scale_rows.sh   # ours only
+#   TRAIN_ITERS=15 ROWS="l8b_dp4" bash tools/bench_scale_rows.sh   # fewer iterations (the median is of 11+)
 #   bash tools/bench_scale_rows.sh --list                                # the rows and their flags
 #   PROFILE=1 MREF=0 ROWS="l8_tp2 nemo_cp2" bash tools/bench_scale_rows.sh   # ours, one profiled step each:
 #       --profile --use-pytorch-profiler on step 8, every rank's Chrome trace under $OUT/tb_<row>/ and
@@ -94,11 +95,12 @@ mkdir -p "$OUT"
   --target /tmp/mref_site $(set +f; echo "$R"/whl/megatron_core-*.whl) || exit 1
 T0=$(date +%s)
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tee "$OUT/device.txt"
-port=29700
+port=${PORT:-29700}
 run_row() {  # run_row NAME [CUDA_VISIBLE_DEVICES]
-  local name=$1 devices=${2:-0,1,2,3} spec n cfg flags seq gbs
+  local name=$1 devices=${2:-$four_devs} spec n cfg flags seq gbs
   spec=$(row "$name") || { echo "RESULT $name: unknown row (--list)"; return; }
   read -r n cfg flags <<< "$spec"
+  [ -n "${TRAIN_ITERS:-}" ] && flags="$flags --train-iters $TRAIN_ITERS"  # both systems; the last flag wins
   port=$((port + 2))
   if [[ "$name" == *_overlap ]] || [ "${MREF:-1}" = 0 ] || [ "${PROFILE:-0}" = 1 ]; then  # ours alone
     seq=$(echo ${!cfg} $flags | grep -oE -- '--seq-length [0-9]+' | tail -1 | awk '{print $2}')
@@ -120,7 +122,10 @@ run_row() {  # run_row NAME [CUDA_VISIBLE_DEVICES]
   fi
   echo "[t+$(( $(date +%s) - T0 ))s] $name done" >> "$OUT/steps.txt"
 }
-ngpu=$(nvidia-smi -L | wc -l)
+# GPUS=2,3 confines a round to those GPUs, so two rounds (own PORT, own OUT) can run at once on disjoint GPUs.
+IFS=, read -r -a devs <<< "${GPUS:-$(seq -s, 0 $(( $(nvidia-smi -L | wc -l) - 1 )))}"
+ngpu=${#devs[@]}
+four_devs=$(IFS=,; echo "${devs[*]:0:4}")
 ones=(); twos=(); fours=()
 for r in ${ROWS:-$ALL}; do
   spec=$(row "$r") || { echo "RESULT $r: unknown row (--list)"; continue; }
@@ -128,12 +133,12 @@ for r in ${ROWS:-$ALL}; do
 done
 # Rows of one and two GPUs as many at a time as the GPUs allow, each on its own GPUs.
 for ((i = 0; i < ${#ones[@]}; i += ngpu)); do
-  for ((g = 0; g < ngpu && i + g < ${#ones[@]}; g++)); do run_row "${ones[$((i + g))]}" $g & done
+  for ((g = 0; g < ngpu && i + g < ${#ones[@]}; g++)); do run_row "${ones[$((i + g))]}" "${devs[$g]}" & done
   wait
 done
 pairs=$((ngpu / 2))
 for ((i = 0; i < ${#twos[@]}; i += pairs)); do
-  for ((g = 0; g < pairs && i + g < ${#twos[@]}; g++)); do run_row "${twos[$((i + g))]}" "$((2 * g)),$((2 * g + 1))" & done
+  for ((g = 0; g < pairs && i + g < ${#twos[@]}; g++)); do run_row "${twos[$((i + g))]}" "${devs[$((2 * g))]},${devs[$((2 * g + 1))]}" & done
   wait
 done
 if [ ${#fours[@]} -gt 0 ] && [ "$ngpu" -lt 4 ]; then
