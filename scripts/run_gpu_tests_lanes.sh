@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU suite in lanes that run at once, each file its own pytest run (scripts/run_gpu_tests.sh), so a file cut
-# off by its time limit still leaves the others' results. Files are taken from shared queues, slowest known first:
-# every GPU takes one-GPU files until none is left, then every pair of GPUs (0,1 / 2,3 / ...) takes two-GPU files,
-# then the four-GPU files run on GPUs 0-3 (on fewer GPUs they skip, a summary line each). Rendezvous ports are free
+# off by its time limit still leaves the others' results. Files are taken from shared queues, slowest known first,
+# by every GPU (one-GPU files) and every pair of GPUs (two-GPU files) at once; the four-GPU files run last on GPUs
+# 0-3 (on fewer GPUs they skip, a summary line each). Rendezvous ports are free
 # ones (the tests launch torchrun --standalone), so lanes do not collide. With one GPU this is
 # scripts/run_gpu_tests.sh. Ends with one line per file and a total.
 #   bash scripts/run_gpu_tests_lanes.sh                 # logs in $LOG_DIR (default /tmp/gpu_lanes)
 #   FILE_TIMEOUT=300 bash scripts/run_gpu_tests_lanes.sh -x
+#   CLASSES="two four" bash scripts/run_gpu_tests_lanes.sh   # only the multi-GPU files
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -42,18 +43,30 @@ drain() {  # drain QUEUE DEVICES: run files from QUEUE on DEVICES until it is em
   local f
   while f=$(pop "$1"); [ -n "$f" ]; do run_file "$2" "$f"; done
 }
-queue=$(mktemp); trap 'rm -f "$queue" "$queue.lock"' EXIT
+# One queue per class. Each pair of GPUs works both queues and steals the other's work when its own is done: even
+# pairs take one-GPU files first (a lane per GPU), odd pairs two-GPU files first, so on 4+ GPUs the two-GPU files
+# start at once instead of after every one-GPU file. CLASSES="two four" (or "one") runs only those classes, to split
+# the suite over several device calls.
+CLASSES=${CLASSES:-one two four}
+q1=$(mktemp); q2=$(mktemp); trap 'rm -f "$q1" "$q1.lock" "$q2" "$q2.lock"' EXIT
+[[ " $CLASSES " == *" one "* ]] && printf '%s\n' "${one[@]}" > "$q1"
+[[ " $CLASSES " == *" two "* ]] && [ ${#two[@]} -gt 0 ] && printf '%s\n' "${two[@]}" > "$q2"
 start=$(date +%s)
-printf '%s\n' "${one[@]}" > "$queue"
-for ((g = 0; g < gpus; g++)); do drain "$queue" "$g" & done
-wait
-[ ${#two[@]} -gt 0 ] && printf '%s\n' "${two[@]}" > "$queue"
-for ((g = 0; g + 1 < gpus; g += 2)); do drain "$queue" "$g,$((g + 1))" & done
+ones_on() { drain "$q1" "$1" & drain "$q1" "$2" & wait; }
+for ((g = 0; g + 1 < gpus; g += 2)); do
+  if (( (g / 2) % 2 == 0 )); then ( ones_on $g $((g + 1)); drain "$q2" "$g,$((g + 1))" ) &
+  else ( drain "$q2" "$g,$((g + 1))"; ones_on $g $((g + 1)) ) &
+  fi
+done
+(( gpus % 2 == 1 )) && drain "$q1" $((gpus - 1)) &
 wait
 all=$(seq -s, 0 $((gpus < 4 ? gpus - 1 : 3)))
-for f in "${four[@]}"; do run_file "$all" "$f"; done
+if [[ " $CLASSES " == *" four "* ]]; then
+  for f in "${four[@]}"; do run_file "$all" "$f"; done
+fi
 rc=0
 for f in "${one[@]}" "${two[@]}" "${four[@]}"; do
+  [ -e "$LOG_DIR/$(basename "$f" .py).log" ] || continue  # a class not asked for
   line=$(grep -E "^GPU tests:" "$LOG_DIR/$(basename "$f" .py).log" | tail -1)
   printf '%-48s %s\n' "$(basename "$f")" "${line:-GPU tests: no summary (see the log)}"
   [[ "$line" == *" 0 failed,"*" 0 errors"* ]] || rc=1

@@ -374,21 +374,28 @@ def test_fused_router_matches_eager(score_function):
 
 
 def test_fused_bias_dropout_add_matches_eager():
-    """--bias-dropout-fusion's training bda with a bias is one compiled kernel on CUDA: same values and
-    gradients as the eager expression (bf16: the compiled kernel rounds once, eager after the bias add too)."""
+    """--bias-dropout-fusion's training bda with a bias is one compiled kernel on CUDA: its values and gradients
+    are as close to the fp32 result as the eager expression's. The compiled kernel rounds once where eager rounds
+    after the bias add too, so the two differ by bf16 rounding, which the bias gradient (a sum over 1,576 rows
+    with cancellation) amplifies past an element-wise tolerance: each is measured against fp32 instead."""
     from megatron.core.fusions.fused_bias_dropout import bias_dropout_add_fused_train, bias_dropout_add_unfused
     gen = torch.Generator(device="cuda").manual_seed(0)
     shape = (197, 8, 1024)
     x, residual = (torch.randn(shape, device="cuda", generator=gen).bfloat16().requires_grad_() for _ in range(2))
     bias = torch.randn(1024, device="cuda", generator=gen).bfloat16().requires_grad_()
-    outs = []
+    ref_out = x.detach().double() + bias.detach().double() + residual.detach().double()
+    ref = (ref_out, 2 * ref_out, 2 * ref_out.sum((0, 1)), 2 * ref_out)  # out, d/dx, d/dbias, d/dresidual
+    errors = []
     for fn in (bias_dropout_add_fused_train, bias_dropout_add_unfused(True)):
         out = fn((x, bias), residual, 0.0)
+        assert out.dtype == torch.bfloat16
         out.float().square().sum().backward()
-        outs.append((out.detach().float(), x.grad.float(), bias.grad.float(), residual.grad.float()))
+        got = (out.detach(), x.grad, bias.grad, residual.grad)
+        errors.append([((g.double() - r).norm() / r.norm()).item() for g, r in zip(got, ref)])
         x.grad = bias.grad = residual.grad = None
-    for a, b in zip(*outs):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    fused, eager = errors
+    for name, f, e in zip(("out", "x.grad", "bias.grad", "residual.grad"), fused, eager):
+        assert f <= max(2 * e, 4e-3), f"{name}: fused relative error {f:.2e}, eager {e:.2e}"
 
 
 def test_linear_bias_in_gemm_epilogue_matches_matmul_plus_bias():

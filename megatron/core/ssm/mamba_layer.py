@@ -40,9 +40,10 @@ class MambaLayer(MegatronModule):
     def forward(self, hidden_states, attention_mask=None, inference_context=None, rotary_pos_emb=None,
                 packed_seq_params=None, **kwargs):
         residual = hidden_states  # [s, b, h]
-        if self.config.fp32_residual_connection:
+        if self.config.fp32_residual_connection:  # the stream is fp32; the mixer computes in the model's dtype
             residual = residual.float()
-        out_with_bias = self.mixer(self.norm(hidden_states.to(self.config.params_dtype)),
+            hidden_states = hidden_states.to(self.config.params_dtype)
+        out_with_bias = self.mixer(self.norm(hidden_states),
                                    inference_context=inference_context, packed_seq_params=packed_seq_params)
         return self.mamba_bda(self.training, self.config.bias_dropout_fusion)(out_with_bias, residual,
                                                                               self.hidden_dropout)

@@ -59,3 +59,16 @@ def test_decode_graph_warm_up_puts_the_recurrent_states_back():
         assert all(torch.equal(a, b) for a, b in zip(engine.context.recurrent_buffers(), before))
         engine.graphs.step_fn(*key)
     assert not all(torch.equal(a, b) for a, b in zip(engine.context.recurrent_buffers(), before))
+
+
+def test_hybrid_cast_to_bf16_after_build_generates_in_bf16():
+    """A model built in fp32 and cast with .to(bfloat16) (as generation scripts do) stays bf16 through its Mamba
+    layers: the layer casts its input to params_dtype only for --fp32-residual-connection's fp32 stream."""
+    model = build_tiny_hybrid().to(torch.bfloat16)
+    layer = model.decoder.layers[0]
+    x = torch.randn(5, 2, 32, dtype=torch.bfloat16)
+    out = layer(x)
+    assert (out[0] if isinstance(out, tuple) else out).dtype == torch.bfloat16
+    reqs = InferenceEngine(model, max_batch_size=4, max_sequence_length=MAX_LEN).generate(
+        prompts([5, 11]), SamplingParams(top_k=1, num_tokens_to_generate=4))
+    assert [len(r.generated_tokens) for r in reqs] == [4, 4]
