@@ -91,17 +91,32 @@ fi
 mkdir -p "$OUT"
 
 # side_by_side.sh installs the wheel under `set -f`, where its glob does not expand: install it here.
-[ -d /tmp/mref_site/megatron ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+[ "${MREF:-1}" = 0 ] || [ -d /tmp/mref_site/megatron ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --target /tmp/mref_site $(set +f; echo "$R"/whl/megatron_core-*.whl) || exit 1
 T0=$(date +%s)
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tee "$OUT/device.txt"
 port=${PORT:-29700}
-run_row() {  # run_row NAME [CUDA_VISIBLE_DEVICES]
-  local name=$1 devices=${2:-$four_devs} spec n cfg flags seq gbs
+free_ports() {  # free_ports N: the first P >= N with P and P + 1 both free to listen on (a port still held by a
+  # process of an earlier call on a warm machine made a row fail at its rendezvous)
+  python3 - "$1" <<'PY'
+import socket, sys
+p = int(sys.argv[1])
+while True:
+    try:
+        for q in (p, p + 1):
+            with socket.socket() as s:
+                s.bind(("", q))
+        break
+    except OSError:
+        p += 2
+print(p)
+PY
+}
+run_row() {  # run_row NAME CUDA_VISIBLE_DEVICES PORT (rendezvous ports PORT and PORT + 1)
+  local name=$1 devices=$2 port=$3 spec n cfg flags seq gbs
   spec=$(row "$name") || { echo "RESULT $name: unknown row (--list)"; return; }
   read -r n cfg flags <<< "$spec"
   [ -n "${TRAIN_ITERS:-}" ] && flags="$flags --train-iters $TRAIN_ITERS"  # both systems; the last flag wins
-  port=$((port + 2))
   if [[ "$name" == *_overlap ]] || [ "${MREF:-1}" = 0 ] || [ "${PROFILE:-0}" = 1 ]; then  # ours alone
     seq=$(echo ${!cfg} $flags | grep -oE -- '--seq-length [0-9]+' | tail -1 | awk '{print $2}')
     gbs=$(echo ${!cfg} $flags | grep -oE -- '--global-batch-size [0-9]+' | tail -1 | awk '{print $2}')
@@ -133,16 +148,18 @@ for r in ${ROWS:-$ALL}; do
 done
 # Rows of one and two GPUs as many at a time as the GPUs allow, each on its own GPUs.
 for ((i = 0; i < ${#ones[@]}; i += ngpu)); do
-  for ((g = 0; g < ngpu && i + g < ${#ones[@]}; g++)); do run_row "${ones[$((i + g))]}" "${devs[$g]}" & done
+  for ((g = 0; g < ngpu && i + g < ${#ones[@]}; g++)); do port=$(free_ports $((port + 2))); run_row "${ones[$((i + g))]}" "${devs[$g]}" $port & done
   wait
 done
 pairs=$((ngpu / 2))
 for ((i = 0; i < ${#twos[@]}; i += pairs)); do
-  for ((g = 0; g < pairs && i + g < ${#twos[@]}; g++)); do run_row "${twos[$((i + g))]}" "${devs[$((2 * g))]},${devs[$((2 * g + 1))]}" & done
+  for ((g = 0; g < pairs && i + g < ${#twos[@]}; g++)); do port=$(free_ports $((port + 2)))
+    run_row "${twos[$((i + g))]}" "${devs[$((2 * g))]},${devs[$((2 * g + 1))]}" $port &
+  done
   wait
 done
 if [ ${#fours[@]} -gt 0 ] && [ "$ngpu" -lt 4 ]; then
   echo "RESULT ${fours[*]}: need 4 GPUs, this machine has $ngpu"; fours=()
 fi
-for r in "${fours[@]}"; do run_row "$r"; done
+for r in "${fours[@]}"; do port=$(free_ports $((port + 2))); run_row "$r" "$four_devs" $port; done
 echo "round: ${#ones[@]} one-GPU, ${#twos[@]} two-GPU and ${#fours[@]} four-GPU rows in $(( $(date +%s) - T0 )) s; logs in $OUT"

@@ -37,3 +37,37 @@ def test_every_row_passes_argument_validation(monkeypatch):
                 validate_args(parse_args(argv=flags + extra))
             except (Exception, SystemExit) as e:  # argparse exits on an unknown flag
                 pytest.fail(f"row {row} ({gpus} GPUs){' + profiling' if extra else ''}: {type(e).__name__}: {e}")
+
+
+def test_rows_that_run_at_once_get_their_own_gpus_and_ports(tmp_path):
+    """One-GPU rows run four at a time on a 4-GPU machine and two-GPU rows two at a time: each needs its own
+    devices and rendezvous ports (rows that shared a port failed with EADDRINUSE), and GPUS= confines a round."""
+    bin_dir, mref = tmp_path / "bin", tmp_path / "mref"
+    bin_dir.mkdir()
+    mref.mkdir()
+    (bin_dir / "nvidia-smi").write_text('#!/bin/bash\nif [ "$1" = -L ]; then for i in 0 1 2 3; do echo "GPU $i"; done; '
+                                         'else echo "NVIDIA H200"; fi\n')
+    (bin_dir / "torchrun").write_text('#!/bin/bash\necho "OURS $CUDA_VISIBLE_DEVICES $2 $4" >> "$OUT/calls.txt"; '
+                                      'sleep 1\n')  # --nproc_per_node N --master_port P
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    (mref / "configs.sh").write_text(open(os.path.join(REFERENCE, "configs.sh")).read())
+    (mref / "res.py").write_text("")
+    out = tmp_path / "out"
+    env = dict(os.environ, MREF_DIR=str(mref), MREF="0", OUT=str(out), PATH=f"{bin_dir}:{os.environ['PATH']}")
+
+    def calls(**extra):
+        out.mkdir(exist_ok=True)
+        (out / "calls.txt").write_text("")
+        p = subprocess.run(["bash", SCRIPT], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                           env=dict(env, **extra))
+        assert p.returncode == 0, p.stderr
+        return [line.split()[1:] for line in (out / "calls.txt").read_text().splitlines()]
+
+    ones = calls(ROWS="l8b_1gpu g13_1gpu mix_1gpu fine_1gpu l8_tp2 mix_ep2")
+    assert sorted(d for d, n, _ in ones if n == "1") == ["0", "1", "2", "3"]
+    assert sorted(d for d, n, _ in ones if n == "2") == ["0,1", "2,3"]
+    assert len({port for *_, port in ones}) == len(ones) == 6
+    confined = calls(ROWS="l8b_1gpu mix_1gpu", GPUS="2,3", PORT="29900")
+    assert sorted(d for d, *_ in confined) == ["2", "3"]
+    assert all(int(port) >= 29902 for *_, port in confined) and len({p for *_, p in confined}) == 2
