@@ -8,6 +8,8 @@ One 4-rank world runs all layouts in turn against single-process runs of the sam
 layouts also without the aux loss, and with sigmoid scores + expert bias + the per-sequence aux loss, whose
 counts span the CP ranks). The clip (0.05) is active, so
 the grad norm, which must count each expert parameter once, steers the curve too."""
+import re
+
 import pytest
 
 from tests.fixtures.tiny_gpt import run_pretrain
@@ -77,7 +79,9 @@ def _layouts(ckpt_root, cache):
     for name, flags in LAYOUTS.items():
         saving = [k for k, (src, _) in RESHARD.items() if src == name]
         extra = f" {SAVE} {ckpt_root}/{saving[0]}" if saving else ""
-        out[name] = _train(flags + extra, cache)[0]
+        out[name], log = _train(flags + extra, cache)
+        if name == "ep4":
+            out["_ep4_log"] = log
     for name, (_, flags) in RESHARD.items():
         out[name] = _train(f"{flags} --load {ckpt_root}/{name}", cache)[0]
     return out
@@ -131,3 +135,16 @@ def test_log_line_has_moe_losses_and_load(runs):
     line = next(line for line in log.splitlines() if "iteration        2/" in line)
     assert line.index("lm loss:") < line.index("load_balancing_loss:") < line.index("z_loss:")
     assert "moe max load:" in line and "moe min load:" in line
+    assert "moe max rank load:" not in line  # one process: no expert parallelism
+
+
+def test_log_line_has_the_busiest_ep_ranks_load(runs):
+    """At EP=4 the log adds the busiest EP rank's share of the expert tokens over the mean; each rank's share is
+    the sum of its experts', so it lies between perfect balance and the busiest expert's share."""
+    _, layouts = runs
+    lines = [line for r in layouts for line in r["_ep4_log"].splitlines() if "iteration        2/" in line]
+    assert lines
+    for line in lines:
+        rank_load = float(re.search(r"moe max rank load: (\S+) \|", line).group(1))
+        max_load = float(re.search(r"moe max load: (\S+) \|", line).group(1))
+        assert 1.0 <= rank_load <= max_load + 1e-6, line

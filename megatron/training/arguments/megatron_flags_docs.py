@@ -4,7 +4,8 @@
     python -m megatron.training.arguments.megatron_flags_docs --check-docs   # exit 1 when it is stale
 
 Statuses come from the parsers the entry points build: pretrain_gpt.py's, plus the flags that only
-pretrain_bert.py or pretrain_t5.py define (run from the repository root, where those scripts live).
+pretrain_bert.py, pretrain_t5.py, pretrain_vlm.py or pretrain_vision_classify.py define (run from the repository
+root, where those scripts live).
 """
 import argparse
 import os
@@ -21,14 +22,22 @@ START, END = "<!-- megatron-flags-table:start -->", "<!-- megatron-flags-table:e
 REGENERATE = "python -m megatron.training.arguments.megatron_flags_docs --write-docs"
 
 
+OTHER_READERS = ("pretrain_bert.py", "pretrain_t5.py", "pretrain_vlm.py", "pretrain_vision_classify.py")
+
+
 def _entry_point_parsers():
-    """{script: parser} for the three entry points; BERT/T5 add their own flags before the registry."""
+    """{script: parser} for the entry points whose flags differ; each adds its own flags before the registry
+    (pretrain_hybrid.py and pretrain_mamba.py read pretrain_gpt.py's)."""
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    import pretrain_bert  # lazy: an entry script at the checkout root, on sys.path from above
-    import pretrain_t5  # lazy: an entry script at the checkout root, on sys.path from above
+    import pretrain_bert  # lazy: the entry scripts are at the checkout root, on sys.path from above
+    import pretrain_t5
+    import pretrain_vision_classify
+    import pretrain_vlm
     return {"pretrain_gpt.py": build_parser(), "pretrain_bert.py": build_parser(pretrain_bert.add_bert_args),
-            "pretrain_t5.py": build_parser(pretrain_t5.add_t5_args)}
+            "pretrain_t5.py": build_parser(pretrain_t5.add_t5_args),
+            "pretrain_vlm.py": build_parser(pretrain_vlm.add_vlm_extra_args),
+            "pretrain_vision_classify.py": build_parser(pretrain_vision_classify.add_vision_classify_args)}
 
 
 def _fmt(value):
@@ -52,8 +61,7 @@ def flag_rows():
         status, note = parsers["pretrain_gpt.py"].megatron_flags.get(first, (WORKS, ""))
         action = actions["pretrain_gpt.py"].get(first)
         if status != WORKS:
-            readers = [n for n in ("pretrain_bert.py", "pretrain_t5.py")
-                       if parsers[n].megatron_flags[first][0] == WORKS]
+            readers = [n for n in OTHER_READERS if parsers[n].megatron_flags[first][0] == WORKS]
             if readers:
                 status, action = WORKS, actions[readers[0]][first]
                 note = f"{' and '.join(readers)} only"

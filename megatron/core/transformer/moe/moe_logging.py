@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.process_groups_config import get_pg
+from megatron.core.process_groups_config import get_pg, get_pg_size
 
 _TRACKER: Dict[str, dict] = {}
 
@@ -87,22 +87,37 @@ def reduce_aux_losses_tracker_across_ranks(track_names: Optional[List[str]] = No
             values /= dist.get_world_size(group)
 
 
-def _expert_load_summary(num_layers: int, pg_collection=None):
-    """Device tensor [mean max-load, mean min-load] over MoE layers: each expert's tokens over the mean
-    tokens per expert, counted over all ranks of the step (1.0 = perfectly balanced)."""
+def _expert_load_summary(num_layers: int, pg_collection=None, ep_size: int = 1):
+    """Device tensor [max load, min load, max rank load], each the mean over MoE layers: an expert's tokens
+    over the mean tokens per expert, counted over all ranks of the step (1.0 = perfectly balanced); and with
+    expert parallelism (``ep_size`` > 1, experts in contiguous blocks per EP rank) the busiest EP rank's
+    tokens over the mean per rank, the factor by which that rank's expert GEMMs outlast the others' while
+    they wait for it in the combine all-to-all (0 without EP)."""
     entry = _TRACKER.get("_expert_load")
     pp_group, dp_group = _pp_and_dp_groups(pg_collection)
-    ratios = torch.zeros(2, device=_device())
+    ratios = torch.zeros(3, device=_device())
     layers = torch.zeros(1, device=_device())
     if entry is not None:
         for counts in entry["counts"].values():
             counts = _reduce(counts.clone(), entry.get("reduce_group"))
             counts = _reduce(counts, dp_group)
             mean = counts.mean().clamp(min=1e-9)
-            ratios += torch.stack([counts.max() / mean, counts.min() / mean]).to(ratios.device)
+            rank = torch.zeros((), device=counts.device)
+            if ep_size > 1 and counts.numel() % ep_size == 0:
+                per_rank = counts.view(ep_size, -1).sum(1)
+                rank = per_rank.max() / per_rank.mean().clamp(min=1e-9)
+            ratios += torch.stack([counts.max() / mean, counts.min() / mean, rank]).to(ratios.device)
             layers += 1
     both = _reduce(torch.cat([ratios, layers]), pp_group)
-    return both[:2] / both[2].clamp(min=1)
+    return both[:3] / both[3].clamp(min=1)
+
+
+def _ep_size(pg_collection) -> int:
+    """Expert-parallel ranks; 1 where the groups are not set up (a metrics call outside training)."""
+    try:
+        return get_pg_size(pg_collection, "ep", "MoE metrics")
+    except (AssertionError, AttributeError, RuntimeError, ValueError):
+        return 1
 
 
 def _device():
@@ -141,11 +156,16 @@ def track_moe_metrics(loss_scale: float, iteration: int, writer=None, wandb_writ
                 if pattern[i]:
                     scalars[f"moe/{name}_layer_{i}"] = values[i]
     if log_expert_load:
-        load = _expert_load_summary(num_layers, pg_collection)
+        ep_size = _ep_size(pg_collection)
+        load = _expert_load_summary(num_layers, pg_collection, ep_size)
         if total_loss_dict is not None:
             total_loss_dict["moe max load"] = total_loss_dict.get("moe max load", 0.0) + load[0]
             total_loss_dict["moe min load"] = total_loss_dict.get("moe min load", 0.0) + load[1]
+            if ep_size > 1:
+                total_loss_dict["moe max rank load"] = total_loss_dict.get("moe max rank load", 0.0) + load[2]
         scalars["moe/max_load"], scalars["moe/min_load"] = load[0], load[1]
+        if ep_size > 1:
+            scalars["moe/max_rank_load"] = load[2]
     if writer is not None or wandb_writer is not None:
         scalars = {key: float(value) for key, value in scalars.items()}
         for key, value in scalars.items():
