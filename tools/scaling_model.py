@@ -34,7 +34,9 @@ Assumptions (each also in docs/performance.md, "Scaling model"):
   fraction is (p-1)/(m vp). Each micro-batch sends its [s/CP/TP, b, h] activation forward and its gradient
   back; exposed with VP = 1, hidden behind compute with VP > 1 (Megatron's overlapped p2p of interleaving).
 - EP: per MoE layer and micro-batch 2 all-to-alls forward (dispatch, combine) and 2 backward of the top-k
-  copies of the rank's tokens, exposed (no shared-expert overlap assumed).
+  copies of the rank's tokens, exposed (no shared-expert overlap assumed). Uneven routing (the layout's
+  moe_rank_load, the log's `moe max rank load`) makes the busiest rank's expert GEMMs last that factor
+  longer, and every rank waits for them: (load - 1) x the routed experts' compute is added per MoE layer.
 - Links: a group of ranks whose span (stride x size, Megatron's rank order tp-cp-ep-dp-pp) fits in one
   node uses the intra-node bus bandwidth, interpolated by message size (log-linear, flat beyond the table,
   a constant time below it); a group spanning nodes runs at the inter-node bandwidth (its slowest link).
@@ -246,7 +248,14 @@ def predict(shape: ModelShape, lay: Layout, compute: Compute, bw: Bandwidth,
         tokens = act / tp * shape.topk
         t_ep = 4 * bw.seconds("all_to_all", tokens, ep, _intra(tp * cp, ep, lay))
 
-    t_stage = layers_per_stage * (t_layer + t_tp + t_cp + t_ep) + t_head  # the last stage: layers + logits
+    # Routing imbalance: the busiest EP rank's routed-expert GEMMs take moe_rank_load times the mean's.
+    t_imbalance = 0.0
+    if ep > 1 and lay.moe_rank_load > 1.0:
+        _, experts_per_layer, _ = param_counts(shape)
+        routed_flops = 6 * shape.seq * lay.mbs * experts_per_layer / shape.experts * shape.topk
+        t_imbalance = (lay.moe_rank_load - 1.0) * routed_flops * redo / (tp * cp) / rate
+
+    t_stage = layers_per_stage * (t_layer + t_tp + t_cp + t_ep + t_imbalance) + t_head  # last stage: + logits
     compute_per_mb = layers_per_stage * t_layer + t_head
     t_bubble = (pp - 1) / vp * t_stage
     t_p2p = 0.0
@@ -280,6 +289,7 @@ def predict(shape: ModelShape, lay: Layout, compute: Compute, bw: Bandwidth,
 
     parts = {"compute": m * compute_per_mb, "tp_exposed": m * layers_per_stage * t_tp,
              "cp_exposed": m * layers_per_stage * t_cp, "ep_all_to_all": m * layers_per_stage * t_ep,
+             "moe_imbalance": m * layers_per_stage * t_imbalance,
              "pp_bubble": t_bubble, "pp_p2p": t_p2p, "dp_grad_reduce": t_rs_exposed,
              "dp_param_gather": t_ag_exposed, "optimizer": t_opt}
     iteration = sum(parts.values())
@@ -425,7 +435,7 @@ def cmd_predict(args) -> int:
                  ep=args.ep, tp_comm_overlap=args.tp_comm_overlap, recompute=args.recompute,
                  gpus_per_node=args.gpus_per_node, sp=False if args.no_sequence_parallel else None,
                  dist_opt=not args.no_distributed_optimizer, overlap_grad_reduce=not args.no_overlap,
-                 overlap_param_gather=not args.no_overlap)
+                 overlap_param_gather=not args.no_overlap, moe_rank_load=args.moe_rank_load)
     pred = predict(shape, lay, computes[key], load_bandwidth(args.bandwidth))
     print(f"{args.model} on {lay.gpus} GPUs (TP {lay.tp} PP {lay.pp} VP {lay.vp} CP {lay.cp} EP {lay.ep} DP "
           f"{lay.dp}, {pred['microbatches']} micro-batches): {pred['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
@@ -466,6 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--no-distributed-optimizer", action="store_true", help="DP all-reduce, unsharded optimizer")
     q.add_argument("--no-overlap", action="store_true", help="without --overlap-grad-reduce/--overlap-param-gather")
     q.add_argument("--recompute", action="store_true", help="full activation recompute")
+    q.add_argument("--moe-rank-load", type=float, default=1.0, help="with EP: the busiest rank's expert tokens "
+                   "over the mean (the training log's `moe max rank load`; 1.0 = balanced)")
     m = sub.add_parser("measure-bandwidth", help="bus bandwidth of the collectives (run under torchrun)")
     m.add_argument("--out", required=True)
     m.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64, 256])

@@ -73,6 +73,9 @@ class Layout:
     tp_comm_overlap: bool = False
     recompute: bool = False  # full activation recompute (one more forward per layer)
     gpus_per_node: int = 8
+    # With EP: the busiest EP rank's expert tokens over the mean per rank (the log's `moe max rank load`);
+    # 1.0 = balanced routing. The other ranks wait for that one in each MoE layer's combine all-to-all.
+    moe_rank_load: float = 1.0
 
     @property
     def dp(self) -> int:
@@ -103,6 +106,9 @@ class Layout:
             raise ValueError(f"layout: EP {self.ep} needs an MoE model whose experts and DP x CP it divides")
         if self.vp > 1 and self.pp == 1:
             raise ValueError("layout: VP > 1 needs PP > 1")
+        if self.moe_rank_load < 1.0:
+            raise ValueError(f"layout: moe_rank_load {self.moe_rank_load} is below 1.0 (the busiest rank carries at "
+                             "least the mean)")
 
 
 def layout_from_dict(d: Dict) -> Layout:

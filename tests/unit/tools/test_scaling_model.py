@@ -158,6 +158,25 @@ def test_published_mode_prints_the_three_rows(capsys):
         assert f"| {published} |" in line
 
 
+def test_routing_imbalance_adds_the_busiest_ranks_extra_expert_work():
+    """moe_rank_load L adds (L - 1) x the routed experts' GEMM time per MoE layer and micro-batch with EP; on one
+    EP rank every expert is local and imbalance costs nothing."""
+    shape = PRESETS["MOE_MIXTRAL"]
+    lay = dict(gpus=4, gbs=32, mbs=2, ep=4, dist_opt=False)
+    balanced = predict(shape, Layout(**lay), RATE, NO_COMM)
+    skewed = predict(shape, Layout(**lay, moe_rank_load=1.5), RATE, NO_COMM)
+    # 8 experts of 3 x 2048 x 5632, top-2: the routed FLOPs of one MoE layer and micro-batch (fwd + bwd).
+    routed = 6 * 4096 * 2 * 3 * 2048 * 5632 * 2
+    per_mb = 0.5 * routed / RATE.rate / (2048 / (2048 + Assumptions().gemm_knee))
+    assert skewed["ms"]["moe_imbalance"] == pytest.approx(4 * 8 * per_mb * 1e3, rel=1e-9)  # 4 mb x 8 layers
+    assert skewed["iteration_ms"] - balanced["iteration_ms"] == pytest.approx(skewed["ms"]["moe_imbalance"])
+    assert balanced["ms"]["moe_imbalance"] == 0.0
+    one_rank = dict(lay, gpus=1, gbs=8, ep=1)
+    assert predict(shape, Layout(**one_rank, moe_rank_load=1.5), RATE, NO_COMM)["ms"]["moe_imbalance"] == 0.0
+    with pytest.raises(ValueError, match="below 1.0"):
+        predict(shape, Layout(**lay, moe_rank_load=0.9), RATE, NO_COMM)
+
+
 def test_layout_errors_name_the_problem():
     with pytest.raises(ValueError, match="not a multiple of TP x PP x CP"):
         predict(PRESETS["LLAMA8B"], Layout(gpus=6, gbs=8, tp=4), RATE, NO_COMM)
