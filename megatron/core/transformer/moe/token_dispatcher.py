@@ -255,6 +255,17 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
         event.record()
         return host, event
 
+    def _static_counts(self, num_tokens: int):
+        """C[u][j][e] without communication when the router pads every expert to capacity
+        (--moe-pad-expert-input-to-capacity): each rank sends each expert exactly its capacity, which depends
+        only on the rank's token count, the same on every rank of the EP group (as Megatron's drop-and-pad
+        all-to-all assumes, with its equal splits). None when the counts must be exchanged and read."""
+        c = self.config
+        if not c.moe_pad_expert_input_to_capacity or c.moe_expert_capacity_factor is None:
+            return None
+        cap = self._num_out_tokens(num_tokens) // self.num_experts
+        return [[[cap] * self.num_experts for _ in range(self.ep_size)] for _ in range(self.etp_size)]
+
     def _read_counts(self, pending) -> List:
         host, event = pending
         if event is not None:
@@ -271,9 +282,14 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
                 x, routing_map, probs, num_out_tokens=self._num_out_tokens(x.shape[0]), topk=self.exact_topk)
             self.expert_probs = self.permuted_probs
             return flush_wgrad_on_backward(permuted, self.wgrad_store), routing_map.sum(dim=0)
-        pending = self._start_counts(routing_map)
         t, m, El, ep = self.etp_rank, self.ep_rank, self.num_local_experts, self.ep_size
-        if self.exact_topk is not None:
+        C = self._static_counts(x.shape[0])
+        pending = self._start_counts(routing_map) if C is None else None
+        if C is not None:  # padded to capacity: every count is known, nothing travels or is read
+            mine = C[t][m]
+            permuted, self.permuted_probs, self.sorted_indices = self._permute(
+                x, routing_map, probs, num_out_tokens=sum(mine), topk=self.exact_topk)
+        elif self.exact_topk is not None:
             # Without dropping the permutation's size is T * k: queue it before the host waits for the
             # counts, so the GPU permutes while the counts travel (the wait no longer idles the GPU).
             permuted, self.permuted_probs, self.sorted_indices = self._permute(
