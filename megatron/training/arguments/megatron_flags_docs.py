@@ -30,10 +30,10 @@ def _entry_point_parsers():
     (pretrain_hybrid.py and pretrain_mamba.py read pretrain_gpt.py's)."""
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    import pretrain_bert  # lazy: the entry scripts are at the checkout root, on sys.path from above
-    import pretrain_t5
-    import pretrain_vision_classify
-    import pretrain_vlm
+    import pretrain_bert  # lazy: an entry script at the checkout root, on sys.path from above
+    import pretrain_t5  # lazy: an entry script at the checkout root, on sys.path from above
+    import pretrain_vision_classify  # lazy: an entry script at the checkout root, on sys.path from above
+    import pretrain_vlm  # lazy: an entry script at the checkout root, on sys.path from above
     return {"pretrain_gpt.py": build_parser(), "pretrain_bert.py": build_parser(pretrain_bert.add_bert_args),
             "pretrain_t5.py": build_parser(pretrain_t5.add_t5_args),
             "pretrain_vlm.py": build_parser(pretrain_vlm.add_vlm_extra_args),
