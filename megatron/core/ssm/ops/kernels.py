@@ -32,9 +32,19 @@ def _say_once(what: str, message: str) -> None:
         logger.warning(message)
 
 
+def keep_autotuning_on_disk() -> None:
+    """Triton times every candidate config of an autotuned kernel again in each new process: for the SSD and gated
+    delta rule kernels, tens of seconds at every start (a restarted job, each rank, each test process) before the
+    first step. ``TRITON_CACHE_AUTOTUNING=1`` keeps each winner in Triton's disk cache (``TRITON_CACHE_DIR``) for
+    the next process; Triton reads it when a kernel is defined, i.e. when its module is imported, so it is set
+    before the first import of those modules, unless the environment already chose (``0`` keeps re-timing)."""
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+
+
 def load_mamba_ssm_triton():
     """``mamba_ssm.ops.triton.ssd_combined`` or None. Without the CUDA extension the package's own
     ``__init__`` fails, so the package is registered bare (its path only) and the Triton module imported."""
+    keep_autotuning_on_disk()
     try:
         return importlib.import_module("mamba_ssm.ops.triton.ssd_combined")
     except ImportError as e:
@@ -118,6 +128,7 @@ def gated_delta_kernel(t: torch.Tensor):
     if not _triton_wanted(t):
         return chunk_gated_delta_rule_torch
     if "gdn" not in _cache:
+        keep_autotuning_on_disk()
         unsafe = _fla_unsafe_here(t.device)
         if unsafe:
             _cache["gdn"] = _fla_with_torch_dqkwg(unsafe)
