@@ -130,6 +130,32 @@ def _print_ranks(reports: Dict[str, Dict]) -> None:
         print("| " + " | ".join(cells) + " |")
     print("(ms in the profiled window; forward/backward/optimizer: compute issued inside each range; exposed: "
           "communication with no compute running; bubble: the part of the forward/backward schedule without compute)")
+    spread = comm_spread(reports)
+    for kind, c in spread.items():
+        print(f"  {kind} exposed per rank: min {c['min_ms']:.1f}, mean {c['mean_ms']:.1f}, max {c['max_ms']:.1f} "
+              f"ms (rank {c['max_rank']}); above the least-waiting rank: {c['wait_ms']:.1f} ms on average")
+    if spread:
+        print("(a collective ends on every rank when the last one joins: the exposed time a rank has above the "
+              "least-waiting rank is time spent waiting for slower peers, e.g. the busiest expert-parallel rank "
+              "in the all-to-all, or the stage before in the pipeline)")
+
+
+def comm_spread(reports: Dict[str, Dict]) -> Dict[str, Dict]:
+    """Per collective kind seen on every rank: exposed ms min / mean / max over the ranks, the rank with the most,
+    and the mean excess over the minimum (``wait_ms``). The least-waiting rank's exposed time is the transfer
+    itself plus what all ranks share; the excess of the others is waiting for a slower peer, which a balanced
+    load (routing, pipeline stages) would not pay."""
+    timelines = {r.get("rank"): r["timeline"] for r in reports.values() if "timeline" in r}
+    if len(timelines) < 2:
+        return {}
+    kinds = set.intersection(*(set(t["comm"]) for t in timelines.values()))
+    out = {}
+    for kind in sorted(kinds):
+        exposed = {rank: t["comm"][kind]["exposed_ms"] for rank, t in timelines.items()}
+        low, mean = min(exposed.values()), sum(exposed.values()) / len(exposed)
+        out[kind] = {"min_ms": low, "mean_ms": mean, "max_ms": max(exposed.values()),
+                     "max_rank": max(exposed, key=exposed.get), "wait_ms": mean - low}
+    return out
 
 
 def _print(path: str, report: Dict) -> None:

@@ -83,3 +83,28 @@ def test_gpu_timeline_exposed_communication_and_bubble():
     assert (ms(p["schedule_ms"]), ms(p["bubble_ms"]), ms(p["bubble_p2p_ms"]), ms(p["bubble_idle_ms"])) == \
         (230, 70, 40, 30)
     assert t["host_gaps"]["count"] == 3 and t["host_gaps"]["longest_us"] == [30.0, 20.0, 20.0]
+
+
+def test_collective_spread_across_ranks_is_the_wait_for_slower_peers(tmp_path, capsys):
+    """Two ranks of the same step: rank 1 spends 60 us more in an exposed all-to-all than rank 0 (it waited for
+    rank 0's longer expert GEMM): the report lists min / mean / max and the mean excess over the least-waiting."""
+    a2a = "ncclDevKernel_SendRecv"  # NCCL runs all-to-all as send/recv kernels: the launching range names it
+    paths = []
+    for rank, (gemm, wait) in enumerate(((100, 20), (40, 80))):
+        events = [{**_x("forward", "user_annotation", 0, 200), "pid": 1, "tid": 1}, _launch(1, 1),
+                  _k("expert_gemm", 10, gemm, 1),
+                  {**_x("nccl:all_to_all", "user_annotation", 5, 5), "pid": 1, "tid": 1}, _launch(6, 2),
+                  _k(a2a, 10 + gemm, wait, 2, stream=9)]
+        path = tmp_path / f"rank{rank}.host.1.pt.trace.json"
+        path.write_text(json.dumps({"traceEvents": events, "distributedInfo": {"rank": rank}}))
+        paths.append(str(path))
+    assert main(paths + ["--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    from tools.trace_report import comm_spread
+    reports = json.loads((tmp_path / "r.json").read_text())
+    spread = comm_spread(reports)
+    assert list(spread) == ["all_to_all"]
+    c = spread["all_to_all"]
+    assert (round(c["min_ms"] * 1e3), round(c["max_ms"] * 1e3), c["max_rank"]) == (20, 80, 1)
+    assert round(c["wait_ms"] * 1e3) == 30  # mean 50 us, least 20 us
+    assert "all_to_all exposed per rank: min 0.0, mean 0.1, max 0.1 ms (rank 1)" in out
