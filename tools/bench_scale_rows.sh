@@ -8,6 +8,7 @@
 #   ROWS="l8_tp2 l8b_dp2 mix_ep2" bash tools/bench_scale_rows.sh        # a chosen few
 #   MREF=0 ROWS="mix_ep2_overlap fine_ep2_overlap" bash tools/bench_scale_rows.sh   # ours only
 #   TRAIN_ITERS=15 ROWS="l8b_dp4" bash tools/bench_scale_rows.sh   # fewer iterations (the median is of 11+)
+#   (with EP, a LOAD line per row gives our log's median `moe max rank load`: the scaling model's moe_rank_load)
 #   bash tools/bench_scale_rows.sh --list                                # the rows and their flags
 #   PROFILE=1 MREF=0 ROWS="l8_tp2 nemo_cp2" bash tools/bench_scale_rows.sh   # ours, one profiled step each:
 #       --profile --use-pytorch-profiler on step 8, every rank's Chrome trace under $OUT/tb_<row>/ and
@@ -114,6 +115,21 @@ while True:
 print(p)
 PY
 }
+rank_load() {  # rank_load NAME LOG: with EP, the median `moe max rank load` of iterations 11+ (the scaling
+  # model's moe_rank_load for this row), one LOAD line; nothing for rows without it
+  python3 - "$1" "$2" <<'PY'
+import re, statistics, sys
+name, path = sys.argv[1], sys.argv[2]
+try:
+    text = open(path, errors="replace").read()
+except OSError:
+    sys.exit()
+loads = [float(m.group(2)) for m in re.finditer(r"iteration\s+(\d+)/.*?moe max rank load: ([\d.E+-]+)", text)
+         if int(m.group(1)) > 10]
+if loads:
+    print(f"LOAD ours_{name}: moe max rank load median {statistics.median(loads):.3f} over {len(loads)} iterations")
+PY
+}
 run_row() {  # run_row NAME CUDA_VISIBLE_DEVICES PORT (rendezvous ports PORT and PORT + 1)
   local name=$1 devices=$2 port=$3 spec n cfg flags seq gbs
   spec=$(row "$name") || { echo "RESULT $name: unknown row (--list)"; return; }
@@ -137,6 +153,7 @@ run_row() {  # run_row NAME CUDA_VISIBLE_DEVICES PORT (rendezvous ports PORT and
   else
     CUDA_VISIBLE_DEVICES=$devices PORT=$port OUT=$OUT bash "$R/side_by_side.sh" "$name" "$n" "$cfg" $flags
   fi
+  rank_load "$name" "$OUT/ours_$name.log"
   echo "[t+$(( $(date +%s) - T0 ))s] $name done" >> "$OUT/steps.txt"
 }
 # GPUS=2,3 confines a round to those GPUs, so two rounds (own PORT, own OUT) can run at once on disjoint GPUs.

@@ -48,7 +48,8 @@ def test_rows_that_run_at_once_get_their_own_gpus_and_ports(tmp_path):
     (bin_dir / "nvidia-smi").write_text('#!/bin/bash\nif [ "$1" = -L ]; then for i in 0 1 2 3; do echo "GPU $i"; done; '
                                          'else echo "NVIDIA H200"; fi\n')
     (bin_dir / "torchrun").write_text('#!/bin/bash\necho "OURS $CUDA_VISIBLE_DEVICES $2 $4" >> "$OUT/calls.txt"; '
-                                      'sleep 1\n')  # --nproc_per_node N --master_port P
+                                      'echo " iteration       11/      15 | moe max rank load: 1.250000E+00 |"; '
+                                      'sleep 1\n')  # --nproc_per_node N --master_port P; a log line
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     (mref / "configs.sh").write_text(open(os.path.join(REFERENCE, "configs.sh")).read())
@@ -62,12 +63,17 @@ def test_rows_that_run_at_once_get_their_own_gpus_and_ports(tmp_path):
         p = subprocess.run(["bash", SCRIPT], capture_output=True, text=True, timeout=120, cwd=ROOT,
                            env=dict(env, **extra))
         assert p.returncode == 0, p.stderr
+        stdout.append(p.stdout)
         return [line.split()[1:] for line in (out / "calls.txt").read_text().splitlines()]
+
+    stdout = []
 
     ones = calls(ROWS="l8b_1gpu g13_1gpu mix_1gpu fine_1gpu l8_tp2 mix_ep2")
     assert sorted(d for d, n, _ in ones if n == "1") == ["0", "1", "2", "3"]
     assert sorted(d for d, n, _ in ones if n == "2") == ["0,1", "2,3"]
     assert len({port for *_, port in ones}) == len(ones) == 6
+    # Each row's median busiest-EP-rank load from our log (the scaling model's moe_rank_load).
+    assert "LOAD ours_mix_ep2: moe max rank load median 1.250 over 1 iterations" in stdout[-1]
     confined = calls(ROWS="l8b_1gpu mix_1gpu", GPUS="2,3", PORT="29900")
     assert sorted(d for d, *_ in confined) == ["2", "3"]
     assert all(int(port) >= 29902 for *_, port in confined) and len({p for *_, p in confined}) == 2
