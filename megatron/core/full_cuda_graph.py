@@ -143,21 +143,27 @@ class FullCudaGraphWrapper:
             self.steps += 1
             return run(data_iterator)
         iterator = data_iterator[0] if isinstance(data_iterator, (list, tuple)) else data_iterator
-        if iterator is None:
-            raise RuntimeError("--cuda-graph-impl full_iteration needs the data iterator on this rank "
-                               "(tensor and pipeline parallel size 1)")
-        batches = [next(iterator) for _ in range(num_microbatches)]
+        # A rank without the iterator (TP rank > 0: its forward step receives TP rank 0's batch by broadcast
+        # and never reads one) captures that broadcast's receiving side and has no buffers to refill.
+        batches = None if iterator is None else [next(iterator) for _ in range(num_microbatches)]
         if self.graph is None:
-            self.static = StaticBatches(_device_of(model))
-            static = self.static.load(batches)
             self.graph = self.graph_factory()
             self.captured_microbatches = num_microbatches
-            self.outputs = self.graph.capture(lambda: run(_wrap_like(data_iterator, iter(static))))
+            if batches is None:
+                self.outputs = self.graph.capture(lambda: run(data_iterator))
+            else:
+                self.static = StaticBatches(_device_of(model))
+                static = self.static.load(batches)
+                self.outputs = self.graph.capture(lambda: run(_wrap_like(data_iterator, iter(static))))
         else:
             if num_microbatches != self.captured_microbatches:
                 raise RuntimeError(f"--cuda-graph-impl full_iteration: captured {self.captured_microbatches} "
                                    f"micro-batches per step, this step has {num_microbatches}")
-            self.static.load(batches)
+            if (batches is None) != (self.static is None):
+                raise RuntimeError("--cuda-graph-impl full_iteration: the data iterator appeared or vanished on "
+                                   "this rank after the capture")
+            if batches is not None:
+                self.static.load(batches)
         self.graph.replay()
         self.steps += 1
         self.replayed = True

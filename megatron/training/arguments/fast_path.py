@@ -68,9 +68,22 @@ def validate_cuda_graph_args(args, require):
     flag = "--cuda-graph-impl full_iteration"
     # Each refusal names the blocker: a host sync, an exchange outside the graph, or RNG states saved
     # through the host inside the step.
-    require(args.tensor_model_parallel_size == 1 and args.pipeline_model_parallel_size == 1,
-            f"{flag} supports tensor and pipeline parallel size 1 (TP broadcasts batch shapes to the host and "
-            "PP exchanges activations between ranks inside the step); drop the flag or the TP/PP sizes")
+    require(args.pipeline_model_parallel_size == 1,
+            f"{flag} supports pipeline parallel size 1 (PP exchanges activations between ranks inside the step "
+            "on a schedule the graph does not capture); drop the flag or --pipeline-model-parallel-size")
+    if args.tensor_model_parallel_size > 1:
+        # TP is captured: TP rank 0's batch broadcast has shapes every rank knows (no size exchange), and the
+        # sequence-parallel all-gathers / reduce-scatters and the vocab-parallel loss are NCCL collectives.
+        tp = f"{flag} with --tensor-model-parallel-size > 1"
+        require(not args.tp_comm_overlap,
+                f"{tp}: --tp-comm-overlap pipelines its transfers on a side stream with symmetric-memory "
+                "barriers the graph does not capture; drop one of the two")
+        require(not (args.reset_attention_mask or getattr(args, "sft", False)),
+                f"{tp}: packed documents' offsets differ per sample, so their broadcast reads sizes on the "
+                "host; drop --reset-attention-mask / --sft or the TP size")
+        require(not args.num_experts,
+                f"{tp}: the MoE layer's token dispatch under TP reads token counts on the host; drop the flag "
+                "or run the MoE model with TP 1")
     require(args.context_parallel_size == 1, f"{flag} does not support --context-parallel-size > 1")
     # Data parallelism is captured with the graph: the DDP buckets' NCCL all-reduce / reduce-scatter
     # are recorded in it (NCCL >= 2.9.6). The distributed optimizer's overlapped param all-gather is not:

@@ -56,8 +56,16 @@ def test_refused_combinations_name_the_flag(extra, match):
 def test_layouts(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert _args("--cuda-graph-impl full_iteration").data_parallel_size == 2  # DP is captured
-    with pytest.raises(ArgumentError, match="tensor and pipeline parallel size 1"):
-        _args("--cuda-graph-impl full_iteration --tensor-model-parallel-size 2")
+    tp = "--cuda-graph-impl full_iteration --tensor-model-parallel-size 2"
+    assert _args(tp).tensor_model_parallel_size == 2  # TP is captured (tests/parallel/test_full_cuda_graph_tp.py)
+    assert _args(tp + " --sequence-parallel").sequence_parallel
+    for extra, match in (("--tp-comm-overlap --sequence-parallel", "--tp-comm-overlap"),
+                         ("--reset-attention-mask", "packed documents"),
+                         ("--num-experts 4 --disable-bias-linear", "MoE")):
+        with pytest.raises(ArgumentError, match=match):
+            _args(f"{tp} {extra}")
+    with pytest.raises(ArgumentError, match="pipeline parallel size 1"):
+        _args("--cuda-graph-impl full_iteration --pipeline-model-parallel-size 2 --num-layers 2")
 
 
 def test_attention_dropout_accepted():
