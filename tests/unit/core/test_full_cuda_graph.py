@@ -57,15 +57,17 @@ def test_layouts(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert _args("--cuda-graph-impl full_iteration").data_parallel_size == 2  # DP is captured
     tp = "--cuda-graph-impl full_iteration --tensor-model-parallel-size 2"
-    assert _args(tp).tensor_model_parallel_size == 2  # TP is captured (tests/parallel/test_full_cuda_graph_tp.py)
+    assert _args(tp).tensor_model_parallel_size == 2  # TP is captured (tests/parallel/test_full_cuda_graph_model_parallel.py)
     assert _args(tp + " --sequence-parallel").sequence_parallel
     for extra, match in (("--tp-comm-overlap --sequence-parallel", "--tp-comm-overlap"),
                          ("--reset-attention-mask", "packed documents"),
                          ("--num-experts 4 --disable-bias-linear", "MoE")):
         with pytest.raises(ArgumentError, match=match):
             _args(f"{tp} {extra}")
-    with pytest.raises(ArgumentError, match="pipeline parallel size 1"):
-        _args("--cuda-graph-impl full_iteration --pipeline-model-parallel-size 2 --num-layers 2")
+    pp = "--cuda-graph-impl full_iteration --pipeline-model-parallel-size 2 --num-layers 4"
+    assert _args(pp).pipeline_model_parallel_size == 2  # PP (1F1B) is captured
+    with pytest.raises(ArgumentError, match="interleaved pipeline schedule"):
+        _args(pp + " --num-layers-per-virtual-pipeline-stage 1")
 
 
 def test_attention_dropout_accepted():

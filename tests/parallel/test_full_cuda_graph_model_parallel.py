@@ -1,9 +1,10 @@
-"""--cuda-graph-impl full_iteration with tensor parallelism, through pretrain() on 2 gloo ranks (TP=2, with and
-without sequence parallelism). A CUDA graph cannot be captured on CPU, so the wrapper gets a graph whose replay
-re-runs the captured function (tests/unit/core/test_full_cuda_graph.py's): TP rank 0 then reads every replayed
-step's micro-batches from the static buffers the wrapper refills, and TP rank 1, which has no data iterator,
-receives them by the broadcast inside the captured step. The losses equal the eager run's bitwise.
-tests/gpu/test_full_cuda_graph_tp_gpu.py runs the same comparison with real graphs over NCCL."""
+"""--cuda-graph-impl full_iteration with tensor and pipeline parallelism, through pretrain() on 2 gloo ranks
+(TP=2 with and without sequence parallelism, PP=2). A CUDA graph cannot be captured on CPU, so the wrapper gets a
+graph whose replay re-runs the captured function (tests/unit/core/test_full_cuda_graph.py's): a rank with a data
+iterator (TP rank 0; the first and the last pipeline stage) then reads every replayed step's micro-batches from the
+static buffers the wrapper refills, and TP rank 1, which has none, receives them by the broadcast inside the
+captured step. The losses equal the eager run's bitwise.
+tests/gpu/test_full_cuda_graph_model_parallel_gpu.py runs the same comparisons with real graphs over NCCL."""
 import pytest
 
 from tests.fixtures.tiny_gpt import mock_data_cache, run_pretrain
@@ -13,10 +14,13 @@ MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 1
          "--vocab-size 128 --make-vocab-size-divisible-by 32 --tokenizer-type NullTokenizer --mock-data --lr 1e-2 "
          "--train-iters 6 --swiglu --hidden-dropout 0 --attention-dropout 0 --log-interval 1 --eval-iters 0 "
          "--eval-interval 1000 --num-workers 0 --global-batch-size 4 --micro-batch-size 2 --seed 1234 "
-         "--disable-bias-linear --tensor-model-parallel-size 2 --cuda-graph-warmup-steps 2")
+         "--disable-bias-linear --cuda-graph-warmup-steps 2")
+LAYOUTS = {"tp2": "--tensor-model-parallel-size 2",
+           "tp2_sp": "--tensor-model-parallel-size 2 --sequence-parallel",
+           "pp2": "--pipeline-model-parallel-size 2"}
 
 
-def _runs(sp):
+def _runs(layout):
     import megatron.training.train_step as train_step_module
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
@@ -33,7 +37,7 @@ def _runs(sp):
         def __init__(self, forward_backward_func, warmup_steps):
             super().__init__(forward_backward_func, warmup_steps, graph_factory=CountingGraph)
 
-    flags = MODEL + (" --sequence-parallel" if sp else "")
+    flags = MODEL + " " + LAYOUTS[layout]
     out = {}
     for name, extra in (("eager", ""), ("graph", " --cuda-graph-impl full_iteration")):
         curve = []
@@ -43,8 +47,8 @@ def _runs(sp):
         CudaRNGStatesTracker.set_graph_safe = lambda self, enabled: set_graph_safe(self, False)
         try:
             run_pretrain((flags + extra).split(),
-                         lambda model, optimizer, result: curve.append((float(result[0]["lm loss"]),
-                                                                        float(result[2]))))
+                         lambda model, optimizer, result: curve.append(
+                             (float(result[0]["lm loss"]) if result[0] else None, float(result[2]))))
         finally:
             train_step_module.FullCudaGraphWrapper, CudaRNGStatesTracker.set_graph_safe = wrapper, set_graph_safe
         out[name] = curve
@@ -57,9 +61,11 @@ def _mock_data_cache(tmp_path_factory):
     yield from mock_data_cache(tmp_path_factory)
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
-def test_tp2_graph_equals_eager(sp):
-    for rank in run_distributed(_runs, 2, sp, timeout=600):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_graph_equals_eager(layout):
+    ranks = run_distributed(_runs, 2, layout, timeout=600)
+    for rank in ranks:
         assert rank["captures"] == 1  # one capture, then 3 replays after the 2 warm-up steps
         assert len(rank["graph"]) == 6 and rank["graph"] == rank["eager"]
-        assert len({loss for loss, _ in rank["graph"][2:]}) == 4  # the replayed steps trained on new data
+    # The losses are reported by the last pipeline stage (both ranks without PP): the replayed steps trained.
+    assert len({loss for loss, _ in ranks[-1]["graph"][2:]}) == 4
