@@ -57,7 +57,7 @@ def test_layouts(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert _args("--cuda-graph-impl full_iteration").data_parallel_size == 2  # DP is captured
     tp = "--cuda-graph-impl full_iteration --tensor-model-parallel-size 2"
-    assert _args(tp).tensor_model_parallel_size == 2  # TP is captured (tests/parallel/test_full_cuda_graph_model_parallel.py)
+    assert _args(tp).tensor_model_parallel_size == 2  # TP is captured (tests/parallel/: bitwise on CPU)
     assert _args(tp + " --sequence-parallel").sequence_parallel
     for extra, match in (("--tp-comm-overlap --sequence-parallel", "--tp-comm-overlap"),
                          ("--reset-attention-mask", "packed documents"),
