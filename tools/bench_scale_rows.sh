@@ -22,6 +22,8 @@
 #   four GPUs (issues 44 and 45): l8b_dp4 / l8b_tp2dp2 / l8b_tp4 / l8b_pp2dp2 / l8b_pp4_vp / l8b_cp2dp2_16k /
 #     nemo_cp2dp2 / cp4_64k / cp4_128k / mix_ep4 / fine_ep4 / mix_ep2dp2 / mix_ep2pp2 / qwen3_ep4 / dsv3_ep4 /
 #     mix_ep4_pad (capacity factor 1.0, padded: no routing imbalance, no count exchange; tokens are dropped)
+#   l8_tp2_graph (ours only: l8_tp2 as one CUDA graph per step, --cuda-graph-impl full_iteration, without the
+#   TP overlap the graph refuses);
 #   *_overlap (ours only: --overlap-moe-expert-parallel-comm --delay-wgrad-compute, which needs
 #   CUDA_DEVICE_MAX_CONNECTIONS > 1 where side_by_side.sh sets 1): mix_ep2_overlap / fine_ep2_overlap /
 #   mix_ep4_overlap / fine_ep4_overlap
@@ -40,6 +42,7 @@ row() {
     l8b_1gpu)        echo "1 LLAMA8B --num-layers 8 --global-batch-size 4" ;;
     g13_1gpu)        echo "1 GPT13B" ;;
     l8_tp2)          echo "2 LLAMA8B --num-layers 8 --tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap" ;;
+    l8_tp2_graph)    echo "2 LLAMA8B --num-layers 8 --tensor-model-parallel-size 2 --sequence-parallel --cuda-graph-impl full_iteration" ;;
     l8b_tp2)         echo "2 LLAMA8B --tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap" ;;
     l8b_dp2)         echo "2 LLAMA8B --global-batch-size 8 $OVERLAPS" ;;
     l8b_pp2)         echo "2 LLAMA8B --pipeline-model-parallel-size 2 --global-batch-size 16" ;;
@@ -81,7 +84,7 @@ row() {
     *) return 1 ;;
   esac
 }
-ALL="l8b_1gpu g13_1gpu l8_tp2 l8b_tp2 l8b_dp2 l8b_pp2 l8b_pp2_vp l8b_cp2_16k l8_cp2_64k nemo_cp2 nemo_cp2_a2a nemo_cp2_ag g13_pp2 g13_dp2
+ALL="l8b_1gpu g13_1gpu l8_tp2 l8_tp2_graph l8b_tp2 l8b_dp2 l8b_pp2 l8b_pp2_vp l8b_cp2_16k l8_cp2_64k nemo_cp2 nemo_cp2_a2a nemo_cp2_ag g13_pp2 g13_dp2
 mix_ep2 fine_ep2 qwen3_ep2 dsv3_ep2 mix_ep2_overlap fine_ep2_overlap l8b_dp4 l8b_tp2dp2 l8b_tp4 l8b_pp2dp2 l8b_pp4_vp l8b_cp2dp2_16k nemo_cp2dp2 cp1_64k cp4_64k cp4_128k
 mix_1gpu fine_1gpu mix_ep4 fine_ep4 mix_ep2dp2 mix_ep2pp2 qwen3_ep4 dsv3_ep4 mix_ep4_pad mix_ep4_overlap fine_ep4_overlap"
 if [ "${1:-}" = "--list" ]; then
@@ -135,7 +138,7 @@ run_row() {  # run_row NAME CUDA_VISIBLE_DEVICES PORT (rendezvous ports PORT and
   spec=$(row "$name") || { echo "RESULT $name: unknown row (--list)"; return; }
   read -r n cfg flags <<< "$spec"
   [ -n "${TRAIN_ITERS:-}" ] && flags="$flags --train-iters $TRAIN_ITERS"  # both systems; the last flag wins
-  if [[ "$name" == *_overlap ]] || [ "${MREF:-1}" = 0 ] || [ "${PROFILE:-0}" = 1 ]; then  # ours alone
+  if [[ "$name" == *_overlap || "$name" == *_graph ]] || [ "${MREF:-1}" = 0 ] || [ "${PROFILE:-0}" = 1 ]; then  # ours alone
     seq=$(echo ${!cfg} $flags | grep -oE -- '--seq-length [0-9]+' | tail -1 | awk '{print $2}')
     gbs=$(echo ${!cfg} $flags | grep -oE -- '--global-batch-size [0-9]+' | tail -1 | awk '{print $2}')
     local prof=""
