@@ -22,8 +22,8 @@
 #   four GPUs (issues 44 and 45): l8b_dp4 / l8b_tp2dp2 / l8b_tp4 / l8b_pp2dp2 / l8b_pp4_vp / l8b_cp2dp2_16k /
 #     nemo_cp2dp2 / cp4_64k / cp4_128k / mix_ep4 / fine_ep4 / mix_ep2dp2 / mix_ep2pp2 / qwen3_ep4 / dsv3_ep4 /
 #     mix_ep4_pad (capacity factor 1.0, padded: no routing imbalance, no count exchange; tokens are dropped)
-#   l8_tp2_graph (ours only: l8_tp2 as one CUDA graph per step, --cuda-graph-impl full_iteration, without the
-#   TP overlap the graph refuses);
+#   l8_tp2_graph / mix_1gpu_graph / fine_1gpu_graph (ours only: the row as one CUDA graph per step,
+#   --cuda-graph-impl full_iteration; l8_tp2 without the TP overlap the graph refuses);
 #   *_overlap (ours only: --overlap-moe-expert-parallel-comm --delay-wgrad-compute, which needs
 #   CUDA_DEVICE_MAX_CONNECTIONS > 1 where side_by_side.sh sets 1): mix_ep2_overlap / fine_ep2_overlap /
 #   mix_ep4_overlap / fine_ep4_overlap
@@ -72,6 +72,8 @@ row() {
     cp4_128k)        echo "4 LLAMA8B $L8 --seq-length 131072 --max-position-embeddings 131072 --global-batch-size 1 --train-iters 14 --context-parallel-size 4" ;;
     mix_1gpu)        echo "1 MOE_MIXTRAL" ;;
     fine_1gpu)       echo "1 MOE_FINE" ;;
+    mix_1gpu_graph)  echo "1 MOE_MIXTRAL --cuda-graph-impl full_iteration" ;;
+    fine_1gpu_graph) echo "1 MOE_FINE --cuda-graph-impl full_iteration" ;;
     mix_ep4)         echo "4 MOE_MIXTRAL --expert-model-parallel-size 4 --global-batch-size 32" ;;
     fine_ep4)        echo "4 MOE_FINE --expert-model-parallel-size 4 --global-batch-size 32" ;;
     mix_ep2dp2)      echo "4 MOE_MIXTRAL --expert-model-parallel-size 2 --global-batch-size 32" ;;
@@ -86,7 +88,7 @@ row() {
 }
 ALL="l8b_1gpu g13_1gpu l8_tp2 l8_tp2_graph l8b_tp2 l8b_dp2 l8b_pp2 l8b_pp2_vp l8b_cp2_16k l8_cp2_64k nemo_cp2 nemo_cp2_a2a nemo_cp2_ag g13_pp2 g13_dp2
 mix_ep2 fine_ep2 qwen3_ep2 dsv3_ep2 mix_ep2_overlap fine_ep2_overlap l8b_dp4 l8b_tp2dp2 l8b_tp4 l8b_pp2dp2 l8b_pp4_vp l8b_cp2dp2_16k nemo_cp2dp2 cp1_64k cp4_64k cp4_128k
-mix_1gpu fine_1gpu mix_ep4 fine_ep4 mix_ep2dp2 mix_ep2pp2 qwen3_ep4 dsv3_ep4 mix_ep4_pad mix_ep4_overlap fine_ep4_overlap"
+mix_1gpu fine_1gpu mix_1gpu_graph fine_1gpu_graph mix_ep4 fine_ep4 mix_ep2dp2 mix_ep2pp2 qwen3_ep4 dsv3_ep4 mix_ep4_pad mix_ep4_overlap fine_ep4_overlap"
 if [ "${1:-}" = "--list" ]; then
   for r in $ALL; do printf '%-18s %s\n' "$r" "$(row "$r")"; done; exit 0
 fi

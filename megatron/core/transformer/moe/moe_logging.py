@@ -31,15 +31,21 @@ def save_to_aux_losses_tracker(name: str, loss: torch.Tensor, layer_number: int,
 
 
 def save_expert_load(tokens_per_expert: torch.Tensor, layer_number: int, num_layers: int, reduce_group=None):
-    """Record this micro-batch's tokens per expert of one layer (for the max/min load in the log)."""
+    """Record this micro-batch's tokens per expert of one layer (for the max/min load in the log).
+
+    Added in place into one tensor per layer that lives across steps (cleared in place), like the losses'
+    values: a whole-iteration CUDA graph replays the addition into the tensor it captured, without the Python
+    that would otherwise rebind it, and the log reads that tensor."""
     if layer_number is None:
         return
     entry = _TRACKER.setdefault("_expert_load", {"counts": {}})
     counts = entry["counts"]
-    t = tokens_per_expert.detach().float()
+    t = tokens_per_expert.detach()
     previous = counts.get(layer_number)
-    # Another model's counts (a different expert count) are replaced, not added to.
-    counts[layer_number] = t if previous is None or previous.shape != t.shape else previous + t
+    if previous is None or previous.shape != t.shape or previous.device != t.device:
+        counts[layer_number] = t.float().clone()  # another model (a different expert count) replaces it
+    else:
+        previous += t
     entry["reduce_group"] = reduce_group
 
 
@@ -47,7 +53,8 @@ def clear_aux_losses_tracker():
     for entry in _TRACKER.values():
         if "values" in entry:
             entry["values"].zero_()
-    _TRACKER.pop("_expert_load", None)
+        for counts in entry.get("counts", {}).values():
+            counts.zero_()
 
 
 def get_moe_layer_wise_logging_tracker():
@@ -106,8 +113,10 @@ def _expert_load_summary(num_layers: int, pg_collection=None, ep_size: int = 1):
             if ep_size > 1 and counts.numel() % ep_size == 0:
                 per_rank = counts.view(ep_size, -1).sum(1)
                 rank = per_rank.max() / per_rank.mean().clamp(min=1e-9)
-            ratios += torch.stack([counts.max() / mean, counts.min() / mean, rank]).to(ratios.device)
-            layers += 1
+            # A layer that routed nothing since the last clear (another model's slot) does not count.
+            routed = (counts.sum() > 0).float().to(ratios.device)
+            ratios += routed * torch.stack([counts.max() / mean, counts.min() / mean, rank]).to(ratios.device)
+            layers += routed
     both = _reduce(torch.cat([ratios, layers]), pp_group)
     return both[:3] / both[3].clamp(min=1)
 

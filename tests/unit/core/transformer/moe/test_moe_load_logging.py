@@ -27,3 +27,28 @@ def test_rank_load_is_absent_without_expert_parallelism():
     totals = {}
     moe_logging.track_moe_metrics(1.0, 1, total_loss_dict=totals, num_layers=1)
     assert "moe max load" in totals and "moe max rank load" not in totals
+
+
+def test_expert_load_accumulates_in_place_for_cuda_graph_replay():
+    """A whole-iteration CUDA graph replays the step's additions into the tensors it captured, without the
+    Python that saves them: the per-layer tensor must stay the same object across steps and clears."""
+    moe_logging.clear_aux_losses_tracker()
+    moe_logging.save_expert_load(torch.tensor([2, 1, 1, 0]), 1, 1)
+    stored = moe_logging.get_moe_layer_wise_logging_tracker()["_expert_load"]["counts"][1]
+    moe_logging.save_expert_load(torch.tensor([2, 1, 1, 0]), 1, 1)
+    moe_logging.clear_aux_losses_tracker()
+    assert float(stored.sum()) == 0.0
+    stored += torch.tensor([4.0, 2.0, 2.0, 0.0])  # what a replayed step writes, with no save call
+    assert moe_logging._expert_load_summary(1, None, 2).tolist() == [2.0, 0.0, 1.5]
+    moe_logging.save_expert_load(torch.tensor([1, 1, 1, 1]), 1, 1)
+    assert moe_logging.get_moe_layer_wise_logging_tracker()["_expert_load"]["counts"][1] is stored
+
+
+def test_layers_that_routed_nothing_since_the_clear_are_left_out():
+    """Another model's layer slot, zeroed by the clear and not written since, does not dilute the mean."""
+    moe_logging.clear_aux_losses_tracker()
+    moe_logging.save_expert_load(torch.tensor([1.0, 1.0]), 1, 2)
+    moe_logging.save_expert_load(torch.tensor([1.0, 1.0]), 2, 2)
+    moe_logging.clear_aux_losses_tracker()
+    moe_logging.save_expert_load(torch.tensor([3.0, 1.0]), 1, 2)  # layer 2 silent this step
+    assert moe_logging._expert_load_summary(2, None, 1).tolist()[:2] == [1.5, 0.5]
