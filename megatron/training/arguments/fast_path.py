@@ -85,10 +85,18 @@ def validate_cuda_graph_args(args, require):
         require(not (args.reset_attention_mask or getattr(args, "sft", False)),
                 f"{tp}: packed documents' offsets differ per sample, so their broadcast reads sizes on the "
                 "host; drop --reset-attention-mask / --sft or the TP size")
-        require(not args.num_experts,
-                f"{tp}: the MoE layer's token dispatch under TP reads token counts on the host; drop the flag "
-                "or run the MoE model with TP 1")
     require(args.context_parallel_size == 1, f"{flag} does not support --context-parallel-size > 1")
+    # MoE: with every expert on every rank the layer reads nothing on the host. Spread over ranks (EP, expert-TP,
+    # or TP's expert split), the all-to-all needs each step's split sizes on the host, unless every expert is
+    # padded to its capacity, which fixes them.
+    expert_ranks = max(args.expert_model_parallel_size, args.tensor_model_parallel_size,
+                       getattr(args, "expert_tensor_parallel_size", None) or 1)
+    if args.num_experts and expert_ranks > 1:
+        require(args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is not None
+                and args.moe_token_dispatcher_type == "alltoall",
+                f"{flag} with experts over several ranks needs fixed all-to-all split sizes: pass "
+                "--moe-token-dispatcher-type alltoall --moe-expert-capacity-factor F "
+                "--moe-pad-expert-input-to-capacity (otherwise the token counts are read on the host each step)")
     # Data parallelism is captured with the graph: the DDP buckets' NCCL all-reduce / reduce-scatter
     # are recorded in it (NCCL >= 2.9.6). The distributed optimizer's overlapped param all-gather is not:
     # it is launched after the optimizer step, outside the graph, and waited on inside the forward.

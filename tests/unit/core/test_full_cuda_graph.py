@@ -61,9 +61,16 @@ def test_layouts(monkeypatch):
     assert _args(tp + " --sequence-parallel").sequence_parallel
     for extra, match in (("--tp-comm-overlap --sequence-parallel", "--tp-comm-overlap"),
                          ("--reset-attention-mask", "packed documents"),
-                         ("--num-experts 4 --disable-bias-linear", "MoE")):
+                         ("--num-experts 4 --disable-bias-linear", "fixed all-to-all split sizes")):
         with pytest.raises(ArgumentError, match=match):
             _args(f"{tp} {extra}")
+    moe = "--cuda-graph-impl full_iteration --num-experts 4 --disable-bias-linear --expert-model-parallel-size 2"
+    with pytest.raises(ArgumentError, match="--moe-pad-expert-input-to-capacity"):
+        _args(moe)
+    padded = _args(moe + " --moe-token-dispatcher-type alltoall --moe-expert-capacity-factor 1.0 "
+                   "--moe-pad-expert-input-to-capacity")
+    assert padded.expert_model_parallel_size == 2
+    assert _args("--cuda-graph-impl full_iteration --num-experts 4").num_experts == 4  # every expert local
     pp = "--cuda-graph-impl full_iteration --pipeline-model-parallel-size 2 --num-layers 4"
     assert _args(pp).pipeline_model_parallel_size == 2  # PP (1F1B) is captured
     with pytest.raises(ArgumentError, match="interleaved pipeline schedule"):

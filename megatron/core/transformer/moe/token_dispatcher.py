@@ -284,7 +284,8 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
             return flush_wgrad_on_backward(permuted, self.wgrad_store), routing_map.sum(dim=0)
         t, m, El, ep = self.etp_rank, self.ep_rank, self.num_local_experts, self.ep_size
         C = self._static_counts(x.shape[0])
-        pending = self._start_counts(routing_map) if C is None else None
+        static = C is not None
+        pending = None if static else self._start_counts(routing_map)
         if C is not None:  # padded to capacity: every count is known, nothing travels or is read
             mine = C[t][m]
             permuted, self.permuted_probs, self.sorted_indices = self._permute(
@@ -313,6 +314,12 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
             self.expert_probs = self._to_experts(self.permuted_probs)  # the rows' probs travel with them
         tokens_per_expert = [sum(C[u][j][m * El + l] for u in range(self.etp_size) for j in range(ep))
                              for l in range(El)]
+        if static:  # the same every step: one device copy, made outside any CUDA-graph capture (warm-up)
+            key = (tuple(tokens_per_expert), y.device)
+            cached = self.__dict__.setdefault("_static_tokens_per_expert", {})
+            if key not in cached:
+                cached[key] = torch.tensor(tokens_per_expert, dtype=torch.int64, device=y.device)
+            return y, cached[key]
         return y, torch.tensor(tokens_per_expert, dtype=torch.int64)
 
     def _to_experts(self, rows, wgrad_store=None):
