@@ -85,7 +85,11 @@ def validate_cuda_graph_args(args, require):
         require(not (args.reset_attention_mask or getattr(args, "sft", False)),
                 f"{tp}: packed documents' offsets differ per sample, so their broadcast reads sizes on the "
                 "host; drop --reset-attention-mask / --sft or the TP size")
-    require(args.context_parallel_size == 1, f"{flag} does not support --context-parallel-size > 1")
+    # CP is captured: each rank keeps its chunks by fixed index arithmetic, and the ring's sends and receives
+    # (or the all-gather / all-to-all of the other --cp-comm-type values) have fixed shapes.
+    require(args.context_parallel_size == 1 or not (args.reset_attention_mask or getattr(args, "sft", False)),
+            f"{flag} with --context-parallel-size > 1: packed documents' boundaries differ per sample; drop "
+            "--reset-attention-mask / --sft or the graph")
     # MoE: with every expert on every rank the layer reads nothing on the host. Spread over ranks (EP, expert-TP,
     # or TP's expert split), the all-to-all needs each step's split sizes on the host, unless every expert is
     # padded to its capacity, which fixes them.

@@ -71,6 +71,9 @@ def test_layouts(monkeypatch):
                    "--moe-pad-expert-input-to-capacity")
     assert padded.expert_model_parallel_size == 2
     assert _args("--cuda-graph-impl full_iteration --num-experts 4").num_experts == 4  # every expert local
+    assert _args("--cuda-graph-impl full_iteration --context-parallel-size 2").context_parallel_size == 2
+    with pytest.raises(ArgumentError, match="packed documents"):
+        _args("--cuda-graph-impl full_iteration --context-parallel-size 2 --reset-attention-mask")
     pp = "--cuda-graph-impl full_iteration --pipeline-model-parallel-size 2 --num-layers 4"
     assert _args(pp).pipeline_model_parallel_size == 2  # PP (1F1B) is captured
     with pytest.raises(ArgumentError, match="interleaved pipeline schedule"):
