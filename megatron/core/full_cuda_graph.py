@@ -127,7 +127,8 @@ class FullCudaGraphWrapper:
         self.replayed = False  # whether the last training step ran from the graph (see train_step)
         self.steps = 0
         self.graph = None
-        self.static = None
+        self.static = None  # one StaticBatches per data iterator the step reads, None for the others
+        self.reads = None  # per data iterator: whether the warm-up steps read from it
         self.outputs = None
         self.captured_microbatches = None
 
@@ -141,37 +142,62 @@ class FullCudaGraphWrapper:
             return run(data_iterator)
         if self.steps < self.warmup_steps:
             self.steps += 1
-            return run(data_iterator)
-        iterator = data_iterator[0] if isinstance(data_iterator, (list, tuple)) else data_iterator
-        # A rank without the iterator (TP rank > 0: its forward step receives TP rank 0's batch by broadcast
-        # and never reads one) captures that broadcast's receiving side and has no buffers to refill.
-        batches = None if iterator is None else [next(iterator) for _ in range(num_microbatches)]
+            # Learn which iterators a step reads: TP rank > 0 reads none (it receives TP rank 0's batch by
+            # broadcast), and of the interleaved schedule's per-chunk iterators only the first chunk's (first
+            # stage) or the last chunk's (last stage). Only those are read ahead into buffers for the graph.
+            counting = [None if it is None else _CountingIterator(it) for it in _as_list(data_iterator)]
+            out = run(_like(data_iterator, counting))
+            reads = [c is not None and c.count > 0 for c in counting]
+            self.reads = reads if self.reads is None else [a or b for a, b in zip(self.reads, reads)]
+            return out
+        iterators = _as_list(data_iterator)
+        if self.reads is None or len(self.reads) != len(iterators):
+            raise RuntimeError("--cuda-graph-impl full_iteration: the data iterators changed after the warm-up")
+        batches = [[next(it) for _ in range(num_microbatches)] if read else None
+                   for it, read in zip(iterators, self.reads)]
         if self.graph is None:
             self.graph = self.graph_factory()
             self.captured_microbatches = num_microbatches
-            if batches is None:
-                self.outputs = self.graph.capture(lambda: run(data_iterator))
-            else:
-                self.static = StaticBatches(_device_of(model))
-                static = self.static.load(batches)
-                self.outputs = self.graph.capture(lambda: run(_wrap_like(data_iterator, iter(static))))
+            self.static = [None if b is None else StaticBatches(_device_of(model)) for b in batches]
+            loaded = [None if b is None else static.load(b) for b, static in zip(batches, self.static)]
+            # Fresh iterators over the buffers on every call of the captured function (a real graph calls it
+            # once; the CPU tests' stand-in replays by calling it again).
+            self.outputs = self.graph.capture(lambda: run(_like(data_iterator, [
+                it if buffers is None else iter(buffers) for it, buffers in zip(iterators, loaded)])))
         else:
             if num_microbatches != self.captured_microbatches:
                 raise RuntimeError(f"--cuda-graph-impl full_iteration: captured {self.captured_microbatches} "
                                    f"micro-batches per step, this step has {num_microbatches}")
-            if (batches is None) != (self.static is None):
-                raise RuntimeError("--cuda-graph-impl full_iteration: the data iterator appeared or vanished on "
-                                   "this rank after the capture")
-            if batches is not None:
-                self.static.load(batches)
+            for b, static in zip(batches, self.static):
+                if b is not None:
+                    static.load(b)
         self.graph.replay()
         self.steps += 1
         self.replayed = True
         return self.outputs
 
 
-def _wrap_like(data_iterator, iterator):
-    return [iterator] if isinstance(data_iterator, (list, tuple)) else iterator
+def _as_list(data_iterator) -> list:
+    return list(data_iterator) if isinstance(data_iterator, (list, tuple)) else [data_iterator]
+
+
+def _like(data_iterator, iterators: list):
+    """``iterators`` in the form the schedule was given: one per model chunk, or the single iterator."""
+    return type(data_iterator)(iterators) if isinstance(data_iterator, (list, tuple)) else iterators[0]
+
+
+class _CountingIterator:
+    """An iterator that counts what is taken from it (to learn which iterators a training step reads)."""
+
+    def __init__(self, iterator):
+        self.iterator, self.count = iterator, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.count += 1
+        return next(self.iterator)
 
 
 def _device_of(model) -> torch.device:

@@ -1,11 +1,11 @@
 """--cuda-graph-impl full_iteration with tensor, pipeline, context and expert parallelism, through pretrain() on
-2 gloo ranks (TP=2 with and without sequence parallelism, PP=2, CP=2 ring and all-to-all, MoE at EP=2 padded to
-capacity). A CUDA graph cannot be captured on CPU, so the wrapper gets a graph whose replay re-runs the captured
-function (tests/unit/core/test_full_cuda_graph.py's): a rank with a data iterator (TP rank 0; the first and the
-last pipeline stage) then reads every replayed step's micro-batches from the static buffers the wrapper refills,
-and TP rank 1, which has none, receives them by the broadcast inside the captured step. The losses equal the
-eager run's bitwise. tests/gpu/test_full_cuda_graph_model_parallel_gpu.py runs the same comparisons with real
-graphs over NCCL."""
+2 gloo ranks (TP=2 with and without sequence parallelism, PP=2 plain and interleaved, CP=2 ring and all-to-all,
+MoE at EP=2 padded to capacity). A CUDA graph cannot be captured on CPU, so the wrapper gets a graph whose replay
+re-runs the captured function (tests/unit/core/test_full_cuda_graph.py's): a rank with a data iterator that the
+step reads (TP rank 0; the first and the last pipeline stage, their first or last model chunk) then reads every
+replayed step's micro-batches from the static buffers the wrapper refills, and TP rank 1, which has none,
+receives them by the broadcast inside the captured step. The losses equal the eager run's bitwise.
+tests/gpu/test_full_cuda_graph_model_parallel_gpu.py runs the same comparisons with real graphs over NCCL."""
 import pytest
 
 from tests.fixtures.tiny_gpt import mock_data_cache, run_pretrain
@@ -19,6 +19,9 @@ MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 1
 LAYOUTS = {"tp2": "--tensor-model-parallel-size 2",
            "tp2_sp": "--tensor-model-parallel-size 2 --sequence-parallel",
            "pp2": "--pipeline-model-parallel-size 2",
+           # Interleaved: 4 layers, 2 model chunks per stage, one data iterator per chunk (only the first chunk's
+           # is read on the first stage, only the last chunk's on the last).
+           "pp2_vp2": "--pipeline-model-parallel-size 2 --num-layers 4 --num-layers-per-virtual-pipeline-stage 1",
            "cp2": "--context-parallel-size 2",
            "cp2_a2a": "--context-parallel-size 2 --cp-comm-type a2a",
            # MoE with the experts over 2 EP ranks, padded to capacity: fixed all-to-all splits, nothing read on

@@ -68,13 +68,9 @@ def validate_cuda_graph_args(args, require):
     flag = "--cuda-graph-impl full_iteration"
     # Each refusal names the blocker: a host sync, an exchange outside the graph, or RNG states saved
     # through the host inside the step.
-    # PP is captured: the 1F1B schedule's order and shapes are fixed and its sends and receives are NCCL
-    # operations; the first and last stages each refill their own batch buffers, middle stages have none.
-    require(args.pipeline_model_parallel_size == 1 or not (
-        getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-        or getattr(args, "num_virtual_stages_per_pipeline_rank", None)),
-        f"{flag} with the interleaved pipeline schedule (virtual stages) is not built: its model chunks read "
-        "one data iterator each; drop the virtual-stage flag or the graph")
+    # PP is captured, interleaved too: the schedule's order and shapes are fixed and its sends and receives
+    # are NCCL operations; the data iterators a step reads (first stage, last stage; the first or last model
+    # chunk's) each refill their own batch buffers, learnt during the warm-up steps.
     if args.tensor_model_parallel_size > 1:
         # TP is captured: TP rank 0's batch broadcast has shapes every rank knows (no size exchange), and the
         # sequence-parallel all-gathers / reduce-scatters and the vocab-parallel loss are NCCL collectives.

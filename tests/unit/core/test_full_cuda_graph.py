@@ -75,9 +75,8 @@ def test_layouts(monkeypatch):
     with pytest.raises(ArgumentError, match="packed documents"):
         _args("--cuda-graph-impl full_iteration --context-parallel-size 2 --reset-attention-mask")
     pp = "--cuda-graph-impl full_iteration --pipeline-model-parallel-size 2 --num-layers 4"
-    assert _args(pp).pipeline_model_parallel_size == 2  # PP (1F1B) is captured
-    with pytest.raises(ArgumentError, match="interleaved pipeline schedule"):
-        _args(pp + " --num-layers-per-virtual-pipeline-stage 1")
+    assert _args(pp).pipeline_model_parallel_size == 2  # PP is captured, the interleaved schedule too
+    assert _args(pp + " --num-layers-per-virtual-pipeline-stage 1").virtual_pipeline_model_parallel_size == 2
 
 
 def test_attention_dropout_accepted():
