@@ -150,19 +150,14 @@ def test_triton_adamw_matches_torch_fused_adamw(small_numel, monkeypatch):
     kernel, the largest only, or none (the multi-tensor path for small tensors)."""
     from megatron.core.optimizer import fused_adamw
     from megatron.core.optimizer.fused_adamw import triton_adamw_applies, triton_adamw_step
+    from tests.unit.core.optimizer.test_fused_adamw_small import two_fused_adamws
     monkeypatch.setattr(fused_adamw, "SMALL_NUMEL", small_numel)
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(3, 70001), (128,), (5, 7)]
     hyper = [(3e-3, 0.1), (3e-3, 0.1), (1e-3, 0.0)]  # (lr, weight decay) per param, by group
     init = [torch.randn(s, device="cuda", generator=gen) for s in shapes]
 
-    def make():
-        ps = [torch.nn.Parameter(t.clone()) for t in init]
-        groups = [{"params": ps[:2], "lr": 3e-3, "weight_decay": 0.1},
-                  {"params": ps[2:], "lr": 1e-3, "weight_decay": 0.0}]
-        return ps, torch.optim.AdamW(groups, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    ref_ps, ref = make()
-    ps, opt = make()
+    (ref_ps, ref), (ps, opt) = two_fused_adamws(init)
     copies = {p: torch.empty(p.shape, device="cuda", dtype=torch.bfloat16) for p in ps}
     f64 = [[t.double(), torch.zeros_like(t, dtype=torch.float64), torch.zeros_like(t, dtype=torch.float64)]
            for t in init]

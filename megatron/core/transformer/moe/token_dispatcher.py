@@ -286,7 +286,7 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
         C = self._static_counts(x.shape[0])
         static = C is not None
         pending = None if static else self._start_counts(routing_map)
-        if C is not None:  # padded to capacity: every count is known, nothing travels or is read
+        if static:  # padded to capacity: every count is known, nothing travels or is read
             mine = C[t][m]
             permuted, self.permuted_probs, self.sorted_indices = self._permute(
                 x, routing_map, probs, num_out_tokens=sum(mine), topk=self.exact_topk)

@@ -7,19 +7,24 @@ import torch
 from megatron.core.optimizer.fused_adamw import SMALL_NUMEL, triton_adamw_step
 
 
+def two_fused_adamws(init):
+    """Two identical (params, torch fused AdamW) pairs over copies of ``init``: the first two tensors in a group
+    at lr 3e-3 / weight decay 0.1, the rest at 1e-3 / 0; one steps as the reference, the other our way."""
+    def make():
+        ps = [torch.nn.Parameter(t.clone()) for t in init]
+        groups = [{"params": ps[:2], "lr": 3e-3, "weight_decay": 0.1},
+                  {"params": ps[2:], "lr": 1e-3, "weight_decay": 0.0}]
+        return ps, torch.optim.AdamW(groups, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    return make(), make()
+
+
 def test_small_tensors_step_like_torch_fused_adamw():
     gen = torch.Generator().manual_seed(0)
     shapes = [(64, 48), (48,), (5, 7)]
     assert all(torch.Size(s).numel() < SMALL_NUMEL for s in shapes)
     init = [torch.randn(s, generator=gen) for s in shapes]
 
-    def make():
-        ps = [torch.nn.Parameter(t.clone()) for t in init]
-        groups = [{"params": ps[:2], "lr": 3e-3, "weight_decay": 0.1},
-                  {"params": ps[2:], "lr": 1e-3, "weight_decay": 0.0}]
-        return ps, torch.optim.AdamW(groups, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    ref_ps, ref = make()
-    ps, opt = make()
+    (ref_ps, ref), (ps, opt) = two_fused_adamws(init)
     copies = {p: torch.empty(p.numel(), dtype=torch.bfloat16) for p in ps}  # flat, as the model buffers
     copies[ps[1]] = None  # a main param that is its own model param: no copy
     for step in range(1, 4):
