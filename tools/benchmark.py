@@ -97,7 +97,7 @@ def build(argv):
     from megatron.core.enums import ModelType
     from megatron.core.utils import get_model_config
     from megatron.training.arguments import parse_args
-    from megatron.training.data_iterators import build_train_valid_test_data_iterators
+    from megatron.training.data_iterators import build_iterators_for_model_chunks
     from megatron.training.initialize import initialize_megatron
     from megatron.training.model_setup import setup_model_and_optimizer
     from megatron.training.training import _setup_config
@@ -106,7 +106,7 @@ def build(argv):
     initialize_megatron(parsed_args=parse_args(argv=argv))
     model, optimizer, scheduler = setup_model_and_optimizer(model_provider, ModelType.encoder_or_decoder)
     config = get_model_config(model[0])
-    train_it, _, _ = build_train_valid_test_data_iterators(train_valid_test_datasets_provider)
+    train_it, _, _ = build_iterators_for_model_chunks(train_valid_test_datasets_provider, model)
     for chunk in model:
         chunk.train()
     _setup_config(config, model, optimizer)

@@ -87,3 +87,12 @@ class _BroadcastFed:
 
 
 get_train_valid_test_num_samples = train_valid_test_num_samples  # Megatron's name (megatron.training)
+
+
+def build_iterators_for_model_chunks(provider, model):
+    """(train, valid, test) iterators as the schedule takes them: one each without virtual pipeline stages,
+    else a list with one per model chunk (each chunk reads its own copy: the first tokens, the last labels)."""
+    if get_args().virtual_pipeline_model_parallel_size is None:
+        return build_train_valid_test_data_iterators(provider)
+    per_chunk = [build_train_valid_test_data_iterators(provider) for _ in model]
+    return tuple([its[i] for its in per_chunk] for i in range(3))

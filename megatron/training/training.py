@@ -26,7 +26,7 @@ from megatron.training.async_utils import maybe_finalize_async_save
 from megatron.training.autoresume import check_adlr_autoresume_termination
 from megatron.training.checkpointing import save_checkpoint
 from megatron.training.config import PretrainConfigContainer
-from megatron.training.data_iterators import build_train_valid_test_data_iterators
+from megatron.training.data_iterators import build_iterators_for_model_chunks
 from megatron.training.diagnostics import hang, launches, straggler
 from megatron.training.diagnostics.errors import report_errors
 from megatron.training.diagnostics.profiler import ProfilingWindow
@@ -154,7 +154,7 @@ def _run(train_valid_test_dataset_provider, model_provider, model_type, forward_
     config = get_model_config(model[0])
 
     timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
-    train_it, valid_it, test_it = _data_iterators(train_valid_test_dataset_provider, model)
+    train_it, valid_it, test_it = build_iterators_for_model_chunks(train_valid_test_dataset_provider, model)
     timers("train/valid/test-data-iterators-setup").stop()
     print_datetime("after dataloaders are built")
     print_rank_0("done with setup ...")
@@ -203,15 +203,6 @@ def _report_init_time(start):
     if _STARTUP_TIMESTAMPS["main_entry"] is not None:
         print_rank_0("time since the entry script's main (seconds): {:.3f}".format(
             time.time() - _STARTUP_TIMESTAMPS["main_entry"]))
-
-
-def _data_iterators(provider, model):
-    args = get_args()
-    if args.virtual_pipeline_model_parallel_size is None:
-        return build_train_valid_test_data_iterators(provider)
-    # One iterator per model chunk: the first chunk reads tokens, the last reads labels.
-    per_chunk = [build_train_valid_test_data_iterators(provider) for _ in model]
-    return tuple([its[i] for its in per_chunk] for i in range(3))
 
 
 def _save(iteration, model, optimizer, opt_param_scheduler):
