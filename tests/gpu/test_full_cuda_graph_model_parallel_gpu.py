@@ -25,9 +25,11 @@ LAYOUTS = {"tp2_sp": "--tensor-model-parallel-size 2 --sequence-parallel --globa
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_graph_follows_eager(tmp_path, layout):
-    eager = run_two_gpus(tmp_path, f"{layout}-eager", LAYOUTS[layout], iters=10)
-    graph = run_two_gpus(tmp_path, f"{layout}-graph", LAYOUTS[layout], "--cuda-graph-impl", "full_iteration",
-                         iters=10)
+    # lr 1e-4 (the benchmark's is 3e-4): at 3e-4 gpt-125m's loss spikes near step 9 and the step after it
+    # amplifies bf16 noise tenfold (see the DP graph test), which failed tp2_sp once in two runs.
+    eager = run_two_gpus(tmp_path, f"{layout}-eager", LAYOUTS[layout], "--lr", "1e-4", iters=10)
+    graph = run_two_gpus(tmp_path, f"{layout}-graph", LAYOUTS[layout], "--lr", "1e-4", "--cuda-graph-impl",
+                         "full_iteration", iters=10)
     assert len(set(graph["losses"])) > 5  # the replayed steps train on new data
     # bf16 with the same kernels; cuDNN attention and the embedding backward are not bitwise deterministic, so
     # the curves agree within the spread the DP graph test allows.
