@@ -15,7 +15,16 @@ def run_two_gpus(tmp_path, name, model_flags: str, *flags, iters: int, warmup: i
            "--warmup", str(warmup), "--results", str(results), "--", *model_flags.split(), *flags]
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.returncode == 0, failure_text(p)
     result = json.loads(results.read_text().splitlines()[-1])
     print(f"{name}: {result['ms_per_iter']:.1f} ms/iter, losses {result['losses'][:3]} ... {result['losses'][-1]}")
     return result
+
+
+def failure_text(p, tail: int = 3000) -> str:
+    """A failed launch's output for the assertion: the tails of stdout and stderr and, when stderr's tail does not
+    reach it, the first traceback in stderr (a rank's first error; a CUDA-graph capture that fails reports the
+    cause first and only a generic capture error at the end)."""
+    first = p.stderr.find("Traceback")
+    head = p.stderr[first:first + tail] + "\n...\n" if 0 <= first < len(p.stderr) - tail else ""
+    return p.stdout[-tail:] + head + p.stderr[-tail:]

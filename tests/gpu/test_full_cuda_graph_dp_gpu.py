@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+from tests.gpu.benchmark_runs import failure_text
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
 
@@ -21,7 +23,7 @@ def _run(tmp_path, name, *flags):
            os.path.join(ROOT, "tools", "benchmark.py"), "--config", "gpt-125m", "--iters", "8", "--warmup", "4",
            "--results", str(results), "--", "--global-batch-size", "16", "--lr", "1e-4", *flags]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.returncode == 0, failure_text(p)
     return json.loads(results.read_text().splitlines()[-1])["losses"]
 
 
