@@ -192,6 +192,10 @@ def _initialize_distributed(args):
     if torch.cuda.is_available() and args.distributed_backend == "nccl":
         kwargs["device_id"] = torch.device(f"cuda:{torch.cuda.current_device()}")
     store = _restarted_worker_store(kwargs["timeout"])
+    if store is None and args.world_size == 1:
+        # One rank needs no rendezvous: an in-process store binds no port, so two single-process runs started
+        # at once on one machine cannot race for the same free port (EADDRINUSE).
+        store = torch.distributed.HashStore()
     if store is not None:
         kwargs["store"] = store
     torch.distributed.init_process_group(**kwargs)

@@ -30,3 +30,28 @@ def test_single_process_env(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     setup_launcher_env()
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("0", "1") and int(os.environ["MASTER_PORT"]) > 0
+
+
+def test_single_process_binds_no_port(monkeypatch):
+    """A one-rank run rendezvouses in process: a TCP store on MASTER_PORT would fail with EADDRINUSE while
+    another process holds that port (here: this test's own listening socket)."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests import ROOT
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        code = ("import sys; from megatron.training.initialize import initialize_megatron; "
+                "initialize_megatron(args_defaults={}, ignore_unknown_args=True); import torch.distributed as d; "
+                "print('world', d.get_world_size())")
+        argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+                "--max-position-embeddings", "16", "--micro-batch-size", "1", "--tokenizer-type", "NullTokenizer",
+                "--vocab-size", "64", "--mock-data", "--train-iters", "1", "--lr", "1e-3"]
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        p = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert p.returncode == 0 and "world 1" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
