@@ -97,6 +97,15 @@ def validate_cuda_graph_args(args, require):
             "--expert-tensor-parallel-size or --tensor-model-parallel-size > 1 with --num-experts): the "
             "expert all-to-all does not capture over NCCL yet; drop the graph flag, or keep every expert on "
             "every rank")
+    if args.num_experts:
+        # The local experts read nothing on the host only as one grouped GEMM over device offsets (bf16); the
+        # per-expert loop splits its rows by counts read on the host, as does dropping without padding.
+        require(args.moe_grouped_gemm and args.bf16,
+                f"{flag} with --num-experts needs --moe-grouped-gemm and --bf16: the experts then run as one "
+                "grouped GEMM over device offsets; the per-expert loop reads the token counts on the host")
+        require(args.moe_expert_capacity_factor is None or args.moe_pad_expert_input_to_capacity,
+                f"{flag} with --moe-expert-capacity-factor needs --moe-pad-expert-input-to-capacity: without it "
+                "the number of kept tokens is counted on the host each step")
     # Data parallelism is captured with the graph: the DDP buckets' NCCL all-reduce / reduce-scatter
     # are recorded in it (NCCL >= 2.9.6). The distributed optimizer's overlapped param all-gather is not:
     # it is launched after the optimizer step, outside the graph, and waited on inside the forward.

@@ -69,7 +69,16 @@ def test_layouts(monkeypatch):
     for extra in ("", padded):  # the EP all-to-all invalidated the capture over NCCL, padded or not
         with pytest.raises(ArgumentError, match="experts over several ranks"):
             _args(moe + extra)
-    assert _args("--cuda-graph-impl full_iteration --num-experts 4").num_experts == 4  # every expert local
+    local = "--cuda-graph-impl full_iteration --num-experts 4 --disable-bias-linear"
+    # Every expert local: captured as one grouped GEMM in bf16; the per-expert loop and dropping without padding
+    # count tokens on the host and are refused.
+    assert _args(local + " --moe-grouped-gemm --bf16").num_experts == 4
+    for extra, match in (("--bf16", "--moe-grouped-gemm and --bf16"), ("--moe-grouped-gemm", "--moe-grouped-gemm and"),
+                         ("--moe-grouped-gemm --bf16 --moe-expert-capacity-factor 1.0", "pad-expert-input")):
+        with pytest.raises(ArgumentError, match=match):
+            _args(f"{local} {extra}")
+    assert _args(local + " --moe-grouped-gemm --bf16 --moe-expert-capacity-factor 1.0 "
+                 "--moe-pad-expert-input-to-capacity").moe_pad_expert_input_to_capacity
     assert _args("--cuda-graph-impl full_iteration --context-parallel-size 2").context_parallel_size == 2
     with pytest.raises(ArgumentError, match="packed documents"):
         _args("--cuda-graph-impl full_iteration --context-parallel-size 2 --reset-attention-mask")

@@ -24,7 +24,7 @@ from megatron.core.tensor_parallel.layers import _make_param, set_tensor_model_p
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.delayed_wgrad import DelayedWgrad, accumulate_param_grad
-from megatron.core.transformer.moe.moe_utils import _with_eager_fallback
+from megatron.core.transformer.moe.moe_utils import _with_eager_fallback, refuse_host_read_in_capture
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import divide, lazy_names
 
@@ -150,6 +150,7 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch
     weight gradient there (--delay-wgrad-compute)."""
     if offs is not None:
         return GroupedLinear.apply(x, weight, offs, wgrad_store)
+    refuse_host_read_in_capture(x, "the per-expert GEMM loop (torch._grouped_mm unavailable for these experts)")
     counts = tokens_per_expert.tolist()
     if wgrad_store is not None:
         return LoopGroupedLinear.apply(x, weight, counts, wgrad_store)
@@ -231,6 +232,7 @@ class SequentialMLP(MegatronModule):
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: Optional[torch.Tensor] = None):
+        refuse_host_read_in_capture(permuted_local_hidden_states, "SequentialMLP (no --moe-grouped-gemm)")
         counts = tokens_per_expert.tolist()
         chunks = torch.split(permuted_local_hidden_states, counts, dim=0)
         scales = [None] * len(chunks) if permuted_probs is None else torch.split(permuted_probs, counts)

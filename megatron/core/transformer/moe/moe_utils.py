@@ -222,12 +222,22 @@ def apply_router_token_dropping(routing_probs, routing_map, router_topk: int, ca
 
 # ---- permutation: tokens grouped by expert, without a per-expert loop -------------------------------
 
+def refuse_host_read_in_capture(t: torch.Tensor, what: str) -> None:
+    """Raise a clear error where ``what`` would read ``t`` on the host inside a CUDA-graph capture: the read
+    itself would only fail with an invalidated capture, naming nothing."""
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"--cuda-graph-impl full_iteration: {what} reads token counts on the host inside the "
+                           "captured step; use --moe-grouped-gemm with --bf16 on sm90+ (hidden and FFN sizes "
+                           "multiples of 8), and --moe-pad-expert-input-to-capacity with a capacity factor")
+
+
 def _permute_indices(routing_map: torch.Tensor, num_out_tokens: Optional[int]):
     """Positions into the flattened [E, T] map of its True entries, expert-major, token order within an
     expert. With ``num_out_tokens`` known (no dropping, or padded capacity) a stable sort finds them with
     no host sync; otherwise ``nonzero`` (one sync)."""
     flat = routing_map.t().reshape(-1)
     if num_out_tokens is None:
+        refuse_host_read_in_capture(flat, "dropping tokens over capacity without padding")
         return flat.nonzero().squeeze(1)
     return torch.argsort((~flat).to(torch.int8), stable=True)[:num_out_tokens]
 
