@@ -93,7 +93,7 @@ def _record():
     prefix = os.environ.get("DRILL_RECORD")
     if not prefix:
         return
-    build, step = training.build_train_valid_test_data_iterators, training.train_step
+    build, step = training.build_iterators_for_model_chunks, training.train_step
 
     def build_recording(*a, **kw):
         train_it, valid_it, test_it = build(*a, **kw)
@@ -111,7 +111,7 @@ def _record():
             f.write(json.dumps(line) + "\n")
         return result
 
-    training.build_train_valid_test_data_iterators = build_recording
+    training.build_iterators_for_model_chunks = build_recording
     training.train_step = step_recording
 
 
