@@ -35,19 +35,28 @@ def test_gpt13b_estimate(bench):
     assert est["weights_and_optimizer"] / 2 ** 30 == pytest.approx(22.05, abs=0.01)
 
 
-def test_benchmark_runs_virtual_pipeline_stages(tmp_path):
-    """tools/benchmark.py builds one data iterator per model chunk, as pretrain() does: PP=2 x VP=2 on two gloo
-    processes trains (it once passed one iterator for two chunks and the interleaved schedule refused it)."""
-    import json
-    import subprocess
-    import sys
-    results = tmp_path / "vp.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           os.path.join(ROOT, "tools", "benchmark.py"), "--config", "tiny", "--iters", "3", "--warmup", "1",
-           "--results", str(results), "--", "--num-layers", "4", "--global-batch-size", "4",
-           "--micro-batch-size", "1", "--pipeline-model-parallel-size", "2",
-           "--num-layers-per-virtual-pipeline-stage", "1"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    losses = json.loads(results.read_text().splitlines()[-1])["losses"]
-    assert len(losses) == 4 and losses[-1] < losses[0]
+
+def test_iterators_per_model_chunk(monkeypatch):
+    """pretrain() and tools/benchmark.py build the schedule's iterators with one function: one per split
+    without virtual pipeline stages, one list entry per model chunk with them (the interleaved schedule refuses
+    a single iterator for several chunks; the benchmark once passed one). Its PP=2 x VP=2 run is
+    tests/gpu/test_pipeline_overlap_gpu.py."""
+    import types
+
+    from megatron.training import data_iterators
+    built = []
+
+    def fake_build(provider):
+        built.append(provider)
+        return (f"train{len(built)}", f"valid{len(built)}", f"test{len(built)}")
+
+    monkeypatch.setattr(data_iterators, "build_train_valid_test_data_iterators", fake_build)
+    monkeypatch.setattr(data_iterators, "get_args", lambda: types.SimpleNamespace(
+        virtual_pipeline_model_parallel_size=None))
+    assert data_iterators.build_iterators_for_model_chunks("p", ["chunk"]) == ("train1", "valid1", "test1")
+    monkeypatch.setattr(data_iterators, "get_args", lambda: types.SimpleNamespace(
+        virtual_pipeline_model_parallel_size=2))
+    assert data_iterators.build_iterators_for_model_chunks("p", ["c0", "c1"]) == (
+        ["train2", "train3"], ["valid2", "valid3"], ["test2", "test3"])
+    source = open(os.path.join(ROOT, "tools", "benchmark.py")).read()
+    assert "build_iterators_for_model_chunks(train_valid_test_datasets_provider, model)" in source
