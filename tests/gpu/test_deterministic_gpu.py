@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+from tests.gpu.benchmark_runs import failure_text
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -45,7 +47,7 @@ def _run(tmp_path, name, nproc, *flags):
     env = {k: v for k, v in os.environ.items() if k not in ("NCCL_ALGO", "CUBLAS_WORKSPACE_CONFIG")}
     p = subprocess.run(launcher + [str(driver), out] + FLAGS + list(flags), cwd=ROOT, capture_output=True,
                        text=True, timeout=600, env={**env, "PYTHONPATH": ROOT})
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.returncode == 0, failure_text(p)
     with open(out + ".0") as f:
         return json.load(f)
 

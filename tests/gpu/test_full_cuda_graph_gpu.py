@@ -5,6 +5,7 @@ import torch
 
 from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 from tests.fixtures.tiny_gpt import single_rank
+from tests.gpu.benchmark_runs import failure_text
 from tests.unit.core.test_full_cuda_graph import train_losses
 
 pytestmark = pytest.mark.gpu
@@ -70,7 +71,7 @@ def test_full_iteration_graph_with_default_data_flags():
              "--attention-dropout 0 --hidden-dropout 0 --cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2")
     out = subprocess.run([sys.executable, os.path.join(root, "pretrain_gpt.py")] + flags.split(), cwd=root,
                          capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.returncode == 0, failure_text(out)
     assert "iteration        6/       6" in out.stdout
 
 
@@ -97,7 +98,7 @@ def test_moe_every_expert_local_graph_follows_eager(dispatcher):
                         ("padded-eager", " --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity")):
         out = subprocess.run([sys.executable, os.path.join(root, "pretrain_gpt.py")] + (flags + extra).split(),
                              cwd=root, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, name + "\n" + out.stdout[-2000:] + out.stderr[-3000:]
+        assert out.returncode == 0, name + "\n" + failure_text(out)
         runs[name] = [float(x) for x in re.findall(r"\| lm loss: ([0-9.E+-]+)", out.stdout)]
         assert len(runs[name]) == 10, (name, runs[name])
     print(runs)

@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+from tests.gpu.benchmark_runs import failure_text
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
 
@@ -28,7 +30,7 @@ def _losses(nproc, *extra):
            os.path.join(ROOT, "pretrain_hybrid.py")] + FLAGS + list(extra)
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "PYTHONPATH": ROOT, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.returncode == 0, failure_text(p)
     return [float(m.group(1)) for m in map(LOSS.search, p.stdout.splitlines()) if m]
 
 

@@ -15,6 +15,8 @@ import sys
 import pytest
 import torch
 
+from tests.gpu.benchmark_runs import failure_text
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 four_gpus = pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four CUDA devices")
@@ -62,7 +64,7 @@ def _run(tmp_path, name, *flags, nproc=2):
     # communicators' kernels differently on the two ranks and deadlock); every run here gets 8.
     env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_DEVICE_MAX_CONNECTIONS": "8"}
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.returncode == 0, failure_text(p)
     with open(out + ".0") as f:
         return json.load(f)
 

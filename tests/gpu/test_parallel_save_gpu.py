@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+from tests.gpu.benchmark_runs import failure_text
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
 
@@ -20,7 +22,7 @@ def test_dp2_save_holds_no_gathered_optimizer_state(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            os.path.join(ROOT, "tests", "gpu", "parallel_save_worker.py"), str(tmp_path / "ckpt")]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.returncode == 0, failure_text(p)
     ranks = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     print(ranks)
     assert len(ranks) == 2

@@ -12,6 +12,8 @@ import sys
 import pytest
 import torch
 
+from tests.gpu.benchmark_runs import failure_text
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
 
@@ -25,7 +27,7 @@ def _run(extra):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            os.path.join(ROOT, "pretrain_gpt.py"), *FLAGS, *extra]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.returncode == 0, failure_text(p)
     return [float(x) for x in re.findall(r"lm loss: ([\d.E+-]+)", p.stdout)]
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from megatron.core.transformer.max_logit import max_attention_logit
+from tests.gpu.benchmark_runs import failure_text
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -98,7 +99,7 @@ def _bench(extra):
     if extra:
         cmd += ["--"] + extra.split()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert p.returncode == 0, failure_text(p)
     return float(RESULT.search(p.stdout).group(1))
 
 

@@ -16,6 +16,8 @@ import sys
 import pytest
 import torch
 
+from tests.gpu.benchmark_runs import failure_text
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("transformers")
 
@@ -68,7 +70,7 @@ def _tokens_per_s(extra):
            "--log-interval", "1", "--num-workers", "2", *extra]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": ROOT})
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.returncode == 0, failure_text(p)
     ms = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", p.stdout)][WARMUP:]
     assert len(ms) >= 5, p.stdout[-3000:]
     return GBS * SEQ / (statistics.median(ms) / 1000.0)

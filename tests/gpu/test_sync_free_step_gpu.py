@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+from tests.gpu.benchmark_runs import failure_text
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,7 +54,7 @@ def test_step_makes_no_synchronisation_per_micro_batch(tmp_path):
     driver.write_text(DRIVER)
     p = subprocess.run([sys.executable, str(driver), str(out)] + FLAGS, cwd=ROOT, capture_output=True, text=True,
                        timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.returncode == 0, failure_text(p)
     steps = json.loads(out.read_text())
     assert len(steps) == 6
     for i, syncs in enumerate(steps[2:], start=3):  # the first steps warm up allocators and kernel caches

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from tests.gpu.benchmark_runs import run_two_gpus
+from tests.gpu.benchmark_runs import failure_text, run_two_gpus
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
@@ -80,7 +80,7 @@ def test_tp_group_nccl_options_and_high_priority_overlap(tmp_path):
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
                         os.path.join(ROOT, "tests", "gpu", "nccl_options_worker.py"), str(cfg)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0 and "nccl options ok" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+    assert p.returncode == 0 and "nccl options ok" in p.stdout, failure_text(p)
     plain = _run(tmp_path, "plain")
     fast = _run(tmp_path, "overlap-high-priority", "--tp-comm-overlap", "--high-priority-stream-groups", "tp")
     assert fast == pytest.approx(plain, abs=2e-2)
@@ -91,5 +91,5 @@ def test_peer_copy_transfers_equal_nccl():
                         os.path.join(ROOT, "tests", "gpu", "peer_copy_worker.py")],
                        cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, TORCH_SYMM_MEM_DISABLE_MULTICAST="1"))
-    assert p.returncode == 0 and "peer copies ok" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+    assert p.returncode == 0 and "peer copies ok" in p.stdout, failure_text(p)
     print(p.stdout.strip().splitlines()[-1])

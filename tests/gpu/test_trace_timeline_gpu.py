@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from tests.gpu.benchmark_runs import failure_text
 from tools.trace_report import analyse_trace
 
 pytestmark = [pytest.mark.gpu,
@@ -28,7 +29,7 @@ def test_pipeline_timeline_from_nccl_traces(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            os.path.join(ROOT, "pretrain_gpt.py"), *FLAGS, "--tensorboard-dir", str(tmp_path)]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.returncode == 0, failure_text(p)
     paths = sorted(glob.glob(str(tmp_path / "*.pt.trace.json")))
     reports = [analyse_trace(json.load(open(path))) for path in paths]
     assert [(r["rank"], r["layout"]["pp_rank"]) for r in reports] == [(0, 0), (1, 1)]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.functional.test_pretrain_vision_classify import LINE, write_image_folder
+from tests.gpu.benchmark_runs import failure_text
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,7 +29,7 @@ def test_pretrain_vision_classify_on_gpu_bf16(tmp_path):
            "32", "--train-iters", "40", "--lr", "3e-3", "--lr-warmup-iters", "4", "--log-interval", "1",
            "--eval-iters", "0", "--num-workers", "2", "--timing-log-level", "2", "--seed", "1"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.returncode == 0, failure_text(p)
     rows = [(float(loss), float(acc or 0)) for loss, acc in LINE.findall(p.stdout)]
     assert len(rows) == 40
     losses = [r[0] for r in rows]
@@ -41,7 +42,7 @@ def test_bench_vit_small():
     cmd = [sys.executable, os.path.join(ROOT, "tools", "bench_vit.py"), "--layers", "4", "--hidden", "256",
            "--heads", "4", "--ffn", "1024", "--batch", "16", "--steps", "5", "--warmup", "2"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.returncode == 0, failure_text(p)
     assert re.search(r"^ours: [\d.]+ ms/step, [\d.]+ images/s, [\d.]+ TFLOP/s, MFU", p.stdout, re.M), p.stdout
     try:
         import timm  # noqa: F401
@@ -58,6 +59,6 @@ def test_bench_vit_small_as_one_cuda_graph():
            "--heads", "4", "--ffn", "1024", "--batch", "16", "--steps", "5", "--warmup", "4", "--impl", "ours",
            "--cuda-graph"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.returncode == 0, failure_text(p)
     assert "ours as one CUDA graph" in p.stdout
     assert re.search(r"^ours: [\d.]+ ms/step, [\d.]+ images/s", p.stdout, re.M), p.stdout

@@ -14,6 +14,7 @@ import torch
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 from tests.fixtures.tiny_vlm import language_config, tiny_llava, vision_config, vlm_batch
+from tests.gpu.benchmark_runs import failure_text
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -57,7 +58,7 @@ def test_pretrain_vlm_on_gpu(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.returncode == 0, failure_text(p)
     losses = [float(x) for x in re.findall(r"\| lm loss: ([0-9.E+-]+)", p.stdout)]
     assert len(losses) == 30 and sum(losses[-5:]) < sum(losses[:5]), losses
     assert "batch-generator" in p.stdout + p.stderr
