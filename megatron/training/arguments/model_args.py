@@ -86,9 +86,9 @@ def add_network_size_args(parser):
     g.add_argument("--cuda-graph-impl", type=str, default="none",
                    choices=["none", "local", "transformer_engine", "full_iteration"],
                    help="CUDA graphs. full_iteration captures the forward and backward of all micro-batches of a "
-                        "training step in one graph and replays it (data parallel only: tensor and pipeline "
-                        "parallel size 1; see docs/performance.md); the per-layer graphs of local / "
-                        "transformer_engine are not built.")
+                        "training step in one graph and replays it (data, tensor, pipeline and context parallel; "
+                        "MoE with every expert local; what is refused and why: docs/migrating.md); the per-layer "
+                        "graphs of local / transformer_engine are not built.")
     g.add_argument("--cuda-graph-scope", type=str, nargs="+", default=None,
                    help="With --cuda-graph-impl local: full_iteration selects whole-iteration graphs; the "
                         "per-layer scopes are not built.")
