@@ -86,9 +86,6 @@ class _BroadcastFed:
         return None
 
 
-get_train_valid_test_num_samples = train_valid_test_num_samples  # Megatron's name (megatron.training)
-
-
 def build_iterators_for_model_chunks(provider, model):
     """(train, valid, test) iterators as the schedule takes them: one each without virtual pipeline stages,
     else a list with one per model chunk (each chunk reads its own copy: the first tokens, the last labels)."""
@@ -96,3 +93,6 @@ def build_iterators_for_model_chunks(provider, model):
         return build_train_valid_test_data_iterators(provider)
     per_chunk = [build_train_valid_test_data_iterators(provider) for _ in model]
     return tuple([its[i] for its in per_chunk] for i in range(3))
+
+
+get_train_valid_test_num_samples = train_valid_test_num_samples  # Megatron's name (megatron.training)

@@ -87,9 +87,9 @@ def validate_cuda_graph_args(args, require):
             f"{flag} with --context-parallel-size > 1: packed documents' boundaries differ per sample; drop "
             "--reset-attention-mask / --sft or the graph")
     # MoE: with every expert on every rank the layer reads nothing on the host. Spread over ranks (EP, expert-TP,
-    # or TP's expert split), the all-to-all needs each step's split sizes on the host; padding every expert to
-    # its capacity fixes them and the CPU data flow replays bitwise, but on two H200s over NCCL the capture of
-    # the EP=2 step was invalidated, so experts over several ranks stay refused until that is found and fixed.
+    # or TP's expert split), the all-to-all needs each step's split sizes on the host. Padding every expert to
+    # its capacity fixes them, but on two H200s over NCCL the capture of such an EP=2 step was invalidated, so
+    # experts over several ranks stay refused until that is found and fixed.
     expert_ranks = max(args.expert_model_parallel_size, args.tensor_model_parallel_size,
                        getattr(args, "expert_tensor_parallel_size", None) or 1)
     require(not (args.num_experts and expert_ranks > 1),
