@@ -82,11 +82,26 @@ def _copy_into(dst, src, where):
 
 class _CudaGraph:
     """torch.cuda.CUDAGraph captured on a side stream, thread-local capture mode (a data-loader or
-    checkpoint thread touching CUDA must not invalidate the capture)."""
+    checkpoint thread touching CUDA must not invalidate the capture).
+
+    The eager warm-up steps run on that same stream (`warmup`). Autograd runs each leaf's gradient
+    accumulation on the stream current when its AccumulateGrad node was made, and a node outlives the step
+    that made it whenever anything still references that step's graph. A node made on the default
+    (legacy) stream during warm-up and reused inside the capture makes the legacy stream wait on the
+    capturing one, which invalidates the capture (``cudaErrorStreamCaptureImplicit``); made on the capture
+    stream, it is harmless."""
 
     def __init__(self):
         self.graph = torch.cuda.CUDAGraph()
         self.stream = torch.cuda.Stream()
+
+    def warmup(self, fn: Callable[[], Any]) -> Any:
+        """One eager step on the capture stream, ordered after and before the caller's stream's work."""
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            out = fn()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return out
 
     def capture(self, fn: Callable[[], Any]) -> Any:
         tracker = get_cuda_rng_tracker()
@@ -108,9 +123,10 @@ class _CudaGraph:
 class FullCudaGraphWrapper:
     """Callable with ``forward_backward_func``'s keyword signature; see the module docstring.
 
-    ``graph_factory`` builds the capture/replay object (``capture(fn) -> outputs``, ``replay()``);
-    the default is a real CUDA graph. Tests on CPU pass one whose replay re-runs the captured
-    function, which exercises the static-buffer data flow without a GPU.
+    ``graph_factory`` builds the object that runs the warm-up steps and captures and replays the graph
+    (``warmup(fn) -> outputs``, ``capture(fn) -> outputs``, ``replay()``); the default is a real CUDA graph.
+    Tests on CPU pass one whose replay re-runs the captured function, which exercises the static-buffer data
+    flow without a GPU.
     """
 
     def __init__(self, forward_backward_func: Callable, cuda_graph_warmup_steps: int = 3,
@@ -142,11 +158,13 @@ class FullCudaGraphWrapper:
             return run(data_iterator)
         if self.steps < self.warmup_steps:
             self.steps += 1
+            if self.graph is None:
+                self.graph = self.graph_factory()
             # Learn which iterators a step reads: TP rank > 0 reads none (it receives TP rank 0's batch by
             # broadcast), and of the interleaved schedule's per-chunk iterators only the first chunk's (first
             # stage) or the last chunk's (last stage). Only those are read ahead into buffers for the graph.
             counting = [None if it is None else _CountingIterator(it) for it in _as_list(data_iterator)]
-            out = run(_like(data_iterator, counting))
+            out = self.graph.warmup(lambda: run(_like(data_iterator, counting)))
             reads = [c is not None and c.count > 0 for c in counting]
             self.reads = reads if self.reads is None else [a or b for a, b in zip(self.reads, reads)]
             return out
@@ -155,8 +173,7 @@ class FullCudaGraphWrapper:
             raise RuntimeError("--cuda-graph-impl full_iteration: the data iterators changed after the warm-up")
         batches = [[next(it) for _ in range(num_microbatches)] if read else None
                    for it, read in zip(iterators, self.reads)]
-        if self.graph is None:
-            self.graph = self.graph_factory()
+        if self.static is None:
             self.captured_microbatches = num_microbatches
             self.static = [None if b is None else StaticBatches(_device_of(model)) for b in batches]
             loaded = [None if b is None else static.load(b) for b, static in zip(batches, self.static)]

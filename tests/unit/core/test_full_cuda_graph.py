@@ -109,6 +109,9 @@ class ReexecutingGraph:
     """Capture runs the step once (a real capture records it and the first replay runs it); every
     later replay re-runs it and writes the results into the captured output tensors in place."""
 
+    def warmup(self, fn):
+        return fn()
+
     def capture(self, fn):
         self.fn, self.outputs, self.ran = fn, fn(), True
         return self.outputs
@@ -201,7 +204,13 @@ def test_eval_and_warmup_run_eagerly():
         calls.append(kw["forward_only"])
         return []
 
+    events = []
+
     class NoGraph:
+        def warmup(self, fn):
+            events.append("warmup")
+            return fn()
+
         def capture(self, fn):
             raise AssertionError("must not capture during warm-up or evaluation")
 
@@ -210,6 +219,8 @@ def test_eval_and_warmup_run_eagerly():
         w(forward_step_func=None, data_iterator=iter([]), model=[torch.nn.Linear(1, 1)], num_microbatches=1,
           forward_only=forward_only)
     assert calls == [False, True, False, True]
+    # Training warm-up steps run through the graph object (on the capture stream), evaluation does not.
+    assert events == ["warmup", "warmup"]
 
 
 def test_replayed_loss_check_names_the_flag():

@@ -168,6 +168,12 @@ class MoETokenDispatcher:
     def _unpermute_probs(self):
         return None if self.probs_to_experts else self.permuted_probs
 
+    def _release_probs(self):
+        """Drop the micro-batch's routing probabilities once combined. Held on, they keep the step's autograd
+        graph alive into the next step, and with it the AccumulateGrad nodes of every parameter before
+        them: a CUDA graph capture would then reuse nodes made during the eager warm-up."""
+        self.permuted_probs = self.expert_probs = None
+
     def _exact_topk(self, local_experts_only: bool = False):
         """k when every token gets exactly k rows from the permutation (the map holds all experts and no
         token is dropped or padded), else None."""
@@ -222,6 +228,7 @@ class MoEAllGatherTokenDispatcher(_LocalExpertsDispatcher):
     def token_unpermutation(self, expert_output, bias=None):
         out = self._unpermute(expert_output, self.sorted_indices, self.gathered_shape,
                               probs=self._unpermute_probs(), topk=self.exact_topk)
+        self._release_probs()
         if self.tp_ep_size > 1:
             out = reduce_scatter_to_sequence_parallel_region(out, group=self.tp_ep_group)  # sum over EP x ETP
         return out.view(self.hidden_shape), None
@@ -349,4 +356,5 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
         num_tokens = self.hidden_shape.numel() // self.hidden_shape[-1]
         out = self._unpermute(y, self.sorted_indices, (num_tokens, self.hidden_shape[-1]),
                               probs=self._unpermute_probs(), topk=self.exact_topk)
+        self._release_probs()
         return out.view(self.hidden_shape), None

@@ -70,3 +70,32 @@ def test_probs_on_input_matches_per_token_reference(dispatcher):
     with pytest.raises(ValueError, match="--moe-apply-probs-on-input needs --moe-router-topk 1"):
         from megatron.core.transformer.moe.config_checks import check_moe_config
         check_moe_config(_config(moe_router_topk=2, moe_apply_probs_on_input=True))
+
+
+def _graph_holding_attributes(module):
+    """(owner path, attribute) of every tensor that a submodule, or a plain helper object it owns (the token
+    dispatcher), keeps and that belongs to an autograd graph."""
+    held = []
+    for path, sub in module.named_modules():
+        owners = [(path, sub)] + [(f"{path}.{name}", v) for name, v in vars(sub).items()
+                                  if hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, torch.Tensor))]
+        for where, owner in owners:
+            for name, value in vars(owner).items():
+                if torch.is_tensor(value) and value.grad_fn is not None:
+                    held.append((where, name))
+    return held
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+@pytest.mark.parametrize("capacity", [None, 1.0])
+def test_layer_keeps_no_autograd_graph_after_the_step(dispatcher, capacity):
+    """After forward and backward no submodule holds a tensor of the step's graph. One held keeps the graph,
+    and every AccumulateGrad node on it, alive into the next step; under --cuda-graph-impl full_iteration the
+    capture then reuses warm-up nodes (the routing probabilities the dispatchers kept did so)."""
+    config = _config(moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=True, moe_aux_loss_coeff=1e-2,
+                     moe_expert_capacity_factor=capacity, moe_pad_expert_input_to_capacity=capacity is not None)
+    layer = build_module(get_moe_module_spec(num_experts=E, moe_grouped_gemm=True), config=config)
+    x = torch.randn(6, 4, H, requires_grad=True)
+    out, _ = layer(x)
+    out.sum().backward()
+    assert _graph_holding_attributes(layer) == []
