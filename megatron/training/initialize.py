@@ -198,8 +198,23 @@ def _initialize_distributed(args):
         store = torch.distributed.HashStore()
     if store is not None:
         kwargs["store"] = store
-    torch.distributed.init_process_group(**kwargs)
+    with hang.WaitNotice(RENDEZVOUS_NOTICE_S, lambda: _rendezvous_text(args)):
+        torch.distributed.init_process_group(**kwargs)
     atexit.register(_shutdown_distributed)
+
+
+# A rendezvous of healthy ranks on one machine or a cluster completes in seconds; after this long one line per
+# rank says what it waits for (see _rendezvous_text).
+RENDEZVOUS_NOTICE_S = 60.0
+
+
+def _rendezvous_text(args) -> str:
+    addr = os.environ.get("MASTER_ADDR", "?")
+    port = os.environ.get("MASTER_PORT", "?")
+    return (f"rank {args.rank} of {args.world_size} in torch.distributed's rendezvous at {addr}:{port} "
+            f"(--distributed-backend {args.distributed_backend}); it completes when every rank has started with "
+            "the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE and can reach that address (check the launcher's "
+            "other ranks and nodes, and that no other job holds the port)")
 
 
 def _restarted_worker_store(timeout):

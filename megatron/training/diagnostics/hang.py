@@ -269,3 +269,31 @@ def _dump_on_error(exc):
     if waited >= 0.5 * state.timeout_s:
         write_dump(state, f"{waiting['op']} #{waiting['seq']} failed after {waited:.1f} s: {errors.error_line(exc)}",
                    exc)
+
+
+class WaitNotice:
+    """A context manager for a blocking call with no progress of its own to report (the start-up rendezvous):
+    while the block runs longer than ``after_s``, one line goes to stderr every ``after_s`` seconds with how
+    long it has waited and ``describe()``, so a rank held at start-up says where it stands before its timeout
+    (10 minutes by default) ends it."""
+
+    def __init__(self, after_s: float, describe):
+        self.after_s, self.describe = after_s, describe
+        self._stop = threading.Event()
+        self._thread = None
+
+    def _run(self):
+        start = time.monotonic()
+        while not self._stop.wait(self.after_s):
+            print(f"still waiting after {time.monotonic() - start:.0f} s: {self.describe()}", file=sys.stderr,
+                  flush=True)
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._run, name="wait-notice", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        return False

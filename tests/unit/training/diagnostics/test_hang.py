@@ -1,6 +1,8 @@
 """The hang dump of a rank that was itself stopped: its stall and the failed wait, whichever thread runs first."""
 import argparse
 import os
+import time
+import types
 
 import pytest
 import torch
@@ -86,3 +88,23 @@ def test_a_rank_stopped_between_steps_records_its_stall_at_the_next_step(one_ran
     assert "all_reduce" in open(path).read()
     hang.heartbeat()  # a step right after: no new stall, nothing more written
     assert "hang:" not in capsys.readouterr().err
+
+
+def test_wait_notice_speaks_only_while_the_call_is_slow(capsys):
+    """A blocked start-up rendezvous says, on each rank, what it waits for; a fast one says nothing."""
+    with hang.WaitNotice(0.05, lambda: "rank 1 of 2 in the rendezvous at h:1"):
+        time.sleep(0.3)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) >= 2 and all(line.startswith("still waiting after ") for line in lines)
+    assert lines[0].endswith("s: rank 1 of 2 in the rendezvous at h:1")
+    with hang.WaitNotice(5.0, lambda: "never"):
+        pass
+    assert capsys.readouterr().err == ""
+
+
+def test_rendezvous_text_names_the_address_and_the_flag(monkeypatch):
+    from megatron.training.initialize import _rendezvous_text
+    monkeypatch.setenv("MASTER_ADDR", "node7")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    text = _rendezvous_text(types.SimpleNamespace(rank=3, world_size=8, distributed_backend="nccl"))
+    assert text.startswith("rank 3 of 8 in torch.distributed's rendezvous at node7:29500 (--distributed-backend nccl)")
