@@ -1,7 +1,7 @@
 """--cuda-graph-impl full_iteration with model parallelism on two GPUs over NCCL. TP=2 + SP: TP rank 0's batch
 broadcast, the sequence-parallel all-gathers / reduce-scatters and the vocab-parallel loss captured in one graph
-per step; PP=2: the pipeline's sends and receives, 1F1B and interleaved (overlapped p2p); CP=2: the K/V ring. (MoE
-at EP=2 padded to capacity invalidated its capture here and is refused.) The losses follow the eager run's of the same
+per step; PP=2: the pipeline's sends and receives, 1F1B and interleaved (overlapped p2p); CP=2: the K/V ring; MoE
+at EP=2 padded to capacity: the all-to-all with fixed splits. The losses follow the eager run's of the same
 layout, and each run's ms/iteration is printed (the graph's gain).
 tests/parallel/test_full_cuda_graph_model_parallel.py proves the data flow bitwise on CPU. Needs two CUDA
 devices."""
@@ -17,7 +17,10 @@ LAYOUTS = {"tp2_sp": "--tensor-model-parallel-size 2 --sequence-parallel --globa
            "pp2": "--pipeline-model-parallel-size 2 --global-batch-size 16",
            "pp2_vp2": "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3 "
                       "--global-batch-size 16",
-           "cp2": "--context-parallel-size 2 --global-batch-size 8"}
+           "cp2": "--context-parallel-size 2 --global-batch-size 8",
+           "ep2_padded": "--num-experts 8 --moe-router-topk 2 --moe-grouped-gemm --moe-token-dispatcher-type "
+                         "alltoall --expert-model-parallel-size 2 --moe-expert-capacity-factor 1.0 "
+                         "--moe-pad-expert-input-to-capacity --disable-bias-linear --global-batch-size 16"}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -1,6 +1,6 @@
-"""--cuda-graph-impl full_iteration with tensor, pipeline and context parallelism, through pretrain() on 2 gloo
-ranks (TP=2 with and without sequence parallelism, PP=2 plain and interleaved, CP=2 ring and all-to-all; experts
-over several ranks are refused, tests/unit/core/test_full_cuda_graph.py). A CUDA graph cannot be captured on CPU,
+"""--cuda-graph-impl full_iteration with tensor, pipeline, context and expert parallelism, through pretrain() on
+2 gloo ranks (TP=2 with and without sequence parallelism, PP=2 plain and interleaved, CP=2 ring and all-to-all,
+MoE at EP=2 padded to capacity). A CUDA graph cannot be captured on CPU,
 so the wrapper gets a graph whose replay re-runs the captured function (tests/unit/core/test_full_cuda_graph.py's):
 a rank with a data iterator that the step reads (TP rank 0; the first and the last pipeline stage, their first or
 last model chunk) then reads every replayed step's micro-batches from the static buffers the wrapper refills, and
@@ -24,7 +24,13 @@ LAYOUTS = {"tp2": "--tensor-model-parallel-size 2",
            # is read on the first stage, only the last chunk's on the last).
            "pp2_vp2": "--pipeline-model-parallel-size 2 --num-layers 4 --num-layers-per-virtual-pipeline-stage 1",
            "cp2": "--context-parallel-size 2",
-           "cp2_a2a": "--context-parallel-size 2 --cp-comm-type a2a",}
+           "cp2_a2a": "--context-parallel-size 2 --cp-comm-type a2a",
+           # MoE with the experts over 2 EP ranks, padded to capacity: fixed all-to-all splits, nothing read on
+           # the host, the tokens-per-expert tensor made once on the device before the capture (bf16 and grouped
+           # experts, as the graph requires of MoE).
+           "ep2_padded": "--num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --moe-token-dispatcher-type "
+                         "alltoall --expert-model-parallel-size 2 --moe-expert-capacity-factor 1.0 "
+                         "--moe-pad-expert-input-to-capacity --moe-aux-loss-coeff 1e-2 --bf16"}
 
 
 def _runs(layout):

@@ -87,17 +87,16 @@ def validate_cuda_graph_args(args, require):
             f"{flag} with --context-parallel-size > 1: packed documents' boundaries differ per sample; drop "
             "--reset-attention-mask / --sft or the graph")
     # MoE: with every expert on every rank the layer reads nothing on the host. Spread over ranks (EP, expert-TP,
-    # or TP's expert split), the all-to-all needs each step's split sizes on the host. Padding every expert to
-    # its capacity fixes them; the capture of such an EP=2 step on two H200s was invalidated by autograd nodes
-    # kept from the eager warm-up (fixed in the dispatchers and the wrapper, see full_cuda_graph.py), and the
-    # layout stays refused until a GPU run shows the capture equal to eager.
+    # or TP's expert split), the all-to-all needs each step's split sizes on the host, unless every expert is
+    # padded to its capacity, which fixes them (the tokens-per-expert tensor is then made once on the device).
     expert_ranks = max(args.expert_model_parallel_size, args.tensor_model_parallel_size,
                        getattr(args, "expert_tensor_parallel_size", None) or 1)
-    require(not (args.num_experts and expert_ranks > 1),
-            f"{flag} with experts over several ranks (--expert-model-parallel-size, "
-            "--expert-tensor-parallel-size or --tensor-model-parallel-size > 1 with --num-experts): the "
-            "expert all-to-all's capture is not yet proven on GPUs; drop the graph flag, or keep every expert "
-            "on every rank")
+    if args.num_experts and expert_ranks > 1:
+        require(args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is not None
+                and args.moe_token_dispatcher_type == "alltoall",
+                f"{flag} with experts over several ranks needs fixed all-to-all split sizes: pass "
+                "--moe-token-dispatcher-type alltoall --moe-expert-capacity-factor F "
+                "--moe-pad-expert-input-to-capacity (otherwise the token counts are read on the host each step)")
     if args.num_experts:
         # The local experts read nothing on the host only as one grouped GEMM over device offsets (bf16); the
         # per-expert loop splits its rows by counts read on the host, as does dropping without padding.

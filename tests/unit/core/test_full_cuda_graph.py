@@ -61,14 +61,15 @@ def test_layouts(monkeypatch):
     assert _args(tp + " --sequence-parallel").sequence_parallel
     for extra, match in (("--tp-comm-overlap --sequence-parallel", "--tp-comm-overlap"),
                          ("--reset-attention-mask", "packed documents"),
-                         ("--num-experts 4 --disable-bias-linear", "experts over several ranks")):
+                         ("--num-experts 4 --disable-bias-linear", "fixed all-to-all split sizes")):
         with pytest.raises(ArgumentError, match=match):
             _args(f"{tp} {extra}")
     moe = "--cuda-graph-impl full_iteration --num-experts 4 --disable-bias-linear --expert-model-parallel-size 2"
-    padded = " --moe-token-dispatcher-type alltoall --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity"
-    for extra in ("", padded):  # refused until the padded capture is proven on GPUs
-        with pytest.raises(ArgumentError, match="experts over several ranks"):
-            _args(moe + extra)
+    with pytest.raises(ArgumentError, match="--moe-pad-expert-input-to-capacity"):
+        _args(moe + " --moe-grouped-gemm --bf16")
+    padded = _args(moe + " --moe-grouped-gemm --bf16 --moe-token-dispatcher-type alltoall "
+                   "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity")
+    assert padded.expert_model_parallel_size == 2
     local = "--cuda-graph-impl full_iteration --num-experts 4 --disable-bias-linear"
     # Every expert local: captured as one grouped GEMM in bf16; the per-expert loop and dropping without padding
     # count tokens on the host and are refused.
