@@ -1,11 +1,14 @@
 """Megatron Core's side of tests/functional/test_megatron_checkpoints.py: run by that test in a subprocess whose
 sys.path starts with the megatron-core 0.19.2 wheel's files and does not hold our checkout (cwd elsewhere).
 
-    python mcore_checkpoint_side.py save|load CONFIG_JSON CKPT_DIR LOGITS_FILE TP
+    python mcore_checkpoint_side.py JOBS_JSON
 
-Builds Megatron's GPTModel with its local layer spec on CPU (gloo, fp32, use_cpu_initialization), on TP ranks,
-then either saves ``model.sharded_state_dict()`` with ``dist_checkpointing.save`` (torch_dist) or loads the
-checkpoint into it, and writes the full-vocabulary logits of a fixed batch to LOGITS_FILE.
+JOBS_JSON is a list of jobs ``{"mode": "save"|"load", "cfg": ..., "ckpt_dir": ..., "out": ..., "tp": N}``. For each,
+in order, Megatron's GPTModel with its local layer spec is built on CPU (gloo, fp32, use_cpu_initialization) at
+TP=N (the other ranks of the largest TP's world data parallel), then either saves ``model.sharded_state_dict()``
+with ``dist_checkpointing.save`` (torch_dist) or loads the checkpoint into it, and the full-vocabulary logits of a
+fixed batch go to ``out``. One interpreter and one set of ranks serve all jobs: importing Megatron Core costs
+seconds per process.
 
 Megatron Core 0.19.2 needs four CPU patches here, each the smallest found (all in this script, none in ours):
 - ``megatron.core.transformer.moe.ops.paged_stash`` imports triton unconditionally (pulled in by
@@ -98,30 +101,39 @@ def logits(model, vocab: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def rank_main(rank: int, argv, port: int):
-    mode, cfg_json, ckpt_dir, logits_file, tp = argv[0], argv[1], argv[2], argv[3], int(argv[4])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    cfg = json.loads(cfg_json)
+def run_job(job: dict, rank: int):
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=job["tp"])
+    cfg = job["cfg"]
     torch.manual_seed(cfg.get("seed", 1234))
-    model = build(cfg, tp)
-    if mode == "save":
-        dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
+    model = build(cfg, job["tp"])
+    if job["mode"] == "save":
+        dist_checkpointing.save(model.sharded_state_dict(), job["ckpt_dir"])
     else:
-        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir))
+        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), job["ckpt_dir"]))
     out = logits(model, cfg["vocab_size"])
     if rank == 0:
-        torch.save(out, logits_file)
+        torch.save(out, job["out"])
     dist.barrier()
+
+
+def rank_main(rank: int, jobs, port: int, world: int):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    for job in jobs:
+        run_job(job, rank)
     dist.destroy_process_group()
 
 
 def main(argv):
+    jobs = json.loads(argv[0])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.makedirs(argv[2], exist_ok=True)
-    torch.multiprocessing.spawn(rank_main, args=(argv, port), nprocs=int(argv[4]))
+    for job in jobs:
+        os.makedirs(job["ckpt_dir"], exist_ok=True)
+    world = max(job["tp"] for job in jobs)
+    torch.multiprocessing.spawn(rank_main, args=(jobs, port, world), nprocs=world)
 
 
 if __name__ == "__main__":

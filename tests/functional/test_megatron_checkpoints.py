@@ -65,15 +65,18 @@ MLA = {"vocab_size": 64, "config": {**STD, "multi_latent_attention": True, "num_
        "model": {"position_embedding_type": "rope"}, "seed": 11}
 
 
-def megatron(mode: str, cfg: dict, ckpt_dir: str, tp: int, tmp_path) -> torch.Tensor:
-    """Megatron Core's side in its own interpreter: save or load ``ckpt_dir`` at ``tp``; its logits [b, s, V]."""
-    out = str(tmp_path / f"mcore_{mode}_{os.path.basename(ckpt_dir)}_tp{tp}.pt")
+def megatron(jobs, tmp_path) -> list:
+    """Megatron Core's side in its own interpreter: each job ``(mode, cfg, ckpt_dir, tp)`` saves or loads
+    ``ckpt_dir`` at ``tp``, in order, in one set of ranks; each job's logits [b, s, V]."""
+    specs = [{"mode": mode, "cfg": cfg, "ckpt_dir": ckpt, "tp": tp,
+              "out": str(tmp_path / f"mcore_{mode}_{i}_{os.path.basename(ckpt)}_tp{tp}.pt")}
+             for i, (mode, cfg, ckpt, tp) in enumerate(jobs)]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = MCORE_SITE
-    proc = subprocess.run([sys.executable, "-W", "ignore", SIDE, mode, json.dumps(cfg), ckpt_dir, out, str(tp)],
-                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"Megatron Core {mode} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return torch.load(out)
+    proc = subprocess.run([sys.executable, "-W", "ignore", SIDE, json.dumps(specs)],
+                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"Megatron Core failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return [torch.load(spec["out"]) for spec in specs]
 
 
 def _our_model(cfg: dict, tp: int, pp: int = 1) -> GPTModel:
@@ -136,21 +139,49 @@ def _close(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return ((ours - theirs).abs().max() / theirs.abs().max()).item()
 
 
-@pytest.mark.parametrize("cfg, saved_tp, loaded", [(LLAMA, 2, ((2, 1), (1, 1), (1, 2))), (GPT2, 1, ((1, 1), (2, 1))),
-                                                   (MOE_GROUPED, 2, ((2, 1), (1, 1))), (MLA, 2, ((2, 1), (1, 1)))],
-                         ids=["llama_tp2", "gpt2_tp1", "moe_tp2", "mla_tp2"])
-def test_megatron_saves_ours_loads(tmp_path, cfg, saved_tp, loaded):
-    ckpt = str(tmp_path / "mcore_ckpt")
-    reference = megatron("save", cfg, ckpt, saved_tp, tmp_path)
-    for tp, pp in loaded:  # the saved layout, then others (TP=2 -> TP=1 x PP=2: the layer axis split by stage)
+# Megatron saves, ours loads: (config, the TP Megatron saves at, the (TP, PP) layouts ours loads at: the saved
+# layout, then others; TP=2 -> TP=1 x PP=2 splits the layer axis by stage).
+MEGATRON_SAVES = {"llama_tp2": (LLAMA, 2, ((2, 1), (1, 1), (1, 2))), "gpt2_tp1": (GPT2, 1, ((1, 1), (2, 1))),
+                  "moe_tp2": (MOE_GROUPED, 2, ((2, 1), (1, 1))), "mla_tp2": (MLA, 2, ((2, 1), (1, 1)))}
+# Ours saves, Megatron loads: (config, the TP ours saves at, the TP Megatron loads at).
+OURS_SAVES = {"llama_tp2": (LLAMA, 2, 1), "gpt2_tp1": (GPT2, 1, 2), "moe_tp2": (MOE_SEQUENTIAL, 2, 1),
+              "mla_tp1": (MLA, 1, 2)}
+
+
+@pytest.fixture(scope="module")
+def megatron_saved(tmp_path_factory):
+    """Every MEGATRON_SAVES checkpoint, saved by one Megatron interpreter: name -> (directory, its logits)."""
+    tmp = tmp_path_factory.mktemp("megatron_saves")
+    names = list(MEGATRON_SAVES)
+    dirs = [str(tmp / f"mcore_ckpt_{name}") for name in names]
+    logits = megatron([("save", MEGATRON_SAVES[n][0], d, MEGATRON_SAVES[n][1]) for n, d in zip(names, dirs)], tmp)
+    return dict(zip(names, zip(dirs, logits)))
+
+
+@pytest.fixture(scope="module")
+def megatron_loaded(tmp_path_factory):
+    """Every OURS_SAVES checkpoint saved by ours, then loaded by one Megatron interpreter: name -> (our logits,
+    Megatron's)."""
+    tmp = tmp_path_factory.mktemp("our_saves")
+    ours, jobs = {}, []
+    for name, (cfg, saved_tp, loaded_tp) in OURS_SAVES.items():
+        ckpt = str(tmp / f"our_ckpt_{name}")
+        ours[name] = run_distributed(ours_save, saved_tp, cfg, ckpt, saved_tp)[0]
+        jobs.append(("load", cfg, ckpt, loaded_tp))
+    return {name: (ours[name], theirs) for name, theirs in zip(ours, megatron(jobs, tmp))}
+
+
+@pytest.mark.parametrize("name", list(MEGATRON_SAVES))
+def test_megatron_saves_ours_loads(megatron_saved, name):
+    cfg, saved_tp, loaded = MEGATRON_SAVES[name]
+    ckpt, reference = megatron_saved[name]
+    for tp, pp in loaded:
         ours = run_distributed(ours_load, tp * pp, cfg, ckpt, tp, pp)[-1]
         assert _close(ours, reference) < RTOL, f"TP={saved_tp} -> TP={tp} x PP={pp}"
 
 
-@pytest.mark.parametrize("cfg, saved_tp, loaded_tp", [(LLAMA, 2, 1), (GPT2, 1, 2), (MOE_SEQUENTIAL, 2, 1),
-                                                      (MLA, 1, 2)], ids=["llama_tp2", "gpt2_tp1", "moe_tp2", "mla_tp1"])
-def test_ours_saves_megatron_loads(tmp_path, cfg, saved_tp, loaded_tp):
-    ckpt = str(tmp_path / "our_ckpt")
-    ours = run_distributed(ours_save, saved_tp, cfg, ckpt, saved_tp)[0]
-    theirs = megatron("load", cfg, ckpt, loaded_tp, tmp_path)
+@pytest.mark.parametrize("name", list(OURS_SAVES))
+def test_ours_saves_megatron_loads(megatron_loaded, name):
+    _, saved_tp, loaded_tp = OURS_SAVES[name]
+    ours, theirs = megatron_loaded[name]
     assert _close(ours, theirs) < RTOL, f"TP={saved_tp} -> Megatron at TP={loaded_tp}"
