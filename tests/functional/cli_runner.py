@@ -148,12 +148,18 @@ class CliRunner:
         argv = [os.path.join(ROOT, str(argv[0]))] + [str(a) for a in argv[1:]]
         req = dict(argv=argv, nranks=nranks, timeout=timeout, env=env or {}, stop_others=stop_others,
                    throttle=throttle, pause=pause, cwd=[str(c) for c in per_rank(cwd, ROOT)], block=per_rank(block, []))
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("the CLI runner server died")
-        return [RankResult(*r) for r in json.loads(line)]
+        for _ in range(3):
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError("the CLI runner server died")
+            results = [RankResult(*r) for r in json.loads(line)]
+            # The free port was taken by another process between choosing it and rank 0 binding it: the run
+            # failed at the rendezvous, before it did anything; once more on another port, as a user would.
+            if nranks == 1 or not any("EADDRINUSE" in r.out + r.err for r in results):
+                return results
+        return results
 
     def __exit__(self, *exc):
         self.proc.stdin.close()
