@@ -87,8 +87,9 @@ def add_network_size_args(parser):
                    choices=["none", "local", "transformer_engine", "full_iteration"],
                    help="CUDA graphs. full_iteration captures the forward and backward of all micro-batches of a "
                         "training step in one graph and replays it (data, tensor, pipeline and context parallel; "
-                        "MoE with every expert local; what is refused and why: docs/migrating.md); the per-layer "
-                        "graphs of local / transformer_engine are not built.")
+                        "MoE with every expert local, or over several ranks when padded to capacity with the "
+                        "alltoall dispatcher; what is refused and why: docs/migrating.md); the per-layer graphs of "
+                        "local / transformer_engine are not built.")
     g.add_argument("--cuda-graph-scope", type=str, nargs="+", default=None,
                    help="With --cuda-graph-impl local: full_iteration selects whole-iteration graphs; the "
                         "per-layer scopes are not built.")

@@ -35,7 +35,6 @@ def test_gpt13b_estimate(bench):
     assert est["weights_and_optimizer"] / 2 ** 30 == pytest.approx(22.05, abs=0.01)
 
 
-
 def test_iterators_per_model_chunk(monkeypatch):
     """pretrain() and tools/benchmark.py build the schedule's iterators with one function: one per split
     without virtual pipeline stages, one list entry per model chunk with them (the interleaved schedule refuses
