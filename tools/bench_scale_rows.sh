@@ -26,7 +26,7 @@
 #   --cuda-graph-impl full_iteration; l8_tp2 without the TP overlap the graph refuses);
 #   *_overlap (ours only: --overlap-moe-expert-parallel-comm --delay-wgrad-compute, which needs
 #   CUDA_DEVICE_MAX_CONNECTIONS > 1 where side_by_side.sh sets 1): mix_ep2_overlap / fine_ep2_overlap /
-#   mix_ep4_overlap / fine_ep4_overlap
+#   mix_ep4_overlap / fine_ep4_overlap / qwen3_ep4_overlap / dsv3_ep4_overlap
 set -u -f  # -f: --moe-layer-freq patterns hold glob characters
 R=${MREF_DIR:-$(pwd)/.mref}; OUT=${OUT:-/tmp/scale_rows}
 source "$R/configs.sh"
@@ -83,12 +83,15 @@ row() {
     mix_ep4_pad)     echo "4 MOE_MIXTRAL --expert-model-parallel-size 4 --global-batch-size 32 --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity" ;;
     mix_ep4_overlap) echo "4 MOE_MIXTRAL --expert-model-parallel-size 4 --global-batch-size 32 $OVERLAP_MOE" ;;
     fine_ep4_overlap) echo "4 MOE_FINE --expert-model-parallel-size 4 --global-batch-size 32 $OVERLAP_MOE" ;;
+    qwen3_ep4_overlap) echo "4 QWEN3_30B_A3B $OVERLAP_MOE" ;;
+    dsv3_ep4_overlap) echo "4 DEEPSEEK_V3_PROXY $OVERLAP_MOE" ;;
     *) return 1 ;;
   esac
 }
 ALL="l8b_1gpu g13_1gpu l8_tp2 l8_tp2_graph l8b_tp2 l8b_dp2 l8b_pp2 l8b_pp2_vp l8b_cp2_16k l8_cp2_64k nemo_cp2 nemo_cp2_a2a nemo_cp2_ag g13_pp2 g13_dp2
 mix_ep2 fine_ep2 qwen3_ep2 dsv3_ep2 mix_ep2_overlap fine_ep2_overlap l8b_dp4 l8b_tp2dp2 l8b_tp4 l8b_pp2dp2 l8b_pp4_vp l8b_cp2dp2_16k nemo_cp2dp2 cp1_64k cp4_64k cp4_128k
-mix_1gpu fine_1gpu mix_1gpu_graph fine_1gpu_graph mix_ep4 fine_ep4 mix_ep2dp2 mix_ep2pp2 qwen3_ep4 dsv3_ep4 mix_ep4_pad mix_ep4_overlap fine_ep4_overlap"
+mix_1gpu fine_1gpu mix_1gpu_graph fine_1gpu_graph mix_ep4 fine_ep4 mix_ep2dp2 mix_ep2pp2 qwen3_ep4 dsv3_ep4 mix_ep4_pad mix_ep4_overlap fine_ep4_overlap
+qwen3_ep4_overlap dsv3_ep4_overlap"
 if [ "${1:-}" = "--list" ]; then
   for r in $ALL; do printf '%-18s %s\n' "$r" "$(row "$r")"; done; exit 0
 fi
@@ -102,6 +105,20 @@ mkdir -p "$OUT"
 [ "${MREF:-1}" = 0 ] || [ -d /tmp/mref_site/megatron ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --target /tmp/mref_site $(set +f; echo "$R"/whl/megatron_core-*.whl) || exit 1
 T0=$(date +%s)
+# Stopped from outside (`timeout` on this script, Ctrl-C), take the rows' processes down too: a torchrun left
+# running holds its GPUs' memory and slows or kills whatever the warm machine runs next. `timeout` signals its
+# whole process group, so the rows' shells die at once and orphan their torchruns: those are found by the tag
+# every process of this round inherits. Bash runs the trap only between commands, so rows run in the background
+# and the script waits for them.
+export BENCH_SCALE_ROUND="bench_scale_rows_$$_$T0"
+kill_round() {
+  local e p
+  for e in /proc/[0-9]*/environ; do
+    p=${e#/proc/}; p=${p%/environ}
+    [ "$p" != $$ ] && grep -qxz "BENCH_SCALE_ROUND=$BENCH_SCALE_ROUND" "$e" 2>/dev/null && kill -TERM "$p" 2>/dev/null
+  done
+}
+trap 'trap - TERM INT; kill_round; exit 143' TERM INT
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tee "$OUT/device.txt"
 port=${PORT:-29700}
 free_ports() {  # free_ports N: the first P >= N with P and P + 1 both free to listen on (a port still held by a
@@ -185,5 +202,5 @@ done
 if [ ${#fours[@]} -gt 0 ] && [ "$ngpu" -lt 4 ]; then
   echo "RESULT ${fours[*]}: need 4 GPUs, this machine has $ngpu"; fours=()
 fi
-for r in "${fours[@]}"; do port=$(free_ports $((port + 2))); run_row "$r" "$four_devs" $port; done
+for r in "${fours[@]}"; do port=$(free_ports $((port + 2))); run_row "$r" "$four_devs" $port & wait $!; done
 echo "round: ${#ones[@]} one-GPU, ${#twos[@]} two-GPU and ${#fours[@]} four-GPU rows in $(( $(date +%s) - T0 )) s; logs in $OUT"

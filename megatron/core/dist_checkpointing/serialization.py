@@ -498,9 +498,16 @@ def _match_megatron_layout(sharded_state_dict: ShardedStateDict, shapes) -> Shar
 
 
 def _buffer_for(sh: ShardedTensor) -> torch.Tensor:
-    """Where the chunk is read into: zeros under ``allow_shape_mismatch`` (the part past the saved shape
-    is not read and stays zero, as in Megatron), uninitialised otherwise (every element is read)."""
-    device = sh.data.device if sh.data is not None else "cpu"
+    """Where the chunk is read into: the ShardedTensor's own tensor when it has the chunk's shape and dtype
+    (the live param or optimizer state is read in place: a second copy of an 8B model's optimizer state
+    does not fit beside it on the device; a load that fails part-way ends the run or is followed by a whole
+    load of the previous checkpoint); else zeros under ``allow_shape_mismatch`` (the part past the saved
+    shape is not read and stays zero, as in Megatron), uninitialised otherwise (every element is read)."""
+    data = sh.data
+    if (torch.is_tensor(data) and not sh.allow_shape_mismatch and tuple(data.shape) == tuple(sh.local_shape)
+            and data.dtype == sh.dtype and data.is_contiguous()):
+        return data.detach()
+    device = data.device if data is not None else "cpu"
     init = torch.zeros if sh.allow_shape_mismatch else torch.empty
     return init(sh.local_shape, dtype=sh.dtype, device=device)
 

@@ -56,6 +56,21 @@ def test_load_slices_as_another_tp(tmp_path):
         assert torch.equal(out["layer"]["bias"], b)
 
 
+def test_load_reads_into_the_requested_tensors(tmp_path):
+    """A request whose tensor has the chunk's shape and dtype is read in place (a live param, even one that
+    requires grad): no second copy of the state on the device while loading."""
+    w, b = _full(0, (8, 4)), _full(1, (4,))
+    ckpt = str(tmp_path / "c")
+    dc.save(_sharded_sd(0, 1, w, b), ckpt)
+    live_w = torch.nn.Parameter(torch.zeros(4, 4))
+    target = _sharded_sd(0, 2, torch.zeros_like(w), torch.zeros_like(b))
+    target["layer"]["weight"] = ShardedTensor.from_rank_offsets("layer.weight", live_w, (0, 0, 2))
+    del target["rng"]
+    out = dc.load(target, ckpt)
+    assert out["layer"]["weight"].data_ptr() == live_w.data_ptr() and torch.equal(live_w.detach(), w[:4])
+    assert live_w.requires_grad and torch.equal(out["layer"]["bias"], b)
+
+
 def test_prepend_axis_and_dtype(tmp_path):
     """Per-layer tensors stacked along a prepended axis; loading casts to the requested dtype."""
     ckpt = str(tmp_path / "c")

@@ -31,7 +31,7 @@ def test_pieces_carry_global_offsets_and_join_back():
     param = torch.arange(20.0).reshape(4, 5)
     st = ShardedTensor.from_rank_offsets("w", param, (0, 1, 2), replica_id=(0, 0, 1))
     flat = param.reshape(-1)[3:17]
-    pieces = _range_pieces(st, "optimizer.state.exp_avg.w", 3, 17, flat, is_loading=False)
+    pieces = _range_pieces(st, "optimizer.state.exp_avg.w", 3, 17, flat)
     full = torch.zeros(8, 5)
     for p in pieces.values():
         assert p.replica_id == (0, 0, 0) and p.global_shape == (8, 5)  # every DP rank writes its own range
@@ -50,7 +50,7 @@ def test_range_pieces_of_a_gated_fc1_map_to_megatrons_stacked_layout():
     st = ShardedTensor.from_rank_offsets("decoder.layers.1.mlp.linear_fc1.weight", fc1, replica_id=(0, 0, 1))
     stacked = torch.full((2, 12, 3), -1.0)  # Megatron's [L, 2f, h]
     for lo, hi in ((0, 13), (13, 29), (29, 36)):  # three DP ranks' ranges, the middle one crossing gate -> up
-        pieces = _range_pieces(st, st.key, lo, hi, fc1.reshape(-1)[lo:hi], is_loading=False)
+        pieces = _range_pieces(st, st.key, lo, hi, fc1.reshape(-1)[lo:hi])
         for sh in to_megatron_layout(pieces, num_layers=2, extra_state=False).values():
             assert sh.key == "decoder.layers.mlp.linear_fc1.weight" and sh.global_shape == (2, 12, 3)
             stacked[sh.global_slice()] = sh.data

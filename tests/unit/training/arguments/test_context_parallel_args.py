@@ -29,9 +29,6 @@ NO_DROPOUT = "--attention-dropout 0 "
     ("--cp-comm-type ring", 1, "--cp-comm-type 'ring' unknown"),
     (NO_DROPOUT + "--context-parallel-size 8 --cp-comm-type a2a", 8, "--cp-comm-type a2a splits the 4 attention heads"),
     ("--reset-attention-mask --no-create-attention-mask-in-dataloader", 1, "pass --attention-dropout 0"),
-    ("--seq-length 131072 --max-position-embeddings 131072", 1,
-     "GiB [s, s] attention mask per micro-batch, which attention here never needs; pass "
-     "--no-create-attention-mask-in-dataloader"),
 ])
 def test_context_parallel_errors(extra, world, needle):
     with pytest.raises(ArgumentError) as e:
@@ -49,3 +46,6 @@ def test_valid_layouts_and_document_path():
     # Per-document attention replaces the dense mask when it can (no attention dropout).
     assert not _args(NO_DROPOUT + "--reset-attention-mask").create_attention_mask_in_dataloader
     assert _args("--reset-attention-mask").create_attention_mask_in_dataloader  # dropout: dense mask kept
+    # Without per-document masks the loader's causal mask is never read: not built, at any length.
+    assert not _args("").create_attention_mask_in_dataloader
+    assert not _args("--seq-length 131072 --max-position-embeddings 131072").create_attention_mask_in_dataloader
