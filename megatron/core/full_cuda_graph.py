@@ -6,7 +6,7 @@ gpt-1.3b the host needs about as long to launch them as the device needs to run 
 run eagerly (compiling, cuBLAS / cuDNN plan selection, allocator warm-up, NCCL set-up), the next one
 captures the forward and backward of every micro-batch (and the DDP gradient reduction) into one graph,
 and every later step copies its micro-batches into the captured (static) input buffers and replays the
-graph: one launch per step. The optimizer step stays outside the graph.
+graph: one launch per step, after which the host reads the next step's micro-batches while the device runs. The optimizer step stays outside the graph.
 
 What the captured region may not do, and how the rest of the code keeps to it: no host
 synchronisation (checks that read device values skip themselves while capturing; `train_step` reads
@@ -147,6 +147,7 @@ class FullCudaGraphWrapper:
         self.reads = None  # per data iterator: whether the warm-up steps read from it
         self.outputs = None
         self.captured_microbatches = None
+        self.prefetched = None  # (iterators, micro-batches, batches or None at their end): the next step's
 
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches: int,
                  forward_only: bool = False, **kwargs):
@@ -171,8 +172,9 @@ class FullCudaGraphWrapper:
         iterators = _as_list(data_iterator)
         if self.reads is None or len(self.reads) != len(iterators):
             raise RuntimeError("--cuda-graph-impl full_iteration: the data iterators changed after the warm-up")
-        batches = [[next(it) for _ in range(num_microbatches)] if read else None
-                   for it, read in zip(iterators, self.reads)]
+        batches = self._take_prefetched(iterators, num_microbatches)
+        if batches is None:
+            batches = self._read(iterators, num_microbatches)
         if self.static is None:
             self.captured_microbatches = num_microbatches
             self.static = [None if b is None else StaticBatches(_device_of(model)) for b in batches]
@@ -191,7 +193,37 @@ class FullCudaGraphWrapper:
         self.graph.replay()
         self.steps += 1
         self.replayed = True
+        self._prefetch(iterators, num_microbatches)
         return self.outputs
+
+    def _read(self, iterators, num_microbatches):
+        return [[next(it) for _ in range(num_microbatches)] if read else None
+                for it, read in zip(iterators, self.reads)]
+
+    def _prefetch(self, iterators, num_microbatches):
+        """Read the next step's micro-batches now, while the device replays this one. Read just before the
+        next replay instead, the data loader's wait (collation, pinning, a worker behind) left the GPU idle,
+        since the step before ends waiting for the device. They stay on the host until that step copies them
+        into the static buffers, after this replay in stream order. An iterator that runs out here raises
+        its StopIteration at the next step, which would have met it too; the read-ahead is dropped if that
+        step is given other iterators. Nothing saves the iterators' position: a resumed run starts from the
+        consumed-sample count, so a step read ahead and never run loses no data."""
+        try:
+            batches = self._read(iterators, num_microbatches)
+        except StopIteration:
+            batches = None
+        self.prefetched = (iterators, num_microbatches, batches)
+
+    def _take_prefetched(self, iterators, num_microbatches):
+        ahead, self.prefetched = self.prefetched, None
+        if ahead is None:
+            return None
+        its, n, batches = ahead
+        if n != num_microbatches or len(its) != len(iterators) or any(a is not b for a, b in zip(its, iterators)):
+            return None
+        if batches is None:
+            raise StopIteration
+        return batches
 
 
 def _as_list(data_iterator) -> list:

@@ -136,9 +136,11 @@ def _copy_tensors(dst, src):
 
 
 def train_losses(steps, wrap=None, device="cpu", dtype=torch.float32, num_microbatches=2, attention_dropout=0.0,
-                 graph_safe_rng=False):
+                 graph_safe_rng=False, one_iterator=False):
     """Per-step losses of a 2-layer GPT trained through DDP, the Megatron optimizer and the no-pipelining
-    schedule; ``wrap(fbf)`` optionally wraps the schedule (as the training loop does for graphs)."""
+    schedule; ``wrap(fbf)`` optionally wraps the schedule (as the training loop does for graphs).
+    ``one_iterator``: every step reads from one iterator over the whole run, as training does (else each step
+    gets a fresh iterator over its own micro-batches)."""
     single_rank()
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(1, use_cudagraphable_rng=graph_safe_rng)
@@ -160,6 +162,9 @@ def train_losses(steps, wrap=None, device="cpu", dtype=torch.float32, num_microb
                         "position_ids": torch.arange(16).expand(2, 16).contiguous()})
 
     fbf = wrap(forward_backward_no_pipelining) if wrap else forward_backward_no_pipelining
+    if one_iterator:
+        stream, schedule = iter(batches), fbf
+        fbf = lambda **kw: schedule(**dict(kw, data_iterator=[stream]))  # noqa: E731
     return [train_step(model, optimizer, batches[i * num_microbatches:(i + 1) * num_microbatches], schedule=fbf,
                        finalize=None)[0] for i in range(steps)]
 
@@ -169,6 +174,50 @@ def test_wrapper_reproduces_eager_training():
     graphed = train_losses(6, wrap=lambda f: FullCudaGraphWrapper(f, 2, graph_factory=ReexecutingGraph))
     assert graphed == reference  # same kernels on the same inputs: bitwise on CPU
     assert len(set(reference)) == 6  # every step saw new data
+
+
+def test_reading_ahead_from_one_iterator_reproduces_eager_training():
+    """As in training, one iterator for the run: each replayed step reads the next step's micro-batches
+    while the device replays, and the losses are still bitwise eager training's."""
+    reference = train_losses(6, one_iterator=True)
+    graphed = train_losses(6, wrap=lambda f: FullCudaGraphWrapper(f, 2, graph_factory=ReexecutingGraph),
+                           one_iterator=True)
+    assert graphed == reference == train_losses(6)
+
+
+def test_the_next_step_is_read_during_the_replay():
+    """Order kept, the next step's micro-batches taken from the iterator before the step returns, the end of
+    the data met one step later, and a read-ahead dropped when the step is given another iterator."""
+    seen, taken = [], []
+
+    def fbf(*, data_iterator, num_microbatches, **kw):
+        seen.append([int(next(data_iterator)["x"]) for _ in range(num_microbatches)])
+        return []
+
+    def source(values):
+        for v in values:
+            taken.append(v)
+            yield {"x": torch.tensor(v)}
+
+    w = FullCudaGraphWrapper(fbf, 1, graph_factory=ReexecutingGraph)
+    it = source(range(10))
+    step = lambda it: w(forward_step_func=None, data_iterator=it, model=[torch.nn.Linear(1, 1)],  # noqa: E731
+                        num_microbatches=2)
+    step(it)  # warm-up: eager
+    assert taken == [0, 1]
+    step(it)  # capture, then the next step's read ahead
+    assert taken == [0, 1, 2, 3, 4, 5]
+    step(it)
+    assert taken[-1] == 7
+    step(it)
+    step(it)  # replays 8, 9; reading ahead meets the end
+    assert seen == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    with pytest.raises(StopIteration):
+        step(it)
+    step(source(range(20, 24)))  # a new iterator: nothing read ahead of it yet
+    other = source(range(30, 34))
+    step(other)  # its first step; the read-ahead of the previous iterator (22, 23) is dropped
+    assert seen[-2:] == [[20, 21], [30, 31]]
 
 
 def test_replay_without_refilling_the_buffers_would_differ():
