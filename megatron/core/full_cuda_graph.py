@@ -6,7 +6,8 @@ gpt-1.3b the host needs about as long to launch them as the device needs to run 
 run eagerly (compiling, cuBLAS / cuDNN plan selection, allocator warm-up, NCCL set-up), the next one
 captures the forward and backward of every micro-batch (and the DDP gradient reduction) into one graph,
 and every later step copies its micro-batches into the captured (static) input buffers and replays the
-graph: one launch per step, after which the host reads the next step's micro-batches while the device runs. The optimizer step stays outside the graph.
+graph: one launch per step, after which the host reads the next step's micro-batches while the device
+runs. The optimizer step stays outside the graph.
 
 What the captured region may not do, and how the rest of the code keeps to it: no host
 synchronisation (checks that read device values skip themselves while capturing; `train_step` reads
