@@ -504,7 +504,8 @@ def _buffer_for(sh: ShardedTensor) -> torch.Tensor:
     load of the previous checkpoint); else zeros under ``allow_shape_mismatch`` (the part past the saved
     shape is not read and stays zero, as in Megatron), uninitialised otherwise (every element is read)."""
     data = sh.data
-    if (torch.is_tensor(data) and not sh.allow_shape_mismatch and tuple(data.shape) == tuple(sh.local_shape)
+    if (type(data) in (torch.Tensor, torch.nn.Parameter) and not sh.allow_shape_mismatch  # no DTensor, FP8 subclass
+            and tuple(data.shape) == tuple(sh.local_shape)
             and data.dtype == sh.dtype and data.is_contiguous()):
         return data.detach()
     device = data.device if data is not None else "cpu"
