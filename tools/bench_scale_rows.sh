@@ -21,7 +21,9 @@
 #     l8_cp2_64k / nemo_cp2 / g13_pp2 / g13_dp2 / mix_ep2 / fine_ep2 / qwen3_ep2 / dsv3_ep2
 #   four GPUs (issues 44 and 45): l8b_dp4 / l8b_tp2dp2 / l8b_tp4 / l8b_pp2dp2 / l8b_pp4_vp / l8b_cp2dp2_16k /
 #     nemo_cp2dp2 / cp4_64k / cp4_128k / mix_ep4 / fine_ep4 / mix_ep2dp2 / mix_ep2pp2 / qwen3_ep4 / dsv3_ep4 /
-#     mix_ep4_pad (capacity factor 1.0, padded: no routing imbalance, no count exchange; tokens are dropped)
+#     mix_ep4_pad (capacity factor 1.0, padded: no routing imbalance, no count exchange; tokens are dropped) /
+#     l8b_pp2dp2_bal / l8b_pp4_vp_bal (the pipeline rows with --pipeline-model-parallel-layout giving the last
+#     stage fewer layers for the 128k-vocabulary output layer: ~2.4 layers' work)
 #   l8_tp2_graph / mix_1gpu_graph / fine_1gpu_graph (ours only: the row as one CUDA graph per step,
 #   --cuda-graph-impl full_iteration; l8_tp2 without the TP overlap the graph refuses);
 #   *_overlap (ours only: --overlap-moe-expert-parallel-comm --delay-wgrad-compute, which needs
@@ -65,6 +67,8 @@ row() {
     l8b_tp4)         echo "4 LLAMA8B --tensor-model-parallel-size 4 --sequence-parallel --tp-comm-overlap --global-batch-size 4" ;;
     l8b_pp2dp2)      echo "4 LLAMA8B --pipeline-model-parallel-size 2 --global-batch-size 32 $OVERLAPS" ;;
     l8b_pp4_vp)      echo "4 LLAMA8B --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 2 --global-batch-size 32" ;;
+    l8b_pp2dp2_bal)  echo "4 LLAMA8B --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et*17|t*15L --global-batch-size 32 $OVERLAPS" ;;
+    l8b_pp4_vp_bal)  echo "4 LLAMA8B --pipeline-model-parallel-size 4 --pipeline-model-parallel-layout Et*5|t*4|t*4|t*3|t*4|t*5|t*5|t*2L --global-batch-size 32" ;;
     l8b_cp2dp2_16k)  echo "4 LLAMA8B --context-parallel-size 2 --seq-length 16384 --max-position-embeddings 16384 --global-batch-size 4 $OVERLAPS" ;;
     nemo_cp2dp2)     echo "4 LLAMA8B --context-parallel-size 2 --global-batch-size 32 --train-iters 14 $OVERLAPS" ;;
     cp1_64k)         echo "1 LLAMA8B $L8 --seq-length 65536 --max-position-embeddings 65536 --global-batch-size 1 --train-iters 14" ;;
@@ -89,7 +93,7 @@ row() {
   esac
 }
 ALL="l8b_1gpu g13_1gpu l8_tp2 l8_tp2_graph l8b_tp2 l8b_dp2 l8b_pp2 l8b_pp2_vp l8b_cp2_16k l8_cp2_64k nemo_cp2 nemo_cp2_a2a nemo_cp2_ag g13_pp2 g13_dp2
-mix_ep2 fine_ep2 qwen3_ep2 dsv3_ep2 mix_ep2_overlap fine_ep2_overlap l8b_dp4 l8b_tp2dp2 l8b_tp4 l8b_pp2dp2 l8b_pp4_vp l8b_cp2dp2_16k nemo_cp2dp2 cp1_64k cp4_64k cp4_128k
+mix_ep2 fine_ep2 qwen3_ep2 dsv3_ep2 mix_ep2_overlap fine_ep2_overlap l8b_dp4 l8b_tp2dp2 l8b_tp4 l8b_pp2dp2 l8b_pp4_vp l8b_pp2dp2_bal l8b_pp4_vp_bal l8b_cp2dp2_16k nemo_cp2dp2 cp1_64k cp4_64k cp4_128k
 mix_1gpu fine_1gpu mix_1gpu_graph fine_1gpu_graph mix_ep4 fine_ep4 mix_ep2dp2 mix_ep2pp2 qwen3_ep4 dsv3_ep4 mix_ep4_pad mix_ep4_overlap fine_ep4_overlap
 qwen3_ep4_overlap dsv3_ep4_overlap"
 if [ "${1:-}" = "--list" ]; then

@@ -1,5 +1,5 @@
 """GPT loss-curve invariance under pipeline layouts (PP, virtual stages with p2p overlapped and synchronous,
-uneven split, TP x PP with SP, PP x DP): 10 Adam steps on fixed data must give the TP=PP=DP=1 loss at every
+uneven split, custom layouts, TP x PP with SP, PP x DP): 10 Adam steps on fixed data must give the TP=PP=DP=1 loss at every
 iteration.
 
 fp32 on CPU with dropout 0: layouts differ only in summation order (TP partial sums, DP grad
@@ -26,7 +26,7 @@ from tests.parallel.dist_utils import run_distributed
 ITERS, LAYERS = 10, 8
 
 
-def _config(tp=1, pp=1, vp=None, sp=False, first=None, last=None, overlap_p2p=False):
+def _config(tp=1, pp=1, vp=None, sp=False, first=None, last=None, overlap_p2p=False, layout=None):
     # overlap_p2p: the interleaved schedule's p2p overlapped in every phase, with the sent outputs freed
     # (deallocate_pipeline_outputs) as pretrain_gpt.py's config does.
     p2p = dict(overlap_p2p_comm=True, batch_p2p_comm=False, overlap_p2p_comm_warmup_flush=True,
@@ -35,7 +35,7 @@ def _config(tp=1, pp=1, vp=None, sp=False, first=None, last=None, overlap_p2p=Fa
         num_layers=LAYERS, ffn_hidden_size=64, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
         sequence_parallel=sp, num_layers_in_first_pipeline_stage=first,
-        num_layers_in_last_pipeline_stage=last, seed=1234, **p2p)
+        num_layers_in_last_pipeline_stage=last, pipeline_model_parallel_layout=layout, seed=1234, **p2p)
 
 
 def _build(config, vp):
@@ -68,7 +68,7 @@ def _train(layout):
                                              virtual_pipeline_model_parallel_size=vp)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     config = _config(tp, pp, vp, layout.get("sp", False), layout.get("first"), layout.get("last"),
-                     layout.get("overlap_p2p", False))
+                     layout.get("overlap_p2p", False), layout.get("layout"))
     chunks = _build(config, vp)
     opt = torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=1e-3)
     losses = [train_step(chunks, opt, global_batch(it, seed=0), finalize=_reduce_grads)[0] for it in range(ITERS)]
@@ -117,7 +117,9 @@ def _reference():
 
 def test_two_rank_pipelines():
     reference = _reference()
-    layouts = [{"pp": 2}, {"pp": 2, "vp": 2, "overlap_p2p": True}, {"pp": 2, "first": 3, "last": 5}]
+    layouts = [{"pp": 2}, {"pp": 2, "vp": 2, "overlap_p2p": True}, {"pp": 2, "first": 3, "last": 5},
+               # --pipeline-model-parallel-layout: uneven; interleaved with a stage holding only the embedding
+               {"pp": 2, "layout": "Et*5|t*3L"}, {"pp": 2, "vp": 2, "layout": "E|t*3|t*4|tL"}]
     _check(run_distributed(_train_layouts, 2, layouts), reference)
 
 

@@ -13,7 +13,6 @@ class TransformerConfigCompat:
     mtp_use_repeated_layer: bool = False
     mtp_detach_heads: bool = False
     mtp_hybrid_override_pattern: Optional[str] = None
-    pipeline_model_parallel_layout: Any = None
     flash_attention_version: Optional[Literal[2, 3, 4]] = None
     softmax_scale: Optional[float] = None
     softmax_type: Any = 'vanilla'

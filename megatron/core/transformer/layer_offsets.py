@@ -1,9 +1,10 @@
 """Which transformer layers a pipeline (virtual) stage builds, and the global index of its first one.
 
 Layer assignment: each PP rank gets an equal share (or the uneven first/last counts), split further
-into ``vpp`` virtual chunks; chunks are numbered virtual-stage-major, so with PP=2, VPP=2 and 8 layers
-rank 0 builds layers 0-1 and 4-5, rank 1 builds 2-3 and 6-7 (as Megatron interleaves). Both the block
-(how many layers to build) and each layer (its global ``layer_number``) read it.
+into ``vpp`` virtual chunks (or each chunk's count as ``--pipeline-model-parallel-layout`` writes it);
+chunks are numbered virtual-stage-major, so with PP=2, VPP=2 and 8 layers rank 0 builds layers 0-1 and
+4-5, rank 1 builds 2-3 and 6-7 (as Megatron interleaves). Both the block (how many layers to build) and each
+layer (its global ``layer_number``) read it.
 """
 from typing import List, Optional
 
@@ -44,6 +45,12 @@ def _chunk_counts(config, pp_size: Optional[int] = None) -> List[List[int]]:
     """counts[vp][pp] = layers built by virtual chunk ``vp`` of PP rank ``pp`` (``pp_size``: parallel_state's
     pipeline size when None)."""
     pp_size = parallel_state.get_pipeline_model_parallel_world_size() if pp_size is None else pp_size
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if layout is not None:  # --pipeline-model-parallel-layout names each stage's layers
+        if layout.pipeline_model_parallel_size != pp_size:
+            raise ValueError(f"the pipeline layout is for {layout.pipeline_model_parallel_size} pipeline ranks; "
+                             f"this pipeline has {pp_size}")
+        return layout.decoder_counts()
     vp_size = config.virtual_pipeline_model_parallel_size or 1
     per_rank = layers_per_pipeline_rank(config, pp_size)
     for r, c in enumerate(per_rank):

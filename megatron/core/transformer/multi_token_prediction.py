@@ -65,9 +65,10 @@ def roll_tensor(tensor: torch.Tensor, shifts: int = -1, dims: int = -1, cp_group
 
 # ---- placement: without a custom pipeline layout (not implemented here) MTP sits on the last stage ----
 def _no_custom_layout(layout):
-    if layout is not None:
-        raise NotImplementedError("--pipeline-model-parallel-layout is not supported: MTP layers sit on the "
-                                  "last pipeline stage")
+    """MTP layers are built on the last pipeline stage; a layout is accepted when it puts them there (checked
+    when the config is made: PipelineParallelLayerLayout.validate_layer_layout)."""
+    if isinstance(layout, (str, list)):
+        raise ValueError("pass the TransformerConfig's parsed pipeline_model_parallel_layout, not the raw layout")
 
 
 def mtp_on_this_rank(layout=None, mtp_num_layers: Optional[int] = None, ignore_virtual: Optional[bool] = True,

@@ -10,6 +10,7 @@ from megatron.core.context_parallel.utils import CP_COMM_TYPES
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer._compat_fields import TransformerConfigCompat
 from megatron.core.transformer.moe.config_checks import check_moe_config
+from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 
@@ -57,6 +58,9 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     num_layers_in_last_pipeline_stage: Optional[int] = None
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
+    # Each (virtual) stage's layers written out (--pipeline-model-parallel-layout): a string, a list of
+    # stages, or a parsed PipelineParallelLayerLayout; replaces the counts above.
+    pipeline_model_parallel_layout: Optional[Union[str, list, PipelineParallelLayerLayout]] = None
 
     # Context parallelism (megatron/core/context_parallel): one comm type for every layer, or one per layer
     cp_comm_type: Optional[Union[str, List[str]]] = None
@@ -330,6 +334,24 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     def _check_pipeline_split(self):
         uneven = (self.num_layers_in_first_pipeline_stage is not None
                   or self.num_layers_in_last_pipeline_stage is not None)
+        layout = self.pipeline_model_parallel_layout
+        if layout is not None:
+            if uneven or self.account_for_embedding_in_pipeline_split or self.account_for_loss_in_pipeline_split:
+                raise ValueError("--pipeline-model-parallel-layout places every layer itself: drop "
+                                 "--decoder-first/last-pipeline-num-layers and --account-for-*-in-pipeline-split")
+            if not isinstance(layout, PipelineParallelLayerLayout):
+                layout = PipelineParallelLayerLayout(layout, self.pipeline_model_parallel_size)
+            elif layout.pipeline_model_parallel_size != self.pipeline_model_parallel_size:
+                raise ValueError(f"the pipeline layout is for {layout.pipeline_model_parallel_size} pipeline ranks, "
+                                 f"pipeline_model_parallel_size is {self.pipeline_model_parallel_size}")
+            layout.validate_layer_layout(self.num_layers, getattr(self, "mtp_num_layers", None))
+            vp = layout.virtual_pipeline_model_parallel_size
+            if self.virtual_pipeline_model_parallel_size is None and vp > 1:
+                self.virtual_pipeline_model_parallel_size = vp  # the layout's entries set it
+            if (self.virtual_pipeline_model_parallel_size or 1) != vp:
+                raise ValueError(f"the pipeline layout has {vp} virtual stage(s) per pipeline rank, "
+                                 f"virtual_pipeline_model_parallel_size is {self.virtual_pipeline_model_parallel_size}")
+            self.pipeline_model_parallel_layout = layout
         if uneven and (self.account_for_embedding_in_pipeline_split or self.account_for_loss_in_pipeline_split):
             raise ValueError("--decoder-first/last-pipeline-num-layers cannot be combined with "
                              "--account-for-embedding/loss-in-pipeline-split")

@@ -17,6 +17,10 @@ def add_distributed_args(parser):
                    help="Count the embedding as one layer slot of the first pipeline stage.")
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
                    help="Count the output layer and loss as one layer slot of the last pipeline stage.")
+    g.add_argument("--pipeline-model-parallel-layout", type=str, default=None,
+                   help="Each pipeline (virtual) stage's layers, '|' between stages in interleaved order: E "
+                        "embedding, t transformer layer, m MTP layer, L loss; x*n and (...)*n repeat, e.g. "
+                        "'Et*9|t*9|t*9|t*5L'. PP x VP entries set the virtual stages per rank.")
     g.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm",
                    help="Interleaved schedule: wait for each pipeline send/recv batch at once (no overlap).")
     g.add_argument("--overlap-p2p-communication-warmup-flush", action="store_true",

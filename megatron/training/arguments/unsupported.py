@@ -26,7 +26,6 @@ UNSUPPORTED_FLAGS = {
     "--tokenizer-hf-no-use-fast": (dict(action="store_true"), "HuggingFaceTokenizer reads tokenizer.json with the "
                                                               "fast tokenizers library; there is no slow Python "
                                                               "tokenizer here: drop the flag"),
-    "--pipeline-model-parallel-layout": (dict(type=str), "custom pipeline layouts are not built yet"),
     "--ckpt-fully-parallel-load-process-group": (dict(type=str), "the fully parallel load spreads reads over "
                                                                  "the DP group (dp); ep_dp is not built"),
     "--ckpt-fully-parallel-save-process-group": (dict(type=str), "the fully parallel save spreads writes over "

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from megatron.core.nccl_group_options import nccl_group_configs
+from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.transformer.transformer_block import layers_per_pipeline_rank
 
 from .autoresume_args import validate_autoresume_args
@@ -122,6 +123,9 @@ def _validate_pipeline_split(args):
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     if hybrid_pipeline_placed_by_pattern(args):
         return  # the pattern's '|' markers place every layer (checked in hybrid_args.py)
+    if args.pipeline_model_parallel_layout is not None:
+        _validate_layout(args)
+        return
     if first is None and last is None and not (args.account_for_embedding_in_pipeline_split
                                                or args.account_for_loss_in_pipeline_split):
         _require(args.num_layers % pp == 0,
@@ -142,12 +146,38 @@ def _validate_pipeline_split(args):
         _require(False, f"pipeline split: {e}")
 
 
+def _validate_layout(args):
+    """--pipeline-model-parallel-layout: it alone places the layers, and it holds this model's."""
+    _require(args.decoder_first_pipeline_num_layers is None and args.decoder_last_pipeline_num_layers is None
+             and not args.account_for_embedding_in_pipeline_split and not args.account_for_loss_in_pipeline_split,
+             "--pipeline-model-parallel-layout places every layer itself: drop --decoder-first/last-pipeline-"
+             "num-layers and --account-for-embedding/loss-in-pipeline-split")
+    try:
+        layout = PipelineParallelLayerLayout(args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size)
+        layout.validate_layer_layout(args.num_layers, args.mtp_num_layers)
+    except ValueError as e:
+        _require(False, str(e))
+
+
 def _validate_virtual_pipeline(args):
     pp = args.pipeline_model_parallel_size
     per_stage, per_rank = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
     _require(per_stage is None or per_rank is None,
              "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank are "
              "mutually exclusive; pass one")
+    if args.pipeline_model_parallel_layout is not None:
+        # Its PP x VP entries set the virtual stages per rank, as in Megatron.
+        _require(per_stage is None and per_rank is None,
+                 "--pipeline-model-parallel-layout sets the virtual stages per pipeline rank (its number of "
+                 "stages / --pipeline-model-parallel-size): drop --num-layers-per-virtual-pipeline-stage and "
+                 "--num-virtual-stages-per-pipeline-rank")
+        try:
+            stages = PipelineParallelLayerLayout.get_num_stages_from_str(args.pipeline_model_parallel_layout)
+        except ValueError as e:
+            _require(False, str(e))
+        _require(stages % pp == 0, f"--pipeline-model-parallel-layout has {stages} stages, not a multiple of "
+                                   f"--pipeline-model-parallel-size ({pp}): write PP x (virtual stages per rank)")
+        per_rank = stages // pp if stages // pp > 1 else None
     args.virtual_pipeline_model_parallel_size = None
     if per_stage is None and per_rank is None:
         _require(not args.overlap_p2p_comm_warmup_flush,

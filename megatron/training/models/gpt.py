@@ -84,7 +84,7 @@ class GPTModelConfig(ModelConfig):
         """Checks to run once the config is complete (before building)."""
         t = self.transformer
         vp = t.virtual_pipeline_model_parallel_size
-        if vp and (t.num_layers // t.pipeline_model_parallel_size) % vp:
+        if vp and t.pipeline_model_parallel_layout is None and (t.num_layers // t.pipeline_model_parallel_size) % vp:
             raise ValueError(f"GPTModelConfig: {t.num_layers} layers over {t.pipeline_model_parallel_size} pipeline "
                              f"stages do not split into {vp} virtual stages each")
 

@@ -43,8 +43,15 @@ def test_placement_helpers_single_stage():
     assert mtp.mtp_on_this_rank(mtp_num_layers=2) and not mtp.mtp_on_this_rank()
     assert mtp.get_mtp_ranks([0, 1, 2], config) == [2] and mtp.get_mtp_ranks([0], _config(mtp_num_layers=None)) == []
     assert mtp.get_mtp_layer_offset(config) == 0 and mtp.get_mtp_num_layers_to_build(config) == 2
-    with pytest.raises(NotImplementedError, match="pipeline-model-parallel-layout"):
-        mtp.mtp_on_this_rank(layout=object(), mtp_num_layers=2)
+    # A layout places MTP with the loss on the last stage (validated when parsed); a raw string is refused.
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+    layout = PipelineParallelLayerLayout("Ettmm L", 1)
+    layout.validate_layer_layout(2, 2)
+    assert mtp.mtp_on_this_rank(layout=layout, mtp_num_layers=2)
+    with pytest.raises(ValueError, match="parsed pipeline_model_parallel_layout"):
+        mtp.mtp_on_this_rank(layout="Ettmm|L", mtp_num_layers=2)
+    with pytest.raises(ValueError, match="MTP layers .m. are built on the last stage"):
+        PipelineParallelLayerLayout("Ettm|mL", 2).validate_layer_layout(2, 2)
 
 
 def test_megatron_style_provider_builds_mtp_and_trains():

@@ -52,6 +52,32 @@ def test_account_for_embedding_and_loss(pp):
     assert _layout(cfg, 4) == [[(1, 0), (2, 1), (2, 3), (1, 5)]]
 
 
+def test_custom_layout(pp):
+    """--pipeline-model-parallel-layout: each stage's layers as written, a stage may hold none; its entry count
+    sets the virtual stages per rank (interleaved order: entry i is virtual stage i // PP of rank i % PP)."""
+    pp(4)
+    cfg = _cfg(32, 4, pipeline_model_parallel_layout="Et*9|t*9|t*9|t*5L")
+    assert _layout(cfg, 4) == [[(9, 0), (9, 9), (9, 18), (5, 27)]]
+    pp(2)
+    cfg = _cfg(6, 2, pipeline_model_parallel_layout="E|t*2|(tt|)*1t,tL")
+    assert cfg.virtual_pipeline_model_parallel_size == 2
+    assert _layout(cfg, 2, 2) == [[(0, 0), (2, 0)], [(2, 2), (2, 4)]]
+
+
+@pytest.mark.parametrize("layout,needle", [
+    ("Et*3|tL", "places 4 transformer layers (t); --num-layers is 5"),
+    ("tE*2|t*3L", "the embedding (E) must open the first stage"),
+    ("Et*3|t|L", "3 stages, not a multiple of --pipeline-model-parallel-size (2)"),
+    ("Et*3|tLt", "the loss (L) must close the last stage"),
+    ("Et*3|tx*2L", "unknown symbol(s) ['x']"),
+])
+def test_custom_layout_errors_name_the_problem(pp, layout, needle):
+    pp(2)
+    with pytest.raises(ValueError) as e:
+        _cfg(5, 2, pipeline_model_parallel_layout=layout)
+    assert needle in str(e.value)
+
+
 @pytest.mark.parametrize("size,kw", [(2, dict(num_layers=5)),
                                      (2, dict(num_layers=6, virtual_pipeline_model_parallel_size=2)),
                                      (3, dict(num_layers=6, num_layers_in_first_pipeline_stage=1))])

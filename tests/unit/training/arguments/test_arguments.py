@@ -156,6 +156,32 @@ def test_uneven_pipeline_split_never_drops_layers(extra, needle):
     assert needle in str(e.value)
 
 
+def test_pipeline_layout_reaches_the_config_and_sets_the_virtual_stages():
+    from megatron.training.arguments import core_transformer_config_from_args
+    a = _args("--num-layers 6 --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et|t*2|t*2|tL "
+              "--global-batch-size 8", world_size=2)
+    assert a.virtual_pipeline_model_parallel_size == 2 and a.overlap_p2p_comm
+    cfg = core_transformer_config_from_args(a)
+    assert cfg.pipeline_model_parallel_layout.decoder_counts() == [[1, 2], [2, 1]]
+    flat = _args("--num-layers 5 --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et*3|t*2L "
+                 "--global-batch-size 8", world_size=2)
+    assert flat.virtual_pipeline_model_parallel_size is None
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ("--num-layers 5 --pipeline-model-parallel-layout Et*3|t*3L", "places 6 transformer layers (t); --num-layers is 5"),
+    ("--num-layers 4 --pipeline-model-parallel-layout Et*2|t*2L --decoder-first-pipeline-num-layers 2",
+     "--pipeline-model-parallel-layout places every layer itself"),
+    ("--num-layers 4 --pipeline-model-parallel-layout Et|t|t|tL --num-virtual-stages-per-pipeline-rank 2",
+     "sets the virtual stages per pipeline rank"),
+    ("--num-layers 4 --pipeline-model-parallel-layout Et|t|tL", "3 stages, not a multiple"),
+])
+def test_pipeline_layout_errors(extra, needle):
+    with pytest.raises(ArgumentError) as e:
+        _args(extra + " --pipeline-model-parallel-size 2 --global-batch-size 8", world_size=2)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
 def test_interleaved_schedule_overlaps_p2p_by_default():
     vp = ("--num-layers 4 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
           "--global-batch-size 8")
