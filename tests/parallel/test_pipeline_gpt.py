@@ -1,6 +1,6 @@
 """GPT loss-curve invariance under pipeline layouts (PP, virtual stages with p2p overlapped and synchronous,
-uneven split, custom layouts, TP x PP with SP, PP x DP): 10 Adam steps on fixed data must give the TP=PP=DP=1 loss at every
-iteration.
+uneven split, custom layouts, TP x PP with SP, PP x DP): 10 Adam steps on fixed data must give the TP=PP=DP=1
+loss at every iteration.
 
 fp32 on CPU with dropout 0: layouts differ only in summation order (TP partial sums, DP grad
 averaging), which stays far below 1e-5 relative over 10 steps of a tiny model.
