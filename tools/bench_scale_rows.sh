@@ -23,7 +23,7 @@
 #     nemo_cp2dp2 / cp4_64k / cp4_128k / mix_ep4 / fine_ep4 / mix_ep2dp2 / mix_ep2pp2 / qwen3_ep4 / dsv3_ep4 /
 #     mix_ep4_pad (capacity factor 1.0, padded: no routing imbalance, no count exchange; tokens are dropped) /
 #     l8b_pp2dp2_bal / l8b_pp4_vp_bal (the pipeline rows with --pipeline-model-parallel-layout giving the last
-#     stage fewer layers for the 128k-vocabulary output layer: ~2.4 layers' work)
+#     stage fewer layers for the 128k-vocabulary output layer: ~2 layers' work)
 #   l8_tp2_graph / mix_1gpu_graph / fine_1gpu_graph (ours only: the row as one CUDA graph per step,
 #   --cuda-graph-impl full_iteration; l8_tp2 without the TP overlap the graph refuses);
 #   *_overlap (ours only: --overlap-moe-expert-parallel-comm --delay-wgrad-compute, which needs

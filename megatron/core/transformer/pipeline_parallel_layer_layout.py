@@ -2,7 +2,7 @@
 
 The even split and ``--decoder-first/last-pipeline-num-layers`` give every stage but the first and last the same
 number of transformer layers. A layout names each stage's layers instead, so a stage can carry fewer layers where
-it also runs the embedding or the output layer and loss (Llama-3's 128k-vocabulary head costs about 2.4 of its
+it also runs the embedding or the output layer and loss (Llama-3's 128k-vocabulary head costs about 2 of its
 layers), or none at all. The string has one entry per stage, ``|`` between stages, in the interleaved schedule's
 order (stage ``i`` is virtual stage ``i // PP`` of pipeline rank ``i % PP``, so ``PP x VP`` entries set the
 virtual stages per rank):
