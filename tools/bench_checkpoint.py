@@ -56,6 +56,23 @@ def _rank_world():
     return 0, 1
 
 
+def _memory_mark():
+    """Start a peak-memory window on the device; returns the bytes held now (0 without CUDA)."""
+    import torch
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def _load_memory(held_before):
+    """(GB held before the load, peak GB during it), the largest over ranks: what the load needs on top of
+    the model and optimizer it loads into."""
+    import torch
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    return _max_over_ranks(held_before / 1e9), _max_over_ranks(peak / 1e9)
+
+
 def _max_over_ranks(value):
     import torch
     if not torch.distributed.is_initialized():
@@ -228,13 +245,16 @@ def main():
         args.load, args.exit_on_missing_checkpoint = cli.save_dir, True
         _sync()
         _barrier()
+        held = _memory_mark()
         t0 = time.perf_counter()
         iteration, _ = load_checkpoint(model, optimizer, scheduler)
         _sync()
         result["load_s"] = _max_over_ranks(time.perf_counter() - t0)
+        result["load_held_gb"], result["load_peak_gb"] = _load_memory(held)
         after = statistics.median(_steps(model, optimizer, scheduler, config, train_it, 2))
         print_rank_0(f"checkpoint load | {layout} | iteration {iteration} from {cli.save_dir} | load "
-                     f"{result['load_s']:.2f} s | next step {after * 1000:.0f} ms")
+                     f"{result['load_s']:.2f} s | device memory {result['load_held_gb']:.1f} GB held, "
+                     f"{result['load_peak_gb']:.1f} GB peak during the load | next step {after * 1000:.0f} ms")
         _write(cli, result, rank)
         return
 
@@ -256,14 +276,18 @@ def main():
     size = _max_over_ranks(size)
     _sync()
     _barrier()
+    held = _memory_mark()
     t0 = time.perf_counter()
     load_checkpoint(model, optimizer, scheduler)
     _sync()
     load_s = _max_over_ranks(time.perf_counter() - t0)
+    held_gb, peak_gb = _load_memory(held)
     _remove(cli.save_dir, 1)
-    result.update(size_gb=size, sync_save_s=sync_s, sync_save_gbps=size / sync_s, load_s=load_s)
+    result.update(size_gb=size, sync_save_s=sync_s, sync_save_gbps=size / sync_s, load_s=load_s,
+                  load_held_gb=held_gb, load_peak_gb=peak_gb)
     print_rank_0(f"checkpoint sync | {layout} | {size:.2f} GB | save {sync_s:.2f} s = {size / sync_s:.2f} GB/s "
-                 f"({100 * size / sync_s / disk:.0f}% of the disk) | load {load_s:.2f} s")
+                 f"({100 * size / sync_s / disk:.0f}% of the disk) | load {load_s:.2f} s (device memory "
+                 f"{held_gb:.1f} GB held, {peak_gb:.1f} GB peak)")
 
     if not cli.no_anchor:
         d_blocked, d_async, d_sync, d_size = dcp_anchor(model, optimizer, scheduler, cli.save_dir + ".dcp")
