@@ -254,6 +254,7 @@ def _initialize_model_parallel(args):
         order="tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp",
         nccl_communicator_config_path=args.nccl_communicator_config_path,
         high_priority_stream_groups=args.high_priority_stream_groups,
+        create_gloo_process_groups=args.use_gloo_process_groups,
     )
     if args.rank == 0:
         print(f"> initialized tensor model parallel with size {parallel_state.get_tensor_model_parallel_world_size()}")

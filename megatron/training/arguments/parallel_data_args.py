@@ -30,6 +30,9 @@ def add_distributed_args(parser):
     g.add_argument("--sequence-parallel", action="store_true", help="Sequence parallelism (needs TP > 1).")
     g.add_argument("--context-parallel-size", type=int, default=1, help="Context-parallel degree.")
     g.add_argument("--expert-model-parallel-size", type=int, default=1, help="Expert-parallel degree.")
+    g.add_argument("--disable-gloo-process-groups", action="store_false", dest="use_gloo_process_groups",
+                   help="Create no gloo twins of the data-parallel groups (the parallel_state *_gloo getters then "
+                        "return None); nothing here needs them, they only cost start-up time and host memory.")
     g.add_argument("--distributed-backend", default="nccl", choices=["nccl", "gloo"],
                    help="Process-group backend (gloo is used automatically without CUDA).")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10, help="Collective timeout.")

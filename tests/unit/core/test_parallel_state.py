@@ -83,3 +83,18 @@ def test_groups_4_ranks():
     assert not any(r["last_v0"] for r in res)
     assert all(r["dp_size"] == 1 and r["mp"] == 4 and r["emb"] and r["edp"] == 1 for r in res)
     assert "not divisible" in res[0]["err"]
+
+
+def _gloo_twins(create):
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    ps.initialize_model_parallel(create_gloo_process_groups=create)
+    return ps.get_data_parallel_group_gloo() is not None, ps.get_expert_data_parallel_group_gloo() is not None
+
+
+def test_disable_gloo_process_groups():
+    """--disable-gloo-process-groups (create_gloo_process_groups=False): no gloo twins of the DP groups."""
+    from megatron.training.arguments import parse_args
+    assert parse_args(argv=["--disable-gloo-process-groups"]).use_gloo_process_groups is False
+    assert parse_args(argv=[]).use_gloo_process_groups is True
+    assert run_distributed(_gloo_twins, 2, False) == [(False, False)] * 2
+    assert run_distributed(_gloo_twins, 2, True) == [(True, True)] * 2
