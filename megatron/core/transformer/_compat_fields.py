@@ -59,9 +59,6 @@ class TransformerConfigCompat:
     fp8_dot_product_attention: bool = False
     fp8_multi_head_attention: bool = False
     tp_only_amax_red: bool = False
-    first_last_layers_bf16: bool = False
-    num_layers_at_start_in_bf16: int = 1
-    num_layers_at_end_in_bf16: int = 1
     use_kitchen: bool = False
     use_kitchen_attention: bool = False
     kitchen_attention_backend: Any = 'sdpa'

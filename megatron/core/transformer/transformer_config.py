@@ -136,6 +136,10 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     fp8_margin: int = 0
     fp8_amax_history_len: int = 1
     fp8_amax_compute_algo: str = "most_recent"
+    # --first-last-layers-bf16: the first / last transformer layers (counts below) keep 16-bit linears under FP8.
+    first_last_layers_bf16: bool = False
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
 
     # Deterministic mode (--deterministic-mode): core attention uses deterministic SDPA kernels only.
     deterministic_mode: bool = False
@@ -295,6 +299,14 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
             raise NotImplementedError("--mtp-num-layers with --pipeline-model-parallel-size > 1 is not supported "
                                       "(the MTP layers need the word embedding on the last stage); use PP=1")
 
+    def is_bf16_layer(self, layer_number: int) -> bool:
+        """Whether transformer layer ``layer_number`` (global, from 1) keeps 16-bit linears under FP8
+        (--first-last-layers-bf16: the first and last layers, whose activations FP8 hurts most)."""
+        if not (self.fp8 and self.first_last_layers_bf16):
+            return False
+        return (layer_number <= self.num_layers_at_start_in_bf16
+                or layer_number > self.num_layers - self.num_layers_at_end_in_bf16)
+
     def _check_fp8(self):
         if self.fp8 is None:
             return
@@ -307,6 +319,8 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
             raise NotImplementedError("--fp8-amax-history-len / --fp8-amax-compute-algo belong to the delayed "
                                       "recipe, which is not supported; drop them (tensorwise scales each tensor "
                                       "by its current amax)")
+        if self.first_last_layers_bf16 and (self.num_layers_at_start_in_bf16 < 0 or self.num_layers_at_end_in_bf16 < 0):
+            raise ValueError("--num-layers-at-start-in-bf16 and --num-layers-at-end-in-bf16 must be >= 0")
         if self.fp8_margin < 0:
             raise ValueError(f"--fp8-margin ({self.fp8_margin}) must be >= 0")
 

@@ -89,6 +89,12 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
                                 **self._groups_for(submodules.mlp))
         if hasattr(self.mlp, "set_layer_number"):  # MoE layers log their losses per layer
             self.mlp.set_layer_number(layer_number)
+        if not is_mtp_layer and config.is_bf16_layer(layer_number):
+            # --first-last-layers-bf16: this layer's linears run in 16 bits (their FP8 choice is made when
+            # they are built; the TP overlap stays as FP8 had set it, off).
+            for module in self.modules():
+                if getattr(module, "fp8_format", None) is not None:
+                    module.fp8_format = None
         self.mlp_bda = build_module(submodules.mlp_bda)
         self.recompute_norm = (config.recompute_granularity == "selective"
                                and "layernorm" in (config.recompute_modules or []))

@@ -84,6 +84,9 @@ def validate_hybrid_args(args, require):
                 "--decoder-first/last-pipeline-num-layers cannot be combined with '|' in --hybrid-layer-pattern")
     require(args.num_layers_per_virtual_pipeline_stage is None and args.num_virtual_stages_per_pipeline_rank is None,
             "virtual pipeline stages are not supported with --hybrid-layer-pattern yet")
+    require(not args.first_last_layers_bf16,
+            "--first-last-layers-bf16 keeps transformer layers 16-bit; in a hybrid stack it is not built yet: drop "
+            "it or --fp8-format")
     require(args.pipeline_model_parallel_layout is None,
             "--pipeline-model-parallel-layout does not place hybrid layers: put '|' between the pipeline stages "
             "in --hybrid-layer-pattern")

@@ -154,4 +154,10 @@ def add_mixed_precision_args(parser):
                    help="Delayed-recipe amax history; must stay 1 (tensorwise only).")
     g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"],
                    help="Delayed-recipe amax reduction; must stay most_recent (tensorwise only).")
+    g.add_argument("--first-last-layers-bf16", action="store_true",
+                   help="With --fp8-format: the first and last transformer layers keep 16-bit linears.")
+    g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1,
+                   help="--first-last-layers-bf16: how many of the first layers stay 16-bit.")
+    g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1,
+                   help="--first-last-layers-bf16: how many of the last layers stay 16-bit.")
     return parser

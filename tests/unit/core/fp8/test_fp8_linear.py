@@ -174,3 +174,22 @@ def test_tiny_gpt_fp8_hybrid_loss_tracks_bf16():
     worst = max(abs(a - b) / b for a, b in zip(fp8, ref))
     assert worst < 0.03, (worst, ref[::10], fp8[::10])
     assert fp8 != ref
+
+
+def test_first_last_layers_bf16_keep_those_layers_16_bit():
+    """--first-last-layers-bf16 (1 at the start, 2 at the end of 4): those layers' linears run in 16 bits, the
+    others in FP8; the flags reach the config from the command line."""
+    model_parallel_cuda_manual_seed(1)
+    cfg = tiny_config(num_layers=4, hidden_size=64, use_cpu_initialization=True, fp8="hybrid",
+                      first_last_layers_bf16=True, num_layers_at_end_in_bf16=2)
+    model = tiny_gpt(cfg, vocab_size=64)
+    formats = [{m.fp8_format for m in layer.modules() if hasattr(m, "fp8_format")} for layer in model.decoder.layers]
+    assert formats == [{None}, {"hybrid"}, {None}, {None}]
+    tokens = torch.randint(0, 64, (2, 16))
+    assert torch.isfinite(model(tokens, torch.arange(16).expand(2, 16), None, labels=tokens)).all()
+    args = validate_args(parse_args(argv=(
+        "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+        "--micro-batch-size 2 --lr 1e-3 --train-iters 1 --mock-data --tokenizer-type NullTokenizer --vocab-size 64 "
+        "--bf16 --fp8-format hybrid --first-last-layers-bf16 --num-layers-at-start-in-bf16 2").split()))
+    config = core_transformer_config_from_args(args)
+    assert [config.is_bf16_layer(n) for n in range(1, 5)] == [True, True, False, True]
