@@ -88,7 +88,6 @@ REASONS = {
     "--checkpoint-activations": "use --recompute-activations or --recompute-granularity full",
     "--model-parallel-size": "use --tensor-model-parallel-size",
     "--ckpt-convert-format": "convert checkpoints with tools/checkpoint/convert.py",
-    "--padded-vocab-size": "the vocabulary is padded from --make-vocab-size-divisible-by",
 }
 OTHER_ENTRY_POINTS = {
     "--mask-prob": "pretrain_bert.py and pretrain_t5.py", "--short-seq-prob": "pretrain_bert.py and pretrain_t5.py",

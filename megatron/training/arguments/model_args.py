@@ -1,4 +1,14 @@
 """Flags that describe the network, its initialization and its numeric precision (Megatron names/defaults)."""
+import argparse
+
+
+class _PaddedVocabSize(argparse.Action):
+    """Stores --padded-vocab-size and remembers that the user set it (``requested_padded_vocab_size``): the
+    tokenizer then uses it instead of the size it computes (and recomputes on a TP change)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.requested_padded_vocab_size = values
 
 
 def add_network_size_args(parser):
@@ -55,6 +65,9 @@ def add_network_size_args(parser):
                    help="L2-normalize queries and keys per head, without a learned scale (Llama 4).")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="Pad the vocabulary to a multiple of this times the TP size.")
+    g.add_argument("--padded-vocab-size", type=int, default=None, action=_PaddedVocabSize,
+                   help="The model's vocabulary size itself (>= the tokenizer's, divisible by the TP size), "
+                        "instead of padding to --make-vocab-size-divisible-by x TP: e.g. a checkpoint's 128256.")
     g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
                    help="Layer implementation. Default local (our torch layers; Megatron's default is "
                         "transformer_engine). transformer_engine runs the same fused torch layers (same "

@@ -67,7 +67,14 @@ def build_tokenizer(args, **kwargs):
         raise ValueError(f"--tokenizer-type {kind!r} is not supported; choose one of GPT2BPETokenizer, "
                          "HuggingFaceTokenizer, SFTTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, "
                          "Llama2Tokenizer, TikTokenizer, NullTokenizer, BertWordPieceLowerCase, BertWordPieceCase")
-    if getattr(args, "padded_vocab_size", None) is None or kwargs.get("force_padding", True):
+    requested = getattr(args, "requested_padded_vocab_size", None)
+    if requested is not None:  # --padded-vocab-size: the model's vocabulary as given
+        tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+        if requested < tokenizer.vocab_size or requested % tp:
+            raise ValueError(f"--padded-vocab-size {requested} must be >= the tokenizer's vocabulary "
+                             f"({tokenizer.vocab_size}) and divisible by --tensor-model-parallel-size ({tp})")
+        args.padded_vocab_size = requested
+    elif getattr(args, "padded_vocab_size", None) is None or kwargs.get("force_padding", True):
         args.padded_vocab_size = _vocab_size_with_padding(tokenizer.vocab_size, args)
     return tokenizer
 

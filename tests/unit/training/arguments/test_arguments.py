@@ -208,3 +208,20 @@ def test_warmup_flush_overlap_needs_the_overlapped_interleaved_schedule(extra, n
         _args("--num-layers 4 --pipeline-model-parallel-size 2 --global-batch-size 8 "
               "--overlap-p2p-communication-warmup-flush " + extra, world_size=2)
     assert needle in str(e.value)
+
+
+def test_padded_vocab_size_is_used_as_given():
+    """--padded-vocab-size replaces the padding to --make-vocab-size-divisible-by x TP (e.g. a checkpoint's
+    128256); smaller than the tokenizer's vocabulary or not divisible by TP: one line naming the flag."""
+    from megatron.training.tokenizer.tokenizer import build_tokenizer
+    base = "--tokenizer-type NullTokenizer --vocab-size 100 --global-batch-size 8"
+    a = _args(base)
+    build_tokenizer(a)
+    assert a.padded_vocab_size == 128
+    a = _args(base + " --padded-vocab-size 104")
+    build_tokenizer(a)
+    assert a.padded_vocab_size == 104
+    for bad, world in (("99", 1), ("105", 1)):
+        a = _args(base + f" --padded-vocab-size {bad} --tensor-model-parallel-size {world + 1}", world_size=world + 1)
+        with pytest.raises(ValueError, match=f"--padded-vocab-size {bad} must be >= the tokenizer's vocabulary"):
+            build_tokenizer(a)
