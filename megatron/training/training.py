@@ -21,7 +21,7 @@ from megatron.core.rerun_state_machine import (
     initialize_rerun_state_machine,
 )
 from megatron.core.utils import get_device, get_model_config
-from megatron.training import gc_control, global_vars
+from megatron.training import gc_control, global_vars, progress_log
 from megatron.training.async_utils import maybe_finalize_async_save
 from megatron.training.autoresume import check_adlr_autoresume_termination
 from megatron.training.checkpointing import save_checkpoint
@@ -161,6 +161,7 @@ def _run(train_valid_test_dataset_provider, model_provider, model_type, forward_
     timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"], barrier=True)
 
     iteration, should_exit = args.iteration, False
+    progress_log.start_job(args)  # --log-progress
     if not args.skip_train and args.train_iters > 0:
         print_rank_0("training ...")
         print_datetime("before the start of training step")
@@ -210,6 +211,7 @@ def _save(iteration, model, optimizer, opt_param_scheduler):
     timers("save-checkpoint", log_level=0).start(barrier=True)
     save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far)
     timers("save-checkpoint").stop(barrier=True)
+    progress_log.saved_checkpoint(args, iteration, asynchronous=args.async_save)  # --log-progress
     timers.log(["save-checkpoint"])
 
 

@@ -148,6 +148,9 @@ def add_logging_args(parser):
     g.add_argument("--log-params-norm", action="store_true", help="Log the parameter L2 norm.")
     g.add_argument("--log-num-zeros-in-grad", action="store_true", help="Log zero gradient entries.")
     g.add_argument("--log-throughput", action="store_true", help="Log TFLOP/s per GPU.")
+    g.add_argument("--log-progress", action="store_true",
+                   help="Append job starts and each checkpoint's throughput, floating-point operations and tokens "
+                        "to progress.txt in the --save directory (it accumulates across restarts).")
     g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2], help="Timer detail level.")
     g.add_argument("--timing-log-option", type=str, default="minmax", choices=["max", "minmax", "all"],
                    help="How timers are reduced across ranks.")

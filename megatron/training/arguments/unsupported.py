@@ -18,7 +18,6 @@ UNSUPPORTED_FLAGS = {
     "--pytorch-profiler-collect-chakra": (dict(action="store_true"),
                                           "Chakra execution traces are not written; --use-pytorch-profiler "
                                           "writes a Chrome trace per rank"),
-    "--log-progress": (dict(action="store_true"), "progress files are not written yet"),
     "--log-energy": (dict(action="store_true"), "energy monitoring is not supported"),
     "--cpu-offloading-num-layers": (dict(type=int), "activation offloading is not supported"),
     "--fim-data": (dict(action="store_true"), "fill-in-the-middle data is not supported"),

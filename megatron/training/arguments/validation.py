@@ -362,6 +362,8 @@ def _validate_checkpointing(args):
     if args.save is not None:
         _require(args.save_interval is not None and args.save_interval > 0,
                  "--save requires --save-interval > 0")
+    if args.log_progress and args.save is None:
+        _warn(args, "--log-progress writes progress.txt in the --save directory; without --save nothing is written")
     _require(not getattr(args, "ckpt_save_megatron_layout", False) or args.ckpt_format == "torch_dist",
              "--ckpt-save-megatron-layout writes Megatron-LM's torch_dist layout; pass --ckpt-format torch_dist")
     if args.skip_train and args.no_load_optim is None:

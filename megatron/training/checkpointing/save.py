@@ -14,7 +14,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing import CheckpointingException
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.core.optimizer import megatron_format
-from megatron.training import async_utils
+from megatron.training import async_utils, progress_log
 from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0
 
@@ -184,6 +184,8 @@ def _finalize_fn(save_dir, iteration, tmp_dir, final_dir, start):
             paths.fault_point("published", iteration)
             paths.write_tracker(save_dir, iteration)
             paths.apply_retention(save_dir, iteration, getattr(get_args(), "save_retain_interval", None))
+            if getattr(get_args(), "async_save", False):
+                progress_log.async_checkpoint_recorded(get_args(), iteration)  # --log-progress
         _barrier()
         lay = state.layout()
         print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {save_dir} "
