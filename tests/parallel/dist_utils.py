@@ -4,8 +4,10 @@ Every multi-rank test goes through `run_distributed`: it spawns one process per 
 torch.distributed over gloo on a free localhost port, calls ``fn(*args)`` on each rank and returns the
 per-rank results in rank order, or raises the first rank failure with that rank's traceback.
 """
+import faulthandler
 import os
 import pickle
+import signal
 import socket
 import traceback
 
@@ -45,6 +47,8 @@ def _worker(rank, world_size, port, fn, args, kwargs, queue, env=None, cwd=None)
         MEGATRON_RAISE_ERRORS="1",  # an error inside pretrain() reaches the queue below instead of exiting
     )
     torch.set_num_threads(1)
+    # A native crash (SIGSEGV, abort) reports nothing to the queue: print every thread's stack to stderr.
+    faulthandler.enable()
     try:
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(*args, **kwargs)
@@ -97,12 +101,25 @@ def _run_once(fn, world_size, args, kwargs, timeout):
                 errors.append((rank, payload))
                 break  # one failure is enough; the others may hang in collectives
     finally:
+        killed = set()
         for p in procs:
             p.join(timeout=5 if errors else timeout)
             if p.is_alive():
                 p.kill()
                 p.join()
+                killed.add(p)
     if errors:
         rank, tb = errors[0]
-        raise RuntimeError(f"rank {rank} failed:\n{tb}")
+        # A rank that died of a signal never reported; its peers then see only "Connection reset by peer".
+        died = [f"rank {r} exited with code {p.exitcode} ({_signal_name(p.exitcode)})"
+                for r, p in enumerate(procs) if p not in killed and p.exitcode is not None and p.exitcode < 0
+                and r != rank]
+        raise RuntimeError(f"rank {rank} failed:\n{tb}" + ("\n" + "; ".join(died) if died else ""))
     return results
+
+
+def _signal_name(exitcode):
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return "signal"
