@@ -16,7 +16,7 @@ from typing import List, Optional
 import torch
 
 from megatron.core.models.backends import LocalSpecProvider
-from megatron.core.transformer.multi_token_prediction import _no_custom_layout, get_mtp_layer_spec_for_backend
+from megatron.core.transformer.multi_token_prediction import _require_parsed_layout, get_mtp_layer_spec_for_backend
 from megatron.core.transformer.sharded_state import make_tp_sharded_tensor_for_checkpoint
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import get_pg_rank
@@ -122,13 +122,13 @@ def get_mtp_layer_spec(mtp_model_layer_spec: ModuleSpec, use_transformer_engine:
 
 def get_mtp_ranks(pp_ranks: List[int], config) -> List[int]:
     """The ranks of ``pp_ranks`` (one pipeline) that hold MTP layers: the last one, or none."""
-    _no_custom_layout(config.pipeline_model_parallel_layout)
+    _require_parsed_layout(config.pipeline_model_parallel_layout)
     return [] if config.mtp_num_layers is None else [pp_ranks[-1]]
 
 
 def get_mtp_layer_offset(config, vp_stage: Optional[int] = None) -> int:
     """Index of this stage's first MTP layer: all of them sit on one stage, so 0."""
-    _no_custom_layout(config.pipeline_model_parallel_layout)
+    _require_parsed_layout(config.pipeline_model_parallel_layout)
     return 0
 
 

@@ -63,8 +63,8 @@ def roll_tensor(tensor: torch.Tensor, shifts: int = -1, dims: int = -1, cp_group
     return rolled, rolled.sum()
 
 
-# ---- placement: without a custom pipeline layout (not implemented here) MTP sits on the last stage ----
-def _no_custom_layout(layout):
+# ---- placement: MTP sits on the last stage (a --pipeline-model-parallel-layout may only put it there) ----
+def _require_parsed_layout(layout):
     """MTP layers are built on the last pipeline stage; a layout is accepted when it puts them there (checked
     when the config is made: PipelineParallelLayerLayout.validate_layer_layout)."""
     if isinstance(layout, (str, list)):
@@ -75,7 +75,7 @@ def mtp_on_this_rank(layout=None, mtp_num_layers: Optional[int] = None, ignore_v
                      vp_stage: Optional[int] = None) -> bool:
     """Whether this rank builds MTP layers: the last pipeline stage (last virtual stage unless
     ``ignore_virtual``) when ``mtp_num_layers`` is set."""
-    _no_custom_layout(layout)
+    _require_parsed_layout(layout)
     return mtp_num_layers is not None and parallel_state.is_pipeline_last_stage(
         ignore_virtual=ignore_virtual, vp_stage=vp_stage)
 
@@ -83,7 +83,7 @@ def mtp_on_this_rank(layout=None, mtp_num_layers: Optional[int] = None, ignore_v
 def get_mtp_num_layers_to_build(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None) -> int:
     """config.mtp_num_layers on the last (virtual) pipeline stage, else 0 (``pp_rank`` is not consulted,
     as in Megatron without a custom layout)."""
-    _no_custom_layout(config.pipeline_model_parallel_layout)
+    _require_parsed_layout(config.pipeline_model_parallel_layout)
     if parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage):
         return config.mtp_num_layers or 0
     return 0

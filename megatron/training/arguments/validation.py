@@ -172,12 +172,11 @@ def _validate_virtual_pipeline(args):
                  "stages / --pipeline-model-parallel-size): drop --num-layers-per-virtual-pipeline-stage and "
                  "--num-virtual-stages-per-pipeline-rank")
         try:
-            stages = PipelineParallelLayerLayout.get_num_stages_from_str(args.pipeline_model_parallel_layout)
+            layout = PipelineParallelLayerLayout(args.pipeline_model_parallel_layout, pp)
         except ValueError as e:
             _require(False, str(e))
-        _require(stages % pp == 0, f"--pipeline-model-parallel-layout has {stages} stages, not a multiple of "
-                                   f"--pipeline-model-parallel-size ({pp}): write PP x (virtual stages per rank)")
-        per_rank = stages // pp if stages // pp > 1 else None
+        vp = layout.virtual_pipeline_model_parallel_size
+        per_rank = vp if vp > 1 else None
     args.virtual_pipeline_model_parallel_size = None
     if per_stage is None and per_rank is None:
         _require(not args.overlap_p2p_comm_warmup_flush,
