@@ -11,6 +11,9 @@ Builds model + optimizer as pretrain() does, trains a few iterations, then measu
 - disk: sequential write bandwidth of the save directory's file system (every rank writes its own file
   of --disk-gib GiB in 64 MiB blocks, then fsync; aggregate = all bytes / the slowest rank's time);
 - a synchronous torch_dist save (size on disk, time, GB/s, % of the disk's bandwidth) and its load;
+- the reservation the training loop makes after its first step (unless --no-reserve): the page-locked host
+  buffers of the first async save, allocated in the background, how long that took and the iteration time
+  meanwhile;
 - --async-saves background saves: the time training is blocked in save_checkpoint, split into allocating
   the host buffers (the first save only), launching the device-to-host copies, waiting for copies (CPU
   tensors, or pageable buffers with -- --no-async-save-pinned-buffers) and the rest (state dict, sharding
@@ -115,9 +118,10 @@ def disk_write_bandwidth(directory, gib):
     return world * n * BLOCK / elapsed / 1e9
 
 
-def _steps(model, optimizer, scheduler, config, train_it, n, until_saved=False):
+def _steps(model, optimizer, scheduler, config, train_it, n, until_saved=False, until=None):
     """Per-step seconds of ``n`` training steps (with ``until_saved``: until the pending async save is recorded,
-    at most ``n``), finalizing async saves after each step as the training loop does."""
+    with ``until``: until it returns True on every rank; at most ``n``), finalizing async saves after each step
+    as the training loop does."""
     from megatron.training.async_utils import is_empty_async_queue, maybe_finalize_async_save
     from megatron.training.train_step import train_step
     from pretrain_gpt import forward_step
@@ -130,6 +134,8 @@ def _steps(model, optimizer, scheduler, config, train_it, n, until_saved=False):
         _sync()
         times.append(time.perf_counter() - start)
         if until_saved and is_empty_async_queue():
+            break
+        if until is not None and -_max_over_ranks(-float(until())) > 0:  # the same verdict on every rank
             break
     return times
 
@@ -216,6 +222,9 @@ def main():
     p.add_argument("--async-saves", type=int, default=2, help="background saves measured one after another")
     p.add_argument("--disk-gib", type=float, default=4.0, help="GiB each rank writes for the disk bandwidth")
     p.add_argument("--no-anchor", action="store_true", help="skip DCP's own save and async_save")
+    p.add_argument("--no-reserve", action="store_true",
+                   help="let the first async save allocate its host buffers (the training loop reserves them "
+                        "in the background after its first step)")
     p.add_argument("--keep", action="store_true", help="keep the last async checkpoint (for a --load-only run)")
     p.add_argument("--load-only", action="store_true",
                    help="only time loading the checkpoint under --save-dir into this run's layout")
@@ -251,11 +260,12 @@ def main():
         _sync()
         result["load_s"] = _max_over_ranks(time.perf_counter() - t0)
         result["load_held_gb"], result["load_peak_gb"] = _load_memory(held)
-        after = statistics.median(_steps(model, optimizer, scheduler, config, train_it, 2))
         print_rank_0(f"checkpoint load | {layout} | iteration {iteration} from {cli.save_dir} | load "
                      f"{result['load_s']:.2f} s | device memory {result['load_held_gb']:.1f} GB held, "
-                     f"{result['load_peak_gb']:.1f} GB peak during the load | next step {after * 1000:.0f} ms")
-        _write(cli, result, rank)
+                     f"{result['load_peak_gb']:.1f} GB peak during the load")
+        _write(cli, result, rank)  # before training on: a step that fails still leaves the load measured
+        after = statistics.median(_steps(model, optimizer, scheduler, config, train_it, 2))
+        print_rank_0(f"checkpoint load | the loaded run trains on: {after * 1000:.0f} ms per iteration")
         return
 
     _steps(model, optimizer, scheduler, config, train_it, 2)  # warm-up
@@ -299,6 +309,19 @@ def main():
                      f"{d_blocked:.2f} s, done after {d_async:.2f} s = {d_size / d_async:.2f} GB/s | save "
                      f"{d_sync:.2f} s = {d_size / d_sync:.2f} GB/s")
     args.async_save = True
+    if not cli.no_reserve:  # as the training loop does after its first step
+        from megatron.training.async_utils import host_staging
+        from megatron.training.checkpointing import reserve_async_save_buffers
+        reserved = reserve_async_save_buffers(model, optimizer, scheduler, 1)
+        thread = host_staging()._reserving
+        reserving = _steps(model, optimizer, scheduler, config, train_it, 400,
+                           until=lambda: thread is None or not thread.is_alive())
+        reserve_s = _max_over_ranks(host_staging().reserve_s or 0.0)
+        result.update(reserved_gb=_max_over_ranks(reserved / 1e9), reserve_s=reserve_s,
+                      step_s_while_reserving=statistics.median(reserving))
+        print_rank_0(f"checkpoint reserve | {_max_over_ranks(reserved / 1e9):.1f} GB of page-locked host buffers "
+                     f"per rank in {reserve_s:.2f} s in the background | iteration {base * 1000:.0f} ms normally, "
+                     f"{statistics.median(reserving) * 1000:.0f} ms while reserving ({len(reserving)} steps)")
     blocked, recorded, during, splits, copies = [], [], [], [], []
     for k in range(cli.async_saves):
         it = 2 + k

@@ -24,7 +24,7 @@ from megatron.core.utils import get_device, get_model_config
 from megatron.training import gc_control, global_vars, progress_log
 from megatron.training.async_utils import maybe_finalize_async_save
 from megatron.training.autoresume import check_adlr_autoresume_termination
-from megatron.training.checkpointing import save_checkpoint
+from megatron.training.checkpointing import reserve_async_save_buffers, save_checkpoint
 from megatron.training.config import PretrainConfigContainer
 from megatron.training.data_iterators import build_iterators_for_model_chunks
 from megatron.training.diagnostics import hang, launches, straggler
@@ -246,6 +246,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     timers("interval-time", log_level=0).start(barrier=True)
     profiling = ProfilingWindow(args, torch.distributed.get_rank())
     profiling.begin_training()
+    save_buffers_reserved = False
     with gc_control.training_gc(args), _finishing(profiling):
         while iteration < args.train_iters:
             hang.heartbeat()
@@ -284,6 +285,9 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                 timers("interval-time").start()
             if args.async_save:
                 _finalize_async_saves(blocking=False)
+                if not save_buffers_reserved:  # after the first step: the optimizer state exists by now
+                    save_buffers_reserved = True
+                    reserve_async_save_buffers(model, optimizer, opt_param_scheduler, iteration)
             if args.adlr_autoresume and iteration % args.adlr_autoresume_interval == 0:
                 check_adlr_autoresume_termination(iteration, model, optimizer, opt_param_scheduler)
             if _checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration):

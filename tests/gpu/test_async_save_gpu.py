@@ -129,14 +129,10 @@ def _step(model, opt):
     opt.step()
 
 
-def test_save_checkpoint_then_optimizer_steps_write_the_step_of_the_save(tmp_path):
+def _model_and_optimizer():
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.training import async_utils
-    from megatron.training.checkpointing import save_checkpoint
-    from megatron.training.global_vars import set_args
     from tests.parallel.dist_utils import free_port
-    from tests.unit.training.checkpointing.test_checkpointing import make_args
 
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
@@ -149,6 +145,51 @@ def test_save_checkpoint_then_optimizer_steps_write_the_step_of_the_save(tmp_pat
     sched = OptimizerParamScheduler(opt, init_lr=1e-3, max_lr=1e-3, min_lr=1e-3, lr_warmup_steps=0,
                                     lr_decay_steps=10, lr_decay_style="constant", start_wd=0.01, end_wd=0.01,
                                     wd_incr_steps=10, wd_incr_style="constant")
+    return model, opt, sched
+
+
+def test_buffers_reserved_in_the_background_serve_the_first_save(tmp_path):
+    """What the training loop does after its first step: the first async save takes the reserved, page-locked
+    buffers (no allocation while training waits) and writes the same bytes as a synchronous save."""
+    from megatron.training import async_utils
+    from megatron.training.checkpointing import reserve_async_save_buffers, save_checkpoint
+    from megatron.training.global_vars import set_args
+    from tests.unit.training.checkpointing.test_checkpointing import make_args
+
+    model, opt, sched = _model_and_optimizer()
+    shape = dict(num_layers=8, hidden_size=4096, num_attention_heads=32)
+    async_args = make_args(str(tmp_path / "async"), async_save=True, **shape)
+    _step(model, opt)
+    set_args(async_args)
+    nbytes = reserve_async_save_buffers(model, opt, sched, 1)
+    staging = async_utils.host_staging()
+    assert nbytes > 1.5e9 and staging._reserving is not None
+    for _ in range(3):  # training goes on while the buffers are allocated and page-locked
+        _step(model, opt)
+    staging._reserving.join()
+    reserved = staging._reserved[0].data_ptr()
+    set_args(make_args(str(tmp_path / "sync"), **shape))
+    save_checkpoint(1, model, opt, sched, 1.0)
+    set_args(async_args)
+    save_checkpoint(1, model, opt, sched, 1.0)
+    stats = async_utils.last_staging_stats()
+    _step(model, opt)
+    async_utils.maybe_finalize_async_save(blocking=True)
+    print(f"\nreserved {nbytes / 1e9:.2f} GB in {staging.reserve_s:.2f} s in the background; the first save "
+          f"waited {stats['alloc_s'] * 1e3:.1f} ms for buffers")
+    assert staging._slab.data_ptr() == reserved and staging._registered
+    assert stats["alloc_s"] < 0.05, stats
+    assert _distcp(tmp_path / "sync" / "iter_0000001") == _distcp(tmp_path / "async" / "iter_0000001")
+    async_utils.maybe_finalize_async_save(terminate=True)
+
+
+def test_save_checkpoint_then_optimizer_steps_write_the_step_of_the_save(tmp_path):
+    from megatron.training import async_utils
+    from megatron.training.checkpointing import save_checkpoint
+    from megatron.training.global_vars import set_args
+    from tests.unit.training.checkpointing.test_checkpointing import make_args
+
+    model, opt, sched = _model_and_optimizer()
     shape = dict(num_layers=8, hidden_size=4096, num_attention_heads=32)
     sync_args, async_args = make_args(str(tmp_path / "sync"), **shape), \
         make_args(str(tmp_path / "async"), async_save=True, **shape)

@@ -19,6 +19,7 @@ from .serialization import (
     remove_sharded_tensors,
     save,
     save_in_megatron_layout,
+    staged_bytes,
 )
 from .strategies.async_utils import AsyncCallsQueue, AsyncRequest
 
@@ -26,4 +27,4 @@ __all__ = ["ShardedTensor", "ShardedObject", "ShardedTensorFactory", "ShardedSta
            "load_common_state_dict", "load_tensors_metadata", "load_sharded_metadata", "load_plain_tensors",
            "load_content_metadata", "remove_sharded_tensors", "ShardedBase", "check_is_distributed_checkpoint",
            "CheckpointingException", "AsyncCallsQueue", "AsyncRequest", "save_in_megatron_layout",
-           "fp8_extra_state_key"]
+           "fp8_extra_state_key", "staged_bytes"]

@@ -217,6 +217,20 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     return None
 
 
+def staged_bytes(sharded_state_dict: ShardedStateDict, sharded_strategy=None, process_group=None) -> int:
+    """Host bytes an async `save` of ``sharded_state_dict`` with the same ``sharded_strategy`` stages on this
+    rank (its main replicas; with a `FullyParallelSaveStrategyWrapper` its share of the replicated tensors), to
+    reserve the buffers ahead of the first save (`HostStaging.reserve`). Collective as `save` is (the same call
+    on every rank); it reads no tensor data and changes the state dict as `save` does (factories applied)."""
+    apply_factories(sharded_state_dict)
+    sharded_state_dict, _ = _split_nonpersistent(sharded_state_dict)
+    if isinstance(sharded_strategy, FullyParallelSaveStrategyWrapper):
+        distribute_main_replicas(sharded_state_dict, sharded_strategy.parallelization_group)
+    _, sharded = _split_common(sharded_state_dict)
+    return HostStaging.bytes_for([v.data for _, v in sharded
+                                  if isinstance(v, ShardedTensor) and v.is_main_replica() and v.data is not None])
+
+
 def save_in_megatron_layout(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, num_layers: int,
                             num_experts: Optional[int] = None, **kwargs) -> Optional[AsyncRequest]:
     """`save` in Megatron Core's torch_dist layout, which Megatron-LM's ``dist_checkpointing.load`` reads:

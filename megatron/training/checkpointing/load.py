@@ -130,9 +130,15 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     lay = state.layout()
     print_rank_0(f"  successfully loaded checkpoint from {load_dir} [ t {lay['tp'] + 1}/{lay['tp_size']}, "
                  f"p {lay['pp'] + 1}/{lay['pp_size']} ] at iteration {0 if skip_state else iteration}")
-    if skip_state:
-        return 0, 0
-    return ckpt.get("iteration", iteration), ckpt.get("num_floating_point_operations_so_far", 0)
+    result = (0, 0) if skip_state else (ckpt.get("iteration", iteration),
+                                        ckpt.get("num_floating_point_operations_so_far", 0))
+    del ckpt, main_params
+    if torch.cuda.is_available():
+        # The read buffers the load made (the fp32 main params', a resized vocab's) stay cached in torch's
+        # allocator once freed; NCCL and cuBLAS allocate outside it, and at 8B scale their first buffers after a
+        # load (a pipeline's first send) found the device full.
+        torch.cuda.empty_cache()
+    return result
 
 
 def _read(load_dir, iteration, release, model, optimizer, args, skip_state):

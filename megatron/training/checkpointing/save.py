@@ -122,6 +122,26 @@ def _save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_float
         raise ValueError(f"--ckpt-format {fmt} is not supported; use torch_dist or torch")
 
 
+def reserve_async_save_buffers(model, optimizer, opt_param_scheduler, iteration) -> int:
+    """Start allocating the page-locked host buffers of --async-save in the background, sized as the first save
+    will stage (collective: every rank calls it at the same iteration), so that save waits only for its copy's
+    launch instead of tens of seconds of allocation. Returns the bytes reserved on this rank (0: nothing to do:
+    not an async torch_dist save, --no-async-save-pinned-buffers, or no CUDA)."""
+    args = get_args()
+    if not (args.async_save and args.ckpt_format == "torch_dist" and args.save and torch.cuda.is_available()
+            and getattr(args, "async_save_pinned_buffers", True)):
+        return 0
+    model = model if isinstance(model, list) else [model]
+    rng = state.get_rng_state() if not args.no_save_rng else None  # as the save builds it (collective)
+    sd = state.generate_state_dict(args, model, optimizer, opt_param_scheduler, rng, iteration,
+                                   getattr(args, "num_floating_point_operations_so_far", 0), sharded=True,
+                                   save_optim=not args.no_save_optim, save_rng=not args.no_save_rng)
+    # 1 MiB over: a reservation smaller than the save's state is given back, and the save allocates after all.
+    nbytes = dist_checkpointing.staged_bytes(sd, sharded_strategy=_save_strategy(args)) + (1 << 20)
+    async_utils.host_staging().reserve(nbytes)
+    return nbytes
+
+
 def _save_strategy(args):
     """Spread the writes of DP-replicated tensors over the DP (x CP) group unless --no-ckpt-fully-parallel-save."""
     if not getattr(args, "ckpt_fully_parallel_save", True) or not ps.model_parallel_is_initialized():

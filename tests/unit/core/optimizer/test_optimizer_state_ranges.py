@@ -55,3 +55,23 @@ def test_range_pieces_of_a_gated_fc1_map_to_megatrons_stacked_layout():
             assert sh.key == "decoder.layers.mlp.linear_fc1.weight" and sh.global_shape == (2, 12, 3)
             stacked[sh.global_slice()] = sh.data
     assert torch.equal(stacked[1], torch.cat([fc1[0], fc1[1]]))
+
+
+def test_pieces_read_in_place_join_without_a_copy():
+    """Pieces loaded into the live flat state are that state again (no second copy of the optimizer state on
+    the device); pieces in separate buffers, or out of order, are joined by copying."""
+    param = torch.zeros(4, 5)
+    st = ShardedTensor.from_rank_offsets("w", param, (0, 1, 2), replica_id=(0, 0, 1))
+    storage = torch.arange(30.0)
+    flat = storage[6:20]  # a range of a larger flat buffer, as the distributed optimizer's state is
+    pieces = {k: v.data for k, v in _range_pieces(st, "optimizer.state.exp_avg.w", 3, 17, flat).items()}
+    assert len(pieces) == 3
+    joined = _loaded_value(pieces, param)
+    assert torch.equal(joined, flat)
+    assert joined.data_ptr() == flat.data_ptr() and joined.untyped_storage().data_ptr() == storage.data_ptr()
+    copies = {k: v.clone() for k, v in pieces.items()}
+    joined = _loaded_value(copies, param)
+    assert torch.equal(joined, flat) and joined.data_ptr() != flat.data_ptr()
+    first, second, third = sorted(pieces)
+    swapped = {first: pieces[first], second: pieces[third].clone(), third: pieces[third]}  # not back to back
+    assert not torch.equal(_loaded_value(swapped, param), flat)

@@ -135,3 +135,56 @@ def test_write_error_inside_dcp_releases_the_buffers(tmp_path, monkeypatch):
 def test_host_staging_needs_an_async_save(tmp_path):
     with pytest.raises(ValueError, match="async_sharded_save"):
         dc.save(_state(1), str(tmp_path / "a"), host_staging=HostStaging())
+
+
+@pytest.fixture
+def fake_page_lock(monkeypatch):
+    """Page-locking without CUDA: every registration succeeds and is recorded, as are the unregistrations."""
+    log = {"registered": [], "unregistered": []}
+
+    def register(slab):
+        log["registered"].append(slab.data_ptr())
+        return True
+    monkeypatch.setattr(HostStaging, "_register", staticmethod(register))
+    monkeypatch.setattr(HostStaging, "_unregister",
+                        staticmethod(lambda slab, registered: log["unregistered"].append(slab.data_ptr())))
+    return log
+
+
+def test_a_reservation_becomes_the_first_saves_buffers(tmp_path, fake_page_lock):
+    """The save's bytes, reserved in the background while training runs, are the buffers the first save takes;
+    staged_bytes sizes the reservation as the save stages (here exactly: one process, no replicas)."""
+    need = dc.staged_bytes(_state(1))
+    staging = HostStaging(pin=True)
+    staging.reserve(need)
+    staging._reserving.join()
+    reserved = staging._reserved[0].data_ptr()
+    assert staging.reserve_s is not None and fake_page_lock["registered"] == [reserved]
+    _run(dc.save(_state(1), str(tmp_path / "staged"), async_sharded_save=True, host_staging=staging))
+    assert staging._slab.data_ptr() == reserved and staging.nbytes == need and staging.stats["bytes"] > 0
+    dc.save(_state(1), str(tmp_path / "sync"))
+    assert _files(tmp_path / "sync") == _files(tmp_path / "staged")
+    assert fake_page_lock["unregistered"] == []
+    staging.free()
+    assert fake_page_lock["unregistered"] == [reserved]
+
+
+def test_a_reservation_too_small_is_given_back(fake_page_lock):
+    src = _tensors()
+    staging = HostStaging(pin=True)
+    staging.reserve(HostStaging.bytes_for(src) - 512)
+    out = staging.stage(src)
+    assert len(fake_page_lock["unregistered"]) == 1  # the small one
+    assert staging.nbytes == HostStaging.bytes_for(src) and all(torch.equal(o, s) for o, s in zip(out, src))
+    staging.release()
+    staging.free()
+
+
+def test_no_reservation_without_page_locking_and_free_waits_for_one(fake_page_lock):
+    pageable = HostStaging(pin=False)
+    pageable.reserve(1 << 20)
+    assert pageable._reserving is None  # a pageable allocation is fast: nothing to do ahead of time
+    staging = HostStaging(pin=True)
+    staging.reserve(1 << 20)
+    staging.free()  # joins the thread and gives the reservation back
+    assert staging._reserving is None and len(fake_page_lock["unregistered"]) == 1
