@@ -222,6 +222,8 @@ def main():
     p.add_argument("--async-saves", type=int, default=2, help="background saves measured one after another")
     p.add_argument("--disk-gib", type=float, default=4.0, help="GiB each rank writes for the disk bandwidth")
     p.add_argument("--no-anchor", action="store_true", help="skip DCP's own save and async_save")
+    p.add_argument("--no-sync", action="store_true",
+                   help="skip the synchronous save and its load (measure the async saves only)")
     p.add_argument("--no-reserve", action="store_true",
                    help="let the first async save allocate its host buffers (the training loop reserves them "
                         "in the background after its first step)")
@@ -277,27 +279,29 @@ def main():
     print_rank_0(f"checkpoint disk | {cli.save_dir}: sequential write {disk:.2f} GB/s (aggregate of {world} "
                  f"rank(s), {cli.disk_gib:g} GiB each, fsync) | expected checkpoint {need / 1e9:.1f} GB")
 
-    _sync()
-    _barrier()
-    t0 = time.perf_counter()
-    save_checkpoint(1, model, optimizer, scheduler, 0)
-    sync_s = _max_over_ranks(time.perf_counter() - t0)
-    size = _dir_bytes(os.path.join(cli.save_dir, "iter_0000001")) / 1e9 if rank == 0 else 0.0
-    size = _max_over_ranks(size)
-    _sync()
-    _barrier()
-    held = _memory_mark()
-    t0 = time.perf_counter()
-    load_checkpoint(model, optimizer, scheduler)
-    _sync()
-    load_s = _max_over_ranks(time.perf_counter() - t0)
-    held_gb, peak_gb = _load_memory(held)
-    _remove(cli.save_dir, 1)
-    result.update(size_gb=size, sync_save_s=sync_s, sync_save_gbps=size / sync_s, load_s=load_s,
-                  load_held_gb=held_gb, load_peak_gb=peak_gb)
-    print_rank_0(f"checkpoint sync | {layout} | {size:.2f} GB | save {sync_s:.2f} s = {size / sync_s:.2f} GB/s "
-                 f"({100 * size / sync_s / disk:.0f}% of the disk) | load {load_s:.2f} s (device memory "
-                 f"{held_gb:.1f} GB held, {peak_gb:.1f} GB peak)")
+    size = need / 1e9  # the async line's GB/s until the synchronous save measures the size on disk
+    if not cli.no_sync:
+        _sync()
+        _barrier()
+        t0 = time.perf_counter()
+        save_checkpoint(1, model, optimizer, scheduler, 0)
+        sync_s = _max_over_ranks(time.perf_counter() - t0)
+        size = _dir_bytes(os.path.join(cli.save_dir, "iter_0000001")) / 1e9 if rank == 0 else 0.0
+        size = _max_over_ranks(size)
+        _sync()
+        _barrier()
+        held = _memory_mark()
+        t0 = time.perf_counter()
+        load_checkpoint(model, optimizer, scheduler)
+        _sync()
+        load_s = _max_over_ranks(time.perf_counter() - t0)
+        held_gb, peak_gb = _load_memory(held)
+        _remove(cli.save_dir, 1)
+        result.update(size_gb=size, sync_save_s=sync_s, sync_save_gbps=size / sync_s, load_s=load_s,
+                      load_held_gb=held_gb, load_peak_gb=peak_gb)
+        print_rank_0(f"checkpoint sync | {layout} | {size:.2f} GB | save {sync_s:.2f} s = {size / sync_s:.2f} GB/s "
+                     f"({100 * size / sync_s / disk:.0f}% of the disk) | load {load_s:.2f} s (device memory "
+                     f"{held_gb:.1f} GB held, {peak_gb:.1f} GB peak)")
 
     if not cli.no_anchor:
         d_blocked, d_async, d_sync, d_size = dcp_anchor(model, optimizer, scheduler, cli.save_dir + ".dcp")

@@ -21,6 +21,7 @@ at TP=2, measured on an H200 host): `reserve(nbytes)` does it in a background th
 `stage` whose state fits takes those buffers, waiting only for what is left of the reservation.
 """
 import atexit
+import ctypes
 import threading
 import time
 import weakref
@@ -76,10 +77,18 @@ class HostStaging:
         if not self.pin or nbytes <= 0 or self._slab is not None or self._reserving is not None:
             return
 
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
         def work():
             start = time.perf_counter()
             try:
+                if device is not None:  # this rank's device, not device 0 (a new thread's default)
+                    torch.cuda.set_device(device)
                 slab = torch.empty(nbytes, dtype=torch.uint8)
+                # Touch every page first (torch's kernel runs without the GIL): page-locking then only pins pages
+                # that exist. Measured on an H200 host, page-locking 56 GB through torch's binding held the GIL
+                # for all of its 23 s, and training's next step waited as long.
+                slab.zero_()
                 self._reserved = (slab, self._register(slab))
             except Exception:  # out of host memory...: the first save allocates as without a reservation
                 self._reserved = None
@@ -238,10 +247,43 @@ class HostStaging:
     @staticmethod
     def _register(slab: torch.Tensor) -> bool:
         """Page-lock ``slab`` in place; False when CUDA refuses (the slab stays pageable)."""
+        register = _host_register_releasing_the_gil()
+        if register is not None:
+            return int(register(slab.data_ptr(), slab.numel(), 0)) == 0
         return int(torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), slab.numel(), 0)) == 0
 
 
 _LIVE: "weakref.WeakSet[HostStaging]" = weakref.WeakSet()
+_REGISTER = []  # [cudaHostRegister through ctypes, or None], looked up once
+
+
+def _host_register_releasing_the_gil():
+    """cudaHostRegister called through ctypes, which releases the GIL for the call (torch's binding keeps it,
+    stalling every other Python thread while tens of GB are pinned), or None when the CUDA runtime library
+    cannot be found in this process."""
+    if not _REGISTER:
+        _REGISTER.append(_find_host_register())
+    return _REGISTER[0]
+
+
+def _find_host_register():
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.init()
+    candidates = [None]  # the symbols already loaded globally (torch loads the CUDA runtime RTLD_GLOBAL)
+    try:
+        with open("/proc/self/maps") as maps:
+            candidates += sorted({line.split()[-1] for line in maps if "libcudart" in line})
+    except OSError:
+        pass
+    for path in candidates:
+        try:
+            fn = ctypes.CDLL(path).cudaHostRegister
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint], ctypes.c_int
+        return fn
+    return None
 
 
 @atexit.register
