@@ -308,7 +308,8 @@ def main(argv):
         port = s.getsockname()[1]
     for run in job["runs"]:
         os.makedirs(run["ckpt_dir"], exist_ok=True)
-    torch.multiprocessing.spawn(rank_main, args=(job, port), nprocs=job["ranks"])
+    # Forked, not spawned: the ranks inherit Megatron's imports (see mcore_checkpoint_side.main).
+    torch.multiprocessing.start_processes(rank_main, args=(job, port), nprocs=job["ranks"], start_method="fork")
 
 
 if __name__ == "__main__":

@@ -2,18 +2,16 @@
 GPUs: a TP=2 (+ SP, distributed optimizer) run measures the disk, a synchronous and an async save and keeps the
 last checkpoint; a PP=2 run loads it (a resharding load) and takes a step. Every measurement line is printed."""
 import os
-import subprocess
-import sys
+
+from tests.functional.torchrun import torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _bench(tmp_path, *args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           os.path.join(ROOT, "tools", "bench_checkpoint.py"), "--config", "tiny", "--save-dir", str(tmp_path / "ck"),
-           *args]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    # On a free port: --standalone adds a rendezvous round to each launch (tests/functional/torchrun.py).
+    p = torchrun(2, [os.path.join(ROOT, "tools", "bench_checkpoint.py"), "--config", "tiny", "--save-dir",
+                     str(tmp_path / "ck"), *args], cwd=ROOT, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout
 

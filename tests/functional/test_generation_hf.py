@@ -1,36 +1,39 @@
 """A tiny random Hugging Face Llama, converted with import_hf_checkpoint, generates through tools/generate.py
-exactly the tokens of transformers' generate(do_sample=False), at TP=1 and at TP=2 (torchrun, gloo).
+exactly the tokens of transformers' generate(do_sample=False), at TP=1 and at TP=2 (2 gloo ranks with torchrun's
+environment, forked by a CliRunner).
 
 Both sides run fp32 on CPU; greedy choices can only differ on a near-tie of the top two logits, and the
 random model's gaps (~1e-2) are orders of magnitude above the ~1e-6 difference of the two forwards.
 """
-import os
 import re
-import subprocess
-import sys
 
+import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.functional.cli_runner import CliRunner
+
 PROMPTS = [[5, 17, 42], [7, 9, 11, 13, 100, 3, 250, 61], [200]]
 NEW, VOCAB = 12, 256
 
 
-def _generate(ckpt, nproc):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                  "--nproc-per-node", str(nproc)]
+@pytest.fixture(scope="module")
+def cli():
+    with CliRunner() as runner:  # torch and the entry points imported once; each generation forks its ranks
+        yield runner
+
+
+def _generate(cli, ckpt, nproc):
     prompts = [a for p in PROMPTS for a in ("--prompt", " ".join(map(str, p)))]
-    cmd = launch + [os.path.join(ROOT, "tools", "generate.py"), "--load", ckpt, "--use-checkpoint-args",
-                    "--tensor-model-parallel-size", str(nproc), "--num-tokens-to-generate", str(NEW), *prompts]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    ids = re.findall(r"^--- \d+ tokens \(\w+\).*, ids (\[[\d, ]*\])$", p.stdout, re.M)
-    assert len(ids) == len(PROMPTS), p.stdout[-3000:]
+    results = cli.run(["tools/generate.py", "--load", ckpt, "--use-checkpoint-args", "--tensor-model-parallel-size",
+                       str(nproc), "--num-tokens-to-generate", str(NEW), *prompts], nranks=nproc, timeout=300)
+    assert [r.rc for r in results] == [0] * nproc, "".join(r.out[-3000:] + r.err[-3000:] for r in results)
+    stdout = "".join(r.out for r in results)
+    ids = re.findall(r"^--- \d+ tokens \(\w+\).*, ids (\[[\d, ]*\])$", stdout, re.M)
+    assert len(ids) == len(PROMPTS), stdout[-3000:]
     return [eval(i) for i in ids]  # noqa: S307 - lists of ints printed by our own tool
 
 
-def test_converted_llama_greedy_equals_transformers(tmp_path):
+def test_converted_llama_greedy_equals_transformers(cli, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from megatron.training.checkpointing.hf import import_hf_checkpoint
@@ -50,5 +53,5 @@ def test_converted_llama_greedy_equals_transformers(tmp_path):
                               max_new_tokens=NEW, do_sample=False, pad_token_id=0)
             expected.append(out[0, len(p):].tolist())
     assert all(len(set(e)) > 3 for e in expected)  # real continuations, not an immediate stop
-    assert _generate(ckpt, 1) == expected
-    assert _generate(ckpt, 2) == expected
+    assert _generate(cli, ckpt, 1) == expected
+    assert _generate(cli, ckpt, 2) == expected

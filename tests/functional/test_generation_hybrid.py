@@ -2,7 +2,7 @@
 Gated DeltaNet, gated attention with partial RoPE, MoE and MLP layers), converted with
 import_hf_checkpoint, generate through tools/generate.py exactly the tokens of transformers' greedy generate():
 prompts of different lengths share one right-padded prefill, then every token comes from the per-request conv
-and SSM states (and the attention layers' KV cache). Nemotron-H also at TP=2 (torchrun, gloo): the heads and
+and SSM states (and the attention layers' KV cache). Nemotron-H also at TP=2 (2 gloo ranks): the heads and
 their states split over the ranks.
 
 Both sides run fp32 on CPU; greedy choices could only differ on a near-tie of the top two logits (gaps ~1e-2,
@@ -11,9 +11,16 @@ the two forwards differ by ~1e-6).
 import pytest
 import torch
 
+from tests.functional.cli_runner import CliRunner
 from tests.functional.test_generation_hf import NEW, PROMPTS, VOCAB, _generate
 
 pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def cli():
+    with CliRunner() as runner:  # torch and the entry points imported once; each generation forks its ranks
+        yield runner
 
 
 def _configs():
@@ -37,7 +44,7 @@ def _configs():
 
 
 @pytest.mark.parametrize("family", ["mamba2", "nemotron_h", "qwen3_next"])
-def test_converted_hybrid_greedy_equals_transformers(tmp_path, family):
+def test_converted_hybrid_greedy_equals_transformers(cli, tmp_path, family):
     from transformers import AutoModelForCausalLM
 
     from megatron.training.checkpointing.hf import import_hf_checkpoint
@@ -58,6 +65,6 @@ def test_converted_hybrid_greedy_equals_transformers(tmp_path, family):
                               max_new_tokens=NEW, do_sample=False, pad_token_id=0)
             expected.append(out[0, len(p):].tolist())
     assert all(len(set(e)) > 3 for e in expected)  # real continuations, not an immediate stop
-    assert _generate(ckpt, 1) == expected
+    assert _generate(cli, ckpt, 1) == expected
     if family == "nemotron_h":
-        assert _generate(ckpt, 2) == expected
+        assert _generate(cli, ckpt, 2) == expected

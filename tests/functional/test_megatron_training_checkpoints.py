@@ -29,7 +29,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import MockGPTDataset
 from megatron.training import global_vars
 from megatron.training.arguments import parse_args, validate_args
-from tests.parallel.dist_utils import free_port
+from tests.functional.cli_runner import CliRunner
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -145,21 +145,18 @@ def megatron(tmp_path, runs):
     return out
 
 
-def ours(case, load_dir, save_dir):
-    """Start pretrain_gpt.py --load LOAD_DIR, saving in Megatron's layout at OURS_TO (torchrun for 2 ranks)."""
+def ours(cli, case, load_dir, save_dir):
+    """pretrain_gpt.py --load LOAD_DIR on TP x PP ranks, saving in Megatron's layout at OURS_TO; every rank's
+    output, one log."""
     name, (tp, pp), extra = CASES[case]
-    argv = [os.path.join(ROOT, "pretrain_gpt.py")] + BASE + MODELS[name][2] + extra + [
+    argv = ["pretrain_gpt.py"] + BASE + MODELS[name][2] + extra + [
         "--load", load_dir, "--save", save_dir, "--save-interval", str(OURS_TO), "--exit-interval", str(OURS_TO),
         "--ckpt-save-megatron-layout", "--tensor-model-parallel-size", str(tp),
         "--pipeline-model-parallel-size", str(pp)]
-    if tp * pp > 1:
-        argv = ["-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp), "--master-port",
-                str(free_port())] + argv
-    # Runs start together: each single-process one gets its own rendezvous port.
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
-    return subprocess.Popen([sys.executable] + argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT, env=env)
+    results = cli.run(argv, nranks=tp * pp, timeout=900)
+    log = "".join(r.out + r.err for r in results)
+    assert [r.rc for r in results] == [0] * (tp * pp), f"{case}:\n{log[-6000:]}"
+    return log
 
 
 @pytest.fixture(scope="module")
@@ -171,12 +168,10 @@ def round_trip(tmp_path_factory):
     trained = megatron(tmp, [_megatron_run(n, "train", str(tmp / f"mcore_{n}"), str(tmp / f"mcore_{n}.json"))
                              for n in names])
     reference = dict(zip(names, trained))
-    procs = {case: ours(case, str(tmp / f"mcore_{name}"), str(tmp / f"ours_{case}"))
-             for case, (name, _, _) in CASES.items()}  # all at once: the host overlaps their start-up
-    logs = {}
-    for case, p in procs.items():
-        logs[case] = p.communicate(timeout=900)[0]
-        assert p.returncode == 0, f"{case}:\n{logs[case][-6000:]}"
+    # One server imports torch and pretrain_gpt once and forks the ranks of each run.
+    with CliRunner() as cli:
+        logs = {case: ours(cli, case, str(tmp / f"mcore_{name}"), str(tmp / f"ours_{case}"))
+                for case, (name, _, _) in CASES.items()}
     resumed = megatron(tmp, [_megatron_run(name, "resume", str(tmp / f"ours_{case}"), str(tmp / f"back_{case}.json"))
                              for case, (name, _, _) in CASES.items()])
     return {case: (reference[name], {int(m.group(1)): float(m.group(2)) for m in LOSS.finditer(logs[case])},

@@ -1,14 +1,13 @@
-"""`pretrain_gpt.py --qk-clip --log-max-attention-logit` as a user runs it (torchrun, TP=2, mock data): each log
-line carries the max attention logit, TensorBoard gets Megatron's `max_attention_logit` scalar, clipping holds
-the logit below the unclipped run's, and bad values stop with one line naming the
-flag."""
+"""`pretrain_gpt.py --qk-clip --log-max-attention-logit` on 2 ranks (TP=2, mock data; the ranks forked by one
+CliRunner server with torchrun's environment): each log line carries the max attention logit, TensorBoard gets
+Megatron's `max_attention_logit` scalar, clipping holds the logit below the unclipped run's, and bad values stop
+with one line naming the flag."""
 import os
 import re
 
 import pytest
 
 from tests.functional.cli_runner import CliRunner
-from tests.functional.torchrun import torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ITERS = 8
@@ -20,13 +19,13 @@ CMD = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-at
 LOGIT = re.compile(r"iteration +(\d+)/ +\d+ \|.* max attention logit: (\S+) \|")
 
 
-def _run(tb_dir, extra):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    p = torchrun(2, [os.path.join(ROOT, "pretrain_gpt.py")] + CMD.split() + ["--tensorboard-dir", str(tb_dir)]
-                 + extra.split(), timeout=300, cwd=ROOT, env=env)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    logits = [float(m.group(2)) for m in LOGIT.finditer(p.stdout)]
-    assert len(logits) == ITERS, p.stdout[-3000:]
+def _run(cli, tb_dir, extra):
+    results = cli.run(["pretrain_gpt.py"] + CMD.split() + ["--tensorboard-dir", str(tb_dir)] + extra.split(),
+                      nranks=2, timeout=300)
+    assert [r.rc for r in results] == [0, 0], results[0].err[-3000:] + results[1].err[-3000:]
+    stdout = "".join(r.out for r in results)
+    logits = [float(m.group(2)) for m in LOGIT.finditer(stdout)]
+    assert len(logits) == ITERS, stdout[-3000:]
     return logits, _tensorboard(str(tb_dir))
 
 
@@ -40,9 +39,15 @@ def _tensorboard(tb_dir):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return {"log": _run(tmp_path_factory.mktemp("log"), ""),
-            "clip": _run(tmp_path_factory.mktemp("clip"), "--qk-clip --qk-clip-threshold 0.1")}
+def cli():
+    with CliRunner() as runner:  # one server (torch and pretrain_gpt imported once) for every run
+        yield runner
+
+
+@pytest.fixture(scope="module")
+def runs(cli, tmp_path_factory):
+    return {"log": _run(cli, tmp_path_factory.mktemp("log"), ""),
+            "clip": _run(cli, tmp_path_factory.mktemp("clip"), "--qk-clip --qk-clip-threshold 0.1")}
 
 
 def test_log_line_and_tensorboard_agree(runs):
@@ -56,12 +61,6 @@ def test_clip_holds_the_logit(runs):
     # Each step's clip pulls the logit down (Adam at lr 1e-2 pushes it back up within the step).
     assert all(c < u for c, u in zip(clipped[1:], logged[1:])), (logged, clipped)
     assert sum(clipped[1:]) < 0.85 * sum(logged[1:]), (logged, clipped)
-
-
-@pytest.fixture(scope="module")
-def cli():
-    with CliRunner() as runner:  # one server (torch and pretrain_gpt imported once) for every refused value
-        yield runner
 
 
 @pytest.mark.parametrize("extra,needle", [

@@ -65,14 +65,14 @@ def world(tmp_path_factory):
     LlamaForCausalLM(cfg).save_pretrained(hf_dir)
     write_tiny_chat_tokenizer(hf_dir)
     write_arithmetic_chats(str(root / "chats.jsonl"), 40)
-    _run("tools/checkpoint/hf.py", "import", "--hf-model-path", hf_dir, "--output-path", ckpt)
     full, resumed = str(root / "sft_full"), str(root / "sft_resumed")
-    with CliRunner() as cli:  # the three training runs fork from one server that imported torch once
+    exported = str(root / "exported")
+    with CliRunner() as cli:  # the import, three training runs and the export fork from one server
+        _run("tools/checkpoint/hf.py", "import", "--hf-model-path", hf_dir, "--output-path", ckpt, cli=cli)
         full_log = _sft(cli, ckpt, full, 4)
         _sft(cli, ckpt, resumed, 4, ["--exit-interval", "2"])  # stops after 2 of 4 iterations ...
         resumed_log = _sft(cli, ckpt, resumed, 4)  # ... and resumes from iteration 2's checkpoint
-    exported = str(root / "exported")
-    _run("tools/checkpoint/hf.py", "export", "--checkpoint-path", full, "--output-path", exported)
+        _run("tools/checkpoint/hf.py", "export", "--checkpoint-path", full, "--output-path", exported, cli=cli)
     return dict(root=root, hf=hf_dir, ckpt=ckpt, trained=full, exported=exported, full_log=full_log,
                 resumed_log=resumed_log)
 
