@@ -8,6 +8,7 @@
 #   bash scripts/run_gpu_tests_lanes.sh                 # logs in $LOG_DIR (default /tmp/gpu_lanes)
 #   FILE_TIMEOUT=300 bash scripts/run_gpu_tests_lanes.sh -x
 #   CLASSES="two four" bash scripts/run_gpu_tests_lanes.sh   # only the multi-GPU files
+#   FILES="test_profiler_gpu test_hybrid_cp_gpu" bash scripts/run_gpu_tests_lanes.sh   # only these files
 #   LANES_PER_GPU=2 bash scripts/run_gpu_tests_lanes.sh      # two files at once on every GPU / pair
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +26,12 @@ SLOW="test_ssm_gpu test_hybrid_generation_gpu test_muon_gpu test_vlm_gpu test_qw
 ordered=()
 for s in $SLOW; do [ -e "tests/gpu/$s.py" ] && ordered+=("tests/gpu/$s.py"); done
 for f in tests/gpu/test_*.py; do [[ " ${ordered[*]} " == *" $f "* ]] || ordered+=("$f"); done
+if [ -n "${FILES:-}" ]; then  # only the files named (without .py), e.g. the ones a cut-off call did not finish
+  kept=()
+  for f in "${ordered[@]}"; do [[ " $FILES " == *" $(basename "$f" .py) "* ]] && kept+=("$f"); done
+  for name in $FILES; do [ -e "tests/gpu/$name.py" ] || { echo "FILES: no tests/gpu/$name.py" >&2; exit 2; }; done
+  ordered=("${kept[@]}")
+fi
 one=(); two=(); four=()
 for f in "${ordered[@]}"; do
   if grep -q "device_count() < 4" "$f"; then four+=("$f")

@@ -138,8 +138,30 @@ def reserve_async_save_buffers(model, optimizer, opt_param_scheduler, iteration)
                                    save_optim=not args.no_save_optim, save_rng=not args.no_save_rng)
     # 1 MiB over: a reservation smaller than the save's state is given back, and the save allocates after all.
     nbytes = dist_checkpointing.staged_bytes(sd, sharded_strategy=_save_strategy(args)) + (1 << 20)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    available = _host_memory_available()
+    if available is not None and nbytes * local_ranks > 0.8 * available:
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            print(f"WARNING: --async-save keeps {nbytes / 1e9:.1f} GB of page-locked host memory per rank "
+                  f"({nbytes * local_ranks / 1e9:.1f} GB for this node's {local_ranks} ranks) but "
+                  f"{available / 1e9:.1f} GB are available: the first save may run out of host memory; pass "
+                  f"--no-async-save-pinned-buffers (pageable buffers, freed after each write) or use more nodes. "
+                  f"The buffers are not reserved ahead of the first save.", flush=True)
+        return 0
     async_utils.host_staging().reserve(nbytes)
     return nbytes
+
+
+def _host_memory_available():
+    """Bytes of host memory available now (MemAvailable), or None where /proc/meminfo is not readable."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _save_strategy(args):

@@ -48,3 +48,11 @@ def test_every_file_once_on_the_devices_it_needs(tmp_path, lanes):
 def test_classes_filter(tmp_path):
     runs = _schedule(tmp_path, 4, CLASSES="two four", LANES_PER_GPU="2")
     assert runs and all(_needs(name) > 1 for _, name in runs)
+
+
+def test_files_filter(tmp_path):
+    """FILES names the files to run (the ones a cut-off call left), each on the devices it needs."""
+    runs = _schedule(tmp_path, 4, FILES="test_profiler_gpu test_async_save_gpu test_moe_overlap_gpu")
+    assert sorted(name for _, name in runs) == ["test_async_save_gpu.py", "test_moe_overlap_gpu.py",
+                                                "test_profiler_gpu.py"]
+    assert all(len(devices.split(",")) == _needs(name) for devices, name in runs)

@@ -394,3 +394,38 @@ def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypat
             save_checkpoint(2, model, opt, sched, 2.0)
     assert sorted(os.listdir(d)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
     assert open(os.path.join(d, "latest_checkpointed_iteration.txt")).read() == "1"
+
+
+def _reserve(tmp_path, monkeypatch, available):
+    """reserve_async_save_buffers as on a CUDA host with ``available`` bytes of host memory: (bytes it returned,
+    the sizes HostStaging.reserve was asked for)."""
+    from megatron.core.dist_checkpointing.strategies.staging import HostStaging
+    from megatron.training.checkpointing import reserve_async_save_buffers
+    from megatron.training.checkpointing import save as save_module
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(save_module, "_host_memory_available", lambda: available)
+    monkeypatch.setattr(HostStaging, "reserve", lambda self, nbytes: asked.append(nbytes))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    args = make_args(str(tmp_path / "ck"), async_save=True)
+    set_args(args)
+    model, opt, sched = build(args)
+    train(args, model, opt, sched, 0, 1)
+    try:
+        return reserve_async_save_buffers(model, opt, sched, 1), asked
+    finally:
+        async_utils.maybe_finalize_async_save(terminate=True)
+
+
+def test_async_save_buffers_are_reserved_at_the_size_of_the_save(tmp_path, monkeypatch):
+    """Sized as the save stages: the toy model's weights and Adam state (fp32 main params are the weights)."""
+    nbytes, asked = _reserve(tmp_path, monkeypatch, available=1 << 40)
+    state = sum(p.numel() * 4 for p in build(make_args("x"))[0][0].parameters()) * 3  # weights, exp_avg, exp_avg_sq
+    assert asked == [nbytes] and state < nbytes <= state + (1 << 20) + 64 * 512
+
+
+def test_async_save_buffers_not_reserved_beyond_the_hosts_memory(tmp_path, monkeypatch, capsys):
+    nbytes, asked = _reserve(tmp_path, monkeypatch, available=4 << 20)  # 8 ranks x ~1 MiB > 80% of 4 MiB
+    assert nbytes == 0 and asked == []
+    out = capsys.readouterr().out
+    assert "WARNING: --async-save keeps" in out and "--no-async-save-pinned-buffers" in out and "8 ranks" in out
