@@ -17,7 +17,7 @@
 #
 # Rows (LLAMA8B = the 32-layer Llama-3-8B shape; the 32-layer rows on 2 GPUs need H200s' memory):
 #   one GPU: l8b_1gpu (8 layers) / g13_1gpu / mix_1gpu / fine_1gpu / cp1_64k
-#   two GPUs (issues 38 and 39): l8_tp2 (8 layers) / l8b_tp2 / l8b_dp2 / l8b_pp2 / l8b_pp2_vp / l8b_cp2_16k /
+#   two GPUs (issues 38 and 39): l8_tp2 (8 layers) / l8b_tp2 / l8b_dp2 / l8b_pp2 / l8b_pp2_bal / l8b_pp2_vp / l8b_cp2_16k /
 #     l8_cp2_64k / nemo_cp2 / g13_pp2 / g13_dp2 / mix_ep2 / fine_ep2 / qwen3_ep2 / dsv3_ep2
 #   four GPUs (issues 44 and 45): l8b_dp4 / l8b_tp2dp2 / l8b_tp4 / l8b_pp2dp2 / l8b_pp4_vp / l8b_cp2dp2_16k /
 #     nemo_cp2dp2 / cp4_64k / cp4_128k / mix_ep4 / fine_ep4 / mix_ep2dp2 / mix_ep2pp2 / qwen3_ep4 / dsv3_ep4 /
@@ -48,6 +48,7 @@ row() {
     l8b_tp2)         echo "2 LLAMA8B --tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap" ;;
     l8b_dp2)         echo "2 LLAMA8B --global-batch-size 8 $OVERLAPS" ;;
     l8b_pp2)         echo "2 LLAMA8B --pipeline-model-parallel-size 2 --global-batch-size 16" ;;
+    l8b_pp2_bal)     echo "2 LLAMA8B --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et*17|t*15L --global-batch-size 16" ;;
     l8b_pp2_vp)      echo "2 LLAMA8B --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 4 --global-batch-size 16" ;;
     l8b_cp2_16k)     echo "2 LLAMA8B --context-parallel-size 2 --seq-length 16384 --max-position-embeddings 16384 --global-batch-size 2" ;;
     l8_cp2_64k)      echo "2 LLAMA8B $L8 --seq-length 65536 --max-position-embeddings 65536 --global-batch-size 1 --train-iters 14 --context-parallel-size 2" ;;
@@ -93,7 +94,7 @@ row() {
   esac
 }
 ALL="l8b_1gpu g13_1gpu l8_tp2 l8_tp2_graph l8b_tp2 l8b_dp2 l8b_pp2 l8b_pp2_vp l8b_cp2_16k l8_cp2_64k nemo_cp2 nemo_cp2_a2a nemo_cp2_ag g13_pp2 g13_dp2
-mix_ep2 fine_ep2 qwen3_ep2 dsv3_ep2 mix_ep2_overlap fine_ep2_overlap l8b_dp4 l8b_tp2dp2 l8b_tp4 l8b_pp2dp2 l8b_pp4_vp l8b_pp2dp2_bal l8b_pp4_vp_bal l8b_cp2dp2_16k nemo_cp2dp2 cp1_64k cp4_64k cp4_128k
+mix_ep2 fine_ep2 qwen3_ep2 dsv3_ep2 mix_ep2_overlap fine_ep2_overlap l8b_dp4 l8b_tp2dp2 l8b_tp4 l8b_pp2dp2 l8b_pp4_vp l8b_pp2_bal l8b_pp2dp2_bal l8b_pp4_vp_bal l8b_cp2dp2_16k nemo_cp2dp2 cp1_64k cp4_64k cp4_128k
 mix_1gpu fine_1gpu mix_1gpu_graph fine_1gpu_graph mix_ep4 fine_ep4 mix_ep2dp2 mix_ep2pp2 qwen3_ep4 dsv3_ep4 mix_ep4_pad mix_ep4_overlap fine_ep4_overlap
 qwen3_ep4_overlap dsv3_ep4_overlap"
 if [ "${1:-}" = "--list" ]; then

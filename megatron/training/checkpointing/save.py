@@ -90,9 +90,11 @@ def _save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_float
     if fmt == "torch_dist":
         staging = async_utils.host_staging(reuse=getattr(args, "async_save_pinned_buffers", True)) \
             if args.async_save else None
+        # A synchronous save runs the request right away, before training changes anything: it writes from the
+        # device tensors (copied to the host as they are written) instead of copying everything to the host first.
         kwargs = dict(sharded_strategy=_save_strategy(args), async_sharded_save=True,
                       verify_integrity=getattr(args, "verify_integrity", False),
-                      host_staging=staging)
+                      host_staging=staging, defer_host_copy=not args.async_save)
         if getattr(args, "ckpt_save_megatron_layout", False):
             request = _save_megatron_layout(sd, tmp_dir, args, **kwargs)
         else:

@@ -188,3 +188,21 @@ def test_no_reservation_without_page_locking_and_free_waits_for_one(fake_page_lo
     staging.reserve(1 << 20)
     staging.free()  # joins the thread and gives the reservation back
     assert staging._reserving is None and len(fake_page_lock["unregistered"]) == 1
+
+
+def test_a_deferred_host_copy_writes_the_tensors_as_they_are_when_the_request_runs(tmp_path):
+    """defer_host_copy (the synchronous save's request): the same bytes as a plain save, no host copy made up
+    front (so a change before the request runs is what gets written), and refused where it cannot apply."""
+    dc.save(_state(1), str(tmp_path / "sync"))
+    _run(dc.save(_state(1), str(tmp_path / "deferred"), async_sharded_save=True, defer_host_copy=True))
+    assert _files(tmp_path / "sync") == _files(tmp_path / "deferred")
+    sd = _state(1)
+    request = dc.save(sd, str(tmp_path / "late"), async_sharded_save=True, defer_host_copy=True)
+    sd["layer"]["weight"].data.mul_(-1)
+    _run(request)
+    assert torch.equal(dc.load(_state(0), str(tmp_path / "late"))["layer"]["weight"], sd["layer"]["weight"].data)
+    with pytest.raises(ValueError, match="defer_host_copy"):
+        dc.save(_state(1), str(tmp_path / "a"), defer_host_copy=True)
+    with pytest.raises(ValueError, match="defer_host_copy"):
+        dc.save(_state(1), str(tmp_path / "b"), async_sharded_save=True, defer_host_copy=True,
+                host_staging=HostStaging())
