@@ -103,6 +103,9 @@ def _param_to_sharded_tensor(model_sharded_state_dict: Dict, params):
 
 
 def sharded_state_dict(opt, model_sharded_state_dict: Dict, is_loading: bool = False) -> Dict:
+    """The optimizer's state as ShardedTensors over the live state tensors: a load (``is_loading``) reads straight
+    into them, so no second copy of the state is held on the device, except the fp32 main params, which get
+    their own read buffer (see _dp_sharded_param_state)."""
     if hasattr(opt, "local_param_state"):  # distributed optimizer: each DP rank saves its own range
         sharded = _dp_sharded_param_state(opt, model_sharded_state_dict, is_loading)
     else:
@@ -130,7 +133,9 @@ def _whole_entry(opt, param, st, state, is_loading):
     opt._sharded_key_to_param[st.key] = param
     entry = {}
     for name, tensor in state.items():
-        data = torch.empty_like(tensor) if is_loading else tensor
+        # A load reads into the live state (or the gathered copy set_param_state_from_load applies), except the
+        # fp32 main params: see _dp_sharded_param_state.
+        data = torch.empty_like(tensor) if is_loading and name == "fp32_param" else tensor
         if data.shape != st.data.shape and data.numel() == st.data.numel():
             data = data.reshape(st.data.shape)  # the model's saved view of this param
         # A factory (a param saved in parts) builds the same parts of its optimizer state.
@@ -158,8 +163,9 @@ def _dp_sharded_param_state(opt, model_sharded_state_dict: Dict, is_loading: boo
             continue
         opt._sharded_key_to_param[st.key] = param
         # Loading reads straight into the live moments (no second copy of the optimizer state on the device:
-        # 48 GB per GPU for Llama-3-8B at TP=2 would not fit beside it). Not into the fp32 main params: the
-        # model's load refreshes those from the bf16 params (reload_model_params) before this state is applied.
+        # 48 GB per GPU for Llama-3-8B at TP=2 would not fit beside it). Not into the fp32 main params: Megatron's
+        # library pattern (model load, reload_model_params, optimizer load) refreshes them from the bf16 weights
+        # between the read and `load_sharded`, which would round the loaded values.
         sharded[st.key] = {
             name: _range_pieces(st, f"optimizer.state.{name}.{st.key}", lo, hi,
                                 torch.empty_like(flat) if is_loading and name == "fp32_param" else flat)
