@@ -426,7 +426,7 @@ def load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
         _, sharded = _split_common(sharded_state_dict)
         tensors = [(p, sh) for p, sh in sharded if isinstance(sh, ShardedTensor)]
         objects = [(p, sh) for p, sh in sharded if not isinstance(sh, ShardedTensor)]
-        bufs = [_buffer_for(sh) for _, sh in tensors]
+        bufs = [_buffer_for(sh, saved.get(sh.key)) for _, sh in tensors]
         shards = torch_strategy.tensor_shards([sh for _, sh in tensors], bufs)
         error = None
     except Exception as e:  # every rank learns of it below, then raises
@@ -520,14 +520,17 @@ def _match_megatron_layout(sharded_state_dict: ShardedStateDict, shapes) -> Shar
     return megatron_layout.to_megatron_layout(sharded_state_dict, num_layers, num_experts, extra_state=False)
 
 
-def _buffer_for(sh: ShardedTensor) -> torch.Tensor:
+def _buffer_for(sh: ShardedTensor, saved=None) -> torch.Tensor:
     """Where the chunk is read into: the ShardedTensor's own tensor when it has the chunk's shape and dtype
     (the live param or optimizer state is read in place: a second copy of an 8B model's optimizer state
     does not fit beside it on the device; a load that fails part-way ends the run or is followed by a whole
     load of the previous checkpoint); else zeros under ``allow_shape_mismatch`` (the part past the saved
-    shape is not read and stays zero, as in Megatron), uninitialised otherwise (every element is read)."""
+    shape is not read and stays zero, as in Megatron), uninitialised otherwise (every element is read).
+    ``saved``: the checkpoint's (global shape, dtype) of the key; a tensor that allows a shape mismatch but
+    whose saved shape is its own (a padded vocabulary saved at the same padding) is read in place as well."""
     data = sh.data
-    if (type(data) in (torch.Tensor, torch.nn.Parameter) and not sh.allow_shape_mismatch  # no DTensor, FP8 subclass
+    covered = not sh.allow_shape_mismatch or (saved is not None and tuple(saved[0]) == tuple(sh.global_shape))
+    if (type(data) in (torch.Tensor, torch.nn.Parameter) and covered  # no DTensor, FP8 subclass
             and tuple(data.shape) == tuple(sh.local_shape)
             and data.dtype == sh.dtype and data.is_contiguous()):
         return data.detach()

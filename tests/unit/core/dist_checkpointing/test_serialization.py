@@ -71,6 +71,21 @@ def test_load_reads_into_the_requested_tensors(tmp_path):
     assert live_w.requires_grad and torch.equal(out["layer"]["bias"], b)
 
 
+def test_a_padded_vocabulary_saved_at_its_own_shape_is_read_in_place(tmp_path):
+    """allow_shape_mismatch (the padded embedding and output layer): read in place when the saved shape is the
+    requested one; into a zeroed buffer, leaving the live tensor as it was, when the checkpoint is smaller."""
+    ckpt = str(tmp_path / "c")
+    w = _full(0, (6, 4))
+    dc.save({"emb": ShardedTensor.from_rank_offsets("emb", w)}, ckpt)
+    live = torch.nn.Parameter(torch.full((6, 4), -1.0))
+    out = dc.load({"emb": ShardedTensor.from_rank_offsets("emb", live, allow_shape_mismatch=True)}, ckpt)["emb"]
+    assert out.data_ptr() == live.data_ptr() and torch.equal(live.detach(), w)
+    bigger = torch.nn.Parameter(torch.full((8, 4), -1.0))
+    out = dc.load({"emb": ShardedTensor.from_rank_offsets("emb", bigger, allow_shape_mismatch=True)}, ckpt)["emb"]
+    assert out.data_ptr() != bigger.data_ptr() and torch.equal(bigger.detach(), torch.full((8, 4), -1.0))
+    assert torch.equal(out[:6], w) and torch.equal(out[6:], torch.zeros(2, 4))
+
+
 def test_prepend_axis_and_dtype(tmp_path):
     """Per-layer tensors stacked along a prepended axis; loading casts to the requested dtype."""
     ckpt = str(tmp_path / "c")
