@@ -75,3 +75,19 @@ def test_pieces_read_in_place_join_without_a_copy():
     first, second, third = sorted(pieces)
     swapped = {first: pieces[first], second: pieces[third].clone(), third: pieces[third]}  # not back to back
     assert not torch.equal(_loaded_value(swapped, param), flat)
+
+
+def test_main_params_are_read_into_the_gradient_buffer():
+    """A load reads a distributed optimizer's fp32 main params into the param's fp32 gradient buffer (idle until
+    the next step zeroes it) rather than a new buffer of the optimizer state's size; not into a bf16 one."""
+    from megatron.core.optimizer.optimizer_state import _main_param_read_buffer
+    param = torch.nn.Parameter(torch.zeros(4, 5, dtype=torch.bfloat16))
+    main = torch.zeros(7)
+    assert _main_param_read_buffer(param, 3, 10, main).shape == (7,)  # no gradient buffer: a new one
+    grads = torch.zeros(30)
+    param.main_grad = grads[5:25].view(4, 5)
+    buf = _main_param_read_buffer(param, 3, 10, main)
+    assert buf.shape == (7,) and buf.data_ptr() == grads[8:].data_ptr()
+    param.main_grad = torch.zeros(4, 5, dtype=torch.bfloat16)  # --grad-reduce-in-bf16
+    buf = _main_param_read_buffer(param, 3, 10, main)
+    assert buf.dtype == torch.float32 and buf.untyped_storage().data_ptr() != param.main_grad.data_ptr()
