@@ -1,7 +1,8 @@
 """Fully parallel torch_dist save on two GPUs (DP=2, distributed optimizer, bf16): a save allocates far less
 GPU memory than the whole optimizer state (no rank gathers it; each writes its own range), and both ranks write
-about half of the checkpoint; the fully parallel load gives the weights back. Needs two CUDA devices; skipped
-otherwise."""
+about half of the checkpoint; the fully parallel load gives the weights back; a whole load into the live model and
+optimizer allocates far less than the optimizer state and resumes the same losses. Needs two CUDA devices;
+skipped otherwise."""
 import json
 import os
 import subprocess
@@ -30,5 +31,11 @@ def test_dp2_save_holds_no_gathered_optimizer_state(tmp_path):
         # Gathering the state (the old save) allocated at least the whole optimizer state on every rank.
         assert r["save_peak_extra_bytes"] < 0.25 * r["full_optimizer_bytes"], r
         assert r["load_equal"], r  # the fully parallel load (NCCL broadcasts) gives back the saved weights
+        # A whole load reads into the live tensors: before, it allocated the optimizer state once more (or twice).
+        assert r["load_peak_extra_bytes"] < 0.25 * r["full_optimizer_bytes"], r
+        # The step after the load sees the saved weights (its loss is computed before the update: equal), and the
+        # next one the restored optimizer state (the update's kernels may differ in the last bits).
+        assert r["resumed_losses"][0] == r["losses"][0], r
+        assert r["resumed_losses"][1] == pytest.approx(r["losses"][1], rel=1e-3), r
     sizes = [r["file_bytes"] for r in ranks]
     assert min(sizes) > 0.4 * sum(sizes), sizes
