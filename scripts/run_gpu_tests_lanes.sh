@@ -32,16 +32,29 @@ if [ -n "${FILES:-}" ]; then  # only the files named (without .py), e.g. the one
   for name in $FILES; do [ -e "tests/gpu/$name.py" ] || { echo "FILES: no tests/gpu/$name.py" >&2; exit 2; }; done
   ordered=("${kept[@]}")
 fi
+# Entries are FILE|MARKERS: a file whose four-GPU tests are marked `four_gpus` among two-GPU ones runs twice, the
+# rest on a pair with the two-GPU files (-m "not four_gpus") and the marked tests on four GPUs at the end, so its
+# two-GPU tests do not hold four GPUs.
 one=(); two=(); four=()
 for f in "${ordered[@]}"; do
-  if grep -q "device_count() < 4" "$f"; then four+=("$f")
-  elif grep -q "device_count() < 2" "$f"; then two+=("$f")
-  else one+=("$f"); fi
+  if grep -q "device_count() < 4" "$f"; then
+    if grep -q "device_count() < 2" "$f" && grep -qE "mark\.four_gpus|^def four_gpus" "$f"; then
+      two+=("$f|not four_gpus"); four+=("$f|four_gpus")
+    else four+=("$f|"); fi
+  elif grep -q "device_count() < 2" "$f"; then two+=("$f|")
+  else one+=("$f|"); fi
 done
 EXTRA=("$@")
-run_file() {  # run_file DEVICES FILE
-  local log="$LOG_DIR/$(basename "$2" .py).log"
-  CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$FILE_TIMEOUT" bash scripts/run_gpu_tests.sh "$2" "${EXTRA[@]}" > "$log" 2>&1
+log_of() {  # log_of ENTRY: the entry's log file
+  local name; name=$(basename "${1%%|*}" .py)
+  [ "${1#*|}" = "four_gpus" ] && name="$name.four"
+  echo "$LOG_DIR/$name.log"
+}
+run_file() {  # run_file DEVICES ENTRY
+  local path=${2%%|*} markers=${2#*|} log; log=$(log_of "$2")
+  local select=(); [ -n "$markers" ] && select=(-m "$markers")
+  CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$FILE_TIMEOUT" bash scripts/run_gpu_tests.sh "$path" "${select[@]}" "${EXTRA[@]}" \
+    > "$log" 2>&1
   [ $? -eq 124 ] && echo "GPU tests: cut off after ${FILE_TIMEOUT} s (FILE_TIMEOUT)" >> "$log"
 }
 pop() {  # pop QUEUE: print and remove its first line, under a lock shared by the lanes
@@ -80,9 +93,11 @@ if [[ " $CLASSES " == *" four "* ]]; then
 fi
 rc=0
 for f in "${one[@]}" "${two[@]}" "${four[@]}"; do
-  [ -e "$LOG_DIR/$(basename "$f" .py).log" ] || continue  # a class not asked for
-  line=$(grep -E "^GPU tests:" "$LOG_DIR/$(basename "$f" .py).log" | tail -1)
-  printf '%-48s %s\n' "$(basename "$f")" "${line:-GPU tests: no summary (see the log)}"
+  log=$(log_of "$f")
+  [ -e "$log" ] || continue  # a class not asked for
+  line=$(grep -E "^GPU tests:" "$log" | tail -1)
+  label=$(basename "${f%%|*}"); [ -n "${f#*|}" ] && label="$label (-m ${f#*|})"
+  printf '%-48s %s\n' "$label" "${line:-GPU tests: no summary (see the log)}"
   [[ "$line" == *" 0 failed,"*" 0 errors"* ]] || rc=1
 done
 echo "GPU lanes: ${#one[@]} one-GPU, ${#two[@]} two-GPU, ${#four[@]} four-GPU files on $gpus GPUs in $(( $(date +%s) - start )) s; logs in $LOG_DIR"

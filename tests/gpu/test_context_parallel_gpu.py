@@ -140,6 +140,7 @@ def test_hierarchical_cp2_on_two_gpus_matches_cp1(tmp_path, cp1_losses, sizes):
     assert got == pytest.approx(cp1_losses, abs=2e-2)  # bf16, as for CP=2 above
 
 
+@pytest.mark.four_gpus  # scripts/run_gpu_tests_lanes.sh runs these on four GPUs and the rest of the file on a pair
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four CUDA devices")
 @pytest.mark.parametrize("name,flags", [
     ("cp4_2x2", ("--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2")),

@@ -19,7 +19,13 @@ from tests.gpu.benchmark_runs import failure_text
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-four_gpus = pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four CUDA devices")
+
+
+def four_gpus(test):
+    """Needs four GPUs; marked so that scripts/run_gpu_tests_lanes.sh runs it on four and the rest on a pair."""
+    return pytest.mark.four_gpus(pytest.mark.skipif(torch.cuda.device_count() < 4,
+                                                    reason="needs four CUDA devices")(test))
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # MOE_FINE's layer (64 experts of ffn 1408, top-6, a shared expert of 2816) at 2 layers and seq 1024;

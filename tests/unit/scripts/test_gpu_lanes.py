@@ -18,7 +18,8 @@ def _schedule(tmp_path, gpus, **env):
     shutil.copy(os.path.join(ROOT, "scripts", "run_gpu_tests_lanes.sh"), tree / "scripts")
     runs = tmp_path / "runs.txt"
     (tree / "scripts" / "run_gpu_tests.sh").write_text(
-        f'echo "$CUDA_VISIBLE_DEVICES $1" >> {runs}\necho "GPU tests: 1 passed, 0 failed, 0 skipped, 0 errors"\n')
+        f'sel=none; [ "$2" = "-m" ] && sel="$3"\necho "$CUDA_VISIBLE_DEVICES $1 $sel" >> {runs}\n'
+        'echo "GPU tests: 1 passed, 0 failed, 0 skipped, 0 errors"\n')
     fake = tmp_path / "python"
     fake.write_text(f"#!/bin/sh\necho {gpus}\n")
     fake.chmod(0o755)
@@ -26,33 +27,50 @@ def _schedule(tmp_path, gpus, **env):
                        timeout=300, env=dict(os.environ, PYTHON=str(fake), LOG_DIR=str(tmp_path / "logs"), **env))
     assert p.returncode == 0, p.stdout + p.stderr
     lines = runs.read_text().splitlines() if runs.exists() else []
-    return [(devices, os.path.basename(path)) for devices, path in (line.split() for line in lines)]
+    return [(devices, os.path.basename(path), sel) for devices, path, sel in
+            (line.split(" ", 2) for line in lines)]
 
 
-def _needs(name):
-    text = open(os.path.join(ROOT, "tests", "gpu", name)).read()
+def _text(name):
+    return open(os.path.join(ROOT, "tests", "gpu", name)).read()
+
+
+def _mixed(name):
+    """Two-GPU tests and `four_gpus`-marked four-GPU ones in one file."""
+    text = _text(name)
+    return "device_count() < 2" in text and "device_count() < 4" in text and "four_gpus" in text
+
+
+def _needs(name, sel="none"):
+    if _mixed(name):
+        return 4 if sel == "four_gpus" else 2
+    text = _text(name)
     return 4 if "device_count() < 4" in text else 2 if "device_count() < 2" in text else 1
 
 
 @pytest.mark.parametrize("lanes", ["1", "2"])
 def test_every_file_once_on_the_devices_it_needs(tmp_path, lanes):
+    """Each file once; a file with four-GPU tests among two-GPU ones twice: the rest on a pair, those on four."""
     runs = _schedule(tmp_path, 4, LANES_PER_GPU=lanes)
     files = sorted(f for f in os.listdir(os.path.join(ROOT, "tests", "gpu"))
                    if f.startswith("test_") and f.endswith(".py"))
-    assert sorted(name for _, name in runs) == files
-    for devices, name in runs:
-        assert len(devices.split(",")) == _needs(name), (devices, name)
-        assert devices in ({"1": ("0", "1", "2", "3"), "2": ("0,1", "2,3"), "4": ("0,1,2,3",)}[str(_needs(name))])
+    mixed = [f for f in files if _mixed(f)]
+    assert {"test_context_parallel_gpu.py", "test_moe_overlap_gpu.py"} <= set(mixed)
+    assert sorted(name for _, name, _ in runs) == sorted(files + mixed)
+    for devices, name, sel in runs:
+        assert sel == ("none" if not _mixed(name) else "four_gpus" if devices == "0,1,2,3" else "not four_gpus")
+        assert len(devices.split(",")) == _needs(name, sel), (devices, name, sel)
+        assert devices in {1: ("0", "1", "2", "3"), 2: ("0,1", "2,3"), 4: ("0,1,2,3",)}[_needs(name, sel)]
 
 
 def test_classes_filter(tmp_path):
     runs = _schedule(tmp_path, 4, CLASSES="two four", LANES_PER_GPU="2")
-    assert runs and all(_needs(name) > 1 for _, name in runs)
+    assert runs and all(_needs(name, sel) > 1 for _, name, sel in runs)
 
 
 def test_files_filter(tmp_path):
     """FILES names the files to run (the ones a cut-off call left), each on the devices it needs."""
     runs = _schedule(tmp_path, 4, FILES="test_profiler_gpu test_async_save_gpu test_moe_overlap_gpu")
-    assert sorted(name for _, name in runs) == ["test_async_save_gpu.py", "test_moe_overlap_gpu.py",
-                                                "test_profiler_gpu.py"]
-    assert all(len(devices.split(",")) == _needs(name) for devices, name in runs)
+    assert sorted(name for _, name, _ in runs) == ["test_async_save_gpu.py", "test_moe_overlap_gpu.py",
+                                                   "test_moe_overlap_gpu.py", "test_profiler_gpu.py"]
+    assert all(len(devices.split(",")) == _needs(name, sel) for devices, name, sel in runs)
