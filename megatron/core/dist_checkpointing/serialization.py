@@ -94,7 +94,7 @@ def _strip_sharded(tree):
 
 def _prepare(sharded_state_dict: ShardedStateDict, copy_to_cpu: bool, host_staging=None):
     common, sharded = _split_common(sharded_state_dict)
-    tensors = [v for _, v in sharded if isinstance(v, ShardedTensor) and v.is_main_replica()]
+    tensors = _main_replicas(sharded)
     objects = [v for _, v in sharded if isinstance(v, ShardedObject) and v.is_main_replica()]
     for sh in tensors:
         if sh.data is None:
@@ -105,6 +105,11 @@ def _prepare(sharded_state_dict: ShardedStateDict, copy_to_cpu: bool, host_stagi
         data = [_to_cpu(sh.data) if copy_to_cpu else sh.data.detach() for sh in tensors]
     shards = torch_strategy.tensor_shards(tensors, data)
     return common, shards, torch_strategy.object_shards(objects)
+
+
+def _main_replicas(sharded):
+    """The ShardedTensors among ``sharded`` ([(path, leaf)]) this rank writes."""
+    return [v for _, v in sharded if isinstance(v, ShardedTensor) and v.is_main_replica()]
 
 
 def _split_nonpersistent(sharded_state_dict: ShardedStateDict):
@@ -176,12 +181,7 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, sharded_stra
     if preprocess_common_before_consistancy_check is not None:
         raise NotImplementedError("dist_checkpointing.save: the common-state consistency check "
                                   "(preprocess_common_before_consistancy_check) is not supported; leave it None")
-    apply_factories(sharded_state_dict)  # in place, as Megatron
-    sharded_state_dict, _ = _split_nonpersistent(sharded_state_dict)
-    if validate_access_integrity:
-        _check_sharding(sharded_state_dict, process_group)
-    if isinstance(sharded_strategy, FullyParallelSaveStrategyWrapper):
-        distribute_main_replicas(sharded_state_dict, sharded_strategy.parallelization_group)
+    sharded_state_dict = _to_write(sharded_state_dict, sharded_strategy, process_group, validate_access_integrity)
     if content_metadata is not None:
         sharded_state_dict = {**sharded_state_dict, _CONTENT_METADATA_KEY: content_metadata}
     if _rank() == 0:
@@ -231,13 +231,22 @@ def staged_bytes(sharded_state_dict: ShardedStateDict, sharded_strategy=None, pr
     rank (its main replicas; with a `FullyParallelSaveStrategyWrapper` its share of the replicated tensors), to
     reserve the buffers ahead of the first save (`HostStaging.reserve`). Collective as `save` is (the same call
     on every rank); it reads no tensor data and changes the state dict as `save` does (factories applied)."""
+    sharded_state_dict = _to_write(sharded_state_dict, sharded_strategy, process_group, validate=False)
+    return HostStaging.bytes_for([sh.data for sh in _main_replicas(_split_common(sharded_state_dict)[1])
+                                  if sh.data is not None])
+
+
+def _to_write(sharded_state_dict, sharded_strategy, process_group, validate: bool):
+    """The state dict as `save` writes it: factories applied (in place, as Megatron), non-persistent entries
+    dropped, the sharding checked (``validate``) and, with a fully parallel strategy, the replicated tensors'
+    writes spread over its group."""
     apply_factories(sharded_state_dict)
     sharded_state_dict, _ = _split_nonpersistent(sharded_state_dict)
+    if validate:
+        _check_sharding(sharded_state_dict, process_group)
     if isinstance(sharded_strategy, FullyParallelSaveStrategyWrapper):
         distribute_main_replicas(sharded_state_dict, sharded_strategy.parallelization_group)
-    _, sharded = _split_common(sharded_state_dict)
-    return HostStaging.bytes_for([v.data for _, v in sharded
-                                  if isinstance(v, ShardedTensor) and v.is_main_replica() and v.data is not None])
+    return sharded_state_dict
 
 
 def save_in_megatron_layout(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, num_layers: int,

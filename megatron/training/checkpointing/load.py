@@ -134,9 +134,10 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
                                         ckpt.get("num_floating_point_operations_so_far", 0))
     del ckpt, main_params
     if torch.cuda.is_available():
-        # The read buffers the load made (the fp32 main params', a resized vocab's) stay cached in torch's
-        # allocator once freed; NCCL and cuBLAS allocate outside it, and at 8B scale their first buffers after a
-        # load (a pipeline's first send) found the device full.
+        # The read buffers the load made (a vocabulary saved at another size, fp32 main params without an fp32
+        # gradient buffer to read into) stay cached in torch's allocator once freed; NCCL and cuBLAS allocate
+        # outside it, and at 8B scale their first buffers after a load (a pipeline's first send) found the
+        # device full.
         torch.cuda.empty_cache()
     return result
 

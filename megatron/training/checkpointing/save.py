@@ -128,7 +128,8 @@ def reserve_async_save_buffers(model, optimizer, opt_param_scheduler, iteration)
     """Start allocating the page-locked host buffers of --async-save in the background, sized as the first save
     will stage (collective: every rank calls it at the same iteration), so that save waits only for its copy's
     launch instead of tens of seconds of allocation. Returns the bytes reserved on this rank (0: nothing to do:
-    not an async torch_dist save, --no-async-save-pinned-buffers, or no CUDA)."""
+    not an async torch_dist save, --no-async-save-pinned-buffers, or no CUDA; or not enough host memory for this
+    node's ranks, said in one warning line)."""
     args = get_args()
     if not (args.async_save and args.ckpt_format == "torch_dist" and args.save and torch.cuda.is_available()
             and getattr(args, "async_save_pinned_buffers", True)):

@@ -22,6 +22,7 @@ at TP=2, measured on an H200 host): `reserve(nbytes)` does it in a background th
 """
 import atexit
 import ctypes
+import functools
 import threading
 import time
 import weakref
@@ -254,19 +255,11 @@ class HostStaging:
 
 
 _LIVE: "weakref.WeakSet[HostStaging]" = weakref.WeakSet()
-_REGISTER = []  # [cudaHostRegister through ctypes, or None], looked up once
-
-
+@functools.lru_cache(maxsize=None)
 def _host_register_releasing_the_gil():
     """cudaHostRegister called through ctypes, which releases the GIL for the call (torch's binding keeps it,
     stalling every other Python thread while tens of GB are pinned), or None when the CUDA runtime library
-    cannot be found in this process."""
-    if not _REGISTER:
-        _REGISTER.append(_find_host_register())
-    return _REGISTER[0]
-
-
-def _find_host_register():
+    cannot be found in this process (looked up once)."""
     if not torch.cuda.is_available():
         return None
     torch.cuda.init()
