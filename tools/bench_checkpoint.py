@@ -23,16 +23,27 @@ Builds model + optimizer as pretrain() does, trains a few iterations, then measu
   deduplication work left to DCP), blocked time and total time;
 - --load-only: the time to load the checkpoint already under --save-dir into this run's layout (pass
   another TP/PP/DP layout than the one that saved it: a resharding load).
+Where the synchronous save loses time against the anchor: --profile-save runs it under cProfile on rank 0 and
+prints the top functions and the wall-clock seconds of its phases (state dict, request, DCP write, publish),
+lines starting `profile | `; --sync-repeat N saves synchronously N-1 more times after the anchor and
+--anchor-first runs the anchor before it, telling the order of the writes (page cache, a disk that slows down
+once filled) from the code path.
 Checkpoints are deleted once measured (one ~100 GB Llama-3-8B checkpoint at a time must fit on the disk);
 --keep leaves the last async one for a --load-only run. Rank 0 prints the lines and, with --results, appends
 them as one JSON line.
 """
 import argparse
+import cProfile
+import functools
+import importlib
+import io
 import json
 import os
+import pstats
 import shutil
 import statistics
 import sys
+import sysconfig
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -202,6 +213,120 @@ def dcp_anchor(model, optimizer, scheduler, directory):
     return out[0][0], out[0][1], out[1][1], out[1][2]
 
 
+class _Phases:
+    """Wall-clock seconds spent in chosen functions while it is active: each is wrapped where its callers look it
+    up at call time (a module or class attribute) and put back on exit, so the product code is timed as it is."""
+
+    def __init__(self, targets):
+        self.targets = targets  # [(phase name, module name or (module name, class name), attribute)]
+        self.seconds = {name: 0.0 for name, _, _ in targets}
+        self.calls = {name: 0 for name, _, _ in targets}
+        self._undo = []
+
+    def __enter__(self):
+        for name, where, attr in self.targets:
+            try:
+                owner = importlib.import_module(where) if isinstance(where, str) else \
+                    getattr(importlib.import_module(where[0]), where[1])
+                original = getattr(owner, attr)
+            except (ImportError, AttributeError):  # another torch or a moved function: that phase reads n/a
+                self.calls[name] = None
+                continue
+            own = attr in vars(owner)  # a class may inherit it: then delete the wrapper instead of restoring
+            setattr(owner, attr, self._timed(name, original))
+            self._undo.append((owner, attr, original if own else None))
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.total = time.perf_counter() - self.start
+        for owner, attr, original in reversed(self._undo):
+            if original is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
+        self._undo = []
+
+    def _timed(self, name, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - t0
+                self.calls[name] += 1
+        return timed
+
+
+# The phases of save_checkpoint's torch_dist save (save.py -> serialization.save -> the request's dcp_write,
+# then its finalize steps); "a/b" runs inside "a". "other" (printed) is the save's time outside the top ones.
+SAVE_PHASES = [
+    ("generate_state_dict", "megatron.training.checkpointing.state", "generate_state_dict"),
+    ("dist_checkpointing.save", "megatron.core.dist_checkpointing", "save"),
+    ("dist_checkpointing.save/to_write", "megatron.core.dist_checkpointing.serialization", "_to_write"),
+    ("dist_checkpointing.save/check_sharding", "megatron.core.dist_checkpointing.serialization",
+     "_check_sharding"),
+    ("dist_checkpointing.save/prepare", "megatron.core.dist_checkpointing.serialization", "_prepare"),
+    ("dist_checkpointing.save/write_common", "megatron.core.dist_checkpointing.serialization", "_write_common"),
+    ("dcp_write", "megatron.core.dist_checkpointing.strategies.torch", "dcp_write"),
+    ("dcp_write/write_data", ("torch.distributed.checkpoint.filesystem", "FileSystemWriter"), "write_data"),
+    ("dcp_write/finish", ("torch.distributed.checkpoint.filesystem", "FileSystemWriter"), "finish"),
+    ("publish_dir", "megatron.training.checkpointing.paths", "publish_dir"),
+]
+
+
+def _profiled_save(save):
+    """Run ``save()`` with its phases timed on every rank and under cProfile on rank 0 (its main thread: DCP
+    writes there with one writer thread). Returns (the _Phases, the cProfile or None)."""
+    prof = cProfile.Profile() if _rank_world()[0] == 0 else None
+    with _Phases(SAVE_PHASES) as phases:
+        if prof is not None:
+            prof.enable()
+        try:
+            save()
+        finally:
+            if prof is not None:
+                prof.disable()
+    return phases, prof
+
+
+def _short_paths(text):
+    """pstats text with the repository, site-packages and standard-library prefixes cut off its paths."""
+    import torch
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    prefixes = {root, os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__))),
+                sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], sysconfig.get_paths()["stdlib"]}
+    for prefix in sorted(prefixes, key=len, reverse=True):
+        text = text.replace(prefix.rstrip(os.sep) + os.sep, "")
+    return text
+
+
+def _report_profile(phases, prof, rows=25):
+    """Rank 0 prints the phase seconds (its own, then every rank's) and the cProfile top ``rows`` functions by
+    tottime and by cumtime, each line starting with `profile | `. Collective (the phases are gathered)."""
+    from megatron.training.utils import print_rank_0
+    top = [n for n, _, _ in SAVE_PHASES if "/" not in n]
+    mine = dict(phases.seconds, other=phases.total - sum(phases.seconds[n] for n in top), total=phases.total)
+    ranks = _per_rank(mine)
+    for name in [n for n, _, _ in SAVE_PHASES] + ["other", "total"]:
+        calls = phases.calls.get(name, 1)
+        if calls is None:
+            print_rank_0(f"profile | phase {name} n/a (not found to time)")
+            continue
+        print_rank_0(f"profile | phase {name} {mine[name]:.3f}" + (f" ({calls} calls)" if calls != 1 else "")
+                     + (f" (ranks {' '.join(f'{r[name]:.3f}' for r in ranks)})" if len(ranks) > 1 else ""))
+    if prof is None:
+        return
+    for key in ("tottime", "cumtime"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(rows)
+        lines = [line for line in _short_paths(out.getvalue()).splitlines() if line.strip()]
+        print(f"profile | top {rows} by {key} (rank 0, cProfile of the main thread)", flush=True)
+        for line in lines:
+            print(f"profile | {line}", flush=True)
+
+
 def _check_disk(save_dir, model, optimizer, scheduler):
     """Refuse up front when one checkpoint cannot fit on the disk (one line with the numbers)."""
     import torch
@@ -231,9 +356,21 @@ def main():
     p.add_argument("--load-only", action="store_true",
                    help="only time loading the checkpoint under --save-dir into this run's layout")
     p.add_argument("--results", default=None, help="append the measurements as one JSON line to this file")
+    p.add_argument("--profile-save", action="store_true",
+                   help="run the synchronous save under cProfile on rank 0 and print its top functions and the "
+                        "wall-clock seconds of its phases ('profile | ' lines; its save time includes cProfile's "
+                        "overhead, --sync-repeat times it without)")
+    p.add_argument("--sync-repeat", type=int, default=1,
+                   help="synchronous saves in all: the others after the anchor, each into its own iteration "
+                        "directory, deleted once measured")
+    p.add_argument("--anchor-first", action="store_true", help="run the anchor before the synchronous save")
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     cli = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if cli.sync_repeat < 1:
+        p.error("--sync-repeat must be at least 1")
+    if cli.no_sync and (cli.profile_save or cli.sync_repeat > 1):
+        p.error("--profile-save and --sync-repeat measure the synchronous save; drop --no-sync")
     cli.fast, cli.warmup, cli.iters = False, 3, 8
     if not cli.load_only and os.path.isdir(cli.save_dir) and int(os.environ.get("RANK", "0")) == 0:
         shutil.rmtree(cli.save_dir, ignore_errors=True)
@@ -279,15 +416,34 @@ def main():
     print_rank_0(f"checkpoint disk | {cli.save_dir}: sequential write {disk:.2f} GB/s (aggregate of {world} "
                  f"rank(s), {cli.disk_gib:g} GiB each, fsync) | expected checkpoint {need / 1e9:.1f} GB")
 
-    size = need / 1e9  # the async line's GB/s until the synchronous save measures the size on disk
-    if not cli.no_sync:
+    def sync_save(iteration, around=lambda save: save()):
+        """(max seconds over ranks, GB on disk) of one synchronous save_checkpoint at ``iteration`` (run as
+        ``around(save)``)."""
         _sync()
         _barrier()
         t0 = time.perf_counter()
-        save_checkpoint(1, model, optimizer, scheduler, 0)
-        sync_s = _max_over_ranks(time.perf_counter() - t0)
-        size = _dir_bytes(os.path.join(cli.save_dir, "iter_0000001")) / 1e9 if rank == 0 else 0.0
-        size = _max_over_ranks(size)
+        around(lambda: save_checkpoint(iteration, model, optimizer, scheduler, 0))
+        seconds = _max_over_ranks(time.perf_counter() - t0)
+        gb = _dir_bytes(os.path.join(cli.save_dir, f"iter_{iteration:07d}")) / 1e9 if rank == 0 else 0.0
+        return seconds, _max_over_ranks(gb)
+
+    def anchor():
+        d_blocked, d_async, d_sync, d_size = dcp_anchor(model, optimizer, scheduler, cli.save_dir + ".dcp")
+        if rank == 0:
+            shutil.rmtree(cli.save_dir + ".dcp", ignore_errors=True)
+        result.update(dcp_async_blocked_s=d_blocked, dcp_async_total_s=d_async, dcp_save_s=d_sync,
+                      dcp_size_gb=d_size)
+        print_rank_0(f"checkpoint anchor (torch.distributed.checkpoint) | {d_size:.2f} GB | async_save blocked "
+                     f"{d_blocked:.2f} s, done after {d_async:.2f} s = {d_size / d_async:.2f} GB/s | save "
+                     f"{d_sync:.2f} s = {d_size / d_sync:.2f} GB/s")
+
+    if cli.anchor_first and not cli.no_anchor:
+        anchor()
+    size = need / 1e9  # the async line's GB/s until the synchronous save measures the size on disk
+    if not cli.no_sync:
+        profiled = []  # --profile-save: (phases, cProfile) of this save, reported after its line
+        sync_s, size = sync_save(1, around=lambda save: profiled.append(_profiled_save(save))) \
+            if cli.profile_save else sync_save(1)
         _sync()
         _barrier()
         held = _memory_mark()
@@ -302,16 +458,22 @@ def main():
         print_rank_0(f"checkpoint sync | {layout} | {size:.2f} GB | save {sync_s:.2f} s = {size / sync_s:.2f} GB/s "
                      f"({100 * size / sync_s / disk:.0f}% of the disk) | load {load_s:.2f} s (device memory "
                      f"{held_gb:.1f} GB held, {peak_gb:.1f} GB peak)")
+        if profiled:
+            _report_profile(*profiled[0])
 
-    if not cli.no_anchor:
-        d_blocked, d_async, d_sync, d_size = dcp_anchor(model, optimizer, scheduler, cli.save_dir + ".dcp")
-        if rank == 0:
-            shutil.rmtree(cli.save_dir + ".dcp", ignore_errors=True)
-        result.update(dcp_async_blocked_s=d_blocked, dcp_async_total_s=d_async, dcp_save_s=d_sync,
-                      dcp_size_gb=d_size)
-        print_rank_0(f"checkpoint anchor (torch.distributed.checkpoint) | {d_size:.2f} GB | async_save blocked "
-                     f"{d_blocked:.2f} s, done after {d_async:.2f} s = {d_size / d_async:.2f} GB/s | save "
-                     f"{d_sync:.2f} s = {d_size / d_sync:.2f} GB/s")
+    if not cli.no_anchor and not cli.anchor_first:
+        anchor()
+    if not cli.no_sync and cli.sync_repeat > 1:
+        # The same save again, after the anchor: a time that drops to the anchor's comes from the order of the
+        # writes (page cache, a disk slowing as it fills), not from the code path. Iterations clear of the
+        # async saves' 2, 3, ...
+        again = []
+        for k in range(cli.sync_repeat - 1):
+            it = max(100, 2 + cli.async_saves) + k
+            again.append(sync_save(it))
+            _remove(cli.save_dir, it)
+            print_rank_0(f"checkpoint sync again | save {again[-1][0]:.2f} s = {again[-1][1] / again[-1][0]:.2f} GB/s")
+        result.update(sync_again_s=[a[0] for a in again])
     args.async_save = True
     if not cli.no_reserve:  # as the training loop does after its first step
         from megatron.training.async_utils import host_staging

@@ -18,9 +18,14 @@ def _bench(tmp_path, *args):
 
 def test_tp2_save_then_pp2_resharding_load(tmp_path):
     common = ["--num-layers", "4", "--global-batch-size", "2", "--use-distributed-optimizer"]
-    out = _bench(tmp_path, "--keep", "--no-anchor", "--async-saves", "1", "--disk-gib", "0.01", "--",
-                 *common, "--tensor-model-parallel-size", "2", "--sequence-parallel")
-    for line in ("checkpoint disk |", "checkpoint sync | TP=2 PP=1 DP=1 distopt=1", "checkpoint async | blocked"):
+    # --profile-save and --sync-repeat: the profiled save's phases and functions, and a repeat whose iteration
+    # leaves the async save's (2, loaded below) alone.
+    out = _bench(tmp_path, "--keep", "--no-anchor", "--async-saves", "1", "--disk-gib", "0.01", "--profile-save",
+                 "--sync-repeat", "2", "--", *common, "--tensor-model-parallel-size", "2", "--sequence-parallel")
+    for line in ("checkpoint disk |", "checkpoint sync | TP=2 PP=1 DP=1 distopt=1", "checkpoint async | blocked",
+                 "profile | phase generate_state_dict ", "profile | phase dcp_write ", "profile | phase total ",
+                 "profile | top 25 by tottime", "profile | top 25 by cumtime", "checkpoint sync again | save "):
         assert line in out, out[-3000:]
+    assert "n/a" not in "".join(line for line in out.splitlines() if line.startswith("profile | phase")), out[-3000:]
     out = _bench(tmp_path, "--load-only", "--", *common, "--pipeline-model-parallel-size", "2")
     assert "checkpoint load | TP=1 PP=2 DP=1 distopt=1 | iteration 2" in out, out[-3000:]
