@@ -60,6 +60,20 @@ finally:
 """
 
 
+HANG_S = 200
+
+
+def _text(out) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
+
+
+def _hang_dumps(folder, limit=4000) -> str:
+    """The ranks' hang dumps under ``folder`` (their stacks and last collectives), each cut to ``limit``."""
+    if not folder.is_dir():
+        return ""
+    return "".join(f"\n== {f.name}\n{f.read_text(errors='replace')[:limit]}" for f in sorted(folder.iterdir()))
+
+
 def _run(tmp_path, name, *flags, nproc=2):
     out = str(tmp_path / name)
     driver = tmp_path / "driver.py"
@@ -69,8 +83,17 @@ def _run(tmp_path, name, *flags, nproc=2):
     # The overlap refuses CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue could order the two NCCL
     # communicators' kernels differently on the two ranks and deadlock); every run here gets 8.
     env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_DEVICE_MAX_CONNECTIONS": "8"}
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert p.returncode == 0, failure_text(p)
+    # A stalled run (the EP=2 runs were once cut off by the suite's file limit, output unseen) ends with every
+    # rank's stacks and last collectives: the hang watchdog dumps after HANG_S without progress, NCCL aborts a
+    # collective waiting that long, and the subprocess limit lies beyond both.
+    dumps = tmp_path / f"{name}_hang"
+    cmd += ["--distributed-timeout-seconds-after-init", str(HANG_S), "--flight-recorder-dump-path", str(dumps / "rank")]
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=2 * HANG_S, env=env)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"{name}: no exit after {2 * HANG_S} s\n{_text(e.stdout)[-3000:]}\n"
+                             f"{_text(e.stderr)[-3000:]}\n{_hang_dumps(dumps)}") from None
+    assert p.returncode == 0, failure_text(p) + _hang_dumps(dumps)
     with open(out + ".0") as f:
         return json.load(f)
 
