@@ -4,7 +4,8 @@
 # by every GPU (one-GPU files) and every pair of GPUs (two-GPU files) at once; the four-GPU files run last on GPUs
 # 0-3 (on fewer GPUs they skip, a summary line each). Rendezvous ports are free
 # ones (the tests launch torchrun --standalone), so lanes do not collide. With one GPU this is
-# scripts/run_gpu_tests.sh. Ends with one line per file and a total.
+# scripts/run_gpu_tests.sh. Ends with one line per file (its result and seconds) and a total, also when stopped
+# from outside (SIGTERM, INT): the running files are killed with their processes, and named with their test.
 #   bash scripts/run_gpu_tests_lanes.sh                 # logs in $LOG_DIR (default /tmp/gpu_lanes)
 #   FILE_TIMEOUT=300 bash scripts/run_gpu_tests_lanes.sh -x
 #   CLASSES="two four" bash scripts/run_gpu_tests_lanes.sh   # only the multi-GPU files
@@ -51,11 +52,12 @@ log_of() {  # log_of ENTRY: the entry's log file
   echo "$LOG_DIR/$name.log"
 }
 run_file() {  # run_file DEVICES ENTRY
-  local path=${2%%|*} markers=${2#*|} log; log=$(log_of "$2")
+  local path=${2%%|*} markers=${2#*|} log t0=$SECONDS; log=$(log_of "$2")
   local select=(); [ -n "$markers" ] && select=(-m "$markers")
   CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$FILE_TIMEOUT" bash scripts/run_gpu_tests.sh "$path" "${select[@]}" "${EXTRA[@]}" \
     > "$log" 2>&1
   [ $? -eq 124 ] && echo "GPU tests: cut off after ${FILE_TIMEOUT} s (FILE_TIMEOUT)" >> "$log"
+  echo "GPU lanes: $((SECONDS - t0)) s on GPU(s) $1" >> "$log"
 }
 pop() {  # pop QUEUE: print and remove its first line, under a lock shared by the lanes
   ( flock 9; head -n 1 "$1"; sed -i 1d "$1" ) 9> "$1.lock"
@@ -73,6 +75,42 @@ q1=$(mktemp); q2=$(mktemp); trap 'rm -f "$q1" "$q1.lock" "$q2" "$q2.lock"' EXIT
 [[ " $CLASSES " == *" one "* ]] && printf '%s\n' "${one[@]}" > "$q1"
 [[ " $CLASSES " == *" two "* ]] && [ ${#two[@]} -gt 0 ] && printf '%s\n' "${two[@]}" > "$q2"
 start=$(date +%s)
+summary() {  # one line per file that ran or was running (its seconds; a stopped one: the test it was in), a total
+  local rc=0 f log line label took current
+  for f in "${one[@]}" "${two[@]}" "${four[@]}"; do
+    log=$(log_of "$f")
+    [ -e "$log" ] || continue  # a class not asked for, or not reached
+    line=$(grep -E "^GPU tests:" "$log" | tail -1)
+    took=$(sed -n 's/^GPU lanes: \([0-9]*\) s on.*/ (\1 s)/p' "$log" | tail -1)
+    if [ -z "$line" ]; then
+      current=$(grep -oE "^tests/gpu/[^ ]+::[^ ]+" "$log" | tail -1)
+      line="GPU tests: stopped before the end${current:+, in ${current#tests/gpu/}}"
+    fi
+    label=$(basename "${f%%|*}"); [ -n "${f#*|}" ] && label="$label (-m ${f#*|})"
+    printf '%-48s %s%s\n' "$label" "$line" "$took"
+    [[ "$line" == *" 0 failed,"*" 0 errors"* ]] || rc=1
+  done
+  echo "GPU lanes: ${#one[@]} one-GPU, ${#two[@]} two-GPU, ${#four[@]} four-GPU files on $gpus GPUs in $(( $(date +%s) - start )) s; logs in $LOG_DIR"
+  return $rc
+}
+kill_tree() {  # kill_tree PID: the process and everything it started (pytest, torchrun and their ranks hold GPUs)
+  local child
+  for child in $(children "$1"); do kill_tree "$child"; done
+  kill -TERM "$1" 2>/dev/null
+}
+children() { pgrep -P "$1" 2>/dev/null || ps -o pid= --ppid "$1" 2>/dev/null; }
+# Stopped from outside (a device call's time limit, Ctrl-C): the lanes' processes are taken down, so none keeps
+# its GPUs, and the summary still says what passed and where each unfinished file stood.
+stopped() {
+  trap - TERM INT
+  local child
+  for child in $(children $$); do kill_tree "$child"; done
+  wait
+  echo "GPU lanes: stopped from outside"
+  summary
+  exit 124
+}
+trap stopped TERM INT
 ones_on() { drain "$q1" "$1" & drain "$q1" "$2" & wait; }
 # LANES_PER_GPU=2 starts two of these lanes on every GPU and pair: the files are mostly launch-, compile- and
 # host-bound small models, so two at once share a GPU (ample memory on 80-141 GB cards) for ~1.6x the throughput.
@@ -89,16 +127,7 @@ done
 wait
 all=$(seq -s, 0 $((gpus < 4 ? gpus - 1 : 3)))
 if [[ " $CLASSES " == *" four "* ]]; then
-  for f in "${four[@]}"; do run_file "$all" "$f"; done
+  for f in "${four[@]}"; do run_file "$all" "$f" & wait $!; done  # in the background: a stop is handled at once
 fi
-rc=0
-for f in "${one[@]}" "${two[@]}" "${four[@]}"; do
-  log=$(log_of "$f")
-  [ -e "$log" ] || continue  # a class not asked for
-  line=$(grep -E "^GPU tests:" "$log" | tail -1)
-  label=$(basename "${f%%|*}"); [ -n "${f#*|}" ] && label="$label (-m ${f#*|})"
-  printf '%-48s %s\n' "$label" "${line:-GPU tests: no summary (see the log)}"
-  [[ "$line" == *" 0 failed,"*" 0 errors"* ]] || rc=1
-done
-echo "GPU lanes: ${#one[@]} one-GPU, ${#two[@]} two-GPU, ${#four[@]} four-GPU files on $gpus GPUs in $(( $(date +%s) - start )) s; logs in $LOG_DIR"
-exit $rc
+summary
+exit $?

@@ -74,3 +74,49 @@ def test_files_filter(tmp_path):
     assert sorted(name for _, name, _ in runs) == ["test_async_save_gpu.py", "test_moe_overlap_gpu.py",
                                                    "test_moe_overlap_gpu.py", "test_profiler_gpu.py"]
     assert all(len(devices.split(",")) == _needs(name, sel) for devices, name, sel in runs)
+
+
+def test_stopped_from_outside_takes_the_lanes_down_and_still_reports(tmp_path):
+    """A device call's time limit stops the script with SIGTERM: the files still running are killed with
+    everything they started (no process keeps its GPUs), and the summary names what passed, with seconds, and
+    the test each unfinished file was in."""
+    import signal
+    import time
+    tree = tmp_path / "tree"
+    (tree / "scripts").mkdir(parents=True)
+    shutil.copytree(os.path.join(ROOT, "tests", "gpu"), tree / "tests" / "gpu",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(os.path.join(ROOT, "scripts", "run_gpu_tests_lanes.sh"), tree / "scripts")
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    # The profiler file hangs in its test (a child that never ends); every other file passes at once.
+    (tree / "scripts" / "run_gpu_tests.sh").write_text(
+        'case "$1" in\n'
+        '  *test_profiler_gpu.py) echo "tests/gpu/test_profiler_gpu.py::test_traces_on_both_ranks "\n'
+        f'    sleep 300 & echo $! > {pids}/sleep; wait ;;\n'
+        '  *) echo "GPU tests: 1 passed, 0 failed, 0 skipped, 0 errors" ;;\n'
+        'esac\n')
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 2\n")
+    fake.chmod(0o755)
+    p = subprocess.Popen(["bash", str(tree / "scripts" / "run_gpu_tests_lanes.sh")], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True,
+                         env=dict(os.environ, PYTHON=str(fake), LOG_DIR=str(tmp_path / "logs"),
+                                  FILES="test_profiler_gpu test_async_save_gpu"))
+    deadline = time.time() + 120
+    while not (pids / "sleep").exists() or not (tmp_path / "logs" / "test_async_save_gpu.log").exists() or \
+            "GPU lanes:" not in (tmp_path / "logs" / "test_async_save_gpu.log").read_text():
+        assert time.time() < deadline and p.poll() is None, "the lanes did not start both files"
+        time.sleep(0.2)
+    sleeper = int((pids / "sleep").read_text())
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 124, out
+    assert "GPU lanes: stopped from outside" in out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("test_")}
+    assert "GPU tests: 1 passed" in lines["test_async_save_gpu.py"] and " s)" in lines["test_async_save_gpu.py"]
+    assert "stopped before the end, in test_profiler_gpu.py::test_traces_on_both_ranks" in lines["test_profiler_gpu.py"]
+    deadline = time.time() + 30
+    while os.path.exists(f"/proc/{sleeper}") and open(f"/proc/{sleeper}/stat").read().split()[2] != "Z":
+        assert time.time() < deadline, "the unfinished file's process outlived the lanes"
+        time.sleep(0.2)
