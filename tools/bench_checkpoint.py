@@ -27,7 +27,8 @@ Where the synchronous save loses time against the anchor: --profile-save runs it
 prints the top functions and the wall-clock seconds of its phases (state dict, request, DCP write, publish),
 lines starting `profile | `; --sync-repeat N saves synchronously N-1 more times after the anchor and
 --anchor-first runs the anchor before it, telling the order of the writes (page cache, a disk that slows down
-once filled) from the code path.
+once filled) from the code path. --async-saves 0 measures the synchronous saves alone (no reservation, no async save), so
+`--no-anchor --async-saves 0 --sync-repeat 3` fits a 10-minute call at 8B.
 Checkpoints are deleted once measured (one ~100 GB Llama-3-8B checkpoint at a time must fit on the disk);
 --keep leaves the last async one for a --load-only run. Rank 0 prints the lines and, with --results, appends
 them as one JSON line.
@@ -344,7 +345,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", choices=sorted(CONFIGS), default="gpt-1.3b")
     p.add_argument("--save-dir", required=True)
-    p.add_argument("--async-saves", type=int, default=2, help="background saves measured one after another")
+    p.add_argument("--async-saves", type=int, default=2,
+                   help="background saves measured one after another (0: none, and no reservation)")
     p.add_argument("--disk-gib", type=float, default=4.0, help="GiB each rank writes for the disk bandwidth")
     p.add_argument("--no-anchor", action="store_true", help="skip DCP's own save and async_save")
     p.add_argument("--no-sync", action="store_true",
@@ -369,6 +371,8 @@ def main():
     cli = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if cli.sync_repeat < 1:
         p.error("--sync-repeat must be at least 1")
+    if cli.async_saves < 0 or (cli.async_saves == 0 and (cli.no_sync or cli.keep)):
+        p.error("--async-saves must be >= 0, and 0 measures the synchronous saves (not with --no-sync or --keep)")
     if cli.no_sync and (cli.profile_save or cli.sync_repeat > 1):
         p.error("--profile-save and --sync-repeat measure the synchronous save; drop --no-sync")
     cli.fast, cli.warmup, cli.iters = False, 3, 8
@@ -474,6 +478,9 @@ def main():
             _remove(cli.save_dir, it)
             print_rank_0(f"checkpoint sync again | save {again[-1][0]:.2f} s = {again[-1][1] / again[-1][0]:.2f} GB/s")
         result.update(sync_again_s=[a[0] for a in again])
+    if cli.async_saves == 0:  # the synchronous saves only (e.g. --sync-repeat runs that must fit a time limit)
+        _write(cli, result, rank)
+        return
     args.async_save = True
     if not cli.no_reserve:  # as the training loop does after its first step
         from megatron.training.async_utils import host_staging

@@ -29,3 +29,17 @@ def test_tp2_save_then_pp2_resharding_load(tmp_path):
     assert "n/a" not in "".join(line for line in out.splitlines() if line.startswith("profile | phase")), out[-3000:]
     out = _bench(tmp_path, "--load-only", "--", *common, "--pipeline-model-parallel-size", "2")
     assert "checkpoint load | TP=1 PP=2 DP=1 distopt=1 | iteration 2" in out, out[-3000:]
+
+
+def test_synchronous_saves_only(tmp_path):
+    """--async-saves 0 (one process): the synchronous save and its repeats, no reservation or async save; what a
+    device call with a time limit runs to tell a slow first write from a slow code path."""
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_checkpoint.py"), "--config", "tiny",
+                        "--save-dir", str(tmp_path / "ck"), "--no-anchor", "--async-saves", "0", "--sync-repeat", "2",
+                        "--disk-gib", "0.001", "--", "--num-layers", "1"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "checkpoint sync | " in p.stdout and p.stdout.count("checkpoint sync again | save ") == 1, p.stdout[-3000:]
+    assert "checkpoint reserve" not in p.stdout and "checkpoint async" not in p.stdout, p.stdout[-3000:]
