@@ -14,11 +14,24 @@ def run_two_gpus(tmp_path, name, model_flags: str, *flags, iters: int, warmup: i
            os.path.join(ROOT, "tools", "benchmark.py"), "--config", config, "--iters", str(iters),
            "--warmup", str(warmup), "--results", str(results), "--", *model_flags.split(), *flags]
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    p = launch(cmd, timeout=600, env=env)
     assert p.returncode == 0, failure_text(p)
     result = json.loads(results.read_text().splitlines()[-1])
     print(f"{name}: {result['ms_per_iter']:.1f} ms/iter, losses {result['losses'][:3]} ... {result['losses'][-1]}")
     return result
+
+
+def launch(cmd, timeout: float, env=None, cwd=ROOT, what: str = "", tail: int = 3000) -> subprocess.CompletedProcess:
+    """``subprocess.run`` of a launch with its output captured; one that outlives ``timeout`` fails with what it
+    printed until then (a bare TimeoutExpired shows nothing of where the run stood) and ``what`` (e.g. the
+    ranks' hang dumps)."""
+    try:
+        return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        out, err = (x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+        extra = what() if callable(what) else what
+        raise AssertionError(f"no exit after {timeout:g} s: {' '.join(map(str, cmd[:8]))} ...\n"
+                             f"{out[-tail:]}\n{err[-tail:]}\n{extra}") from None
 
 
 def failure_text(p, tail: int = 3000) -> str:

@@ -9,13 +9,12 @@ and backward on the grouped-GEMM path make no synchronizing CUDA call (torch's s
 """
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.gpu.benchmark_runs import failure_text
+from tests.gpu.benchmark_runs import failure_text, launch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
@@ -63,10 +62,6 @@ finally:
 HANG_S = 200
 
 
-def _text(out) -> str:
-    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
-
-
 def _hang_dumps(folder, limit=4000) -> str:
     """The ranks' hang dumps under ``folder`` (their stacks and last collectives), each cut to ``limit``."""
     if not folder.is_dir():
@@ -88,11 +83,7 @@ def _run(tmp_path, name, *flags, nproc=2):
     # collective waiting that long, and the subprocess limit lies beyond both.
     dumps = tmp_path / f"{name}_hang"
     cmd += ["--distributed-timeout-seconds-after-init", str(HANG_S), "--flight-recorder-dump-path", str(dumps / "rank")]
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=2 * HANG_S, env=env)
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"{name}: no exit after {2 * HANG_S} s\n{_text(e.stdout)[-3000:]}\n"
-                             f"{_text(e.stderr)[-3000:]}\n{_hang_dumps(dumps)}") from None
+    p = launch(cmd, timeout=2 * HANG_S, env=env, what=lambda: _hang_dumps(dumps))
     assert p.returncode == 0, failure_text(p) + _hang_dumps(dumps)
     with open(out + ".0") as f:
         return json.load(f)
