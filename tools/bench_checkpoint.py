@@ -27,8 +27,8 @@ Where the synchronous save loses time against the anchor: --profile-save runs it
 prints the top functions and the wall-clock seconds of its phases (state dict, request, DCP write, publish),
 lines starting `profile | `; --sync-repeat N saves synchronously N-1 more times after the anchor and
 --anchor-first runs the anchor before it, telling the order of the writes (page cache, a disk that slows down
-once filled) from the code path. --async-saves 0 measures the synchronous saves alone (no reservation, no async save), so
-`--no-anchor --async-saves 0 --sync-repeat 3` fits a 10-minute call at 8B.
+once filled) from the code path. --async-saves 0 measures the synchronous saves alone (no reservation, no async
+save), so `--no-anchor --async-saves 0 --sync-repeat 3` fits a 10-minute call at 8B.
 Checkpoints are deleted once measured (one ~100 GB Llama-3-8B checkpoint at a time must fit on the disk);
 --keep leaves the last async one for a --load-only run. Rank 0 prints the lines and, with --results, appends
 them as one JSON line.
