@@ -106,6 +106,22 @@ if [ "${1:-}" = "--flags" ]; then  # --flags ROW: its GPU count, then every flag
 fi
 mkdir -p "$OUT"
 
+# Megatron Core asserts a vp_stage for every model chunk under interleaving, and a --pipeline-model-parallel-layout
+# places each chunk's layers by it; the reference driver builds GPTModel without one, so Megatron's interleaved
+# rows failed at start-up. Pass it as Megatron's own pretrain_gpt.py does (once, in this ignored copy).
+if [ "${MREF:-1}" != 0 ] && [ -f "$R/mcore_driver.py" ] && ! grep -q "vp_stage=vp_stage" "$R/mcore_driver.py"; then
+  python3 - "$R/mcore_driver.py" <<'PY' || exit 1
+import sys
+path = sys.argv[1]
+text = open(path).read()
+call = "        rotary_base=args.rotary_base,\n    )"
+if call not in text:
+    sys.exit(f"{path}: its GPTModel(...) call is not the one expected; add vp_stage=vp_stage to it by hand")
+open(path, "w").write(text.replace(call, "        rotary_base=args.rotary_base,\n        vp_stage=vp_stage,\n    )", 1))
+print(f"{path}: GPTModel gets vp_stage (interleaved and layout rows)")
+PY
+fi
+
 # side_by_side.sh installs the wheel under `set -f`, where its glob does not expand: install it here.
 [ "${MREF:-1}" = 0 ] || [ -d /tmp/mref_site/megatron ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --target /tmp/mref_site $(set +f; echo "$R"/whl/megatron_core-*.whl) || exit 1

@@ -77,3 +77,18 @@ def test_rows_that_run_at_once_get_their_own_gpus_and_ports(tmp_path):
     confined = calls(ROWS="l8b_1gpu mix_1gpu", GPUS="2,3", PORT="29900")
     assert sorted(d for d, *_ in confined) == ["2", "3"]
     assert all(int(port) >= 29902 for *_, port in confined) and len({p for *_, p in confined}) == 2
+
+
+def test_reference_driver_gets_the_vp_stage(tmp_path):
+    """Megatron Core's interleaved rows need GPTModel(vp_stage=...): the round passes it in the ignored copy of
+    the reference driver, once (a second round leaves the driver as it is)."""
+    mref = tmp_path / "mref"
+    mref.mkdir()
+    for name in ("configs.sh", "mcore_driver.py"):
+        (mref / name).write_text(open(os.path.join(REFERENCE, name)).read())
+    env = dict(os.environ, MREF_DIR=str(mref), OUT=str(tmp_path / "out"), ROWS="none")
+    for _ in range(2):  # the wheel install after it may fail here (no wheel): only the driver is checked
+        subprocess.run(["bash", SCRIPT], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    text = (mref / "mcore_driver.py").read_text()
+    assert text.count("vp_stage=vp_stage,") == 1
+    compile(text, "mcore_driver.py", "exec")
