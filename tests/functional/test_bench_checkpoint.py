@@ -2,6 +2,8 @@
 GPUs: a TP=2 (+ SP, distributed optimizer) run measures the disk, a synchronous and an async save and keeps the
 last checkpoint; a PP=2 run loads it (a resharding load) and takes a step. Every measurement line is printed."""
 import os
+import subprocess
+import sys
 
 from tests.functional.torchrun import torchrun
 
@@ -34,8 +36,6 @@ def test_tp2_save_then_pp2_resharding_load(tmp_path):
 def test_synchronous_saves_only(tmp_path):
     """--async-saves 0 (one process): the synchronous save and its repeats, no reservation or async save; what a
     device call with a time limit runs to tell a slow first write from a slow code path."""
-    import subprocess
-    import sys
     p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_checkpoint.py"), "--config", "tiny",
                         "--save-dir", str(tmp_path / "ck"), "--no-anchor", "--async-saves", "0", "--sync-repeat", "2",
                         "--disk-gib", "0.001", "--", "--num-layers", "1"], cwd=ROOT, capture_output=True, text=True,

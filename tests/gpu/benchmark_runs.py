@@ -21,15 +21,15 @@ def run_two_gpus(tmp_path, name, model_flags: str, *flags, iters: int, warmup: i
     return result
 
 
-def launch(cmd, timeout: float, env=None, cwd=ROOT, what: str = "", tail: int = 3000) -> subprocess.CompletedProcess:
+def launch(cmd, timeout: float, env=None, cwd=ROOT, what=None, tail: int = 3000) -> subprocess.CompletedProcess:
     """``subprocess.run`` of a launch with its output captured; one that outlives ``timeout`` fails with what it
     printed until then (a bare TimeoutExpired shows nothing of where the run stood) and ``what`` (e.g. the
-    ranks' hang dumps)."""
+    ranks' hang dumps: a string, or a function called on the timeout)."""
     try:
         return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as e:
         out, err = (x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
-        extra = what() if callable(what) else what
+        extra = (what() if callable(what) else what) or ""
         raise AssertionError(f"no exit after {timeout:g} s: {' '.join(map(str, cmd[:8]))} ...\n"
                              f"{out[-tail:]}\n{err[-tail:]}\n{extra}") from None
 

@@ -3,19 +3,27 @@ files on a pair, four-GPU files on four, with one or two lanes per GPU and a cla
 for scripts/run_gpu_tests.sh that records where each file would run, and a stand-in python that reports the GPUs."""
 import os
 import shutil
+import signal
 import subprocess
+import time
 
 import pytest
 
 from tests import ROOT
 
 
-def _schedule(tmp_path, gpus, **env):
+def _tree(tmp_path):
+    """A copy of the lanes script and tests/gpu, where the test puts its stand-in scripts/run_gpu_tests.sh."""
     tree = tmp_path / "tree"
     (tree / "scripts").mkdir(parents=True)
     shutil.copytree(os.path.join(ROOT, "tests", "gpu"), tree / "tests" / "gpu",
                     ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(os.path.join(ROOT, "scripts", "run_gpu_tests_lanes.sh"), tree / "scripts")
+    return tree
+
+
+def _schedule(tmp_path, gpus, **env):
+    tree = _tree(tmp_path)
     runs = tmp_path / "runs.txt"
     (tree / "scripts" / "run_gpu_tests.sh").write_text(
         f'sel=none; [ "$2" = "-m" ] && sel="$3"\necho "$CUDA_VISIBLE_DEVICES $1 $sel" >> {runs}\n'
@@ -80,13 +88,7 @@ def test_stopped_from_outside_takes_the_lanes_down_and_still_reports(tmp_path):
     """A device call's time limit stops the script with SIGTERM: the files still running are killed with
     everything they started (no process keeps its GPUs), and the summary names what passed, with seconds, and
     the test each unfinished file was in."""
-    import signal
-    import time
-    tree = tmp_path / "tree"
-    (tree / "scripts").mkdir(parents=True)
-    shutil.copytree(os.path.join(ROOT, "tests", "gpu"), tree / "tests" / "gpu",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(os.path.join(ROOT, "scripts", "run_gpu_tests_lanes.sh"), tree / "scripts")
+    tree = _tree(tmp_path)
     pids = tmp_path / "pids"
     pids.mkdir()
     # The profiler file hangs in its test (a child that never ends); every other file passes at once.
