@@ -7,7 +7,8 @@ import os
 
 import torch
 
-from megatron.core.dist_checkpointing import CheckpointingException, load_common_state_dict
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import CheckpointingException
 from megatron.training.arguments.errors import ArgumentError
 
 from . import paths
@@ -71,7 +72,7 @@ def read_checkpoint_args(load_dir: str, ckpt_step=None):
     checkpoint_dir = paths.get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
     fmt = paths.detect_format(checkpoint_dir)
     if fmt == "torch_dist":
-        state = load_common_state_dict(checkpoint_dir)
+        state = dist_checkpointing.load_common_state_dict(checkpoint_dir)  # resolved on use: DCP imports late
     elif fmt == "torch":
         path = _legacy_file(checkpoint_dir)
         try:
