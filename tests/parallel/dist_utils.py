@@ -25,8 +25,10 @@ def free_port() -> int:
 # preloaded modules): a new rank starts in ~0.1 s instead of re-importing torch for ~3 s, which is most of
 # a small multi-rank test's cost on a 2-core machine. The server never runs torch ops, so forking it is
 # safe (no OpenMP or other threads to inherit), unlike forking the test process itself.
+# The checkpoint code (torch.distributed.checkpoint) loads lazily in a run; many tests save, so preload it here.
 _PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "torch._dynamo", "numpy",
-            "megatron.core", "megatron.core.parallel_state", "megatron.training"]
+            "megatron.core", "megatron.core.parallel_state", "megatron.training",
+            "megatron.core.dist_checkpointing.serialization"]
 
 
 def _context():
