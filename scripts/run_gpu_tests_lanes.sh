@@ -11,6 +11,8 @@
 #   CLASSES="two four" bash scripts/run_gpu_tests_lanes.sh   # only the multi-GPU files
 #   FILES="test_profiler_gpu test_hybrid_cp_gpu" bash scripts/run_gpu_tests_lanes.sh   # only these files
 #   LANES_PER_GPU=2 bash scripts/run_gpu_tests_lanes.sh      # two files at once on every GPU / pair
+#   BUDGET_S=560 bash scripts/run_gpu_tests_lanes.sh          # start no file that cannot end within 560 s
+# Each file that ran to its end adds "NAME SECONDS" to $LOG_DIR/durations.txt (tests/gpu/durations.txt's format).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -19,6 +21,10 @@ if [ "$gpus" -lt 2 ]; then
   exec bash scripts/run_gpu_tests.sh "$@"
 fi
 LOG_DIR=${LOG_DIR:-/tmp/gpu_lanes}; FILE_TIMEOUT=${FILE_TIMEOUT:-600}
+# BUDGET_S: the seconds this call may spend (a device call's limit less a margin); a file whose expected time
+# (tests/gpu/durations.txt, measured alone on its devices, else DEFAULT_FILE_S) no longer fits is not started and
+# says so in the summary. 0: no budget.
+BUDGET_S=${BUDGET_S:-0}; DEFAULT_FILE_S=${DEFAULT_FILE_S:-120}
 mkdir -p "$LOG_DIR"
 # Measured slowest first (Triton autotuning, compiled graphs, many torchrun launches), so no lane starts one late.
 SLOW="test_ssm_gpu test_hybrid_generation_gpu test_muon_gpu test_vlm_gpu test_qwen25_vl_gpu test_sft_gpu
@@ -51,13 +57,27 @@ log_of() {  # log_of ENTRY: the entry's log file
   [ "${1#*|}" = "four_gpus" ] && name="$name.four"
   echo "$LOG_DIR/$name.log"
 }
+expected_s() {  # expected_s ENTRY: the seconds tests/gpu/durations.txt gives the entry, else DEFAULT_FILE_S
+  local name; name=$(basename "$(log_of "$1")" .log)
+  awk -v n="$name" -v d="$DEFAULT_FILE_S" '$1 == n {v = $2} END {print (v == "" ? d : v)}' tests/gpu/durations.txt \
+    2>/dev/null || echo "$DEFAULT_FILE_S"
+}
 run_file() {  # run_file DEVICES ENTRY
-  local path=${2%%|*} markers=${2#*|} log t0=$SECONDS; log=$(log_of "$2")
+  local path=${2%%|*} markers=${2#*|} log t0=$SECONDS rc; log=$(log_of "$2")
   local select=(); [ -n "$markers" ] && select=(-m "$markers")
+  if (( BUDGET_S > 0 )); then  # a file that cannot end within the budget is not started: no device time lost on it
+    local need left; need=$(expected_s "$2"); left=$(( BUDGET_S - ($(date +%s) - start) ))
+    if (( need > left )); then
+      echo "GPU tests: not started (~$need s expected, $left s left of BUDGET_S=$BUDGET_S)" > "$log"; return
+    fi
+  fi
   CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$FILE_TIMEOUT" bash scripts/run_gpu_tests.sh "$path" "${select[@]}" "${EXTRA[@]}" \
     > "$log" 2>&1
-  [ $? -eq 124 ] && echo "GPU tests: cut off after ${FILE_TIMEOUT} s (FILE_TIMEOUT)" >> "$log"
+  rc=$?
+  [ $rc -eq 124 ] && echo "GPU tests: cut off after ${FILE_TIMEOUT} s (FILE_TIMEOUT)" >> "$log"
   echo "GPU lanes: $((SECONDS - t0)) s on GPU(s) $1" >> "$log"
+  # The seconds of each file that ran to its end, in tests/gpu/durations.txt's format, to refresh that table.
+  [ $rc -ne 124 ] && echo "$(basename "$log" .log) $((SECONDS - t0))" >> "$LOG_DIR/durations.txt"
 }
 pop() {  # pop QUEUE: print and remove its first line, under a lock shared by the lanes
   ( flock 9; head -n 1 "$1"; sed -i 1d "$1" ) 9> "$1.lock"

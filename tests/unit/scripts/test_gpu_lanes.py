@@ -122,3 +122,30 @@ def test_stopped_from_outside_takes_the_lanes_down_and_still_reports(tmp_path):
     while os.path.exists(f"/proc/{sleeper}") and open(f"/proc/{sleeper}/stat").read().split()[2] != "Z":
         assert time.time() < deadline, "the unfinished file's process outlived the lanes"
         time.sleep(0.2)
+
+
+def test_budget_starts_only_files_that_fit_and_records_durations(tmp_path):
+    """BUDGET_S: a file whose expected seconds (tests/gpu/durations.txt) exceed what is left is not started and
+    the summary says so (exit 1: the suite is not complete); the files that ran leave their seconds in
+    $LOG_DIR/durations.txt for the table."""
+    tree = _tree(tmp_path)
+    (tree / "tests" / "gpu" / "durations.txt").write_text(
+        "# comment\ntest_moe_overlap_gpu 900\ntest_moe_overlap_gpu.four 900\ntest_profiler_gpu 5\n")
+    (tree / "scripts" / "run_gpu_tests.sh").write_text(
+        f'echo "$1" >> {tmp_path}/ran.txt\necho "GPU tests: 1 passed, 0 failed, 0 skipped, 0 errors"\n')
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 2\n")
+    fake.chmod(0o755)
+    logs = tmp_path / "logs"
+    p = subprocess.run(["bash", str(tree / "scripts" / "run_gpu_tests_lanes.sh")], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, PYTHON=str(fake), LOG_DIR=str(logs), BUDGET_S="600",
+                                             FILES="test_profiler_gpu test_moe_overlap_gpu test_async_save_gpu"))
+    assert p.returncode == 1, p.stdout + p.stderr
+    ran = sorted(os.path.basename(line) for line in (tmp_path / "ran.txt").read_text().splitlines())
+    assert ran == ["test_async_save_gpu.py", "test_profiler_gpu.py"]  # 5 s listed, 120 s by default: both fit
+    lines = {line.split()[0]: line for line in p.stdout.splitlines() if line.startswith("test_")}
+    assert "not started (~900 s expected" in lines["test_moe_overlap_gpu.py"]  # its two- and four-GPU parts
+    assert sum("not started" in line for line in p.stdout.splitlines()) == 2
+    assert "GPU tests: 1 passed" in lines["test_profiler_gpu.py"]
+    recorded = dict(line.split() for line in (logs / "durations.txt").read_text().splitlines())
+    assert set(recorded) == {"test_profiler_gpu", "test_async_save_gpu"} and all(v.isdigit() for v in recorded.values())
