@@ -193,7 +193,7 @@ run_row() {  # run_row NAME CUDA_VISIBLE_DEVICES PORT (rendezvous ports PORT and
       --nproc_per_node "$n" --master_port "$port" pretrain_gpt.py ${!cfg} $flags $prof > "$OUT/ours_$name.log" 2>&1
     python3 "$R/res.py" "ours_$name" "$gbs" "$n" "$OUT/ours_$name.log" "$seq" 0
     if [ -n "$prof" ]; then
-      python3 tools/trace_report.py $(set +f; ls "$OUT/tb_$name"/*.pt.trace.json 2>/dev/null) --top 8 \
+      python3 tools/trace_report.py $(set +f; ls "$OUT/tb_$name"/*.pt.trace.json 2>/dev/null) --top 8 --kernels 25 \
         >> "$OUT/ours_$name.log" 2>&1 || echo "trace_report: no trace for $name" >> "$OUT/ours_$name.log"
     fi
   else

@@ -15,6 +15,7 @@ and with several traces one row per rank and pipeline stage.
 import argparse
 import json
 import os
+import re
 import sys
 from typing import Dict, List, Tuple
 
@@ -23,6 +24,15 @@ from tools.trace_timeline import analyse_timeline  # noqa: E402
 
 RANGES = ("forward", "backward", "optimizer")
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+# Kernel families by name, first match wins: what a per-family total compares between two layouts of one model
+# (a TP=2 row's GEMMs against the one-GPU row's, say) when the whole step's compute grows.
+FAMILIES = (
+    ("nccl", re.compile(r"nccl", re.I)),
+    ("copy", re.compile(r"^Memcpy|^Memset", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|_attn", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|sm90_xmma|wgmma|cublas|matmul|_mm_", re.I)),
+    ("custom", re.compile(r"^triton_|_kernel$", re.I)),  # Triton and hand-written kernels
+)
 
 
 def _spans(events, categories) -> List[Tuple[float, float, str]]:
@@ -58,7 +68,46 @@ def _gaps_by_host_op(gaps, host_ops, top: int) -> List[Dict]:
     return [{"host_op": op, "gaps": n, "ms": round(us / 1e3, 3)} for op, (n, us) in ranked]
 
 
-def analyse(events: List[dict], gap_us: float = 10.0, top: int = 5) -> Dict:
+def family(name: str) -> str:
+    """The kernel family of a GPU event's name (``FAMILIES``), ``other`` when none matches."""
+    for fam, pattern in FAMILIES:
+        if pattern.search(name):
+            return fam
+    return "other"
+
+
+def kernel_table(events: List[dict], top: int) -> Dict:
+    """GPU time by kernel family and the ``top`` kernels by total time (count, ms), over kernels, copies and
+    memsets. ``copy_alone_ms``: the time a copy ran while no kernel did, which ``busy`` counts but is a transfer
+    the step waited on (copy-engine tensor-parallel transfers show up here, not as communication kernels)."""
+    by_name: Dict[str, List[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES:
+            entry = by_name.setdefault(e.get("name", ""), [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.get("dur", 0.0)
+    families: Dict[str, float] = {}
+    for name, (_, us) in by_name.items():
+        families[family(name)] = families.get(family(name), 0.0) + us / 1e3
+    kernels = _union(_spans(events, ("kernel",)))
+    copies = _union(_spans(events, ("gpu_memcpy",)))
+    alone, k = 0.0, 0
+    for start, end in copies:  # copy time not covered by any kernel: both lists sorted and disjoint inside
+        covered = 0.0
+        while k < len(kernels) and kernels[k][1] <= start:
+            k += 1
+        j = k
+        while j < len(kernels) and kernels[j][0] < end:
+            covered += min(end, kernels[j][1]) - max(start, kernels[j][0])
+            j += 1
+        alone += end - start - covered
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"families_ms": {f: round(ms, 3) for f, ms in sorted(families.items(), key=lambda kv: -kv[1])},
+            "copy_alone_ms": round(alone / 1e3, 3),
+            "top": [{"name": n, "count": c, "ms": round(us / 1e3, 3)} for n, (c, us) in ranked]}
+
+
+def analyse(events: List[dict], gap_us: float = 10.0, top: int = 5, kernels: int = 0) -> Dict:
     timed = [e for e in events if e.get("ph") == "X" and "ts" in e]
     if not timed:
         raise ValueError("the trace has no timed events")
@@ -81,14 +130,16 @@ def analyse(events: List[dict], gap_us: float = 10.0, top: int = 5) -> Dict:
             "longest": [{"us": round(g, 1), "host_op": _host_op_at(host_ops, t)} for g, t in gaps[:top]],
             "by_host_op": _gaps_by_host_op(gaps, host_ops, top),
         }
+    if kernels and busy:
+        report["kernels"] = kernel_table(timed, kernels)
     if any(e.get("cat") == "user_annotation" and e.get("name") in RANGES for e in timed):
         report["timeline"] = analyse_timeline(events, gap_us)
     return report
 
 
-def analyse_trace(trace: Dict, gap_us: float = 10.0, top: int = 5) -> Dict:
+def analyse_trace(trace: Dict, gap_us: float = 10.0, top: int = 5, kernels: int = 0) -> Dict:
     """``analyse`` of a whole trace file's JSON, with the rank and its layout (pipeline stage) the trace names."""
-    report = analyse(trace["traceEvents"], gap_us, top)
+    report = analyse(trace["traceEvents"], gap_us, top, kernels)
     layout = trace.get("megatron_parallel") or {}
     report["rank"] = (trace.get("distributedInfo") or {}).get("rank")
     report["layout"] = layout
@@ -175,6 +226,12 @@ def _print(path: str, report: Dict) -> None:
 
 def _print_all(path: str, report: Dict) -> None:
     _print(path, report)
+    k = report.get("kernels")
+    if k:
+        print("  gpu time by family (ms): " + ", ".join(f"{f} {ms:.1f}" for f, ms in k["families_ms"].items())
+              + f"; copies with no kernel running {k['copy_alone_ms']:.1f}")
+        for row in k["top"]:
+            print(f"    {row['ms']:9.2f} ms {row['count']:6d}x  {row['name'][:110]}")
     if "timeline" in report:
         _print_timeline(report["timeline"])
 
@@ -184,12 +241,14 @@ def main(argv=None) -> int:
     parser.add_argument("traces", nargs="+", help="rank<R>.*.pt.trace.json files")
     parser.add_argument("--gap-us", type=float, default=10.0, help="GPU idle gaps shorter than this are ignored")
     parser.add_argument("--top", type=int, default=5, help="how many of the longest gaps to list")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="also list GPU time by kernel family and the N kernels with the most time")
     parser.add_argument("--json", help="also write the reports here")
     args = parser.parse_args(argv)
     reports = {}
     for path in args.traces:
         with open(path) as f:
-            reports[path] = analyse_trace(json.load(f), args.gap_us, args.top)
+            reports[path] = analyse_trace(json.load(f), args.gap_us, args.top, args.kernels)
         _print_all(path, reports[path])
     if len(reports) > 1:
         _print_ranks(reports)

@@ -108,3 +108,23 @@ def test_collective_spread_across_ranks_is_the_wait_for_slower_peers(tmp_path, c
     assert (round(c["min_ms"] * 1e3), round(c["max_ms"] * 1e3), c["max_rank"]) == (20, 80, 1)
     assert round(c["wait_ms"] * 1e3) == 30  # mean 50 us, least 20 us
     assert "all_to_all exposed per rank: min 0.0, mean 0.1, max 0.1 ms (rank 1)" in out
+
+
+def test_kernel_families_top_kernels_and_copies_alone():
+    events = [
+        _x("nvjet_tst_128x256_h_bz_coopA", "kernel", 0, 100),
+        _x("nvjet_tst_128x256_h_bz_coopA", "kernel", 200, 100),
+        _x("flash_fwd_kernel", "kernel", 300, 50),
+        _x("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", "kernel", 350, 20),
+        _x("Memcpy PtoP (Device -> Device)", "gpu_memcpy", 50, 100),  # 50..100 under the GEMM, 100..150 alone
+        _x("rmsnorm_fwd_kernel", "kernel", 400, 10),
+        _x("vectorized_elementwise", "kernel", 410, 5),
+    ]
+    report = analyse(events, gap_us=10, top=3, kernels=2)
+    k = report["kernels"]
+    assert k["families_ms"] == {"gemm": 0.2, "copy": 0.1, "attention": 0.05, "nccl": 0.02, "custom": 0.01,
+                                "other": 0.005}
+    assert k["copy_alone_ms"] == 0.05
+    assert k["top"] == [{"name": "nvjet_tst_128x256_h_bz_coopA", "count": 2, "ms": 0.2},
+                        {"name": "Memcpy PtoP (Device -> Device)", "count": 1, "ms": 0.1}]
+    assert "kernels" not in analyse(events, gap_us=10, top=3)  # only when asked
