@@ -390,6 +390,15 @@ class _EmbeddingWithGradAccumulation(torch.autograd.Function):
         return None, grad_weight
 
 
+def _spread_rows(input_: torch.Tensor, rows: int) -> torch.Tensor:
+    """A row for each token this rank does not own: the token's position modulo the shard's rows. Their
+    looked-up rows are zeroed and their gradients are zero, so any row serves; spread ones keep the backward's
+    row accumulation parallel. Sending them all to row 0 made one segment of every foreign token, which the
+    sorted accumulation adds one after another (measured at TP=2, Llama-3's 128k vocabulary, seq 8192: 6 ms
+    per micro-batch on the rank owning few of the tokens, which its peer then waited for)."""
+    return (torch.arange(input_.numel(), device=input_.device) % rows).view(input_.shape)
+
+
 class VocabParallelEmbedding(torch.nn.Module):
     """Embedding with the vocabulary split across TP: each rank looks up the ids it owns, zeroes the
     rest, and the partial rows are summed over TP (reduce-scattered along the sequence with
@@ -417,7 +426,8 @@ class VocabParallelEmbedding(torch.nn.Module):
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         if self._tp > 1:
             outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
-            ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
+            ids = torch.where(outside, _spread_rows(input_, self.num_embeddings_per_partition),
+                              input_ - self.vocab_start_index)
         else:
             ids = input_
         if self._fuse_wgrad and torch.is_grad_enabled() and self.weight.requires_grad:

@@ -31,3 +31,13 @@ def test_embedding_wgrad_goes_into_main_grad():
             torch.testing.assert_close(emb.weight.grad, dense, rtol=1e-6, atol=1e-6)
             if case != "no_main_grad":
                 assert torch.equal(emb.weight.main_grad, torch.ones(50, 8))
+
+
+def test_foreign_tokens_spread_over_rows():
+    """Tokens another TP rank owns look up spread rows (zeroed after), not all row 0: one long run of equal
+    indices serialises the backward's sorted row accumulation. The rows stay in the shard, and distinct
+    while the tokens fit in it."""
+    from megatron.core.tensor_parallel.layers import _spread_rows
+    ids = _spread_rows(torch.zeros(4, 6, dtype=torch.long), 10)
+    assert ids.shape == (4, 6) and ids.min() >= 0 and ids.max() < 10
+    assert len(set(_spread_rows(torch.zeros(2, 5, dtype=torch.long), 10).flatten().tolist())) == 10
