@@ -114,14 +114,13 @@ def all_gather_mm(x, mat, group):
     started = _gather(x, group)
     if started is None:
         return None
-    total, arrived, own, r = started
+    total, arrived, r = started
     m = x.size(0)
     out = x.new_empty((total.size(0),) + tuple(x.shape[1:-1]) + (mat.size(-1),))
     _mm(x, mat, _rows(out, r, m))
     for c, done in arrived.items():  # ring order from the next rank
         torch.cuda.current_stream().wait_event(done)
         _mm(_rows(total, c, m), mat, _rows(out, c, m))
-    torch.cuda.current_stream().wait_event(own)
     return out, total
 
 
@@ -164,33 +163,28 @@ def all_gather_start(x, group):
     started = _gather(x.contiguous(), group)
     if started is None:
         return None
-    total, arrived, own, _ = started
+    total, arrived, _ = started
 
     def wait():
-        for e in list(arrived.values()) + [own]:
+        for e in arrived.values():
             torch.cuda.current_stream().wait_event(e)
     return total, wait
 
 
 def _gather(x, group):
-    """Stage ``x`` (contiguous [m, ...]) and start the peers' copies: (total [n*m, ...], {peer: its copy's
-    event} in ring order from the next rank, the event of this rank's own rows, this rank), or None if
-    unavailable. This rank's rows also reach ``total`` on the side stream, from the staged slot (which is not
-    rewritten before the side stream's last copy is done, see ``exchange``), after the peers' copies: a local
-    copy there runs beside the compute stream's GEMM instead of before it (one per gather, ~2% of a TP=2
-    Llama-3-8B step's GPU time as device-to-device copies)."""
+    """Stage ``x`` (contiguous [m, ...]) and start the peers' copies: (total [n*m, ...] with this rank's rows
+    in place, {peer: its copy's event} in ring order from the next rank, this rank), or None if unavailable."""
     ws = workspace(group, x.numel() * x.element_size(), x.device)
     if ws is None:
         return None
     m, r, n = x.size(0), ws.rank, ws.size
     mine, peer = ws.begin(x.numel() * x.element_size())
-    staged = mine.view(x.dtype).view(x.shape)
-    staged.copy_(x)
+    mine.view(x.dtype).view(x.shape).copy_(x)
     ws.exchange()
     total = x.new_empty((n * m,) + tuple(x.shape[1:]))
     arrived = {c: ws.copy(_rows(total, c, m), peer(c, x.shape, x.dtype)) for c in ((r + i) % n for i in range(1, n))}
-    own = ws.copy(_rows(total, r, m), staged)
-    return total, arrived, own, r
+    _rows(total, r, m).copy_(x)
+    return total, arrived, r
 
 
 def reduce_scatter_start(x, group):
