@@ -180,6 +180,9 @@ run_row() {  # run_row NAME CUDA_VISIBLE_DEVICES PORT (rendezvous ports PORT and
   local name=$1 devices=$2 port=$3 spec n cfg flags seq gbs
   spec=$(row "$name") || { echo "RESULT $name: unknown row (--list)"; return; }
   read -r n cfg flags <<< "$spec"
+  # Megatron Core's DP=2 row at 32 layers fills the H200's 139.8 GB in its second iteration (137.7 GB in use,
+  # 4.5 GB of it fragments); its users' remedy, expandable segments, for both systems (rows run in subshells).
+  case $name in l8b_dp2) export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} ;; esac
   [ -n "${TRAIN_ITERS:-}" ] && flags="$flags --train-iters $TRAIN_ITERS"  # both systems; the last flag wins
   if [[ "$name" == *_overlap || "$name" == *_graph ]] || [ "${MREF:-1}" = 0 ] || [ "${PROFILE:-0}" = 1 ]; then  # ours alone
     seq=$(echo ${!cfg} $flags | grep -oE -- '--seq-length [0-9]+' | tail -1 | awk '{print $2}')
