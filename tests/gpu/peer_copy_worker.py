@@ -1,6 +1,7 @@
 """Run by tests/gpu/test_tp_comm_overlap_gpu.py under torchrun on 2 GPUs: the copy-engine TP transfers
 (megatron/core/tensor_parallel/peer_copy.py) equal NCCL's all-gather / reduce-scatter and the plain GEMMs,
-over many back-to-back operations (the two slots alternate) and a workspace that grows mid-way."""
+over many back-to-back operations (the two slots alternate, and a gathered tensor, which lives in its slot,
+stays valid through the group's next operation) and a workspace that grows mid-way."""
 import os
 import sys
 
@@ -46,7 +47,15 @@ for step, m in enumerate([64, 64, 256, 64, 512, 512, 128]):  # 256 and 512 grow 
     wait()
     assert torch.equal(total2, ref_total), step
     worst = max(worst, (finish() - scatter(big)).abs().max().item())
-    del filler
+    # The column linear's backward: the gather of X (its total used after the next operation started, as the
+    # weight-gradient GEMM uses it), then the dX GEMM's reduce-scatter with the adds deferred past more work.
+    total3, wait3 = peer_copy.all_gather_start(x, group)
+    finish3 = peer_copy.mm_reduce_scatter_start(big, w, group)
+    wait3()
+    filler2 = total3.reshape(-1, 96).t() @ big[:n * m].reshape(-1, 96)
+    assert torch.equal(total3, ref_total), step
+    worst = max(worst, (finish3() - scatter(big @ w)).abs().max().item())
+    del filler, filler2
 torch.cuda.synchronize()
 assert peer_copy.unavailable() is None, peer_copy.unavailable()
 assert worst < 1e-3, worst  # fp32 sums of 2 terms in another order

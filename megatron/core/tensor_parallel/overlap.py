@@ -111,6 +111,16 @@ def _gather_start(x, group, async_op):
     return total, (work.wait if work is not None else lambda: None)
 
 
+def _mm_reduce_scatter_start(x, mat, group, async_op):
+    """finish() -> reduce_scatter(x @ mat) along dim 0, running until then where ``async_op``. On the copy
+    engines the GEMM is issued block by block, the peers' blocks straight into the transfer slot."""
+    if async_op:
+        finish = peer_copy.mm_reduce_scatter_start(x, mat, group)
+        if finish is not None:
+            return finish
+    return _reduce_scatter_start(x.matmul(mat), group, async_op)
+
+
 def _reduce_scatter_start(x, group, async_op):
     """finish() -> reduce_scatter(x) along dim 0, running until then where ``async_op``."""
     if async_op:
@@ -165,7 +175,7 @@ class ColumnParallelLinearWithOverlap(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_output = grad_output.contiguous()
         total_x, gathered = _gather_start(x, ctx.group, ctx.bulk_dgrad)  # [s, b, h], during the dX GEMM
-        finish_rs = _reduce_scatter_start(grad_output.matmul(weight), ctx.group, ctx.bulk_wgrad)  # [s/tp, b, h]
+        finish_rs = _mm_reduce_scatter_start(grad_output, weight, ctx.group, ctx.bulk_wgrad)  # [s/tp, b, h]
         gathered()
         grad_bias = grad_output.reshape(-1, grad_output.size(-1)).sum(dim=0) if ctx.use_bias else None
         grad_weight = None
