@@ -10,6 +10,10 @@
 #   TRAIN_ITERS=15 ROWS="l8b_dp4" bash tools/bench_scale_rows.sh   # fewer iterations (the median is of 11+)
 #   (with EP, a LOAD line per row gives our log's median `moe max rank load`: the scaling model's moe_rank_load)
 #   bash tools/bench_scale_rows.sh --list                                # the rows and their flags
+#   A/B of two commits in one call, runs interleaved on the same GPUs (prepare here, carry `scratch`):
+#     mkdir -p scratch/A && git archive REV | tar -x -C scratch/A     (scratch/ ignored by .git/info/exclude)
+#     then on the GPU machine: for d in scratch/A . scratch/A .; do (cd $d && OUT=$OUT/$(basename $d)$RANDOM \
+#       MREF_DIR=$R/.mref MREF=0 ROWS=l8b_tp2 bash tools/bench_scale_rows.sh); done   (R: the checkout's root)
 #   PROFILE=1 MREF=0 ROWS="l8_tp2 nemo_cp2" bash tools/bench_scale_rows.sh   # ours, one profiled step each:
 #       --profile --use-pytorch-profiler on step 8, every rank's Chrome trace under $OUT/tb_<row>/ and
 #       tools/trace_report.py's summary (GPU busy/idle, longest gaps and their host ops, exposed
