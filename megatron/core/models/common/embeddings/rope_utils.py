@@ -1,4 +1,6 @@
 """Apply rotary position embeddings to ``[s, b, n, d]`` tensors."""
+import weakref
+
 import torch
 
 from megatron.core.fusions.compile import maybe_compile
@@ -46,14 +48,45 @@ class _RopeHalves(torch.autograd.Function):
         return dt, None, None
 
 
-def _rope_eager(t: torch.Tensor, freqs: torch.Tensor, mscale: float, rotary_interleaved: bool) -> torch.Tensor:
+_COS_SIN = {}  # "last": (weakref to the caller's freqs, its _version, key, cos, sin)
+
+
+def _cos_sin(freqs_arg: torch.Tensor, t: torch.Tensor, mscale: float):
+    """(cos, sin) of ``freqs_arg[:s]`` times ``mscale`` in ``t``'s dtype and device, s = t.shape[0].
+
+    The model computes one freqs tensor per forward and every layer rotates q and k with it: the same six small
+    kernels (cos, sin, scale, cast) ran twice per layer, 12 launches a layer that a host-bound step pays
+    in full. The last result is kept for the same freqs object (held weakly, so a new or freed tensor never
+    matches; an in-place change bumps its version) and the same length, dtype, device and scale. Computed
+    afresh where it would not be safe to keep: during CUDA-graph capture (a kept tensor from outside the
+    graph, freed later, would still be read by its replays), when freqs needs a gradient, or for an inference
+    tensor (made under ``torch.inference_mode``: no version counter tells of an in-place change)."""
+    key = (t.shape[0], t.dtype, t.device, mscale)
+    keep = (not freqs_arg.requires_grad and not freqs_arg.is_inference()
+            and not (t.is_cuda and torch.cuda.is_current_stream_capturing()))
+    last = _COS_SIN.get("last")
+    if keep and last is not None and last[0]() is freqs_arg and last[1] == freqs_arg._version and last[2] == key:
+        return last[3], last[4]
+    freqs = freqs_arg[: t.shape[0]].to(t.device)
+    cos, sin = (torch.cos(freqs) * mscale).to(t.dtype), (torch.sin(freqs) * mscale).to(t.dtype)
+    if keep:
+        _COS_SIN["last"] = (weakref.ref(freqs_arg), freqs_arg._version, key, cos, sin)
+    return cos, sin
+
+
+def _rope_eager(t: torch.Tensor, freqs: torch.Tensor, mscale: float, rotary_interleaved: bool,
+                freqs_arg: torch.Tensor = None) -> torch.Tensor:
     """The unfused path: the half-by-half rotation where it applies, else the textbook form (also when
-    traced by torch.compile, which fuses the textbook form itself)."""
+    traced by torch.compile, which fuses the textbook form itself). ``freqs_arg``: the caller's freqs
+    before slicing, whose cos and sin are kept for the next call (``_cos_sin``)."""
     rot_dim = freqs.shape[-1]
     if rotary_interleaved or rot_dim % 2 or torch.compiler.is_compiling():
         return _rope(t, freqs, mscale, rotary_interleaved)
     t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
-    cos, sin = (torch.cos(freqs) * mscale).to(t.dtype), (torch.sin(freqs) * mscale).to(t.dtype)
+    if freqs_arg is not None:
+        cos, sin = _cos_sin(freqs_arg, t, mscale)
+    else:
+        cos, sin = (torch.cos(freqs) * mscale).to(t.dtype), (torch.sin(freqs) * mscale).to(t.dtype)
     t_rot = _RopeHalves.apply(t_rot, cos, sin)
     return torch.cat((t_rot, t_pass), dim=-1) if t_pass.numel() else t_rot
 
@@ -79,6 +112,7 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config=None, cu_s
         raise NotImplementedError("RoPE on packed sequences is not supported")
     if rotary_interleaved is None:
         rotary_interleaved = bool(config.rotary_interleaved) if config is not None else False
-    freqs = freqs[: t.shape[0]].to(t.device)
-    fused = config is not None and getattr(config, "apply_rope_fusion", False)
-    return (_rope_fused if fused else _rope_eager)(t, freqs, float(mscale), rotary_interleaved)
+    freqs_arg, freqs = freqs, freqs[: t.shape[0]].to(t.device)
+    if config is not None and getattr(config, "apply_rope_fusion", False):
+        return _rope_fused(t, freqs, float(mscale), rotary_interleaved)
+    return _rope_eager(t, freqs, float(mscale), rotary_interleaved, freqs_arg)

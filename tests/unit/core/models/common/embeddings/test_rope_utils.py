@@ -60,3 +60,47 @@ def test_rope_fusion_flag_selects_the_fused_kernel(monkeypatch):
     torch.testing.assert_close(rope_utils.apply_rotary_pos_emb(t, freqs, config=on),
                                rope_utils.apply_rotary_pos_emb(t, freqs, config=off))
     assert calls == [1]
+
+
+def test_cos_sin_kept_for_the_same_freqs_only():
+    """Every layer rotates q and k with the model's one freqs tensor: its cos and sin are computed once and
+    kept, with the same values as computing them afresh; a different freqs object, an in-place change of the
+    same one, another length, dtype or scale computes them again."""
+    from megatron.core.models.common.embeddings import rope_utils
+    freqs = RotaryEmbedding(kv_channels=8, rotary_percent=1.0)(S)
+    q, k = torch.randn(S, B, 2, 8), torch.randn(S, B, 1, 8)
+    fresh = lambda t, f, m=1.0: rope_utils._rope_eager(t, f[: t.shape[0]], m, False)  # noqa: E731
+    rope_utils._COS_SIN.clear()
+    assert torch.equal(apply_rotary_pos_emb(q, freqs), fresh(q, freqs))
+    kept = rope_utils._COS_SIN["last"]
+    assert torch.equal(apply_rotary_pos_emb(k, freqs), fresh(k, freqs))
+    assert rope_utils._COS_SIN["last"] is kept  # reused, not recomputed
+    assert torch.equal(apply_rotary_pos_emb(q[:4], freqs), fresh(q[:4], freqs))  # another length
+    assert rope_utils._COS_SIN["last"] is not kept
+    kept = rope_utils._COS_SIN["last"]
+    freqs.mul_(2.0)  # in place: the version moves on
+    assert torch.equal(apply_rotary_pos_emb(q[:4], freqs), fresh(q[:4], freqs))
+    assert rope_utils._COS_SIN["last"] is not kept
+    other = freqs.clone()  # equal values, another object
+    kept = rope_utils._COS_SIN["last"]
+    apply_rotary_pos_emb(q[:4], other)
+    assert rope_utils._COS_SIN["last"] is not kept
+    assert torch.equal(apply_rotary_pos_emb(q[:4], other, mscale=0.5), fresh(q[:4], other, 0.5))
+    assert torch.equal(apply_rotary_pos_emb(q[:4].double(), other), fresh(q[:4].double(), other))
+    grad_freqs = other.clone().requires_grad_()  # a freqs that needs a gradient is never kept
+    kept = rope_utils._COS_SIN["last"]
+    apply_rotary_pos_emb(q[:4], grad_freqs)
+    assert rope_utils._COS_SIN["last"] is kept
+    del other, grad_freqs, freqs
+    assert rope_utils._COS_SIN["last"][0]() is None  # held weakly: a freed freqs never matches
+
+
+def test_cos_sin_not_kept_for_inference_tensors():
+    """A freqs made under torch.inference_mode has no version counter: computed afresh every call."""
+    from megatron.core.models.common.embeddings import rope_utils
+    rope_utils._COS_SIN.clear()
+    with torch.inference_mode():
+        freqs = RotaryEmbedding(kv_channels=8, rotary_percent=1.0)(S)
+        q = torch.randn(S, B, 2, 8)
+        assert torch.equal(apply_rotary_pos_emb(q, freqs), rope_utils._rope_eager(q, freqs, 1.0, False))
+    assert "last" not in rope_utils._COS_SIN
