@@ -88,7 +88,8 @@ def kernel_table(events: List[dict], top: int) -> Dict:
             entry[1] += e.get("dur", 0.0)
     families: Dict[str, float] = {}
     for name, (_, us) in by_name.items():
-        families[family(name)] = families.get(family(name), 0.0) + us / 1e3
+        fam = family(name)
+        families[fam] = families.get(fam, 0.0) + us / 1e3
     kernels = _union(_spans(events, ("kernel",)))
     copies = _union(_spans(events, ("gpu_memcpy",)))
     alone, k = 0.0, 0

@@ -51,6 +51,11 @@ class _RopeHalves(torch.autograd.Function):
 _COS_SIN = {}  # "last": (weakref to the caller's freqs, its _version, key, cos, sin)
 
 
+def _angles(freqs: torch.Tensor, t: torch.Tensor, mscale: float):
+    """(cos, sin) of ``freqs`` times ``mscale``, in ``t``'s dtype."""
+    return (torch.cos(freqs) * mscale).to(t.dtype), (torch.sin(freqs) * mscale).to(t.dtype)
+
+
 def _cos_sin(freqs_arg: torch.Tensor, t: torch.Tensor, mscale: float):
     """(cos, sin) of ``freqs_arg[:s]`` times ``mscale`` in ``t``'s dtype and device, s = t.shape[0].
 
@@ -67,8 +72,7 @@ def _cos_sin(freqs_arg: torch.Tensor, t: torch.Tensor, mscale: float):
     last = _COS_SIN.get("last")
     if keep and last is not None and last[0]() is freqs_arg and last[1] == freqs_arg._version and last[2] == key:
         return last[3], last[4]
-    freqs = freqs_arg[: t.shape[0]].to(t.device)
-    cos, sin = (torch.cos(freqs) * mscale).to(t.dtype), (torch.sin(freqs) * mscale).to(t.dtype)
+    cos, sin = _angles(freqs_arg[: t.shape[0]].to(t.device), t, mscale)
     if keep:
         _COS_SIN["last"] = (weakref.ref(freqs_arg), freqs_arg._version, key, cos, sin)
     return cos, sin
@@ -83,10 +87,7 @@ def _rope_eager(t: torch.Tensor, freqs: torch.Tensor, mscale: float, rotary_inte
     if rotary_interleaved or rot_dim % 2 or torch.compiler.is_compiling():
         return _rope(t, freqs, mscale, rotary_interleaved)
     t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
-    if freqs_arg is not None:
-        cos, sin = _cos_sin(freqs_arg, t, mscale)
-    else:
-        cos, sin = (torch.cos(freqs) * mscale).to(t.dtype), (torch.sin(freqs) * mscale).to(t.dtype)
+    cos, sin = _cos_sin(freqs_arg, t, mscale) if freqs_arg is not None else _angles(freqs, t, mscale)
     t_rot = _RopeHalves.apply(t_rot, cos, sin)
     return torch.cat((t_rot, t_pass), dim=-1) if t_pass.numel() else t_rot
 
@@ -94,7 +95,7 @@ def _rope_eager(t: torch.Tensor, freqs: torch.Tensor, mscale: float, rotary_inte
 def _rope(t: torch.Tensor, freqs: torch.Tensor, mscale: float, rotary_interleaved: bool) -> torch.Tensor:
     rot_dim = freqs.shape[-1]
     t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
-    cos, sin = (torch.cos(freqs) * mscale).to(t.dtype), (torch.sin(freqs) * mscale).to(t.dtype)
+    cos, sin = _angles(freqs, t, mscale)
     t_rot = t_rot * cos + _rotate_half(t_rot, rotary_interleaved) * sin
     return torch.cat((t_rot, t_pass), dim=-1) if t_pass.numel() else t_rot
 
