@@ -3,7 +3,11 @@ pretrain(): each run's loss and grad norm per iteration equal the plain run's. T
 same operations in the same order on each side (bitwise equal); the delayed weight gradient is the
 same sum computed by a per-expert GEMM instead of autograd's (fp32, 1e-6 relative).
 4 micro-batches per step (gbs 8, mbs 1, DP 2), so 3 of each step's 4 forwards run beside a backward (from the
-second step on: the first runs the same plan sequentially)."""
+second step on: the first runs the same plan sequentially). With random host delays before each all-to-all,
+different on each rank, both ranks still launch the two threads' collectives in one order (launch_order.py)."""
+import random
+import time
+
 import pytest
 
 from tests.fixtures.tiny_gpt import mock_data_cache, run_pretrain
@@ -27,10 +31,32 @@ RUNS = {
 }
 
 
+def _jittered_trace(flags):
+    """The overlapped run with a random host delay (0-3 ms, seeded by rank) before every all-to-all: the
+    sequence of sides (0 forward, 1 backward) in which this rank launched the EP collectives."""
+    import torch.distributed as dist
+
+    from megatron.core.transformer.moe import token_dispatcher
+    from megatron.core.transformer.moe.launch_order import ORDER
+
+    real, rng = token_dispatcher._all_to_all, random.Random(dist.get_rank())
+
+    def delayed(*args, **kwargs):
+        time.sleep(rng.random() * 3e-3)
+        return real(*args, **kwargs)
+
+    token_dispatcher._all_to_all, ORDER.trace = delayed, []
+    try:
+        run_pretrain((MODEL + " " + flags).split(), lambda *a: None)
+        return list(ORDER.trace)
+    finally:
+        token_dispatcher._all_to_all, ORDER.trace = real, None
+
+
 def _runs():
     from megatron.core.pipeline_parallel import combined_1f1b
 
-    out = {}
+    out = {"jittered_trace": _jittered_trace(RUNS["overlap_delay"])}
     for name, flags in RUNS.items():
         curve = []
 
@@ -77,3 +103,11 @@ def test_forwards_ran_beside_backwards(runs):
         assert rank["plain"][1] == 0 and rank["delay"][1] == 0
         assert rank["overlap"][1] == 2 * 3  # 3 steps, the first sequential: 2 x (4 micro-batches - 1)
         assert rank["overlap_delay"][1] == 2 * 3
+
+
+def test_ranks_launch_the_collectives_in_one_order(runs):
+    """Timing on each rank differs (the delays); the launch sequence does not. Without the order the two
+    threads interleave by timing, and a different order on two ranks can hang NCCL."""
+    traces = [rank["jittered_trace"] for rank in runs]
+    assert traces[0] and 0 in traces[0] and 1 in traces[0]
+    assert traces[0] == traces[1]

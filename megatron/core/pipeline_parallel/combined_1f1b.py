@@ -20,6 +20,8 @@ communicator at its first collective all wait for the other stream's all-to-all,
 that is stuck the same way. The sequential first step makes each side stream's memory pool, the pinned
 count buffers (one per host thread: the forward thread runs its forwards here too) and both EP communicators
 exist before the threads run concurrently (at EP=4 on 4 H200s the concurrent first step hung in iteration 1).
+It also counts each side's collectives, from which every later step launches them in one order on every rank
+(transformer/moe/launch_order.py): implicit synchronisations aside, NCCL needs that order across communicators.
 """
 import contextlib
 import threading
@@ -29,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from megatron.core.pipeline_parallel import step
+from megatron.core.transformer.moe.launch_order import BACKWARD, FORWARD, ORDER
 
 _EXECUTOR = {}
 _STREAMS = {}
@@ -83,12 +86,18 @@ def run_overlapped(forward_step_func, data_iterator, model, state: step.RunState
             torch.set_grad_enabled(grad_enabled)  # grad mode and the CUDA device are per thread
             if device is not None:
                 torch.cuda.set_device(device)
-        with _on(streams, i):
-            return step.forward_microbatch(forward_step_func, data_iterator, model, None, state, True)
+        try:
+            with _on(streams, i):
+                return step.forward_microbatch(forward_step_func, data_iterator, model, None, state, True)
+        finally:
+            ORDER.finish(FORWARD)
 
     def backward(i, output):
-        with _on(streams, i):
-            step.backward_step(None, output, None, config)
+        try:
+            with _on(streams, i):
+                step.backward_step(None, output, None, config)
+        finally:
+            ORDER.finish(BACKWARD)
 
     concurrent = model in _WARMED
     _WARMED.add(model)
@@ -97,15 +106,17 @@ def run_overlapped(forward_step_func, data_iterator, model, state: step.RunState
     for i in range(1, n):
         _join(streams)
         if not concurrent:  # the first step: the same plan, one side after the other, each on its own thread
-            following = _executor().submit(forward, i).result()
-            backward(i - 1, output)
+            with ORDER.window(record=True):  # and each side's collectives counted for the launch order
+                following = _executor().submit(forward, i).result()
+                backward(i - 1, output)
             output = following
             continue
-        pending = _executor().submit(forward, i)
-        try:
-            backward(i - 1, output)
-        finally:
-            output = pending.result()  # the forward's error, if any, surfaces here
+        with ORDER.window(record=False):  # both sides' collectives launched in one order on every rank
+            pending = _executor().submit(forward, i)
+            try:
+                backward(i - 1, output)
+            finally:
+                output = pending.result()  # the forward's error, if any, surfaces here
         stats["overlapped_forwards"] += 1
     _join(streams)
     sync.enable(0)  # the last backward launches the data-parallel grad reduction

@@ -24,6 +24,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from megatron.core.transformer.moe.launch_order import backward_turn, forward_turn
 from megatron.core.transformer.moe.moe_utils import _permute, _sort_chunks, _unpermute, fused_permute_fns, get_capacity
 
 
@@ -52,22 +53,26 @@ class _GatherV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, sizes):
         ctx.group, ctx.sizes = group, sizes
-        return _gather_v(x, group, sizes)
+        with forward_turn():
+            return _gather_v(x, group, sizes)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_v(grad, ctx.group, ctx.sizes), None, None
+        with backward_turn():
+            return _reduce_scatter_v(grad, ctx.group, ctx.sizes), None, None
 
 
 class _ReduceScatterV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, sizes):
         ctx.group, ctx.sizes = group, sizes
-        return _reduce_scatter_v(x, group, sizes)
+        with forward_turn():
+            return _reduce_scatter_v(x, group, sizes)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_v(grad, ctx.group, ctx.sizes), None, None
+        with backward_turn():
+            return _gather_v(grad, ctx.group, ctx.sizes), None, None
 
 
 class _ExpertAllToAll(torch.autograd.Function):
@@ -81,20 +86,23 @@ class _ExpertAllToAll(torch.autograd.Function):
     def forward(ctx, x, group, bwd_group, output_splits, input_splits, wgrad_store):
         ctx.bwd_group, ctx.output_splits, ctx.input_splits, ctx.wgrad_store = (bwd_group, output_splits,
                                                                                 input_splits, wgrad_store)
-        return _all_to_all(x, group, output_splits, input_splits)
+        with forward_turn():
+            return _all_to_all(x, group, output_splits, input_splits)
 
     @staticmethod
     def backward(ctx, grad):
         store = ctx.wgrad_store
         if store is None or not store.pending or _size(ctx.bwd_group) == 1:
-            out = _all_to_all(grad, ctx.bwd_group, ctx.input_splits, ctx.output_splits)
+            with backward_turn():
+                out = _all_to_all(grad, ctx.bwd_group, ctx.input_splits, ctx.output_splits)
             if store is not None:
                 store.flush()
             return out, None, None, None, None, None
         grad = grad.contiguous()
         out = grad.new_empty((sum(ctx.input_splits),) + tuple(grad.shape[1:]))
-        work = dist.all_to_all_single(out, grad, output_split_sizes=ctx.input_splits,
-                                      input_split_sizes=ctx.output_splits, group=ctx.bwd_group, async_op=True)
+        with backward_turn():
+            work = dist.all_to_all_single(out, grad, output_split_sizes=ctx.input_splits,
+                                          input_split_sizes=ctx.output_splits, group=ctx.bwd_group, async_op=True)
         store.flush()  # the experts' weight-gradient GEMMs, while the exchange is in flight
         work.wait()
         return out, None, None, None, None, None
@@ -242,11 +250,13 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
         counts = routing_map.sum(dim=0).to(torch.int64)  # [E]
         if self.ep_size > 1:
             out = counts.new_empty(self.ep_size * self.num_experts)
-            dist.all_gather_into_tensor(out, counts, group=self.ep_group)
+            with forward_turn():
+                dist.all_gather_into_tensor(out, counts, group=self.ep_group)
             counts = out
         if self.etp_size > 1:
             out = counts.new_empty(self.etp_size * counts.numel())
-            dist.all_gather_into_tensor(out, counts, group=self.etp_group)
+            with forward_turn():
+                dist.all_gather_into_tensor(out, counts, group=self.etp_group)
             counts = out
         if not counts.is_cuda:
             return counts, None
