@@ -47,13 +47,30 @@ def _executor() -> ThreadPoolExecutor:
 
 
 def _streams():
-    """Two side streams on CUDA (one per micro-batch in flight), None on CPU."""
+    """Two side streams on CUDA (one per micro-batch in flight) and the parameters' gradient-accumulation
+    stream (`_hold_accumulators`), None on CPU."""
     if not torch.cuda.is_available():
         return None
     device = torch.cuda.current_device()
     if device not in _STREAMS:
-        _STREAMS[device] = (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
+        _STREAMS[device] = tuple(torch.cuda.Stream(device=device) for _ in range(3))
     return _STREAMS[device]
+
+
+def _hold_accumulators(model, context) -> list:
+    """Make every trainable parameter's AccumulateGrad node inside ``context`` (the accumulation stream) and
+    hold it for the step.
+
+    Autograd accumulates a leaf's gradient on the stream that was current when its AccumulateGrad node was
+    made, and the node lives as long as any graph holds it. Here graphs overlap (micro-batch i + 1's forward
+    is built while i's backward runs), so the nodes made by the step's first forward, on side stream 0, would
+    serve every backward: each odd micro-batch's backward, on side stream 1, would queue its gradient
+    accumulations (and the DDP hook's main_grad adds) on stream 0 between the next forward's kernels, each
+    waiting for the backward to produce that gradient. The forward would then advance only as fast as the
+    backward it should hide. On a third stream, which carries nothing else, the accumulations wait for their
+    own backward alone."""
+    with context, torch.enable_grad():
+        return [p.view_as(p).grad_fn.next_functions[0][0] for p in model.parameters() if p.requires_grad]
 
 
 def _on(streams, i):
@@ -61,7 +78,7 @@ def _on(streams, i):
 
 
 def _join(streams):
-    """The caller's stream waits for both side streams, and they for it: everything before this point
+    """The caller's stream waits for the side streams, and they for it: everything before this point
     (grad accumulation of the backward, the forward's outputs) is ordered before everything after."""
     if streams is None:
         return
@@ -102,6 +119,7 @@ def run_overlapped(forward_step_func, data_iterator, model, state: step.RunState
     concurrent = model in _WARMED
     _WARMED.add(model)
     _join(streams)
+    held = [] if streams is None else _hold_accumulators(model, torch.cuda.stream(streams[2]))
     output = forward(0)
     for i in range(1, n):
         _join(streams)
@@ -122,3 +140,4 @@ def run_overlapped(forward_step_func, data_iterator, model, state: step.RunState
     sync.enable(0)  # the last backward launches the data-parallel grad reduction
     backward(n - 1, output)
     _join(streams)
+    held.clear()  # every backward of the step has run: the next step makes its nodes again
