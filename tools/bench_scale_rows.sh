@@ -10,6 +10,7 @@
 #   TRAIN_ITERS=15 ROWS="l8b_dp4" bash tools/bench_scale_rows.sh   # fewer iterations (the median is of 11+)
 #   (with EP, a LOAD line per row gives our log's median `moe max rank load`: the scaling model's moe_rank_load)
 #   bash tools/bench_scale_rows.sh --list                                # the rows and their flags
+#   PACK=1 ROWS=... bash tools/bench_scale_rows.sh   # the logs (and traces) packed into one $OUT/logs_<time>.tgz
 #   A/B of two commits in one call, runs interleaved on the same GPUs (prepare here, carry `scratch`):
 #     mkdir -p scratch/A && git archive REV | tar -x -C scratch/A     (scratch/ ignored by .git/info/exclude)
 #     then on the GPU machine: for d in scratch/A . scratch/A .; do (cd $d && OUT=$OUT/$(basename $d)$RANDOM \
@@ -240,3 +241,7 @@ if [ ${#fours[@]} -gt 0 ] && [ "$ngpu" -lt 4 ]; then
 fi
 for r in "${fours[@]}"; do port=$(free_ports $((port + 2))); run_row "$r" "$four_devs" $port & wait $!; done
 echo "round: ${#ones[@]} one-GPU, ${#twos[@]} two-GPU and ${#fours[@]} four-GPU rows in $(( $(date +%s) - T0 )) s; logs in $OUT"
+# PACK=1: the round's logs and traces as one archive, $OUT/logs_<round>.tgz (a remote runner that returns few files)
+if [ "${PACK:-0}" = 1 ]; then
+  (cd "$OUT" && set +f && tar czf "logs_$T0.tgz" --remove-files $(ls -d *.log tb_* 2>/dev/null)) && echo "packed: $OUT/logs_$T0.tgz"
+fi
