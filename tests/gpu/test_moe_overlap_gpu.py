@@ -41,21 +41,30 @@ FLAGS = ("--num-layers 2 --hidden-size 2048 --num-attention-heads 16 --group-que
          "--seed 1234").split()
 
 DRIVER = """
-import json, runpy, sys
+import json, os, random, runpy, sys, time
 import megatron.training.training as training
 from megatron.core.pipeline_parallel import combined_1f1b
+from megatron.core.transformer.moe import token_dispatcher
+from megatron.core.transformer.moe.launch_order import ORDER
 out, record, step = sys.argv[1], [], training.train_step
 def recording(*a, **k):
     result = step(*a, **k)
     record.append([float(result[0]["lm loss"]) if result[0] else None, float(result[2])])
     return result
 training.train_step = recording
+if os.environ.get("MOE_JITTER"):  # a random host delay (0-5 ms, seeded by rank) before every all-to-all
+    rng, real = random.Random(int(os.environ.get("RANK", "0"))), token_dispatcher._all_to_all
+    def delayed(*a, **k):
+        time.sleep(rng.random() * 5e-3)
+        return real(*a, **k)
+    token_dispatcher._all_to_all, ORDER.trace = delayed, []
 sys.argv = ["pretrain_gpt.py"] + sys.argv[2:]
 try:
     runpy.run_path("pretrain_gpt.py", run_name="__main__")
 finally:
-    with open(out + "." + __import__("os").environ.get("RANK", "0"), "w") as f:
-        json.dump({"curve": record, "overlapped": combined_1f1b.stats["overlapped_forwards"]}, f)
+    with open(out + "." + os.environ.get("RANK", "0"), "w") as f:
+        json.dump({"curve": record, "overlapped": combined_1f1b.stats["overlapped_forwards"],
+                   "trace": ORDER.trace}, f)
 """
 
 
@@ -69,7 +78,7 @@ def _hang_dumps(folder, limit=4000) -> str:
     return "".join(f"\n== {f.name}\n{f.read_text(errors='replace')[:limit]}" for f in sorted(folder.iterdir()))
 
 
-def _run(tmp_path, name, *flags, nproc=2):
+def _run(tmp_path, name, *flags, nproc=2, extra_env=None):
     out = str(tmp_path / name)
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
@@ -77,7 +86,7 @@ def _run(tmp_path, name, *flags, nproc=2):
            str(driver), out] + FLAGS + list(flags)
     # The overlap refuses CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue could order the two NCCL
     # communicators' kernels differently on the two ranks and deadlock); every run here gets 8.
-    env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_DEVICE_MAX_CONNECTIONS": "8"}
+    env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_DEVICE_MAX_CONNECTIONS": "8", **(extra_env or {})}
     # A stalled run (the EP=2 runs were once cut off by the suite's file limit, output unseen) ends with every
     # rank's stacks and last collectives: the hang watchdog dumps after HANG_S without progress, NCCL aborts a
     # collective waiting that long, and the subprocess limit lies beyond both.
@@ -85,8 +94,11 @@ def _run(tmp_path, name, *flags, nproc=2):
     cmd += ["--distributed-timeout-seconds-after-init", str(HANG_S), "--flight-recorder-dump-path", str(dumps / "rank")]
     p = launch(cmd, timeout=2 * HANG_S, env=env, what=lambda: _hang_dumps(dumps))
     assert p.returncode == 0, failure_text(p) + _hang_dumps(dumps)
-    with open(out + ".0") as f:
-        return json.load(f)
+    ranks = []
+    for r in range(nproc):
+        with open(f"{out}.{r}") as f:
+            ranks.append(json.load(f))
+    return {**ranks[0], "ranks": ranks, "output": p.stdout + p.stderr}
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +130,23 @@ def test_ep2_flag_matches_plain_run(tmp_path, plain, flags):
     for i in range(5):
         assert abs(losses[i] - ref[i]) <= 0.02 * abs(ref[i]), f"iteration {i + 1}: {losses[i]} vs {ref[i]}"
     assert 0.5 < sum(losses[-3:]) / sum(ref[-3:]) < 2.0
+
+
+@two_gpus
+def test_ep2_overlap_with_rank_jitter_launches_one_order_and_trains(tmp_path, plain):
+    """Random host delays before every all-to-all, different on each rank, change when each thread launches:
+    both ranks still launch the two threads' collectives in one sequence (launch_order.py; a different order
+    on two ranks can hang NCCL), every step finishes, the run trains like the plain one, and no gradient is
+    accumulated on another micro-batch's stream (autograd's stream-mismatch warning is not printed)."""
+    got = _run(tmp_path, "jitter", "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
+               extra_env={"MOE_JITTER": "1"})
+    traces = [r["trace"] for r in got["ranks"]]
+    assert traces[0] and set(traces[0]) == {0, 1} and traces[0] == traces[1]
+    assert "AccumulateGrad node's stream does not match" not in got["output"]
+    losses, ref = [loss for loss, _ in got["curve"]], [loss for loss, _ in plain["curve"]]
+    assert got["overlapped"] == 7 * 3 and len(losses) == len(ref) == 8
+    for i in range(5):
+        assert abs(losses[i] - ref[i]) <= 0.02 * abs(ref[i]), f"iteration {i + 1}: {losses[i]} vs {ref[i]}"
 
 
 @pytest.fixture(scope="module")
