@@ -217,7 +217,7 @@ def predict(shape: ModelShape, lay: Layout, compute: Compute, bw: Bandwidth,
     redo = 4 / 3 if lay.recompute else 1.0
     t_layer = layer_flops * redo / (tp * cp) / rate
     t_head = head_flops / (tp * cp) / rate
-    layers_per_stage = shape.layers // pp
+    stages = lay.stage_layers(shape)  # per pipeline rank: (transformer layers, runs the output layer)
 
     # Tensor parallelism: [s/CP, b, h] activations, per layer and micro-batch.
     act = shape.seq // cp * lay.mbs * shape.hidden * a.act_bytes
@@ -255,8 +255,11 @@ def predict(shape: ModelShape, lay: Layout, compute: Compute, bw: Bandwidth,
         routed_flops = 6 * shape.seq * lay.mbs * experts_per_layer / shape.experts * shape.topk
         t_imbalance = (lay.moe_rank_load - 1.0) * routed_flops * redo / (tp * cp) / rate
 
-    t_stage = layers_per_stage * (t_layer + t_tp + t_cp + t_ep + t_imbalance) + t_head  # last stage: + logits
-    compute_per_mb = layers_per_stage * t_layer + t_head
+    # The pipeline runs at its slowest rank's pace: its layers, plus the output layer and loss where it has them.
+    layers_per_stage, has_head = max(stages, key=lambda st: st[0] * t_layer + (t_head if st[1] else 0.0))
+    head = t_head if has_head else 0.0
+    t_stage = max(n * (t_layer + t_tp + t_cp + t_ep + t_imbalance) + (t_head if h else 0.0) for n, h in stages)
+    compute_per_mb = layers_per_stage * t_layer + head
     t_bubble = (pp - 1) / vp * t_stage
     t_p2p = 0.0
     if pp > 1 and vp == 1:
@@ -390,7 +393,8 @@ def cmd_calibrate(args) -> int:
     print("| row | device | measured tokens/s/GPU | predicted | error |")
     print("|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['label']} | {r['device']} | {r['measured']:,.0f} | {r['predicted']:,.0f} | "
+        label = r["label"].replace("|", "\\|")  # a layout's stage separators inside a Markdown cell
+        print(f"| {label} | {r['device']} | {r['measured']:,.0f} | {r['predicted']:,.0f} | "
               f"{100 * r['error']:+.1f}% |")
         if args.verbose:
             print(f"|   ms per iteration: {_fmt_parts(r['prediction'])} | | | | |")
@@ -435,7 +439,8 @@ def cmd_predict(args) -> int:
                  ep=args.ep, tp_comm_overlap=args.tp_comm_overlap, recompute=args.recompute,
                  gpus_per_node=args.gpus_per_node, sp=False if args.no_sequence_parallel else None,
                  dist_opt=not args.no_distributed_optimizer, overlap_grad_reduce=not args.no_overlap,
-                 overlap_param_gather=not args.no_overlap, moe_rank_load=args.moe_rank_load)
+                 overlap_param_gather=not args.no_overlap, moe_rank_load=args.moe_rank_load,
+                 pp_layout=args.pp_layout)
     pred = predict(shape, lay, computes[key], load_bandwidth(args.bandwidth))
     print(f"{args.model} on {lay.gpus} GPUs (TP {lay.tp} PP {lay.pp} VP {lay.vp} CP {lay.cp} EP {lay.ep} DP "
           f"{lay.dp}, {pred['microbatches']} micro-batches): {pred['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
@@ -478,6 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--recompute", action="store_true", help="full activation recompute")
     q.add_argument("--moe-rank-load", type=float, default=1.0, help="with EP: the busiest rank's expert tokens "
                    "over the mean (the training log's `moe max rank load`; 1.0 = balanced)")
+    q.add_argument("--pp-layout", help="--pipeline-model-parallel-layout, e.g. 'Et*17|t*15L' (its stages over PP "
+                   "set --vp)")
     m = sub.add_parser("measure-bandwidth", help="bus bandwidth of the collectives (run under torchrun)")
     m.add_argument("--out", required=True)
     m.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64, 256])

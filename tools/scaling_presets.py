@@ -4,7 +4,7 @@ The shapes of ``../shared/megatron_reference/configs.sh`` (GPT13B, LLAMA8B, MOE_
 published configurations (Llama-3-70B, GPT-3 175B), and NVIDIA's published rows the model is compared with.
 """
 from dataclasses import dataclass, field, replace
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,22 @@ class Layout:
     # With EP: the busiest EP rank's expert tokens over the mean per rank (the log's `moe max rank load`);
     # 1.0 = balanced routing. The other ranks wait for that one in each MoE layer's combine all-to-all.
     moe_rank_load: float = 1.0
+    # --pipeline-model-parallel-layout (e.g. "Et*17|t*15L"): each stage's layers, where the output layer's stage
+    # may hold fewer; its entries over PP set VP. None: the even split, the output layer on the last stage.
+    pp_layout: Optional[str] = None
+
+    def stage_layers(self, shape: "ModelShape") -> List[Tuple[int, bool]]:
+        """Per pipeline rank: its transformer layers (over all its virtual stages) and whether it runs the
+        output layer and loss."""
+        if self.pp_layout is None:
+            return [(shape.layers // self.pp, r == self.pp - 1) for r in range(self.pp)]
+        from megatron.core.transformer.enums import LayerType  # lazy: only layouts need the parser (torch)
+        from megatron.core.transformer.pipeline_parallel_layer_layout import (  # lazy: as above
+            PipelineParallelLayerLayout,
+        )
+        parsed = PipelineParallelLayerLayout(self.pp_layout, self.pp)
+        return [(sum(stage.count(LayerType.decoder) for stage in rank), any(LayerType.loss in s for s in rank))
+                for rank in parsed.layout]
 
     @property
     def dp(self) -> int:
@@ -97,7 +113,17 @@ class Layout:
         if self.gbs % (self.mbs * self.dp):
             raise ValueError(f"layout: global batch {self.gbs} is not a multiple of micro-batch {self.mbs} x DP "
                              f"{self.dp}")
-        if shape.layers % (self.pp * self.vp):
+        if self.pp_layout is not None:
+            from megatron.core.transformer.pipeline_parallel_layer_layout import (  # lazy: torch, for layouts only
+                PipelineParallelLayerLayout,
+            )
+            parsed = PipelineParallelLayerLayout(self.pp_layout, self.pp)
+            parsed.validate_layer_layout(shape.layers)
+            if parsed.virtual_pipeline_model_parallel_size != self.vp:
+                vp = parsed.virtual_pipeline_model_parallel_size
+                raise ValueError(f"layout: pp_layout {self.pp_layout!r} has {vp} stages per rank; set vp to that "
+                                 f"({self.vp} given)")
+        elif shape.layers % (self.pp * self.vp):
             raise ValueError(f"layout: {shape.layers} layers do not split into PP {self.pp} x VP {self.vp} chunks")
         if shape.heads % self.tp or shape.kv_heads % self.tp:
             raise ValueError(f"layout: TP {self.tp} does not divide the {shape.heads} heads / {shape.kv_heads} "

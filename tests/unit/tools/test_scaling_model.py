@@ -184,6 +184,26 @@ def test_layout_errors_name_the_problem():
         predict(PRESETS["LLAMA8B"], Layout(gpus=6, gbs=6, pp=3), RATE, NO_COMM)
 
 
+def test_pipeline_layout_moves_work_off_the_output_layers_stage():
+    """With --pipeline-model-parallel-layout the pipeline runs at its slowest rank's pace: the even split
+    written as a layout predicts what the even split does; giving the output layer's stage fewer layers (Llama-
+    3's head costs about 2 layers) is faster; a layout that does not hold the model is refused."""
+    shape, lay = PRESETS["LLAMA8B"], dict(gpus=4, gbs=32, pp=2)
+    even = predict(shape, Layout(**lay), RATE, NO_COMM)
+    written = predict(shape, Layout(**lay, pp_layout="Et*16|t*16L"), RATE, NO_COMM)
+    assert written["iteration_ms"] == pytest.approx(even["iteration_ms"], rel=1e-12)
+    balanced = predict(shape, Layout(**lay, pp_layout="Et*17|t*15L"), RATE, NO_COMM)
+    assert balanced["iteration_ms"] < even["iteration_ms"]
+    # the slowest rank is now the first: 17 layers against 15 + the head (~2.1 layers)
+    assert balanced["ms"]["compute"] / even["ms"]["compute"] == pytest.approx(17 / (16 + 2.1), rel=0.02)
+    interleaved = predict(shape, Layout(gpus=4, gbs=32, pp=2, vp=2, pp_layout="Et*9|t*8|t*8|t*7L"), RATE, NO_COMM)
+    assert interleaved["ms"]["pp_bubble"] < balanced["ms"]["pp_bubble"]  # the bubble shrinks by VP
+    with pytest.raises(ValueError, match="places 16 transformer layers"):
+        predict(shape, Layout(**lay, pp_layout="Et*8|t*8L"), RATE, NO_COMM)
+    with pytest.raises(ValueError, match="set vp"):
+        predict(shape, Layout(**lay, pp_layout="Et*9|t*8|t*8|t*7L"), RATE, NO_COMM)
+
+
 def _measure(path):
     return scaling_bandwidth.run(path, [0.004, 0.03], warmup=1, iters=2)
 
