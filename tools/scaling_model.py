@@ -24,13 +24,19 @@ Assumptions (each also in docs/performance.md, "Scaling model"):
   wgrad re-gathers (hidden behind the dgrad GEMM, as Megatron launches them) and, with --tp-comm-overlap,
   a fraction 0.5 of the rest.
 - CP (p2p ring): per layer CP-1 steps, each sending K and V of a chunk forward and K, V, dK, dV backward;
-  each step hides behind the attention block computed meanwhile; only the excess is exposed.
+  each step hides behind the attention block computed meanwhile; only the excess is exposed. Splitting the
+  attention into CP x CP blocks (smaller kernels, the log-sum-exp merges, the ring's launches) costs layer
+  time: x (1 + 0.19 (CP - 1) / CP), the one constant measured for CP (ours on H200s, LLAMA8B 8 layers at
+  64k: CP=2 kept 90.4% and CP=4 85.8% of CP=1's rate, both 0.19).
+- PP layouts: with a --pipeline-model-parallel-layout the rank with the most work (its layers over its
+  virtual stages, plus the output layer where it runs it) is the slowest stage.
 - DP: gradients reduced in fp32 (4 bytes/param; Megatron's default for bf16), reduce-scatter with the
   distributed optimizer (then a bf16 param all-gather), all-reduce without; over DP x CP ranks (experts over
   DP x CP / EP). With --overlap-grad-reduce the reduce hides behind the last micro-batch's backward and with
   --overlap-param-gather the gather behind the first micro-batch's forward, except one bucket each
   (max(40M, 1M x DP) params, Megatron's bucket size); without them both are exposed.
-- PP: 1F1B; the iteration is (m + (p-1)/vp) micro-batch times of the slowest (last) stage, so the bubble
+- PP: 1F1B; the iteration is (m + (p-1)/vp) micro-batch times of the slowest stage (the last,
+  unless a layout says otherwise), so the bubble
   fraction is (p-1)/(m vp). Each micro-batch sends its [s/CP/TP, b, h] activation forward and its gradient
   back; exposed with VP = 1, hidden behind compute with VP > 1 (Megatron's overlapped p2p of interleaving).
 - EP: per MoE layer and micro-batch 2 all-to-alls forward (dispatch, combine) and 2 backward of the top-k
@@ -86,6 +92,7 @@ class Assumptions:
     bucket_params: float = 40e6
     inter_node_gbps: float = 400.0
     inter_node_efficiency: float = 0.9
+    cp_overhead: float = 0.19
 
 
 class Bandwidth:
@@ -215,7 +222,7 @@ def predict(shape: ModelShape, lay: Layout, compute: Compute, bw: Bandwidth,
     layer_flops, head_flops = flops_split(shape, lay.mbs)
     rate = compute.rate * gemm_efficiency(shape.hidden / tp, a)
     redo = 4 / 3 if lay.recompute else 1.0
-    t_layer = layer_flops * redo / (tp * cp) / rate
+    t_layer = layer_flops * redo / (tp * cp) / rate * (1 + a.cp_overhead * (cp - 1) / cp)
     t_head = head_flops / (tp * cp) / rate
     stages = lay.stage_layers(shape)  # per pipeline rank: (transformer layers, runs the output layer)
 

@@ -204,6 +204,19 @@ def test_pipeline_layout_moves_work_off_the_output_layers_stage():
         predict(shape, Layout(**lay, pp_layout="Et*9|t*8|t*8|t*7L"), RATE, NO_COMM)
 
 
+def test_context_parallel_pays_the_block_split_on_the_layer_time():
+    """CP splits attention into CP x CP blocks: each layer's time grows by cp_overhead x (CP - 1) / CP (0.19,
+    from the measured CP=2 and CP=4 rows); the output layer's does not. With the ring hidden (64k) a layer at
+    CP=4 costs 1.1425 x a quarter of its CP=1 time."""
+    def per_layer(cp, a=Assumptions()):
+        ms = [predict(PRESETS["LLAMA8B"].with_(layers=n, seq=65536), Layout(gpus=cp, gbs=1, cp=cp, recompute=True),
+                      RATE, NO_COMM, a)["ms"]["compute"] for n in (8, 16)]
+        return (ms[1] - ms[0]) / 8
+
+    assert per_layer(4) * 4 / per_layer(1) == pytest.approx(1 + 0.19 * 3 / 4, rel=1e-9)
+    assert per_layer(4, Assumptions(cp_overhead=0)) * 4 == pytest.approx(per_layer(1), rel=1e-9)
+
+
 def _measure(path):
     return scaling_bandwidth.run(path, [0.004, 0.03], warmup=1, iters=2)
 
