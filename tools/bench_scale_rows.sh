@@ -37,7 +37,7 @@
 #   *_overlap (ours only: --overlap-moe-expert-parallel-comm --delay-wgrad-compute, which needs
 #   CUDA_DEVICE_MAX_CONNECTIONS > 1 where side_by_side.sh sets 1): mix_ep2_overlap / fine_ep2_overlap /
 #   qwen3_ep2_overlap / dsv3_ep2_overlap /
-#   mix_ep4_overlap / fine_ep4_overlap / qwen3_ep4_overlap / dsv3_ep4_overlap
+#   mix_ep4_overlap / fine_ep4_overlap / qwen3_ep4_overlap / dsv3_ep4_overlap / mix_ep2dp2_overlap
 set -u -f  # -f: --moe-layer-freq patterns hold glob characters
 R=${MREF_DIR:-$(pwd)/.mref}; OUT=${OUT:-/tmp/scale_rows}
 source "$R/configs.sh"
@@ -96,6 +96,7 @@ row() {
     fine_ep4)        echo "4 MOE_FINE --expert-model-parallel-size 4 --global-batch-size 32" ;;
     mix_ep2dp2)      echo "4 MOE_MIXTRAL --expert-model-parallel-size 2 --global-batch-size 32" ;;
     mix_ep2pp2)      echo "4 MOE_MIXTRAL --expert-model-parallel-size 2 --pipeline-model-parallel-size 2 --global-batch-size 32" ;;
+    mix_ep2dp2_overlap) echo "4 MOE_MIXTRAL --expert-model-parallel-size 2 --global-batch-size 32 $OVERLAP_MOE" ;;
     qwen3_ep4)       echo "4 QWEN3_30B_A3B" ;;
     dsv3_ep4)        echo "4 DEEPSEEK_V3_PROXY" ;;
     mix_ep4_pad)     echo "4 MOE_MIXTRAL --expert-model-parallel-size 4 --global-batch-size 32 --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity" ;;
@@ -109,7 +110,7 @@ row() {
 ALL="l8b_1gpu g13_1gpu l8_tp2 l8_tp2_graph l8b_tp2 l8b_dp2 l8b_pp2 l8b_pp2_vp l8b_pp2_vp_bal l8b_cp2_16k l8_cp2_64k nemo_cp2 nemo_cp2_a2a nemo_cp2_ag g13_pp2 g13_pp2_bal g13_dp2
 mix_ep2 fine_ep2 qwen3_ep2 dsv3_ep2 mix_ep2_overlap fine_ep2_overlap qwen3_ep2_overlap dsv3_ep2_overlap l8b_dp4 l8b_tp2dp2 l8b_tp4 l8b_pp2dp2 l8b_pp4_vp l8b_pp2_bal l8b_pp2dp2_bal l8b_pp4_vp_bal l8b_cp2dp2_16k nemo_cp2dp2 cp1_64k cp4_64k cp4_128k
 mix_1gpu fine_1gpu mix_1gpu_graph fine_1gpu_graph mix_ep4 fine_ep4 mix_ep2dp2 mix_ep2pp2 qwen3_ep4 dsv3_ep4 mix_ep4_pad mix_ep4_overlap fine_ep4_overlap
-qwen3_ep4_overlap dsv3_ep4_overlap"
+qwen3_ep4_overlap dsv3_ep4_overlap mix_ep2dp2_overlap"
 if [ "${1:-}" = "--list" ]; then
   for r in $ALL; do printf '%-18s %s\n' "$r" "$(row "$r")"; done; exit 0
 fi
