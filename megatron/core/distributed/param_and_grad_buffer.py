@@ -272,12 +272,24 @@ class _ParamAndGradBucketGroup:
         self.params = {p for bucket in self.buckets for p in bucket.params}
         self.params_with_grad = set()
         self.is_last_microbatch = True
+        self.ready_on = {}  # CUDA stream -> event after the latest grad reported ready on it
 
     def reset(self):
         self.params_with_grad = set()
         self.is_last_microbatch = True
+        self.ready_on = {}
 
     def start_grad_sync(self):
+        # The collective follows the stream that launches it; grads reported ready on another stream (autograd
+        # accumulates a leaf's grad on its AccumulateGrad node's stream, a deferred weight gradient lands on
+        # the backward's, and the overlapped MoE schedule keeps the nodes on a stream of their own) are waited
+        # for first, so the reduction never reads a grad still being added.
+        if self.ready_on:
+            current = torch.cuda.current_stream()
+            for stream, event in self.ready_on.items():
+                if stream != current:
+                    current.wait_event(event)
+            self.ready_on = {}
         for bucket in self.buckets:
             if bucket.grad_reduce_handle is None:
                 bucket.start_grad_sync()
@@ -294,6 +306,12 @@ class _ParamAndGradBucketGroup:
         assert param in self.params, "param is not in this bucket group"
         assert param not in self.params_with_grad, "param's grad reported ready twice in one backward"
         self.params_with_grad.add(param)
+        if param.is_cuda:
+            stream = torch.cuda.current_stream(param.device)
+            event = self.ready_on.get(stream)
+            if event is None:
+                event = self.ready_on[stream] = torch.cuda.Event()
+            event.record(stream)
         if len(self.params_with_grad) == len(self.params):
             self.start_grad_sync()
 
