@@ -68,7 +68,12 @@ def _hold_accumulators(model, context) -> list:
     accumulations (and the DDP hook's main_grad adds) on stream 0 between the next forward's kernels, each
     waiting for the backward to produce that gradient. The forward would then advance only as fast as the
     backward it should hide. On a third stream, which carries nothing else, the accumulations wait for their
-    own backward alone."""
+    own backward alone. That every accumulation now runs on another stream than the gradient's producer is
+    intended, so autograd's warning about such a mismatch is switched off (it is meant for nodes left over
+    by accident)."""
+    quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
+    if quiet is not None:
+        quiet(False)
     with context, torch.enable_grad():
         return [p.view_as(p).grad_fn.next_functions[0][0] for p in model.parameters() if p.requires_grad]
 
