@@ -11,6 +11,7 @@
 #   (with EP, a LOAD line per row gives our log's median `moe max rank load`: the scaling model's moe_rank_load)
 #   bash tools/bench_scale_rows.sh --list                                # the rows and their flags
 #   PACK=1 ROWS=... bash tools/bench_scale_rows.sh   # the logs (and traces) packed into one $OUT/logs_<time>.tgz
+#   DATA=corpus ROWS="mix_1gpu mix_ep4" bash tools/bench_scale_rows.sh   # the shipped corpus instead of mock data
 #   A/B of two commits in one call, runs interleaved on the same GPUs (prepare here, carry `scratch`):
 #     mkdir -p scratch/A && git archive REV | tar -x -C scratch/A     (scratch/ ignored by .git/info/exclude)
 #     then on the GPU machine: for d in scratch/A . scratch/A .; do (cd $d && OUT=$OUT/$(basename $d)$RANDOM \
@@ -40,6 +41,24 @@
 #   mix_ep4_overlap / fine_ep4_overlap / qwen3_ep4_overlap / dsv3_ep4_overlap / mix_ep2dp2_overlap
 set -u -f  # -f: --moe-layer-freq patterns hold glob characters
 R=${MREF_DIR:-$(pwd)/.mref}; OUT=${OUT:-/tmp/scale_rows}
+# DATA=corpus: both systems read the shipped corpus (data/corpus.jsonl.gz as BERT WordPiece ids, below every
+# config's vocabulary) instead of --mock-data, whose random tokens skew the MoE rows' routing (`moe max rank load`
+# 1.2-1.6 at EP=4). Prepared once under $CORPUS_DIR; the configs are rewritten in a copy of the reference folder
+# there, which side_by_side.sh then reads. ~0.6 M tokens: the long rows read it for several epochs.
+if [ "${DATA:-mock}" = corpus ]; then
+  CD=${CORPUS_DIR:-/tmp/bench_corpus}; mkdir -p "$CD" || exit 1
+  if [ ! -f "$CD/corpus_text_document.idx" ]; then
+    { zcat data/corpus.jsonl.gz > "$CD/corpus.jsonl" && python3 tools/preprocess_data.py --input "$CD/corpus.jsonl" \
+        --output-prefix "$CD/corpus" --tokenizer-type BertWordPieceLowerCase --vocab-file data/bert-vocab.txt \
+        --append-eod --workers 2 > "$CD/preprocess.log" 2>&1; } \
+      || { echo "DATA=corpus: preprocessing the corpus failed, see $CD/preprocess.log" >&2; exit 1; }
+  fi
+  rm -rf "$CD/mref" && cp -r "$R" "$CD/mref" || exit 1
+  sed -i "s|--mock-data|--data-path $CD/corpus_text_document|" "$CD/mref/configs.sh"
+  R=$CD/mref
+elif [ "${DATA:-mock}" != mock ]; then
+  echo "DATA=${DATA}: use mock (the default) or corpus" >&2; exit 1
+fi
 source "$R/configs.sh"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OVERLAPS="--overlap-grad-reduce --overlap-param-gather"

@@ -92,3 +92,23 @@ def test_reference_driver_gets_the_vp_stage(tmp_path):
     text = (mref / "mcore_driver.py").read_text()
     assert text.count("vp_stage=vp_stage,") == 1
     compile(text, "mcore_driver.py", "exec")
+
+
+def test_corpus_data_replaces_mock_data_for_both_systems(tmp_path):
+    """DATA=corpus: the shipped corpus is preprocessed once (BERT WordPiece ids, below every config's vocabulary)
+    and the configs that both systems read name it instead of --mock-data; an unknown DATA is refused."""
+    corpus = tmp_path / "corpus"
+    env = dict(os.environ, MREF_DIR=REFERENCE, DATA="corpus", CORPUS_DIR=str(corpus))
+    p = subprocess.run(["bash", SCRIPT, "--flags", "mix_ep4"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env=env)
+    assert p.returncode == 0, p.stderr
+    flags = p.stdout.split()
+    assert "--mock-data" not in flags and flags[flags.index("--data-path") + 1] == str(corpus / "corpus_text_document")
+    configs = (corpus / "mref" / "configs.sh").read_text()  # the copy side_by_side.sh sources for Megatron's side
+    assert "--mock-data" not in configs and str(corpus / "corpus_text_document") in configs
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    ids = IndexedDataset(str(corpus / "corpus_text_document"))
+    assert len(ids) > 1000 and max(int(ids[i].max()) for i in range(0, len(ids), 97)) < 30522
+    bad = subprocess.run(["bash", SCRIPT, "--list"], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env=dict(env, DATA="real"))
+    assert bad.returncode == 1 and "use mock (the default) or corpus" in bad.stderr
