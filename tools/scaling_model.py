@@ -40,7 +40,10 @@ Assumptions (each also in docs/performance.md, "Scaling model"):
   fraction is (p-1)/(m vp). Each micro-batch sends its [s/CP/TP, b, h] activation forward and its gradient
   back; exposed with VP = 1, hidden behind compute with VP > 1 (Megatron's overlapped p2p of interleaving).
 - EP: per MoE layer and micro-batch 2 all-to-alls forward (dispatch, combine) and 2 backward of the top-k
-  copies of the rank's tokens, exposed (no shared-expert overlap assumed). Uneven routing (the layout's
+  copies of the rank's tokens, exposed (no shared-expert overlap assumed); with --overlap-moe-expert-parallel-comm
+  (ep_overlap) a micro-batch's forward pair hides behind the other micro-batch's backward of the layer (2/3 of
+  its compute) and its backward pair behind the other's forward (1/3), except the step's first forward and
+  last backward (1 in m). Uneven routing (the layout's
   moe_rank_load, the log's `moe max rank load`) makes the busiest rank's expert GEMMs last that factor
   longer, and every rank waits for them: (load - 1) x the routed experts' compute is added per MoE layer.
 - Links: a group of ranks whose span (stride x size, Megatron's rank order tp-cp-ep-dp-pp) fits in one
@@ -254,6 +257,12 @@ def predict(shape: ModelShape, lay: Layout, compute: Compute, bw: Bandwidth,
     if ep > 1:
         tokens = act / tp * shape.topk
         t_ep = 4 * bw.seconds("all_to_all", tokens, ep, _intra(tp * cp, ep, lay))
+        if lay.ep_overlap and m > 1:
+            # The forward's 2 all-to-alls hide behind the other micro-batch's backward of the layer (2/3 of its
+            # compute), the backward's 2 behind the other's forward (1/3); the step's first forward and last
+            # backward have no partner (1 in m micro-batches' exchanges stays exposed).
+            paired = max(0.0, t_ep / 2 - t_layer * 2 / 3) + max(0.0, t_ep / 2 - t_layer / 3)
+            t_ep = t_ep / m + paired * (m - 1) / m
 
     # Routing imbalance: the busiest EP rank's routed-expert GEMMs take moe_rank_load times the mean's.
     t_imbalance = 0.0
@@ -447,6 +456,7 @@ def cmd_predict(args) -> int:
                  gpus_per_node=args.gpus_per_node, sp=False if args.no_sequence_parallel else None,
                  dist_opt=not args.no_distributed_optimizer, overlap_grad_reduce=not args.no_overlap,
                  overlap_param_gather=not args.no_overlap, moe_rank_load=args.moe_rank_load,
+                 ep_overlap=args.overlap_moe_expert_parallel_comm,
                  pp_layout=args.pp_layout)
     pred = predict(shape, lay, computes[key], load_bandwidth(args.bandwidth))
     print(f"{args.model} on {lay.gpus} GPUs (TP {lay.tp} PP {lay.pp} VP {lay.vp} CP {lay.cp} EP {lay.ep} DP "
@@ -488,6 +498,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--no-distributed-optimizer", action="store_true", help="DP all-reduce, unsharded optimizer")
     q.add_argument("--no-overlap", action="store_true", help="without --overlap-grad-reduce/--overlap-param-gather")
     q.add_argument("--recompute", action="store_true", help="full activation recompute")
+    q.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
+                   help="with EP: each micro-batch's all-to-alls beside the other micro-batch's compute")
     q.add_argument("--moe-rank-load", type=float, default=1.0, help="with EP: the busiest rank's expert tokens "
                    "over the mean (the training log's `moe max rank load`; 1.0 = balanced)")
     q.add_argument("--pp-layout", help="--pipeline-model-parallel-layout, e.g. 'Et*17|t*15L' (its stages over PP "

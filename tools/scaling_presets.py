@@ -76,6 +76,9 @@ class Layout:
     # With EP: the busiest EP rank's expert tokens over the mean per rank (the log's `moe max rank load`);
     # 1.0 = balanced routing. The other ranks wait for that one in each MoE layer's combine all-to-all.
     moe_rank_load: float = 1.0
+    # --overlap-moe-expert-parallel-comm: each MoE layer's all-to-alls of one micro-batch run beside the other
+    # micro-batch's compute of that layer (the forward's beside the backward's, and back); needs m >= 2.
+    ep_overlap: bool = False
     # --pipeline-model-parallel-layout (e.g. "Et*17|t*15L"): each stage's layers, where the output layer's stage
     # may hold fewer; its entries over PP set VP. None: the even split, the output layer on the last stage.
     pp_layout: Optional[str] = None

@@ -177,6 +177,25 @@ def test_routing_imbalance_adds_the_busiest_ranks_extra_expert_work():
         predict(shape, Layout(**lay, moe_rank_load=0.9), RATE, NO_COMM)
 
 
+def test_expert_parallel_overlap_hides_the_paired_all_to_alls():
+    """--overlap-moe-expert-parallel-comm: an all-to-all shorter than the other micro-batch's compute of the layer
+    hides behind it, so of m micro-batches only the step's first forward and last backward exchange (1/m of the
+    plain time) stays exposed; with one micro-batch per rank nothing pairs and nothing changes; a slow link
+    leaves the excess over the partner's compute exposed."""
+    shape, bw = PRESETS["MOE_MIXTRAL"], load_bandwidth(None)
+    lay = dict(gpus=4, gbs=32, mbs=2, ep=4, dist_opt=False)
+    plain = predict(shape, Layout(**lay), RATE, bw)["ms"]["ep_all_to_all"]
+    hidden = predict(shape, Layout(**lay, ep_overlap=True), RATE, bw)["ms"]["ep_all_to_all"]
+    assert plain > 0 and hidden == pytest.approx(plain / 4)  # 4 micro-batches per rank
+    single = dict(lay, gbs=8)  # one micro-batch per rank
+    assert predict(shape, Layout(**single, ep_overlap=True), RATE, bw)["ms"]["ep_all_to_all"] == pytest.approx(
+        predict(shape, Layout(**single), RATE, bw)["ms"]["ep_all_to_all"])
+    across_nodes = dict(lay, gpus=8, gbs=64, ep=8, gpus_per_node=2)  # the exchange leaves the node
+    slow_plain = predict(shape, Layout(**across_nodes), RATE, bw)["ms"]["ep_all_to_all"]
+    slow_hidden = predict(shape, Layout(**across_nodes, ep_overlap=True), RATE, bw)["ms"]["ep_all_to_all"]
+    assert slow_plain / 4 < slow_hidden < slow_plain
+
+
 def test_layout_errors_name_the_problem():
     with pytest.raises(ValueError, match="not a multiple of TP x PP x CP"):
         predict(PRESETS["LLAMA8B"], Layout(gpus=6, gbs=8, tp=4), RATE, NO_COMM)
