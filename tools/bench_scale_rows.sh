@@ -38,7 +38,10 @@
 #   *_overlap (ours only: --overlap-moe-expert-parallel-comm --delay-wgrad-compute, which needs
 #   CUDA_DEVICE_MAX_CONNECTIONS > 1 where side_by_side.sh sets 1): mix_ep2_overlap / fine_ep2_overlap /
 #   qwen3_ep2_overlap / dsv3_ep2_overlap /
-#   mix_ep4_overlap / fine_ep4_overlap / qwen3_ep4_overlap / dsv3_ep4_overlap / mix_ep2dp2_overlap
+#   mix_ep4_overlap / fine_ep4_overlap / qwen3_ep4_overlap / dsv3_ep4_overlap / mix_ep2dp2_overlap;
+#   *_dp: the Qwen3 and DeepSeek rows with --use-distributed-optimizer --overlap-grad-reduce (both systems):
+#   qwen3_ep4_dp / dsv3_ep4_dp / dsv3_ep2_dp, and with the MoE overlap too (ours): qwen3_ep4_dp_overlap /
+#   dsv3_ep4_dp_overlap / dsv3_ep2_dp_overlap
 set -u -f  # -f: --moe-layer-freq patterns hold glob characters
 R=${MREF_DIR:-$(pwd)/.mref}; OUT=${OUT:-/tmp/scale_rows}
 # DATA=corpus: both systems read the shipped corpus (data/corpus.jsonl.gz as BERT WordPiece ids, below every
@@ -65,6 +68,9 @@ OVERLAPS="--overlap-grad-reduce --overlap-param-gather"
 L8="--num-layers 8 --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 L8="$L8 --no-create-attention-mask-in-dataloader"
 OVERLAP_MOE="--overlap-moe-expert-parallel-comm --delay-wgrad-compute"
+# The EP rows' dense weights (attention, dense layers, embeddings: ~3.6 B on the DeepSeek proxy) are reduced over
+# the whole DP group after the last backward, exposed without these (60-66 ms of the proxy's EP=4 step, profiled).
+DIST_REDUCE="--use-distributed-optimizer --overlap-grad-reduce"
 
 # row NAME -> "GPUS CONFIG flags..."
 row() {
@@ -125,13 +131,20 @@ row() {
     fine_ep4_overlap) echo "4 MOE_FINE --expert-model-parallel-size 4 --global-batch-size 32 $OVERLAP_MOE" ;;
     qwen3_ep4_overlap) echo "4 QWEN3_30B_A3B $OVERLAP_MOE" ;;
     dsv3_ep4_overlap) echo "4 DEEPSEEK_V3_PROXY $OVERLAP_MOE" ;;
+    qwen3_ep4_dp)    echo "4 QWEN3_30B_A3B $DIST_REDUCE" ;;
+    dsv3_ep4_dp)     echo "4 DEEPSEEK_V3_PROXY $DIST_REDUCE" ;;
+    dsv3_ep2_dp)     echo "2 DEEPSEEK_V3_PROXY --num-layers 3 --moe-layer-freq ([0]*1+[1]*2) --expert-model-parallel-size 2 --global-batch-size 8 $DIST_REDUCE" ;;
+    qwen3_ep4_dp_overlap) echo "4 QWEN3_30B_A3B $DIST_REDUCE $OVERLAP_MOE" ;;
+    dsv3_ep4_dp_overlap) echo "4 DEEPSEEK_V3_PROXY $DIST_REDUCE $OVERLAP_MOE" ;;
+    dsv3_ep2_dp_overlap) echo "2 DEEPSEEK_V3_PROXY --num-layers 3 --moe-layer-freq ([0]*1+[1]*2) --expert-model-parallel-size 2 --global-batch-size 8 $DIST_REDUCE $OVERLAP_MOE" ;;
     *) return 1 ;;
   esac
 }
 ALL="l8b_1gpu g13_1gpu l8_tp2 l8_tp2_graph l8b_tp2 l8b_dp2 l8b_pp2 l8b_pp2_vp l8b_pp2_vp_bal l8b_cp2_16k l8_cp2_64k nemo_cp2 nemo_cp2_a2a nemo_cp2_ag g13_pp2 g13_pp2_bal g13_dp2
 mix_ep2 fine_ep2 qwen3_ep2 dsv3_ep2 mix_ep2_overlap fine_ep2_overlap qwen3_ep2_overlap dsv3_ep2_overlap l8b_dp4 l8b_tp2dp2 l8b_tp4 l8b_pp2dp2 l8b_pp4_vp l8b_pp2_bal l8b_pp2dp2_bal l8b_pp4_vp_bal l8b_cp2dp2_16k nemo_cp2dp2 cp1_64k cp4_64k cp4_128k
 mix_1gpu fine_1gpu mix_1gpu_graph fine_1gpu_graph mix_ep4 fine_ep4 mix_ep2dp2 mix_ep2pp2 qwen3_ep4 dsv3_ep4 mix_ep4_pad mix_ep4_overlap fine_ep4_overlap
-qwen3_ep4_overlap dsv3_ep4_overlap mix_ep2dp2_overlap"
+qwen3_ep4_overlap dsv3_ep4_overlap mix_ep2dp2_overlap qwen3_ep4_dp dsv3_ep4_dp dsv3_ep2_dp qwen3_ep4_dp_overlap
+dsv3_ep4_dp_overlap dsv3_ep2_dp_overlap"
 if [ "${1:-}" = "--list" ]; then
   for r in $ALL; do printf '%-18s %s\n' "$r" "$(row "$r")"; done; exit 0
 fi

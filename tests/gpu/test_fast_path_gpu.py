@@ -281,7 +281,7 @@ def test_cudnn_gqa_attention_matches_repeated_kv(causal):
 
 def test_main_grad_accumulation_kernel_equals_add():
     """The Triton accumulation into the fp32 DDP buffer is bitwise torch's mixed-dtype add_, also for a
-    size that is not a multiple of the block, and it is the path taken."""
+    size that is not a multiple of the block, and it is the path taken; its overwrite writes the gradient."""
     from megatron.core.fusions import grad_accumulation as ga
     for dtype in (torch.bfloat16, torch.float16):
         main = torch.randn(3, 70001, device="cuda")
@@ -289,6 +289,8 @@ def test_main_grad_accumulation_kernel_equals_add():
         ref = main.clone().add_(grad)
         ga.accumulate_into_main_grad(main, grad)
         assert ga._triton_impl() and torch.equal(main, ref)
+        ga.accumulate_into_main_grad(main, grad, overwrite=True)  # the first gradient on a zeroed buffer
+        assert torch.equal(main, grad.float())
 
 
 def test_grouped_experts_fused_swiglu_matches_eager():

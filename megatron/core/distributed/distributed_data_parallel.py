@@ -108,9 +108,14 @@ class DistributedDataParallel(WrappedModule):
         if param.grad is not None:
             # A fused wgrad already went into main_grad (`.grad` is zeros), unless the param is also
             # used outside fused linears (`zero_out_wgrad`: tied embedding), whose grad is in `.grad`.
-            if not getattr(param, "grad_added_to_main_grad", False) or getattr(param, "zero_out_wgrad", False):
-                accumulate_into_main_grad(param.main_grad, param.grad.data)
+            fused = getattr(param, "grad_added_to_main_grad", False)
+            if not fused or getattr(param, "zero_out_wgrad", False):
+                # The iteration's first gradient of a param no fused wgrad has written to lands on the
+                # zeros of zero_grad_buffer: written, not added (the same values, fewer bytes moved).
+                fresh = getattr(param, "main_grad_fresh", False) and not fused
+                accumulate_into_main_grad(param.main_grad, param.grad.data, overwrite=fresh)
             param.grad = None
+        param.main_grad_fresh = False
         if self.ddp_config.overlap_grad_reduce:
             self.param_to_bucket_group[param].register_grad_ready(param)
 
@@ -150,6 +155,7 @@ class DistributedDataParallel(WrappedModule):
         """Zero all main grads; call at the start of every iteration."""
         for param in self.param_to_bucket:
             param.grad_added_to_main_grad = False
+            param.main_grad_fresh = True  # main_grad holds zeros until its first gradient (see _grad_hook)
         for buffer in self.buffers + self.expert_parallel_buffers:
             buffer.reset()
         for group in self._bucket_groups():

@@ -79,6 +79,7 @@ def drain_embedding_wgrad_compute(config, embedding_activation_buffer, grad_outp
     if not hasattr(weight, "main_grad"):
         raise ValueError("drain_embedding_wgrad_compute: the weight has no main_grad (wrap the model in "
                          "DistributedDataParallel with gradient_accumulation_fusion)")
+    weight.main_grad_fresh = False  # DDP's hook must add to what lands here, not overwrite it
     while embedding_activation_buffer:
         x = embedding_activation_buffer.pop(0)
         if config.sequence_parallel:
