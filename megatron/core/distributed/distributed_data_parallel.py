@@ -111,8 +111,9 @@ class DistributedDataParallel(WrappedModule):
             fused = getattr(param, "grad_added_to_main_grad", False)
             if not fused or getattr(param, "zero_out_wgrad", False):
                 # The iteration's first gradient of a param no fused wgrad has written to lands on the
-                # zeros of zero_grad_buffer: written, not added (the same values, fewer bytes moved).
-                fresh = getattr(param, "main_grad_fresh", False) and not fused
+                # zeros of zero_grad_buffer: written, not added (the same values, fewer bytes moved). Decided
+                # on the host per call, so never inside a traced hook (a compiled graph would keep the choice).
+                fresh = getattr(param, "main_grad_fresh", False) and not fused and not torch.compiler.is_compiling()
                 accumulate_into_main_grad(param.main_grad, param.grad.data, overwrite=fresh)
             param.grad = None
         param.main_grad_fresh = False
