@@ -10,10 +10,13 @@ rows, an equal block per expert. For each GEMM this prints its time and TFLOP/s 
 ``torch.mm`` (all rows against one expert's matrix: what the GEMM would cost if grouping were free), and the
 large-square ceiling (8192^3). The ratio grouped / plain says how much of an MoE row's expert time is lost to
 the grouping (many small blocks) rather than to the FLOPs; the plain GEMM / ceiling ratio says what the shape's
-width costs. Timing: CUDA events, median of ``--iters`` after warm-up; on CPU (fp32, for tests) wall time.
+width costs. For the two weight gradients it also times their way into DDP's fp32 ``main_grad`` (the add of
+each later micro-batch, the first one's write): what a weight-gradient GEMM accumulating in fp32 would save.
+Timing: CUDA events, median of ``--iters`` after warm-up; on CPU (fp32, for tests) wall time.
 """
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -21,6 +24,11 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List
 
 import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron.core.fusions.grad_accumulation import accumulate_into_main_grad  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -101,9 +109,17 @@ def bench_shape(name: str, shape: ExpertShape, ep: int, device: torch.device, dt
     out = []
     for gemm, (grouped, plain, flops) in gemms.items():
         grouped_ms, plain_ms = time_ms(grouped), time_ms(plain)
-        out.append({"config": name, "ep": ep, "gemm": gemm, "local_experts": local, "rows_per_expert": per_expert,
-                    "grouped_ms": grouped_ms, "plain_ms": plain_ms,
-                    "grouped_tflops": flops / grouped_ms / 1e9, "plain_tflops": flops / plain_ms / 1e9})
+        row = {"config": name, "ep": ep, "gemm": gemm, "local_experts": local, "rows_per_expert": per_expert,
+               "grouped_ms": grouped_ms, "plain_ms": plain_ms,
+               "grouped_tflops": flops / grouped_ms / 1e9, "plain_tflops": flops / plain_ms / 1e9}
+        if gemm.endswith("wgrad"):
+            # The weight gradient's way into DDP's fp32 buffer (the grouped GEMMs' are not fused into it): the
+            # add of every later micro-batch and the first one's write (distributed_data_parallel._grad_hook).
+            grad_w = grouped()
+            main = torch.zeros(grad_w.shape, dtype=torch.float32, device=device)
+            row["accumulate_ms"] = time_ms(lambda: accumulate_into_main_grad(main, grad_w))
+            row["overwrite_ms"] = time_ms(lambda: accumulate_into_main_grad(main, grad_w, overwrite=True))
+        out.append(row)
     return out
 
 
@@ -152,6 +168,10 @@ def main(argv=None) -> int:
             grouped, plain = sum(r["grouped_ms"] for r in layer), sum(r["plain_ms"] for r in layer)
             print(f"| {cfg} | {ep} | **six GEMMs, one layer and micro-batch** | | {grouped:.3f} | | | "
                   f"{plain / grouped:.0%} of the plain GEMMs' speed | |")
+            add = sum(r["accumulate_ms"] for r in layer if "accumulate_ms" in r)
+            write = sum(r["overwrite_ms"] for r in layer if "overwrite_ms" in r)
+            print(f"| {cfg} | {ep} | **both weight gradients into the fp32 buffer** | | add {add:.3f}, first "
+                  f"write {write:.3f} | | | | |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "dtype": str(dtype), "ceiling_tflops": ceiling, "rows": rows}, f, indent=1)

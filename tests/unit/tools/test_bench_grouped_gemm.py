@@ -27,7 +27,11 @@ def test_rows_for_every_gemm_and_ep(tmp_path, capsys):
     # 64 experts over 2 ranks; 4096 x 2 / 16 tokens x top-6 rows in equal blocks.
     assert {r["local_experts"] for r in fine_ep2} == {32} and {r["rows_per_expert"] for r in fine_ep2} == {96}
     assert all(r["grouped_ms"] > 0 and r["plain_ms"] > 0 and r["grouped_tflops"] > 0 for r in rows)
-    assert capsys.readouterr().out.count("six GEMMs") == 4
+    for r in rows:  # the weight gradients' way into the fp32 buffer, timed for the two wgrad GEMMs only
+        wgrad = r["gemm"].endswith("wgrad")
+        assert ("accumulate_ms" in r) == wgrad and (not wgrad or r["accumulate_ms"] > 0 and r["overwrite_ms"] > 0)
+    printed = capsys.readouterr().out
+    assert printed.count("six GEMMs") == 4 and printed.count("into the fp32 buffer") == 4
 
 
 def test_uneven_split_is_refused():
