@@ -11,7 +11,8 @@ rows, an equal block per expert. For each GEMM this prints its time and TFLOP/s 
 large-square ceiling (8192^3). The ratio grouped / plain says how much of an MoE row's expert time is lost to
 the grouping (many small blocks) rather than to the FLOPs; the plain GEMM / ceiling ratio says what the shape's
 width costs. For the two weight gradients it also times their way into DDP's fp32 ``main_grad`` (the add of
-each later micro-batch, the first one's write): what a weight-gradient GEMM accumulating in fp32 would save.
+each later micro-batch, the first one's write) against the Triton GEMM that adds in its epilogue
+(megatron/core/fusions/grouped_wgrad.py, CUDA only), the two ways the experts' backward chooses between.
 Timing: CUDA events, median of ``--iters`` after warm-up; on CPU (fp32, for tests) wall time.
 """
 import argparse
@@ -29,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron.core.fusions.grad_accumulation import accumulate_into_main_grad  # noqa: E402
+from megatron.core.fusions.grouped_wgrad import _fused_way, fused_available  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,10 @@ def bench_shape(name: str, shape: ExpertShape, ep: int, device: torch.device, dt
             main = torch.zeros(grad_w.shape, dtype=torch.float32, device=device)
             row["accumulate_ms"] = time_ms(lambda: accumulate_into_main_grad(main, grad_w))
             row["overwrite_ms"] = time_ms(lambda: accumulate_into_main_grad(main, grad_w, overwrite=True))
+            a, b = (g1, x) if gemm.startswith("fc1") else (g2, act)
+            if fused_available(main, a, b):  # the Triton GEMM that adds in its epilogue (fusions/grouped_wgrad.py)
+                row["fused_add_ms"] = time_ms(lambda: _fused_way(main, a, b, offs, overwrite=False))
+                row["fused_write_ms"] = time_ms(lambda: _fused_way(main, a, b, offs, overwrite=True))
         out.append(row)
     return out
 
@@ -170,8 +176,15 @@ def main(argv=None) -> int:
                   f"{plain / grouped:.0%} of the plain GEMMs' speed | |")
             add = sum(r["accumulate_ms"] for r in layer if "accumulate_ms" in r)
             write = sum(r["overwrite_ms"] for r in layer if "overwrite_ms" in r)
-            print(f"| {cfg} | {ep} | **both weight gradients into the fp32 buffer** | | add {add:.3f}, first "
-                  f"write {write:.3f} | | | | |")
+            wg = [r for r in layer if "accumulate_ms" in r]
+            gemm_ms = sum(r["grouped_ms"] for r in wg)
+            print(f"| {cfg} | {ep} | **both weight gradients into the fp32 buffer** | | grouped GEMM {gemm_ms:.3f} "
+                  f"+ add {add:.3f} (first write {write:.3f}) | | | | |")
+            if all("fused_add_ms" in r for r in wg):
+                fused = sum(r["fused_add_ms"] for r in wg)
+                first = sum(r["fused_write_ms"] for r in wg)
+                print(f"| {cfg} | {ep} | **the same, fused (GEMM adding in fp32)** | | {fused:.3f} (first write "
+                      f"{first:.3f}) | | | {(gemm_ms + add) / fused:.2f}x | |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "dtype": str(dtype), "ceiling_tflops": ceiling, "rows": rows}, f, indent=1)

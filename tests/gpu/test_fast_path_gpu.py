@@ -293,6 +293,33 @@ def test_main_grad_accumulation_kernel_equals_add():
         assert torch.equal(main, grad.float())
 
 
+def test_grouped_wgrad_into_main_grad_equals_grouped_mm_and_add(monkeypatch):
+    """The Triton grouped weight gradient accumulated in fp32 (megatron/core/fusions/grouped_wgrad.py) equals
+    torch._grouped_mm's bf16 gradient added into the fp32 buffer within bf16 rounding of that gradient, written
+    and added, with an expert that gets no rows and rows that do not fill a tile; the automatic choice times
+    both once and gives the same result."""
+    from megatron.core.fusions import grouped_wgrad as gw
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    counts = torch.tensor([700, 0, 1300, 2048], device="cuda")
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    rows = int(counts.sum())
+    grad = torch.randn(rows, 2816, device="cuda", generator=gen).bfloat16()
+    x = torch.randn(rows, 2048, device="cuda", generator=gen).bfloat16()
+    base = torch.randn(4, 2816, 2048, device="cuda", generator=gen)
+    ref = torch.stack([grad[s:e].float().t() @ x[s:e].float() for s, e in
+                       zip([0] + offs[:-1].tolist(), offs.tolist())])
+    assert gw.fused_available(base, grad, x)
+    for way in ("fused", "grouped_mm", "auto"):
+        monkeypatch.setenv("MEGATRON_GROUPED_WGRAD", way)
+        for overwrite in (True, False):
+            out = base.clone()
+            gw.grouped_wgrad_into_main_grad(out, grad, x, offs, overwrite=overwrite)
+            want = ref if overwrite else base + ref
+            err = ((out - want).norm() / want.norm()).item()
+            assert err < 5e-3, f"{way}, overwrite={overwrite}: relative error {err:.2e}"
+    assert gw._CHOICE  # the automatic way timed both and kept one
+
+
 def test_grouped_experts_fused_swiglu_matches_eager():
     """The compiled silu(gate) * up * prob of grouped experts equals the eager form within bf16 rounding,
     forward and gradients, for two token counts (one dynamic-shape graph) and without probs."""

@@ -18,9 +18,11 @@ from typing import Optional, Union
 import torch
 
 from megatron.core.fusions.compile import compile_available
+from megatron.core.fusions.grouped_wgrad import grouped_wgrad_into_main_grad
 from megatron.core.fusions.swiglu import swiglu, triton_swiglu_available
 from megatron.core.process_groups_config import get_pg, get_pg_size
 from megatron.core.tensor_parallel.layers import _make_param, set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.weight_grad import main_grad_placeholder
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.delayed_wgrad import DelayedWgrad, accumulate_param_grad
@@ -96,12 +98,14 @@ def grouped_mm_available(x: torch.Tensor, *dims: int) -> bool:
 class GroupedLinear(torch.autograd.Function):
     """Y_i = X_i W_i^T for the row blocks X_i of ``x`` (block ends ``offs``), W [E, out, in]: one grouped GEMM
     forward, and two backward: dX_i = dY_i W_i and dW_i = dY_i^T X_i (offs splitting the reduction dim).
-    With a ``wgrad_store`` (--delay-wgrad-compute) backward returns dX only and parks the dW GEMM there."""
+    With a ``wgrad_store`` (--delay-wgrad-compute) backward returns dX only and parks the dW GEMM there.
+    With ``fuse_wgrad`` (gradient_accumulation_fusion) and a DDP-managed weight, dW goes straight into the
+    weight's fp32 ``main_grad`` (megatron/core/fusions/grouped_wgrad.py), as the dense linears' fused wgrad does."""
 
     @staticmethod
-    def forward(ctx, x, weight, offs, wgrad_store=None):
+    def forward(ctx, x, weight, offs, wgrad_store=None, fuse_wgrad=False):
         ctx.save_for_backward(x, weight, offs)
-        ctx.weight, ctx.wgrad_store = weight, wgrad_store
+        ctx.weight, ctx.wgrad_store, ctx.fuse_wgrad = weight, wgrad_store, fuse_wgrad
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)  # [N, out]
 
     @staticmethod
@@ -109,12 +113,35 @@ class GroupedLinear(torch.autograd.Function):
         x, weight, offs = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = torch._grouped_mm(grad, weight, offs=offs)  # [N, in]
+        param = ctx.weight
+        fused = ctx.fuse_wgrad and _into_main_grad(param)
         if ctx.wgrad_store is not None:
-            param = ctx.weight
-            ctx.wgrad_store.defer(lambda: accumulate_param_grad(param, torch._grouped_mm(grad.t(), x, offs=offs)))
-            return grad_x, None, None, None
+            if fused:  # the parked GEMM adds into main_grad; DDP's hook then sees the placeholder
+                ctx.wgrad_store.defer(lambda: accumulate_param_grad(param, _wgrad_into_main_grad(param, grad, x, offs)))
+            else:
+                ctx.wgrad_store.defer(lambda: accumulate_param_grad(param, torch._grouped_mm(grad.t(), x, offs=offs)))
+            return grad_x, None, None, None, None
+        if fused:
+            return grad_x, _wgrad_into_main_grad(param, grad, x, offs), None, None, None
         grad_w = torch._grouped_mm(grad.t(), x, offs=offs)  # [E, out, in]
-        return grad_x, grad_w.to(weight.dtype), None, None
+        return grad_x, grad_w.to(weight.dtype), None, None, None
+
+
+def _into_main_grad(param: torch.Tensor) -> bool:
+    """The weight is DDP's (its fp32 buffer and the flag its grad hook reads exist) and no trace is running."""
+    return (getattr(param, "main_grad", None) is not None and hasattr(param, "grad_added_to_main_grad")
+            and not getattr(param, "zero_out_wgrad", False) and not torch.compiler.is_compiling())
+
+
+def _wgrad_into_main_grad(param, grad, x, offs) -> torch.Tensor:
+    """dW_e = dY_e^T X_e added into ``param.main_grad``; returns DDP's placeholder for autograd. The iteration's
+    first gradient on the zeroed buffer is written (see DDP's _grad_hook); decided on the host per call, so not
+    while a graph is captured (a replay would repeat the choice)."""
+    fresh = (getattr(param, "main_grad_fresh", False) and not param.grad_added_to_main_grad
+             and not (grad.is_cuda and torch.cuda.is_current_stream_capturing()))
+    param.main_grad_fresh = False
+    grouped_wgrad_into_main_grad(param.main_grad, grad, x, offs, overwrite=fresh)
+    return main_grad_placeholder(param)
 
 
 class LoopGroupedLinear(torch.autograd.Function):
@@ -142,14 +169,15 @@ class LoopGroupedLinear(torch.autograd.Function):
 
 
 def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor, offs=None,
-                 wgrad_store: Optional[DelayedWgrad] = None):
+                 wgrad_store: Optional[DelayedWgrad] = None, fuse_wgrad: bool = False):
     """Row block i of ``x`` [N, k] (``tokens_per_expert[i]`` rows) times ``weight[i]``^T ([out, k]) -> [N, out].
 
     ``offs``: int32 cumulative row ends on the device (computed once per layer and shared by fc1 and fc2);
     without it a loop over the experts (which reads the counts on the host). ``wgrad_store``: park the
-    weight gradient there (--delay-wgrad-compute)."""
+    weight gradient there (--delay-wgrad-compute). ``fuse_wgrad``: add the weight gradient into the weight's
+    ``main_grad`` in backward (gradient_accumulation_fusion; grouped GEMM path only)."""
     if offs is not None:
-        return GroupedLinear.apply(x, weight, offs, wgrad_store)
+        return GroupedLinear.apply(x, weight, offs, wgrad_store, fuse_wgrad)
     refuse_host_read_in_capture(x, "the per-expert GEMM loop (torch._grouped_mm unavailable for these experts)")
     counts = tokens_per_expert.tolist()
     if wgrad_store is not None:
@@ -194,14 +222,15 @@ class GroupedMLP(MegatronModule):
         offs = None
         if grouped_mm_available(x, x.shape[-1], self.weight1.shape[1], self.weight2.shape[2]):
             offs = torch.cumsum(tokens_per_expert.to(x.device, non_blocking=True), 0).to(torch.int32)
-        h = grouped_gemm(x, self.weight1, tokens_per_expert, offs, self.wgrad_store)  # [N, (2)f/etp]
+        fuse = bool(getattr(self.config, "gradient_accumulation_fusion", False))
+        h = grouped_gemm(x, self.weight1, tokens_per_expert, offs, self.wgrad_store, fuse)  # [N, (2)f/etp]
         if _use_fused_swiglu(h, self.config):
             h = _fused_swiglu_scaled(h, permuted_probs)
         else:
             h = _glu_activation(h, self.config)
             if permuted_probs is not None:
                 h = h * permuted_probs.unsqueeze(-1).to(h.dtype)
-        out = grouped_gemm(h, self.weight2, tokens_per_expert, offs, self.wgrad_store)
+        out = grouped_gemm(h, self.weight2, tokens_per_expert, offs, self.wgrad_store, fuse)
         return out, None  # [N, h], partial over etp
 
 
