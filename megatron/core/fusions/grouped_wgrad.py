@@ -78,7 +78,12 @@ def _choose(main_grad, grad, x, offs) -> str:
     if torch.cuda.is_current_stream_capturing():
         return "grouped_mm"
     zeros = torch.zeros_like(grad)  # both ways then add zeros: main_grad keeps its values
-    fused_ms = _time_ms(lambda: _fused_way(main_grad, zeros, x, offs, overwrite=False))
+    try:
+        fused_ms = _time_ms(lambda: _fused_way(main_grad, zeros, x, offs, overwrite=False))
+    except Exception as e:  # noqa: BLE001 (a kernel this GPU or Triton cannot build or launch: keep cuBLAS)
+        logger.warning("expert weight gradients %s: the fused kernel failed (%s: %s); using the grouped GEMM",
+                       "x".join(map(str, main_grad.shape)), type(e).__name__, e)
+        fused_ms = float("inf")
     mm_ms = _time_ms(lambda: _grouped_mm_way(main_grad, zeros, x, offs, overwrite=False))
     _CHOICE[key] = "fused" if fused_ms < mm_ms else "grouped_mm"
     logger.info("expert weight gradients %s into main_grad %s: fused kernel %.3f ms, grouped GEMM + add %.3f ms "
