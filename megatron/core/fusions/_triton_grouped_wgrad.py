@@ -53,6 +53,12 @@ def _grouped_wgrad_kernel(g_ptr, x_ptr, c_ptr, offs_ptr, M, N, stride_gr, stride
     tl.store(c_ptrs, acc, mask=mask)
 
 
+# Tile configurations the first call per shape times (grouped_wgrad.py keeps the fastest): (BLOCK_M, BLOCK_N,
+# BLOCK_K, warps, stages). Square 128 tiles for the wide experts; a wider N tile for long rows (DeepSeek's 7168);
+# a smaller tile with deeper pipelining for the short row blocks of many small experts (Qwen3's 128 x 768).
+CONFIGS = ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4))
+
+
 def grouped_wgrad(out, grad, x, offs, accumulate: bool, block_m: int = 128, block_n: int = 128, block_k: int = 64,
                   num_warps: int = 8, num_stages: int = 3):
     """``out[e] (+)= grad[rows of e]^T @ x[rows of e]``; ``out`` [E, M, N] fp32 contiguous, ``grad`` [R, M] and
