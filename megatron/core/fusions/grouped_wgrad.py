@@ -10,7 +10,8 @@ overlaps the next tiles' loads.
 
 Which way runs: a hand-written Triton GEMM may be slower than cuBLAS's grouped GEMM on some shapes, so the first
 call for a weight shape times both ways on the real operands with a zero gradient (adding zeros changes nothing),
-the kernel in each of its tile configurations, and keeps the fastest for the process; each choice is logged once.
+the kernel in each of its tile configurations, and keeps the fastest for the process; each choice is logged once
+(INFO, logger ``megatron.core.fusions.grouped_wgrad``).
 ``MEGATRON_GROUPED_WGRAD=fused`` or ``grouped_mm`` forces one (A/B measurements). Where the kernel cannot run (CPU,
 no Triton, fp32 weights, a traced region) the grouped GEMM and the add run, as before; under CUDA-graph capture an
 unchosen shape takes that way too (no timing while capturing).
