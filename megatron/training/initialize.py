@@ -35,6 +35,18 @@ def _line_atomic_output():
             stream.reconfigure(line_buffering=True, write_through=False)
 
 
+def set_logging_level(level: int):
+    """--logging-level: the root logger's level, and a handler that prints its records to stderr when nothing
+    has installed one (Python's fallback handler prints WARNING and above only, so INFO and DEBUG records, the
+    ones the flag is mostly used for, were dropped)."""
+    root = logging.getLogger()
+    root.setLevel(level)
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+
+
 def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unknown_args=False,
                         allow_no_cuda=True, skip_mpu_initialization=False, parsed_args=None):
     """Parse + validate flags, set up torch.distributed and model-parallel groups, seed RNGs.
@@ -55,7 +67,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
     except Exception as e:
         _fail_start(e, args)
     if args.logging_level is not None:
-        logging.getLogger().setLevel(args.logging_level)
+        set_logging_level(args.logging_level)
     _initialize_distributed(args)
     if errors.agree_on_start(False):
         print(f"[rank {args.rank}] stopping: another rank failed at start-up (its error is above)",

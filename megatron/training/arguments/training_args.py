@@ -169,5 +169,6 @@ def add_logging_args(parser):
     g.add_argument("--wandb-exp-name", type=str, default="", help="W&B run name.")
     g.add_argument("--wandb-save-dir", type=str, default="", help="W&B local directory.")
     g.add_argument("--wandb-entity", type=str, default="", help="W&B entity.")
-    g.add_argument("--logging-level", type=int, default=None, help="Python logging level.")
+    g.add_argument("--logging-level", type=int, default=None,
+                   help="Python logging level (records at or above it print to stderr).")
     return parser

@@ -55,3 +55,19 @@ def test_single_process_binds_no_port(monkeypatch):
         p = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=300)
     assert p.returncode == 0 and "world 1" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+
+
+def test_logging_level_prints_info_records(monkeypatch, capsys):
+    """--logging-level 20: INFO records of any module reach stderr (Python's fallback handler alone drops them);
+    a handler already installed is kept and not doubled."""
+    import logging
+
+    from megatron.training.initialize import set_logging_level
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])
+    monkeypatch.setattr(root, "level", root.level)
+    set_logging_level(logging.INFO)
+    logging.getLogger("megatron.core.fusions.grouped_wgrad").info("chose the fused kernel")
+    assert "INFO megatron.core.fusions.grouped_wgrad: chose the fused kernel" in capsys.readouterr().err
+    set_logging_level(logging.INFO)
+    assert len(root.handlers) == 1
