@@ -293,6 +293,22 @@ def test_main_grad_accumulation_kernel_equals_add():
         assert torch.equal(main, grad.float())
 
 
+def test_fused_linear_wgrad_writes_then_adds():
+    """The dense linears' fused weight gradient: the iteration's first GEMM writes main_grad (beta = 0, the
+    buffer not read; torch's mm(out_dtype=, out=) is the path taken), later ones add in the epilogue."""
+    from megatron.core.tensor_parallel import weight_grad as wg
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.randn(4096, 1024, device="cuda", generator=gen).bfloat16()
+    x = torch.randn(4096, 2048, device="cuda", generator=gen).bfloat16()
+    ref = g.float().t() @ x.float()
+    main = torch.full((1024, 2048), float("nan"), device="cuda")  # a write shows: nothing of it is read
+    wg._accumulate_weight_grad(main, g, x, overwrite=True)
+    assert wg._MM_OUT_DTYPE and torch.isfinite(main).all()
+    torch.testing.assert_close(main, ref, rtol=1e-3, atol=1e-2)
+    wg._accumulate_weight_grad(main, g, x)
+    torch.testing.assert_close(main, 2 * ref, rtol=1e-3, atol=2e-2)
+
+
 def test_grouped_wgrad_into_main_grad_equals_grouped_mm_and_add(monkeypatch):
     """The Triton grouped weight gradient accumulated in fp32 (megatron/core/fusions/grouped_wgrad.py) equals
     torch._grouped_mm's bf16 gradient added into the fp32 buffer within bf16 rounding of that gradient, written

@@ -9,14 +9,24 @@ import torch
 from megatron.core.tensor_parallel.mappings import _gather_along_first_dim
 
 _ADDMM_OUT_DTYPE = True  # set False once if this torch has no addmm(out_dtype=, out=) on CUDA
+_MM_OUT_DTYPE = True  # set False once if this torch has no mm(out_dtype=, out=) on CUDA
 
 
-def _accumulate_weight_grad(main_grad, g2d, x2d):
-    """main_grad += g^T x. With 16-bit operands on CUDA the GEMM runs on tensor cores with an fp32
-    output (as Megatron's fused wgrad kernel); upcasting the operands first would put it on the fp32
-    SIMT path, several times slower than everything else in the step."""
-    global _ADDMM_OUT_DTYPE
+def _accumulate_weight_grad(main_grad, g2d, x2d, overwrite: bool = False):
+    """main_grad += g^T x; with ``overwrite`` (main_grad holds zeros: the iteration's first gradient)
+    main_grad = g^T x, a GEMM that does not read the fp32 buffer (beta = 0). With 16-bit operands on CUDA
+    the GEMM runs on tensor cores with an fp32 output (as Megatron's fused wgrad kernel); upcasting the
+    operands first would put it on the fp32 SIMT path, several times slower than everything else in the step."""
+    global _ADDMM_OUT_DTYPE, _MM_OUT_DTYPE
     if g2d.is_cuda and g2d.dtype in (torch.bfloat16, torch.float16) and main_grad.dtype == torch.float32:
+        if overwrite and _MM_OUT_DTYPE and not torch.compiler.is_compiling():
+            try:
+                torch.mm(g2d.t(), x2d, out_dtype=torch.float32, out=main_grad)
+                return
+            except torch.OutOfMemoryError:
+                raise
+            except (TypeError, RuntimeError, NotImplementedError):
+                _MM_OUT_DTYPE = False  # then the add below: main_grad holds zeros
         if _ADDMM_OUT_DTYPE and not torch.compiler.is_compiling():  # dynamo has no meta for it
             try:
                 # The GEMM epilogue adds into main_grad (beta = 1): no fp32 temporary to write and re-read.
@@ -32,7 +42,8 @@ def _accumulate_weight_grad(main_grad, g2d, x2d):
         except TypeError:  # torch without mm(out_dtype=): 16-bit GEMM, then accumulate in fp32
             main_grad.add_(g2d.t() @ x2d)
             return
-    main_grad.add_(g2d.t().to(main_grad.dtype) @ x2d.to(main_grad.dtype))
+    grad = g2d.t().to(main_grad.dtype) @ x2d.to(main_grad.dtype)
+    main_grad.copy_(grad) if overwrite else main_grad.add_(grad)
 
 
 def main_grad_placeholder(weight):
@@ -55,8 +66,15 @@ def weight_grad(weight, fusion, g2d, x2d):
     compiled layers trained with a zero gradient. The overlapped linears run outside the graphs and keep
     the fused form."""
     if fusion and hasattr(weight, "main_grad") and not torch.compiler.is_compiling():
-        _accumulate_weight_grad(weight.main_grad, g2d, x2d)
-        return main_grad_placeholder(weight) if hasattr(weight, "grad_added_to_main_grad") else None
+        managed = hasattr(weight, "grad_added_to_main_grad")  # DDP's: its zero_grad_buffer marks it fresh
+        # The iteration's first gradient on the zeroed buffer is written, not added (DDP's _grad_hook says why);
+        # decided on the host per call, so not while a CUDA graph is captured (its replays repeat the choice).
+        fresh = (managed and getattr(weight, "main_grad_fresh", False) and not weight.grad_added_to_main_grad
+                 and not (g2d.is_cuda and torch.cuda.is_current_stream_capturing()))
+        if managed:
+            weight.main_grad_fresh = False
+        _accumulate_weight_grad(weight.main_grad, g2d, x2d, overwrite=fresh)
+        return main_grad_placeholder(weight) if managed else None
     return g2d.t() @ x2d
 
 
