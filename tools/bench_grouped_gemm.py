@@ -13,18 +13,17 @@ the grouping (many small blocks) rather than to the FLOPs; the plain GEMM / ceil
 width costs. For the two weight gradients it also times their way into DDP's fp32 ``main_grad`` (the add of
 each later micro-batch, the first one's write) against the Triton GEMM that adds in its epilogue
 (megatron/core/fusions/grouped_wgrad.py, CUDA only), the two ways the experts' backward chooses between.
-Timing: CUDA events, median of ``--iters`` after warm-up; on CPU (fp32, for tests) wall time.
+Timing: torch.utils.benchmark, the mean of ``--iters`` calls after ``--warmup``; on CPU fp32 (for tests).
 """
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List
 
 import torch
+import torch.utils.benchmark as benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -52,28 +51,13 @@ SHAPES: Dict[str, ExpertShape] = {
 
 
 def _timer(device: torch.device, iters: int, warmup: int) -> Callable[[Callable[[], object]], float]:
-    """A function that times ``fn`` (median ms of ``iters`` calls after ``warmup``) on ``device``."""
-    def cuda_time(fn):
-        times = []
-        for i in range(warmup + iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+    """A function that times ``fn``: ms per call over ``iters`` calls after ``warmup`` untimed ones
+    (torch.utils.benchmark, which synchronizes CUDA around the timed block; ``device`` only documents where)."""
+    def time_ms(fn):
+        for _ in range(warmup):
             fn()
-            end.record()
-            torch.cuda.synchronize()
-            if i >= warmup:
-                times.append(start.elapsed_time(end))
-        return statistics.median(times)
-
-    def cpu_time(fn):
-        times = []
-        for i in range(warmup + iters):
-            t0 = time.perf_counter()
-            fn()
-            if i >= warmup:
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    return cuda_time if device.type == "cuda" else cpu_time
+        return benchmark.Timer(stmt="fn()", globals={"fn": fn}).timeit(iters).mean * 1e3
+    return time_ms
 
 
 def bench_shape(name: str, shape: ExpertShape, ep: int, device: torch.device, dtype: torch.dtype,

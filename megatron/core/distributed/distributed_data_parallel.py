@@ -8,7 +8,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer, partition_buckets
 from megatron.core.distributed.wrapped_module import WrappedModule
-from megatron.core.fusions.grad_accumulation import accumulate_into_main_grad
+from megatron.core.fusions.grad_accumulation import accumulate_into_main_grad, claim_first_write
 from megatron.core.process_groups_config import get_pg
 
 
@@ -108,15 +108,10 @@ class DistributedDataParallel(WrappedModule):
         if param.grad is not None:
             # A fused wgrad already went into main_grad (`.grad` is zeros), unless the param is also
             # used outside fused linears (`zero_out_wgrad`: tied embedding), whose grad is in `.grad`.
-            fused = getattr(param, "grad_added_to_main_grad", False)
-            if not fused or getattr(param, "zero_out_wgrad", False):
-                # The iteration's first gradient of a param no fused wgrad has written to lands on the
-                # zeros of zero_grad_buffer: written, not added (the same values, fewer bytes moved). Decided
-                # on the host per call, so never inside a traced hook (a compiled graph would keep the choice).
-                fresh = getattr(param, "main_grad_fresh", False) and not fused and not torch.compiler.is_compiling()
-                accumulate_into_main_grad(param.main_grad, param.grad.data, overwrite=fresh)
+            if not getattr(param, "grad_added_to_main_grad", False) or getattr(param, "zero_out_wgrad", False):
+                # The iteration's first gradient lands on zero_grad_buffer's zeros: written, not added.
+                accumulate_into_main_grad(param.main_grad, param.grad.data, overwrite=claim_first_write(param))
             param.grad = None
-        param.main_grad_fresh = False
         if self.ddp_config.overlap_grad_reduce:
             self.param_to_bucket_group[param].register_grad_ready(param)
 
@@ -156,7 +151,7 @@ class DistributedDataParallel(WrappedModule):
         """Zero all main grads; call at the start of every iteration."""
         for param in self.param_to_bucket:
             param.grad_added_to_main_grad = False
-            param.main_grad_fresh = True  # main_grad holds zeros until its first gradient (see _grad_hook)
+            param.main_grad_fresh = True  # main_grad holds zeros until its first write (claim_first_write)
         for buffer in self.buffers + self.expert_parallel_buffers:
             buffer.reset()
         for group in self._bucket_groups():

@@ -35,3 +35,16 @@ def accumulate_into_main_grad(main_grad: torch.Tensor, grad: torch.Tensor, overw
             impl(main_grad, grad, add=not overwrite)
             return main_grad
     return main_grad.copy_(grad) if overwrite else main_grad.add_(grad)
+
+
+def claim_first_write(param: torch.Tensor) -> bool:
+    """True when this write of ``param``'s gradient is the first of the iteration onto the zeros DDP's
+    ``zero_grad_buffer`` left in ``param.main_grad`` (it sets ``main_grad_fresh``), so the writer may store
+    instead of add; claims it either way, and every fused writer's placeholder (``grad_added_to_main_grad``) bars
+    it for the rest of the iteration. The choice is made on the host per call, so never while a CUDA graph is
+    captured or a region traced (their replays would repeat it, write where they must add)."""
+    fresh = (getattr(param, "main_grad_fresh", False) and not getattr(param, "grad_added_to_main_grad", False)
+             and not torch.compiler.is_compiling()
+             and not (param.main_grad.is_cuda and torch.cuda.is_current_stream_capturing()))
+    param.main_grad_fresh = False
+    return fresh

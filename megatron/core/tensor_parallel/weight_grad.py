@@ -6,6 +6,7 @@ so they live below all three. Also Megatron's deferred embedding-wgrad helpers
 """
 import torch
 
+from megatron.core.fusions.grad_accumulation import claim_first_write
 from megatron.core.tensor_parallel.mappings import _gather_along_first_dim
 
 _ADDMM_OUT_DTYPE = True  # set False once if this torch has no addmm(out_dtype=, out=) on CUDA
@@ -66,15 +67,9 @@ def weight_grad(weight, fusion, g2d, x2d):
     compiled layers trained with a zero gradient. The overlapped linears run outside the graphs and keep
     the fused form."""
     if fusion and hasattr(weight, "main_grad") and not torch.compiler.is_compiling():
-        managed = hasattr(weight, "grad_added_to_main_grad")  # DDP's: its zero_grad_buffer marks it fresh
-        # The iteration's first gradient on the zeroed buffer is written, not added (DDP's _grad_hook says why);
-        # decided on the host per call, so not while a CUDA graph is captured (its replays repeat the choice).
-        fresh = (managed and getattr(weight, "main_grad_fresh", False) and not weight.grad_added_to_main_grad
-                 and not (g2d.is_cuda and torch.cuda.is_current_stream_capturing()))
-        if managed:
-            weight.main_grad_fresh = False
-        _accumulate_weight_grad(weight.main_grad, g2d, x2d, overwrite=fresh)
-        return main_grad_placeholder(weight) if managed else None
+        # The iteration's first gradient on DDP's zeroed buffer is written, not added.
+        _accumulate_weight_grad(weight.main_grad, g2d, x2d, overwrite=claim_first_write(weight))
+        return main_grad_placeholder(weight) if hasattr(weight, "grad_added_to_main_grad") else None
     return g2d.t() @ x2d
 
 
@@ -97,7 +92,7 @@ def drain_embedding_wgrad_compute(config, embedding_activation_buffer, grad_outp
     if not hasattr(weight, "main_grad"):
         raise ValueError("drain_embedding_wgrad_compute: the weight has no main_grad (wrap the model in "
                          "DistributedDataParallel with gradient_accumulation_fusion)")
-    weight.main_grad_fresh = False  # DDP's hook must add to what lands here, not overwrite it
+    claim_first_write(weight)  # what lands here is added to, never overwritten, for the rest of the iteration
     while embedding_activation_buffer:
         x = embedding_activation_buffer.pop(0)
         if config.sequence_parallel:

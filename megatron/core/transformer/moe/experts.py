@@ -18,6 +18,7 @@ from typing import Optional, Union
 import torch
 
 from megatron.core.fusions.compile import compile_available
+from megatron.core.fusions.grad_accumulation import claim_first_write
 from megatron.core.fusions.grouped_wgrad import grouped_wgrad_into_main_grad
 from megatron.core.fusions.swiglu import swiglu, triton_swiglu_available
 from megatron.core.process_groups_config import get_pg, get_pg_size
@@ -134,13 +135,9 @@ def _into_main_grad(param: torch.Tensor) -> bool:
 
 
 def _wgrad_into_main_grad(param, grad, x, offs) -> torch.Tensor:
-    """dW_e = dY_e^T X_e added into ``param.main_grad``; returns DDP's placeholder for autograd. The iteration's
-    first gradient on the zeroed buffer is written (see DDP's _grad_hook); decided on the host per call, so not
-    while a graph is captured (a replay would repeat the choice)."""
-    fresh = (getattr(param, "main_grad_fresh", False) and not param.grad_added_to_main_grad
-             and not (grad.is_cuda and torch.cuda.is_current_stream_capturing()))
-    param.main_grad_fresh = False
-    grouped_wgrad_into_main_grad(param.main_grad, grad, x, offs, overwrite=fresh)
+    """dW_e = dY_e^T X_e added into ``param.main_grad`` (written, for the iteration's first gradient on DDP's
+    zeroed buffer); returns DDP's placeholder for autograd."""
+    grouped_wgrad_into_main_grad(param.main_grad, grad, x, offs, overwrite=claim_first_write(param))
     return main_grad_placeholder(param)
 
 
