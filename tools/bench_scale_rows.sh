@@ -10,6 +10,7 @@
 #   TRAIN_ITERS=15 ROWS="l8b_dp4" bash tools/bench_scale_rows.sh   # fewer iterations (the median is of 11+)
 #   (with EP, a LOAD line per row gives our log's median `moe max rank load`: the scaling model's moe_rank_load)
 #   bash tools/bench_scale_rows.sh --list                                # the rows and their flags
+#   EXTRA_OURS="--logging-level 20" MREF=0 ROWS=fine_1gpu bash tools/bench_scale_rows.sh   # flags for ours alone
 #   PACK=1 ROWS=... bash tools/bench_scale_rows.sh   # the logs (and traces) packed into one $OUT/logs_<time>.tgz
 #   DATA=corpus ROWS="mix_1gpu mix_ep4" bash tools/bench_scale_rows.sh   # the shipped corpus instead of mock data
 #   A/B of two commits in one call, runs interleaved on the same GPUs (prepare here, carry `scratch`):
@@ -22,7 +23,8 @@
 #       collectives) appended to the row's log
 #
 # Rows (LLAMA8B = the 32-layer Llama-3-8B shape; the 32-layer rows on 2 GPUs need H200s' memory):
-#   one GPU: l8b_1gpu (8 layers) / g13_1gpu / mix_1gpu / fine_1gpu / cp1_64k
+#   one GPU: l8b_1gpu (8 layers) / g13_1gpu / mix_1gpu / fine_1gpu / cp1_64k / qwen3_1gpu (4 layers, no EP: the
+#     shape's compute rate without expert parallelism)
 #   two GPUs (issues 38 and 39): l8_tp2 (8 layers) / l8b_tp2 / l8b_dp2 / l8b_pp2 / l8b_pp2_bal / l8b_pp2_vp / l8b_cp2_16k /
 #     l8_cp2_64k / nemo_cp2 / g13_pp2 / g13_dp2 / mix_ep2 / fine_ep2 / qwen3_ep2 / dsv3_ep2 /
 #     l8b_pp2_vp_bal / g13_pp2_bal (the PP=2 rows with a --pipeline-model-parallel-layout that gives the
@@ -116,6 +118,7 @@ row() {
     cp4_64k)         echo "4 LLAMA8B $L8 --seq-length 65536 --max-position-embeddings 65536 --global-batch-size 1 --train-iters 14 --context-parallel-size 4" ;;
     cp4_128k)        echo "4 LLAMA8B $L8 --seq-length 131072 --max-position-embeddings 131072 --global-batch-size 1 --train-iters 14 --context-parallel-size 4" ;;
     mix_1gpu)        echo "1 MOE_MIXTRAL" ;;
+    qwen3_1gpu)      echo "1 QWEN3_30B_A3B --num-layers 4 --expert-model-parallel-size 1 --global-batch-size 4" ;;
     fine_1gpu)       echo "1 MOE_FINE" ;;
     mix_1gpu_graph)  echo "1 MOE_MIXTRAL --cuda-graph-impl full_iteration" ;;
     fine_1gpu_graph) echo "1 MOE_FINE --cuda-graph-impl full_iteration" ;;
@@ -142,7 +145,7 @@ row() {
 }
 ALL="l8b_1gpu g13_1gpu l8_tp2 l8_tp2_graph l8b_tp2 l8b_dp2 l8b_pp2 l8b_pp2_vp l8b_pp2_vp_bal l8b_cp2_16k l8_cp2_64k nemo_cp2 nemo_cp2_a2a nemo_cp2_ag g13_pp2 g13_pp2_bal g13_dp2
 mix_ep2 fine_ep2 qwen3_ep2 dsv3_ep2 mix_ep2_overlap fine_ep2_overlap qwen3_ep2_overlap dsv3_ep2_overlap l8b_dp4 l8b_tp2dp2 l8b_tp4 l8b_pp2dp2 l8b_pp4_vp l8b_pp2_bal l8b_pp2dp2_bal l8b_pp4_vp_bal l8b_cp2dp2_16k nemo_cp2dp2 cp1_64k cp4_64k cp4_128k
-mix_1gpu fine_1gpu mix_1gpu_graph fine_1gpu_graph mix_ep4 fine_ep4 mix_ep2dp2 mix_ep2pp2 qwen3_ep4 dsv3_ep4 mix_ep4_pad mix_ep4_overlap fine_ep4_overlap
+mix_1gpu fine_1gpu qwen3_1gpu mix_1gpu_graph fine_1gpu_graph mix_ep4 fine_ep4 mix_ep2dp2 mix_ep2pp2 qwen3_ep4 dsv3_ep4 mix_ep4_pad mix_ep4_overlap fine_ep4_overlap
 qwen3_ep4_overlap dsv3_ep4_overlap mix_ep2dp2_overlap qwen3_ep4_dp dsv3_ep4_dp dsv3_ep2_dp qwen3_ep4_dp_overlap
 dsv3_ep4_dp_overlap dsv3_ep2_dp_overlap"
 if [ "${1:-}" = "--list" ]; then
@@ -238,7 +241,7 @@ run_row() {  # run_row NAME CUDA_VISIBLE_DEVICES PORT (rendezvous ports PORT and
       prof="--profile --use-pytorch-profiler --profile-step-start 8 --profile-step-end 9 --profile-ranks $(seq -s ' ' 0 $((n - 1))) --tensorboard-dir $OUT/tb_$name"
     fi
     CUDA_VISIBLE_DEVICES=$devices CUDA_DEVICE_MAX_CONNECTIONS=8 timeout "${MREF_TIMEOUT:-300}" torchrun \
-      --nproc_per_node "$n" --master_port "$port" pretrain_gpt.py ${!cfg} $flags $prof > "$OUT/ours_$name.log" 2>&1
+      --nproc_per_node "$n" --master_port "$port" pretrain_gpt.py ${!cfg} $flags $prof ${EXTRA_OURS:-} > "$OUT/ours_$name.log" 2>&1
     python3 "$R/res.py" "ours_$name" "$gbs" "$n" "$OUT/ours_$name.log" "$seq" 0
     if [ -n "$prof" ]; then
       python3 tools/trace_report.py $(set +f; ls "$OUT/tb_$name"/*.pt.trace.json 2>/dev/null) --top 8 --kernels 25 \
