@@ -378,6 +378,40 @@ def _sort_chunks(input: torch.Tensor, split_sizes, sorted_idxs):
     return torch.cat([chunks[i] for i in sorted_idxs], dim=0)
 
 
+def chunk_sort_indices(sizes: torch.Tensor, order: torch.Tensor, total: int):
+    """The row permutation that puts chunk ``order[k]`` of a tensor k-th, as two index tensors computed on the
+    device, so a reorder of many chunks is one gather instead of ``_sort_chunks``' split + cat (at 128 chunks,
+    Qwen3-30B-A3B's shape at EP=2, the cat ran at a fifth of the copy bandwidth and its 128 views cost the
+    host ~1 ms per call). ``sizes``: [n] int64, the chunks' row counts in the input's order, on the rows'
+    device (no host read); ``order``: [n] int64 on the same device; ``total``: sum(sizes), known on the host.
+    Returns (gather, inverse): ``x.index_select(0, gather)`` is the sorted tensor, and ``inverse`` undoes it."""
+    src_start = torch.cumsum(sizes, 0) - sizes
+    sizes_sorted = sizes.index_select(0, order)
+    dst_start_sorted = torch.cumsum(sizes_sorted, 0) - sizes_sorted
+    rows = torch.arange(total, dtype=torch.int64, device=sizes.device)
+    # Row r of sorted chunk k comes from src_start[order[k]] + (r - dst_start_sorted[k]).
+    gather = rows + torch.repeat_interleave(src_start.index_select(0, order) - dst_start_sorted, sizes_sorted,
+                                            output_size=total)
+    dst_start = torch.empty_like(dst_start_sorted).index_copy_(0, order, dst_start_sorted)
+    inverse = rows + torch.repeat_interleave(dst_start - src_start, sizes, output_size=total)
+    return gather, inverse
+
+
+class GatherRows(torch.autograd.Function):
+    """``x.index_select(0, index)`` for a permutation ``index`` whose inverse is ``inverse``: the backward is the
+    inverse gather, not the scatter-add (atomics over a zeroed buffer) autograd gives index_select."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
 
 
 

@@ -25,7 +25,14 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.moe.launch_order import backward_turn, forward_turn
-from megatron.core.transformer.moe.moe_utils import _permute, _sort_chunks, _unpermute, fused_permute_fns, get_capacity
+from megatron.core.transformer.moe.moe_utils import (
+    GatherRows,
+    _permute,
+    _unpermute,
+    chunk_sort_indices,
+    fused_permute_fns,
+    get_capacity,
+)
 
 
 def _size(group) -> int:
@@ -246,7 +253,8 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
     def _start_counts(self, routing_map):
         """Launch the gather of C[u][j][e] (tokens that the rank at expert-TP u, EP j routes to expert e) and
         its copy to the host (non-blocking on CUDA: pinned memory and an event), so the host can queue more
-        GPU work before it must read them (`_read_counts`, the one host read per layer)."""
+        GPU work before it must read them (`_read_counts`, the one host read per layer). Returns (host copy,
+        its event or None, the counts on the device)."""
         counts = routing_map.sum(dim=0).to(torch.int64)  # [E]
         if self.ep_size > 1:
             out = counts.new_empty(self.ep_size * self.num_experts)
@@ -259,7 +267,7 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
                 dist.all_gather_into_tensor(out, counts, group=self.etp_group)
             counts = out
         if not counts.is_cuda:
-            return counts, None
+            return counts, None, counts
         # One pinned buffer per host thread, allocated once: a pinned allocation synchronises the device,
         # which under --overlap-moe-expert-parallel-comm would wait on the other thread's all-to-all.
         buffers = self.__dict__.setdefault("_count_buffers", {})  # (host thread, size) -> pinned copy
@@ -270,7 +278,7 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
         host.copy_(counts, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return host, event
+        return host, event, counts
 
     def _static_counts(self, num_tokens: int):
         """C[u][j][e] without communication when the router pads every expert to capacity
@@ -284,7 +292,7 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
         return [[[cap] * self.num_experts for _ in range(self.ep_size)] for _ in range(self.etp_size)]
 
     def _read_counts(self, pending) -> List:
-        host, event = pending
+        host, event, _ = pending
         if event is not None:
             event.synchronize()
         return host.view(self.etp_size, self.ep_size, self.num_experts).tolist()
@@ -325,6 +333,9 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
         # Regroup the chunks expert-major: [l][u][j].
         self.chunk_sizes = [C[u][j][m * El + l] for u in range(self.etp_size) for j in range(ep) for l in range(El)]
         self.sorted_idxs = [(u * ep + j) * El + l for l in range(El) for u in range(self.etp_size) for j in range(ep)]
+        self.chunk_gather = None
+        if El > 1:
+            self.chunk_gather = self._chunk_gather(None if static else pending[2], x.device)
         y = self._to_experts(permuted, self.wgrad_store)
         self.expert_probs = None
         if self.probs_to_experts and self.permuted_probs is not None:
@@ -339,6 +350,26 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
             return y, cached[key]
         return y, torch.tensor(tokens_per_expert, dtype=torch.int64)
 
+    def _chunk_gather(self, counts, device):
+        """(gather, inverse) row indices that regroup the received chunks [u][j][l] expert-major (``chunk_sort_
+        indices``), from the device copy of the counts (``counts``, [etp * ep * E]) so nothing waits on the
+        host, or, padded to capacity (``counts`` None), from the static sizes, made once per shape."""
+        cache = self.__dict__.setdefault("_chunk_index_cache", {})
+        key = ("order", tuple(self.sorted_idxs), device)
+        if key not in cache:
+            cache[key] = torch.tensor(self.sorted_idxs, dtype=torch.int64, device=device)
+        order = cache[key]
+        total = sum(self.chunk_sizes)
+        if counts is None:
+            key = ("static", tuple(self.chunk_sizes), device)
+            if key not in cache:
+                sizes = torch.tensor(self.chunk_sizes, dtype=torch.int64, device=device)
+                cache[key] = chunk_sort_indices(sizes, order, total)
+            return cache[key]
+        El, m = self.num_local_experts, self.ep_rank
+        sizes = counts.view(self.etp_size, self.ep_size, self.num_experts)[:, :, m * El:(m + 1) * El].reshape(-1)
+        return chunk_sort_indices(sizes.to(device), order, total)
+
     def _to_experts(self, rows, wgrad_store=None):
         """This rank's permuted rows (or their probs) -> the local experts' rows, expert-major. The rows'
         exchange (not the probs') flushes ``wgrad_store`` in its backward: it comes after the experts'."""
@@ -347,7 +378,7 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
         if self.etp_size > 1:
             y = _GatherV.apply(y, self.etp_group, self.etp_sizes)  # chunks [etp u][ep j][l]
         if self.num_local_experts > 1:
-            y = _sort_chunks(y, self.chunk_sizes, self.sorted_idxs)
+            y = GatherRows.apply(y, *self.chunk_gather)
         return y
 
     def token_unpermutation(self, expert_output, bias=None):
@@ -355,9 +386,8 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
         if self.local_only:
             pass
         elif self.num_local_experts > 1:
-            sorted_sizes = [self.chunk_sizes[i] for i in self.sorted_idxs]
-            inverse = sorted(range(len(self.sorted_idxs)), key=lambda i: self.sorted_idxs[i])
-            y = _sort_chunks(y, sorted_sizes, inverse)  # back to [u][j][l]
+            gather, inverse = self.chunk_gather
+            y = GatherRows.apply(y, inverse, gather)  # back to [u][j][l]
         if self.etp_size > 1:
             y = _ReduceScatterV.apply(y, self.etp_group, self.etp_sizes)  # sum the expert-TP partials
         if not self.local_only:
