@@ -1,6 +1,6 @@
 """Model shapes, layouts and default bandwidths for tools/scaling_model.py.
 
-The shapes of ``../shared/megatron_reference/configs.sh`` (GPT13B, LLAMA8B, MOE_MIXTRAL, MOE_FINE) and of the
+The shapes of ``../shared/megatron_reference/configs.sh`` (GPT13B, LLAMA8B, MOE_MIXTRAL, MOE_FINE, QWEN3_30B_A3B) and of the
 published configurations (Llama-3-70B, GPT-3 175B), and NVIDIA's published rows the model is compared with.
 """
 from dataclasses import dataclass, field, replace
@@ -52,6 +52,10 @@ PRESETS: Dict[str, ModelShape] = {
     # configs.sh MOE_FINE: the same with 64 experts of 1408, top-6, a shared expert of 2816.
     "MOE_FINE": ModelShape(layers=8, hidden=2048, ffn=5632, heads=16, kv_heads=4, vocab=32000, seq=4096,
                            experts=64, topk=6, moe_ffn=1408, shared_ffn=2816),
+    # configs.sh QWEN3_30B_A3B (whole model: 48 layers; the rows cut it): 2048, GQA 32/4 of head dim 128, every
+    # layer 128 experts of 768, top-8, no shared expert, vocab 151936, seq 4096.
+    "QWEN3_30B_A3B": ModelShape(layers=48, hidden=2048, ffn=6144, heads=32, kv_heads=4, vocab=151936, seq=4096,
+                                kv_channels=128, experts=128, topk=8, moe_ffn=768),
 }
 
 
