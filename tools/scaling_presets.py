@@ -1,7 +1,7 @@
 """Model shapes, layouts and default bandwidths for tools/scaling_model.py.
 
-The shapes of ``../shared/megatron_reference/configs.sh`` (GPT13B, LLAMA8B, MOE_MIXTRAL, MOE_FINE, QWEN3_30B_A3B) and of the
-published configurations (Llama-3-70B, GPT-3 175B), and NVIDIA's published rows the model is compared with.
+The shapes of ``../shared/megatron_reference/configs.sh`` (GPT13B, LLAMA8B, MOE_MIXTRAL, MOE_FINE, QWEN3_30B_A3B)
+and of the published configurations (Llama-3-70B, GPT-3 175B), and NVIDIA's published rows the model is compared with.
 """
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple

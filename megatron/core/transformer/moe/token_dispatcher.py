@@ -26,8 +26,8 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.transformer.moe.launch_order import backward_turn, forward_turn
 from megatron.core.transformer.moe.moe_utils import (
-    GatherRows,
     _permute,
+    _PermuteRows,
     _unpermute,
     chunk_sort_indices,
     fused_permute_fns,
@@ -378,7 +378,7 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
         if self.etp_size > 1:
             y = _GatherV.apply(y, self.etp_group, self.etp_sizes)  # chunks [etp u][ep j][l]
         if self.num_local_experts > 1:
-            y = GatherRows.apply(y, *self.chunk_gather)
+            y = _PermuteRows.apply(y, *self.chunk_gather)
         return y
 
     def token_unpermutation(self, expert_output, bias=None):
@@ -387,7 +387,7 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
             pass
         elif self.num_local_experts > 1:
             gather, inverse = self.chunk_gather
-            y = GatherRows.apply(y, inverse, gather)  # back to [u][j][l]
+            y = _PermuteRows.apply(y, inverse, gather)  # back to [u][j][l]
         if self.etp_size > 1:
             y = _ReduceScatterV.apply(y, self.etp_group, self.etp_sizes)  # sum the expert-TP partials
         if not self.local_only:

@@ -133,14 +133,14 @@ def test_token_major_permutation_equals_scatter_path(k):
 def test_chunk_sort_gather_equals_split_and_cat(sizes):
     """The dispatcher's expert-major regroup as one gather: the same rows as _sort_chunks' split + cat, its
     inverse restores the input, and the backward hands each row its own gradient (a gather, not a scatter)."""
-    from megatron.core.transformer.moe.moe_utils import GatherRows, _sort_chunks, chunk_sort_indices
+    from megatron.core.transformer.moe.moe_utils import _PermuteRows, _sort_chunks, chunk_sort_indices
 
     gen = torch.Generator().manual_seed(len(sizes))
     order = torch.randperm(len(sizes), generator=gen).tolist()
     total = sum(sizes)
     x = torch.randn(total, 3, generator=gen, requires_grad=True)
     gather, inverse = chunk_sort_indices(torch.tensor(sizes), torch.tensor(order), total)
-    y = GatherRows.apply(x, gather, inverse)
+    y = _PermuteRows.apply(x, gather, inverse)
     assert torch.equal(y, _sort_chunks(x.detach(), sizes, order))
     assert torch.equal(y.detach().index_select(0, inverse), x.detach())
     weights = torch.randn(total, 3, generator=gen)
