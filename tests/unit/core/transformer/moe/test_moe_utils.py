@@ -146,3 +146,28 @@ def test_chunk_sort_gather_equals_split_and_cat(sizes):
     weights = torch.randn(total, 3, generator=gen)
     (y * weights).sum().backward()
     assert torch.equal(x.grad, weights.index_select(0, inverse))
+
+
+def test_static_chunk_gather_is_made_once_per_shape():
+    """Padded to capacity the regroup's indices depend only on the split sizes: made once (in the warm-up
+    steps) and reused, so a captured step replays tensors that exist and allocates nothing on the host path."""
+    from megatron.core.transformer.moe.moe_utils import _sort_chunks
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    d = object.__new__(MoEAlltoAllTokenDispatcher)
+    El, ep = 3, 2
+    d.num_local_experts, d.ep_size, d.etp_size, d.ep_rank, d.num_experts = El, ep, 1, 1, El * ep
+    d.chunk_sizes = [4] * (El * ep)
+    d.sorted_idxs = [j * El + l for l in range(El) for j in range(ep)]
+    first = d._chunk_gather(None, torch.device("cpu"))
+    again = d._chunk_gather(None, torch.device("cpu"))
+    assert first[0] is again[0] and first[1] is again[1]
+    x = torch.arange(sum(d.chunk_sizes), dtype=torch.float32).unsqueeze(1)
+    assert torch.equal(x.index_select(0, first[0]), _sort_chunks(x, d.chunk_sizes, d.sorted_idxs))
+    # From exchanged counts [etp, ep, E]: this rank's (m = 1) columns, chunks [j][l].
+    counts = torch.arange(ep * El * ep, dtype=torch.int64)
+    d.chunk_sizes = counts.view(1, ep, El * ep)[:, :, El:].reshape(-1).tolist()
+    gather, inverse = d._chunk_gather(counts, torch.device("cpu"))
+    y = torch.arange(sum(d.chunk_sizes), dtype=torch.float32).unsqueeze(1)
+    assert torch.equal(y.index_select(0, gather), _sort_chunks(y, d.chunk_sizes, d.sorted_idxs))
+    assert torch.equal(y.index_select(0, gather).index_select(0, inverse), y)
