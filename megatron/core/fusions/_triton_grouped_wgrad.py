@@ -1,4 +1,4 @@
-"""The Triton kernel behind ``grouped_wgrad.fused_grouped_wgrad`` (imported only where Triton builds kernels).
+"""The Triton kernel behind ``grouped_wgrad.grouped_wgrad_into_main_grad`` (imported only where Triton builds kernels).
 
 C[e] (+)= G_e^T X_e for the row blocks of G [R, M] and X [R, N] that ``offs`` (int32 cumulative row ends, one
 per expert) cuts, C [E, M, N] in fp32: the experts' weight gradients accumulated in the GEMM's epilogue. One

@@ -116,16 +116,15 @@ class GroupedLinear(torch.autograd.Function):
         grad_x = torch._grouped_mm(grad, weight, offs=offs)  # [N, in]
         param = ctx.weight
         fused = ctx.fuse_wgrad and _into_main_grad(param)
+        def wgrad():  # fused: added into main_grad, and DDP's placeholder for autograd; else [E, out, in]
+            if fused:
+                return _wgrad_into_main_grad(param, grad, x, offs)
+            return torch._grouped_mm(grad.t(), x, offs=offs).to(weight.dtype)
+
         if ctx.wgrad_store is not None:
-            if fused:  # the parked GEMM adds into main_grad; DDP's hook then sees the placeholder
-                ctx.wgrad_store.defer(lambda: accumulate_param_grad(param, _wgrad_into_main_grad(param, grad, x, offs)))
-            else:
-                ctx.wgrad_store.defer(lambda: accumulate_param_grad(param, torch._grouped_mm(grad.t(), x, offs=offs)))
+            ctx.wgrad_store.defer(lambda: accumulate_param_grad(param, wgrad()))
             return grad_x, None, None, None, None
-        if fused:
-            return grad_x, _wgrad_into_main_grad(param, grad, x, offs), None, None, None
-        grad_w = torch._grouped_mm(grad.t(), x, offs=offs)  # [E, out, in]
-        return grad_x, grad_w.to(weight.dtype), None, None, None
+        return grad_x, wgrad(), None, None, None
 
 
 def _into_main_grad(param: torch.Tensor) -> bool:

@@ -355,7 +355,7 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
         indices``), from the device copy of the counts (``counts``, [etp * ep * E]) so nothing waits on the
         host, or, padded to capacity (``counts`` None), from the static sizes, made once per shape."""
         cache = self.__dict__.setdefault("_chunk_index_cache", {})
-        key = ("order", tuple(self.sorted_idxs), device)
+        key = ("order", self.num_local_experts, self.ep_size, self.etp_size, device)  # sorted_idxs' inputs
         if key not in cache:
             cache[key] = torch.tensor(self.sorted_idxs, dtype=torch.int64, device=device)
         order = cache[key]
@@ -368,7 +368,7 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
             return cache[key]
         El, m = self.num_local_experts, self.ep_rank
         sizes = counts.view(self.etp_size, self.ep_size, self.num_experts)[:, :, m * El:(m + 1) * El].reshape(-1)
-        return chunk_sort_indices(sizes.to(device), order, total)
+        return chunk_sort_indices(sizes, order, total)
 
     def _to_experts(self, rows, wgrad_store=None):
         """This rank's permuted rows (or their probs) -> the local experts' rows, expert-major. The rows'
