@@ -87,8 +87,11 @@ def test_compiled_layers_fused_wgrad_reaches_main_grad():
     from megatron.core.models.gpt.gpt_model import GPTModel
     from tests.parallel.dist_utils import free_port
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    # An earlier in-process training run (tests/fixtures/tiny_gpt.run_pretrain) keeps its default group: use it.
+    own_group = not torch.distributed.is_initialized()
+    if own_group:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     try:
         ps.initialize_model_parallel()
         cfg = TransformerConfig(num_layers=2, hidden_size=256, num_attention_heads=4, num_query_groups=2,
@@ -115,7 +118,8 @@ def test_compiled_layers_fused_wgrad_reaches_main_grad():
             assert _rel(grads[1][name], ref) < 3e-2, name  # bf16 grads, different fusion order
     finally:
         ps.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
+        if own_group:
+            torch.distributed.destroy_process_group()
 
 
 def test_clip_folded_into_fused_adam_matches_explicit_clip():
