@@ -68,7 +68,8 @@ def add_moe_args(parser):
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="All local experts in two grouped GEMMs (torch._grouped_mm on Hopper bf16).")
     g.add_argument("--moe-permute-fusion", action="store_true",
-                   help="torch.compile'd token permutation on CUDA (index-based eager fallback).")
+                   help="The token permutation as one Triton kernel per direction on CUDA for exactly top-k "
+                        "routing (index-based eager otherwise).")
     g.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
                    help="Run each micro-batch's forward beside the previous one's backward, so the expert-"
                         "parallel all-to-all of one hides behind the other's compute (EP x DP, no pipelining).")

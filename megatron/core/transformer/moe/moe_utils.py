@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from megatron.core.fusions import moe_permute
 from megatron.core.fusions.compile import maybe_compile
 from megatron.core.utils import lazy_names
 
@@ -339,25 +340,44 @@ def fused_router_fns():
     return _COMPILED["router"]
 
 
+def _fused_permute(tokens, routing_map, probs: Optional[torch.Tensor] = None, num_out_tokens: Optional[int] = None,
+                   topk: Optional[int] = None):
+    """`_permute` by the Triton kernels of `megatron.core.fusions.moe_permute` where routing is exactly top-k on
+    CUDA (the same rows, order and ``sorted_indices``); `_permute` otherwise. The returned ``sorted_indices``
+    carries ``token_rows`` [T, k] (each token's rows), the map `_fused_unpermute` gathers by: the dispatchers
+    hand the same tensor from one to the other."""
+    if topk is None or not moe_permute.available(tokens):
+        return _permute(tokens, routing_map, probs, num_out_tokens, topk)
+    permuted, permuted_probs, sorted_indices, token_rows = moe_permute.permute(tokens, routing_map, probs, topk)
+    sorted_indices.token_rows = token_rows
+    return permuted, permuted_probs, sorted_indices
+
+
+def _fused_unpermute(permuted_tokens, sorted_indices, restore_shape, probs: Optional[torch.Tensor] = None,
+                     topk: Optional[int] = None):
+    """`_unpermute` by one Triton kernel per direction where `_fused_permute` left its ``token_rows``;
+    `_unpermute` otherwise."""
+    token_rows = getattr(sorted_indices, "token_rows", None)
+    if topk is None or token_rows is None or not moe_permute.available(permuted_tokens):
+        return _unpermute(permuted_tokens, sorted_indices, restore_shape, probs, topk)
+    return moe_permute.unpermute(permuted_tokens, token_rows, probs).view(restore_shape)
+
+
 def fused_permute_fns():
-    """torch.compile'd `_permute` / `_unpermute` (--moe-permute-fusion) on CUDA with Triton; the eager
-    index-based versions elsewhere, or when compilation is unavailable."""
+    """(`_fused_permute`, `_fused_unpermute`) for --moe-permute-fusion: the permutation without sorts, a few
+    launches instead of ~25 per MoE layer and micro-batch; the eager functions on CPU, for dropped or padded
+    tokens, and from the first failure on (a Triton that cannot build the kernels here, said once)."""
     if "fns" not in _COMPILED:
-        fns = (_permute, _unpermute)
-        try:
-            import triton  # noqa: F401  # lazy: optional dependency, probed only under --moe-permute-fusion
-            if torch.cuda.is_available():
-                fns = (_with_eager_fallback(torch.compile(_permute, dynamic=True), _permute),
-                       _with_eager_fallback(torch.compile(_unpermute, dynamic=True), _unpermute))
-        except ImportError:
-            pass
-        _COMPILED["fns"] = fns
+        _COMPILED["fns"] = (_with_eager_fallback(_fused_permute, _permute, how="the fused permutation kernels"),
+                            _with_eager_fallback(_fused_unpermute, _unpermute, how="the fused permutation kernels"))
     return _COMPILED["fns"]
 
 
-def _with_eager_fallback(compiled, eager, what="--moe-permute-fusion", instead="the eager permutation"):
-    """Run ``compiled``; if compilation fails (no working compiler on this machine), say so once (naming
-    ``what`` and ``instead``) and use the eager function from then on (``call.state["fn"]``: the one in use)."""
+def _with_eager_fallback(compiled, eager, what="--moe-permute-fusion", instead="the eager permutation",
+                         how="torch.compile"):
+    """Run ``compiled``; if it fails to build (no working compiler on this machine), say so once (naming ``what``,
+    ``how`` it was built and ``instead``) and use the eager function from then on (``call.state["fn"]``: the one
+    in use)."""
     state = {"fn": compiled}
 
     def call(*args, **kwargs):
@@ -368,7 +388,7 @@ def _with_eager_fallback(compiled, eager, what="--moe-permute-fusion", instead="
         except Exception as e:  # noqa: BLE001 (any compiler failure)
             if state["fn"] is eager:
                 raise
-            warnings.warn(f"{what}: torch.compile failed ({type(e).__name__}); using {instead}")
+            warnings.warn(f"{what}: {how} failed ({type(e).__name__}: {e}); using {instead}")
             state["fn"] = eager
             return eager(*args, **kwargs)
     call.state = state

@@ -1,0 +1,138 @@
+"""The Triton kernels behind ``moe_permute`` (imported only where Triton builds kernels).
+
+Rows are grouped expert-major, token order within an expert (the order of the eager sort-based permutation). A
+token's k destinations come from the column-wise running count of the routing map: row = offset[e] + (tokens
+before it routed to e). One program per token finds its k experts in its map row, writes its row to all k
+destinations (read once), and records them in ``token_rows`` [T, k] (expert order) for the way back: the
+unpermutation and both backwards gather or scatter a token's k rows in one program, summing in fp32 in that fixed
+order (deterministic, no atomics).
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _destinations(map_ptr, cum_ptr, offs_ptr, t, E, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
+    """Token t's destinations and experts, [K_PAD] each, in expert order (slots past k are 0)."""
+    e = tl.arange(0, E_PAD)
+    in_e = e < E
+    base = t.to(tl.int64) * E
+    routed = tl.load(map_ptr + base + e, mask=in_e, other=0) != 0
+    dest = tl.load(offs_ptr + e, mask=in_e, other=0) + tl.load(cum_ptr + base + e, mask=in_e, other=0) - 1
+    slot = tl.cumsum(routed.to(tl.int32), axis=0) - 1
+    j = tl.arange(0, K_PAD)
+    pick = (slot[None, :] == j[:, None]) & routed[None, :]  # [K_PAD, E_PAD]: slot j holds expert e
+    return tl.sum(tl.where(pick, dest[None, :], 0), axis=1), tl.sum(tl.where(pick, e[None, :], 0), axis=1), pick
+
+
+@triton.jit
+def _permute_kernel(x_ptr, map_ptr, cum_ptr, offs_ptr, probs_ptr, out_ptr, out_probs_ptr, sorted_ptr, rows_ptr,
+                    experts_ptr, E, H, K: tl.constexpr, HAS_PROBS: tl.constexpr, E_PAD: tl.constexpr,
+                    K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0)
+    dest, expert, pick = _destinations(map_ptr, cum_ptr, offs_ptr, t, E, E_PAD, K_PAD)
+    j = tl.arange(0, K_PAD)
+    in_k = j < K
+    tl.store(rows_ptr + t * K + j, dest, mask=in_k)
+    tl.store(experts_ptr + t * K + j, expert, mask=in_k)
+    tl.store(sorted_ptr + dest, tl.broadcast_to(t.to(tl.int64), (K_PAD,)), mask=in_k)
+    if HAS_PROBS:
+        e = tl.arange(0, E_PAD)
+        p = tl.load(probs_ptr + t.to(tl.int64) * E + e, mask=e < E, other=0.0)
+        tl.store(out_probs_ptr + dest, tl.sum(tl.where(pick, p[None, :], 0.0), axis=1), mask=in_k)
+    dst = dest.to(tl.int64)[:, None] * H
+    src = x_ptr + t.to(tl.int64) * H
+    h0 = 0
+    while h0 < H:  # (Triton's CPU interpreter, which the tests run, cannot take a `range` over an argument)
+        h = h0 + tl.arange(0, BLOCK_H)
+        h0 += BLOCK_H
+        in_h = h < H
+        row = tl.load(src + h, mask=in_h, other=0.0)
+        tl.store(out_ptr + dst + h[None, :], tl.broadcast_to(row[None, :], (K_PAD, BLOCK_H)),
+                 mask=in_k[:, None] & in_h[None, :])
+
+
+@triton.jit
+def _gather_sum_kernel(y_ptr, rows_ptr, probs_ptr, out_ptr, H, K: tl.constexpr, HAS_PROBS: tl.constexpr,
+                       K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum_j y[rows[t, j]] (x probs[rows[t, j]]), fp32 accumulation: the unpermutation, and the
+    permutation's backward (without probs)."""
+    t = tl.program_id(0)
+    j = tl.arange(0, K_PAD)
+    in_k = j < K
+    dest = tl.load(rows_ptr + t * K + j, mask=in_k, other=0)
+    if HAS_PROBS:
+        p = tl.load(probs_ptr + dest, mask=in_k, other=0.0).to(tl.float32)
+    src = dest.to(tl.int64)[:, None] * H
+    dst = out_ptr + t.to(tl.int64) * H
+    h0 = 0
+    while h0 < H:  # (Triton's CPU interpreter, which the tests run, cannot take a `range` over an argument)
+        h = h0 + tl.arange(0, BLOCK_H)
+        h0 += BLOCK_H
+        in_h = h < H
+        rows = tl.load(y_ptr + src + h[None, :], mask=in_k[:, None] & in_h[None, :], other=0.0).to(tl.float32)
+        if HAS_PROBS:
+            rows = rows * p[:, None]
+        tl.store(dst + h, tl.sum(rows, axis=0).to(out_ptr.dtype.element_ty), mask=in_h)
+
+
+@triton.jit
+def _scatter_kernel(g_ptr, rows_ptr, probs_ptr, y_ptr, dy_ptr, dprobs_ptr, H, K: tl.constexpr,
+                    HAS_PROBS: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The unpermutation's backward: dy[rows[t, j]] = g[t] (x probs[rows[t, j]]), and with probs their gradient,
+    dprobs[rows[t, j]] = <y[rows[t, j]], g[t]> (fp32)."""
+    t = tl.program_id(0)
+    j = tl.arange(0, K_PAD)
+    in_k = j < K
+    dest = tl.load(rows_ptr + t * K + j, mask=in_k, other=0)
+    if HAS_PROBS:
+        p = tl.load(probs_ptr + dest, mask=in_k, other=0.0).to(tl.float32)
+        dot = tl.zeros([K_PAD], tl.float32)
+    rows = dest.to(tl.int64)[:, None] * H
+    src = g_ptr + t.to(tl.int64) * H
+    h0 = 0
+    while h0 < H:  # (Triton's CPU interpreter, which the tests run, cannot take a `range` over an argument)
+        h = h0 + tl.arange(0, BLOCK_H)
+        h0 += BLOCK_H
+        in_h = h < H
+        mask = in_k[:, None] & in_h[None, :]
+        g = tl.load(src + h, mask=in_h, other=0.0).to(tl.float32)
+        grad = tl.broadcast_to(g[None, :], (K_PAD, BLOCK_H))
+        if HAS_PROBS:
+            y = tl.load(y_ptr + rows + h[None, :], mask=mask, other=0.0).to(tl.float32)
+            dot += tl.sum(y * g[None, :], axis=1)
+            grad = grad * p[:, None]
+        tl.store(dy_ptr + rows + h[None, :], grad.to(dy_ptr.dtype.element_ty), mask=mask)
+    if HAS_PROBS:
+        tl.store(dprobs_ptr + dest, dot.to(dprobs_ptr.dtype.element_ty), mask=in_k)
+
+
+def _launch_args(hidden: int, k: int):
+    block_h = min(triton.next_power_of_2(hidden), max(64, 4096 // triton.next_power_of_2(k)))
+    return dict(K=k, K_PAD=triton.next_power_of_2(k), BLOCK_H=block_h, num_warps=4)
+
+
+def permute(x, routing_map, cum, offs, probs, out, out_probs, sorted_indices, token_rows, token_experts):
+    """Write every token's row (and prob) to its k destinations; fill sorted_indices [N] (int64), token_rows and
+    token_experts [T, k] (int32)."""
+    tokens, experts = routing_map.shape
+    k = token_rows.shape[1]
+    _permute_kernel[(tokens,)](x, routing_map, cum, offs, probs if probs is not None else x, out,
+                               out_probs if out_probs is not None else out, sorted_indices, token_rows,
+                               token_experts, experts, x.shape[1], HAS_PROBS=probs is not None,
+                               E_PAD=triton.next_power_of_2(experts), **_launch_args(x.shape[1], k))
+
+
+def gather_sum(y, token_rows, probs, out):
+    """out[t] = sum over token t's rows of y (times probs), fp32 accumulation."""
+    _gather_sum_kernel[(token_rows.shape[0],)](y, token_rows, probs if probs is not None else y, out, y.shape[1],
+                                               HAS_PROBS=probs is not None,
+                                               **_launch_args(y.shape[1], token_rows.shape[1]))
+
+
+def scatter(g, token_rows, probs, y, dy, dprobs):
+    """dy's rows from g's (times probs), and with probs their gradient into dprobs [N]."""
+    _scatter_kernel[(token_rows.shape[0],)](g, token_rows, probs if probs is not None else g, y, dy,
+                                            dprobs if dprobs is not None else dy, g.shape[1],
+                                            HAS_PROBS=probs is not None,
+                                            **_launch_args(g.shape[1], token_rows.shape[1]))
