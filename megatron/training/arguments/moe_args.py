@@ -77,8 +77,8 @@ def add_moe_args(parser):
                    help="Compute the grouped experts' weight gradients while the backward dispatch "
                         "all-to-all is in flight, after their input gradients.")
     g.add_argument("--moe-router-fusion", action="store_true",
-                   help="Top-k routing and the balancing-loss scores compiled into few kernels on CUDA "
-                        "(torch.compile; the same math; eager fallback).")
+                   help="Top-k routing and the balancing-loss scores as one Triton kernel per direction on "
+                        "CUDA (the same values; eager fallback).")
     g.add_argument("--moe-apply-probs-on-input", action="store_true",
                    help="Multiply each token's expert input by its routing probability instead of the "
                         "expert's activation (needs --moe-router-topk 1).")

@@ -9,8 +9,7 @@ from typing import Optional
 
 import torch
 
-from megatron.core.fusions import moe_permute
-from megatron.core.fusions.compile import maybe_compile
+from megatron.core.fusions import moe_permute, moe_router
 from megatron.core.utils import lazy_names
 
 _ROUTER_GATING = "megatron.core.transformer.moe.router_gating"
@@ -328,15 +327,42 @@ def _unpermute(permuted_tokens, sorted_indices, restore_shape, probs: Optional[t
 _COMPILED = {}
 
 
+def _fused_topk_routing(logits, topk: int, use_pre_softmax: bool = False, num_groups: Optional[int] = None,
+                        group_topk: Optional[int] = None, scaling_factor: Optional[float] = None,
+                        score_function: str = "softmax", expert_bias: Optional[torch.Tensor] = None,
+                        fused: bool = False, router_replay=None, dense_output: bool = False,
+                        precomputed_indices: Optional[torch.Tensor] = None):
+    """`topk_routing_with_score_function` by the Triton kernels of `megatron.core.fusions.moe_router` (one per
+    direction) where they cover the call; the eager function otherwise."""
+    if (router_replay is None and not dense_output and precomputed_indices is None
+            and moe_router.available(logits, topk, score_function, num_groups, group_topk)):
+        return moe_router.route(logits, topk, score_function, use_pre_softmax, scaling_factor, expert_bias,
+                                num_groups, group_topk)
+    return topk_routing_with_score_function(
+        logits, topk, use_pre_softmax=use_pre_softmax, num_groups=num_groups, group_topk=group_topk,
+        scaling_factor=scaling_factor, score_function=score_function, expert_bias=expert_bias, fused=fused,
+        router_replay=router_replay, dense_output=dense_output, precomputed_indices=precomputed_indices)
+
+
+def _fused_aux_scores(logits, topk: int, score_function: str, fused: bool = False,
+                      padding_mask: Optional[torch.Tensor] = None):
+    """`compute_routing_scores_for_aux_loss` by one Triton kernel per direction where they cover the call."""
+    if padding_mask is None and moe_router.available(logits, topk, score_function):
+        return moe_router.aux_scores(logits, topk, score_function)
+    return compute_routing_scores_for_aux_loss(logits, topk, score_function, fused=fused, padding_mask=padding_mask)
+
+
 def fused_router_fns():
-    """(routing, aux-loss scores) for --moe-router-fusion: `topk_routing_with_score_function` and
-    `compute_routing_scores_for_aux_loss` compiled for CUDA tensors (one static-shape graph per token
-    count), the chain of small fp32 kernels (softmax or sigmoid, top-k, normalisation, the scatters into
-    [T, E]) becoming a few; eager on CPU, and from then on where compilation fails (said once)."""
+    """(routing, aux-loss scores) for --moe-router-fusion: `_fused_topk_routing` and `_fused_aux_scores`, the
+    chain of small fp32 kernels (score function, top-k, normalisation, the scatters into [T, E]) as one kernel
+    per direction each; eager on CPU, for what the kernels do not cover, and from the first failure on (a Triton
+    that cannot build them here, said once)."""
     if "router" not in _COMPILED:
-        _COMPILED["router"] = tuple(
-            _with_eager_fallback(maybe_compile(fn), fn, "--moe-router-fusion", "the eager router")
-            for fn in (topk_routing_with_score_function, compute_routing_scores_for_aux_loss))
+        _COMPILED["router"] = (
+            _with_eager_fallback(_fused_topk_routing, topk_routing_with_score_function, "--moe-router-fusion",
+                                 "the eager router", how="the fused router kernels"),
+            _with_eager_fallback(_fused_aux_scores, compute_routing_scores_for_aux_loss, "--moe-router-fusion",
+                                 "the eager router", how="the fused router kernels"))
     return _COMPILED["router"]
 
 
