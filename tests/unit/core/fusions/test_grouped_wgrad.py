@@ -2,37 +2,18 @@
 the Triton kernel equals per-expert matmuls under Triton's CPU interpreter (its own process), and the grouped
 experts' backward, with gradient_accumulation_fusion on a DDP-managed weight, writes the iteration's first
 gradient, adds the next ones and hands autograd DDP's placeholder, so main_grad equals the plain autograd sum."""
-import importlib.metadata
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from megatron.core.fusions import grouped_wgrad
 from megatron.core.transformer.moe.experts import grouped_gemm
-
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grouped_wgrad_interpreted_worker.py")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+from tests.unit.core.fusions.interpreted import check_worker, needs_triton3
 
 
-def _triton_version():
-    try:
-        return importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        return ""
-
-
-@pytest.mark.skipif(not _triton_version().startswith("3."), reason="needs Triton 3 (requirements-test.txt)")
+@needs_triton3
 def test_kernel_equals_per_expert_matmuls_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, WORKER], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [line.split() for line in proc.stdout.splitlines()]
-    assert len(rows) == 2 * 3 * 2, proc.stdout
-    bad = [" ".join(r) for r in rows if float(r[1]) > float(r[2])]
-    assert not bad, "over tolerance (case, error, tolerance):\n" + "\n".join(bad)
+    check_worker("grouped_wgrad_interpreted_worker.py", 2 * 3 * 2)
 
 
 def _grouped_mm_on_cpu():

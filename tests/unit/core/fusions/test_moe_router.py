@@ -2,36 +2,17 @@
 process), the fused routing and balancing-loss scores equal the eager functions, forward and backward, for every
 score function, the expert bias, the group limit and the scaling (moe_router_interpreted_worker.py); and they
 compile for Hopper without a GPU. Without the kernels (CPU tensors) the fused functions are the eager ones."""
-import importlib.metadata
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from megatron.core.transformer.moe import moe_utils
-
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_router_interpreted_worker.py")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+from tests.unit.core.fusions.interpreted import check_worker, needs_triton3
 
 
-def _triton_version():
-    try:
-        return importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        return ""
-
-
-@pytest.mark.skipif(not _triton_version().startswith("3."), reason="needs Triton 3 (requirements-test.txt)")
+@needs_triton3
 def test_fused_router_equals_eager_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, WORKER], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [line.split() for line in proc.stdout.splitlines()]
-    assert len(rows) == 2 * 5 * 6, proc.stdout
-    bad = [" ".join(r) for r in rows if float(r[1]) > float(r[2])]
-    assert not bad, "over tolerance (case, error, tolerance):\n" + "\n".join(bad)
+    check_worker("moe_router_interpreted_worker.py", 2 * 5 * 6)
 
 
 @pytest.mark.parametrize("logits", ["*fp32", "*bf16"])
