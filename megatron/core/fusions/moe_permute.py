@@ -29,10 +29,14 @@ def _load():
 _kernels = triton_loader(_load)
 
 
-def available(tokens: torch.Tensor) -> bool:
-    """The kernels run here: a 2-D CUDA activation, a Triton that builds kernels, outside torch.compile."""
+MAX_EXPERTS = 1024  # a token's map row is held in registers
+
+
+def available(tokens: torch.Tensor, num_experts: int = 1) -> bool:
+    """The kernels run here: a 2-D CUDA activation, at most MAX_EXPERTS experts, a Triton that builds kernels,
+    outside torch.compile."""
     return (tokens.is_cuda and tokens.dim() == 2 and tokens.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and not torch.compiler.is_compiling() and bool(_kernels()))
+            and num_experts <= MAX_EXPERTS and not torch.compiler.is_compiling() and bool(_kernels()))
 
 
 class _Permute(torch.autograd.Function):

@@ -372,7 +372,7 @@ def _fused_permute(tokens, routing_map, probs: Optional[torch.Tensor] = None, nu
     CUDA (the same rows, order and ``sorted_indices``); `_permute` otherwise. The returned ``sorted_indices``
     carries ``token_rows`` [T, k] (each token's rows), the map `_fused_unpermute` gathers by: the dispatchers
     hand the same tensor from one to the other."""
-    if topk is None or not moe_permute.available(tokens):
+    if topk is None or not moe_permute.available(tokens, routing_map.shape[1]):
         return _permute(tokens, routing_map, probs, num_out_tokens, topk)
     permuted, permuted_probs, sorted_indices, token_rows = moe_permute.permute(tokens, routing_map, probs, topk)
     sorted_indices.token_rows = token_rows
