@@ -12,6 +12,7 @@
 #   bash tools/bench_scale_rows.sh --list                                # the rows and their flags
 #   EXTRA_OURS="--logging-level 20" MREF=0 ROWS=fine_1gpu bash tools/bench_scale_rows.sh   # flags for ours alone
 #   PACK=1 ROWS=... bash tools/bench_scale_rows.sh   # the logs (and traces) packed into one $OUT/logs_<time>.tgz
+#   SERIAL=1 ROWS="mix_ep2_overlap fine_ep2_overlap" bash tools/bench_scale_rows.sh   # one row at a time
 #   DATA=corpus ROWS="mix_1gpu mix_ep4" bash tools/bench_scale_rows.sh   # the shipped corpus instead of mock data
 #   A/B of two commits in one call, runs interleaved on the same GPUs (prepare here, carry `scratch`):
 #     mkdir -p scratch/A && git archive REV | tar -x -C scratch/A     (scratch/ ignored by .git/info/exclude)
@@ -262,12 +263,18 @@ for r in ${ROWS:-$ALL}; do
   spec=$(row "$r") || { echo "RESULT $r: unknown row (--list)"; continue; }
   case "${spec%% *}" in 1) ones+=("$r") ;; 2) twos+=("$r") ;; *) fours+=("$r") ;; esac
 done
-# Rows of one and two GPUs as many at a time as the GPUs allow, each on its own GPUs.
-for ((i = 0; i < ${#ones[@]}; i += ngpu)); do
-  for ((g = 0; g < ngpu && i + g < ${#ones[@]}; g++)); do port=$(free_ports $((port + 2))); run_row "${ones[$((i + g))]}" "${devs[$g]}" $port & done
+# Rows of one and two GPUs as many at a time as the GPUs allow, each on its own GPUs. SERIAL=1: one row at a time
+# (a host-bound row, the overlapped EP rows, lost 4% beside another row on the same host: rows quoted against a
+# bar run alone).
+width=$ngpu; [ "${SERIAL:-0}" = 1 ] && width=1
+for ((i = 0; i < ${#ones[@]}; i += width)); do
+  for ((g = 0; g < width && i + g < ${#ones[@]}; g++)); do port=$(free_ports $((port + 2))); run_row "${ones[$((i + g))]}" "${devs[$g]}" $port & done
   wait
 done
-pairs=$((ngpu / 2))
+pairs=$((ngpu / 2)); [ "${SERIAL:-0}" = 1 ] && [ "$pairs" -gt 1 ] && pairs=1
+if [ ${#twos[@]} -gt 0 ] && [ "$pairs" -lt 1 ]; then
+  echo "RESULT ${twos[*]}: need 2 GPUs, this machine has $ngpu"; twos=()
+fi
 for ((i = 0; i < ${#twos[@]}; i += pairs)); do
   for ((g = 0; g < pairs && i + g < ${#twos[@]}; g++)); do port=$(free_ports $((port + 2)))
     run_row "${twos[$((i + g))]}" "${devs[$((2 * g))]},${devs[$((2 * g + 1))]}" $port &
