@@ -42,6 +42,8 @@
 #   CUDA_DEVICE_MAX_CONNECTIONS > 1 where side_by_side.sh sets 1): mix_ep2_overlap / fine_ep2_overlap /
 #   qwen3_ep2_overlap / dsv3_ep2_overlap /
 #   mix_ep4_overlap / fine_ep4_overlap / qwen3_ep4_overlap / dsv3_ep4_overlap / mix_ep2dp2_overlap;
+#   *_fused: any row with Megatron's MoE recipe flags --moe-permute-fusion --moe-router-fusion (ours only; listed:
+#   fine_1gpu_fused, mix_1gpu_fused, qwen3_1gpu_fused, the EP=2 and EP=4 overlap rows + _fused);
 #   *_dp: the Qwen3 and DeepSeek rows with --use-distributed-optimizer --overlap-grad-reduce (both systems):
 #   qwen3_ep4_dp / dsv3_ep4_dp / dsv3_ep2_dp, and with the MoE overlap too (ours): qwen3_ep4_dp_overlap /
 #   dsv3_ep4_dp_overlap / dsv3_ep2_dp_overlap
@@ -74,6 +76,9 @@ OVERLAP_MOE="--overlap-moe-expert-parallel-comm --delay-wgrad-compute"
 # The EP rows' dense weights (attention, dense layers, embeddings: ~3.6 B on the DeepSeek proxy) are reduced over
 # the whole DP group after the last backward, exposed without these (60-66 ms of the proxy's EP=4 step, profiled).
 DIST_REDUCE="--use-distributed-optimizer --overlap-grad-reduce"
+# Megatron's MoE recipe flags for the permutation and the router (Triton kernels here; Transformer Engine's there,
+# so Megatron Core's side cannot run them without it): the *_fused rows, ours alone.
+FUSED_MOE="--moe-permute-fusion --moe-router-fusion"
 
 # row NAME -> "GPUS CONFIG flags..."
 row() {
@@ -141,6 +146,7 @@ row() {
     qwen3_ep4_dp_overlap) echo "4 QWEN3_30B_A3B $DIST_REDUCE $OVERLAP_MOE" ;;
     dsv3_ep4_dp_overlap) echo "4 DEEPSEEK_V3_PROXY $DIST_REDUCE $OVERLAP_MOE" ;;
     dsv3_ep2_dp_overlap) echo "2 DEEPSEEK_V3_PROXY --num-layers 3 --moe-layer-freq ([0]*1+[1]*2) --expert-model-parallel-size 2 --global-batch-size 8 $DIST_REDUCE $OVERLAP_MOE" ;;
+    *_fused)         local base; base=$(row "${1%_fused}") || return 1; echo "$base $FUSED_MOE" ;;
     *) return 1 ;;
   esac
 }
@@ -148,7 +154,9 @@ ALL="l8b_1gpu g13_1gpu l8_tp2 l8_tp2_graph l8b_tp2 l8b_dp2 l8b_pp2 l8b_pp2_vp l8
 mix_ep2 fine_ep2 qwen3_ep2 dsv3_ep2 mix_ep2_overlap fine_ep2_overlap qwen3_ep2_overlap dsv3_ep2_overlap l8b_dp4 l8b_tp2dp2 l8b_tp4 l8b_pp2dp2 l8b_pp4_vp l8b_pp2_bal l8b_pp2dp2_bal l8b_pp4_vp_bal l8b_cp2dp2_16k nemo_cp2dp2 cp1_64k cp4_64k cp4_128k
 mix_1gpu fine_1gpu qwen3_1gpu mix_1gpu_graph fine_1gpu_graph mix_ep4 fine_ep4 mix_ep2dp2 mix_ep2pp2 qwen3_ep4 dsv3_ep4 mix_ep4_pad mix_ep4_overlap fine_ep4_overlap
 qwen3_ep4_overlap dsv3_ep4_overlap mix_ep2dp2_overlap qwen3_ep4_dp dsv3_ep4_dp dsv3_ep2_dp qwen3_ep4_dp_overlap
-dsv3_ep4_dp_overlap dsv3_ep2_dp_overlap"
+dsv3_ep4_dp_overlap dsv3_ep2_dp_overlap
+fine_1gpu_fused mix_1gpu_fused qwen3_1gpu_fused mix_ep2_overlap_fused fine_ep2_overlap_fused qwen3_ep2_overlap_fused
+dsv3_ep2_dp_overlap_fused mix_ep4_overlap_fused fine_ep4_overlap_fused qwen3_ep4_dp_overlap_fused dsv3_ep4_dp_overlap_fused"
 if [ "${1:-}" = "--list" ]; then
   for r in $ALL; do printf '%-18s %s\n' "$r" "$(row "$r")"; done; exit 0
 fi
@@ -233,7 +241,7 @@ run_row() {  # run_row NAME CUDA_VISIBLE_DEVICES PORT (rendezvous ports PORT and
   # 4.5 GB of it fragments); its users' remedy, expandable segments, for both systems (rows run in subshells).
   case $name in l8b_dp2) export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} ;; esac
   [ -n "${TRAIN_ITERS:-}" ] && flags="$flags --train-iters $TRAIN_ITERS"  # both systems; the last flag wins
-  if [[ "$name" == *_overlap || "$name" == *_graph ]] || [ "${MREF:-1}" = 0 ] || [ "${PROFILE:-0}" = 1 ]; then  # ours alone
+  if [[ "$name" == *_overlap || "$name" == *_graph || "$name" == *_fused ]] || [ "${MREF:-1}" = 0 ] || [ "${PROFILE:-0}" = 1 ]; then  # ours alone
     seq=$(echo ${!cfg} $flags | grep -oE -- '--seq-length [0-9]+' | tail -1 | awk '{print $2}')
     gbs=$(echo ${!cfg} $flags | grep -oE -- '--global-batch-size [0-9]+' | tail -1 | awk '{print $2}')
     local prof=""
