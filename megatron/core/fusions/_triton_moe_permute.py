@@ -12,13 +12,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _destinations(map_ptr, cum_ptr, offs_ptr, t, E, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
-    """Token t's destinations and experts, [K_PAD] each, in expert order (slots past k are 0)."""
+def _destinations(map_ptr, cum_ptr, offs_ptr, t, T, E, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
+    """Token t's destinations and experts, [K_PAD] each, in expert order (slots past k are 0). ``cum`` is the
+    running count per expert, [E, T] (each expert's scan is contiguous, where torch's scan is fast)."""
     e = tl.arange(0, E_PAD)
     in_e = e < E
-    base = t.to(tl.int64) * E
-    routed = tl.load(map_ptr + base + e, mask=in_e, other=0) != 0
-    dest = tl.load(offs_ptr + e, mask=in_e, other=0) + tl.load(cum_ptr + base + e, mask=in_e, other=0) - 1
+    routed = tl.load(map_ptr + t.to(tl.int64) * E + e, mask=in_e, other=0) != 0
+    running = tl.load(cum_ptr + e.to(tl.int64) * T + t, mask=in_e, other=0)
+    dest = tl.load(offs_ptr + e, mask=in_e, other=0) + running - 1
     slot = tl.cumsum(routed.to(tl.int32), axis=0) - 1
     j = tl.arange(0, K_PAD)
     pick = (slot[None, :] == j[:, None]) & routed[None, :]  # [K_PAD, E_PAD]: slot j holds expert e
@@ -27,10 +28,10 @@ def _destinations(map_ptr, cum_ptr, offs_ptr, t, E, E_PAD: tl.constexpr, K_PAD: 
 
 @triton.jit
 def _permute_kernel(x_ptr, map_ptr, cum_ptr, offs_ptr, probs_ptr, out_ptr, out_probs_ptr, sorted_ptr, rows_ptr,
-                    experts_ptr, E, H, K: tl.constexpr, HAS_PROBS: tl.constexpr, E_PAD: tl.constexpr,
+                    experts_ptr, T, E, H, K: tl.constexpr, HAS_PROBS: tl.constexpr, E_PAD: tl.constexpr,
                     K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
     t = tl.program_id(0)
-    dest, expert, pick = _destinations(map_ptr, cum_ptr, offs_ptr, t, E, E_PAD, K_PAD)
+    dest, expert, pick = _destinations(map_ptr, cum_ptr, offs_ptr, t, T, E, E_PAD, K_PAD)
     j = tl.arange(0, K_PAD)
     in_k = j < K
     tl.store(rows_ptr + t * K + j, dest, mask=in_k)
@@ -114,12 +115,12 @@ def _launch_args(hidden: int, k: int):
 
 def permute(x, routing_map, cum, offs, probs, out, out_probs, sorted_indices, token_rows, token_experts):
     """Write every token's row (and prob) to its k destinations; fill sorted_indices [N] (int64), token_rows and
-    token_experts [T, k] (int32)."""
+    token_experts [T, k] (int32). ``cum``: [E, T] int32, each expert's running count of its tokens."""
     tokens, experts = routing_map.shape
     k = token_rows.shape[1]
     _permute_kernel[(tokens,)](x, routing_map, cum, offs, probs if probs is not None else x, out,
                                out_probs if out_probs is not None else out, sorted_indices, token_rows,
-                               token_experts, experts, x.shape[1], HAS_PROBS=probs is not None,
+                               token_experts, tokens, experts, x.shape[1], HAS_PROBS=probs is not None,
                                E_PAD=triton.next_power_of_2(experts), **_launch_args(x.shape[1], k))
 
 

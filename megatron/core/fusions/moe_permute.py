@@ -5,7 +5,7 @@ map's [E * T] flags, then the rows' source tokens for the token-major way back) 
 ``index_select``; with its index arithmetic and the unpermutation's sort, scatter and reduction that is ~25 kernel
 launches per MoE layer and micro-batch, forward and backward, which host-bound expert-parallel steps pay in
 launch time. Here the order comes from a running count instead of a sort: a token's row for expert e goes to
-offset[e] + (tokens before it routed to e), the column-wise cumsum of the routing map. One program per token
+offset[e] + (tokens before it routed to e), the cumsum of the transposed routing map. One program per token
 then writes its row to its k destinations (reading it once) and records them, ``token_rows`` [T, k]; the
 unpermutation and both backwards gather or scatter a token's k rows in one program with fp32 sums in expert order
 (deterministic, no atomics). The rows, their order and ``sorted_indices`` equal the eager permutation's.
@@ -45,8 +45,10 @@ class _Permute(torch.autograd.Function):
         num_tokens, num_experts = routing_map.shape
         n = num_tokens * k
         routing_map = routing_map.contiguous()
-        cum = torch.cumsum(routing_map, 0, dtype=torch.int32)
-        counts = cum[-1]
+        # Each expert's running count of its tokens, scanned along contiguous memory: torch's scan along dim 0
+        # of [T, E] runs one thread per expert down all T rows.
+        cum = torch.cumsum(routing_map.t().contiguous(), 1, dtype=torch.int32)  # [E, T]
+        counts = cum[:, -1]
         offs = torch.cumsum(counts, 0, dtype=torch.int32) - counts
         x = tokens.contiguous()
         out = x.new_empty(n, x.shape[1])

@@ -33,7 +33,7 @@ def test_kernels_compile_for_hopper_without_atomics(rows, has_probs, experts, k,
         "permute": _compile(kernels._permute_kernel, {
             "x_ptr": rows, "map_ptr": "*u8", "cum_ptr": "*i32", "offs_ptr": "*i32", "probs_ptr": probs,
             "out_ptr": rows, "out_probs_ptr": probs, "sorted_ptr": "*i64", "rows_ptr": "*i32", "experts_ptr": "*i32",
-            "E": "i32", "H": "i32", "K": "constexpr", "HAS_PROBS": "constexpr", "E_PAD": "constexpr",
+            "T": "i32", "E": "i32", "H": "i32", "K": "constexpr", "HAS_PROBS": "constexpr", "E_PAD": "constexpr",
             "K_PAD": "constexpr", "BLOCK_H": "constexpr"}, dict(common, E_PAD=triton.next_power_of_2(experts))),
         "gather_sum": _compile(kernels._gather_sum_kernel, {
             "y_ptr": rows, "rows_ptr": "*i32", "probs_ptr": probs, "out_ptr": rows, "H": "i32", "K": "constexpr",
