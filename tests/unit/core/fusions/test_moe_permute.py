@@ -25,3 +25,10 @@ def test_without_kernels_the_fused_functions_are_eager():
     assert not hasattr(sorted_indices, "token_rows")  # the eager way back is taken
     out = moe_utils._fused_unpermute(rows, sorted_indices, x.shape, topk=2)
     assert torch.allclose(out, 2 * x)
+
+
+@needs_triton3
+def test_moe_layer_with_both_fusion_flags_equals_eager_under_the_interpreter():
+    """A whole MoE layer with --moe-permute-fusion --moe-router-fusion, kernels interpreted on CPU, against the
+    same layer without them: output and every gradient to fp32 rounding, the fused functions used throughout."""
+    check_worker("moe_layer_fused_interpreted_worker.py", 2 * (2 + 5))
