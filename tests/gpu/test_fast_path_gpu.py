@@ -236,8 +236,9 @@ def test_fused_rms_norm_matches_eager():
 
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_fused_rope_matches_eager(interleaved):
-    """--apply-rope-fusion (Megatron's default) runs RoPE as compiled kernels; equal to the eager form within
-    bf16 rounding (the fused kernel rounds once), forward and gradient, with pass-through channels."""
+    """--apply-rope-fusion (Megatron's default) runs RoPE as one Triton kernel per direction; equal to the eager
+    form within bf16 rounding (the fused kernel rounds once), forward and gradient, with pass-through channels."""
+    from megatron.core.fusions import rope as fused_rope
     from megatron.core.models.common.embeddings import rope_utils
     cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, apply_rope_fusion=True,
                             rotary_interleaved=interleaved)
@@ -254,6 +255,45 @@ def test_fused_rope_matches_eager(interleaved):
         outs.append((y.float(), x.grad.float()))
     for a, b in zip(*outs):
         assert (a - b).abs().max().item() <= 2e-2 * max(1.0, b.abs().max().item())
+    assert fused_rope.available(t, freqs)
+
+
+def test_rope_kernel_on_a_strided_query_is_no_slower_than_compiled():
+    """The Llama-3-8B query as the fused QKV projection leaves it (a strided view, 32 heads of 128 among 48), seq
+    8192: the Triton kernel against the torch.compile'd rotation it replaces, values within bf16 rounding, and the
+    forward + backward no slower."""
+    from megatron.core.fusions import rope as fused_rope
+    from megatron.core.models.common.embeddings import rope_utils
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(8192, 1, 48, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    freqs = torch.randn(8192, 1, 1, 128, device="cuda", generator=gen)
+    dout = torch.randn(8192, 1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    assert fused_rope.available(qkv[:, :, :32], freqs)
+
+    def run(fn):
+        x = qkv.clone().requires_grad_()
+        y = fn(x[:, :, :32], freqs, 1.0, False)
+        y.backward(dout)
+        return y, x.grad
+
+    got, want = run(fused_rope.rope), run(rope_utils._rope_compiled)
+    for a, b in zip(got, want):
+        assert (a.float() - b.float()).abs().max().item() <= 2e-2 * max(1.0, b.float().abs().max().item())
+
+    def ms(fn):
+        for _ in range(3):
+            run(fn)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            run(fn)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 20
+    t_triton, t_compiled = ms(fused_rope.rope), ms(rope_utils._rope_compiled)
+    print(f"RoPE forward + backward: Triton {t_triton:.3f} ms, compiled {t_compiled:.3f} ms")
+    assert t_triton <= 1.1 * t_compiled, (t_triton, t_compiled)
 
 
 @pytest.mark.parametrize("causal", [True, False])

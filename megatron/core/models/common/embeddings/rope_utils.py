@@ -3,6 +3,7 @@ import weakref
 
 import torch
 
+from megatron.core.fusions import rope as fused_rope
 from megatron.core.fusions.compile import maybe_compile
 
 
@@ -100,9 +101,16 @@ def _rope(t: torch.Tensor, freqs: torch.Tensor, mscale: float, rotary_interleave
     return torch.cat((t_rot, t_pass), dim=-1) if t_pass.numel() else t_rot
 
 
-# --apply-rope-fusion (Megatron's default; --no-rope-fusion turns it off): the same math as one compiled
-# kernel per direction on CUDA (cos/sin, the rotation and the pass-through channels fused), eager elsewhere.
-_rope_fused = maybe_compile(_rope)
+_rope_compiled = maybe_compile(_rope)
+
+
+def _rope_fused(t: torch.Tensor, freqs: torch.Tensor, mscale: float, rotary_interleaved: bool) -> torch.Tensor:
+    """--apply-rope-fusion (Megatron's default; --no-rope-fusion turns it off): the same math as one Triton
+    kernel per direction on CUDA (`megatron.core.fusions.rope`: cos/sin, the rotation and the pass-through channels
+    in one pass over t's strided view); compiled where the kernel does not cover the call, eager on CPU."""
+    if fused_rope.available(t, freqs):
+        return fused_rope.rope(t, freqs, mscale, rotary_interleaved)
+    return _rope_compiled(t, freqs, mscale, rotary_interleaved)
 
 
 def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config=None, cu_seqlens=None,
