@@ -4,6 +4,7 @@ Shapes: T tokens (sequence x batch, flattened), E experts, k = top-k. ``routing_
 mask of the (token, expert) pairs kept; ``probs`` [T, E] holds their weights (zero elsewhere).
 """
 import math
+import os
 import warnings
 from typing import Optional
 
@@ -242,10 +243,73 @@ def _permute_indices(routing_map: torch.Tensor, num_out_tokens: Optional[int]):
     return torch.argsort((~flat).to(torch.int8), stable=True)[:num_out_tokens]
 
 
+_GATHER_SUM_WAYS = ("gather", "bag")
+# (rows shape, bag shape, dtype, device) -> the faster way on CUDA, or the pending timing of both
+# (MEGATRON_GATHER_SUM forces one)
+_GATHER_SUM_CHOICE = {}
+
+
+def _gather_then_sum(rows: torch.Tensor, bags: torch.Tensor) -> torch.Tensor:
+    picked = rows.index_select(0, bags.reshape(-1))
+    return picked.view(*bags.shape, rows.shape[-1]).sum(1)
+
+
+def _bag_sum(rows: torch.Tensor, bags: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.embedding_bag(bags, rows, mode="sum")
+
+
+def _timed(fn, rows, bags):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = fn(rows, bags)
+    end.record()
+    return out, (start, end)
+
+
+def _cuda_way(rows: torch.Tensor, bags: torch.Tensor):
+    """(the way to use, or None: run both timed now). The first call per shape runs both ways between events;
+    a later call reads them once they have completed (``Event.query``: the host never waits, so the choice can
+    be made inside the overlapped schedule's collectives), and keeps the faster way from then on."""
+    key = (tuple(rows.shape), tuple(bags.shape), rows.dtype, rows.device)
+    state = _GATHER_SUM_CHOICE.get(key)
+    if isinstance(state, str):
+        return state
+    if torch.cuda.is_current_stream_capturing():  # no timing and no event query inside a capture
+        return "gather"
+    if state is None:
+        return None
+    if all(e.query() for pair in state.values() for e in pair):
+        times = {way: start.elapsed_time(end) for way, (start, end) in state.items()}
+        _GATHER_SUM_CHOICE[key] = min(times, key=times.get)
+        return _GATHER_SUM_CHOICE[key]
+    return "gather"
+
+
+def _gather_sum(rows: torch.Tensor, bags: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_j rows[bags[t, j]], accumulated in fp32 and rounded once (the token-major way back of a
+    permutation where every token has exactly k rows). Two ways: a gather of the k rows into a [T, k, h] copy, then
+    its sum; or ``embedding_bag``'s sum, one kernel that reads each row once and writes only [T, h] (a third of the
+    memory traffic at k = 6). On CUDA the first call per shape runs both between events and later calls keep the
+    faster one (`_cuda_way`; the gather under a CUDA-graph capture until then); ``MEGATRON_GATHER_SUM=gather|bag``
+    forces one (tests; A/B runs)."""
+    way = os.environ.get("MEGATRON_GATHER_SUM", "auto")
+    if way not in _GATHER_SUM_WAYS + ("auto",):
+        raise ValueError(f"MEGATRON_GATHER_SUM={way}: use auto, gather or bag")
+    if way == "auto":
+        way = _cuda_way(rows, bags) if rows.is_cuda else "gather"
+        if way is None:
+            out, gather_events = _timed(_gather_then_sum, rows, bags)
+            _, bag_events = _timed(_bag_sum, rows, bags)
+            key = (tuple(rows.shape), tuple(bags.shape), rows.dtype, rows.device)
+            _GATHER_SUM_CHOICE[key] = {"gather": gather_events, "bag": bag_events}
+            return out
+    return _bag_sum(rows, bags) if way == "bag" else _gather_then_sum(rows, bags)
+
+
 class _RepeatRows(torch.autograd.Function):
-    """``tokens[sorted_indices]`` where every token appears exactly k times. Backward gathers each token's k
-    row gradients (``order``: the rows token-major) and sums them in fp32: no atomic ``index_add``, which
-    contends on the k copies of a row and rounds after every add in bf16."""
+    """``tokens[sorted_indices]`` where every token appears exactly k times. Backward sums each token's k row
+    gradients (``order``: the rows token-major) in fp32 (`_gather_sum`): no atomic ``index_add``, which contends
+    on the k copies of a row and rounds after every add in bf16."""
 
     @staticmethod
     def forward(ctx, tokens, sorted_indices, order, k):
@@ -256,8 +320,24 @@ class _RepeatRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (order,) = ctx.saved_tensors
-        rows = grad.index_select(0, order)
-        return rows.view(-1, ctx.k, rows.shape[-1]).sum(1), None, None, None
+        return _gather_sum(grad.contiguous(), order.view(-1, ctx.k)), None, None, None
+
+
+class _SumTokenRows(torch.autograd.Function):
+    """The unpermutation where every token has exactly k rows and no probabilities apply: each token's rows summed
+    (`_gather_sum`, ``order`` [T, k] the rows token-major). Each row belongs to one token, so the backward is one
+    gather of the output gradient by the rows' source tokens (``sorted_indices``), where autograd through a gather
+    and a sum would materialise the [T, k, h] expansion and then gather it again."""
+
+    @staticmethod
+    def forward(ctx, rows, order, sorted_indices):
+        ctx.save_for_backward(sorted_indices)
+        return _gather_sum(rows.contiguous(), order)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (sorted_indices,) = ctx.saved_tensors
+        return grad.index_select(0, sorted_indices), None, None
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -304,13 +384,15 @@ def _unpermute(permuted_tokens, sorted_indices, restore_shape, probs: Optional[t
     """Inverse of `_permute`: each row (times its permuted prob [N]) is added back to its source token.
     ``topk`` (every token has exactly that many rows): the rows are gathered token-major and their k-way sum
     is one reduction with fp32 accumulation, instead of an ``index_add`` scatter."""
-    if topk is not None:
+    if topk is not None and probs is None:
+        order = _token_major_order(sorted_indices, restore_shape[0]).view(-1, topk)
+        return _SumTokenRows.apply(permuted_tokens, order, sorted_indices).view(restore_shape)
+    if topk is not None:  # with probabilities: each row scaled, then the token's k rows summed
         n = sorted_indices.numel()
         order = _token_major_order(sorted_indices, restore_shape[0])
         inv = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=order.device))
         rows = _PermuteRows.apply(permuted_tokens, order, inv).view(-1, topk, permuted_tokens.shape[-1])
-        if probs is not None:
-            rows = rows * probs.index_select(0, order).view(-1, topk, 1).to(rows.dtype)
+        rows = rows * probs.index_select(0, order).view(-1, topk, 1).to(rows.dtype)
         return rows.sum(1).view(restore_shape)
     if probs is not None:
         permuted_tokens = permuted_tokens * probs.unsqueeze(-1).to(permuted_tokens.dtype)

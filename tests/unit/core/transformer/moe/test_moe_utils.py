@@ -1,7 +1,7 @@
 """Routing functions: top-k routing, capacity dropping and the token-major permutation against per-token
-references (fp32); --moe-router-fusion: the routing and balancing-score functions trace into one graph
-each (no graph break, checked on CPU with dynamo's aot_eager backend) and give the eager results; the
-flag reaches the router and, on CPU, the eager functions run."""
+references (fp32); the routing and balancing-score functions trace into one graph each under torch.compile (no
+graph break, checked on CPU with dynamo's aot_eager backend: --torch-compile compiles them inside the layer) and
+give the eager results; --moe-router-fusion reaches the router and, on CPU, the eager functions run."""
 import pytest
 import torch
 
@@ -44,7 +44,7 @@ def test_flag_reaches_the_router_and_cpu_runs_eager():
     probs, routing_map = route(logits, 2)
     ref_probs, ref_map = moe_utils.topk_routing_with_score_function(logits, 2)
     assert torch.equal(probs, ref_probs) and torch.equal(routing_map, ref_map)
-    assert route.state["fn"] is not moe_utils.topk_routing_with_score_function  # the compiled wrapper, eager on CPU
+    assert route.state["fn"] is moe_utils._fused_topk_routing  # the kernels' wrapper, eager on CPU
 
 
 T, E, H = 24, 8, 32
@@ -107,11 +107,16 @@ def test_capacity_dropping_keeps_best_tokens_per_expert(policy):
     assert padded_map.sum(0).tolist() == [capacity] * E and torch.equal(padded_probs, kept_probs)
 
 
+@pytest.mark.parametrize("way", ["gather", "bag"])
+@pytest.mark.parametrize("scaled", [True, False])
 @pytest.mark.parametrize("k", [1, 2, 6])
-def test_token_major_permutation_equals_scatter_path(k):
+def test_token_major_permutation_equals_scatter_path(k, scaled, way, monkeypatch):
     """The exact-top-k permutation (gather backward, token-major k-way sum) equals the index_add path in
-    forward and in the gradients of the tokens and the probs (fp32: only summation order differs)."""
+    forward and in the gradients of the tokens and the probs (fp32: only summation order differs), with the probs
+    applied at the unpermutation or not (the MoE layer's way: the experts applied them), and either way of summing
+    a token's rows (a gather and a sum, or embedding_bag's sum)."""
     from megatron.core.transformer.moe.moe_utils import _permute, _unpermute
+    monkeypatch.setenv("MEGATRON_GATHER_SUM", way)
     torch.manual_seed(0)
     T, E, h = 37, 8, 16
     scores = torch.randn(T, E)
@@ -122,7 +127,9 @@ def test_token_major_permutation_equals_scatter_path(k):
         probs = torch.softmax(scores, -1).masked_fill(~routing_map, 0).requires_grad_()
         permuted, pprobs, idx = _permute(x, routing_map, probs, num_out_tokens=T * k, topk=topk)
         y = permuted * torch.arange(1, permuted.shape[0] + 1.0)[:, None]  # row-dependent "experts"
-        out = _unpermute(y, idx, (T, h), probs=pprobs, topk=topk)
+        if not scaled:
+            y = y * pprobs[:, None]
+        out = _unpermute(y, idx, (T, h), probs=pprobs if scaled else None, topk=topk)
         out.backward(torch.randn(T, h, generator=torch.Generator().manual_seed(2)))
         results.append((out.detach(), x.grad, probs.grad))
     for a, b in zip(*results):
@@ -171,3 +178,9 @@ def test_static_chunk_gather_is_made_once_per_shape():
     y = torch.arange(sum(d.chunk_sizes), dtype=torch.float32).unsqueeze(1)
     assert torch.equal(y.index_select(0, gather), _sort_chunks(y, d.chunk_sizes, d.sorted_idxs))
     assert torch.equal(y.index_select(0, gather).index_select(0, inverse), y)
+
+
+def test_gather_sum_refuses_an_unknown_way(monkeypatch):
+    monkeypatch.setenv("MEGATRON_GATHER_SUM", "fast")
+    with pytest.raises(ValueError, match="MEGATRON_GATHER_SUM=fast"):
+        moe_utils._gather_sum(torch.randn(4, 2), torch.tensor([[0, 1], [2, 3]]))
