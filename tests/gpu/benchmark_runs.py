@@ -1,5 +1,6 @@
 """tools/benchmark.py launched on two GPUs over NCCL, as the 2-GPU training comparisons run it: one run's
-results line (losses, ms/iteration), printed so the GPU log shows each configuration's speed."""
+results line (losses, ms/iteration), printed so the GPU log shows each configuration's speed; and the GPU tests'
+timing helper (`gpu_ms`)."""
 import json
 import os
 import subprocess
@@ -41,3 +42,18 @@ def failure_text(p, tail: int = 3000) -> str:
     first = p.stderr.find("Traceback")
     head = p.stderr[first:first + tail] + "\n...\n" if 0 <= first < len(p.stderr) - tail else ""
     return p.stdout[-tail:] + head + p.stderr[-tail:]
+
+
+def gpu_ms(fn, reps: int = 20) -> float:
+    """Milliseconds per call of ``fn()`` on the GPU (CUDA events), after three warm-up calls."""
+    import torch  # lazy: this module also serves launches that never touch CUDA
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps

@@ -280,18 +280,9 @@ def test_rope_kernel_on_a_strided_query_is_no_slower_than_compiled():
     for a, b in zip(got, want):
         assert (a.float() - b.float()).abs().max().item() <= 2e-2 * max(1.0, b.float().abs().max().item())
 
-    def ms(fn):
-        for _ in range(3):
-            run(fn)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            run(fn)
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 20
-    t_triton, t_compiled = ms(fused_rope.rope), ms(rope_utils._rope_compiled)
+    from tests.gpu.benchmark_runs import gpu_ms
+    t_triton = gpu_ms(lambda: run(fused_rope.rope))
+    t_compiled = gpu_ms(lambda: run(rope_utils._rope_compiled))
     print(f"RoPE forward + backward: Triton {t_triton:.3f} ms, compiled {t_compiled:.3f} ms")
     assert t_triton <= 1.1 * t_compiled, (t_triton, t_compiled)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.fixtures.tiny_gpt import run_pretrain
+from tests.gpu.benchmark_runs import gpu_ms
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                                 reason="torch._grouped_mm needs CUDA compute capability >= 9.0")
@@ -103,19 +104,9 @@ def test_fused_permutation_equals_eager_and_is_faster(tokens, experts, k, hidden
     for name, a, b in zip(("out", "dx", "dprobs"), fused[3:], eager[3:]):
         assert _rel(a, b) < 1e-2, name
 
-    def ms(permute, unpermute):
-        for _ in range(3):
-            _permute_round_trip(permute, unpermute, x, routing_map, probs, k, dy)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            _permute_round_trip(permute, unpermute, x, routing_map, probs, k, dy)
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 20
-    t_fused, t_eager = ms(moe_utils._fused_permute, moe_utils._fused_unpermute), ms(moe_utils._permute,
-                                                                                  moe_utils._unpermute)
+    args = (x, routing_map, probs, k, dy)
+    t_fused = gpu_ms(lambda: _permute_round_trip(moe_utils._fused_permute, moe_utils._fused_unpermute, *args))
+    t_eager = gpu_ms(lambda: _permute_round_trip(moe_utils._permute, moe_utils._unpermute, *args))
     print(f"T={tokens} E={experts} k={k} h={hidden}: fused {t_fused:.3f} ms, eager {t_eager:.3f} ms per round trip")
     assert t_fused <= 1.1 * t_eager, (t_fused, t_eager)
 
@@ -153,19 +144,9 @@ def test_fused_router_equals_eager_and_is_faster(experts, k, kwargs):
         else:
             assert _rel(a, b) < 1e-5, name
 
-    def ms(route, aux):
-        for _ in range(3):
-            round_trip(route, aux)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            round_trip(route, aux)
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 20
-    t_fused = ms(moe_utils._fused_topk_routing, moe_utils._fused_aux_scores)
-    t_eager = ms(moe_utils.topk_routing_with_score_function, moe_utils.compute_routing_scores_for_aux_loss)
+    t_fused = gpu_ms(lambda: round_trip(moe_utils._fused_topk_routing, moe_utils._fused_aux_scores))
+    t_eager = gpu_ms(lambda: round_trip(moe_utils.topk_routing_with_score_function,
+                                     moe_utils.compute_routing_scores_for_aux_loss))
     print(f"E={experts} k={k} {score}: fused {t_fused:.3f} ms, eager {t_eager:.3f} ms per round trip")
     assert t_fused <= 1.1 * t_eager, (t_fused, t_eager)
 
@@ -189,18 +170,10 @@ def test_gather_sum_ways_agree_and_the_faster_is_kept(tokens, k, hidden):
     choice = moe_utils._GATHER_SUM_CHOICE[key]
     assert choice in ("gather", "bag")
 
-    def ms(fn):
-        fn(rows, bags)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            fn(rows, bags)
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 20
-    print(f"T={tokens} k={k} h={hidden}: gather + sum {ms(moe_utils._gather_then_sum):.3f} ms, embedding_bag "
-          f"{ms(moe_utils._bag_sum):.3f} ms, chosen: {choice}")
+    t_gather = gpu_ms(lambda: moe_utils._gather_then_sum(rows, bags))
+    t_bag = gpu_ms(lambda: moe_utils._bag_sum(rows, bags))
+    print(f"T={tokens} k={k} h={hidden}: gather + sum {t_gather:.3f} ms, embedding_bag {t_bag:.3f} ms, "
+          f"chosen: {choice}")
 
 
 def test_mixtral_grouped_gemm_training_matches_sequential_experts(monkeypatch):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megatron.core.transformer.max_logit import max_attention_logit
-from tests.gpu.benchmark_runs import failure_text
+from tests.gpu.benchmark_runs import failure_text, gpu_ms
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,19 +52,6 @@ def test_bf16_max_logit_matches_float64(packed):
     torch.testing.assert_close(got, _reference(q, k, hn ** -0.5, doc), rtol=2 ** -7, atol=0)
 
 
-def _time(fn, iters=20):
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def test_core_attention_overhead():
     """Forward + backward of one Llama-3-8B attention (8k tokens, 32 heads, 8 KV groups, bf16) with and without
     the recording: the extra pass is printed; it is one causal Q.K^T in tiles, no softmax, no backward."""
@@ -85,7 +72,7 @@ def test_core_attention_overhead():
         def step():
             core(q, k, v).sum().backward()
             core.current_max_attn_logits = None
-        ms[name] = _time(step)
+        ms[name] = gpu_ms(step)
     print(f"core attention fwd+bwd, 8k tokens: {ms['plain']:.2f} ms plain, {ms['recording']:.2f} ms recording "
           f"(+{ms['recording'] - ms['plain']:.2f} ms, {100 * (ms['recording'] / ms['plain'] - 1):.0f}%)")
     assert ms["recording"] < 2.5 * ms["plain"]
