@@ -290,13 +290,14 @@ def _gather_sum(rows: torch.Tensor, bags: torch.Tensor) -> torch.Tensor:
     permutation where every token has exactly k rows). Two ways: a gather of the k rows into a [T, k, h] copy, then
     its sum; or ``embedding_bag``'s sum, one kernel that reads each row once and writes only [T, h] (a third of the
     memory traffic at k = 6). On CUDA the first call per shape runs both between events and later calls keep the
-    faster one (`_cuda_way`; the gather under a CUDA-graph capture until then); ``MEGATRON_GATHER_SUM=gather|bag``
-    forces one (tests; A/B runs)."""
+    faster one (`_cuda_way`; the gather under a CUDA-graph capture until then, and under torch.compile);
+    ``MEGATRON_GATHER_SUM=gather|bag`` forces one (tests; A/B runs)."""
     way = os.environ.get("MEGATRON_GATHER_SUM", "auto")
     if way not in _GATHER_SUM_WAYS + ("auto",):
         raise ValueError(f"MEGATRON_GATHER_SUM={way}: use auto, gather or bag")
     if way == "auto":
-        way = _cuda_way(rows, bags) if rows.is_cuda else "gather"
+        # Traced by torch.compile (--torch-compile): the plain gather + sum, which the compiler fuses itself.
+        way = _cuda_way(rows, bags) if rows.is_cuda and not torch.compiler.is_compiling() else "gather"
         if way is None:
             out, gather_events = _timed(_gather_then_sum, rows, bags)
             _, bag_events = _timed(_bag_sum, rows, bags)
