@@ -368,12 +368,14 @@ def _permute(tokens, routing_map, probs: Optional[torch.Tensor] = None, num_out_
     """Group the rows of ``tokens`` [T, h] by expert. Returns (permuted [N, h], permuted probs [N] or None,
     sorted_indices [N]: the source token of each row). The dispatchers' form of Megatron's `permute`. ``topk``: every
     token has exactly that many rows (all experts in the map, no dropping): the backward gathers instead of
-    scattering."""
+    scattering, and ``sorted_indices.token_order`` keeps the rows' token-major order for `_unpermute`."""
     num_tokens = routing_map.shape[0]
     flat_index = _permute_indices(routing_map, num_out_tokens)
     sorted_indices = flat_index % num_tokens
     if topk is not None and tokens.requires_grad:
-        permuted = _RepeatRows.apply(tokens, sorted_indices, _token_major_order(sorted_indices, num_tokens), topk)
+        order = _token_major_order(sorted_indices, num_tokens)
+        permuted = _RepeatRows.apply(tokens, sorted_indices, order, topk)
+        sorted_indices.token_order = order  # `_unpermute` needs the same order: sorted once per micro-batch
     else:
         permuted = tokens.index_select(0, sorted_indices)
     permuted_probs = None if probs is None else probs.t().reshape(-1).index_select(0, flat_index)
@@ -385,12 +387,14 @@ def _unpermute(permuted_tokens, sorted_indices, restore_shape, probs: Optional[t
     """Inverse of `_permute`: each row (times its permuted prob [N]) is added back to its source token.
     ``topk`` (every token has exactly that many rows): the rows are gathered token-major and their k-way sum
     is one reduction with fp32 accumulation, instead of an ``index_add`` scatter."""
+    if topk is not None:
+        order = getattr(sorted_indices, "token_order", None)  # left by `_permute`
+        if order is None:
+            order = _token_major_order(sorted_indices, restore_shape[0])
     if topk is not None and probs is None:
-        order = _token_major_order(sorted_indices, restore_shape[0]).view(-1, topk)
-        return _SumTokenRows.apply(permuted_tokens, order, sorted_indices).view(restore_shape)
+        return _SumTokenRows.apply(permuted_tokens, order.view(-1, topk), sorted_indices).view(restore_shape)
     if topk is not None:  # with probabilities: each row scaled, then the token's k rows summed
         n = sorted_indices.numel()
-        order = _token_major_order(sorted_indices, restore_shape[0])
         inv = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=order.device))
         rows = _PermuteRows.apply(permuted_tokens, order, inv).view(-1, topk, permuted_tokens.shape[-1])
         rows = rows * probs.index_select(0, order).view(-1, topk, 1).to(rows.dtype)

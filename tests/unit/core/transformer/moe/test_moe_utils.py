@@ -184,3 +184,16 @@ def test_gather_sum_refuses_an_unknown_way(monkeypatch):
     monkeypatch.setenv("MEGATRON_GATHER_SUM", "fast")
     with pytest.raises(ValueError, match="MEGATRON_GATHER_SUM=fast"):
         moe_utils._gather_sum(torch.randn(4, 2), torch.tensor([[0, 1], [2, 3]]))
+
+
+def test_token_major_order_is_sorted_once_per_micro_batch(monkeypatch):
+    """`_permute` leaves the rows' token-major order on its sorted_indices and `_unpermute` reuses it."""
+    calls = []
+    order_fn = moe_utils._token_major_order
+    monkeypatch.setattr(moe_utils, "_token_major_order", lambda *a: calls.append(1) or order_fn(*a))
+    x = torch.randn(10, 4, requires_grad=True)
+    routing_map = torch.zeros(10, 6, dtype=torch.bool).scatter_(1, torch.rand(10, 6).topk(2).indices, True)
+    rows, _, sorted_indices = moe_utils._permute(x, routing_map, num_out_tokens=20, topk=2)
+    out = moe_utils._unpermute(rows, sorted_indices, x.shape, topk=2)
+    torch.testing.assert_close(out, 2 * x)
+    assert len(calls) == 1
