@@ -82,7 +82,9 @@ def _choose(main_grad, grad, x, offs) -> Tuple[str, Optional[tuple]]:
         raise ValueError(f"MEGATRON_GROUPED_WGRAD={forced!r}: use auto (the default), fused or grouped_mm")
     if key in _CHOICE:
         return _CHOICE[key]
-    if torch.cuda.is_current_stream_capturing():
+    # A capture cannot time; --deterministic-mode (torch.use_deterministic_algorithms) asks for one way on every run,
+    # where a timing can pick either (their bf16 roundings differ).
+    if torch.are_deterministic_algorithms_enabled() or torch.cuda.is_current_stream_capturing():
         return "grouped_mm", None
     zeros = torch.zeros_like(grad)  # both ways then add zeros: main_grad keeps its values
     timed = {}

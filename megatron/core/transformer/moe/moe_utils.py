@@ -274,7 +274,9 @@ def _cuda_way(rows: torch.Tensor, bags: torch.Tensor):
     state = _GATHER_SUM_CHOICE.get(key)
     if isinstance(state, str):
         return state
-    if torch.cuda.is_current_stream_capturing():  # no timing and no event query inside a capture
+    # No timing and no event query inside a capture; under --deterministic-mode (torch.use_deterministic_algorithms)
+    # one way on every run, where a timing can pick either (their bf16 roundings differ).
+    if torch.are_deterministic_algorithms_enabled() or torch.cuda.is_current_stream_capturing():
         return "gather"
     if state is None:
         return None

@@ -197,3 +197,21 @@ def test_token_major_order_is_sorted_once_per_micro_batch(monkeypatch):
     out = moe_utils._unpermute(rows, sorted_indices, x.shape, topk=2)
     torch.testing.assert_close(out, 2 * x)
     assert len(calls) == 1
+
+
+def test_deterministic_mode_fixes_the_timed_choices(monkeypatch):
+    """--deterministic-mode: the unpermutation's sum and the experts' weight gradients take one fixed way, where a
+    timing could pick either (their roundings differ), so two runs stay bitwise equal. (The calls are made with CPU
+    tensors: the mode is checked before anything CUDA.)"""
+    from megatron.core.fusions import grouped_wgrad
+    rows, bags = torch.randn(6, 4), torch.arange(6).view(3, 2)
+    monkeypatch.setattr(moe_utils, "_GATHER_SUM_CHOICE", {})
+    monkeypatch.setattr(grouped_wgrad, "_CHOICE", {})
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert moe_utils._cuda_way(rows, bags) == "gather"  # not None: nothing is timed
+        assert grouped_wgrad._choose(torch.zeros(2, 3, 4), rows, rows, torch.tensor([6, 6])) == ("grouped_mm", None)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert not moe_utils._GATHER_SUM_CHOICE and not grouped_wgrad._CHOICE
