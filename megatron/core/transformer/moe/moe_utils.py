@@ -266,11 +266,10 @@ def _timed(fn, rows, bags):
     return out, (start, end)
 
 
-def _cuda_way(rows: torch.Tensor, bags: torch.Tensor):
-    """(the way to use, or None: run both timed now). The first call per shape runs both ways between events;
-    a later call reads them once they have completed (``Event.query``: the host never waits, so the choice can
-    be made inside the overlapped schedule's collectives), and keeps the faster way from then on."""
-    key = (tuple(rows.shape), tuple(bags.shape), rows.dtype, rows.device)
+def _cuda_way(key):
+    """(the way to use, or None: run both timed now) for the shape ``key``. The first call per shape runs both ways
+    between events; a later call reads them once they have completed (``Event.query``: the host never waits, so the
+    choice can be made inside the overlapped schedule's collectives), and keeps the faster way from then on."""
     state = _GATHER_SUM_CHOICE.get(key)
     if isinstance(state, str):
         return state
@@ -299,11 +298,11 @@ def _gather_sum(rows: torch.Tensor, bags: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"MEGATRON_GATHER_SUM={way}: use auto, gather or bag")
     if way == "auto":
         # Traced by torch.compile (--torch-compile): the plain gather + sum, which the compiler fuses itself.
-        way = _cuda_way(rows, bags) if rows.is_cuda and not torch.compiler.is_compiling() else "gather"
+        key = (tuple(rows.shape), tuple(bags.shape), rows.dtype, rows.device)
+        way = _cuda_way(key) if rows.is_cuda and not torch.compiler.is_compiling() else "gather"
         if way is None:
             out, gather_events = _timed(_gather_then_sum, rows, bags)
             _, bag_events = _timed(_bag_sum, rows, bags)
-            key = (tuple(rows.shape), tuple(bags.shape), rows.dtype, rows.device)
             _GATHER_SUM_CHOICE[key] = {"gather": gather_events, "bag": bag_events}
             return out
     return _bag_sum(rows, bags) if way == "bag" else _gather_then_sum(rows, bags)
@@ -413,7 +412,7 @@ def _unpermute(permuted_tokens, sorted_indices, restore_shape, probs: Optional[t
 
 
 
-_COMPILED = {}
+_FUSED_FNS = {}  # the fusion flags' functions, made once (each wraps its eager fallback)
 
 
 def _fused_topk_routing(logits, topk: int, use_pre_softmax: bool = False, num_groups: Optional[int] = None,
@@ -446,13 +445,13 @@ def fused_router_fns():
     chain of small fp32 kernels (score function, top-k, normalisation, the scatters into [T, E]) as one kernel
     per direction each; eager on CPU, for what the kernels do not cover, and from the first failure on (a Triton
     that cannot build them here, said once)."""
-    if "router" not in _COMPILED:
-        _COMPILED["router"] = (
+    if "router" not in _FUSED_FNS:
+        _FUSED_FNS["router"] = (
             _with_eager_fallback(_fused_topk_routing, topk_routing_with_score_function, "--moe-router-fusion",
                                  "the eager router", how="the fused router kernels"),
             _with_eager_fallback(_fused_aux_scores, compute_routing_scores_for_aux_loss, "--moe-router-fusion",
                                  "the eager router", how="the fused router kernels"))
-    return _COMPILED["router"]
+    return _FUSED_FNS["router"]
 
 
 def _fused_permute(tokens, routing_map, probs: Optional[torch.Tensor] = None, num_out_tokens: Optional[int] = None,
@@ -482,10 +481,10 @@ def fused_permute_fns():
     """(`_fused_permute`, `_fused_unpermute`) for --moe-permute-fusion: the permutation without sorts, a few
     launches instead of ~25 per MoE layer and micro-batch; the eager functions on CPU, for dropped or padded
     tokens, and from the first failure on (a Triton that cannot build the kernels here, said once)."""
-    if "fns" not in _COMPILED:
-        _COMPILED["fns"] = (_with_eager_fallback(_fused_permute, _permute, how="the fused permutation kernels"),
+    if "fns" not in _FUSED_FNS:
+        _FUSED_FNS["fns"] = (_with_eager_fallback(_fused_permute, _permute, how="the fused permutation kernels"),
                             _with_eager_fallback(_fused_unpermute, _unpermute, how="the fused permutation kernels"))
-    return _COMPILED["fns"]
+    return _FUSED_FNS["fns"]
 
 
 def _with_eager_fallback(compiled, eager, what="--moe-permute-fusion", instead="the eager permutation",

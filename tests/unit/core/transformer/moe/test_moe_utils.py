@@ -205,12 +205,13 @@ def test_deterministic_mode_fixes_the_timed_choices(monkeypatch):
     tensors: the mode is checked before anything CUDA.)"""
     from megatron.core.fusions import grouped_wgrad
     rows, bags = torch.randn(6, 4), torch.arange(6).view(3, 2)
+    key = (tuple(rows.shape), tuple(bags.shape), rows.dtype, rows.device)
     monkeypatch.setattr(moe_utils, "_GATHER_SUM_CHOICE", {})
     monkeypatch.setattr(grouped_wgrad, "_CHOICE", {})
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        assert moe_utils._cuda_way(rows, bags) == "gather"  # not None: nothing is timed
+        assert moe_utils._cuda_way(key) == "gather"  # not None: nothing is timed
         assert grouped_wgrad._choose(torch.zeros(2, 3, 4), rows, rows, torch.tensor([6, 6])) == ("grouped_mm", None)
     finally:
         torch.use_deterministic_algorithms(was)
