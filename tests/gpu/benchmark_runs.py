@@ -1,6 +1,6 @@
 """tools/benchmark.py launched on two GPUs over NCCL, as the 2-GPU training comparisons run it: one run's
 results line (losses, ms/iteration), printed so the GPU log shows each configuration's speed; and the GPU tests'
-timing helper (`gpu_ms`)."""
+timing helpers (`gpu_ms`: wall time between CUDA events; `kernel_profile`: the kernels' own GPU time and count)."""
 import json
 import os
 import subprocess
@@ -57,3 +57,20 @@ def gpu_ms(fn, reps: int = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps
+
+
+def kernel_profile(fn, reps: int = 5) -> tuple:
+    """(GPU ms, kernels) per call of ``fn()``: the summed device time of the CUDA kernels and copies it launches
+    (torch.profiler), after three warm-up calls. Unlike `gpu_ms` this leaves out the host's time to issue them,
+    which dominates small launches in a Python loop and is not what a kernel comparison is about."""
+    import torch  # lazy: this module also serves launches that never touch CUDA
+    from torch.profiler import ProfilerActivity, profile  # lazy: as above
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in device) / reps / 1000, len(device) / reps
