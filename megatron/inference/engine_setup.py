@@ -33,9 +33,42 @@ def checkpoint_is_vlm(args) -> bool:
     return hasattr(saved, "vision_model_type")
 
 
+# Megatron's --cuda-graph-scope values: the training step's layer parts, and its spelling of inference graphs.
+CUDA_GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba",
+                     "full_iteration_inference")
+
+
+def resolve_decode_graph_flags(args) -> None:
+    """Megatron's CUDA-graph flags as its inference scripts pass them (``--cuda-graph-impl local``, the older
+    ``--enable-cuda-graph``, ``--cuda-graph-scope full_iteration_inference``) ask the inference engine for CUDA
+    graphs. Here the engine captures the whole decode step (every layer and the sampling) on CUDA, so any of
+    them turns that graph on: a per-layer scope names parts of what the step's graph already holds. They are then
+    cleared, so the training step's checks (``fast_path.validate_cuda_graph_args``, which builds only the
+    training step's graph) do not refuse them. ``--inference-cuda-graph-scope none`` beside them is a
+    contradiction, refused."""
+    scope = list(args.cuda_graph_scope or [])
+    unknown = [s for s in scope if s not in CUDA_GRAPH_SCOPES]
+    if unknown:
+        sys.exit(f"error: --cuda-graph-scope {' '.join(unknown)}: not a scope; Megatron's are "
+                 f"{', '.join(CUDA_GRAPH_SCOPES)}")
+    asked = (args.cuda_graph_impl != "none" or args.enable_cuda_graph or args.external_cuda_graph or scope)
+    if not asked:
+        return
+    if args.inference_cuda_graph_scope == "none":
+        named = "--enable-cuda-graph" if args.enable_cuda_graph else "--external-cuda-graph" \
+            if args.external_cuda_graph else f"--cuda-graph-impl {args.cuda_graph_impl}" \
+            if args.cuda_graph_impl != "none" else f"--cuda-graph-scope {' '.join(scope)}"
+        sys.exit(f"error: {named} asks for decode CUDA graphs and --inference-cuda-graph-scope none for none; "
+                 "drop one of them")
+    args.inference_cuda_graph_scope = args.inference_cuda_graph_scope or "block"
+    args.cuda_graph_impl, args.cuda_graph_scope = "none", None
+    args.enable_cuda_graph = args.external_cuda_graph = False
+
+
 def initialize_generation(extra_args_provider=add_generation_args):
     """initialize_megatron for inference: no training run, data or optimizer state needed."""
     args = parse_args(extra_args_provider)
+    resolve_decode_graph_flags(args)
     args.skip_train = True
     has_data = args.mock_data or args.data_path or args.data_args_path or args.train_data_path \
         or args.valid_data_path or args.test_data_path or args.per_split_data_args_path

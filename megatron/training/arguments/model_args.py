@@ -102,14 +102,16 @@ def add_network_size_args(parser):
                         "training step in one graph and replays it (data, tensor, pipeline and context parallel; "
                         "MoE with every expert local, or over several ranks when padded to capacity with the "
                         "alltoall dispatcher; what is refused and why: docs/migrating.md); the per-layer graphs of "
-                        "local / transformer_engine are not built.")
+                        "local / transformer_engine are not built for training. In the generation tools any value "
+                        "but none turns on the engine's CUDA graph of the whole decode step.")
     g.add_argument("--cuda-graph-scope", type=str, nargs="+", default=None,
                    help="With --cuda-graph-impl local: full_iteration selects whole-iteration graphs; the "
-                        "per-layer scopes are not built.")
+                        "per-layer scopes are not built for training. In the generation tools any scope "
+                        "(full_iteration_inference included) turns on the whole decode step's CUDA graph.")
     g.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
                    help="Eager training steps before the CUDA graph is captured.")
     g.add_argument("--enable-cuda-graph", action="store_true",
-                   help="Deprecated spelling of --cuda-graph-impl local.")
+                   help="Deprecated spelling of --cuda-graph-impl local (generation: decode CUDA graphs).")
     g.add_argument("--external-cuda-graph", action="store_true",
                    help="Deprecated spelling of --cuda-graph-impl transformer_engine.")
     return parser
