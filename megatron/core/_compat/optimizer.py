@@ -6,6 +6,7 @@ Reached from ``megatron.core.optimizer`` through its lazy alias table.
 """
 from typing import Dict
 
+from megatron.core.optimizer import default_no_weight_decay
 from megatron.core.optimizer.optimizer_config import OptimizerConfig, ParamKey, ParamPredicate, ParamWithNamePredicate
 
 # Megatron's flag for its optional emerging-optimizers package (SOAP, Lion...): not installed; Muon is built in.
@@ -16,8 +17,7 @@ def get_standard_config_overrides(config: OptimizerConfig) -> Dict:
     """Megatron's defaults: no weight decay on biases and 1-D params (with apply_wd_to_qk_layernorm, q/k
     layernorm weights keep it), and decoupled_lr / decoupled_min_lr on the embedding and output weights."""
     if config.apply_wd_to_qk_layernorm:
-        fn = lambda p, n: ((p.dim() == 1 or n.endswith(".bias"))  # noqa: E731
-                           and not ("q_layernorm." in n or "k_layernorm." in n))
+        fn = lambda p, n: default_no_weight_decay(n, p, apply_wd_to_qk_layernorm=True)  # noqa: E731
         no_wd = ParamKey(with_name_predicate=ParamWithNamePredicate(name="s1_not_qkln", fn=fn))
     else:
         no_wd = ParamKey(name="*.bias", predicate=ParamPredicate(name="param_len_1", fn=lambda p: p.dim() == 1))

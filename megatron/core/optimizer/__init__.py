@@ -50,16 +50,25 @@ def _is_embedding_or_output(name: str, param) -> bool:
     return name.endswith("word_embeddings.weight") or name.endswith("output_layer.weight")
 
 
+def default_no_weight_decay(name: str, param, apply_wd_to_qk_layernorm: bool = False) -> bool:
+    """Megatron's standard rule: biases and 1-D params (norm weights) take no weight decay; with
+    ``apply_wd_to_qk_layernorm`` (--apply-wd-to-qk-layernorm, Qwen3-Next's rule) the q/k layernorm weights do."""
+    if not (name.endswith(".bias") or param.dim() == 1):
+        return False
+    return not (apply_wd_to_qk_layernorm and ("q_layernorm." in name or "k_layernorm." in name))
+
+
 def _get_param_groups(model_chunks, config: OptimizerConfig, no_weight_decay_cond, scale_lr_cond,
                       lr_mult: float) -> List[Dict]:
     """Group params by (wd_mult, lr_mult, expert, decoupled LR); each group carries its own
-    max_lr/min_lr/wd_mult/lr_mult for the LR scheduler. Biases and 1-D params get no weight decay."""
+    max_lr/min_lr/wd_mult/lr_mult for the LR scheduler. Weight decay by `default_no_weight_decay` unless the
+    caller passes its own ``no_weight_decay_cond``."""
     groups: Dict[tuple, List] = {}
     for name, param in trainable_named_parameters(model_chunks):
         if no_weight_decay_cond is not None:
             no_wd = no_weight_decay_cond(name, param)
         else:
-            no_wd = name.endswith(".bias") or param.dim() == 1
+            no_wd = default_no_weight_decay(name, param, config.apply_wd_to_qk_layernorm)
         scale_lr = scale_lr_cond(name, param) if scale_lr_cond is not None else False
         wd_mult = 0.0 if no_wd else 1.0
         group_lr_mult = lr_mult if scale_lr else 1.0

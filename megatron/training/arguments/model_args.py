@@ -126,6 +126,11 @@ def add_regularization_args(parser):
     g.add_argument("--end-weight-decay", type=float, default=None, help="Weight decay at the end.")
     g.add_argument("--weight-decay-incr-style", type=str, default="constant",
                    choices=["constant", "linear", "cosine"], help="Weight decay schedule.")
+    g.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
+                   help="Weight decay on the q/k layernorm weights too (Qwen3-Next's rule); other 1-D params and "
+                        "biases keep none.")
+    g.add_argument("--no-weight-decay-cond-type", type=str, default=None, choices=["apply_wd_to_qk_layernorm"],
+                   help="Deprecated spelling of --apply-wd-to-qk-layernorm.")
     g.add_argument("--clip-grad", type=float, default=1.0, help="Global L2 gradient clip (0 disables).")
     g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
     g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")

@@ -34,6 +34,10 @@ def validate_optimizer_args(args, require, warn):
     the layer-wise distributed optimizer (`use_layer_wise_distributed_optimizer`), and
     `use_distributed_optimizer` is turned off (the layer-wise optimizer owns the DP sharding)."""
     require(args.optimizer in BUILT, f"--optimizer {args.optimizer} is not supported; use {', '.join(BUILT)}")
+    if args.no_weight_decay_cond_type == "apply_wd_to_qk_layernorm":
+        warn(args, "--no-weight-decay-cond-type apply_wd_to_qk_layernorm is deprecated in Megatron; it is "
+                   "--apply-wd-to-qk-layernorm")
+        args.apply_wd_to_qk_layernorm = True
     args.use_layer_wise_distributed_optimizer = False
     if args.optimizer not in ("muon", "dist_muon"):
         return

@@ -13,6 +13,10 @@ from megatron.core.optimizer import (
     OptimizerConfig,
     get_megatron_optimizer,
 )
+from megatron.training.arguments import parse_args
+from megatron.training.arguments.configs import optimizer_config_from_args
+from megatron.training.arguments.errors import require
+from megatron.training.arguments.optimizer_args import validate_optimizer_args
 from tests.fixtures.tiny_gpt import single_rank
 
 
@@ -37,6 +41,48 @@ def test_weight_decay_and_decoupled_groups():
     assert groups[(1.0, True)]["max_lr"] == 5.0 and groups[(1.0, True)]["min_lr"] == 0.1
     assert len(groups[(0.0, False)]["params"]) == 3  # fc.bias, norm.weight, norm.bias
     assert groups[(0.0, False)]["weight_decay"] == 0.0 and groups[(1.0, False)]["weight_decay"] == 0.1
+
+
+class QKNormNet(torch.nn.Module):
+    """Names as a layer's attention holds them: q_layernorm / k_layernorm beside other norms and biases."""
+
+    def __init__(self):
+        super().__init__()
+        self.self_attention = torch.nn.Module()
+        self.self_attention.q_layernorm = torch.nn.LayerNorm(4)
+        self.self_attention.k_layernorm = torch.nn.LayerNorm(4)
+        self.self_attention.linear_qkv = torch.nn.Linear(4, 12)
+        self.input_layernorm = torch.nn.LayerNorm(4)
+
+
+def _decayed(opt):
+    named = {id(p): n for n, p in QKNET.named_parameters()}
+    return sorted(named[id(p)] for g in opt.param_groups if g["wd_mult"] == 1.0 for p in g["params"])
+
+
+QKNET = QKNormNet()
+
+
+@pytest.mark.parametrize("apply", [False, True])
+def test_apply_wd_to_qk_layernorm(apply):
+    """--apply-wd-to-qk-layernorm: the q/k layernorm params (weights and biases, as Megatron's rule matches
+    their names) take weight decay; other norms and biases still take none."""
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1.0, weight_decay=0.1, apply_wd_to_qk_layernorm=apply), [QKNET])
+    qk = ["self_attention.k_layernorm.bias", "self_attention.k_layernorm.weight",
+          "self_attention.q_layernorm.bias", "self_attention.q_layernorm.weight"]
+    assert _decayed(opt) == sorted((qk if apply else []) + ["self_attention.linear_qkv.weight"])
+
+
+def test_apply_wd_to_qk_layernorm_flags_reach_the_optimizer_config():
+    """The flag and its deprecated spelling (--no-weight-decay-cond-type apply_wd_to_qk_layernorm) set the
+    optimizer config's field."""
+    base = "--num-layers 2 --hidden-size 8 --num-attention-heads 2 --lr 1e-3".split()
+    for flags in (["--apply-wd-to-qk-layernorm"], ["--no-weight-decay-cond-type", "apply_wd_to_qk_layernorm"], []):
+        args = parse_args(argv=base + flags)
+        warned = []
+        validate_optimizer_args(args, require, lambda a, m: warned.append(m))
+        assert optimizer_config_from_args(args).apply_wd_to_qk_layernorm == bool(flags)
+        assert bool(warned) == ("--no-weight-decay-cond-type" in flags)
 
 
 def test_lr_mult_and_custom_conditions():
