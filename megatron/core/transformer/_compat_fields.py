@@ -47,7 +47,6 @@ class TransformerConfigCompat:
     mup_base_head_dim: Optional[float] = None
     mup_attn_scale_power: float = 1.0
     disable_bf16_reduced_precision_matmul: bool = False
-    use_fused_weighted_squared_relu: bool = False
     fused_single_qkv_rope: bool = False
     fused_residual_rmsnorm: bool = False
     use_transformer_engine_op_fuser: bool = False

@@ -3,10 +3,10 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
-import torch.nn.functional as F
 
 from megatron.core.fusions.fused_bias_activation import bias_swiglu, fused_bias_activation
 from megatron.core.fusions.swiglu import swiglu, triton_swiglu_available
+from megatron.core.fusions.weighted_squared_relu import uses_weighted_squared_relu, weighted_squared_relu
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_protocols import (  # noqa: F401  (Megatron's typing Protocols)
     LinearFc1Builder,
@@ -24,10 +24,6 @@ class MLPSubmodules:
     linear_fc1: Union[ModuleSpec, type] = None
     linear_fc2: Union[ModuleSpec, type] = None
     activation_func: Union[ModuleSpec, type] = None  # Megatron's TE activation module; refused by MLP
-
-
-def squared_relu(x: torch.Tensor) -> torch.Tensor:
-    return torch.pow(F.relu(x), 2)
 
 
 class MLP(MegatronModule):
@@ -68,6 +64,8 @@ class MLP(MegatronModule):
         """``per_token_scale`` [tokens] multiplies each token's activation before fc2 (an expert's routing
         probability, as Megatron's experts apply it)."""
         h, bias = self.linear_fc1(hidden_states)  # [s, b, (2)f/tp]
+        if per_token_scale is not None and uses_weighted_squared_relu(self.config):
+            return self.linear_fc2(weighted_squared_relu(h if bias is None else h + bias, per_token_scale))
         if (per_token_scale is not None and bias is None and self.fused_activation is bias_swiglu
                 and triton_swiglu_available(h)):
             return self.linear_fc2(swiglu(h, per_token_scale))  # the scale inside the activation kernel

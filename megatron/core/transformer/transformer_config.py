@@ -6,6 +6,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch.nn.functional as F
 
 from megatron.core._compat_fields import check_compat_fields
+from megatron.core.activations import squared_relu
 from megatron.core.context_parallel.utils import CP_COMM_TYPES
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer._compat_fields import TransformerConfigCompat
@@ -118,6 +119,8 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     moe_permute_fusion: bool = False
     moe_router_fusion: bool = False
     moe_apply_probs_on_input: bool = False  # scale the expert input by the prob (top-1), not its activation
+    # The experts' squared-ReLU activation times the routing prob in one fp32 kernel (fusions/weighted_squared_relu.py)
+    use_fused_weighted_squared_relu: bool = False
     moe_router_force_load_balancing: bool = False  # random router logits: balanced load for benchmarks
     moe_router_force_biased: Optional[float] = None  # random logits + a shared per-expert bias of this std
 
@@ -230,6 +233,11 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
                                       "drop the flag")
         if self.activation_func_fp8_input_store:
             raise NotImplementedError("--activation-func-fp8-input-store needs FP8 support; drop the flag")
+        if self.use_fused_weighted_squared_relu:
+            if self.activation_func is not squared_relu or self.gated_linear_unit or self.num_moe_experts is None:
+                raise ValueError("--use-fused-weighted-squared-relu fuses the MoE experts' squared-ReLU activation "
+                                 "with the routing probability: it needs --squared-relu (no --swiglu) and "
+                                 "--num-experts")
 
     def _check_qk_clip(self):
         if not self.qk_clip:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core._compat_fields import all_compat_only_fields
+from megatron.core.activations import squared_relu
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.fusions.fused_bias_activation import openai_gelu
 from megatron.core.optimizer import OptimizerConfig
@@ -56,7 +57,7 @@ def core_transformer_config_from_args(args, config_class=None):
     if args.swiglu:
         overrides["activation_func"] = F.silu
     elif args.squared_relu:
-        overrides["activation_func"] = lambda x: torch.pow(F.relu(x), 2)
+        overrides["activation_func"] = squared_relu
     elif args.openai_gelu:
         overrides["activation_func"] = openai_gelu
     if args.init_method_xavier_uniform:

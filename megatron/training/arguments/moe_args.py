@@ -70,6 +70,9 @@ def add_moe_args(parser):
     g.add_argument("--moe-permute-fusion", action="store_true",
                    help="The token permutation as one Triton kernel per direction on CUDA for exactly top-k "
                         "routing (index-based eager otherwise).")
+    g.add_argument("--use-fused-weighted-squared-relu", action="store_true",
+                   help="The experts' squared-ReLU activation times the routing probability in fp32 as one "
+                        "compiled kernel per direction on CUDA (needs --squared-relu and --num-experts).")
     g.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
                    help="Run each micro-batch's forward beside the previous one's backward, so the expert-"
                         "parallel all-to-all of one hides behind the other's compute (EP x DP, no pipelining).")
@@ -102,6 +105,9 @@ def validate_moe_args(args, require):
         args.expert_tensor_parallel_size = tp
     etp = args.expert_tensor_parallel_size
     require(etp >= 1, f"--expert-tensor-parallel-size ({etp}) must be >= 1")
+    require(not args.use_fused_weighted_squared_relu or (args.num_experts and args.squared_relu and not args.swiglu),
+            "--use-fused-weighted-squared-relu fuses the MoE experts' squared-ReLU activation with the routing "
+            "probability: it needs --squared-relu (no --swiglu) and --num-experts")
     if args.num_experts is None:
         require(ep == 1, f"--expert-model-parallel-size ({ep}) > 1 needs --num-experts")
         for flag in ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute"):

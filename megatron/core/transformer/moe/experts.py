@@ -21,6 +21,7 @@ from megatron.core.fusions.compile import compile_available
 from megatron.core.fusions.grad_accumulation import claim_first_write
 from megatron.core.fusions.grouped_wgrad import grouped_wgrad_into_main_grad
 from megatron.core.fusions.swiglu import swiglu, triton_swiglu_available
+from megatron.core.fusions.weighted_squared_relu import uses_weighted_squared_relu, weighted_squared_relu
 from megatron.core.process_groups_config import get_pg, get_pg_size
 from megatron.core.tensor_parallel.layers import _make_param, set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.weight_grad import main_grad_placeholder
@@ -222,6 +223,8 @@ class GroupedMLP(MegatronModule):
         h = grouped_gemm(x, self.weight1, tokens_per_expert, offs, self.wgrad_store, fuse)  # [N, (2)f/etp]
         if _use_fused_swiglu(h, self.config):
             h = _fused_swiglu_scaled(h, permuted_probs)
+        elif permuted_probs is not None and uses_weighted_squared_relu(self.config):
+            h = weighted_squared_relu(h, permuted_probs)
         else:
             h = _glu_activation(h, self.config)
             if permuted_probs is not None:

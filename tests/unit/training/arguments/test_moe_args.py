@@ -28,6 +28,8 @@ from tests.unit.training.arguments.test_arguments import _args
      "--overlap-moe-expert-parallel-comm --recompute-granularity full --recompute-method uniform", 2,
      "recomputing the MoE layer"),
     ("--num-experts 4 --delay-wgrad-compute", 1, "--delay-wgrad-compute defers the grouped experts"),
+    ("--num-experts 4 --use-fused-weighted-squared-relu", 1, "it needs --squared-relu (no --swiglu)"),
+    ("--squared-relu --use-fused-weighted-squared-relu", 1, "--use-fused-weighted-squared-relu fuses"),
 ])
 def test_bad_moe_flags_give_one_line(flags, world, message):
     with pytest.raises(ArgumentError) as err:
