@@ -175,6 +175,26 @@ def test_fused_router_equals_eager_and_is_faster(experts, k, kwargs):
                        f"router E={experts} k={k} {score}")
 
 
+def test_compiled_weighted_squared_relu_equals_eager():
+    """--use-fused-weighted-squared-relu's compiled kernel on CUDA (two token counts: one dynamic graph) against the
+    eager fp32 form, value and both gradients, bf16 activations."""
+    from megatron.core.fusions import weighted_squared_relu as wsr
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows in (6144, 5000):
+        x = torch.randn(rows, 1408, device="cuda", generator=g).bfloat16()
+        p = torch.rand(rows, device="cuda", generator=g)
+        dy = torch.randn(rows, 1408, device="cuda", generator=g).bfloat16()
+        got, want = [], []
+        for fn, out in ((wsr.weighted_squared_relu, got), (wsr.weighted_squared_relu_eager, want)):
+            xi, pi = x.clone().requires_grad_(), p.clone().requires_grad_()
+            y = fn(xi, pi)
+            y.backward(dy)
+            out += [y, xi.grad, pi.grad]
+        assert wsr._COMPILED.get("fn") not in (None, wsr.weighted_squared_relu_eager)  # the compiled one ran
+        for name, a, b in zip(("y", "dx", "dprobs"), got, want):
+            assert _rel(a, b) < 1e-2, name
+
+
 @pytest.mark.parametrize("tokens,k,hidden", [(8192, 6, 2048), (8192, 2, 4096), (4096, 8, 2048)])
 def test_gather_sum_ways_agree_and_the_faster_is_kept(tokens, k, hidden):
     """The unpermutation's k-way sum per token (MOE_FINE's, Mixtral's and Qwen3's shapes, bf16): the gather + sum
