@@ -2,6 +2,11 @@
 import torch
 
 
+def gated_mlp(args) -> bool:
+    """The MLP's fc1 emits [gate; up] (--swiglu, --quick-geglu): 1.5x the GEMM work of a plain one."""
+    return bool(getattr(args, "swiglu", False) or getattr(args, "quick_geglu", False))
+
+
 def num_floating_point_operations(args, batch_size):
     """Training FLOPs (forward + both backward GEMMs) for `batch_size` samples of `args.seq_length` tokens.
 
@@ -23,7 +28,7 @@ def num_floating_point_operations(args, batch_size):
     groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
     d_q, d_kv = kv_channels * heads, kv_channels * groups
     ffn = args.ffn_hidden_size if args.ffn_hidden_size is not None else 4 * h
-    expansion = 3 if getattr(args, "swiglu", False) else 2
+    expansion = 3 if gated_mlp(args) else 2
     vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size
     tokens = batch_size * s
     if getattr(args, "multi_latent_attention", False):
@@ -59,7 +64,7 @@ def hybrid_floating_point_operations(args, batch_size):
     groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
     p = (args.kv_channels * heads / h) if args.kv_channels else 1
     attention = 4 * h * p * (h + h * groups / heads) + 2 * s * h * p
-    glu = 1.5 if getattr(args, "swiglu", False) else 1.0
+    glu = 1.5 if gated_mlp(args) else 1.0
     ffn = args.ffn_hidden_size if args.ffn_hidden_size is not None else 4 * h
     mlp = 4 * h * ffn * glu
     moe_ffn = getattr(args, "moe_ffn_hidden_size", None) or ffn

@@ -2,7 +2,7 @@
 --dry-run style estimate (weights, optimizer, activations, logits, FLOPs) printed by tools/benchmark.py."""
 import torch
 
-from megatron.training.flops import active_mlp_ffn_sum, moe_layer_counts, num_floating_point_operations
+from megatron.training.flops import active_mlp_ffn_sum, gated_mlp, moe_layer_counts, num_floating_point_operations
 
 NUM_BYTES_IN_MEGABYTE = 1024 * 1024
 
@@ -14,7 +14,7 @@ def compute_weight_and_optimizer_memory(args, verbose=False):
     kv = args.kv_channels or h // heads
     groups = args.num_query_groups if args.group_query_attention else heads
     ffn = args.ffn_hidden_size or 4 * h
-    glu = 3 if args.swiglu else 2
+    glu = 3 if gated_mlp(args) else 2
     attention = h * kv * (heads + 2 * groups) + kv * heads * h
     if args.multi_latent_attention:
         attention = mla_params_per_layer(args)
@@ -91,13 +91,13 @@ def compute_activation_memory(args):
         # the permuted copies of the token (dispatch input, combine input: 2 k h), averaged over layers.
         ffn = active_mlp_ffn_sum(args, ffn) / L
         dispatch = 2 * args.moe_router_topk * h * moe_layer_counts(args)[1] / L
-    per_layer = 2 * tokens * (4 * h + dispatch + attention + (4 if args.swiglu else 2) * ffn / tp)
+    per_layer = 2 * tokens * (4 * h + dispatch + attention + (4 if gated_mlp(args) else 2) * ffn / tp)
     layers = (L + (args.mtp_num_layers or 0)) / pp
     granularity = args.recompute_granularity
     if granularity == "full":
         return layers * 2 * tokens * h + per_layer
     if granularity == "selective" and "mlp" in (args.recompute_modules or []):
-        per_layer -= 2 * tokens * (4 if args.swiglu else 2) * ffn / tp
+        per_layer -= 2 * tokens * (4 if gated_mlp(args) else 2) * ffn / tp
     # Micro-batches in flight on the first stage under 1F1B: pp of them (one when pp == 1); an upper bound
     # when a step has fewer micro-batches than stages.
     return layers * per_layer * pp

@@ -4,6 +4,7 @@ from typing import Optional, Union
 
 import torch
 
+from megatron.core.activations import glu, glu_extras
 from megatron.core.fusions.fused_bias_activation import bias_swiglu, fused_bias_activation
 from megatron.core.fusions.swiglu import swiglu, triton_swiglu_available
 from megatron.core.fusions.weighted_squared_relu import uses_weighted_squared_relu, weighted_squared_relu
@@ -48,7 +49,7 @@ class MLP(MegatronModule):
         self.activation_func = config.activation_func
         # (x, bias) -> act(x + bias) in one kernel on CUDA (Megatron's --bias-gelu/swiglu-fusion).
         self.fused_activation = (fused_bias_activation(config.activation_func, glu)
-                                 if config.bias_activation_fusion else None)
+                                 if config.bias_activation_fusion and not glu_extras(config) else None)
         group = {} if tp_group is None else {"tp_group": tp_group}
         self.linear_fc1 = build_module(
             submodules.linear_fc1, self.input_size, 2 * ffn if glu else ffn, config=config,
@@ -74,9 +75,9 @@ class MLP(MegatronModule):
         else:
             if bias is not None:
                 h = h + bias
-            if self.config.gated_linear_unit:
-                gate, up = torch.chunk(h, 2, dim=-1)  # [s, b, f/tp] each
-                h = self.activation_func(gate) * up
+            if self.config.gated_linear_unit:  # [gate; up]: [s, b, f/tp] each
+                h = glu(h, self.activation_func, self.config.glu_linear_offset,
+                        self.config.activation_func_clamp_value)
             else:
                 h = self.activation_func(h)
         if per_token_scale is not None:

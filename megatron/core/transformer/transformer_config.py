@@ -119,6 +119,10 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     moe_permute_fusion: bool = False
     moe_router_fusion: bool = False
     moe_apply_probs_on_input: bool = False  # scale the expert input by the prob (top-1), not its activation
+    # GLU: activation(gate) * (up + glu_linear_offset); with activation_func_clamp_value, gate <= clamp and
+    # |up| <= clamp first (gpt-oss's clamped GLU; activations.glu)
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: Optional[float] = None
     # The experts' squared-ReLU activation times the routing prob in one fp32 kernel (fusions/weighted_squared_relu.py)
     use_fused_weighted_squared_relu: bool = False
     moe_router_force_load_balancing: bool = False  # random router logits: balanced load for benchmarks
@@ -233,6 +237,11 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
                                       "drop the flag")
         if self.activation_func_fp8_input_store:
             raise NotImplementedError("--activation-func-fp8-input-store needs FP8 support; drop the flag")
+        if (self.glu_linear_offset or self.activation_func_clamp_value is not None) and not self.gated_linear_unit:
+            raise ValueError("--glu-linear-offset / --activation-func-clamp-value shape a gated linear unit: they "
+                             "need --swiglu or --quick-geglu")
+        if self.activation_func_clamp_value is not None and not self.activation_func_clamp_value > 0:
+            raise ValueError(f"--activation-func-clamp-value must be > 0, got {self.activation_func_clamp_value}")
         if self.use_fused_weighted_squared_relu:
             if self.activation_func is not squared_relu or self.gated_linear_unit or self.num_moe_experts is None:
                 raise ValueError("--use-fused-weighted-squared-relu fuses the MoE experts' squared-ReLU activation "

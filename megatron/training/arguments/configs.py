@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core._compat_fields import all_compat_only_fields
-from megatron.core.activations import squared_relu
+from megatron.core.activations import quick_gelu, squared_relu
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.fusions.fused_bias_activation import openai_gelu
 from megatron.core.optimizer import OptimizerConfig
@@ -47,7 +47,7 @@ def core_transformer_config_from_args(args, config_class=None):
         batch_p2p_comm=not args.overlap_p2p_comm,
         num_moe_experts=args.num_experts,
         init_method_std=args.init_method_std,
-        gated_linear_unit=args.swiglu,
+        gated_linear_unit=args.swiglu or args.quick_geglu,
         bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion,
         variable_seq_lengths=False,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
@@ -58,6 +58,8 @@ def core_transformer_config_from_args(args, config_class=None):
         overrides["activation_func"] = F.silu
     elif args.squared_relu:
         overrides["activation_func"] = squared_relu
+    elif args.quick_geglu:
+        overrides["activation_func"] = quick_gelu
     elif args.openai_gelu:
         overrides["activation_func"] = openai_gelu
     if args.init_method_xavier_uniform:
@@ -72,7 +74,8 @@ def core_transformer_config_from_args(args, config_class=None):
         "--disable-bias-linear": ("add_bias_linear", not args.add_bias_linear),
         "--group-query-attention": ("num_query_groups", args.group_query_attention),
         "--swiglu": ("gated_linear_unit", args.swiglu),
-        "--squared-relu / --openai-gelu": ("activation_func", args.squared_relu or args.openai_gelu),
+        "--squared-relu / --openai-gelu / --quick-geglu": ("activation_func", args.squared_relu or args.openai_gelu
+                                                          or args.quick_geglu),
         "--normalization RMSNorm": ("normalization", args.normalization != "LayerNorm"),
         "--apply-layernorm-1p": ("layernorm_zero_centered_gamma", args.apply_layernorm_1p),
         "--recompute-granularity": ("recompute_granularity", args.recompute_granularity is not None),

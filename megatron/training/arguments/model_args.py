@@ -52,6 +52,13 @@ def add_network_size_args(parser):
     g.add_argument("--openai-gelu", action="store_true", help="Tanh-approximated GeLU.")
     g.add_argument("--squared-relu", action="store_true", help="Squared ReLU activation.")
     g.add_argument("--swiglu", action="store_true", help="SwiGLU activation (gated SiLU).")
+    g.add_argument("--quick-geglu", action="store_true",
+                   help="Gated quick-GeLU activation, x * sigmoid(1.702 x) on the gate (gpt-oss).")
+    g.add_argument("--glu-linear-offset", type=float, default=0.0,
+                   help="GLU as activation(gate) * (up + offset) (gpt-oss: 1.0); needs --swiglu or --quick-geglu.")
+    g.add_argument("--activation-func-clamp-value", type=float, default=None,
+                   help="Clamp the GLU's gate to at most this and its up half to [-value, value] before the "
+                        "activation (gpt-oss: 7.0); needs --swiglu or --quick-geglu.")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="Separate output layer weights instead of reusing the word embedding.")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",

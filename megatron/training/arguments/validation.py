@@ -257,8 +257,14 @@ def _validate_model(args):
         else:
             args.ffn_hidden_size = 4 * args.hidden_size
     _validate_positions(args)
-    _require(sum([args.swiglu, args.squared_relu, args.openai_gelu]) <= 1,
-             "--swiglu, --squared-relu and --openai-gelu are mutually exclusive; pass one")
+    _require(sum([args.swiglu, args.squared_relu, args.openai_gelu, args.quick_geglu]) <= 1,
+             "--swiglu, --squared-relu, --openai-gelu and --quick-geglu are mutually exclusive; pass one")
+    glu_shaped = bool(args.glu_linear_offset) or args.activation_func_clamp_value is not None
+    _require(args.swiglu or args.quick_geglu or not glu_shaped,
+             "--glu-linear-offset / --activation-func-clamp-value shape a gated linear unit: they need --swiglu or "
+             "--quick-geglu")
+    _require(args.activation_func_clamp_value is None or args.activation_func_clamp_value > 0,
+             f"--activation-func-clamp-value must be > 0, got {args.activation_func_clamp_value}")
     if args.add_bias_linear:
         args.add_qkv_bias = True
     if args.recompute_activations:

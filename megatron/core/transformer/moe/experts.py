@@ -17,6 +17,7 @@ from typing import Optional, Union
 
 import torch
 
+from megatron.core.activations import glu, glu_extras
 from megatron.core.fusions.compile import compile_available
 from megatron.core.fusions.grad_accumulation import claim_first_write
 from megatron.core.fusions.grouped_wgrad import grouped_wgrad_into_main_grad
@@ -48,9 +49,8 @@ class GroupedMLPSubmodules:
 
 
 def _glu_activation(h, config):
-    if config.gated_linear_unit:
-        gate, up = torch.chunk(h, 2, dim=-1)  # [n, f/etp] each
-        return config.activation_func(gate) * up
+    if config.gated_linear_unit:  # [gate; up]: [n, f/etp] each
+        return glu(h, config.activation_func, config.glu_linear_offset, config.activation_func_clamp_value)
     return config.activation_func(h)
 
 
@@ -79,7 +79,7 @@ def _fused_swiglu_scaled(h, probs):
 
 
 def _use_fused_swiglu(h, config) -> bool:
-    return (h.is_cuda and config.gated_linear_unit and config.bias_activation_fusion
+    return (h.is_cuda and config.gated_linear_unit and config.bias_activation_fusion and not glu_extras(config)
             and config.activation_func is torch.nn.functional.silu and not torch.compiler.is_compiling()
             and (triton_swiglu_available(h) or compile_available()))
 
