@@ -42,6 +42,8 @@ class StaticInferenceContext:
         self.kv_len = 0  # decode: attend over cache positions [0, kv_len)
         self.window_size = None  # (left, right) sliding window of the model (--window-size), or None
         self._decode_mask = None
+        self._decode_mask_full = None  # without the window, for the layers window_layers leaves out
+        self.window_layers = None  # layer_number -> bool: the layers the window applies to (None: all)
         self._mask_dtype = torch.float32
         self._recurrent = {}  # layer_number -> tuple of [slots, ...] state buffers (recurrent layers)
 
@@ -80,11 +82,14 @@ class StaticInferenceContext:
         self.decode, self.decode_positions, self.kv_len, self._mask_dtype = True, positions, kv_len, dtype
         self.last_token_index = None
 
-    def begin_forward(self, rotary_module, position_ids: torch.Tensor, window_size=None, rotary_freqs=None) -> None:
+    def begin_forward(self, rotary_module, position_ids: torch.Tensor, window_size=None, rotary_freqs=None,
+                      window_layers=None) -> None:
         """Called by the model before its layers: what every layer shares in this forward, computed once:
-        RoPE cos/sin for the [b, s] positions (``rotary_module`` None: no RoPE) and the decode mask.
-        ``rotary_freqs`` [s, b, 1, d]: angles the model computed itself (multimodal RoPE), used as given."""
-        self.window_size = window_size
+        RoPE cos/sin for the [b, s] positions (``rotary_module`` None: no RoPE) and the decode masks.
+        ``rotary_freqs`` [s, b, 1, d]: angles the model computed itself (multimodal RoPE), used as given.
+        ``window_layers(layer_number)``: whether ``window_size`` applies to that layer (None: to every layer;
+        --window-attn-skip-freq)."""
+        self.window_size, self.window_layers = window_size, window_layers
         self._rope = None
         if rotary_module is not None:
             if rotary_freqs is not None:
@@ -101,12 +106,16 @@ class StaticInferenceContext:
         if self.decode:
             positions = self.decode_positions
             cols = torch.arange(self.kv_len, device=positions.device)
-            allowed = cols[None, :] <= positions[:, None]
+            causal = cols[None, :] <= positions[:, None]
+            allowed = causal
             if window_size is not None and window_size[0] >= 0:  # sliding window: the last left+1 keys
-                allowed = allowed & (cols[None, :] >= positions[:, None] - window_size[0])
-            # Additive mask for every layer (SDPA would convert a boolean one in each call).
-            self._decode_mask = torch.zeros((), dtype=self._mask_dtype, device=positions.device).masked_fill(
-                ~allowed.view(-1, 1, 1, self.kv_len), float("-inf"))
+                allowed = causal & (cols[None, :] >= positions[:, None] - window_size[0])
+            # Additive masks shared by the layers (SDPA would convert a boolean one in each call).
+            zero = torch.zeros((), dtype=self._mask_dtype, device=positions.device)
+            self._decode_mask = zero.masked_fill(~allowed.view(-1, 1, 1, self.kv_len), float("-inf"))
+            self._decode_mask_full = None
+            if window_layers is not None and allowed is not causal:
+                self._decode_mask_full = zero.masked_fill(~causal.view(-1, 1, 1, self.kv_len), float("-inf"))
 
     def _apply_rope(self, t: torch.Tensor) -> torch.Tensor:
         freqs, cos, sin, interleaved = self._rope
@@ -144,21 +153,30 @@ class StaticInferenceContext:
                 index = self.decode_positions.view(b, 1, 1, 1).expand(b, ng, 1, hn)
                 keys[:b].scatter_(2, index, k[0].unsqueeze(2))
                 values[:b].scatter_(2, index, v[0].unsqueeze(2))
-            return self._attend_decode(kv, q[0].view(b, ng, np_ // ng, hn), softmax_scale)
+            return self._attend_decode(kv, q[0].view(b, ng, np_ // ng, hn), softmax_scale,
+                                       self._layer_decode_mask(layer_number))
         rows = self.slot_ids[:, None]  # [b, 1]
         cols = torch.arange(s, device=q.device)[None, :]  # [1, s]
         keys[rows, :, cols] = k.transpose(0, 1)  # [b, s, ng, hn] into [b, ng, s, hn] slices
         values[rows, :, cols] = v.transpose(0, 1)
         qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hn]
         band = None
-        if self.window_size is not None and self.window_size[0] >= 0:
+        windowed = self.window_layers is None or self.window_layers(layer_number)
+        if self.window_size is not None and self.window_size[0] >= 0 and windowed:
             i = torch.arange(s, device=q.device)[:, None]
             band = (cols <= i) & (cols >= i - self.window_size[0])  # [s, s], True = attend
         ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=band, is_causal=band is None,
                                              scale=softmax_scale, enable_gqa=ng != np_)  # [b, np, s, hn]
         return ctx.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
 
-    def _attend_decode(self, kv: torch.Tensor, query: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    def _layer_decode_mask(self, layer_number: int) -> torch.Tensor:
+        """The decode mask of this layer: without the window where ``window_layers`` leaves the layer out."""
+        if self._decode_mask_full is not None and not self.window_layers(layer_number):
+            return self._decode_mask_full
+        return self._decode_mask
+
+    def _attend_decode(self, kv: torch.Tensor, query: torch.Tensor, softmax_scale: float,
+                       mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """query [B, ng, np/ng, hn] over the cache slice [0, kv_len) of slots 0..B-1 -> [1, B, np * hn].
 
         GQA without copies: the np/ng query heads of a group act as that group's query "positions", all
@@ -168,7 +186,8 @@ class StaticInferenceContext:
         b = query.shape[0]
         window = kv[:b, :, :self.kv_len]  # [B, ng, L, 2, hn]
         ctx = F.scaled_dot_product_attention(query, window[..., 0, :], window[..., 1, :],
-                                             attn_mask=self._decode_mask, scale=softmax_scale)
+                                             attn_mask=self._decode_mask if mask is None else mask,
+                                             scale=softmax_scale)
         return ctx.reshape(1, b, -1)  # heads in (group, member) order, as the projection lays them out
 
     def attention_from_qkv(self, layer_number: int, mixed: torch.Tensor, ng: int, hn: int,
@@ -192,7 +211,7 @@ class StaticInferenceContext:
             cos, sin = cos.unsqueeze(3), sin.unsqueeze(3)  # [1, B, 1, 1, hn]
         kv = self._cache(layer_number, x[:, :, :, rep])  # [slots, ng, max_len, 2, hn]
         query = rope_and_store(x, cos, sin, kv, self.decode_positions)  # [B, ng, np/ng, hn]
-        return self._attend_decode(kv, query, softmax_scale)
+        return self._attend_decode(kv, query, softmax_scale, self._layer_decode_mask(layer_number))
 
     def reset(self) -> None:
         """Drop the cache (a new run with other shapes); slots are managed by the engine."""

@@ -16,7 +16,6 @@ class TransformerConfigCompat:
     flash_attention_version: Optional[Literal[2, 3, 4]] = None
     softmax_scale: Optional[float] = None
     softmax_type: Any = 'vanilla'
-    window_attn_skip_freq: Optional[Union[int, List[int]]] = None
     no_rope_freq: Optional[Union[int, List[int]]] = None
     experimental_attention_variant: Any = None
     experimental_attention_variant_loss_scale_func: Any = None

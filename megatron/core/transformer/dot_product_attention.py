@@ -15,6 +15,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.max_logit import context_parallel_max_attention_logit, max_attention_logit
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.window_attention import is_layer_window_attention
 
 # --attention-backend -> SDPA kernels, in priority order (CUDA only; CPU keeps torch's choice).
 # flash: FlashAttention-2; fused: cuDNN's fused attention, then the memory-efficient kernel;
@@ -105,7 +106,9 @@ class DotProductAttention(MegatronModule):
         deterministic = getattr(config, "deterministic_mode", False)
         self.sdpa_backends = sdpa_backends(backend, deterministic)
         self.masked_sdpa_backends = masked_sdpa_backends(deterministic)
-        self.window_size = config.window_size
+        # Sliding window on this layer (all layers, or those --window-attn-skip-freq leaves windowed)
+        self.window_size = (config.window_size if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, self.layer_number) else None)
         self.cp_comm_type = cp_comm_type or config.cp_comm_type_of_layer(self.layer_number)
         self.records_max_logit = attention_type == "self" and (config.qk_clip or config.log_max_attention_logit)
         self.current_max_attn_logits = None  # [np] fp32, see the class docstring

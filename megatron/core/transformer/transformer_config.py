@@ -12,6 +12,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer._compat_fields import TransformerConfigCompat
 from megatron.core.transformer.moe.config_checks import check_moe_config
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+from megatron.core.transformer.window_attention import check_window_attn_skip_freq
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 
@@ -49,6 +50,8 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     test_mode: bool = False
     calculate_per_token_loss: bool = False
     window_size: Optional[Tuple[int, int]] = None
+    # The layers window_size applies to: every N-th layer attends fully, or a 0/1 list (window_attention.py)
+    window_attn_skip_freq: Optional[Union[int, List[int]]] = None
     rotary_interleaved: bool = False
     # Multimodal RoPE (--position-embedding-type mrope): rotary frequency bands per (temporal, height, width)
     # position component; sums to the rotary dim / 2 (Qwen2-VL: [16, 24, 24]).
@@ -225,6 +228,7 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
             self.window_size = tuple(int(x) for x in self.window_size)
             if len(self.window_size) != 2 or min(self.window_size) < -1:
                 raise ValueError(f"--window-size {self.window_size}: expected (left, right), each >= 0 or -1")
+        check_window_attn_skip_freq(self.window_size, self.window_attn_skip_freq, self.num_layers)
         backend = getattr(self.attention_backend, "name", self.attention_backend)  # AttnBackend or str
         if backend not in ("auto", "local", "flash", "fused", "unfused"):
             raise ValueError(f"attention_backend '{self.attention_backend}' unknown; use auto, local, "

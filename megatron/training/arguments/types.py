@@ -28,6 +28,11 @@ def no_rope_freq_type(x):
     return _int_or_pattern(x, allow_none=True)
 
 
+def window_attn_skip_freq_type(x):
+    """--window-attn-skip-freq: N (every N-th layer attends fully) or a 0/1 list expression (1 = windowed layer)."""
+    return _int_or_pattern(x, allow_none=True)
+
+
 def la_freq_type(x):
     """Linear-attention layer frequency: N or a 0/1 list expression (1 = linear attention)."""
     return _int_or_pattern(x, allow_none=True)

@@ -1,4 +1,8 @@
-"""--window-size: sliding-window attention (Mistral), with Megatron's (left, right) semantics."""
+"""--window-size: sliding-window attention (Mistral), with Megatron's (left, right) semantics;
+--window-attn-skip-freq: the layers that use it (gpt-oss alternates windowed and full layers)."""
+from megatron.core.transformer.window_attention import check_window_attn_skip_freq
+
+from .types import window_attn_skip_freq_type
 
 
 def tuple_type(value):
@@ -13,11 +17,19 @@ def add_window_args(parser):
     g.add_argument("--window-size", type=tuple_type, default=None,
                    help="Attention window (left, right) in tokens, e.g. 4095,0: query i sees keys i-left..i+right "
                         "(-1: unbounded). Default: full attention.")
+    g.add_argument("--window-attn-skip-freq", type=window_attn_skip_freq_type, default=None,
+                   help="The layers --window-size leaves to full attention: N, every N-th layer (N-1 windowed "
+                        "layers, then one full; 2 alternates), or a 0/1 list expression per layer such as "
+                        "\"([1]*3+[0])*2\" (1: windowed). Default: every layer windowed.")
     return parser
 
 
 def validate_window_args(args, require):
     w = args.window_size
+    try:
+        check_window_attn_skip_freq(w, args.window_attn_skip_freq, args.num_layers)
+    except ValueError as e:
+        require(False, str(e))
     if w is None:
         return
     require(len(w) == 2 and all(x >= -1 for x in w),

@@ -1,4 +1,5 @@
 """GPTModel: embedding -> transformer block -> output layer -> per-token loss, one pipeline stage at a time."""
+import functools
 from typing import Literal, Optional
 
 import torch
@@ -10,6 +11,7 @@ from megatron.core.models.common.language_module.language_module import Language
 from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock, process_mtp_loss
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.window_attention import is_layer_window_attention
 
 
 class GPTModel(LanguageModule):
@@ -114,12 +116,17 @@ class GPTModel(LanguageModule):
         rotary_pos_emb = None
         if inference_context is not None:  # per-token positions; the context applies RoPE in attention
             window = getattr(self.config, "window_size", None)
+            window_layers = None  # every layer windowed, unless --window-attn-skip-freq picks them
+            if window is not None and getattr(self.config, "window_attn_skip_freq", None) is not None:
+                window_layers = functools.partial(is_layer_window_attention, window,
+                                                  self.config.window_attn_skip_freq)
             if self.position_embedding_type == "mrope":  # angles from the [3, b, s] positions
                 inference_context.begin_forward(self.rotary_pos_emb, position_ids, window,
+                                                window_layers=window_layers,
                                                 rotary_freqs=self._mrope_emb(position_ids, decoder_input, None))
             else:
                 rope = self.rotary_pos_emb if self.position_embedding_type == "rope" else None
-                inference_context.begin_forward(rope, position_ids, window)
+                inference_context.begin_forward(rope, position_ids, window, window_layers=window_layers)
         elif self.model_rotary:
             tp_size = None if self.pg_collection is None else self.pg_collection.tp.size()
             seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, self.decoder, decoder_input, self.config,

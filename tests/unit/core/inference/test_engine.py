@@ -27,7 +27,9 @@ def build_tiny_gpt(arch: str, seed: int = 7, tp: int = 1):
     cfg = tiny_config(hidden_size=64, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=96,
                       normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
                       qk_layernorm=True, tensor_model_parallel_size=tp,
-                      window_size=(3, 0) if arch == "mistral" else None)
+                      window_size=(3, 0) if arch.startswith("mistral") else None,
+                      # gpt-oss's alternation (--window-attn-skip-freq 2): layer 1 windowed, layer 2 full
+                      window_attn_skip_freq=2 if arch == "mistral_alternating" else None)
     return tiny_gpt(cfg, VOCAB, MAX_LEN, spec=get_gpt_layer_local_spec(qk_layernorm=True),
                     position_embedding_type="rope", share_embeddings_and_output_weights=False).eval()
 
@@ -46,7 +48,7 @@ def full_logits(model, seq):
 GREEDY = SamplingParams(top_k=1, num_tokens_to_generate=10, return_log_probs=True)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral", "mistral_alternating"])
 def test_kv_cache_logits_equal_full_recompute(arch):
     """Prefill two prompts into slots 2 and 0, then decode both: each step's logits equal the full
     forward over the whole sequence so far."""
