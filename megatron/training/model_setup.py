@@ -1,4 +1,5 @@
 """Build model chunks (one per virtual pipeline stage), wrap them, and create optimizer + LR scheduler."""
+import dataclasses
 import inspect
 
 import torch
@@ -6,6 +7,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel as DDP
 from megatron.core.distributed import TorchFullyShardedDataParallel
+from megatron.core.distributed.distributed_data_parallel import buckets_of
 from megatron.core.enums import ModelType
 from megatron.core.optimizer import get_megatron_optimizer, optimizer_state, tag_params_for_buffer_routing
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -63,6 +65,10 @@ def _build_chunk(model_provider_func, model_type, vp_stage):
 
 def _wrap_with_ddp(args, model):
     ddp_config = ddp_config_from_args(args)
+    if ddp_config.num_buckets is not None:  # Megatron's sizing: this rank's params over all its model chunks
+        total = sum(p.numel() for chunk in model for p in chunk.parameters())
+        ddp_config = dataclasses.replace(ddp_config, bucket_size=buckets_of(total, ddp_config.num_buckets),
+                                         num_buckets=None)
     if args.use_torch_fsdp2:
         # Each chunk is its own FSDP2 root; params are broadcast over DP before sharding.
         reshard = args.torch_fsdp2_reshard_after_forward

@@ -10,7 +10,6 @@ import torch
 class DistributedDataParallelConfigCompat:
     """DistributedDataParallelConfig fields of Megatron Core 0.19.2 that have no counterpart here."""
 
-    num_buckets: Optional[int] = None
     reduce_scatter_with_fp32_accumulation: bool = False
     param_name_patterns_for_fp32_local_accumulation: Tuple[str, ...] = ()
     fp4_param_gather: bool = False

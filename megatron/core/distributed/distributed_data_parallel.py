@@ -12,6 +12,11 @@ from megatron.core.fusions.grad_accumulation import accumulate_into_main_grad, c
 from megatron.core.process_groups_config import get_pg
 
 
+def buckets_of(num_parameters: int, num_buckets: int) -> int:
+    """The bucket size that splits ``num_parameters`` into about ``num_buckets`` buckets (--ddp-num-buckets)."""
+    return max(1, num_parameters // num_buckets)
+
+
 class DistributedDataParallel(WrappedModule):
     """Wraps `module`: every param gets `.main_grad` (a view into a flat per-dtype buffer); backward
     hooks accumulate `param.grad` into it and, with `overlap_grad_reduce`, launch each bucket group's
@@ -35,6 +40,8 @@ class DistributedDataParallel(WrappedModule):
         dp_group = self._dp_group(expert=False)
         dp_size = dist.get_world_size(group=dp_group)
         bucket_size = ddp_config.bucket_size
+        if bucket_size is None and ddp_config.num_buckets is not None:
+            bucket_size = buckets_of(sum(p.numel() for p in module.parameters()), ddp_config.num_buckets)
         if bucket_size is None:
             bucket_size = max(40_000_000, 1_000_000 * dp_size)
         if not ddp_config.overlap_grad_reduce or disable_bucketing:

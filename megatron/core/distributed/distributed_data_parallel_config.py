@@ -36,6 +36,10 @@ class DistributedDataParallelConfig(DistributedDataParallelConfigCompat):
     bucket_size: Optional[int] = None
     """Params per bucket; None = max(40M, 1M * DP) when overlapping the grad reduce, else one bucket."""
 
+    num_buckets: Optional[int] = None
+    """Instead of ``bucket_size``: about this many buckets, ``bucket_size`` = the wrapped module's params //
+    ``num_buckets`` (the training loop divides all of a rank's model chunks, as Megatron does)."""
+
     pad_buckets_for_high_nccl_busbw: bool = False
     """Accepted for Megatron compatibility; buckets are padded only to a multiple of the DP size."""
 
@@ -73,3 +77,8 @@ class DistributedDataParallelConfig(DistributedDataParallelConfigCompat):
                              f"of {', '.join(strategies)}")
         if self.bucket_size is not None and self.bucket_size <= 0:
             raise ValueError("--ddp-bucket-size must be a positive number of parameters")
+        if self.num_buckets is not None:
+            if self.bucket_size is not None:
+                raise ValueError("--ddp-num-buckets and --ddp-bucket-size both size the buckets; pass one")
+            if self.num_buckets <= 0:
+                raise ValueError(f"--ddp-num-buckets ({self.num_buckets}) must be > 0")

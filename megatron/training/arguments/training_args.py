@@ -36,6 +36,9 @@ def add_training_args(parser):
     g.add_argument("--overlap-grad-reduce", action="store_true", help="Overlap DP grad reduce with backward.")
     g.add_argument("--overlap-param-gather", action="store_true", help="Overlap param all-gather with forward.")
     g.add_argument("--ddp-bucket-size", type=int, default=None, help="DDP bucket size in parameters.")
+    g.add_argument("--ddp-num-buckets", type=int, default=None,
+                   help="Instead of --ddp-bucket-size: about this many gradient buckets, sized as the rank's "
+                        "parameters (all its model chunks) divided by it.")
     g.add_argument("--ddp-average-in-collective", action="store_true",
                    help="Average gradients inside the collective instead of pre-scaling.")
     g.add_argument("--calculate-per-token-loss", action="store_true",

@@ -108,6 +108,12 @@ def _validate_parallel(args):
                           "use DDP (optionally --use-distributed-optimizer) with pipeline parallelism")
         _require(not args.use_distributed_optimizer,
                  "--use-torch-fsdp2 already shards optimizer state; drop --use-distributed-optimizer")
+        _require(args.ddp_num_buckets is None, "--ddp-num-buckets sizes DDP's gradient buckets; --use-torch-fsdp2 "
+                                               "reduces per FSDP unit and has none: drop it")
+    _require(args.ddp_num_buckets is None or args.ddp_bucket_size is None,
+             "--ddp-num-buckets and --ddp-bucket-size both size the buckets; pass one")
+    _require(args.ddp_num_buckets is None or args.ddp_num_buckets > 0,
+             f"--ddp-num-buckets ({args.ddp_num_buckets}) must be > 0")
     if not torch.cuda.is_available() and args.distributed_backend == "nccl":
         args.distributed_backend = "gloo"  # NCCL needs CUDA; gloo is the CPU backend
     try:  # unknown groups, keys or an unreadable file: one line now, not at process-group creation

@@ -176,8 +176,8 @@ def test_compat_config_fields():
     assert OptimizerConfig(grad_norm_skip_threshold=float("inf")).grad_norm_skip_threshold == float("inf")
     with pytest.raises(ValueError, match=r"OptimizerConfig.grad_norm_skip_threshold=1\.0"):
         OptimizerConfig(grad_norm_skip_threshold=1.0)
-    with pytest.raises(ValueError, match="DistributedDataParallelConfig.num_buckets"):
-        DistributedDataParallelConfig(num_buckets=4)
+    with pytest.raises(ValueError, match="DistributedDataParallelConfig.reduce_scatter_with_fp32_accumulation"):
+        DistributedDataParallelConfig(reduce_scatter_with_fp32_accumulation=True)
     with pytest.raises(ValueError, match="ModelParallelConfig.cross_entropy_loss_fusion"):
         ModelParallelConfig(cross_entropy_loss_fusion=True)
     assert _config(cross_entropy_loss_fusion=True).cross_entropy_loss_fusion  # a real TransformerConfig field

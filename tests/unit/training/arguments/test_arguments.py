@@ -28,6 +28,13 @@ def _args(extra="", world_size=1, monkeypatch=None):
     return validate_args(args)
 
 
+def assert_refused_in_one_line(flags: str, message: str, world_size: int = 1) -> None:
+    """validate_args refuses ``flags`` with one line holding ``message``."""
+    with pytest.raises(ArgumentError) as err:
+        _args(flags, world_size=world_size)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
 def test_defaults_match_megatron():
     a = _args()
     assert (a.hidden_dropout, a.attention_dropout, a.weight_decay, a.clip_grad) == (0.1, 0.1, 0.01, 1.0)
@@ -66,11 +73,16 @@ def test_derived_values():
     ("--lr-decay-samples 10", 1, "--lr-decay-samples needs a sample-based run"),
     ("--perform-rl-step", 1, "--perform-rl-step is not supported yet"),
     ("--exit-signal NOPE", 1, "--exit-signal (NOPE) is not a signal name"),
+    ("--ddp-num-buckets 2 --ddp-bucket-size 1000", 1, "pass one"),
+    ("--ddp-num-buckets 0", 1, "--ddp-num-buckets (0) must be > 0"),
+    ("--ddp-num-buckets 2 --use-torch-fsdp2", 1, "drop it"),
+    ("--glu-linear-offset 1.0", 1, "need --swiglu or --quick-geglu"),
+    ("--swiglu --quick-geglu", 1, "mutually exclusive"),
+    ("--quick-geglu --activation-func-clamp-value -1", 1, "must be > 0"),
+    ("--window-attn-skip-freq 2", 1, "needs --window-size"),
 ])
 def test_validation_errors(extra, world, needle):
-    with pytest.raises(ArgumentError) as e:
-        _args(extra, world_size=world)
-    assert needle in str(e.value) and "\n" not in str(e.value)
+    assert_refused_in_one_line(extra, needle, world_size=world)
 
 
 def test_split_with_shell_quotes_kept_is_accepted():
