@@ -492,3 +492,30 @@ def test_linear_bias_in_gemm_epilogue_matches_matmul_plus_bias():
     assert outs[0][0].shape == (197, 4, 3072)
     for a, ref in zip(*outs):
         torch.testing.assert_close(a, ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("softmax_type", ["off-by-one", "learnable"])
+def test_attention_sinks_on_cuda_match_fp64(softmax_type):
+    """--softmax-type on CUDA in bf16 (torch's masked SDPA kernel over the sink-augmented keys): the output and the
+    sink's gradient against the fp64 formula, GQA 8/2 heads of 64 (gpt-oss's head dim), seq 1024."""
+    from megatron.core.transformer.attention_sinks import reference_sink_attention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    cfg = TransformerConfig(num_layers=1, hidden_size=512, num_attention_heads=8, num_query_groups=2, kv_channels=64,
+                            attention_dropout=0.0, softmax_type=softmax_type, bf16=True, params_dtype=torch.bfloat16)
+    core = DotProductAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal).cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    s, b = 1024, 2
+    q = torch.randn(s, b, 8, 64, device="cuda", generator=g).bfloat16().requires_grad_()
+    k, v = (torch.randn(s, b, 2, 64, device="cuda", generator=g).bfloat16() for _ in range(2))
+    out = core(q, k, v, None).view(s, b, 8, 64).permute(1, 2, 0, 3)
+    kr, vr = (t.permute(1, 2, 0, 3).repeat_interleave(4, dim=1) for t in (k, v))
+    sink = core.softmax_offset
+    ref = reference_sink_attention(q.permute(1, 2, 0, 3), kr, vr, sink, 64 ** -0.5,
+                                   torch.ones(s, s, dtype=torch.bool, device="cuda").tril())
+    assert (out.double() - ref).abs().max().item() < 2e-2
+    if softmax_type == "learnable":
+        dy = torch.randn_like(out)
+        got = torch.autograd.grad(out, sink, dy)[0].double()
+        want = torch.autograd.grad(ref, sink, dy.double())[0].double()
+        assert (got - want).abs().max().item() <= 2e-2 * max(1.0, want.abs().max().item())

@@ -15,7 +15,6 @@ class TransformerConfigCompat:
     mtp_hybrid_override_pattern: Optional[str] = None
     flash_attention_version: Optional[Literal[2, 3, 4]] = None
     softmax_scale: Optional[float] = None
-    softmax_type: Any = 'vanilla'
     no_rope_freq: Optional[Union[int, List[int]]] = None
     experimental_attention_variant: Any = None
     experimental_attention_variant_loss_scale_func: Any = None

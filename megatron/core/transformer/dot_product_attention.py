@@ -11,7 +11,9 @@ from megatron.core.context_parallel.kernels import _CUDNN_GQA, cudnn_gqa_usable 
 from megatron.core.context_parallel.kernels import cudnn_gqa_attention as _cudnn_gqa_attention
 from megatron.core.context_parallel.utils import document_layout
 from megatron.core.process_groups_config import get_pg, get_pg_size
+from megatron.core.tensor_parallel.layers import _make_param, set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.transformer.attention_sinks import with_sink
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.max_logit import context_parallel_max_attention_logit, max_attention_logit
 from megatron.core.transformer.module import MegatronModule
@@ -109,6 +111,16 @@ class DotProductAttention(MegatronModule):
         # Sliding window on this layer (all layers, or those --window-attn-skip-freq leaves windowed)
         self.window_size = (config.window_size if is_layer_window_attention(
             config.window_size, config.window_attn_skip_freq, self.layer_number) else None)
+        # Attention sinks (--softmax-type): one sink logit per local head, fixed at 0 or learnt
+        self.softmax_type = config.softmax_type
+        if self.softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", torch.zeros(self.num_heads_per_partition), persistent=False)
+        elif self.softmax_type == "learnable":
+            # Megatron's init (config.init_method); the model redraws it per global name (transformer/initialize.py)
+            self.softmax_offset = _make_param((self.num_heads_per_partition,), config, config.init_method)
+            set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)  # split with the heads
+        else:
+            self.softmax_offset = None
         self.cp_comm_type = cp_comm_type or config.cp_comm_type_of_layer(self.layer_number)
         self.records_max_logit = attention_type == "self" and (config.qk_clip or config.log_max_attention_logit)
         self.current_max_attn_logits = None  # [np] fp32, see the class docstring
@@ -147,7 +159,7 @@ class DotProductAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
         if (k.size(1) != q.size(1) and q.size(2) == k.size(2) and attention_mask is None and dropout_p == 0.0
-                and self.window_size is None
+                and self.window_size is None and self.softmax_offset is None
                 and mask_type in (AttnMaskType.causal, AttnMaskType.no_mask, AttnMaskType.padding_causal)
                 and _cudnn_gqa_applies(q, v, self.sdpa_backends)):
             ctx = _cudnn_gqa_attention(q, k, v, mask_type is not AttnMaskType.no_mask, self.softmax_scale)
@@ -171,7 +183,10 @@ class DotProductAttention(MegatronModule):
         # except in deterministic mode.
         backends = self.sdpa_backends if attn_mask is None else self.masked_sdpa_backends
         v_dim = v.size(-1)
-        if v_dim < hn and q.is_cuda:
+        if self.softmax_offset is not None:
+            q, k, v, attn_mask = with_sink(q, k, v, self.softmax_offset, self.softmax_scale, attn_mask, is_causal)
+            is_causal, backends = False, self.masked_sdpa_backends
+        elif v_dim < hn and q.is_cuda:
             # MLA: value heads narrower than query/key heads. The flash and cuDNN kernels want one head
             # dim, so pad V with zeros; the padded output columns are zero and dropped below.
             v = F.pad(v, (0, hn - v_dim))
@@ -188,6 +203,9 @@ class DotProductAttention(MegatronModule):
         if self.window_size is not None:
             raise NotImplementedError("--window-size (sliding-window attention) is not supported with context "
                                       "parallelism or packed sequences yet")
+        if self.softmax_offset is not None:
+            raise NotImplementedError(f"--softmax-type {self.softmax_type} (attention sinks) is not supported with "
+                                      "context parallelism or packed sequences yet")
         if self.training and self.dropout_p > 0:
             raise NotImplementedError("attention dropout is not supported with context parallelism or packed "
                                       "sequences; pass --attention-dropout 0")

@@ -10,6 +10,7 @@ from megatron.core.activations import squared_relu
 from megatron.core.context_parallel.utils import CP_COMM_TYPES
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer._compat_fields import TransformerConfigCompat
+from megatron.core.transformer.attention_sinks import SOFTMAX_TYPES
 from megatron.core.transformer.moe.config_checks import check_moe_config
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.transformer.window_attention import check_window_attn_skip_freq
@@ -52,6 +53,8 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     window_size: Optional[Tuple[int, int]] = None
     # The layers window_size applies to: every N-th layer attends fully, or a 0/1 list (window_attention.py)
     window_attn_skip_freq: Optional[Union[int, List[int]]] = None
+    # Attention sinks: vanilla, off-by-one (a sink logit 0 per head) or learnable (attention_sinks.py)
+    softmax_type: str = "vanilla"
     rotary_interleaved: bool = False
     # Multimodal RoPE (--position-embedding-type mrope): rotary frequency bands per (temporal, height, width)
     # position component; sums to the rotary dim / 2 (Qwen2-VL: [16, 24, 24]).
@@ -229,6 +232,8 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
             if len(self.window_size) != 2 or min(self.window_size) < -1:
                 raise ValueError(f"--window-size {self.window_size}: expected (left, right), each >= 0 or -1")
         check_window_attn_skip_freq(self.window_size, self.window_attn_skip_freq, self.num_layers)
+        if self.softmax_type not in SOFTMAX_TYPES:
+            raise ValueError(f"--softmax-type {self.softmax_type}: use one of {', '.join(SOFTMAX_TYPES)}")
         backend = getattr(self.attention_backend, "name", self.attention_backend)  # AttnBackend or str
         if backend not in ("auto", "local", "flash", "fused", "unfused"):
             raise ValueError(f"attention_backend '{self.attention_backend}' unknown; use auto, local, "

@@ -17,6 +17,10 @@ def add_window_args(parser):
     g.add_argument("--window-size", type=tuple_type, default=None,
                    help="Attention window (left, right) in tokens, e.g. 4095,0: query i sees keys i-left..i+right "
                         "(-1: unbounded). Default: full attention.")
+    g.add_argument("--softmax-type", type=str, default="vanilla", choices=["vanilla", "off-by-one", "learnable"],
+                   help="Attention sinks (gpt-oss): off-by-one adds a sink logit 0 to each head's softmax "
+                        "(softmax + 1 in the denominator), learnable one trained sink logit per head; the sink's "
+                        "value is zero, so a head can attend to nothing.")
     g.add_argument("--window-attn-skip-freq", type=window_attn_skip_freq_type, default=None,
                    help="The layers --window-size leaves to full attention: N, every N-th layer (N-1 windowed "
                         "layers, then one full; 2 alternates), or a 0/1 list expression per layer such as "
@@ -25,6 +29,11 @@ def add_window_args(parser):
 
 
 def validate_window_args(args, require):
+    if args.softmax_type != "vanilla":
+        sinks = f"--softmax-type {args.softmax_type} (attention sinks)"
+        require(args.context_parallel_size == 1, f"{sinks} is not supported with --context-parallel-size > 1 yet")
+        require(not (args.reset_attention_mask or getattr(args, "sft", False)),
+                f"{sinks} is not supported with packed sequences (--reset-attention-mask / --sft) yet")
     w = args.window_size
     try:
         check_window_attn_skip_freq(w, args.window_attn_skip_freq, args.num_layers)

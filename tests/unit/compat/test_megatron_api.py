@@ -183,13 +183,13 @@ def test_compat_config_fields():
     assert _config(cross_entropy_loss_fusion=True).cross_entropy_loss_fusion  # a real TransformerConfig field
     # moe_* fields are read by Megatron only with experts: any value gives the same dense model.
     assert _config(moe_token_dispatcher_type="alltoall").moe_token_dispatcher_type == "alltoall"
-    with pytest.raises(ValueError, match="TransformerConfig.softmax_type"):
-        _config(softmax_type="off-by-one")
+    with pytest.raises(ValueError, match="TransformerConfig.no_rope_freq"):
+        _config(no_rope_freq=2)
 
     @dataclasses.dataclass
     class WithFeature(TransformerConfig):  # a feature that lands redefines its field and takes it over
-        softmax_type: str = "vanilla"
-    assert WithFeature(num_layers=1, hidden_size=8, num_attention_heads=2, softmax_type="learnable").softmax_type
+        no_rope_freq: int = None
+    assert WithFeature(num_layers=1, hidden_size=8, num_attention_heads=2, no_rope_freq=2).no_rope_freq == 2
 
 
 def test_small_core_names():

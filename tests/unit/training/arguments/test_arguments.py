@@ -80,6 +80,8 @@ def test_derived_values():
     ("--swiglu --quick-geglu", 1, "mutually exclusive"),
     ("--quick-geglu --activation-func-clamp-value -1", 1, "must be > 0"),
     ("--window-attn-skip-freq 2", 1, "needs --window-size"),
+    ("--softmax-type learnable --context-parallel-size 2", 2, "not supported with --context-parallel-size > 1"),
+    ("--softmax-type off-by-one --reset-attention-mask", 1, "not supported with packed sequences"),
 ])
 def test_validation_errors(extra, world, needle):
     assert_refused_in_one_line(extra, needle, world_size=world)
