@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from megatron.core.inference.decode_fusions import rope_and_store
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.attention_sinks import with_sink
 
 
 class StaticInferenceContext:
@@ -137,8 +138,9 @@ class StaticInferenceContext:
         return self._kv[layer_number]
 
     def attention(self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  softmax_scale: float) -> torch.Tensor:
-        """Store k/v in the cache and attend. q [s, b, np, hn], k/v [s, b, ng, hn] -> [s, b, np * hn]."""
+                  softmax_scale: float, sink: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Store k/v in the cache and attend. q [s, b, np, hn], k/v [s, b, ng, hn] -> [s, b, np * hn].
+        ``sink`` [np]: the heads' sink logits (--softmax-type; attention_sinks.py)."""
         if self._rope is not None:
             q, k = self._apply_rope(q), self._apply_rope(k)
         kv = self._cache(layer_number, k)
@@ -153,8 +155,11 @@ class StaticInferenceContext:
                 index = self.decode_positions.view(b, 1, 1, 1).expand(b, ng, 1, hn)
                 keys[:b].scatter_(2, index, k[0].unsqueeze(2))
                 values[:b].scatter_(2, index, v[0].unsqueeze(2))
-            return self._attend_decode(kv, q[0].view(b, ng, np_ // ng, hn), softmax_scale,
-                                       self._layer_decode_mask(layer_number))
+            query = q[0].view(b, ng, np_ // ng, hn)
+            if sink is not None:
+                return self._attend_decode_with_sink(kv, query, softmax_scale, self._layer_decode_mask(layer_number),
+                                                     sink)
+            return self._attend_decode(kv, query, softmax_scale, self._layer_decode_mask(layer_number))
         rows = self.slot_ids[:, None]  # [b, 1]
         cols = torch.arange(s, device=q.device)[None, :]  # [1, s]
         keys[rows, :, cols] = k.transpose(0, 1)  # [b, s, ng, hn] into [b, ng, s, hn] slices
@@ -165,8 +170,13 @@ class StaticInferenceContext:
         if self.window_size is not None and self.window_size[0] >= 0 and windowed:
             i = torch.arange(s, device=q.device)[:, None]
             band = (cols <= i) & (cols >= i - self.window_size[0])  # [s, s], True = attend
-        ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=band, is_causal=band is None,
-                                             scale=softmax_scale, enable_gqa=ng != np_)  # [b, np, s, hn]
+        if sink is not None:  # the sink key per query head: K/V repeated to every head
+            kh, vh = kh.repeat_interleave(np_ // ng, dim=1), vh.repeat_interleave(np_ // ng, dim=1)
+            qh, kh, vh, band = with_sink(qh, kh, vh, sink, softmax_scale, band, band is None)
+            ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=band, scale=softmax_scale)[..., :hn]
+        else:
+            ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=band, is_causal=band is None,
+                                                 scale=softmax_scale, enable_gqa=ng != np_)  # [b, np, s, hn]
         return ctx.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
 
     def _layer_decode_mask(self, layer_number: int) -> torch.Tensor:
@@ -174,6 +184,20 @@ class StaticInferenceContext:
         if self._decode_mask_full is not None and not self.window_layers(layer_number):
             return self._decode_mask_full
         return self._decode_mask
+
+    def _attend_decode_with_sink(self, kv: torch.Tensor, query: torch.Tensor, softmax_scale: float,
+                                 mask: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+        """`_attend_decode` with the heads' sink logits (query heads in (group, member) order, as ``sink``): one
+        query per slot, so the scores are small enough to write out: softmax over [sink, scores], the sink's
+        column dropped, times the values."""
+        b, ng, r, hn = query.shape
+        window = kv[:b, :, :self.kv_len]  # [B, ng, L, 2, hn]
+        scores = torch.matmul(query.float(), window[..., 0, :].float().transpose(-1, -2)) * softmax_scale
+        scores = scores + mask.float()  # [B, ng, r, L]; the additive mask [B, 1, 1, L]
+        col = sink.float().view(1, ng, r, 1).expand(b, ng, r, 1)
+        probs = torch.softmax(torch.cat([col, scores], dim=-1), dim=-1)[..., 1:]
+        ctx = torch.matmul(probs, window[..., 1, :].float()).to(query.dtype)  # [B, ng, r, hn]
+        return ctx.reshape(1, b, -1)
 
     def _attend_decode(self, kv: torch.Tensor, query: torch.Tensor, softmax_scale: float,
                        mask: Optional[torch.Tensor] = None) -> torch.Tensor:

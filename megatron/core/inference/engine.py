@@ -89,10 +89,6 @@ class InferenceEngine:
             raise NotImplementedError("text generation runs with --pipeline-model-parallel-size 1 only; load the "
                                       "checkpoint at PP=1 (torch_dist checkpoints reshard on load)")
         self.model = _unwrap(model).eval()
-        softmax_type = getattr(getattr(self.model, "config", None), "softmax_type", "vanilla")
-        if softmax_type != "vanilla":
-            raise NotImplementedError(f"generation with --softmax-type {softmax_type} (attention sinks) is not "
-                                      "supported yet: the KV-cache attention has no sink")
         self.multimodal = hasattr(self.model, "expand_image_tokens")  # LLaVAModel: prompts may carry images
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype

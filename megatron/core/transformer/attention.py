@@ -87,7 +87,9 @@ class Attention(MegatronModule, ABC):
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None,
                 packed_seq_params=None, sequence_len_offset=None, **kwargs):
         gated = self.attention_type == "self" and self.config.attention_output_gate
+        sink = getattr(self.core_attention, "softmax_offset", None)  # --softmax-type: the heads' sink logits
         if (inference_context is not None and key_value_states is None and hasattr(self, "linear_qkv")
+                and sink is None
                 and getattr(self, "q_layernorm", None) is None and getattr(self, "k_layernorm", None) is None
                 and not gated and hasattr(inference_context, "attention_from_qkv")):  # generation: fused layout
             mixed, _ = self.linear_qkv(hidden_states)  # [s, b, ng * (np/ng + 2) * hn]
@@ -103,7 +105,8 @@ class Attention(MegatronModule, ABC):
             q = apply_rotary_pos_emb(q, q_emb, config=self.config)
             k = apply_rotary_pos_emb(k, k_emb, config=self.config)
         if inference_context is not None:  # generation: the context owns the KV cache (core/inference)
-            ctx = inference_context.attention(self.layer_number, q, k, v, self.core_attention.softmax_scale)
+            ctx = inference_context.attention(self.layer_number, q, k, v, self.core_attention.softmax_scale,
+                                              **({} if sink is None else {"sink": sink}))
         elif self.checkpoint_core_attention and self.training:
             ctx = checkpoint(lambda q_, k_, v_, m_: self.core_attention(
                 q_, k_, v_, m_, packed_seq_params=packed_seq_params), False, q, k, v, attention_mask)

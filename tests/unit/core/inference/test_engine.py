@@ -17,7 +17,8 @@ VOCAB, MAX_LEN = 96, 64
 
 def build_tiny_gpt(arch: str, seed: int = 7, tp: int = 1):
     """gpt2: learned positions, LayerNorm, GeLU, tied embeddings. llama: RoPE, GQA, RMSNorm, SwiGLU, qk-norm;
-    mistral: llama with a 4-token sliding window."""
+    mistral: llama with a 4-token sliding window; mistral_alternating: gpt-oss's attention, the window on layer 1
+    only and learnt sinks."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -28,10 +29,17 @@ def build_tiny_gpt(arch: str, seed: int = 7, tp: int = 1):
                       normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
                       qk_layernorm=True, tensor_model_parallel_size=tp,
                       window_size=(3, 0) if arch.startswith("mistral") else None,
-                      # gpt-oss's alternation (--window-attn-skip-freq 2): layer 1 windowed, layer 2 full
-                      window_attn_skip_freq=2 if arch == "mistral_alternating" else None)
-    return tiny_gpt(cfg, VOCAB, MAX_LEN, spec=get_gpt_layer_local_spec(qk_layernorm=True),
-                    position_embedding_type="rope", share_embeddings_and_output_weights=False).eval()
+                      # gpt-oss's attention: alternating windows (layer 1 windowed, layer 2 full), learnt sinks
+                      window_attn_skip_freq=2 if arch == "mistral_alternating" else None,
+                      softmax_type="learnable" if arch == "mistral_alternating" else "vanilla")
+    model = tiny_gpt(cfg, VOCAB, MAX_LEN, spec=get_gpt_layer_local_spec(qk_layernorm=True),
+                     position_embedding_type="rope", share_embeddings_and_output_weights=False).eval()
+    with torch.no_grad():  # sinks far apart per head, so a head order mixed up in the KV-cache path shows
+        for layer in model.decoder.layers:
+            sink = getattr(layer.self_attention.core_attention, "softmax_offset", None)
+            if sink is not None:
+                sink.copy_(torch.linspace(-3.0, 3.0, sink.numel()))
+    return model
 
 
 def prompts(lengths, seed=0):

@@ -1,6 +1,6 @@
 """--softmax-type: attention with a per-head sink logit equals the fp64 formula (softmax over [sink, scores] without
 the sink's column), with causal, explicit and GQA masks, forward and gradients (the sink's too); off-by-one is a sink
-of 0; a learnable sink trains, splits over TP with the heads and is refused where it is not built."""
+of 0; a learnable sink trains and splits over TP with the heads (generation: test_engine.py's gpt-oss case)."""
 import pytest
 import torch
 
@@ -67,7 +67,7 @@ def test_learnable_sink_gets_a_gradient_and_is_tp_split():
     assert p.grad is not None and p.grad.abs().sum() > 0
 
 
-def test_gpt_with_sinks_trains_and_generation_refuses():
+def test_gpt_with_sinks_trains():
     single_rank()
     torch.manual_seed(2)
     model = tiny_gpt(tiny_config(softmax_type="learnable"), position_embedding_type="rope")
@@ -77,9 +77,6 @@ def test_gpt_with_sinks_trains_and_generation_refuses():
     loss = model(tokens, torch.arange(16).expand(2, 16), None, labels=tokens).mean()
     loss.backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if n in names)
-    from megatron.core.inference import InferenceEngine
-    with pytest.raises(NotImplementedError, match="--softmax-type learnable"):
-        InferenceEngine(model.eval(), max_batch_size=1, max_sequence_length=32)
 
 
 def test_unknown_softmax_type_is_refused():
