@@ -364,10 +364,10 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
         if g == "selective":
             if self.recompute_modules is None:
                 self.recompute_modules = ["core_attn"]
-            bad = set(self.recompute_modules) - {"core_attn", "mlp", "layernorm"}
+            bad = set(self.recompute_modules) - {"core_attn", "mlp", "moe", "layernorm"}
             if bad:
                 raise NotImplementedError(f"--recompute-modules {sorted(bad)} not supported; use core_attn, "
-                                          "mlp, layernorm")
+                                          "mlp (dense MLPs), moe (MoE layers), layernorm")
         if self.distribute_saved_activations:
             raise NotImplementedError("--distribute-saved-activations is not supported yet; drop the flag")
 

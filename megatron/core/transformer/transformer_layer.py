@@ -98,8 +98,10 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         self.mlp_bda = build_module(submodules.mlp_bda)
         self.recompute_norm = (config.recompute_granularity == "selective"
                                and "layernorm" in (config.recompute_modules or []))
+        # Megatron's modules: "mlp" recomputes a dense MLP, "moe" an MoE layer (router, exchange and experts)
+        moe = getattr(self.mlp, "router", None) is not None
         self.recompute_mlp = (config.recompute_granularity == "selective"
-                              and "mlp" in (config.recompute_modules or []))
+                              and ("moe" if moe else "mlp") in (config.recompute_modules or []))
         te_key_map.install(self, getattr(submodules, "checkpoint_key_names", "local") == te_key_map.TRANSFORMER_ENGINE,
                            self._te_module_paths())
 

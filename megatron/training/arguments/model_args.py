@@ -97,7 +97,10 @@ def add_network_size_args(parser):
     g.add_argument("--recompute-num-layers", type=int, default=None, help="Layers per recompute unit.")
     g.add_argument("--recompute-modules", nargs="*", type=str, default=None,
                    help="Submodules recomputed under --recompute-granularity selective: core_attn (default), "
-                        "mlp, layernorm.")
+                        "mlp (dense MLPs), moe (MoE layers: router, exchange and experts), layernorm.")
+    g.add_argument("--moe-layer-recompute", action="store_true",
+                   help="Deprecated spelling of --recompute-granularity selective --recompute-modules moe (added "
+                        "to the modules given).")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
                    help="Chunked cross entropy on 16-bit logits (no fp32 [s, b, vocab] copies); already the default "
                         "for 16-bit logits on CUDA, where it gives the eager loss's numbers.")

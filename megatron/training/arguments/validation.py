@@ -275,6 +275,14 @@ def _validate_model(args):
         args.add_qkv_bias = True
     if args.recompute_activations:
         args.recompute_granularity = "selective"
+    if args.moe_layer_recompute:  # Megatron's older spelling of the "moe" recompute module
+        _warn(args, "--moe-layer-recompute is deprecated in Megatron; it is --recompute-granularity selective "
+                    "--recompute-modules moe")
+        _require(args.recompute_granularity != "full",
+                 "--moe-layer-recompute recomputes the MoE layers selectively; drop --recompute-granularity full")
+        args.recompute_granularity = "selective"
+        modules = list(args.recompute_modules or ["core_attn"])
+        args.recompute_modules = modules + ([] if "moe" in modules else ["moe"])
     if args.recompute_granularity == "selective":
         _require(args.recompute_method is None,
                  "--recompute-method is only valid with --recompute-granularity full")

@@ -102,10 +102,9 @@ def check_ep_overlap(*, overlap: bool, delay_wgrad: bool, ep: int, etp: int, tp:
                 f"{flag} is built for EP x DP without pipelining (the next micro-batch's forward beside this "
                 f"one's backward); TP ({tp}), expert-TP ({etp}), CP ({cp}) and PP ({pp}) > 1 are not supported")
         modules = recompute_modules or ()
-        if recompute_granularity == "full" or (recompute_granularity == "selective" and
-                                               ("mlp" in modules or "moe" in modules)):
+        if recompute_granularity == "full" or (recompute_granularity == "selective" and "moe" in modules):
             raise ValueError(f"{flag}: recomputing the MoE layer would rerun its forward exchange inside the "
-                             "backward; drop --recompute-granularity full / 'mlp' from --recompute-modules")
+                             "backward; drop --recompute-granularity full / 'moe' from --recompute-modules")
         if cuda_graph_impl != "none":
             raise ValueError(f"{flag} runs two micro-batches on two host threads, which one CUDA graph cannot "
                              "capture; drop --cuda-graph-impl")

@@ -110,7 +110,11 @@ def _train_losses(config, steps=3):
     """Losses of a few AdamW steps on fixed data; dropout on, replayed identically by recompute."""
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
-    model = tiny_gpt(config, max_sequence_length=8, share_embeddings_and_output_weights=False)
+    return adamw_losses(tiny_gpt(config, max_sequence_length=8, share_embeddings_and_output_weights=False), steps)
+
+
+def adamw_losses(model, steps=3):
+    """The losses of ``steps`` AdamW steps of ``model`` on one fixed batch of 2 x 8 tokens."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 64, (2, 8), generator=g)

@@ -81,6 +81,8 @@ def test_derived_values():
     ("--quick-geglu --activation-func-clamp-value -1", 1, "must be > 0"),
     ("--window-attn-skip-freq 2", 1, "needs --window-size"),
     ("--softmax-type learnable --context-parallel-size 2", 2, "not supported with --context-parallel-size > 1"),
+    ("--num-experts 4 --moe-layer-recompute --recompute-granularity full --recompute-method uniform "
+     "--recompute-num-layers 1", 1, "drop --recompute-granularity full"),
     ("--softmax-type off-by-one --reset-attention-mask", 1, "not supported with packed sequences"),
 ])
 def test_validation_errors(extra, world, needle):
