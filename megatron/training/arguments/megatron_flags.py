@@ -66,6 +66,9 @@ NO_EFFECT = {
     "--no-ckpt-load-validate-sharding-integrity": "skips a load-time check that torch_dist loads do not run",
     "--use-persistent-ckpt-worker": "--async-save writes from a background thread; same files either way",
     "--async-strategy": "--async-save has one implementation (a background thread); same files",
+    "--async-ckpt-use-cpu-shm": "--async-save stages tensors in pinned host buffers that its background thread, in "
+                                "the same process, writes from: there is no writer process to share memory with; "
+                                "same files",
     "--no-use-tokenizer-model-from-checkpoint-args": "--use-checkpoint-args never takes --tokenizer-model "
                                                      "from the checkpoint here",
     "--no-align-grad-reduce": "only moves when bucket reductions are launched; gradients are the same",
