@@ -116,9 +116,10 @@ P2P_MODES = {"sync": {}, "overlap": {"overlap_p2p_comm": True, "batch_p2p_comm":
                              "overlap_p2p_comm_warmup_flush": True}}
 
 
-def _run(pp, chunks, n_mb, forward_only=False, dealloc=False, p2p="sync"):
+def _run(pp, chunks, n_mb, forward_only=False, dealloc=False, group=None, p2p="sync"):
     """One schedule run checked against the single-process reference; returns the timer names and the
-    last stage's losses and every chunk's grads (for the exact comparison of p2p modes)."""
+    last stage's losses and every chunk's grads (for the exact comparison of p2p modes). ``group``: the
+    interleaved schedule's micro-batch group size (--microbatch-group-size-per-virtual-pipeline-stage)."""
     parallel_state.initialize_model_parallel(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None)
@@ -134,7 +135,8 @@ def _run(pp, chunks, n_mb, forward_only=False, dealloc=False, p2p="sync"):
 
     config = ToyConfig(pipeline_model_parallel_size=pp, deallocate_pipeline_outputs=dealloc,
                        timers=RecordingTimers(), no_sync_func=NoSync,
-                       finalize_model_grads_func=lambda m, n: calls["finalize"].append(n), **P2P_MODES[p2p])
+                       finalize_model_grads_func=lambda m, n: calls["finalize"].append(n),
+                       microbatch_group_size_per_vp_stage=group, **P2P_MODES[p2p])
     comm = RecordingCommunicator(parallel_state.get_pipeline_model_parallel_group(), config)
     model, ids = [], []
     for c in range(chunks):
@@ -151,7 +153,7 @@ def _run(pp, chunks, n_mb, forward_only=False, dealloc=False, p2p="sync"):
     # Overlapped: on some rank an exchange is still in flight while a forward computes. Without
     # overlap_p2p_comm_warmup_flush only steady calls (a forward and a backward) overlap; forward-only runs
     # and runs with too few micro-batches have none.
-    plans = [make_plan(pp, r, n_mb, chunks, pp, forward_only) for r in range(pp)] if chunks > 1 else []
+    plans = [make_plan(pp, r, n_mb, chunks, group or pp, forward_only) for r in range(pp)] if chunks > 1 else []
     steady = any(p.forward_at(c) and p.backward_at(c) for p in plans for c in range(p.num_calls))
     most = torch.tensor(comm.most_in_flight)
     torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
@@ -214,8 +216,10 @@ ALL_P2P = ["sync", "overlap", "overlap_all"]
 
 
 def test_two_stage_layouts():
-    # (pp, chunks, micro-batches, forward_only, deallocate_pipeline_outputs[, p2p modes]); pp=1 runs as DP=2
-    cases = [(2, 1, 4), (2, 2, 4, False, False, ALL_P2P), (2, 1, 3, True), (2, 1, 3, False, True),
+    # (pp, chunks, micro-batches, forward_only, deallocate_pipeline_outputs[, micro-batch group][, p2p modes]);
+    # pp=1 runs as DP=2
+    cases = [(2, 1, 4), (2, 2, 4, False, False, ALL_P2P), (2, 2, 8, False, False, 4, ["sync", "overlap"]),
+             (2, 1, 3, True), (2, 1, 3, False, True),
              (2, 2, 2, False, True, ALL_P2P), (2, 2, 4, True, False, ALL_P2P), (1, 1, 3), (1, 1, 2, True),
              "too_few"]
     names = set().union(*run_distributed(_run_cases, 2, cases))

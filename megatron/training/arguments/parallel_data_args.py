@@ -9,6 +9,11 @@ def add_distributed_args(parser):
                    help="Layers per virtual pipeline stage (interleaved schedule).")
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
                    help="Virtual pipeline stages per pipeline rank.")
+    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
+                   dest="microbatch_group_size_per_vp_stage",
+                   help="The interleaved schedule runs micro-batches through each virtual stage in groups of this "
+                        "many (default: the pipeline size; larger: a longer warm-up, fewer stage switches); the "
+                        "micro-batch count must be a multiple of it.")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                    help="Layers on the first pipeline stage (uneven split); the rest split evenly.")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,

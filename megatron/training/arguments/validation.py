@@ -99,6 +99,7 @@ def _validate_parallel(args):
         _warn(args, "disabling --sequence-parallel since --tensor-model-parallel-size is 1")
         args.sequence_parallel = False
     _validate_virtual_pipeline(args)
+    _validate_microbatch_group(args)
     if args.overlap_param_gather:
         _require((args.use_distributed_optimizer or args.use_layer_wise_distributed_optimizer)
                  and args.overlap_grad_reduce,
@@ -207,6 +208,17 @@ def _validate_virtual_pipeline(args):
         _require(not args.overlap_p2p_comm_warmup_flush,
                  "--overlap-p2p-communication-warmup-flush needs more than one virtual stage per pipeline rank")
         args.overlap_p2p_comm = False
+
+
+def _validate_microbatch_group(args):
+    group, pp = args.microbatch_group_size_per_vp_stage, args.pipeline_model_parallel_size
+    if group is None:
+        return
+    flag = f"--microbatch-group-size-per-virtual-pipeline-stage ({group})"
+    _require(bool(args.virtual_pipeline_model_parallel_size),
+             f"{flag} orders the interleaved schedule: it needs virtual pipeline stages "
+             "(--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank)")
+    _require(group >= pp, f"{flag} must be at least --pipeline-model-parallel-size ({pp})")
 
 
 def _validate_batch(args):

@@ -81,6 +81,9 @@ def test_derived_values():
     ("--quick-geglu --activation-func-clamp-value -1", 1, "must be > 0"),
     ("--window-attn-skip-freq 2", 1, "needs --window-size"),
     ("--softmax-type learnable --context-parallel-size 2", 2, "not supported with --context-parallel-size > 1"),
+    ("--microbatch-group-size-per-virtual-pipeline-stage 4", 1, "it needs virtual pipeline stages"),
+    ("--num-layers 4 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
+     "--microbatch-group-size-per-virtual-pipeline-stage 1", 2, "must be at least --pipeline-model-parallel-size (2)"),
     ("--num-experts 4 --moe-layer-recompute --recompute-granularity full --recompute-method uniform "
      "--recompute-num-layers 1", 1, "drop --recompute-granularity full"),
     ("--softmax-type off-by-one --reset-attention-mask", 1, "not supported with packed sequences"),
@@ -241,3 +244,9 @@ def test_padded_vocab_size_is_used_as_given():
         a = _args(base + f" --padded-vocab-size {bad} --tensor-model-parallel-size {world + 1}", world_size=world + 1)
         with pytest.raises(ValueError, match=f"--padded-vocab-size {bad} must be >= the tokenizer's vocabulary"):
             build_tokenizer(a)
+
+
+def test_microbatch_group_size_reaches_the_schedule_config():
+    args = _args("--num-layers 4 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
+                 "--microbatch-group-size-per-virtual-pipeline-stage 4 --global-batch-size 16", world_size=2)
+    assert core_transformer_config_from_args(args).microbatch_group_size_per_vp_stage == 4
