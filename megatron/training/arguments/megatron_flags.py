@@ -66,6 +66,9 @@ NO_EFFECT = {
     "--no-ckpt-load-validate-sharding-integrity": "skips a load-time check that torch_dist loads do not run",
     "--use-persistent-ckpt-worker": "--async-save writes from a background thread; same files either way",
     "--async-strategy": "--async-save has one implementation (a background thread); same files",
+    "--max-tokens-to-oom": "the guard of Megatron's legacy generation API, which Megatron 0.19 reads nowhere either; "
+                           "the engine here sizes its KV cache from --inference-max-requests and "
+                           "--inference-max-seq-length and refuses longer requests itself",
     "--async-ckpt-use-cpu-shm": "--async-save stages tensors in pinned host buffers that its background thread, in "
                                 "the same process, writes from: there is no writer process to share memory with; "
                                 "same files",
