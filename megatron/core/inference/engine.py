@@ -29,6 +29,7 @@ from megatron.core.inference.cuda_graphs import DecodeGraphs, bucket
 from megatron.core.inference.inference_request import InferenceRequest, Status
 from megatron.core.inference.sampling import sample_tokens, token_log_probs
 from megatron.core.inference.sampling_params import SamplingParams
+from megatron.core.inference.step_log import StepLog
 
 
 def _unwrap(model):
@@ -77,18 +78,21 @@ class InferenceEngine:
     static-shape steps (batch and KV length rounded up to buckets) replayed from CUDA graphs; on CPU
     it runs those same bucketed steps eagerly, which is how the tests check what a graph replays;
     ``compile_decode`` runs the decode step through torch.compile (CUDA only; falls back to eager if
-    compilation fails), fusing the element-wise work between the matmuls before graph capture."""
+    compilation fails), fusing the element-wise work between the matmuls before graph capture;
+    ``log_step_interval`` N > 0 prints one line of step statistics every N steps (`step_log.StepLog`)."""
 
     def __init__(self, model, max_batch_size: int = 8, max_sequence_length: int = 2560,
                  vocab_size: Optional[int] = None, termination_id: Optional[int] = None,
                  detokenize: Optional[Callable[[List[int]], str]] = None,
                  use_cuda_graphs: Optional[bool] = None, compile_decode: bool = False,
-                 max_prefill_tokens: int = 16384):
+                 max_prefill_tokens: int = 16384, log_step_interval: int = 0):
         if parallel_state.model_parallel_is_initialized() and \
                 parallel_state.get_pipeline_model_parallel_world_size() > 1:
             raise NotImplementedError("text generation runs with --pipeline-model-parallel-size 1 only; load the "
                                       "checkpoint at PP=1 (torch_dist checkpoints reshard on load)")
         self.model = _unwrap(model).eval()
+        self.step_log = StepLog(log_step_interval)
+        self.tokens_generated = 0  # every token appended to a request, prefill's first ones included
         self.multimodal = hasattr(self.model, "expand_image_tokens")  # LLaVAModel: prompts may carry images
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -214,7 +218,7 @@ class InferenceEngine:
     def step(self) -> List[InferenceRequest]:
         """Admit what fits, then decode one token for every active request; returns the finished ones."""
         finished: List[InferenceRequest] = []
-        admitted = []
+        admitted, generated_before = [], self.tokens_generated
         while self.waiting and None in self.slots:
             req = self.waiting.popleft()
             req.slot, req.status = self.slots.index(None), Status.ACTIVE
@@ -233,6 +237,8 @@ class InferenceEngine:
         if self._in_flight is not None:
             self._collect(self._in_flight, finished)
         self._in_flight = launched
+        self.step_log.step(len(active), len(self.waiting), sum(len(r.prompt_tokens) for r in admitted),
+                           self.tokens_generated - generated_before)
         return finished
 
     # ---------------------------------------------------------------- prefill
@@ -380,6 +386,7 @@ class InferenceEngine:
     # ---------------------------------------------------------------- bookkeeping
     def _append(self, req: InferenceRequest, token: int, log_prob, finished) -> None:
         req.generated_tokens.append(token)
+        self.tokens_generated += 1
         if log_prob is not None and req.sampling_params.return_log_probs:
             req.generated_log_probs.append(log_prob)
         sp = req.sampling_params

@@ -11,6 +11,9 @@ def add_inference_args(parser):
     g.add_argument("--inference-cuda-graph-scope", type=str, default=None, choices=["none", "layer", "block"],
                    help="none: decode eagerly. Otherwise (default) each decode step on CUDA replays one CUDA "
                         "graph of the whole model and the sampling (layer and block both select it).")
+    g.add_argument("--inference-logging-step-interval", type=int, default=0,
+                   help="Every N engine steps, one line: requests active and waiting, prompt and generated "
+                        "tokens since the last line and the generation rate (0: off).")
     return parser
 
 

@@ -211,3 +211,29 @@ def test_abort_all_then_serve_again():
     alone = InferenceEngine(model, max_batch_size=1, max_sequence_length=MAX_LEN).generate(
         [p], SamplingParams(top_k=1, num_tokens_to_generate=8))[0]
     assert again.generated_tokens == alone.generated_tokens
+
+
+def _field(line, name):
+    return int(line.split(f"{name} ")[1].split(" |")[0])
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_step_log_counts_what_the_engine_did(interval):
+    """--inference-logging-step-interval N: a line every N-th step; with N = 1 its prompt and generated token
+    counts add up to the requests' own. 0 logs nothing."""
+    model = build_tiny_gpt("llama")
+    ps = prompts([5, 11, 2])
+    lines = []
+    engine = InferenceEngine(model, max_batch_size=2, max_sequence_length=MAX_LEN, log_step_interval=interval)
+    engine.step_log.emit = lines.append
+    reqs = engine.generate(ps, GREEDY)
+    assert len(lines) == engine.step_log.steps // interval > 0
+    assert lines[0].startswith(f"inference step {interval} | active requests ")
+    if interval == 1:
+        assert sum(_field(line, "prompt tokens") for line in lines) == sum(len(p) for p in ps)
+        assert sum(_field(line, "generated tokens") for line in lines) == sum(len(r.generated_tokens) for r in reqs)
+    silent = InferenceEngine(model, max_batch_size=2, max_sequence_length=MAX_LEN)
+    silent.step_log.emit = lines.append
+    before = len(lines)
+    silent.generate(ps, GREEDY)
+    assert len(lines) == before
