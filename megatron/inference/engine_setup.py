@@ -107,7 +107,9 @@ def build_engine(args, model_provider) -> InferenceEngine:
     engine = InferenceEngine(model[0], max_batch_size=args.inference_max_requests, max_sequence_length=max_len,
                              vocab_size=tokenizer.vocab_size, termination_id=_eod(tokenizer),
                              detokenize=tokenizer.detokenize, use_cuda_graphs=graphs, compile_decode=compile_decode,
-                             log_step_interval=args.inference_logging_step_interval)
+                             log_step_interval=args.inference_logging_step_interval,
+                             **({} if args.inference_dynamic_batching_max_tokens is None else
+                                {"max_prefill_tokens": args.inference_dynamic_batching_max_tokens}))
     if engine.device.type == "cuda" and engine.dtype == torch.float32:
         print_rank_0("WARNING: generating in fp32 on the GPU; pass --bf16 (half the bytes read per token)")
     print_rank_0(f"> generation engine: {args.inference_max_requests} slots x {max_len} tokens, "

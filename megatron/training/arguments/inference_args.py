@@ -11,6 +11,12 @@ def add_inference_args(parser):
     g.add_argument("--inference-cuda-graph-scope", type=str, default=None, choices=["none", "layer", "block"],
                    help="none: decode eagerly. Otherwise (default) each decode step on CUDA replays one CUDA "
                         "graph of the whole model and the sampling (layer and block both select it).")
+    g.add_argument("--inference-dynamic-batching-max-requests", type=int, default=None,
+                   help="Megatron's dynamic engine's cap on requests decoded together: here the KV-cache slots "
+                        "(--inference-max-requests), which it replaces when given.")
+    g.add_argument("--inference-dynamic-batching-max-tokens", type=int, default=None,
+                   help="Tokens one prefill step may hold (prompts batched together up to it; a longer prompt runs "
+                        "alone). Default 16384.")
     g.add_argument("--inference-logging-step-interval", type=int, default=0,
                    help="Every N engine steps, one line: requests active and waiting, prompt and generated "
                         "tokens since the last line and the generation rate (0: off).")
@@ -48,6 +54,15 @@ def validate_inference_args(args, require):
     if getattr(args, "max_batch_size", None) is not None:
         require(args.max_batch_size >= 1, f"--max-batch-size ({args.max_batch_size}) must be >= 1")
         args.inference_max_requests = args.max_batch_size
+    if args.inference_dynamic_batching_max_requests is not None:
+        require(args.inference_dynamic_batching_max_requests >= 1,
+                f"--inference-dynamic-batching-max-requests ({args.inference_dynamic_batching_max_requests}) "
+                "must be >= 1")
+        args.inference_max_requests = args.inference_dynamic_batching_max_requests
+    require(args.inference_dynamic_batching_max_tokens is None or args.inference_dynamic_batching_max_tokens >= 1,
+            f"--inference-dynamic-batching-max-tokens ({args.inference_dynamic_batching_max_tokens}) must be >= 1")
+    require(args.inference_logging_step_interval >= 0,
+            f"--inference-logging-step-interval ({args.inference_logging_step_interval}) must be >= 0")
     if getattr(args, "top_k", None) is not None:
         require(args.top_k >= 0, f"--top_k ({args.top_k}) must be >= 0")
         require(0.0 <= args.top_p <= 1.0, f"--top_p ({args.top_p}) must be in [0, 1]")

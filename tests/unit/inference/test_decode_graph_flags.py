@@ -58,13 +58,16 @@ def test_contradictions_and_unknown_scopes_get_one_line(flags, named, capsys):
     assert str(e.value).startswith(f"error: {named}") and "\n" not in str(e.value)
 
 
-def test_generate_runs_with_megatrons_inference_graph_flag():
+def test_generate_runs_with_megatrons_inference_flags():
     """tools/generate.py as Megatron's inference scripts call it (random weights, CPU: the engine runs the bucketed
-    decode steps its graphs would replay)."""
+    decode steps its graphs would replay): the graph flags, the dynamic engine's request cap and prefill budget,
+    the step log."""
     cmd = [sys.executable, os.path.join(ROOT, "tools", "generate.py"), *MODEL, "--tokenizer-type", "NullTokenizer",
            "--vocab-size", "128", "--prompt", "1 2 3", "--num-tokens-to-generate", "4", "--cuda-graph-impl", "local",
-           "--cuda-graph-scope", "full_iteration_inference"]
+           "--cuda-graph-scope", "full_iteration_inference", "--inference-dynamic-batching-max-requests", "2",
+           "--inference-dynamic-batching-max-tokens", "64", "--inference-logging-step-interval", "1"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "CUDA graphs on" in p.stdout and "--- 4 tokens" in p.stdout
+    assert "generation engine: 2 slots" in p.stdout and "inference step 1 | active requests 1" in p.stdout

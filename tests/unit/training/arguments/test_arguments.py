@@ -82,6 +82,9 @@ def test_derived_values():
     ("--window-attn-skip-freq 2", 1, "needs --window-size"),
     ("--softmax-type learnable --context-parallel-size 2", 2, "not supported with --context-parallel-size > 1"),
     ("--microbatch-group-size-per-virtual-pipeline-stage 4", 1, "it needs virtual pipeline stages"),
+    ("--inference-dynamic-batching-max-requests 0", 1, "--inference-dynamic-batching-max-requests (0) must be >= 1"),
+    ("--inference-dynamic-batching-max-tokens 0", 1, "--inference-dynamic-batching-max-tokens (0) must be >= 1"),
+    ("--inference-logging-step-interval -1", 1, "--inference-logging-step-interval (-1) must be >= 0"),
     ("--num-layers 4 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
      "--microbatch-group-size-per-virtual-pipeline-stage 1", 2, "must be at least --pipeline-model-parallel-size (2)"),
     ("--num-experts 4 --moe-layer-recompute --recompute-granularity full --recompute-method uniform "
