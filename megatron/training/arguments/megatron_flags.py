@@ -66,6 +66,13 @@ NO_EFFECT = {
     "--no-ckpt-load-validate-sharding-integrity": "skips a load-time check that torch_dist loads do not run",
     "--use-persistent-ckpt-worker": "--async-save writes from a background thread; same files either way",
     "--async-strategy": "--async-save has one implementation (a background thread); same files",
+    "--use-legacy-static-engine": "generation has one engine here (continuous batching over KV-cache slots, "
+                                  "docs/inference.md); same generated tokens",
+    "--flash-decode": "decode attention is torch's SDPA over the KV cache, captured in the decode step's CUDA "
+                      "graph: there is no separate flash-decoding kernel to select; same tokens",
+    "--inference-rng-tracker": "sampling draws each request's uniform numbers on the host from the request's own "
+                               "generator and hands them to the (CUDA-graph) step: no device RNG tracker is "
+                               "involved; same tokens",
     "--max-tokens-to-oom": "the guard of Megatron's legacy generation API, which Megatron 0.19 reads nowhere either; "
                            "the engine here sizes its KV cache from --inference-max-requests and "
                            "--inference-max-seq-length and refuses longer requests itself",
