@@ -29,7 +29,7 @@ MODEL_ARGS = [("num_layers", False), ("hidden_size", False), ("ffn_hidden_size",
               ("attention_output_gate", True),
               ("use_rope_scaling", True), ("rope_scaling_factor", True), ("openai_gelu", True),
               ("window_size", False), ("window_attn_skip_freq", False),
-              ("softmax_type", False), ("mrope_section", False),
+              ("softmax_type", True), ("mrope_section", False),
               # MoE: experts, layer pattern, router semantics and the expert layout (the checkpoint's tensor names)
               ("num_experts", False), ("moe_ffn_hidden_size", False), ("moe_layer_freq", True),
               ("moe_router_topk", True), ("moe_router_pre_softmax", True), ("moe_router_score_function", True),
