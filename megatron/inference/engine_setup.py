@@ -9,6 +9,7 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.inference import InferenceEngine
+from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.training.arguments import parse_args
 from megatron.training.arguments.inference_args import add_text_generate_args
 from megatron.training.arguments.vision_args import add_vlm_args
@@ -104,7 +105,14 @@ def build_engine(args, model_provider) -> InferenceEngine:
     if args.position_embedding_type == "learned_absolute":
         max_len = min(max_len, args.max_position_embeddings)  # no position table beyond this
     graphs = None if args.inference_cuda_graph_scope is None else args.inference_cuda_graph_scope != "none"
-    engine = InferenceEngine(model[0], max_batch_size=args.inference_max_requests, max_sequence_length=max_len,
+    slots = args.inference_max_requests
+    if args.inference_dynamic_batching_buffer_size_gb is not None:
+        try:
+            slots = kv_cache_slots(model[0], args.inference_dynamic_batching_buffer_size_gb, max_len,
+                                   args.inference_dynamic_batching_max_requests)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
+    engine = InferenceEngine(model[0], max_batch_size=slots, max_sequence_length=max_len,
                              vocab_size=tokenizer.vocab_size, termination_id=_eod(tokenizer),
                              detokenize=tokenizer.detokenize, use_cuda_graphs=graphs, compile_decode=compile_decode,
                              log_step_interval=args.inference_logging_step_interval,
@@ -112,9 +120,40 @@ def build_engine(args, model_provider) -> InferenceEngine:
                                 {"max_prefill_tokens": args.inference_dynamic_batching_max_tokens}))
     if engine.device.type == "cuda" and engine.dtype == torch.float32:
         print_rank_0("WARNING: generating in fp32 on the GPU; pass --bf16 (half the bytes read per token)")
-    print_rank_0(f"> generation engine: {args.inference_max_requests} slots x {max_len} tokens, "
+    print_rank_0(f"> generation engine: {slots} slots x {max_len} tokens, "
                  f"{engine.dtype}, CUDA graphs {'on' if engine.graphs is not None else 'off'}")
     return engine
+
+
+def kv_cache_slots(model, buffer_gb: float, max_len: int, max_requests=None) -> int:
+    """--inference-dynamic-batching-buffer-size-gb: the KV-cache slots of ``max_len`` tokens that fit in that many
+    GiB on this rank (each attention layer keeps a key and a value of its local query groups per token), at most
+    ``max_requests`` (--inference-dynamic-batching-max-requests). Megatron's dynamic engine pages its buffer and
+    admits requests while it holds their actual tokens; the engine here reserves each slot's whole length, so the
+    same buffer holds fewer requests."""
+    flag = f"--inference-dynamic-batching-buffer-size-gb {buffer_gb:g}"
+    inner = _unwrap(model)
+    language = getattr(inner, "language_model", inner)  # a vision-language model caches its text decoder only
+    if getattr(inner.config, "multi_latent_attention", False) or isinstance(language, HybridModel):
+        raise ValueError(f"{flag} sizes the KV cache of standard attention layers; for this model (latent "
+                         "attention or recurrent layers) pass --inference-max-requests")
+    item = next(model.parameters()).element_size()
+    attention = [m for m in language.decoder.modules() if hasattr(m, "ng") and hasattr(m, "hn")
+                 and hasattr(m, "linear_qkv")]
+    per_token = sum(2 * m.ng * m.hn * item for m in attention)
+    if not per_token:
+        raise ValueError(f"{flag}: the model has no attention layer to size a KV cache for")
+    slots = int(buffer_gb * 2 ** 30 // (per_token * max_len))
+    if slots < 1:
+        raise ValueError(f"{flag} holds no request of {max_len} tokens (one needs {per_token * max_len / 2 ** 30:.3g} "
+                         "GiB): raise it or lower --inference-max-seq-length")
+    return min(slots, max_requests) if max_requests else slots
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
 
 
 def _eod(tokenizer):

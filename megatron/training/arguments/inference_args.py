@@ -14,6 +14,11 @@ def add_inference_args(parser):
     g.add_argument("--inference-dynamic-batching-max-requests", type=int, default=None,
                    help="Megatron's dynamic engine's cap on requests decoded together: here the KV-cache slots "
                         "(--inference-max-requests), which it replaces when given.")
+    g.add_argument("--inference-dynamic-batching-buffer-size-gb", type=float, default=None,
+                   help="KV-cache memory per rank: the engine takes as many slots of --inference-max-seq-length "
+                        "tokens as fit (at most --inference-dynamic-batching-max-requests) instead of "
+                        "--inference-max-requests. Megatron's dynamic engine pages this buffer (default 40 there); "
+                        "here each slot reserves its whole length.")
     g.add_argument("--inference-dynamic-batching-max-tokens", type=int, default=None,
                    help="Tokens one prefill step may hold (prompts batched together up to it; a longer prompt runs "
                         "alone). Default 16384.")
@@ -59,6 +64,9 @@ def validate_inference_args(args, require):
                 f"--inference-dynamic-batching-max-requests ({args.inference_dynamic_batching_max_requests}) "
                 "must be >= 1")
         args.inference_max_requests = args.inference_dynamic_batching_max_requests
+    buffer_gb = args.inference_dynamic_batching_buffer_size_gb
+    require(buffer_gb is None or buffer_gb > 0,
+            f"--inference-dynamic-batching-buffer-size-gb ({buffer_gb}) must be > 0")
     require(args.inference_dynamic_batching_max_tokens is None or args.inference_dynamic_batching_max_tokens >= 1,
             f"--inference-dynamic-batching-max-tokens ({args.inference_dynamic_batching_max_tokens}) must be >= 1")
     require(args.inference_logging_step_interval >= 0,

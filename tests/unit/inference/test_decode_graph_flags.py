@@ -71,3 +71,17 @@ def test_generate_runs_with_megatrons_inference_flags():
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "CUDA graphs on" in p.stdout and "--- 4 tokens" in p.stdout
     assert "generation engine: 2 slots" in p.stdout and "inference step 1 | active requests 1" in p.stdout
+
+
+def test_buffer_size_gives_the_slots_that_fit():
+    """--inference-dynamic-batching-buffer-size-gb: the slots of max_len tokens whose keys and values fit, capped by
+    --inference-dynamic-batching-max-requests; a buffer that holds no request is refused with the size one needs."""
+    from megatron.inference.engine_setup import kv_cache_slots
+    from tests.fixtures.tiny_gpt import single_rank, tiny_config, tiny_gpt
+    single_rank()
+    model = tiny_gpt(tiny_config(num_attention_heads=4, num_query_groups=2))  # 2 layers, 2 groups of 8, fp32
+    per_slot = 2 * (2 * 2 * 8 * 4) * 64  # layers x (key + value) x groups x head dim x bytes, 64 tokens
+    assert kv_cache_slots(model, 10.5 * per_slot / 2 ** 30, 64) == 10
+    assert kv_cache_slots(model, 10.5 * per_slot / 2 ** 30, 64, max_requests=4) == 4
+    with pytest.raises(ValueError, match="holds no request of 64 tokens"):
+        kv_cache_slots(model, 0.5 * per_slot / 2 ** 30, 64)

@@ -84,6 +84,8 @@ def test_derived_values():
     ("--microbatch-group-size-per-virtual-pipeline-stage 4", 1, "it needs virtual pipeline stages"),
     ("--inference-dynamic-batching-max-requests 0", 1, "--inference-dynamic-batching-max-requests (0) must be >= 1"),
     ("--inference-dynamic-batching-max-tokens 0", 1, "--inference-dynamic-batching-max-tokens (0) must be >= 1"),
+    ("--inference-dynamic-batching-buffer-size-gb 0", 1,
+     "--inference-dynamic-batching-buffer-size-gb (0.0) must be > 0"),
     ("--inference-logging-step-interval -1", 1, "--inference-logging-step-interval (-1) must be >= 0"),
     ("--num-layers 4 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
      "--microbatch-group-size-per-virtual-pipeline-stage 1", 2, "must be at least --pipeline-model-parallel-size (2)"),
