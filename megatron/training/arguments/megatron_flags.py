@@ -73,6 +73,8 @@ NO_EFFECT = {
     "--inference-rng-tracker": "sampling draws each request's uniform numbers on the host from the request's own "
                                "generator and hands them to the (CUDA-graph) step: no device RNG tracker is "
                                "involved; same tokens",
+    "--decode-only-cuda-graphs": "the engine's CUDA graphs cover its decode steps only; prefill always runs "
+                                 "eagerly",
     "--max-tokens-to-oom": "the guard of Megatron's legacy generation API, which Megatron 0.19 reads nowhere either; "
                            "the engine here sizes its KV cache from --inference-max-requests and "
                            "--inference-max-seq-length and refuses longer requests itself",
