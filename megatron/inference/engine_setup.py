@@ -41,16 +41,17 @@ CUDA_GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_
 
 def resolve_decode_graph_flags(args) -> None:
     """Megatron's CUDA-graph flags as its inference scripts pass them (``--cuda-graph-impl local``, the older
-    ``--enable-cuda-graph``, ``--cuda-graph-scope full_iteration_inference``) ask the inference engine for CUDA
-    graphs. Here the engine captures the whole decode step (every layer and the sampling) on CUDA, so any of
-    them turns that graph on: a per-layer scope names parts of what the step's graph already holds. They are then
+    ``--enable-cuda-graph``, ``--cuda-graph-scope full_iteration_inference``, ``--cuda-graph-modules``) ask the
+    inference engine for CUDA graphs. Here the engine captures the whole decode step (every layer and the
+    sampling) on CUDA, so any of them turns that graph on: a per-layer scope names parts of what the step's
+    graph already holds. They are then
     cleared, so the training step's checks (``fast_path.validate_cuda_graph_args``, which builds only the
     training step's graph) do not refuse them. ``--inference-cuda-graph-scope none`` beside them is a
     contradiction, refused."""
-    scope = list(args.cuda_graph_scope or [])
+    scope = list(args.cuda_graph_scope or []) + list(getattr(args, "cuda_graph_modules", None) or [])
     unknown = [s for s in scope if s not in CUDA_GRAPH_SCOPES]
     if unknown:
-        sys.exit(f"error: --cuda-graph-scope {' '.join(unknown)}: not a scope; Megatron's are "
+        sys.exit(f"error: --cuda-graph-scope / --cuda-graph-modules {' '.join(unknown)}: not a scope; Megatron's are "
                  f"{', '.join(CUDA_GRAPH_SCOPES)}")
     asked = (args.cuda_graph_impl != "none" or args.enable_cuda_graph or args.external_cuda_graph or scope)
     if not asked:
@@ -62,7 +63,7 @@ def resolve_decode_graph_flags(args) -> None:
         sys.exit(f"error: {named} asks for decode CUDA graphs and --inference-cuda-graph-scope none for none; "
                  "drop one of them")
     args.inference_cuda_graph_scope = args.inference_cuda_graph_scope or "block"
-    args.cuda_graph_impl, args.cuda_graph_scope = "none", None
+    args.cuda_graph_impl, args.cuda_graph_scope, args.cuda_graph_modules = "none", None, []
     args.enable_cuda_graph = args.external_cuda_graph = False
 
 

@@ -21,7 +21,9 @@ UNSUPPORTED_FLAGS = {
     "--log-energy": (dict(action="store_true"), "energy monitoring is not supported"),
     "--cpu-offloading-num-layers": (dict(type=int), "activation offloading is not supported"),
     "--fim-data": (dict(action="store_true"), "fill-in-the-middle data is not supported"),
-    "--quick-geglu": (dict(action="store_true"), "use --swiglu or the default GeLU"),
+    "--cuda-graph-modules": (dict(nargs="+"), "per-layer CUDA graphs are not built for training (use "
+                                              "--cuda-graph-impl full_iteration); the generation tools take it "
+                                              "as a request for their decode-step graph"),
     "--tokenizer-hf-no-use-fast": (dict(action="store_true"), "HuggingFaceTokenizer reads tokenizer.json with the "
                                                               "fast tokenizers library; there is no slow Python "
                                                               "tokenizer here: drop the flag"),

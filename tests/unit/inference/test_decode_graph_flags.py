@@ -23,6 +23,7 @@ def _args(flags):
 @pytest.mark.parametrize("flags", ["--cuda-graph-impl local", "--enable-cuda-graph",
                                    "--cuda-graph-impl local --cuda-graph-scope full_iteration_inference",
                                    "--cuda-graph-scope attn moe_router moe_preprocess",
+                                   "--cuda-graph-impl local --cuda-graph-modules attn mlp",
                                    "--cuda-graph-impl transformer_engine", "--external-cuda-graph"])
 def test_megatron_graph_flags_select_the_decode_graph(flags):
     args = _args(flags)
@@ -30,7 +31,7 @@ def test_megatron_graph_flags_select_the_decode_graph(flags):
         validate_cuda_graph_args(_args(flags), require)
     resolve_decode_graph_flags(args)
     assert args.inference_cuda_graph_scope == "block"  # build_engine: graphs on
-    assert args.cuda_graph_impl == "none" and not args.cuda_graph_scope
+    assert args.cuda_graph_impl == "none" and not args.cuda_graph_scope and args.cuda_graph_modules == []
     assert not args.enable_cuda_graph and not args.external_cuda_graph
     validate_cuda_graph_args(args, require)  # nothing left for the training checks to refuse
 
@@ -50,7 +51,7 @@ def test_without_graph_flags_the_engine_default_stays():
 @pytest.mark.parametrize("flags,named", [
     ("--cuda-graph-impl local --inference-cuda-graph-scope none", "--cuda-graph-impl local"),
     ("--enable-cuda-graph --inference-cuda-graph-scope none", "--enable-cuda-graph"),
-    ("--cuda-graph-scope bogus", "--cuda-graph-scope bogus"),
+    ("--cuda-graph-scope bogus", "--cuda-graph-scope / --cuda-graph-modules bogus"),
 ])
 def test_contradictions_and_unknown_scopes_get_one_line(flags, named, capsys):
     with pytest.raises(SystemExit) as e:
