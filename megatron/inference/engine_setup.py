@@ -10,6 +10,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.inference import InferenceEngine
 from megatron.core.models.hybrid.hybrid_model import HybridModel
+from megatron.core.utils import unwrap_model
 from megatron.training.arguments import parse_args
 from megatron.training.arguments.inference_args import add_text_generate_args
 from megatron.training.arguments.vision_args import add_vlm_args
@@ -44,10 +45,9 @@ def resolve_decode_graph_flags(args) -> None:
     ``--enable-cuda-graph``, ``--cuda-graph-scope full_iteration_inference``, ``--cuda-graph-modules``) ask the
     inference engine for CUDA graphs. Here the engine captures the whole decode step (every layer and the
     sampling) on CUDA, so any of them turns that graph on: a per-layer scope names parts of what the step's
-    graph already holds. They are then
-    cleared, so the training step's checks (``fast_path.validate_cuda_graph_args``, which builds only the
-    training step's graph) do not refuse them. ``--inference-cuda-graph-scope none`` beside them is a
-    contradiction, refused."""
+    graph already holds. They are then cleared, so the training step's checks
+    (``fast_path.validate_cuda_graph_args``, which builds only the training step's graph) do not refuse them.
+    ``--inference-cuda-graph-scope none`` beside them is a contradiction, refused."""
     scope = list(args.cuda_graph_scope or []) + list(getattr(args, "cuda_graph_modules", None) or [])
     unknown = [s for s in scope if s not in CUDA_GRAPH_SCOPES]
     if unknown:
@@ -133,7 +133,7 @@ def kv_cache_slots(model, buffer_gb: float, max_len: int, max_requests=None) -> 
     admits requests while it holds their actual tokens; the engine here reserves each slot's whole length, so the
     same buffer holds fewer requests."""
     flag = f"--inference-dynamic-batching-buffer-size-gb {buffer_gb:g}"
-    inner = _unwrap(model)
+    inner = unwrap_model(model)
     language = getattr(inner, "language_model", inner)  # a vision-language model caches its text decoder only
     if getattr(inner.config, "multi_latent_attention", False) or isinstance(language, HybridModel):
         raise ValueError(f"{flag} sizes the KV cache of standard attention layers; for this model (latent "
@@ -149,12 +149,6 @@ def kv_cache_slots(model, buffer_gb: float, max_len: int, max_requests=None) -> 
         raise ValueError(f"{flag} holds no request of {max_len} tokens (one needs {per_token * max_len / 2 ** 30:.3g} "
                          "GiB): raise it or lower --inference-max-seq-length")
     return min(slots, max_requests) if max_requests else slots
-
-
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def _eod(tokenizer):

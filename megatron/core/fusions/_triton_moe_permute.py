@@ -50,16 +50,26 @@ def _permute_kernel(x_ptr, map_ptr, cum_ptr, offs_ptr, probs_ptr, out_ptr, out_p
 
 
 @triton.jit
-def _gather_sum_kernel(y_ptr, rows_ptr, probs_ptr, out_ptr, H, K: tl.constexpr, HAS_PROBS: tl.constexpr,
-                       K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t] = sum_j y[rows[t, j]] (x probs[rows[t, j]]), fp32 accumulation: the unpermutation, and the
-    permutation's backward (without probs)."""
-    t = tl.program_id(0)
+def _token_rows(rows_ptr, probs_ptr, t, K: tl.constexpr, HAS_PROBS: tl.constexpr, K_PAD: tl.constexpr):
+    """Token t's k rows (``token_rows``), their mask over K_PAD slots, and with probs the rows' probabilities in
+    fp32 (else ones)."""
     j = tl.arange(0, K_PAD)
     in_k = j < K
     dest = tl.load(rows_ptr + t * K + j, mask=in_k, other=0)
     if HAS_PROBS:
         p = tl.load(probs_ptr + dest, mask=in_k, other=0.0).to(tl.float32)
+    else:
+        p = tl.full([K_PAD], 1.0, tl.float32)
+    return dest, in_k, p
+
+
+@triton.jit
+def _gather_sum_kernel(y_ptr, rows_ptr, probs_ptr, out_ptr, H, K: tl.constexpr, HAS_PROBS: tl.constexpr,
+                       K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum_j y[rows[t, j]] (x probs[rows[t, j]]), fp32 accumulation: the unpermutation, and the
+    permutation's backward (without probs)."""
+    t = tl.program_id(0)
+    dest, in_k, p = _token_rows(rows_ptr, probs_ptr, t, K, HAS_PROBS, K_PAD)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     in_h = h < H
     rows = tl.load(y_ptr + dest.to(tl.int64)[:, None] * H + h[None, :], mask=in_k[:, None] & in_h[None, :],
@@ -76,11 +86,8 @@ def _scatter_kernel(g_ptr, rows_ptr, probs_ptr, y_ptr, dy_ptr, dprobs_ptr, H, K:
     dprobs[rows[t, j]] = <y[rows[t, j]], g[t]> (fp32). One program walks the whole row (the dot product needs it),
     where the two kernels above take a block of it each."""
     t = tl.program_id(0)
-    j = tl.arange(0, K_PAD)
-    in_k = j < K
-    dest = tl.load(rows_ptr + t * K + j, mask=in_k, other=0)
+    dest, in_k, p = _token_rows(rows_ptr, probs_ptr, t, K, HAS_PROBS, K_PAD)
     if HAS_PROBS:
-        p = tl.load(probs_ptr + dest, mask=in_k, other=0.0).to(tl.float32)
         dot = tl.zeros([K_PAD], tl.float32)
     rows = dest.to(tl.int64)[:, None] * H
     src = g_ptr + t.to(tl.int64) * H

@@ -30,12 +30,7 @@ from megatron.core.inference.inference_request import InferenceRequest, Status
 from megatron.core.inference.sampling import sample_tokens, token_log_probs
 from megatron.core.inference.sampling_params import SamplingParams
 from megatron.core.inference.step_log import StepLog
-
-
-def _unwrap(model):
-    while hasattr(model, "module"):  # Float16Module / DDP: the bare GPTModel (params already cast)
-        model = model.module
-    return model
+from megatron.core.utils import unwrap_model
 
 
 def _compiled(step_fn, backend: str = "inductor"):
@@ -90,7 +85,7 @@ class InferenceEngine:
                 parallel_state.get_pipeline_model_parallel_world_size() > 1:
             raise NotImplementedError("text generation runs with --pipeline-model-parallel-size 1 only; load the "
                                       "checkpoint at PP=1 (torch_dist checkpoints reshard on load)")
-        self.model = _unwrap(model).eval()
+        self.model = unwrap_model(model).eval()  # Float16Module / DDP: the bare GPTModel (params already cast)
         self.step_log = StepLog(log_step_interval)
         self.tokens_generated = 0  # every token appended to a request, prefill's first ones included
         self.multimodal = hasattr(self.model, "expand_image_tokens")  # LLaVAModel: prompts may carry images
@@ -237,8 +232,9 @@ class InferenceEngine:
         if self._in_flight is not None:
             self._collect(self._in_flight, finished)
         self._in_flight = launched
-        self.step_log.step(len(active), len(self.waiting), sum(len(r.prompt_tokens) for r in admitted),
-                           self.tokens_generated - generated_before)
+        if self.step_log.interval:
+            self.step_log.step(len(active), len(self.waiting), sum(len(r.prompt_tokens) for r in admitted),
+                               self.tokens_generated - generated_before)
         return finished
 
     # ---------------------------------------------------------------- prefill

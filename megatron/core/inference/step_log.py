@@ -18,9 +18,8 @@ class StepLog:
         self._since = time.perf_counter()
 
     def step(self, active: int, waiting: int, prompt_tokens: int, generated_tokens: int) -> None:
-        """Count one engine step (``prompt_tokens`` prefilled and ``generated_tokens`` decoded in it)."""
-        if not self.interval:
-            return
+        """Count one engine step (``prompt_tokens`` prefilled and ``generated_tokens`` decoded in it); the engine
+        calls it only when logging (interval > 0)."""
         self.steps += 1
         self._prompt += prompt_tokens
         self._generated += generated_tokens

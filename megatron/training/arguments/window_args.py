@@ -1,5 +1,6 @@
 """--window-size: sliding-window attention (Mistral), with Megatron's (left, right) semantics;
 --window-attn-skip-freq: the layers that use it (gpt-oss alternates windowed and full layers)."""
+from megatron.core.transformer.attention_sinks import SOFTMAX_TYPES
 from megatron.core.transformer.window_attention import check_window_attn_skip_freq
 
 from .types import window_attn_skip_freq_type
@@ -17,7 +18,7 @@ def add_window_args(parser):
     g.add_argument("--window-size", type=tuple_type, default=None,
                    help="Attention window (left, right) in tokens, e.g. 4095,0: query i sees keys i-left..i+right "
                         "(-1: unbounded). Default: full attention.")
-    g.add_argument("--softmax-type", type=str, default="vanilla", choices=["vanilla", "off-by-one", "learnable"],
+    g.add_argument("--softmax-type", type=str, default="vanilla", choices=list(SOFTMAX_TYPES),
                    help="Attention sinks (gpt-oss): off-by-one adds a sink logit 0 to each head's softmax "
                         "(softmax + 1 in the denominator), learnable one trained sink logit per head; the sink's "
                         "value is zero, so a head can attend to nothing.")
