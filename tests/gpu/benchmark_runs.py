@@ -1,6 +1,7 @@
 """tools/benchmark.py launched on two GPUs over NCCL, as the 2-GPU training comparisons run it: one run's
-results line (losses, ms/iteration), printed so the GPU log shows each configuration's speed; and the GPU tests'
-timing helpers (`gpu_ms`: wall time between CUDA events; `kernel_profile`: the kernels' own GPU time and count)."""
+results line (losses, ms/iteration), printed so the GPU log shows each configuration's speed, and a stalled run's
+stacks and last collectives in its failure (`hang_flags`, `hang_dumps`); and the GPU tests' timing helpers
+(`gpu_ms`: wall time between CUDA events; `kernel_profile`: the kernels' own GPU time and count)."""
 import json
 import os
 import subprocess
@@ -15,11 +16,31 @@ def run_two_gpus(tmp_path, name, model_flags: str, *flags, iters: int, warmup: i
            os.path.join(ROOT, "tools", "benchmark.py"), "--config", config, "--iters", str(iters),
            "--warmup", str(warmup), "--results", str(results), "--", *model_flags.split(), *flags]
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
-    p = launch(cmd, timeout=600, env=env)
-    assert p.returncode == 0, failure_text(p)
+    dumps = tmp_path / f"{name}_hang"
+    p = launch(cmd + hang_flags(dumps), timeout=2 * HANG_S, env=env, what=lambda: hang_dumps(dumps))
+    assert p.returncode == 0, failure_text(p) + hang_dumps(dumps)
     result = json.loads(results.read_text().splitlines()[-1])
     print(f"{name}: {result['ms_per_iter']:.1f} ms/iter, losses {result['losses'][:3]} ... {result['losses'][-1]}")
     return result
+
+
+# A run that makes no progress for HANG_S seconds dumps every rank's stacks and NCCL's last collectives (the hang
+# watchdog and the flight recorder) and its collectives abort; the launch's own limit lies beyond both, so a stall
+# fails with where each rank stood instead of a suite file cut off with nothing to show (a lane's limit is 370 s).
+HANG_S = 150
+
+
+def hang_flags(folder) -> list:
+    """The training flags that make a stalled run dump its ranks' state under ``folder``."""
+    return ["--distributed-timeout-seconds-after-init", str(HANG_S),
+            "--flight-recorder-dump-path", str(folder / "rank")]
+
+
+def hang_dumps(folder, limit: int = 4000) -> str:
+    """The ranks' hang dumps under ``folder`` (their stacks and last collectives), each cut to ``limit``."""
+    if not folder.is_dir():
+        return ""
+    return "".join(f"\n== {f.name}\n{f.read_text(errors='replace')[:limit]}" for f in sorted(folder.iterdir()))
 
 
 def launch(cmd, timeout: float, env=None, cwd=ROOT, what=None, tail: int = 3000) -> subprocess.CompletedProcess:

@@ -195,31 +195,6 @@ def test_compiled_weighted_squared_relu_equals_eager():
             assert _rel(a, b) < 1e-2, name
 
 
-@pytest.mark.parametrize("tokens,k,hidden", [(8192, 6, 2048), (8192, 2, 4096), (4096, 8, 2048)])
-def test_gather_sum_ways_agree_and_the_faster_is_kept(tokens, k, hidden):
-    """The unpermutation's k-way sum per token (MOE_FINE's, Mixtral's and Qwen3's shapes, bf16): the gather + sum
-    and embedding_bag's sum agree within one bf16 rounding; the first call runs both between events, a later one
-    keeps the faster (printed with both times)."""
-    from megatron.core.transformer.moe import moe_utils
-    g = torch.Generator(device="cuda").manual_seed(0)
-    rows = torch.randn(tokens * k, hidden, device="cuda", generator=g).bfloat16()
-    bags = torch.randperm(tokens * k, device="cuda", generator=g).view(tokens, k)
-    a, b = moe_utils._gather_then_sum(rows, bags), moe_utils._bag_sum(rows, bags)
-    assert _rel(a, b) < 1e-2
-    key = (tuple(rows.shape), tuple(bags.shape), rows.dtype, rows.device)
-    moe_utils._GATHER_SUM_CHOICE.pop(key, None)
-    moe_utils._gather_sum(rows, bags)  # runs both, timed
-    torch.cuda.synchronize()
-    moe_utils._gather_sum(rows, bags)  # reads the events, chooses
-    choice = moe_utils._GATHER_SUM_CHOICE[key]
-    assert choice in ("gather", "bag")
-
-    t_gather = gpu_ms(lambda: moe_utils._gather_then_sum(rows, bags))
-    t_bag = gpu_ms(lambda: moe_utils._bag_sum(rows, bags))
-    print(f"T={tokens} k={k} h={hidden}: gather + sum {t_gather:.3f} ms, embedding_bag {t_bag:.3f} ms, "
-          f"chosen: {choice}")
-
-
 def test_mixtral_grouped_gemm_training_matches_sequential_experts(monkeypatch):
     """Grouped experts against the per-expert loop over 20 iterations, with the noise scale measured in
     the same run: the loop again with the eager activation (--no-bias-swiglu-fusion: the same math,

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from tests.gpu.benchmark_runs import failure_text, launch
+from tests.gpu.benchmark_runs import HANG_S, failure_text, hang_dumps, hang_flags, launch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
@@ -68,14 +68,6 @@ finally:
 """
 
 
-HANG_S = 200
-
-
-def _hang_dumps(folder, limit=4000) -> str:
-    """The ranks' hang dumps under ``folder`` (their stacks and last collectives), each cut to ``limit``."""
-    if not folder.is_dir():
-        return ""
-    return "".join(f"\n== {f.name}\n{f.read_text(errors='replace')[:limit]}" for f in sorted(folder.iterdir()))
 
 
 def _run(tmp_path, name, *flags, nproc=2, extra_env=None):
@@ -91,9 +83,8 @@ def _run(tmp_path, name, *flags, nproc=2, extra_env=None):
     # rank's stacks and last collectives: the hang watchdog dumps after HANG_S without progress, NCCL aborts a
     # collective waiting that long, and the subprocess limit lies beyond both.
     dumps = tmp_path / f"{name}_hang"
-    cmd += ["--distributed-timeout-seconds-after-init", str(HANG_S), "--flight-recorder-dump-path", str(dumps / "rank")]
-    p = launch(cmd, timeout=2 * HANG_S, env=env, what=lambda: _hang_dumps(dumps))
-    assert p.returncode == 0, failure_text(p) + _hang_dumps(dumps)
+    p = launch(cmd + hang_flags(dumps), timeout=2 * HANG_S, env=env, what=lambda: hang_dumps(dumps))
+    assert p.returncode == 0, failure_text(p) + hang_dumps(dumps)
     ranks = []
     for r in range(nproc):
         with open(f"{out}.{r}") as f:

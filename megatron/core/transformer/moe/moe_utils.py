@@ -4,7 +4,6 @@ Shapes: T tokens (sequence x batch, flattened), E experts, k = top-k. ``routing_
 mask of the (token, expert) pairs kept; ``probs`` [T, E] holds their weights (zero elsewhere).
 """
 import math
-import os
 import warnings
 from typing import Optional
 
@@ -243,69 +242,13 @@ def _permute_indices(routing_map: torch.Tensor, num_out_tokens: Optional[int]):
     return torch.argsort((~flat).to(torch.int8), stable=True)[:num_out_tokens]
 
 
-_GATHER_SUM_WAYS = ("gather", "bag")
-# (rows shape, bag shape, dtype, device) -> the faster way on CUDA, or the pending timing of both
-# (MEGATRON_GATHER_SUM forces one)
-_GATHER_SUM_CHOICE = {}
-
-
-def _gather_then_sum(rows: torch.Tensor, bags: torch.Tensor) -> torch.Tensor:
-    picked = rows.index_select(0, bags.reshape(-1))
-    return picked.view(*bags.shape, rows.shape[-1]).sum(1)
-
-
-def _bag_sum(rows: torch.Tensor, bags: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.embedding_bag(bags, rows, mode="sum")
-
-
-def _timed(fn, rows, bags):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    out = fn(rows, bags)
-    end.record()
-    return out, (start, end)
-
-
-def _cuda_way(key):
-    """(the way to use, or None: run both timed now) for the shape ``key``. The first call per shape runs both ways
-    between events; a later call reads them once they have completed (``Event.query``: the host never waits, so the
-    choice can be made inside the overlapped schedule's collectives), and keeps the faster way from then on."""
-    state = _GATHER_SUM_CHOICE.get(key)
-    if isinstance(state, str):
-        return state
-    # No timing and no event query inside a capture; under --deterministic-mode (torch.use_deterministic_algorithms)
-    # one way on every run, where a timing can pick either (their bf16 roundings differ).
-    if torch.are_deterministic_algorithms_enabled() or torch.cuda.is_current_stream_capturing():
-        return "gather"
-    if state is None:
-        return None
-    if all(e.query() for pair in state.values() for e in pair):
-        times = {way: start.elapsed_time(end) for way, (start, end) in state.items()}
-        _GATHER_SUM_CHOICE[key] = min(times, key=times.get)
-        return _GATHER_SUM_CHOICE[key]
-    return "gather"
-
-
 def _gather_sum(rows: torch.Tensor, bags: torch.Tensor) -> torch.Tensor:
     """out[t] = sum_j rows[bags[t, j]], accumulated in fp32 and rounded once (the token-major way back of a
-    permutation where every token has exactly k rows). Two ways: a gather of the k rows into a [T, k, h] copy, then
-    its sum; or ``embedding_bag``'s sum, one kernel that reads each row once and writes only [T, h] (a third of the
-    memory traffic at k = 6). On CUDA the first call per shape runs both between events and later calls keep the
-    faster one (`_cuda_way`; the gather under a CUDA-graph capture until then, and under torch.compile);
-    ``MEGATRON_GATHER_SUM=gather|bag`` forces one (tests; A/B runs)."""
-    way = os.environ.get("MEGATRON_GATHER_SUM", "auto")
-    if way not in _GATHER_SUM_WAYS + ("auto",):
-        raise ValueError(f"MEGATRON_GATHER_SUM={way}: use auto, gather or bag")
-    if way == "auto":
-        # Traced by torch.compile (--torch-compile): the plain gather + sum, which the compiler fuses itself.
-        key = (tuple(rows.shape), tuple(bags.shape), rows.dtype, rows.device)
-        way = _cuda_way(key) if rows.is_cuda and not torch.compiler.is_compiling() else "gather"
-        if way is None:
-            out, gather_events = _timed(_gather_then_sum, rows, bags)
-            _, bag_events = _timed(_bag_sum, rows, bags)
-            _GATHER_SUM_CHOICE[key] = {"gather": gather_events, "bag": bag_events}
-            return out
-    return _bag_sum(rows, bags) if way == "bag" else _gather_then_sum(rows, bags)
+    permutation where every token has exactly k rows): a gather of the k rows into a [T, k, h] copy, then its sum.
+    ``embedding_bag``'s sum reads each row once and writes only [T, h], yet measured slower at every MoE shape
+    timed (MOE_FINE's, Mixtral's and Qwen3's, on H100 and H200: 1.2-2.3x the gather + sum), so it is not used."""
+    picked = rows.index_select(0, bags.reshape(-1))
+    return picked.view(*bags.shape, rows.shape[-1]).sum(1)
 
 
 class _RepeatRows(torch.autograd.Function):

@@ -107,16 +107,13 @@ def test_capacity_dropping_keeps_best_tokens_per_expert(policy):
     assert padded_map.sum(0).tolist() == [capacity] * E and torch.equal(padded_probs, kept_probs)
 
 
-@pytest.mark.parametrize("way", ["gather", "bag"])
 @pytest.mark.parametrize("scaled", [True, False])
 @pytest.mark.parametrize("k", [1, 2, 6])
-def test_token_major_permutation_equals_scatter_path(k, scaled, way, monkeypatch):
+def test_token_major_permutation_equals_scatter_path(k, scaled):
     """The exact-top-k permutation (gather backward, token-major k-way sum) equals the index_add path in
     forward and in the gradients of the tokens and the probs (fp32: only summation order differs), with the probs
-    applied at the unpermutation or not (the MoE layer's way: the experts applied them), and either way of summing
-    a token's rows (a gather and a sum, or embedding_bag's sum)."""
+    applied at the unpermutation or not (the MoE layer's way: the experts applied them)."""
     from megatron.core.transformer.moe.moe_utils import _permute, _unpermute
-    monkeypatch.setenv("MEGATRON_GATHER_SUM", way)
     torch.manual_seed(0)
     T, E, h = 37, 8, 16
     scores = torch.randn(T, E)
@@ -180,12 +177,6 @@ def test_static_chunk_gather_is_made_once_per_shape():
     assert torch.equal(y.index_select(0, gather).index_select(0, inverse), y)
 
 
-def test_gather_sum_refuses_an_unknown_way(monkeypatch):
-    monkeypatch.setenv("MEGATRON_GATHER_SUM", "fast")
-    with pytest.raises(ValueError, match="MEGATRON_GATHER_SUM=fast"):
-        moe_utils._gather_sum(torch.randn(4, 2), torch.tensor([[0, 1], [2, 3]]))
-
-
 def test_token_major_order_is_sorted_once_per_micro_batch(monkeypatch):
     """`_permute` leaves the rows' token-major order on its sorted_indices and `_unpermute` reuses it."""
     calls = []
@@ -199,20 +190,17 @@ def test_token_major_order_is_sorted_once_per_micro_batch(monkeypatch):
     assert len(calls) == 1
 
 
-def test_deterministic_mode_fixes_the_timed_choices(monkeypatch):
-    """--deterministic-mode: the unpermutation's sum and the experts' weight gradients take one fixed way, where a
-    timing could pick either (their roundings differ), so two runs stay bitwise equal. (The calls are made with CPU
-    tensors: the mode is checked before anything CUDA.)"""
+def test_deterministic_mode_fixes_the_timed_choice(monkeypatch):
+    """--deterministic-mode: the experts' weight gradients take one fixed way, where a timing could pick either
+    (their roundings differ), so two runs stay bitwise equal. (The call is made with CPU tensors: the mode is
+    checked before anything CUDA.)"""
     from megatron.core.fusions import grouped_wgrad
-    rows, bags = torch.randn(6, 4), torch.arange(6).view(3, 2)
-    key = (tuple(rows.shape), tuple(bags.shape), rows.dtype, rows.device)
-    monkeypatch.setattr(moe_utils, "_GATHER_SUM_CHOICE", {})
+    rows = torch.randn(6, 4)
     monkeypatch.setattr(grouped_wgrad, "_CHOICE", {})
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        assert moe_utils._cuda_way(key) == "gather"  # not None: nothing is timed
         assert grouped_wgrad._choose(torch.zeros(2, 3, 4), rows, rows, torch.tensor([6, 6])) == ("grouped_mm", None)
     finally:
         torch.use_deterministic_algorithms(was)
-    assert not moe_utils._GATHER_SUM_CHOICE and not grouped_wgrad._CHOICE
+    assert not grouped_wgrad._CHOICE
