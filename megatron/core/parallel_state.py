@@ -137,7 +137,6 @@ def initialize_model_parallel(
     _check_unsupported(use_sharp=(use_sharp, False),
                        gtp_remat_size=(gtp_remat_size, 1), expert_gtp_remat_size=(expert_gtp_remat_size, 1),
                        sharp_enabled_group=(sharp_enabled_group, None), rank_offset=(rank_offset, 0),
-                       num_distributed_optimizer_instances=(num_distributed_optimizer_instances, 1),
                        )
     if not torch.distributed.is_initialized():
         raise RuntimeError("initialize_model_parallel needs torch.distributed.init_process_group() first")
@@ -156,6 +155,10 @@ def initialize_model_parallel(
         raise ValueError(f"world size {world_size} is not divisible by expert tensor ({etp}) x expert "
                          f"model ({ep}) x pipeline ({pp}) parallel sizes")
     edp = world_size // (etp * ep * pp)
+    instances = num_distributed_optimizer_instances
+    if instances < 1 or (dp * cp) % instances or edp % instances:
+        raise ValueError(f"num_distributed_optimizer_instances={instances} must divide the data x context parallel "
+                         f"size ({dp * cp}) and the expert data parallel size ({edp})")
     if virtual_pipeline_model_parallel_size is not None and virtual_pipeline_model_parallel_size < 1:
         raise ValueError("virtual_pipeline_model_parallel_size must be >= 1 or None")
 
@@ -208,8 +211,54 @@ def initialize_model_parallel(
     build("tp_ep", expert.get_ranks("tp-ep"))
     build("tp_ep_pp", expert.get_ranks("tp-ep-pp"))
     build("edp", expert.get_ranks("dp"), gloo_name="edp_gloo")
+    if instances > 1:
+        _build_optimizer_instance_groups(build, dense.get_ranks("dp-cp"), expert.get_ranks("dp"), instances)
     _build_extra_groups(dense, expert, hierarchical_context_parallel_sizes, hybrid_context_parallel,
                         create_gloo_process_groups, timeout)
+
+
+def _build_optimizer_instance_groups(build, dp_cp_groups, edp_groups, instances: int) -> None:
+    """--num-distributed-optimizer-instances N: each DP x CP group (and each expert-DP group) splits into N
+    consecutive parts. The distributed optimizer shards over a part ("intra_dp_cp", "intra_edp"); the ranks at the
+    same place in every part ("inter_dist_opt", "inter_edist_opt") hold the same shard and all-reduce it. An
+    instance ("intra_dist_opt") is every rank of one part number: one whole replica of the model and its state."""
+    def split(groups):
+        size = len(groups[0]) // instances
+        parts = [g[i * size:(i + 1) * size] for g in groups for i in range(instances)]
+        across = [g[j::size] for g in groups for j in range(size)]
+        return parts, across, size
+    parts, across, size = split(dp_cp_groups)
+    build("intra_dp_cp", parts, gloo_name="intra_dp_cp_gloo")
+    build("inter_dist_opt", across)
+    build("intra_dist_opt", [sorted(r for g in dp_cp_groups for r in g[i * size:(i + 1) * size])
+                             for i in range(instances)])
+    parts, across, _ = split(edp_groups)
+    build("intra_edp", parts, gloo_name="intra_edp_gloo")
+    build("inter_edist_opt", across)
+
+
+def get_num_distributed_optimizer_instances() -> int:
+    """How many replicas of the distributed optimizer's state there are (--num-distributed-optimizer-instances)."""
+    return _size("inter_dist_opt") if "inter_dist_opt" in _GROUPS else 1
+
+
+def get_inter_distributed_optimizer_instance_group(check_initialized: bool = True, expert: bool = False):
+    """The ranks that hold the same distributed-optimizer shard, one per instance (None with one instance);
+    ``expert``: the same for the expert parameters' shards."""
+    name = "inter_edist_opt" if expert else "inter_dist_opt"
+    return _GROUPS.get(name)
+
+
+def get_intra_distributed_optimizer_instance_group(check_initialized: bool = True):
+    """Every rank of this rank's distributed-optimizer instance (the whole world with one instance)."""
+    return _GROUPS.get("intra_dist_opt") or torch.distributed.group.WORLD
+
+
+def _partial(name: str, partial: bool) -> str:
+    """The name of a DP group, or of its part in this distributed-optimizer instance (``partial``)."""
+    intra = {"dp_cp": "intra_dp_cp", "dp_cp_gloo": "intra_dp_cp_gloo", "edp": "intra_edp",
+             "edp_gloo": "intra_edp_gloo"}.get(name)
+    return intra if partial and intra in _GROUPS else name
 
 
 def _default_embedding_ranks(pp_ranks: List[int]) -> List[int]:
@@ -350,25 +399,27 @@ def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: Optional[int] 
 # ---- data / context parallel -----------------------------------------------------------------------
 
 # `with_gtp_remat` (weight-rematerialisation peers) has no effect: that group size is always 1 here.
+# `partial_data_parallel`: this distributed-optimizer instance's part of the DP x CP group (the whole group with one
+# instance); Megatron defines it with the context-parallel ranks only.
 def get_data_parallel_group(with_context_parallel: bool = False, with_gtp_remat: bool = True,
                             partial_data_parallel: bool = False):
-    return _group("dp_cp" if with_context_parallel else "dp")
+    return _group(_partial("dp_cp", partial_data_parallel) if with_context_parallel else "dp")
 
 
 def get_data_parallel_group_gloo(with_context_parallel: bool = False, partial_data_parallel: bool = False):
-    return _group("dp_cp_gloo" if with_context_parallel else "dp_gloo")
+    return _group(_partial("dp_cp_gloo", partial_data_parallel) if with_context_parallel else "dp_gloo")
 
 
 def get_data_parallel_world_size(with_context_parallel: bool = False, with_gtp_remat: bool = True,
                                  partial_data_parallel: bool = False) -> int:
-    return _size("dp_cp" if with_context_parallel else "dp")
+    return _size(_partial("dp_cp", partial_data_parallel) if with_context_parallel else "dp")
 
 
 def get_data_parallel_rank(with_context_parallel: bool = False, with_gtp_remat: bool = True,
                            partial_data_parallel: bool = False) -> int:
     if "dp_rank" in _OVERRIDES:  # set_data_parallel_rank wins for every variant, as in Megatron
         return _OVERRIDES["dp_rank"]
-    return _rank("dp_cp" if with_context_parallel else "dp")
+    return _rank(_partial("dp_cp", partial_data_parallel) if with_context_parallel else "dp")
 
 
 def set_data_parallel_rank(rank: Optional[int]) -> None:
@@ -515,19 +566,19 @@ def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = Tr
 
 def get_expert_data_parallel_group(check_initialized: bool = True, with_gtp_remat: bool = True,
                                    partial_expert_data_parallel: bool = False):
-    return _group("edp")
+    return _group(_partial("edp", partial_expert_data_parallel))
 
 
 def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False):
-    return _group("edp_gloo")
+    return _group(_partial("edp_gloo", partial_expert_data_parallel))
 
 
 def get_expert_data_parallel_world_size(with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False) -> int:
-    return _size("edp")
+    return _size(_partial("edp", partial_expert_data_parallel))
 
 
 def get_expert_data_parallel_rank(with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False) -> int:
-    return _rank("edp")
+    return _rank(_partial("edp", partial_expert_data_parallel))
 
 
 # Megatron-only getters (fixed answers, rank helpers nothing here calls): megatron/core/_compat/parallel_state.py.
@@ -538,8 +589,7 @@ __getattr__ = lazy_names(__name__, {
     "default_position_embedding_ranks": _COMPAT, "get_tensor_and_context_parallel_rank": _COMPAT,
     "get_expert_tensor_and_model_parallel_rank": _COMPAT, "get_global_memory_buffer": _COMPAT,
     "destroy_global_memory_buffer": _COMPAT, "overwrite_nccl_comm_cfgs": _COMPAT,
-    "get_intra_distributed_optimizer_instance_group": _COMPAT,
-    "get_inter_distributed_optimizer_instance_group": _COMPAT, "get_gtp_weight_remat_group": _COMPAT,
+    "get_gtp_weight_remat_group": _COMPAT,
     "get_gtp_weight_remat_world_size": _COMPAT, "get_gtp_weight_remat_rank": _COMPAT,
     "get_gtp_weight_remat_global_ranks": _COMPAT, "get_expert_gtp_weight_remat_group": _COMPAT,
     "get_expert_gtp_weight_remat_world_size": _COMPAT, "get_expert_gtp_weight_remat_rank": _COMPAT,

@@ -121,8 +121,8 @@ def _mpu_getters():
                                partial_data_parallel=True),
         "intra_expt_dp": partial(ps.get_expert_data_parallel_group, check_initialized=False,
                                  partial_expert_data_parallel=True),
-        "inter_dist_opt": _none,
-        "intra_dist_opt": _none,
+        "inter_dist_opt": partial(ps.get_inter_distributed_optimizer_instance_group, check_initialized=False),
+        "intra_dist_opt": partial(ps.get_intra_distributed_optimizer_instance_group, check_initialized=False),
     }
 
 

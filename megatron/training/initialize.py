@@ -262,6 +262,7 @@ def _initialize_model_parallel(args):
         hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         order="tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp",
         nccl_communicator_config_path=args.nccl_communicator_config_path,

@@ -62,3 +62,24 @@ def test_data_parallel_matches_single_process(runs):
     accum, _, dp2 = runs
     _close(dp2[0], accum)
     assert dp2[0] == dp2[1]  # every rank reports the same DP-reduced loss
+
+
+def _dp2_two_optimizer_instances_run():
+    from megatron.core import parallel_state
+    losses, sizes = [], set()
+
+    def record(model, opt, out):
+        losses.append(float(out[0]["lm loss"]))
+        sizes.add(parallel_state.get_inter_distributed_optimizer_instance_group().size())
+    run_pretrain((MODEL + " --micro-batch-size 2 --use-distributed-optimizer "
+                  "--num-distributed-optimizer-instances 2").split(), record)
+    return losses, sizes
+
+
+def test_two_distributed_optimizer_instances_match_single_process(runs):
+    """--num-distributed-optimizer-instances 2 at DP=2 through pretrain(): each rank is an instance of its own (the
+    state replicated, the shards all-reduced across the instances), and trains like one process."""
+    accum, _, _ = runs
+    (losses, inter_sizes), _ = run_distributed(_dp2_two_optimizer_instances_run, 2)
+    assert inter_sizes == {2}
+    _close(losses, accum)

@@ -70,16 +70,6 @@ def overwrite_nccl_comm_cfgs(nccl_comm_cfgs, pg_name, key_value_pair):
     nccl_comm_cfgs.setdefault(pg_name, {})[key_value_pair[0]] = key_value_pair[1]
 
 
-def get_intra_distributed_optimizer_instance_group(check_initialized=True):
-    """With one distributed-optimizer instance (the only layout here) it spans the dp x cp group."""
-    return parallel_state.get_data_parallel_group(with_context_parallel=True)
-
-
-def get_inter_distributed_optimizer_instance_group(check_initialized=True):
-    """None: there is a single distributed-optimizer instance (num_distributed_optimizer_instances=1)."""
-    return None
-
-
 # Weight-rematerialisation (gtp_remat) groups: initialize_model_parallel refuses gtp_remat_size > 1, so
 # each rank is its own group: size 1, rank 0, no process group object (get_pg_size(None) == 1).
 def get_gtp_weight_remat_group(check_initialized=True):

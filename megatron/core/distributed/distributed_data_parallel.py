@@ -37,8 +37,9 @@ class DistributedDataParallel(WrappedModule):
         self.module = module
         self.pg_collection = pg_collection
 
-        dp_group = self._dp_group(expert=False)
-        dp_size = dist.get_world_size(group=dp_group)
+        # The whole DP x CP group: the mean over the batch divides by its size, whatever the optimizer's shards.
+        dp_size = dist.get_world_size(group=self._dp_group(expert=False))
+        dp_group, inter_group = self._shard_groups(expert=False)
         bucket_size = ddp_config.bucket_size
         if bucket_size is None and ddp_config.num_buckets is not None:
             bucket_size = buckets_of(sum(p.numel() for p in module.parameters()), ddp_config.num_buckets)
@@ -57,18 +58,19 @@ class DistributedDataParallel(WrappedModule):
         for param in module.parameters():
             if param.requires_grad:
                 (dense if getattr(param, "allreduce", True) else expert).append(param)
-        self.buffers = self._make_buffers(dense, dp_group, dense_scale, param_to_name)
+        self.buffers = self._make_buffers(dense, dp_group, dense_scale, param_to_name, inter_group)
         self.expert_parallel_buffers = []
         if expert:
-            edp_group = self._dp_group(expert=True)
-            edp_size = dist.get_world_size(group=edp_group)
+            edp_size = dist.get_world_size(group=self._dp_group(expert=True))
+            edp_group, expert_inter_group = self._shard_groups(expert=True)
             # Expert grads are summed over the expert-DP group, whose ranks saw different tokens of
             # the same DP-sized batch (EP takes ranks out of DP, TP splits the tokens in MoE layers):
             # the mean over the batch is that sum / DP, as for dense grads.
             expert_scale = 1.0 if per_token else 1.0 / dp_size
             if ddp_config.average_in_collective and not per_token:
                 expert_scale = edp_size / dp_size  # the collective already divides by edp_size
-            self.expert_parallel_buffers = self._make_buffers(expert, edp_group, expert_scale, param_to_name)
+            self.expert_parallel_buffers = self._make_buffers(expert, edp_group, expert_scale, param_to_name,
+                                                              expert_inter_group)
 
         self.param_to_bucket = {}
         for buffer in self.buffers + self.expert_parallel_buffers:
@@ -91,7 +93,34 @@ class DistributedDataParallel(WrappedModule):
                     else parallel_state.get_data_parallel_group(with_context_parallel=True))
         return get_pg(self.pg_collection, "expt_dp" if expert else "dp_cp", "DistributedDataParallel")
 
-    def _make_buffers(self, params, group, scaling, param_to_name):
+    def _shard_groups(self, expert: bool):
+        """(the group a bucket's reduce-scatter and all-gather run over, the group its reduced shard is then
+        all-reduced over, or None). With --num-distributed-optimizer-instances N the distributed optimizer shards
+        over 1/N of the DP group, and the N ranks holding the same shard sum it: the whole group's sum in two
+        steps, the larger within a part (one node, say) and only a 1/part-size shard across parts."""
+        instances = self.ddp_config.num_distributed_optimizer_instances
+        if instances == 1:
+            return self._dp_group(expert), None
+        if self.pg_collection is None:
+            if expert:
+                intra = parallel_state.get_expert_data_parallel_group(partial_expert_data_parallel=True)
+            else:
+                intra = parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+            inter = parallel_state.get_inter_distributed_optimizer_instance_group(expert=expert)
+        else:
+            if expert:
+                raise NotImplementedError("DistributedDataParallel(pg_collection=...): expert parameters with "
+                                          "--num-distributed-optimizer-instances > 1 take parallel_state's groups; "
+                                          "pass pg_collection=None")
+            intra = get_pg(self.pg_collection, "intra_dp_cp", "DistributedDataParallel")
+            inter = get_pg(self.pg_collection, "inter_dist_opt", "DistributedDataParallel")
+        if inter is None or dist.get_world_size(group=inter) != instances:
+            raise ValueError(f"--num-distributed-optimizer-instances {instances}: the process groups were built for "
+                             f"{1 if inter is None else dist.get_world_size(group=inter)} instance(s); pass the same "
+                             "number to initialize_model_parallel")
+        return intra, inter
+
+    def _make_buffers(self, params, group, scaling, param_to_name, inter_group=None):
         """One buffer per (param dtype, grad dtype, layer-wise): params tagged
         `is_managed_by_layer_wise_optimizer` (Muon's, by the layer-wise optimizer's tagging) get buffers
         whose DP shards hold whole params; the others keep the default layout."""
@@ -101,7 +130,7 @@ class DistributedDataParallel(WrappedModule):
             layer_wise = bool(getattr(param, "is_managed_by_layer_wise_optimizer", False))
             by_key.setdefault((param.dtype, grad_dtype, layer_wise), []).append(param)
         return [_ParamAndGradBuffer(self.ddp_config, param_dtype, grad_dtype, ps, group, self.bucket_size,
-                                    param_to_name, scaling, layer_wise=layer_wise)
+                                    param_to_name, scaling, layer_wise=layer_wise, inter_group=inter_group)
                 for (param_dtype, grad_dtype, layer_wise), ps in by_key.items()]
 
     def _all_buckets(self):

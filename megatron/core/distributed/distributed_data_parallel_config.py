@@ -24,7 +24,8 @@ class DistributedDataParallelConfig(DistributedDataParallelConfigCompat):
     """Reduce-scatter grads (each DP rank owns 1/DP of each bucket) instead of all-reducing them."""
 
     num_distributed_optimizer_instances: int = 1
-    """Partial distributed-optimizer replicas (HSDP-like); only 1 is supported."""
+    """Replicas of the distributed optimizer's state: each shards it over 1/N of the DP group (HSDP-like); the
+    groups come from initialize_model_parallel(num_distributed_optimizer_instances=N)."""
 
     check_for_nan_in_grad: bool = False
     """Raise before communication if a bucket holds a NaN/Inf gradient."""
@@ -62,9 +63,10 @@ class DistributedDataParallelConfig(DistributedDataParallelConfigCompat):
 
     def __post_init__(self):
         check_compat_fields(self, DistributedDataParallelConfigCompat)
-        if self.num_distributed_optimizer_instances != 1:
-            raise NotImplementedError(
-                "--num-distributed-optimizer-instances > 1 is not supported; use 1 (the default)")
+        if self.num_distributed_optimizer_instances < 1:
+            raise ValueError("--num-distributed-optimizer-instances must be >= 1")
+        if self.num_distributed_optimizer_instances > 1 and not self.use_distributed_optimizer:
+            raise ValueError("--num-distributed-optimizer-instances > 1 requires --use-distributed-optimizer")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather requires --use-distributed-optimizer")
         if self.fp8_param_gather:

@@ -5,6 +5,8 @@ distributed optimizer, one flat param buffer); `param.main_grad` is a view into 
 into buckets (in reverse parameter order, roughly the order backward produces grads) that are reduced
 with one collective each: all-reduce, or reduce-scatter when the distributed optimizer owns 1/DP of
 every bucket. With the distributed optimizer the updated params come back with one all-gather per bucket.
+With N distributed-optimizer instances the shards are 1/(DP/N) of a bucket: the reduce-scatter runs within an
+instance and an all-reduce of the shard across instances completes the sum.
 """
 import math
 from typing import Dict, List, NamedTuple, Optional
@@ -31,7 +33,7 @@ class _ParamAndGradBucket:
     """A contiguous slice of a buffer holding `params`; owns that slice's DP collectives."""
 
     def __init__(self, params, param_data, grad_data, offset, numel_unpadded, bucket_id,
-                 data_parallel_group, ddp_config, gradient_scaling_factor, param_to_name):
+                 data_parallel_group, ddp_config, gradient_scaling_factor, param_to_name, inter_group=None):
         self.params = params
         self.param_data = param_data  # flat view (distributed optimizer only), else None
         self.grad_data = grad_data  # flat view
@@ -39,6 +41,9 @@ class _ParamAndGradBucket:
         self.numel_unpadded = numel_unpadded
         self.bucket_id = bucket_id
         self.group = data_parallel_group
+        # --num-distributed-optimizer-instances > 1: the ranks of the other instances holding this rank's shard,
+        # over which the reduce-scattered shard is all-reduced (None: one instance)
+        self.inter_group = inter_group
         self.ddp_config = ddp_config
         self.gradient_scaling_factor = gradient_scaling_factor
         self.param_to_name = param_to_name
@@ -88,7 +93,7 @@ class _ParamAndGradBucket:
         assert self.grad_reduce_handle is None, "grad sync already started for this bucket"
         if self.ddp_config.check_for_nan_in_grad:
             self.check_for_nan()
-        if self.dp_size == 1:
+        if self.dp_size == 1 and self.inter_group is None:
             # One replica: nothing to exchange (and no collective inside a captured CUDA graph).
             if self.gradient_scaling_factor != 1.0:
                 self.grad_data.mul_(self.gradient_scaling_factor)
@@ -104,11 +109,31 @@ class _ParamAndGradBucket:
             shard = self.local_grad_shard()
             # NCCL reduces in place into this rank's shard; gloo gets a separate output, copied back.
             self._reduce_output = torch.empty_like(shard) if _is_gloo(self.group) else shard
-            handle = _reduce_scatter_single(self._reduce_output, self.grad_data, op=op,
-                                            group=self.group, async_op=async_op)
+            if self.inter_group is not None:
+                handle = self._reduce_over_instances(op, async_op)
+            else:
+                handle = _reduce_scatter_single(self._reduce_output, self.grad_data, op=op,
+                                                group=self.group, async_op=async_op)
         else:
             handle = dist.all_reduce(self.grad_data, op=op, group=self.group, async_op=async_op)
         self.grad_reduce_handle = handle if async_op else _DoneHandle()
+
+    def _reduce_over_instances(self, op, async_op: bool):
+        """The reduce-scatter within this instance's part of the DP group, then the all-reduce of the reduced
+        shard over the instances. The all-reduce must follow the reduce-scatter's result, and a wait on it in the
+        compute stream would stall the backward, so on CUDA both run in order on a side stream that first waits
+        for the grads; the all-reduce's handle is what `finish_grad_sync` waits on."""
+        if not self.grad_data.is_cuda:
+            _reduce_scatter_single(self._reduce_output, self.grad_data, op=op, group=self.group)
+            return dist.all_reduce(self._reduce_output, op=op, group=self.inter_group, async_op=async_op)
+        side = _instance_stream(self.grad_data.device)
+        side.wait_stream(torch.cuda.current_stream(self.grad_data.device))
+        with torch.cuda.stream(side):
+            _reduce_scatter_single(self._reduce_output, self.grad_data, op=op, group=self.group)
+            handle = dist.all_reduce(self._reduce_output, op=op, group=self.inter_group, async_op=True)
+        if not async_op:
+            handle.wait()
+        return handle
 
     def finish_grad_sync(self):
         """Wait for the reduction (starting it now if the hooks never did, e.g. unused params)."""
@@ -139,6 +164,16 @@ class _ParamAndGradBucket:
             self._gather_input = None
 
 
+_INSTANCE_STREAMS = {}
+
+
+def _instance_stream(device) -> "torch.cuda.Stream":
+    """The side stream (one per device) on which a bucket's two-step reduction over instances runs."""
+    if device not in _INSTANCE_STREAMS:
+        _INSTANCE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _INSTANCE_STREAMS[device]
+
+
 class _DoneHandle:
     def wait(self):
         return None
@@ -149,9 +184,11 @@ class _ParamAndGradBuffer:
 
     def __init__(self, ddp_config, param_dtype, grad_dtype, params: List[torch.nn.Parameter],
                  data_parallel_group, bucket_size: Optional[int], param_to_name: Dict,
-                 gradient_scaling_factor: float, layer_wise: bool = False):
+                 gradient_scaling_factor: float, layer_wise: bool = False, inter_group=None):
         """``layer_wise`` (with the distributed optimizer): every param lies whole inside one DP rank's shard
-        of its bucket, so that rank's reduce-scatter output holds its whole gradient (layer-wise Muon)."""
+        of its bucket, so that rank's reduce-scatter output holds its whole gradient (layer-wise Muon).
+        ``inter_group``: with several distributed-optimizer instances, ``data_parallel_group`` is this instance's
+        part of the DP group and the reduced shards are all-reduced over ``inter_group``."""
         self.ddp_config = ddp_config
         self.param_dtype, self.grad_dtype = param_dtype, grad_dtype
         self.params = list(params)
@@ -182,7 +219,7 @@ class _ParamAndGradBuffer:
             self.buckets.append(_ParamAndGradBucket(
                 params_, None if self.param_data is None else self.param_data[start:end],
                 self.grad_data[start:end], start, end_unpadded - start, bucket_id,
-                data_parallel_group, ddp_config, gradient_scaling_factor, param_to_name))
+                data_parallel_group, ddp_config, gradient_scaling_factor, param_to_name, inter_group))
         self.param_to_bucket = {p: self.buckets[b] for p, (_, _, b) in self.param_index_map.items()}
 
     def scale_gradients(self, scaling_factor: float):

@@ -32,7 +32,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     ({chunk index: [grad buffers]}, default: every buffer of `model_chunks`, dense and expert) and
     each buffer's DP group must be `data_parallel_group` when both are given. State gathers run over
     the buffers' own groups, so `data_parallel_group_gloo` and `data_parallel_group_idx` have no effect;
-    there is one optimizer instance (`distributed_optimizer_instance_id` 0).
+    with several distributed-optimizer instances (the buffers shard over one instance's part of the DP group)
+    every instance steps on the same reduced shard, so `distributed_optimizer_instance_id` has no effect either.
 
     ``whole_params`` (the layer-wise distributed optimizer, Muon): the buffers keep every param whole
     inside one DP shard (DDP's layer-wise layout), and each main param keeps its param's shape, so the
@@ -44,10 +45,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                  distributed_optimizer_instance_id: int = 0, whole_params: bool = False):
         super().__init__(optimizer, config, grad_scaler, init_state_fn)
         self.whole_params = whole_params
-        if distributed_optimizer_instance_id != 0:
-            raise NotImplementedError("DistributedOptimizer: one optimizer instance only "
-                                      "(--num-distributed-optimizer-instances 1); distributed_optimizer_instance_id "
-                                      f"is {distributed_optimizer_instance_id}")
         self.model_chunks = list(model_chunks)
         for chunk in self.model_chunks:
             if not hasattr(chunk, "buffers") or not chunk.ddp_config.use_distributed_optimizer:
@@ -100,14 +97,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return main
 
     def get_grad_stats_parallel_group(self):
-        # Grads are sharded over DP x CP as well: statistics need that group too.
+        # Grads are sharded over DP x CP as well (over this instance's part of it with several distributed-optimizer
+        # instances, each of which holds the whole gradient): statistics need that group too.
         return [parallel_state.get_model_parallel_group(),
-                parallel_state.get_data_parallel_group(with_context_parallel=True)]
+                parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)]
 
     def get_expert_grad_stats_parallel_group(self):
-        # Expert grads are sharded over expert-DP as well.
+        # Expert grads are sharded over (this instance's part of) expert-DP as well.
         return [parallel_state.get_expert_tensor_model_pipeline_parallel_group(),
-                parallel_state.get_expert_data_parallel_group()]
+                parallel_state.get_expert_data_parallel_group(partial_expert_data_parallel=True)]
 
     def _copy_model_grads_to_main_grads(self):
         for main, (model, lo, hi) in self.shard_ranges.items():

@@ -12,6 +12,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.distributed.torch_fsdp2_state import fsdp2_gathered_storage, is_dtensor
 
@@ -166,10 +167,11 @@ def _dp_sharded_param_state(opt, model_sharded_state_dict: Dict, is_loading: boo
         # 48 GB per GPU for Llama-3-8B at TP=2 would not fit beside it). Not into the fp32 main params: Megatron's
         # library pattern (model load, reload_model_params, optimizer load) refreshes them from the bf16 weights
         # between the read and `load_sharded`, which would round the loaded values (see _main_param_read_buffer).
+        instance = _optimizer_instance(param)
         sharded[st.key] = {
             name: _range_pieces(st, f"optimizer.state.{name}.{st.key}", lo, hi,
                                 _main_param_read_buffer(param, lo, hi, flat)
-                                if is_loading and name == "fp32_param" else flat)
+                                if is_loading and name == "fp32_param" else flat, instance)
             for name, flat in state.items()}
     return sharded
 
@@ -210,14 +212,24 @@ def flat_range_boxes(shape, lo: int, hi: int) -> List[Tuple[Tuple[int, ...], Tup
     return out
 
 
-def _replica_without_dp(replica_id):
-    """The model tensor's replica id with its DP part (the last) set to 0: a DP rank's range is its own."""
-    return tuple(replica_id[:-1]) + (0,) if isinstance(replica_id, (tuple, list)) else 0
+def _optimizer_instance(param) -> int:
+    """This rank's distributed-optimizer instance for ``param`` (0 with one instance): the ranks of the other
+    instances hold the same range of its state, and only instance 0's copy is written."""
+    group = parallel_state.get_inter_distributed_optimizer_instance_group(
+        expert=not getattr(param, "allreduce", True))
+    return 0 if group is None else torch.distributed.get_rank(group=group)
 
 
-def _range_pieces(st: ShardedTensor, key: str, lo: int, hi: int, flat: torch.Tensor) -> Dict:
+def _replica_without_dp(replica_id, instance: int = 0):
+    """The model tensor's replica id with its DP part (the last) set to the distributed-optimizer instance: a DP
+    rank's range is its own within its instance, and the instances hold copies of it."""
+    return tuple(replica_id[:-1]) + (instance,) if isinstance(replica_id, (tuple, list)) else instance
+
+
+def _range_pieces(st: ShardedTensor, key: str, lo: int, hi: int, flat: torch.Tensor, instance: int = 0) -> Dict:
     """{flat start: ShardedTensor} for the range [lo, hi) of the param that ``st`` describes (its local shape,
-    whose row-major order is the param's), with ``flat`` the state of that range."""
+    whose row-major order is the param's), with ``flat`` the state of that range; ``instance``: this rank's
+    distributed-optimizer instance (the copy's replica number)."""
     shape, n = tuple(st.local_shape), st.prepend_axis_num
     whole = (lo, hi) == (0, math.prod(shape))
     pieces = {}
@@ -228,7 +240,7 @@ def _range_pieces(st: ShardedTensor, key: str, lo: int, hi: int, flat: torch.Ten
             st, key=key, data=data, dtype=data.dtype, local_shape=tuple(size),
             global_offset=tuple(st.global_offset[:n]) + tuple(g + o for g, o in zip(st.global_offset[n:], offset)),
             axis_fragmentations=st.axis_fragmentations if whole else None,
-            replica_id=_replica_without_dp(st.replica_id))
+            replica_id=_replica_without_dp(st.replica_id, instance))
     return pieces
 
 
@@ -274,7 +286,9 @@ def load_sharded(opt, state_dict: Dict):
     if key_to_param is None:
         raise ValueError("call optimizer.sharded_state_dict(model_sd, is_loading=True) before loading it")
     loaded = {}
-    for key, entry in state_dict["param_state"].items():
+    # A rank whose shards hold none of this optimizer's params (a small expert buffer over many DP ranks) asked for
+    # an empty dict, which the load does not return.
+    for key, entry in state_dict.get("param_state", {}).items():
         param = key_to_param[key]
         loaded[param] = {name: _loaded_value(t, param) for name, t in entry.items()}
     opt.set_param_state_from_load(loaded)

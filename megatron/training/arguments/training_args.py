@@ -39,6 +39,10 @@ def add_training_args(parser):
     g.add_argument("--ddp-num-buckets", type=int, default=None,
                    help="Instead of --ddp-bucket-size: about this many gradient buckets, sized as the rank's "
                         "parameters (all its model chunks) divided by it.")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                   help="With --use-distributed-optimizer: N replicas of the optimizer state, each sharded over 1/N "
+                        "of the data-parallel (x context-parallel) group; gradients are reduce-scattered within a "
+                        "part and the shards all-reduced across the N parts.")
     g.add_argument("--ddp-average-in-collective", action="store_true",
                    help="Average gradients inside the collective instead of pre-scaling.")
     g.add_argument("--calculate-per-token-loss", action="store_true",

@@ -111,6 +111,7 @@ def _validate_parallel(args):
                  "--use-torch-fsdp2 already shards optimizer state; drop --use-distributed-optimizer")
         _require(args.ddp_num_buckets is None, "--ddp-num-buckets sizes DDP's gradient buckets; --use-torch-fsdp2 "
                                                "reduces per FSDP unit and has none: drop it")
+    _validate_optimizer_instances(args)
     _require(args.ddp_num_buckets is None or args.ddp_bucket_size is None,
              "--ddp-num-buckets and --ddp-bucket-size both size the buckets; pass one")
     _require(args.ddp_num_buckets is None or args.ddp_num_buckets > 0,
@@ -122,6 +123,27 @@ def _validate_parallel(args):
                            nccl=args.distributed_backend == "nccl")
     except ValueError as e:
         raise ArgumentError(str(e)) from None
+
+
+def _validate_optimizer_instances(args):
+    """--num-distributed-optimizer-instances N: the DP x CP group (and the expert-DP group) split into N parts."""
+    n = args.num_distributed_optimizer_instances
+    _require(n >= 1, f"--num-distributed-optimizer-instances ({n}) must be >= 1")
+    if n == 1:
+        return
+    _require(args.use_distributed_optimizer, "--num-distributed-optimizer-instances > 1 replicates the distributed "
+                                             "optimizer's shards: add --use-distributed-optimizer")
+    _require(not getattr(args, "use_layer_wise_distributed_optimizer", False),
+             "--num-distributed-optimizer-instances > 1 applies to --use-distributed-optimizer; the layer-wise "
+             "optimizer (dist_muon) shards over the whole data-parallel group: drop the flag")
+    dp_cp = args.data_parallel_size * args.context_parallel_size
+    _require(dp_cp % n == 0, f"--num-distributed-optimizer-instances ({n}) must divide the data-parallel x context-"
+                             f"parallel size ({dp_cp})")
+    if args.num_experts:
+        etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+        edp = args.world_size // (etp * args.expert_model_parallel_size * args.pipeline_model_parallel_size)
+        _require(edp % n == 0, f"--num-distributed-optimizer-instances ({n}) must divide the expert data-parallel "
+                               f"size ({edp})")
 
 
 def _validate_pipeline_split(args):

@@ -76,6 +76,12 @@ def test_derived_values():
     ("--ddp-num-buckets 2 --ddp-bucket-size 1000", 1, "pass one"),
     ("--ddp-num-buckets 0", 1, "--ddp-num-buckets (0) must be > 0"),
     ("--ddp-num-buckets 2 --use-torch-fsdp2", 1, "drop it"),
+    ("--num-distributed-optimizer-instances 2", 2, "add --use-distributed-optimizer"),
+    ("--num-distributed-optimizer-instances 0", 1, "--num-distributed-optimizer-instances (0) must be >= 1"),
+    ("--num-distributed-optimizer-instances 3 --use-distributed-optimizer", 2,
+     "must divide the data-parallel x context-parallel size (2)"),
+    ("--num-distributed-optimizer-instances 2 --use-distributed-optimizer --num-experts 4 "
+     "--expert-model-parallel-size 2", 2, "must divide the expert data-parallel size (1)"),
     ("--glu-linear-offset 1.0", 1, "need --swiglu or --quick-geglu"),
     ("--swiglu --quick-geglu", 1, "mutually exclusive"),
     ("--quick-geglu --activation-func-clamp-value -1", 1, "must be > 0"),
