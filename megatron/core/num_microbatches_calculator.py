@@ -245,6 +245,37 @@ class StepBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
             raise ValueError("--step-batch-size-schedule: thresholds must differ and batch sizes be positive")
         return steps
 
+    def segments(self, total_samples: int) -> List[Tuple[int, int, int]]:
+        """(iterations, global batch size, samples consumed at its start) of each stretch of a run of
+        ``total_samples`` at one batch size, in order: the most whole steps whose samples fit in ``total_samples``
+        (the constant batch size's --train-samples rule). A step that starts before a threshold runs at the size
+        before it."""
+        out, consumed = [], 0
+        for i, (_, size) in enumerate(self.schedule):
+            fit = (total_samples - consumed) // size
+            if i + 1 < len(self.schedule):
+                fit = min(fit, max(0, -(-(self.schedule[i + 1][0] - consumed) // size)))
+            if fit > 0:
+                out.append((fit, size, consumed))
+                consumed += fit * size
+            if consumed + size > total_samples:  # the next step, at this size or a later one, does not fit
+                nxt = self.schedule[i + 1][1] if i + 1 < len(self.schedule) else None
+                if nxt is None or consumed < self.schedule[i + 1][0] or consumed + nxt > total_samples:
+                    break
+        return out
+
+    def samples_after(self, iterations: int) -> int:
+        """The samples the first ``iterations`` steps consume."""
+        consumed = 0
+        for i, (_, size) in enumerate(self.schedule):
+            if iterations <= 0:
+                break
+            nxt = self.schedule[i + 1][0] if i + 1 < len(self.schedule) else None
+            steps = iterations if nxt is None else min(iterations, max(0, -(-(nxt - consumed) // size)))
+            consumed += steps * size
+            iterations -= steps
+        return consumed
+
     def update(self, consumed_samples, consistency_check, verbose=False):
         current = [size for threshold, size in self.schedule if consumed_samples >= threshold][-1]
         per_step = self.micro_batch_times_data_parallel_size

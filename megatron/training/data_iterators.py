@@ -1,7 +1,7 @@
 """Dataset sizes from the run length, datasets from the provider, loaders and iterators."""
 import torch
 
-from megatron.core import parallel_state
+from megatron.core import num_microbatches_calculator, parallel_state
 from megatron.core.utils import get_device
 from megatron.training.datasets.data_samplers import build_pretraining_data_loader
 from megatron.training.global_vars import get_args
@@ -11,11 +11,20 @@ from megatron.training.utils import print_rank_0
 def train_valid_test_num_samples():
     """(train, valid, test) sample counts, as Megatron computes them."""
     args = get_args()
-    train = args.train_samples if args.train_samples is not None else args.train_iters * args.global_batch_size
+    train = args.train_samples
+    if train is None:
+        train = args.train_iters * args.global_batch_size
+        if args.step_batch_size_schedule is not None:  # the batch size steps: what the iterations consume
+            train = num_microbatches_calculator._calculator().samples_after(args.train_iters)
     evals = args.eval_iters
     if args.eval_interval and not args.skip_train:
         evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters
-    return train, evals * args.global_batch_size, args.eval_iters * args.global_batch_size
+    eval_batch = _eval_global_batch_size(args)
+    return train, evals * eval_batch, args.eval_iters * eval_batch
+
+
+def _eval_global_batch_size(args) -> int:
+    return getattr(args, "eval_global_batch_size", None) or args.global_batch_size
 
 
 def _none_if_empty(dataset):
@@ -46,7 +55,7 @@ def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provid
         args.consumed_train_samples = args.iteration * args.global_batch_size
     if args.iteration > 0 and args.consumed_valid_samples == 0 and args.eval_interval:
         args.consumed_valid_samples = ((args.iteration // args.eval_interval) * args.eval_iters
-                                       * args.global_batch_size)
+                                       * _eval_global_batch_size(args))
     sizes = train_valid_test_num_samples()
     print_rank_0(" > datasets target sizes (minimum size):")
     print_rank_0("    train:      {}".format(sizes[0]))
@@ -58,8 +67,10 @@ def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provid
     if reads:
         train_ds, valid_ds, test_ds = build_train_valid_test_datasets_provider(list(sizes))
         loaders = (build_pretraining_data_loader(train_ds, args.consumed_train_samples),
-                   build_pretraining_data_loader(_none_if_empty(valid_ds), args.consumed_valid_samples),
-                   build_pretraining_data_loader(_none_if_empty(test_ds), 0))
+                   build_pretraining_data_loader(_none_if_empty(valid_ds), args.consumed_valid_samples,
+                                                 micro_batch_size=getattr(args, "eval_micro_batch_size", None)),
+                   build_pretraining_data_loader(_none_if_empty(test_ds), 0,
+                                                 micro_batch_size=getattr(args, "eval_micro_batch_size", None)))
     flags = torch.tensor([int(l is not None) for l in loaders], dtype=torch.long, device=get_device())
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
     args.do_train, args.do_valid, args.do_test = (bool(f) and args.train_iters > 0 if i == 0 else bool(f)

@@ -1,32 +1,47 @@
 """Evaluation over --eval-iters global batches and the framed validation line (COMPAT.md 3.2)."""
+import contextlib
 import math
 
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.training.global_vars import get_args, get_tensorboard_writer, get_timers, get_wandb_writer
 from megatron.training.utils import print_rank_last
 
 
+@contextlib.contextmanager
+def _eval_micro_batch(args):
+    """args.micro_batch_size is --eval-micro-batch-size while evaluating: the entry scripts' get_batch reads it for
+    the shapes of the batch broadcast to the other tensor-parallel ranks."""
+    train = args.micro_batch_size
+    args.micro_batch_size = getattr(args, "eval_micro_batch_size", None) or train
+    try:
+        yield args.micro_batch_size
+    finally:
+        args.micro_batch_size = train
+
+
 def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose=False):
-    """Token-weighted average of each loss key over --eval-iters global batches (no gradients)."""
+    """Token-weighted average of each loss key over --eval-iters global batches of --eval-global-batch-size
+    samples in micro-batches of --eval-micro-batch-size (no gradients)."""
     args, timers = get_args(), get_timers()
     timers("evaluate", log_level=0).start()
     for chunk in model:
         chunk.eval()
     totals = {}
     forward_backward_func = get_forward_backward_func()
-    with torch.no_grad():
+    with torch.no_grad(), _eval_micro_batch(args) as micro_batch_size:
+        eval_batch_size = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
+        num_microbatches = eval_batch_size // (micro_batch_size * args.data_parallel_size)
         for _ in range(args.eval_iters):
             loss_dicts = forward_backward_func(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-                num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, decoder_seq_length=None, forward_only=True)
+                num_microbatches=num_microbatches, seq_length=args.seq_length,
+                micro_batch_size=micro_batch_size, decoder_seq_length=None, forward_only=True)
             if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
                 _accumulate_eval(totals, loss_dicts)
-            args.consumed_valid_samples += args.micro_batch_size * args.data_parallel_size * get_num_microbatches()
+            args.consumed_valid_samples += micro_batch_size * args.data_parallel_size * num_microbatches
     for chunk in model:
         chunk.train()
     timers("evaluate").stop()

@@ -66,9 +66,11 @@ def set_global_variables(args, build_tokenizer=True):
     global _GLOBAL_TIMERS
     set_args(args)
     mbc.unset_num_microbatches_calculator()
+    # Megatron's training passes the sequence length, so a step schedule's thresholds count tokens.
     mbc.init_num_microbatches_calculator(
         args.rank, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size,
-        args.data_parallel_size, args.decrease_batch_size_if_needed)
+        args.data_parallel_size, args.decrease_batch_size_if_needed,
+        step_batch_size_schedule=args.step_batch_size_schedule, seq_length=args.seq_length)
     if build_tokenizer:
         _build_tokenizer(args)
     _GLOBAL_TIMERS = Timers(args.timing_log_level, args.timing_log_option)

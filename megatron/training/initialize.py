@@ -131,8 +131,13 @@ def _fail_start(exc, args):
 
 
 def update_train_iters(args):
-    """For sample-based runs: the iteration count that consumes --train-samples (walks the rampup)."""
+    """For sample-based runs: the iteration count that consumes --train-samples (walks the rampup or the step
+    schedule)."""
     if args.train_samples is None:
+        return
+    if args.step_batch_size_schedule is not None:
+        args.train_iters = sum(steps for steps, _, _ in mbc._calculator().segments(args.train_samples))
+        print_rank_0(f"setting training iterations to {args.train_iters}")
         return
     if args.rampup_batch_size is None:
         args.train_iters = args.train_samples // args.global_batch_size

@@ -10,9 +10,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_two_gpus(tmp_path, name, model_flags: str, *flags, iters: int, warmup: int = 4, config: str = "gpt-125m"):
+def run_two_gpus(tmp_path, name, model_flags: str, *flags, iters: int, warmup: int = 4, config: str = "gpt-125m",
+                 nproc: int = 2):
     results = tmp_path / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
            os.path.join(ROOT, "tools", "benchmark.py"), "--config", config, "--iters", str(iters),
            "--warmup", str(warmup), "--results", str(results), "--", *model_flags.split(), *flags]
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")

@@ -83,3 +83,51 @@ def test_two_distributed_optimizer_instances_match_single_process(runs):
     (losses, inter_sizes), _ = run_distributed(_dp2_two_optimizer_instances_run, 2)
     assert inter_sizes == {2}
     _close(losses, accum)
+
+
+def _step_schedule_runs():
+    from megatron.core import num_microbatches_calculator as mbc
+    out = {}
+    # seq 32: thresholds in tokens, 256 tokens = 8 samples; micro-batch 2.
+    for name, extra in (("samples", "--train-samples 24 --step-batch-size-schedule 0:4,256:8"),
+                        ("constant", "--train-iters 4 --global-batch-size 4")):
+        sizes, losses = [], []
+
+        def record(model, opt, result):
+            sizes.append(mbc.get_current_global_batch_size())
+            losses.append(float(result[0]["lm loss"]))
+        argv = MODEL.replace("--train-iters 6", "").replace("--global-batch-size 8", "")
+        run_pretrain((argv + " --micro-batch-size 2 " + extra).split(), record)
+        out[name] = sizes, losses
+    return out
+
+
+def test_step_batch_size_schedule_sets_each_steps_global_batch(runs):
+    """--step-batch-size-schedule '0:4,256:8' (thresholds in tokens: 8 samples at seq 32) trains two steps of 4
+    samples, then steps of 8: a run of --train-samples 24 takes 4 steps (4 + 4 + 8 + 8). Its first two steps read
+    the same samples as a constant batch of 4 over as many steps (the same learning rates) and give the same
+    losses."""
+    (result,) = run_distributed(_step_schedule_runs, 1)
+    sizes, losses = result["samples"]
+    assert sizes == [4, 4, 8, 8]
+    assert losses[:2] == pytest.approx(result["constant"][1][:2], rel=1e-6)
+    assert result["constant"][0] == [4, 4, 4, 4]
+
+
+def _eval_batch_runs():
+    import re
+    out = {}
+    for extra in ("", "--eval-micro-batch-size 4"):
+        log = run_pretrain((MODEL.replace("--train-iters 6", "--train-iters 2") + " --micro-batch-size 2 "
+                            "--eval-interval 2 " + extra).split(), capture_stdout=True)
+        out[extra] = [float(v) for v in re.findall(r"validation loss at [^|]*\| lm loss value: ([0-9.E+-]+)", log)]
+    return out
+
+
+def test_eval_micro_batch_size_reads_the_same_samples(runs):
+    """--eval-micro-batch-size 4 evaluates the same --eval-global-batch-size (8, the training one's by default) in 2
+    micro-batches per step instead of 4: the same samples, the same validation and test losses."""
+    (result,) = run_distributed(_eval_batch_runs, 1)
+    default, bigger = result[""], result["--eval-micro-batch-size 4"]
+    assert len(default) == 3  # at iteration 2, after training, on the test set
+    assert bigger == pytest.approx(default, rel=1e-5)

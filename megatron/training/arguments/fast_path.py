@@ -113,8 +113,12 @@ def validate_cuda_graph_args(args, require):
             f"{flag}: --overlap-param-gather waits inside the captured forward on an all-gather launched "
             "outside the graph; drop it (the distributed optimizer then gathers params in its step)")
     require(not args.use_torch_fsdp2, f"{flag} does not support --use-torch-fsdp2")
-    require(args.rampup_batch_size is None,
-            f"{flag} needs a fixed number of micro-batches per step; drop --rampup-batch-size")
+    require(args.num_distributed_optimizer_instances == 1,
+            f"{flag}: the gradient reduction over several distributed-optimizer instances runs on a side stream "
+            "that is not captured yet; drop --num-distributed-optimizer-instances")
+    require(args.rampup_batch_size is None and args.step_batch_size_schedule is None,
+            f"{flag} needs a fixed number of micro-batches per step; drop --rampup-batch-size / "
+            "--step-batch-size-schedule")
     require(not args.calculate_per_token_loss,
             f"{flag}: --calculate-per-token-loss reads the token count on the host inside the step")
     require(args.recompute_granularity is None,

@@ -9,8 +9,17 @@ def add_training_args(parser):
                    help="Samples per optimizer step; default micro-batch-size x data-parallel size.")
     g.add_argument("--rampup-batch-size", nargs="*", default=None,
                    help="<start batch size> <increment> <ramp-up samples>: linear global-batch rampup.")
+    g.add_argument("--step-batch-size-schedule", type=str, default=None,
+                   help="Global batch size by training progress, \"THRESHOLD:BS THRESHOLD:BS ...\" (first threshold "
+                        "0): the batch size BS from THRESHOLD tokens trained on (samples x --seq-length); K, M, B, T "
+                        "scale a number by 1e3, 1e6, 1e9, 1e12, e.g. \"0:768 250B:1536 500B:3072\". Replaces "
+                        "--global-batch-size and --rampup-batch-size.")
     g.add_argument("--decrease-batch-size-if-needed", action="store_true",
                    help="Round the global batch down to a multiple of micro-batch x DP.")
+    g.add_argument("--eval-micro-batch-size", type=int, default=None,
+                   help="Samples per micro-batch per rank in evaluation (default --micro-batch-size).")
+    g.add_argument("--eval-global-batch-size", type=int, default=None,
+                   help="Samples per evaluation step (default --global-batch-size); --eval-iters counts these.")
     g.add_argument("--train-iters", type=int, default=None, help="Iterations to train.")
     g.add_argument("--train-samples", type=int, default=None, help="Samples to train (sample-based run).")
     g.add_argument("--exit-interval", type=int, default=None, help="Exit when iteration %% N == 0.")

@@ -10,11 +10,8 @@ UNSUPPORTED_FLAGS = {
     "--fp4-format": (dict(type=str), "FP4 is not supported"),
     "--spec": (dict(nargs="*"), "custom layer specs are not supported; the local spec is used"),
     "--heterogeneous-layers-config-path": (dict(type=str), "heterogeneous layers are not supported"),
-    "--step-batch-size-schedule": (dict(type=str), "use --rampup-batch-size"),
     "--full-validation": (dict(action="store_true"), "use --eval-iters"),
     "--multiple-validation-sets": (dict(action="store_true"), "use a single validation blend"),
-    "--eval-global-batch-size": (dict(type=int), "evaluation uses --global-batch-size"),
-    "--eval-micro-batch-size": (dict(type=int), "evaluation uses --micro-batch-size"),
     "--pytorch-profiler-collect-chakra": (dict(action="store_true"),
                                           "Chakra execution traces are not written; --use-pytorch-profiler "
                                           "writes a Chrome trace per rank"),

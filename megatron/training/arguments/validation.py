@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from megatron.core.nccl_group_options import nccl_group_configs
+from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.transformer.transformer_block import layers_per_pipeline_rank
 
@@ -123,6 +124,31 @@ def _validate_parallel(args):
                            nccl=args.distributed_backend == "nccl")
     except ValueError as e:
         raise ArgumentError(str(e)) from None
+
+
+def _validate_step_schedule(args):
+    """--step-batch-size-schedule: parsed as the calculator will (thresholds in tokens), one line if it cannot be.
+    Its last batch size becomes --global-batch-size, which Megatron ignores beside a schedule. An earlier size need
+    not divide by micro-batch x DP (a resumed run may have more GPUs than when it passed that stretch); the batch
+    size in force is checked at every step."""
+    _require(args.rampup_batch_size is None, "--step-batch-size-schedule and --rampup-batch-size both set the batch "
+                                             "size over training; pass one")
+    _require(not args.decrease_batch_size_if_needed,
+             "--step-batch-size-schedule sets exact batch sizes: drop --decrease-batch-size-if-needed")
+    try:
+        schedule = StepBatchsizeNumMicroBatchesCalculator._parse_schedule(
+            args.step_batch_size_schedule, args.seq_length or getattr(args, "encoder_seq_length", None))
+    except ValueError as e:
+        raise ArgumentError(f"{e} (--step-batch-size-schedule {args.step_batch_size_schedule!r})") from None
+    final = schedule[-1][1]
+    if args.global_batch_size not in (None, final):
+        _warn(args, f"--global-batch-size ({args.global_batch_size}) is replaced by the last batch size of "
+                    f"--step-batch-size-schedule ({final})")
+    args.global_batch_size = final
+    per_step = args.micro_batch_size * args.data_parallel_size
+    _require(final % per_step == 0,
+             f"--step-batch-size-schedule: its last batch size ({final}) must be divisible by --micro-batch-size "
+             f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size})")
 
 
 def _validate_optimizer_instances(args):
@@ -246,6 +272,28 @@ def _validate_microbatch_group(args):
 def _validate_batch(args):
     _require(args.micro_batch_size is not None and args.micro_batch_size > 0,
              "--micro-batch-size is required and must be > 0")
+    if args.step_batch_size_schedule is not None:
+        _validate_step_schedule(args)
+    else:
+        _validate_constant_batch(args)
+    _validate_eval_batch(args)
+
+
+def _validate_eval_batch(args):
+    """Evaluation's own batch (Megatron's): defaults to the training one's; whole micro-batches per DP rank."""
+    if args.eval_micro_batch_size is None:
+        args.eval_micro_batch_size = args.micro_batch_size
+    if args.eval_global_batch_size is None:
+        args.eval_global_batch_size = args.global_batch_size
+    per_step = args.eval_micro_batch_size * args.data_parallel_size
+    _require(args.eval_micro_batch_size > 0 and args.eval_global_batch_size > 0,
+             "--eval-micro-batch-size and --eval-global-batch-size must be > 0")
+    _require(args.eval_global_batch_size % per_step == 0,
+             f"--eval-global-batch-size ({args.eval_global_batch_size}) must be divisible by --eval-micro-batch-size "
+             f"({args.eval_micro_batch_size}) x data-parallel size ({args.data_parallel_size})")
+
+
+def _validate_constant_batch(args):
     mbs, dp = args.micro_batch_size, args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = mbs * dp

@@ -16,23 +16,25 @@ def _data_parallel_rank_and_size():
     return 0, 1
 
 
-def build_pretraining_data_loader(dataset, consumed_samples, args=None):
+def build_pretraining_data_loader(dataset, consumed_samples, args=None, micro_batch_size=None):
     """DataLoader over `dataset` resuming after `consumed_samples` (global count over all DP ranks).
-    Megatron's API: ``args`` may be the caller's own namespace, so the loader flags have their defaults."""
+    Megatron's API: ``args`` may be the caller's own namespace, so the loader flags have their defaults.
+    ``micro_batch_size``: another than --micro-batch-size (the evaluation loaders' --eval-micro-batch-size)."""
     if dataset is None:
         return None
     if args is None:
         args = get_args()
+    micro_batch_size = micro_batch_size or args.micro_batch_size
     dp_rank, dp_size = _data_parallel_rank_and_size()
     dataloader_type = getattr(args, "dataloader_type", None) or "single"
     if dataloader_type == "single":
         batch_sampler = MegatronPretrainingSampler(
-            total_samples=len(dataset), consumed_samples=consumed_samples, micro_batch_size=args.micro_batch_size,
+            total_samples=len(dataset), consumed_samples=consumed_samples, micro_batch_size=micro_batch_size,
             data_parallel_rank=dp_rank, data_parallel_size=dp_size)
     elif dataloader_type == "cyclic":
         batch_sampler = MegatronPretrainingRandomSampler(
             dataset, total_samples=len(dataset), consumed_samples=consumed_samples,
-            micro_batch_size=args.micro_batch_size, data_parallel_rank=dp_rank, data_parallel_size=dp_size,
+            micro_batch_size=micro_batch_size, data_parallel_rank=dp_rank, data_parallel_size=dp_size,
             data_sharding=getattr(args, "data_sharding", True))
     elif dataloader_type == "external":
         return dataset  # the user's own iterable/loader

@@ -43,3 +43,23 @@ def test_global_api():
             mbc.init_num_microbatches_calculator(0, None, 8, 2, 1)
     finally:
         mbc.unset_num_microbatches_calculator()
+
+
+@pytest.mark.parametrize("schedule", ["0:4 10:8 30:2", "0:6", "0:2 1:4 2:8 100:16", "0:8 3K:16"])
+def test_step_schedule_walks_equal_the_step_by_step_run(schedule):
+    """`samples_after(n)` is what n steps consume and `segments(total)` the steps of a run of `total` samples: both
+    equal to stepping the calculator one global batch at a time, as the training loop does."""
+    from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator
+    calc = StepBatchsizeNumMicroBatchesCalculator(1, 1, False, 1, schedule)
+    consumed, walk = 0, [0]
+    for _ in range(60):
+        calc.update(consumed, consistency_check=False)
+        consumed += calc.get_current_global_batch_size()
+        walk.append(consumed)
+    assert [calc.samples_after(n) for n in range(61)] == walk
+    for total in (0, 1, 7, 10, 11, 35, 100, 101):
+        steps = sum(n for n, _, _ in calc.segments(total))
+        # The run's steps are the most whose samples fit in `total` (whole global batches only).
+        assert walk[steps] <= total < walk[steps + 1], (total, steps)
+        assert [start for _, _, start in calc.segments(total)] == [calc.samples_after(
+            sum(n for n, _, _ in calc.segments(total)[:i])) for i in range(len(calc.segments(total)))]
