@@ -37,7 +37,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
     spec_fn = get_gpt_layer_with_transformer_engine_spec if use_te else get_gpt_layer_local_spec
     layer_spec = spec_fn(qk_layernorm=args.qk_layernorm, multi_latent_attention=args.multi_latent_attention,
                          qk_l2_norm=args.qk_l2_norm)
-    if args.num_experts is not None:  # MoE: one spec per layer (dense where --moe-layer-freq says so)
+    # One spec per layer: MoE where --moe-layer-freq says so, Gated DeltaNet where --linear-attention-freq does.
+    if args.num_experts is not None or args.experimental_attention_variant is not None:
         layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
                                                 qk_l2_norm=args.qk_l2_norm)
     model = GPTModel(

@@ -16,7 +16,6 @@ class TransformerConfigCompat:
     flash_attention_version: Optional[Literal[2, 3, 4]] = None
     softmax_scale: Optional[float] = None
     no_rope_freq: Optional[Union[int, List[int]]] = None
-    experimental_attention_variant: Any = None
     experimental_attention_variant_loss_scale_func: Any = None
     dsa_indexer_n_heads: Optional[int] = None
     dsa_indexer_head_dim: Optional[int] = None
@@ -31,7 +30,6 @@ class TransformerConfigCompat:
     dsa_indexer_scoring_relu: bool = True
     dsa_indexer_k_norm_epsilon: Optional[float] = None
     dsa_indexer_k_norm_fp32: bool = False
-    linear_attention_freq: Optional[Union[int, List[int]]] = None
     embedding_init_method: Optional[Callable] = None
     embedding_init_method_std: Optional[float] = None
     init_model_with_meta_device: bool = False

@@ -17,6 +17,20 @@ from megatron.core.transformer.window_attention import check_window_attn_skip_fr
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 
+def linear_attention_pattern(linear_attention_freq, num_layers: int) -> List[int]:
+    """[1 if layer i is a linear-attention layer else 0 for i in range(num_layers)] from Megatron's
+    --linear-attention-freq: an int N (layer i keeps softmax attention where (i + 1) % N == 0) or a 0/1 list."""
+    if isinstance(linear_attention_freq, int):
+        if linear_attention_freq < 1:
+            raise ValueError(f"--linear-attention-freq ({linear_attention_freq}) must be >= 1")
+        return [0 if (i + 1) % linear_attention_freq == 0 else 1 for i in range(num_layers)]
+    pattern = list(linear_attention_freq)
+    if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
+        raise ValueError(f"--linear-attention-freq pattern {pattern} must list one 1 (linear attention) or 0 "
+                         f"(softmax attention) per layer ({num_layers} layers)")
+    return pattern
+
+
 @dataclass
 class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     """Architecture of a transformer stack (plus the parallel settings it inherits)."""
@@ -168,6 +182,11 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     linear_value_head_dim: Optional[int] = 128
     linear_num_key_heads: Optional[int] = 16
     linear_num_value_heads: Optional[int] = 32
+    # Linear attention inside a GPT model (Qwen3-Next): "gated_delta_net" makes the layers that
+    # linear_attention_freq marks Gated DeltaNet layers (an int N: every N-th layer, from layer N - 1, keeps
+    # softmax attention and the others are linear; a 0/1 list: 1 = linear), their MLP or MoE unchanged.
+    experimental_attention_variant: Optional[str] = None
+    linear_attention_freq: Optional[Union[int, List[int]]] = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -186,6 +205,26 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
         MTP layers. Any value there gives the same (dense, no-MTP) model."""
         return ((name.startswith("moe_") and self.num_moe_experts is None)
                 or (name.startswith("mtp_") and getattr(self, "mtp_num_layers", None) is None))
+
+    def _check_attention_variant(self):
+        variant = self.experimental_attention_variant
+        if variant == "gdn":  # Megatron's newer name of the same layer
+            self.experimental_attention_variant = variant = "gated_delta_net"
+        if variant is None:
+            if self.linear_attention_freq is not None:
+                raise ValueError("--linear-attention-freq places linear attention layers: add "
+                                 "--experimental-attention-variant gated_delta_net")
+            return
+        if variant != "gated_delta_net":
+            raise NotImplementedError(f"--experimental-attention-variant {variant} is not supported yet: "
+                                      "gated_delta_net is built")
+        if self.linear_attention_freq is None:
+            raise ValueError("--experimental-attention-variant gated_delta_net needs --linear-attention-freq (an int "
+                             "N: N - 1 linear layers per softmax-attention layer, or a 0/1 list, 1 = linear)")
+        linear_attention_pattern(self.linear_attention_freq, self.num_layers)  # one line if malformed
+        if self.multi_latent_attention:
+            raise NotImplementedError("--experimental-attention-variant gated_delta_net with "
+                                      "--multi-latent-attention is not built: drop one")
 
     def _check_shapes(self):
         for name in ("num_layers", "num_attention_heads"):
@@ -223,6 +262,7 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     def _check_features(self):
         if self.num_moe_experts is not None:
             check_moe_config(self)
+        self._check_attention_variant()
         self._check_fp8()
         self._check_context_parallel()
         self._check_mtp()

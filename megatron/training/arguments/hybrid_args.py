@@ -8,6 +8,9 @@ from megatron.core.models.hybrid.hybrid_layer_allocation import (
 )
 from megatron.core.ssm.gated_delta_net import check_gdn_shapes
 from megatron.core.ssm.mamba_mixer import check_mamba_shapes
+from megatron.core.transformer.transformer_config import linear_attention_pattern
+
+from .moe_args import moe_freq_type
 
 
 def add_hybrid_args(parser):
@@ -32,6 +35,12 @@ def add_hybrid_args(parser):
     g.add_argument("--linear-value-head-dim", type=int, default=128, help="Gated DeltaNet value head dim.")
     g.add_argument("--linear-num-key-heads", type=int, default=16, help="Gated DeltaNet query/key heads.")
     g.add_argument("--linear-num-value-heads", type=int, default=32, help="Gated DeltaNet value heads.")
+    g.add_argument("--experimental-attention-variant", type=str, default=None, choices=["gated_delta_net", "dsa"],
+                   help="gated_delta_net: in a GPT model, the layers --linear-attention-freq marks run Gated DeltaNet "
+                        "linear attention instead of softmax attention (Qwen3-Next); dsa is not built.")
+    g.add_argument("--linear-attention-freq", type=moe_freq_type, default=None,
+                   help="With --experimental-attention-variant: an int N (every N-th layer keeps softmax attention, "
+                        "the N - 1 before it are linear) or a 0/1 list per layer, 1 = linear, e.g. ([1]*3+[0])*2.")
     return parser
 
 
@@ -49,6 +58,7 @@ def validate_hybrid_args(args, require):
         require(bool(args.mtp_num_layers), "--mtp-hybrid-override-pattern needs --mtp-num-layers (the depths)")
         args.hybrid_layer_pattern += (Symbols.MTP_SEPARATOR + args.mtp_hybrid_override_pattern) * args.mtp_num_layers
         args.mtp_hybrid_override_pattern = None
+    _validate_linear_attention(args, require)
     pattern = args.hybrid_layer_pattern
     if pattern is None:
         require(not args.is_hybrid_model, "a hybrid model needs --hybrid-layer-pattern (e.g. 'M-M*-')")
@@ -107,6 +117,32 @@ def validate_hybrid_args(args, require):
             "--hybrid-layer-pattern has MoE layers (E): set --num-experts")
     require(args.num_experts is None or Symbols.MOE in main,
             "--num-experts is set but --hybrid-layer-pattern has no MoE layer (E)")
+
+
+def _validate_linear_attention(args, require):
+    """--experimental-attention-variant gated_delta_net in a GPT model: its pattern and the Gated DeltaNet shapes
+    (a hybrid model places its G layers with --hybrid-layer-pattern instead)."""
+    variant = args.experimental_attention_variant
+    if variant is None:
+        require(args.linear_attention_freq is None, "--linear-attention-freq places linear attention layers: add "
+                                                    "--experimental-attention-variant gated_delta_net")
+        return
+    require(variant == "gated_delta_net", f"--experimental-attention-variant {variant} is not supported yet: "
+                                          "gated_delta_net is built")
+    require(not args.is_hybrid_model, "--experimental-attention-variant is for GPT models; a hybrid model places its "
+                                      "Gated DeltaNet layers with 'G' in --hybrid-layer-pattern")
+    require(args.linear_attention_freq is not None,
+            "--experimental-attention-variant gated_delta_net needs --linear-attention-freq (an int N: N - 1 linear "
+            "layers per softmax-attention layer, or a 0/1 list per layer, 1 = linear)")
+    require(not args.multi_latent_attention, "--experimental-attention-variant gated_delta_net with "
+                                             "--multi-latent-attention is not built: drop one")
+    try:
+        if args.num_layers is not None:
+            linear_attention_pattern(args.linear_attention_freq, args.num_layers)
+        check_gdn_shapes(args.linear_num_key_heads, args.linear_num_value_heads, args.tensor_model_parallel_size,
+                         args.context_parallel_size)
+    except ValueError as e:
+        require(False, str(e))
 
 
 def hybrid_pipeline_placed_by_pattern(args) -> bool:

@@ -90,9 +90,10 @@ class GPTModelConfig(ModelConfig):
 
 
 def default_layer_spec(config: GPTModelConfig, vp_stage: Optional[int] = None):
-    """The local spec pretrain_gpt.py uses: per-layer MoE specs with experts, else one dense layer spec."""
+    """The local spec pretrain_gpt.py uses: per-layer specs with experts or linear-attention layers, else one dense
+    layer spec."""
     t = config.transformer
-    if t.num_moe_experts is not None:
+    if t.num_moe_experts is not None or t.experimental_attention_variant is not None:
         return get_gpt_decoder_block_spec(t, normalization=t.normalization, qk_l2_norm=t.qk_l2_norm, vp_stage=vp_stage)
     return get_gpt_layer_local_spec(qk_layernorm=t.qk_layernorm, normalization=t.normalization,
                                     multi_latent_attention=t.multi_latent_attention, qk_l2_norm=t.qk_l2_norm)

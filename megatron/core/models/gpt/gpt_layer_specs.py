@@ -7,6 +7,7 @@ from typing import List, Optional
 
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -29,6 +30,7 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
     get_transformer_layer_offset,
 )
+from megatron.core.transformer.transformer_config import linear_attention_pattern
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
@@ -204,12 +206,31 @@ def get_gpt_decoder_layer_specs(config, use_transformer_engine: bool = False, no
                                      qk_l2_norm=qk_l2_norm, multi_latent_attention=mla)
     dense.submodules = names(dense.submodules)
     if config.num_moe_experts is None:
-        return [dense] * config.num_layers
+        return _with_linear_attention([dense] * config.num_layers, config)
     moe = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
                                    qk_layernorm=config.qk_layernorm, normalization=normalization,
                                    qk_l2_norm=qk_l2_norm, multi_latent_attention=mla)
     moe.submodules = names(moe.submodules)
-    return [moe if p else dense for p in moe_layer_pattern(config.moe_layer_freq, config.num_layers)]
+    specs = [moe if p else dense for p in moe_layer_pattern(config.moe_layer_freq, config.num_layers)]
+    return _with_linear_attention(specs, config)
+
+
+def _with_linear_attention(specs: List[ModuleSpec], config) -> List[ModuleSpec]:
+    """``config.experimental_attention_variant`` "gated_delta_net": the layers --linear-attention-freq marks get a
+    Gated DeltaNet in their self-attention place (the hybrid stack's G layer, behind the same input norm), their
+    MLP or MoE unchanged (Qwen3-Next's layout)."""
+    if getattr(config, "experimental_attention_variant", None) is None:
+        return specs
+    pattern = linear_attention_pattern(config.linear_attention_freq, config.num_layers)
+    out = []
+    for spec, linear in zip(specs, pattern):
+        if linear:
+            gdn = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+                in_proj=ColumnParallelLinear, out_norm=spec.submodules.input_layernorm, out_proj=RowParallelLinear))
+            spec = ModuleSpec(module=spec.module, params=dict(spec.params),
+                              submodules=dataclasses.replace(spec.submodules, self_attention=gdn))
+        out.append(spec)
+    return out
 
 
 def get_gpt_decoder_block_spec(config, use_transformer_engine: bool = False, normalization: Optional[str] = None,
