@@ -35,7 +35,10 @@ def num_floating_point_operations(args, batch_size):
         attention = L * mla_flops_per_token(args)
     else:
         gate = d_q if getattr(args, "attention_output_gate", False) else 0  # linear_qkv also projects the gate
-        attention = 6 * L * (h * (d_q + gate + 2 * d_kv) + d_q * h) + 6 * s * d_q * L
+        linear = _linear_attention_layers(args)
+        attention = (L - linear) * (6 * (h * (d_q + gate + 2 * d_kv) + d_q * h) + 6 * s * d_q)
+        if linear:
+            attention += linear * 3 * gated_delta_net_forward_flops(args)
     mlp_width = active_mlp_ffn_sum(args, ffn) + mtp * _last_layer_ffn(args, ffn)
     per_token = (6 * h * expansion * mlp_width
                  + attention
@@ -74,15 +77,29 @@ def hybrid_floating_point_operations(args, batch_size):
     m_heads = args.mamba_num_heads or (2 * h) // args.mamba_head_dim
     d_in = 2 * h  # Megatron's formula takes the Mamba inner width as 2 h
     mamba = 2 * h * (2 * d_in + 2 * groups_m * n_state + m_heads) + 7 * d_in * n_state + 2 * d_in * h
-    nv = args.linear_num_value_heads
-    qk, v = args.linear_key_head_dim * args.linear_num_key_heads, args.linear_value_head_dim * nv
-    gdn = 2 * (h * (2 * qk + 2 * v + 2 * nv) + args.linear_conv_kernel_dim * (2 * qk + v)
-               + 4 * nv * args.linear_value_head_dim ** 2 + h * v)
+    gdn = gated_delta_net_forward_flops(args)
     vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size
     mtp = getattr(args, "mtp_num_layers", None) or 0
     forward = (counts["*"] * attention + counts["-"] * mlp + counts["E"] * moe + counts["M"] * mamba
                + counts["G"] * gdn + 2 * h * vocab * (1 + mtp))  # one output head pass per prediction depth
     return 3 * tokens * forward
+
+
+def gated_delta_net_forward_flops(args):
+    """Forward FLOPs per token of one Gated DeltaNet layer (Megatron's term): in_proj, the short conv, the delta
+    rule's four head-dim products per value head, out_proj."""
+    h, nv = args.hidden_size, args.linear_num_value_heads
+    qk, v = args.linear_key_head_dim * args.linear_num_key_heads, args.linear_value_head_dim * nv
+    return 2 * (h * (2 * qk + 2 * v + 2 * nv) + args.linear_conv_kernel_dim * (2 * qk + v)
+                + 4 * nv * args.linear_value_head_dim ** 2 + h * v)
+
+
+def _linear_attention_layers(args) -> int:
+    """Layers of a GPT model that --experimental-attention-variant gated_delta_net makes linear (0 without it)."""
+    if getattr(args, "experimental_attention_variant", None) is None:
+        return 0
+    from megatron.core.transformer.transformer_config import linear_attention_pattern  # lazy: the variant only
+    return sum(linear_attention_pattern(args.linear_attention_freq, args.num_layers))
 
 
 def _last_layer_ffn(args, ffn):

@@ -137,3 +137,21 @@ def test_hybrid_formula_counts_mtp_depths():
     logits = 3 * 2 * 128 * 256 * 1024
     assert with_mtp == pytest.approx(plain + logits, rel=1e-12)  # the depth's layers plus one more head pass
     assert with_mtp > main
+
+
+def test_gpt_with_gated_delta_net_layers_counts_like_the_hybrid_stack():
+    """--experimental-attention-variant gated_delta_net: the linear layers count Megatron's Gated DeltaNet term
+    instead of softmax attention; a GPT model [GDN + MLP, attention + MLP] x 2 counts what the hybrid stack
+    'G-*-G-*-' (the same layers, each split in two) does."""
+    common = dict(hidden_size=256, seq_length=128, num_attention_heads=4, num_query_groups=2,
+                  group_query_attention=True, kv_channels=64, ffn_hidden_size=512, swiglu=True,
+                  linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_conv_kernel_dim=4, padded_vocab_size=1024, vocab_size=None, mamba_state_dim=16,
+                  mamba_head_dim=32, mamba_num_groups=2, mamba_num_heads=16)
+    gpt = SimpleNamespace(num_layers=4, experimental_attention_variant="gated_delta_net", linear_attention_freq=2,
+                          **common)
+    hybrid = SimpleNamespace(is_hybrid_model=True, hybrid_layer_pattern="G-*-G-*-", num_layers=8,
+                             mtp_num_layers=None, **common)
+    assert num_floating_point_operations(gpt, 3) == pytest.approx(num_floating_point_operations(hybrid, 3), rel=1e-12)
+    plain = SimpleNamespace(num_layers=4, **common)
+    assert num_floating_point_operations(gpt, 3) < num_floating_point_operations(plain, 3)
