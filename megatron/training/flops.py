@@ -41,6 +41,7 @@ def num_floating_point_operations(args, batch_size):
             attention += linear * 3 * gated_delta_net_forward_flops(args)
     mlp_width = active_mlp_ffn_sum(args, ffn) + mtp * _last_layer_ffn(args, ffn)
     per_token = (6 * h * expansion * mlp_width
+                 + latent_moe_flops_per_token(args)
                  + attention
                  + 6 * mtp * (3 * h + 2 * h * h)  # MTP norms and eh_proj
                  + 6 * h * vocab * (1 + mtp))  # one output head pass per prediction depth
@@ -71,8 +72,9 @@ def hybrid_floating_point_operations(args, batch_size):
     ffn = args.ffn_hidden_size if args.ffn_hidden_size is not None else 4 * h
     mlp = 4 * h * ffn * glu
     moe_ffn = getattr(args, "moe_ffn_hidden_size", None) or ffn
-    moe = 4 * h * glu * (moe_ffn * getattr(args, "moe_router_topk", 1)
+    moe = 4 * h * glu * (moe_ffn * getattr(args, "moe_router_topk", 1) * _latent_fraction(args)
                          + (getattr(args, "moe_shared_expert_intermediate_size", None) or 0))
+    moe += 4 * h * (getattr(args, "moe_latent_size", None) or 0)  # --moe-latent-size's down and up projections
     n_state, groups_m = args.mamba_state_dim, args.mamba_num_groups
     m_heads = args.mamba_num_heads or (2 * h) // args.mamba_head_dim
     d_in = 2 * h  # Megatron's formula takes the Mamba inner width as 2 h
@@ -147,7 +149,21 @@ def active_mlp_ffn_sum(args, ffn):
         return ffn * dense
     moe_ffn = args.moe_ffn_hidden_size if args.moe_ffn_hidden_size is not None else ffn
     shared = args.moe_shared_expert_intermediate_size or 0
-    return ffn * dense + (moe_ffn * args.moe_router_topk + shared) * moe
+    # --moe-latent-size: the routed experts' GEMMs are latent wide instead of h (the projections: `latent_moe_flops`).
+    routed = moe_ffn * args.moe_router_topk * _latent_fraction(args)
+    return ffn * dense + (routed + shared) * moe
+
+
+def _latent_fraction(args) -> float:
+    latent = getattr(args, "moe_latent_size", None)
+    return latent / args.hidden_size if latent else 1.0
+
+
+def latent_moe_flops_per_token(args) -> float:
+    """Training FLOPs per token of --moe-latent-size's down and up projections over the MoE layers (Megatron's
+    term: 2 x h x latent per layer, forward and both backward GEMMs)."""
+    latent = getattr(args, "moe_latent_size", None)
+    return 6 * 2 * args.hidden_size * latent * moe_layer_counts(args)[1] if latent else 0
 
 
 def throughput_tflops_per_gpu(args, batch_size, seconds_per_iteration, world_size):

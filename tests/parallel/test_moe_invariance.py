@@ -6,7 +6,7 @@ EP=1 and EP=4 and continue on the same curve (iteration 4 matches only if the Ad
 (fp32, dropout 0, no token dropping, relative 1e-5: the layouts only reorder fp32 sums).
 One 4-rank world runs all layouts in turn against single-process runs of the same router variant (CP
 layouts also without the aux loss, and with sigmoid scores + expert bias + the per-sequence aux loss, whose
-counts span the CP ranks). The clip (0.05) is active, so
+counts span the CP ranks; and latent MoE at EP=2 x TP=2 + SP). The clip (0.05) is active, so
 the grad norm, which must count each expert parameter once, steers the curve too."""
 import re
 
@@ -29,6 +29,7 @@ VARIANTS = {  # router variant -> flags added to its reference and its layouts (
     "no_aux": "--moe-aux-loss-coeff 0",
     "sigmoid_bias": "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
                     "--moe-router-bias-update-rate 1e-2 --moe-router-load-balancing-type seq_aux_loss",
+    "latent": "--moe-latent-size 16",
 }
 LAYOUTS = {  # name -> layout flags, all on 4 ranks (EP=2 on 4 ranks: expert-DP 2)
     "ep4": f"{A2A} --expert-model-parallel-size 4",
@@ -45,6 +46,10 @@ LAYOUTS = {  # name -> layout flags, all on 4 ranks (EP=2 on 4 ranks: expert-DP 
     "no_aux_ep2_cp2": f"{A2A} --expert-model-parallel-size 2 --context-parallel-size 2 {VARIANTS['no_aux']}",
     "sigmoid_bias_ep2_cp2": f"{A2A} --expert-model-parallel-size 2 --context-parallel-size 2 "
                             f"{VARIANTS['sigmoid_bias']}",
+    # Latent MoE: the projections' replicated weights see each TP rank's slice of the tokens (their grads summed
+    # over TP), the all-to-all carries latent-wide rows.
+    "latent_ep2_tp2_sp": f"{A2A} --expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel "
+                         f"{VARIANTS['latent']}",
     # EP=2 x DP (plain DDP) with two micro-batches per rank, the second forward beside the first backward,
     # and the experts' weight gradients behind the backward all-to-all. Without the aux loss, which is not
     # linear in the micro-batch (the others run one micro-batch of 2 per rank).

@@ -77,7 +77,6 @@ class TransformerConfigCompat:
     moe_hybridep_pad_uneven_dispatch_inputs: bool = False
     moe_pad_experts_for_cuda_graph_inference: bool = False
     moe_layer_recompute: bool = False
-    moe_latent_size: Optional[int] = None
     moe_flex_dispatcher_num_sms: Optional[int] = None
     moe_deepep_num_sms: Optional[int] = None
     moe_hybridep_num_sms: Optional[int] = None

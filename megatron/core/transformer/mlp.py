@@ -37,7 +37,7 @@ class MLP(MegatronModule):
 
     def __init__(self, config, submodules: MLPSubmodules, is_expert: bool = False,
                  input_size: Optional[int] = None, ffn_hidden_size: Optional[int] = None, tp_group=None,
-                 name: Optional[str] = None, **kwargs):
+                 name: Optional[str] = None, output_size: Optional[int] = None, **kwargs):
         super().__init__(config)
         self.name = name  # a label only (Megatron hands it to Transformer Engine)
         if getattr(submodules, "activation_func", None) is not None:
@@ -57,7 +57,7 @@ class MLP(MegatronModule):
             skip_bias_add=True, is_expert=is_expert, tp_comm_buffer_name="fc1", stride=2 if glu else 1,
             **group)
         self.linear_fc2 = build_module(
-            submodules.linear_fc2, ffn, config.hidden_size, config=config,
+            submodules.linear_fc2, ffn, output_size or config.hidden_size, config=config,
             init_method=config.output_layer_init_method, bias=config.add_bias_linear, input_is_parallel=True,
             skip_bias_add=True, is_expert=is_expert, tp_comm_buffer_name="fc2", **group)
 

@@ -139,6 +139,9 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     moe_permute_fusion: bool = False
     moe_router_fusion: bool = False
     moe_apply_probs_on_input: bool = False  # scale the expert input by the prob (top-1), not its activation
+    # Latent MoE (Nemotron 3's): the routed experts work in a moe_latent_size-wide space; the layer projects the
+    # tokens down before the dispatch and the combined output back up (the router and shared expert see h).
+    moe_latent_size: Optional[int] = None
     # GLU: activation(gate) * (up + glu_linear_offset); with activation_func_clamp_value, gate <= clamp and
     # |up| <= clamp first (gpt-oss's clamped GLU; activations.glu)
     glu_linear_offset: float = 0.0

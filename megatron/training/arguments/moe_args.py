@@ -32,6 +32,10 @@ def add_moe_args(parser):
     g.add_argument("--moe-layer-freq", type=moe_freq_type, default=1,
                    help="MoE every N layers (int) or a 0/1 pattern per layer, e.g. ([0]*1+[1]*3).")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="Expert FFN size (default --ffn-hidden-size).")
+    g.add_argument("--moe-latent-size", type=int, default=None,
+                   help="Latent MoE: the routed experts work in this width; the layer projects its tokens down "
+                        "before the dispatch and the combined output back up (router and shared expert see the "
+                        "hidden size).")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                    help="FFN size of the shared expert(s) every token passes through.")
     g.add_argument("--moe-shared-expert-gate", action="store_true",
@@ -126,7 +130,8 @@ def validate_moe_args(args, require):
     view = SimpleNamespace(**{k: v for k, v in vars(args).items() if k.startswith("moe_")},
                            num_moe_experts=args.num_experts, num_layers=args.num_layers, ffn_hidden_size=ffn,
                            expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-                           tensor_model_parallel_size=tp, add_bias_linear=args.add_bias_linear)
+                           tensor_model_parallel_size=tp, add_bias_linear=args.add_bias_linear,
+                           overlap_moe_expert_parallel_comm=args.overlap_moe_expert_parallel_comm)
     try:
         check_moe_config(view)
         check_ep_overlap(overlap=args.overlap_moe_expert_parallel_comm, delay_wgrad=args.delay_wgrad_compute,

@@ -1,5 +1,15 @@
 """Flags for the training loop, learning-rate schedule, checkpointing, evaluation and logging."""
+import argparse
+
 from .optimizer_args import OPTIMIZERS
+
+
+class _JoinWords(argparse.Action):
+    """One string from the flag's words: Megatron's GPT-3 175B script expands its schedule unquoted, so the entries
+    arrive as separate arguments (which Megatron's own parser refuses)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, " ".join(values))
 
 
 def add_training_args(parser):
@@ -9,11 +19,12 @@ def add_training_args(parser):
                    help="Samples per optimizer step; default micro-batch-size x data-parallel size.")
     g.add_argument("--rampup-batch-size", nargs="*", default=None,
                    help="<start batch size> <increment> <ramp-up samples>: linear global-batch rampup.")
-    g.add_argument("--step-batch-size-schedule", type=str, default=None,
+    g.add_argument("--step-batch-size-schedule", nargs="+", action=_JoinWords, default=None,
                    help="Global batch size by training progress, \"THRESHOLD:BS THRESHOLD:BS ...\" (first threshold "
                         "0): the batch size BS from THRESHOLD tokens trained on (samples x --seq-length); K, M, B, T "
                         "scale a number by 1e3, 1e6, 1e9, 1e12, e.g. \"0:768 250B:1536 500B:3072\". Replaces "
-                        "--global-batch-size and --rampup-batch-size.")
+                        "--global-batch-size and --rampup-batch-size. Its entries may also come as separate words "
+                        "(a script that expands the schedule unquoted).")
     g.add_argument("--decrease-batch-size-if-needed", action="store_true",
                    help="Round the global batch down to a multiple of micro-batch x DP.")
     g.add_argument("--eval-micro-batch-size", type=int, default=None,

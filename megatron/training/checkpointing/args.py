@@ -49,7 +49,8 @@ MODEL_ARGS = [("num_layers", False), ("hidden_size", False), ("ffn_hidden_size",
               ("mamba_head_dim", True), ("mamba_num_groups", True), ("mamba_num_heads", False),
               ("linear_num_key_heads", True), ("linear_num_value_heads", True), ("linear_key_head_dim", True),
               ("linear_value_head_dim", True), ("linear_conv_kernel_dim", True),
-              ("experimental_attention_variant", False), ("linear_attention_freq", False)]
+              ("experimental_attention_variant", False), ("linear_attention_freq", False),
+              ("moe_latent_size", False)]
 
 
 def _legacy_file(checkpoint_dir: str) -> str:

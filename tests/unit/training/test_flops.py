@@ -155,3 +155,15 @@ def test_gpt_with_gated_delta_net_layers_counts_like_the_hybrid_stack():
     assert num_floating_point_operations(gpt, 3) == pytest.approx(num_floating_point_operations(hybrid, 3), rel=1e-12)
     plain = SimpleNamespace(num_layers=4, **common)
     assert num_floating_point_operations(gpt, 3) < num_floating_point_operations(plain, 3)
+
+
+def test_latent_moe_counts_the_experts_at_the_latent_width_and_the_projections():
+    """--moe-latent-size l (Megatron's term): the routed experts' GEMMs are l wide instead of h, and each MoE layer
+    adds its down and up projections, 2 h l per token (x 6: forward and both backward GEMMs)."""
+    common = dict(num_layers=2, num_experts=4, moe_layer_freq=1, moe_ffn_hidden_size=48, moe_router_topk=2,
+                  moe_shared_expert_intermediate_size=None, mtp_num_layers=None)
+    plain = num_floating_point_operations(_args(**common), 1)
+    latent = num_floating_point_operations(_args(moe_latent_size=16, **common), 1)
+    h, s, layers, routed = 64, 64, 2, 48 * 2
+    expected = plain - 6 * s * layers * h * 2 * routed * (1 - 16 / h) + 6 * s * layers * 2 * h * 16
+    assert latent == pytest.approx(expected, rel=1e-12)

@@ -38,6 +38,12 @@ __getattr__ = lazy_names(__name__, {name: "megatron.core._compat.experts" for na
     "GroupedLinearFc1Interface", "GroupedLinearFc1Builder", "GroupedLinearFc2Interface", "GroupedLinearFc2Builder")})
 
 
+def expert_io_size(config) -> int:
+    """The routed experts' input and output width: --moe-latent-size where the layer projects its tokens into a
+    latent space before the dispatch, else the hidden size."""
+    return getattr(config, "moe_latent_size", None) or config.hidden_size
+
+
 @dataclass
 class GroupedMLPSubmodules:
     """TEGroupedMLP's spec: Transformer Engine's grouped linears in Megatron. Here the grouped GEMM of
@@ -198,10 +204,11 @@ class GroupedMLP(MegatronModule):
         ffn = config.moe_ffn_hidden_size
         glu = config.gated_linear_unit
         fc1_out = divide(2 * ffn if glu else ffn, etp)
-        self.weight1 = _make_param((num_local_experts, fc1_out, config.hidden_size), config,
+        width = expert_io_size(config)
+        self.weight1 = _make_param((num_local_experts, fc1_out, width), config,
                                    config.init_method, is_expert=True)
         set_tensor_model_parallel_attributes(self.weight1, True, 1, 2 if glu else 1)
-        self.weight2 = _make_param((num_local_experts, config.hidden_size, divide(ffn, etp)), config,
+        self.weight2 = _make_param((num_local_experts, width, divide(ffn, etp)), config,
                                    config.output_layer_init_method, is_expert=True)
         set_tensor_model_parallel_attributes(self.weight2, True, 2, 1)
         for w, name in ((self.weight1, "linear_fc1.weight"), (self.weight2, "linear_fc2.weight")):
@@ -255,7 +262,8 @@ class SequentialMLP(MegatronModule):
         self.num_local_experts = num_local_experts
         etp_group = None if pg_collection is None else get_pg(pg_collection, "expt_tp", "SequentialMLP")
         self.local_experts = torch.nn.ModuleList(
-            MLP(config, submodules, is_expert=True, ffn_hidden_size=config.moe_ffn_hidden_size, tp_group=etp_group)
+            MLP(config, submodules, is_expert=True, ffn_hidden_size=config.moe_ffn_hidden_size, tp_group=etp_group,
+                input_size=expert_io_size(config), output_size=expert_io_size(config))
             for _ in range(num_local_experts))
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,

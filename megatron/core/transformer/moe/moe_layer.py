@@ -12,6 +12,7 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import get_pg, get_pg_rank, get_pg_size
+from megatron.core.tensor_parallel.layers import _make_param
 from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -64,6 +65,25 @@ class BaseMoELayer(MegatronModule):
         self.router.set_layer_number(layer_number)
 
 
+class LatentProjection(MegatronModule):
+    """--moe-latent-size's down (fc1_latent_proj) and up (fc2_latent_proj) projections: a plain linear whose weight
+    every TP rank holds whole (Megatron's "duplicated" layer). Each TP rank projects its own slice of the tokens,
+    so the weight's gradient is summed over TP (``sequence_parallel`` attribute, as the router's)."""
+
+    def __init__(self, config, input_size: int, output_size: int, init_method):
+        super().__init__(config)
+        self.weight = _make_param((output_size, input_size), config, init_method)
+        self.weight.sequence_parallel = True
+        self.bias = None
+        if config.add_bias_linear:
+            self.bias = torch.nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype,
+                                                       device=self.weight.device))
+            self.bias.sequence_parallel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
 class MoELayer(BaseMoELayer):
     def __init__(self, config, submodules: Optional[MoESubmodules] = None, layer_number: Optional[int] = None,
                  pg_collection=None, is_mtp_layer: bool = False, name: Optional[str] = None, **kwargs):
@@ -85,6 +105,11 @@ class MoELayer(BaseMoELayer):
         self.token_dispatcher = dispatcher(self.num_local_experts, self.local_expert_indices, config,
                                            pg_collection=pg_collection)
         self.token_dispatcher.probs_to_experts = True  # the experts scale their rows (fused in grouped SwiGLU)
+        if config.moe_latent_size:
+            self.fc1_latent_proj = LatentProjection(config, config.hidden_size, config.moe_latent_size,
+                                                    config.init_method)
+            self.fc2_latent_proj = LatentProjection(config, config.moe_latent_size, config.hidden_size,
+                                                    config.output_layer_init_method)
         self.experts = build_module(submodules.experts, self.num_local_experts, config,
                                     **process_group_kwargs(submodules.experts, pg_collection, "MoELayer"))
         # --delay-wgrad-compute: the dispatcher's backward runs the experts' parked weight gradients.
@@ -127,6 +152,8 @@ class MoELayer(BaseMoELayer):
         x = scatter_to_sequence_parallel_region(hidden_states, group=self.tp_group) if split_here \
             else hidden_states  # [s/tp, b, h]
         probs, routing_map = self.router(x)
+        if self.config.moe_latent_size:
+            x = self.fc1_latent_proj(x)
         dispatched, tokens_per_expert = self.token_dispatcher.token_permutation(x, probs, routing_map)
         expert_probs = self.token_dispatcher.expert_probs
         if self.config.moe_apply_probs_on_input and expert_probs is not None:
@@ -135,6 +162,8 @@ class MoELayer(BaseMoELayer):
             expert_probs = None
         expert_out, mlp_bias = self.experts(dispatched, tokens_per_expert, expert_probs)
         out, _ = self.token_dispatcher.token_unpermutation(expert_out, mlp_bias)
+        if self.config.moe_latent_size:
+            out = self.fc2_latent_proj(out)
         if split_here:
             # Downstream grads are replicated over TP: the backward keeps this rank's slice.
             out = gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False, group=self.tp_group)

@@ -92,6 +92,9 @@ def test_derived_values():
      "must list one 1 (linear attention) or 0"),
     ("--experimental-attention-variant gated_delta_net --linear-attention-freq 2 --tensor-model-parallel-size 2 "
      "--linear-num-key-heads 3", 2, "--linear-num-key-heads"),
+    ("--num-experts 4 --moe-latent-size 0", 1, "--moe-latent-size (0) must be >= 1"),
+    ("--num-experts 4 --moe-latent-size 16 --moe-token-dispatcher-type alltoall --expert-model-parallel-size 2 "
+     "--overlap-moe-expert-parallel-comm", 2, "--moe-latent-size with --overlap-moe-expert-parallel-comm"),
     ("--num-distributed-optimizer-instances 2", 2, "add --use-distributed-optimizer"),
     ("--num-distributed-optimizer-instances 2 --use-distributed-optimizer --cuda-graph-impl full_iteration", 2,
      "drop --num-distributed-optimizer-instances"),

@@ -99,3 +99,29 @@ def test_layer_keeps_no_autograd_graph_after_the_step(dispatcher, capacity):
     out, _ = layer(x)
     out.sum().backward()
     assert _graph_holding_attributes(layer) == []
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_latent_moe_matches_per_token_reference(dispatcher, grouped):
+    """--moe-latent-size 16: the router and the shared expert see the hidden state, the routed experts a down-
+    projected one (latent 16 wide, their weights [.., 16]), and the combined output is projected back up:
+    out_t = W_up sum_e p_te expert_e(W_down x_t) + shared(x_t)."""
+    torch.manual_seed(3)
+    config = _config(moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=grouped, moe_latent_size=16,
+                     moe_shared_expert_intermediate_size=16)
+    layer = build_module(get_moe_module_spec(num_experts=E, moe_grouped_gemm=grouped), config=config)
+    names = dict(layer.named_parameters())
+    assert names["fc1_latent_proj.weight"].shape == (16, H) and names["fc2_latent_proj.weight"].shape == (H, 16)
+    x = torch.randn(6, 4, H, requires_grad=True)
+    out, _ = layer(x)
+    probs, routing_map = layer.router(x.detach())
+    flat = x.detach().reshape(-1, H)
+    down, up = layer.fc1_latent_proj.weight.detach(), layer.fc2_latent_proj.weight.detach()
+    experts = [_expert_fn(layer, e) for e in range(E)]
+    ref = torch.stack([up @ sum(probs[t, e] * experts[e](down @ flat[t]) for e in range(E) if routing_map[t, e])
+                       + layer.shared_experts(flat[t:t + 1]).squeeze(0) for t in range(flat.shape[0])])
+    torch.testing.assert_close(out.reshape(-1, H), ref.detach(), rtol=1e-5, atol=1e-6)
+    out.square().sum().backward()
+    for p in (layer.fc1_latent_proj.weight, layer.fc2_latent_proj.weight):
+        assert p.grad is not None and p.grad.abs().sum() > 0 and p.sequence_parallel
