@@ -117,6 +117,7 @@ def build_engine(args, model_provider) -> InferenceEngine:
                              vocab_size=tokenizer.vocab_size, termination_id=_eod(tokenizer),
                              detokenize=tokenizer.detokenize, use_cuda_graphs=graphs, compile_decode=compile_decode,
                              log_step_interval=args.inference_logging_step_interval,
+                             num_batch_graphs=args.inference_dynamic_batching_num_cuda_graphs,
                              **({} if args.inference_dynamic_batching_max_tokens is None else
                                 {"max_prefill_tokens": args.inference_dynamic_batching_max_tokens}))
     if engine.device.type == "cuda" and engine.dtype == torch.float32:

@@ -17,6 +17,27 @@ def bucket(n: int, cap: int, minimum: int = 1) -> int:
     return min(b, cap)
 
 
+def batch_ladder(max_batch: int, count: int) -> List[int]:
+    """The decode graphs' batch sizes (Megatron's --inference-dynamic-batching-num-cuda-graphs, exponential):
+    ``max_batch`` halved down to 1, at most ``count`` of them, trimmed from the middle (the largest and 1 kept),
+    ascending. A step of n requests runs the smallest size >= n."""
+    if count < 1:
+        raise ValueError(f"--inference-dynamic-batching-num-cuda-graphs ({count}) must be >= 1")
+    sizes, b = {max_batch, 1}, max_batch
+    while b > 1:
+        sizes.add(b)
+        b //= 2
+    ladder = sorted(sizes, reverse=True)
+    while len(ladder) > max(count, 1) and len(ladder) > 1:
+        ladder.pop(-2 if len(ladder) > 2 else -1)
+    return sorted(ladder)
+
+
+def ladder_bucket(n: int, ladder: List[int]) -> int:
+    """The smallest size of ``ladder`` (ascending) >= n, else its largest."""
+    return next((b for b in ladder if b >= n), ladder[-1])
+
+
 class DecodeGraphs:
     """``capture`` False (CPU): each bucketed step runs eagerly, the very calls a graph would record."""
 

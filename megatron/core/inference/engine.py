@@ -25,7 +25,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.fusions.compile import _raise_recompile_limit
 from megatron.core.inference.contexts import StaticInferenceContext
-from megatron.core.inference.cuda_graphs import DecodeGraphs, bucket
+from megatron.core.inference.cuda_graphs import DecodeGraphs, batch_ladder, bucket, ladder_bucket
 from megatron.core.inference.inference_request import InferenceRequest, Status
 from megatron.core.inference.sampling import sample_tokens, token_log_probs
 from megatron.core.inference.sampling_params import SamplingParams
@@ -80,7 +80,7 @@ class InferenceEngine:
                  vocab_size: Optional[int] = None, termination_id: Optional[int] = None,
                  detokenize: Optional[Callable[[List[int]], str]] = None,
                  use_cuda_graphs: Optional[bool] = None, compile_decode: bool = False,
-                 max_prefill_tokens: int = 16384, log_step_interval: int = 0):
+                 max_prefill_tokens: int = 16384, log_step_interval: int = 0, num_batch_graphs: int = 16):
         if parallel_state.model_parallel_is_initialized() and \
                 parallel_state.get_pipeline_model_parallel_world_size() > 1:
             raise NotImplementedError("text generation runs with --pipeline-model-parallel-size 1 only; load the "
@@ -95,6 +95,8 @@ class InferenceEngine:
         self.termination_id, self.detokenize = termination_id, detokenize
         self.max_batch_size, self.max_sequence_length = max_batch_size, max_sequence_length
         self.max_prefill_tokens = max_prefill_tokens
+        # The decode steps' batch sizes under CUDA graphs (one graph per size and KV-length bucket).
+        self.batch_sizes = batch_ladder(max_batch_size, num_batch_graphs)
         self.context = StaticInferenceContext(max_batch_size, max_sequence_length)
         self.slots: List[Optional[InferenceRequest]] = [None] * max_batch_size
         self.waiting: deque = deque()
@@ -335,7 +337,7 @@ class InferenceEngine:
         top = max(r.slot for r in active) + 1
         # The fed token sits at position length - 1, counting the token of the step still in flight.
         longest = min(max(r.length + (id(r) in ahead) for r in active), self.max_sequence_length)
-        batch = top if eager else bucket(top, self.max_batch_size)
+        batch = top if eager else ladder_bucket(top, self.batch_sizes)
         kv_len = longest if eager else bucket(longest, self.max_sequence_length, minimum=64)
         greedy_only = all(r.sampling_params.greedy for r in active)
         cuda = self.device.type == "cuda"

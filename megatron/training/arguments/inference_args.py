@@ -22,6 +22,10 @@ def add_inference_args(parser):
     g.add_argument("--inference-dynamic-batching-max-tokens", type=int, default=None,
                    help="Tokens one prefill step may hold (prompts batched together up to it; a longer prompt runs "
                         "alone). Default 16384.")
+    g.add_argument("--inference-dynamic-batching-num-cuda-graphs", type=int, default=16,
+                   help="With decode CUDA graphs: at most this many batch sizes, the slot count halved down to 1 "
+                        "(a step of n requests runs the smallest size >= n); fewer graphs to capture and hold, more "
+                        "padded rows per step.")
     g.add_argument("--inference-logging-step-interval", type=int, default=0,
                    help="Every N engine steps, one line: requests active and waiting, prompt and generated "
                         "tokens since the last line and the generation rate (0: off).")
@@ -67,6 +71,9 @@ def validate_inference_args(args, require):
     buffer_gb = args.inference_dynamic_batching_buffer_size_gb
     require(buffer_gb is None or buffer_gb > 0,
             f"--inference-dynamic-batching-buffer-size-gb ({buffer_gb}) must be > 0")
+    require(args.inference_dynamic_batching_num_cuda_graphs >= 1,
+            f"--inference-dynamic-batching-num-cuda-graphs ({args.inference_dynamic_batching_num_cuda_graphs}) must be "
+            ">= 1")
     require(args.inference_dynamic_batching_max_tokens is None or args.inference_dynamic_batching_max_tokens >= 1,
             f"--inference-dynamic-batching-max-tokens ({args.inference_dynamic_batching_max_tokens}) must be >= 1")
     require(args.inference_logging_step_interval >= 0,

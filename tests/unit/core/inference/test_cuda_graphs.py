@@ -87,6 +87,30 @@ def test_bucketed_static_steps_equal_exact_eager_decode():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
+def test_batch_ladder_halves_the_slots_and_trims_the_middle():
+    """--inference-dynamic-batching-num-cuda-graphs: the decode graphs' batch sizes, Megatron's exponential ladder."""
+    from megatron.core.inference.cuda_graphs import batch_ladder, ladder_bucket
+    assert batch_ladder(24, 16) == [1, 3, 6, 12, 24]
+    assert batch_ladder(64, 3) == [1, 32, 64]
+    assert batch_ladder(8, 1) == [8]
+    assert [ladder_bucket(n, [1, 3, 6, 12, 24]) for n in (1, 2, 3, 7, 24)] == [1, 3, 3, 12, 24]
+    with pytest.raises(ValueError, match="must be >= 1"):
+        batch_ladder(8, 0)
+
+
+def test_two_batch_graphs_decode_like_exact_shapes():
+    """With 2 batch graphs (sizes 1 and 8) three requests run padded to 8 rows: the same tokens as exact shapes."""
+    model = build_llama()
+    ps = _prompts([7, 11, 3], seed=2)
+    params = SamplingParams(top_k=1, num_tokens_to_generate=6)
+    exact = InferenceEngine(model, max_batch_size=8, max_sequence_length=MAX_LEN, use_cuda_graphs=False)
+    two = InferenceEngine(model, max_batch_size=8, max_sequence_length=MAX_LEN, use_cuda_graphs=True,
+                          num_batch_graphs=2)
+    assert two.batch_sizes == [1, 8]
+    assert ([r.generated_tokens for r in two.generate(ps, params)]
+            == [r.generated_tokens for r in exact.generate(ps, params)])
+
+
 def test_decode_step_traces_as_one_graph():
     """--torch-compile compiles the whole decode step: it must trace without a graph break (fullgraph) and,
     traced (aot_eager: the graph torch.compile would hand to inductor, run eagerly), give the eager tokens."""

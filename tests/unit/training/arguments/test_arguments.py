@@ -95,6 +95,7 @@ def test_derived_values():
     ("--num-experts 4 --moe-latent-size 0", 1, "--moe-latent-size (0) must be >= 1"),
     ("--num-experts 4 --moe-latent-size 16 --moe-token-dispatcher-type alltoall --expert-model-parallel-size 2 "
      "--overlap-moe-expert-parallel-comm", 2, "--moe-latent-size with --overlap-moe-expert-parallel-comm"),
+    ("--inference-dynamic-batching-num-cuda-graphs 0", 1, "--inference-dynamic-batching-num-cuda-graphs (0) must be"),
     ("--num-distributed-optimizer-instances 2", 2, "add --use-distributed-optimizer"),
     ("--num-distributed-optimizer-instances 2 --use-distributed-optimizer --cuda-graph-impl full_iteration", 2,
      "drop --num-distributed-optimizer-instances"),
