@@ -113,18 +113,26 @@ def build_engine(args, model_provider) -> InferenceEngine:
                                    args.inference_dynamic_batching_max_requests)
         except ValueError as e:
             sys.exit(f"error: {e}")
-    engine = InferenceEngine(model[0], max_batch_size=slots, max_sequence_length=max_len,
-                             vocab_size=tokenizer.vocab_size, termination_id=_eod(tokenizer),
-                             detokenize=tokenizer.detokenize, use_cuda_graphs=graphs, compile_decode=compile_decode,
-                             log_step_interval=args.inference_logging_step_interval,
-                             num_batch_graphs=args.inference_dynamic_batching_num_cuda_graphs,
-                             **({} if args.inference_dynamic_batching_max_tokens is None else
-                                {"max_prefill_tokens": args.inference_dynamic_batching_max_tokens}))
+    try:
+        engine = _engine(args, model, tokenizer, slots, max_len, graphs, compile_decode)
+    except NotImplementedError as e:  # a model the chosen engine options cannot serve: one line
+        sys.exit(f"error: {e}")
     if engine.device.type == "cuda" and engine.dtype == torch.float32:
         print_rank_0("WARNING: generating in fp32 on the GPU; pass --bf16 (half the bytes read per token)")
     print_rank_0(f"> generation engine: {slots} slots x {max_len} tokens, "
                  f"{engine.dtype}, CUDA graphs {'on' if engine.graphs is not None else 'off'}")
     return engine
+
+
+def _engine(args, model, tokenizer, slots: int, max_len: int, graphs, compile_decode: bool) -> InferenceEngine:
+    return InferenceEngine(model[0], max_batch_size=slots, max_sequence_length=max_len,
+                           vocab_size=tokenizer.vocab_size, termination_id=_eod(tokenizer),
+                           detokenize=tokenizer.detokenize, use_cuda_graphs=graphs, compile_decode=compile_decode,
+                           log_step_interval=args.inference_logging_step_interval,
+                           num_batch_graphs=args.inference_dynamic_batching_num_cuda_graphs,
+                           chunked_prefill=args.enable_chunked_prefill,
+                           **({} if args.inference_dynamic_batching_max_tokens is None else
+                              {"max_prefill_tokens": args.inference_dynamic_batching_max_tokens}))
 
 
 def kv_cache_slots(model, buffer_gb: float, max_len: int, max_requests=None) -> int:

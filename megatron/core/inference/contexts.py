@@ -47,6 +47,7 @@ class StaticInferenceContext:
         self.window_layers = None  # layer_number -> bool: the layers the window applies to (None: all)
         self._mask_dtype = torch.float32
         self._recurrent = {}  # layer_number -> tuple of [slots, ...] state buffers (recurrent layers)
+        self.prefill_start = 0  # chunked prefill: the position of this forward's first token
 
     def is_static_batching(self) -> bool:
         return True
@@ -54,9 +55,14 @@ class StaticInferenceContext:
     def is_decode_only(self) -> bool:
         return self.decode
 
-    def set_prefill(self, slot_ids: torch.Tensor, last_token_index: Optional[torch.Tensor]) -> None:
-        """Next forward fills ``slot_ids``; logits only at ``last_token_index`` (None: every position)."""
+    def set_prefill(self, slot_ids: torch.Tensor, last_token_index: Optional[torch.Tensor], start: int = 0) -> None:
+        """Next forward fills ``slot_ids``; logits only at ``last_token_index`` (None: every position).
+        ``start`` > 0 (chunked prefill, one slot): the forward's tokens sit at positions [start, start + s) and
+        attend to the slot's cached positions before them too."""
+        if start and len(slot_ids) != 1:
+            raise ValueError("a prefill chunk after position 0 fills one slot at a time")
         self.decode, self.slot_ids, self.last_token_index = False, slot_ids, last_token_index
+        self.prefill_start = start
 
     @property
     def prefill_lengths(self) -> Optional[torch.Tensor]:
@@ -160,14 +166,22 @@ class StaticInferenceContext:
                 return self._attend_decode_with_sink(kv, query, softmax_scale, self._layer_decode_mask(layer_number),
                                                      sink)
             return self._attend_decode(kv, query, softmax_scale, self._layer_decode_mask(layer_number))
+        start = self.prefill_start
         rows = self.slot_ids[:, None]  # [b, 1]
         cols = torch.arange(s, device=q.device)[None, :]  # [1, s]
-        keys[rows, :, cols] = k.transpose(0, 1)  # [b, s, ng, hn] into [b, ng, s, hn] slices
-        values[rows, :, cols] = v.transpose(0, 1)
+        keys[rows, :, cols + start] = k.transpose(0, 1)  # [b, s, ng, hn] into [b, ng, s, hn] slices
+        values[rows, :, cols + start] = v.transpose(0, 1)
         qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hn]
         band = None
         windowed = self.window_layers is None or self.window_layers(layer_number)
-        if self.window_size is not None and self.window_size[0] >= 0 and windowed:
+        if start:  # a later chunk: the slot's keys and values from position 0, this chunk's included
+            kh, vh = keys[self.slot_ids, :, :start + s], values[self.slot_ids, :, :start + s]
+            i = torch.arange(s, device=q.device)[:, None] + start
+            cols = torch.arange(start + s, device=q.device)[None, :]
+            band = cols <= i  # [s, start + s], True = attend
+            if self.window_size is not None and self.window_size[0] >= 0 and windowed:
+                band = band & (cols >= i - self.window_size[0])
+        elif self.window_size is not None and self.window_size[0] >= 0 and windowed:
             i = torch.arange(s, device=q.device)[:, None]
             band = (cols <= i) & (cols >= i - self.window_size[0])  # [s, s], True = attend
         if sink is not None:  # the sink key per query head: K/V repeated to every head

@@ -67,6 +67,19 @@ class _InFlight:
     event: Optional["torch.cuda.Event"] = None
 
 
+def _refuse_chunked_prefill(model) -> None:
+    """Chunked prefill continues each attention layer's cache; a recurrent layer (Mamba-2, Gated DeltaNet) would
+    have to continue its state from one chunk to the next, and an image's tokens cannot be split."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet  # lazy: the SSM modules load with hybrid models
+    from megatron.core.ssm.mamba_mixer import MambaMixer  # lazy: as above
+    if hasattr(model, "expand_image_tokens"):
+        raise NotImplementedError("--enable-chunked-prefill with a vision-language model is not supported: image "
+                                  "tokens are prefilled whole; drop the flag")
+    if any(isinstance(m, (GatedDeltaNet, MambaMixer)) for m in model.modules()):
+        raise NotImplementedError("--enable-chunked-prefill with Mamba-2 or Gated DeltaNet layers is not supported "
+                                  "yet (their state would continue across chunks); drop the flag")
+
+
 class InferenceEngine:
     """``vocab_size``: the tokenizer's (padded vocab rows are never sampled); ``detokenize`` turns ids into
     text for stop words and ``generated_text``; ``use_cuda_graphs`` (default: True on CUDA) decodes in
@@ -80,7 +93,8 @@ class InferenceEngine:
                  vocab_size: Optional[int] = None, termination_id: Optional[int] = None,
                  detokenize: Optional[Callable[[List[int]], str]] = None,
                  use_cuda_graphs: Optional[bool] = None, compile_decode: bool = False,
-                 max_prefill_tokens: int = 16384, log_step_interval: int = 0, num_batch_graphs: int = 16):
+                 max_prefill_tokens: int = 16384, log_step_interval: int = 0, num_batch_graphs: int = 16,
+                 chunked_prefill: bool = False):
         if parallel_state.model_parallel_is_initialized() and \
                 parallel_state.get_pipeline_model_parallel_world_size() > 1:
             raise NotImplementedError("text generation runs with --pipeline-model-parallel-size 1 only; load the "
@@ -95,6 +109,11 @@ class InferenceEngine:
         self.termination_id, self.detokenize = termination_id, detokenize
         self.max_batch_size, self.max_sequence_length = max_batch_size, max_sequence_length
         self.max_prefill_tokens = max_prefill_tokens
+        # --enable-chunked-prefill: a prompt longer than max_prefill_tokens is prefilled in chunks of at most that
+        # many tokens (each attending to the cached ones before it), so one forward's activations stay bounded.
+        self.chunked_prefill = chunked_prefill
+        if chunked_prefill:
+            _refuse_chunked_prefill(self.model)
         # The decode steps' batch sizes under CUDA graphs (one graph per size and KV-length bucket).
         self.batch_sizes = batch_ladder(max_batch_size, num_batch_graphs)
         self.context = StaticInferenceContext(max_batch_size, max_sequence_length)
@@ -241,9 +260,14 @@ class InferenceEngine:
 
     # ---------------------------------------------------------------- prefill
     def _prefill(self, reqs: List[InferenceRequest], finished) -> None:
-        """Batched prefill of requests that need only next-token logits; one by one for prompt log-probs."""
+        """Batched prefill of requests that need only next-token logits; one by one for prompt log-probs (and,
+        with chunked prefill, for a prompt longer than max_prefill_tokens)."""
         batch = []
         for req in sorted(reqs, key=lambda r: len(r.prompt_tokens)):
+            if self.chunked_prefill and len(req.prompt_tokens) > self.max_prefill_tokens:
+                self._prefill_batch([req], finished, all_logits=req.sampling_params.return_log_probs,
+                                    chunk=self.max_prefill_tokens)
+                continue
             if req.sampling_params.return_log_probs:
                 self._prefill_batch([req], finished, all_logits=True)
                 continue
@@ -254,17 +278,21 @@ class InferenceEngine:
         if batch:
             self._prefill_batch(batch, finished, all_logits=False)
 
-    def _prefill_batch(self, reqs: List[InferenceRequest], finished, all_logits: bool) -> None:
+    def _prefill_batch(self, reqs: List[InferenceRequest], finished, all_logits: bool,
+                       chunk: Optional[int] = None) -> None:
         lengths = [len(r.prompt_tokens) for r in reqs]
         s, dev = max(lengths), self.device
-        tokens = torch.tensor([r.prompt_tokens + [0] * (s - len(r.prompt_tokens)) for r in reqs], device=dev)
-        positions = torch.arange(s, device=dev).expand(len(reqs), s)
         slots = torch.tensor([r.slot for r in reqs], device=dev)
-        last = torch.tensor([n - 1 for n in lengths], device=dev)
-        self.context.set_prefill(slots, None if all_logits else last)
-        images = [r.images for r in reqs if r.images is not None]
-        images = torch.cat(images).to(dev, self.dtype) if images else None  # every tile, in batch order
-        logits = self._forward(tokens, positions, images)  # [b, s or 1, V]
+        if chunk is not None:  # one request, its prompt in chunks of at most `chunk` tokens
+            logits = self._prefill_chunks(reqs[0], slots, chunk, all_logits)
+        else:
+            tokens = torch.tensor([r.prompt_tokens + [0] * (s - len(r.prompt_tokens)) for r in reqs], device=dev)
+            positions = torch.arange(s, device=dev).expand(len(reqs), s)
+            last = torch.tensor([n - 1 for n in lengths], device=dev)
+            self.context.set_prefill(slots, None if all_logits else last)
+            images = [r.images for r in reqs if r.images is not None]
+            images = torch.cat(images).to(dev, self.dtype) if images else None  # every tile, in batch order
+            logits = self._forward(tokens, positions, images)  # [b, s or 1, V]
         for r in reqs:
             r.images = None  # its features are in the KV cache now
         if all_logits:  # one request: its prompt log-probs too
@@ -289,6 +317,20 @@ class InferenceEngine:
                 self._finish(req, "length", finished)
             else:
                 self._append(req, token, lp, finished)
+
+    def _prefill_chunks(self, req: InferenceRequest, slots: torch.Tensor, chunk: int, all_logits: bool):
+        """The prompt's chunks one forward each, every one attending to the cached positions before it; the
+        logits the unchunked forward would give: every position's with ``all_logits``, else the last one's."""
+        n, dev, parts = len(req.prompt_tokens), self.device, []
+        for start in range(0, n, chunk):
+            piece = req.prompt_tokens[start:start + chunk]
+            tokens = torch.tensor([piece], device=dev)
+            positions = torch.arange(start, start + len(piece), device=dev)[None]
+            last = None if all_logits else torch.tensor([len(piece) - 1], device=dev)
+            self.context.set_prefill(slots, last, start=start)
+            parts.append(self._forward(tokens, positions))  # [1, len(piece) or 1, V]
+        self.context.prefill_start = 0
+        return torch.cat(parts, dim=1) if all_logits else parts[-1]
 
     def _prompt_log_probs(self, req: InferenceRequest, logits: torch.Tensor) -> List[Optional[float]]:
         """Log-probs of the given prompt's tokens 1..n-1 from the logits [n_model - 1, V] of the model's
