@@ -4,19 +4,15 @@ from typing import Callable, Sequence
 
 import torch
 
-from megatron.core.utils import get_device
-
-
-def _device(config):
-    return torch.device("cpu") if config.use_cpu_initialization else get_device()
+from megatron.core.tensor_parallel.layers import _param_device
 
 
 def tp_param(shape, config, init_fn: Callable, dtype=None, sections: Sequence = ()) -> torch.nn.Parameter:
     """A parameter split over TP along dim 0 whose values come from ``init_fn`` on the global tensor
     (transformer/initialize.py). ``sections``: (name, local size) of the fused parts, each split over TP
     on its own (``partition_sizes`` / ``partition_names``: checkpoints store one tensor per part)."""
-    p = torch.nn.Parameter(torch.empty(*shape, dtype=dtype or config.params_dtype, device=_device(config)))
-    if config.perform_initialization:
+    p = torch.nn.Parameter(torch.empty(*shape, dtype=dtype or config.params_dtype, device=_param_device(config)))
+    if config.perform_initialization and not p.is_meta:
         init_fn(p.data)
     p.init_fn = init_fn
     p.allreduce = True

@@ -76,6 +76,10 @@ def copy_tensor_model_parallel_attributes(destination_tensor, source_tensor) -> 
 
 
 def _param_device(config):
+    """Where a layer allocates its weights: the meta device with --init-model-with-meta-device (no memory, no
+    first draw; the model materializes and fills them once, layout-independently), else the CPU or the GPU."""
+    if getattr(config, "init_model_with_meta_device", False):
+        return torch.device("meta")
     return torch.device("cpu") if config.use_cpu_initialization else get_device()
 
 
@@ -83,7 +87,7 @@ def _make_param(shape, config, init_fn, is_expert=False) -> torch.nn.Parameter:
     """Allocate a parameter, fill it with ``init_fn`` under the TP RNG state, and remember ``init_fn``
     so layout-independent initialization can redo it on the global tensor."""
     p = torch.nn.Parameter(torch.empty(*shape, dtype=config.params_dtype, device=_param_device(config)))
-    if config.perform_initialization:
+    if config.perform_initialization and not p.is_meta:
         # Models overwrite this with layout-independent values (transformer/initialize.py); a standalone
         # layer uses the TP RNG stream when seeded, else the default generator.
         name = get_expert_parallel_rng_tracker_name() if is_expert else "model-parallel-rng"

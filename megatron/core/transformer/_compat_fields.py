@@ -32,7 +32,6 @@ class TransformerConfigCompat:
     dsa_indexer_k_norm_fp32: bool = False
     embedding_init_method: Optional[Callable] = None
     embedding_init_method_std: Optional[float] = None
-    init_model_with_meta_device: bool = False
     use_mup: bool = False
     mup_width_mult: float = 1.0
     mup_base_hidden_size: Optional[int] = None

@@ -111,6 +111,30 @@ def global_shape(param, pg_collection=None):
     return shape
 
 
+def _materialize_device(config) -> torch.device:
+    if config.use_cpu_initialization:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+@torch.no_grad()
+def materialize_meta_parameters(model: torch.nn.Module, device: torch.device) -> None:
+    """--init-model-with-meta-device: every parameter still on the meta device becomes an uninitialized tensor on
+    ``device`` (its attributes kept: init_fn, the TP layout, allreduce...; one tensor for a parameter two
+    modules share), for `initialize_parameters` to fill."""
+    made = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            if id(param) not in made:
+                new = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
+                                         requires_grad=param.requires_grad)
+                new.__dict__.update(param.__dict__)
+                made[id(param)] = new
+            module._parameters[name] = made[id(param)]
+
+
 def _generation_device(param, config):
     if config.use_cpu_initialization or param.device.type == "cpu":
         return torch.device("cpu")
@@ -124,6 +148,7 @@ def initialize_parameters(model: torch.nn.Module, seed=None, pg_collection=None,
     module's path inside a larger model (``vision_model.``), so that parts sharing names draw apart."""
     config = model.config
     seed = config.seed if seed is None else seed
+    materialize_meta_parameters(model, _materialize_device(config))
     names = global_param_names(model)
     params = dict(model.named_parameters())
     for local, param in params.items():

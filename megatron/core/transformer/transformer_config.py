@@ -173,6 +173,9 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
 
     # Deterministic mode (--deterministic-mode): core attention uses deterministic SDPA kernels only.
     deterministic_mode: bool = False
+    # --init-model-with-meta-device: layers allocate their weights on the meta device; the model then materializes
+    # them on its device and fills each once from (seed, global name), the values of a normal build.
+    init_model_with_meta_device: bool = False
 
     # Hybrid models (megatron/core/models/hybrid, megatron/core/ssm): Mamba-2 and Gated DeltaNet shapes
     is_hybrid_model: bool = False

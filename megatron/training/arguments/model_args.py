@@ -154,6 +154,10 @@ def add_initialization_args(parser):
     g.add_argument("--seed", type=int, default=1234, help="Random seed (python, numpy, torch, data).")
     g.add_argument("--data-parallel-random-init", action="store_true",
                    help="Different initial weights on each data-parallel rank.")
+    g.add_argument("--init-model-with-meta-device", action="store_true",
+                   help="Allocate the layers' weights on the meta device and fill each once on the model's device "
+                        "(no first random draw): the same weights as without the flag, a faster start for large "
+                        "models.")
     g.add_argument("--init-method-std", type=float, default=0.02,
                    help="Std of the normal init; output projections use std/sqrt(2*num_layers).")
     g.add_argument("--init-method-xavier-uniform", action="store_true", help="Xavier-uniform init.")
