@@ -77,8 +77,10 @@ def copy_tensor_model_parallel_attributes(destination_tensor, source_tensor) -> 
 
 def _param_device(config):
     """Where a layer allocates its weights: the meta device with --init-model-with-meta-device (no memory, no
-    first draw; the model materializes and fills them once, layout-independently), else the CPU or the GPU."""
-    if getattr(config, "init_model_with_meta_device", False):
+    first draw; the model materializes and fills them once, layout-independently), else the CPU or the GPU.
+    Without initialization (--no-initialization: the weights come from a checkpoint) nothing would materialize
+    them, so they are allocated where they live."""
+    if getattr(config, "init_model_with_meta_device", False) and config.perform_initialization:
         return torch.device("meta")
     return torch.device("cpu") if config.use_cpu_initialization else get_device()
 
