@@ -1,7 +1,7 @@
 """TransformerConfig fields of Megatron Core 0.19.2 without a counterpart here, at Megatron's defaults
 (accepted there, refused elsewhere: see megatron/core/_compat_fields.py)."""
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Literal, Optional, Union
+from typing import Any, List, Literal, Optional, Union
 
 import torch
 
@@ -30,8 +30,6 @@ class TransformerConfigCompat:
     dsa_indexer_scoring_relu: bool = True
     dsa_indexer_k_norm_epsilon: Optional[float] = None
     dsa_indexer_k_norm_fp32: bool = False
-    embedding_init_method: Optional[Callable] = None
-    embedding_init_method_std: Optional[float] = None
     use_mup: bool = False
     mup_width_mult: float = 1.0
     mup_base_hidden_size: Optional[int] = None

@@ -90,6 +90,8 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     init_method: Optional[Callable] = None
     output_layer_init_method: Optional[Callable] = None
     init_method_std: float = 0.02
+    embedding_init_method: Optional[Callable] = None  # the word, position and token-type embeddings' init
+    embedding_init_method_std: Optional[float] = None  # its std (default --init-method-std)
 
     # Mixed precision / fusions
     apply_query_key_layer_scaling: bool = False
@@ -201,8 +203,17 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
         self._check_features()
         self._check_recompute()
         self._check_pipeline_split()
+        # The embeddings' init (Megatron's rule): --embedding-init-method-std when it differs from --init-method-std
+        # (e.g. 1.0 against loss spikes), else the layers' init method itself.
+        if self.embedding_init_method_std is None:
+            self.embedding_init_method_std = self.init_method_std
+        if self.embedding_init_method is None and (self.init_method is None
+                                                   or self.embedding_init_method_std != self.init_method_std):
+            self.embedding_init_method = init_method_normal(self.embedding_init_method_std)
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
+        if self.embedding_init_method is None:
+            self.embedding_init_method = self.init_method
         if self.output_layer_init_method is None:
             self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, self.num_layers)
 

@@ -158,6 +158,9 @@ def add_initialization_args(parser):
                    help="Allocate the layers' weights on the meta device and fill each once on the model's device "
                         "(no first random draw): the same weights as without the flag, a faster start for large "
                         "models.")
+    g.add_argument("--embedding-init-method-std", type=float, default=None,
+                   help="Std of the normal init of the word, position and token-type embeddings (default "
+                        "--init-method-std); around 1.0 may avoid loss spikes.")
     g.add_argument("--init-method-std", type=float, default=0.02,
                    help="Std of the normal init; output projections use std/sqrt(2*num_layers).")
     g.add_argument("--init-method-xavier-uniform", action="store_true", help="Xavier-uniform init.")

@@ -23,23 +23,23 @@ class LanguageModelEmbedding(MegatronModule):
         self.reduce_scatter_embeddings = (not self.add_position_embedding and not num_tokentypes
                                           and config.sequence_parallel and scatter_to_sequence_parallel)
         self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
-            vocab_size, config.hidden_size, init_method=config.init_method, config=config,
+            vocab_size, config.hidden_size, init_method=config.embedding_init_method, config=config,
             reduce_scatter_embeddings=self.reduce_scatter_embeddings, tp_group=tp_group)
         if self.add_position_embedding:
             device = torch.device("cpu") if config.use_cpu_initialization else get_device()
             self.position_embeddings = torch.nn.Embedding(max_sequence_length, config.hidden_size,
                                                           device=device, dtype=config.params_dtype)
             if config.perform_initialization:
-                config.init_method(self.position_embeddings.weight.data)
-            self.position_embeddings.weight.init_fn = config.init_method
+                config.embedding_init_method(self.position_embeddings.weight.data)
+            self.position_embeddings.weight.init_fn = config.embedding_init_method
         self.num_tokentypes = num_tokentypes
         if num_tokentypes > 0:  # BERT segment A/B embeddings, replicated over TP like the position table
             device = torch.device("cpu") if config.use_cpu_initialization else get_device()
             self.tokentype_embeddings = torch.nn.Embedding(num_tokentypes, config.hidden_size,
                                                            device=device, dtype=config.params_dtype)
             if config.perform_initialization:
-                config.init_method(self.tokentype_embeddings.weight.data)
-            self.tokentype_embeddings.weight.init_fn = config.init_method
+                config.embedding_init_method(self.tokentype_embeddings.weight.data)
+            self.tokentype_embeddings.weight.init_fn = config.embedding_init_method
         else:
             self.tokentype_embeddings = None
         self.embedding_dropout = torch.nn.Dropout(config.hidden_dropout)
