@@ -42,10 +42,7 @@ class ModelParallelConfigCompat:
     defer_embedding_wgrad_compute: bool = False
     wgrad_deferral_limit: int = 0
     mtp_standalone: bool = False
-    cpu_offloading: bool = False
-    cpu_offloading_num_layers: int = 0
     _cpu_offloading_context: Any = None
-    cpu_offloading_activations: bool = True
     cpu_offloading_weights: bool = False
     cpu_offloading_double_buffering: bool = False
     cpu_offloading_retain_pinned_cpu_buffers: bool = False

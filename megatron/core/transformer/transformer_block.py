@@ -9,6 +9,7 @@ from typing import List, Optional, Union
 import torch
 
 from megatron.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker
+from megatron.core.transformer.activation_offload import ActivationOffload, parameter_storages
 from megatron.core.transformer.layer_offsets import (  # noqa: F401  (layers_per_pipeline_rank: its old path)
     get_num_layers_to_build,
     get_transformer_layer_offset,
@@ -107,9 +108,19 @@ class TransformerBlock(MegatronModule):
                 hidden_states = checkpoint(
                     lambda h, m, r, layer=layer: self._layer_call(layer, h, m, r, **kwargs), False,
                     hidden_states, attention_mask, rotary_pos_emb)
+            elif self._offload_layer(i):
+                with ActivationOffload(parameter_storages(layer)):
+                    hidden_states = self._layer_call(layer, hidden_states, attention_mask, rotary_pos_emb, **kwargs)
             else:
                 hidden_states = self._layer_call(layer, hidden_states, attention_mask, rotary_pos_emb, **kwargs)
         return hidden_states
+
+    def _offload_layer(self, index: int) -> bool:
+        """--cpu-offloading-num-layers: the first N layers of the model (one pipeline stage: refused otherwise)
+        keep their saved activations in host memory while training."""
+        c = self.config
+        return (getattr(c, "cpu_offloading", False) and self.training and torch.is_grad_enabled()
+                and index < c.cpu_offloading_num_layers)
 
     def forward(self, hidden_states, attention_mask=None, context=None, context_mask=None, rotary_pos_emb=None,
                 rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None, inference_context=None,

@@ -178,6 +178,11 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     # --init-model-with-meta-device: layers allocate their weights on the meta device; the model then materializes
     # them on its device and fills each once from (seed, global name), the values of a normal build.
     init_model_with_meta_device: bool = False
+    # --cpu-offloading-num-layers N: the first N layers keep the tensors saved for their backward in host memory
+    # (transformer/activation_offload.py); Megatron's switches, cpu_offloading set from N > 0 by its training.
+    cpu_offloading: bool = False
+    cpu_offloading_num_layers: int = 0
+    cpu_offloading_activations: bool = True
 
     # Hybrid models (megatron/core/models/hybrid, megatron/core/ssm): Mamba-2 and Gated DeltaNet shapes
     is_hybrid_model: bool = False
@@ -222,6 +227,24 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
         MTP layers. Any value there gives the same (dense, no-MTP) model."""
         return ((name.startswith("moe_") and self.num_moe_experts is None)
                 or (name.startswith("mtp_") and getattr(self, "mtp_num_layers", None) is None))
+
+    def _check_offloading(self):
+        if self.cpu_offloading_num_layers > 0:
+            self.cpu_offloading = True
+        if not self.cpu_offloading:
+            return
+        if not 0 < self.cpu_offloading_num_layers < self.num_layers:
+            raise ValueError(f"--cpu-offloading-num-layers ({self.cpu_offloading_num_layers}) must be between 1 and "
+                             f"--num-layers - 1 ({self.num_layers - 1}): the last layer's backward starts at once")
+        if not self.cpu_offloading_activations:
+            raise ValueError("cpu_offloading without cpu_offloading_activations offloads nothing here (weights stay "
+                             "on the device); leave cpu_offloading_activations on")
+        if self.pipeline_model_parallel_size > 1:
+            raise ValueError("--cpu-offloading-num-layers with --pipeline-model-parallel-size > 1 is not supported "
+                             "(as in Megatron); drop one")
+        if self.recompute_granularity is not None:
+            raise ValueError("--cpu-offloading-num-layers with activation recompute is not supported (as in "
+                             "Megatron): the recomputed layers save nothing to offload; drop one")
 
     def _check_attention_variant(self):
         variant = self.experimental_attention_variant
@@ -280,6 +303,7 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
         if self.num_moe_experts is not None:
             check_moe_config(self)
         self._check_attention_variant()
+        self._check_offloading()
         self._check_fp8()
         self._check_context_parallel()
         self._check_mtp()

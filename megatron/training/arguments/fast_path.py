@@ -113,6 +113,9 @@ def validate_cuda_graph_args(args, require):
             f"{flag}: --overlap-param-gather waits inside the captured forward on an all-gather launched "
             "outside the graph; drop it (the distributed optimizer then gathers params in its step)")
     require(not args.use_torch_fsdp2, f"{flag} does not support --use-torch-fsdp2")
+    require(not args.cpu_offloading_num_layers,
+            f"{flag}: --cpu-offloading-num-layers allocates host buffers for each step's activations, which a graph "
+            "cannot capture; drop one")
     require(args.num_distributed_optimizer_instances == 1,
             f"{flag}: the gradient reduction over several distributed-optimizer instances runs on a side stream "
             "that is not captured yet; drop --num-distributed-optimizer-instances")

@@ -154,6 +154,10 @@ def add_initialization_args(parser):
     g.add_argument("--seed", type=int, default=1234, help="Random seed (python, numpy, torch, data).")
     g.add_argument("--data-parallel-random-init", action="store_true",
                    help="Different initial weights on each data-parallel rank.")
+    g.add_argument("--cpu-offloading-num-layers", type=int, default=0,
+                   help="Keep the activations the first N transformer layers save for the backward in host memory "
+                        "(copied out in the forward, back in the backward); N < --num-layers, one pipeline stage, "
+                        "no activation recompute.")
     g.add_argument("--init-model-with-meta-device", action="store_true",
                    help="Allocate the layers' weights on the meta device and fill each once on the model's device "
                         "(no first random draw): the same weights as without the flag, a faster start for large "

@@ -48,6 +48,7 @@ def validate_args(args, defaults={}):
     _validate_parallel(args)
     _validate_batch(args)
     _validate_model(args)
+    _validate_offloading(args)
     validate_window_args(args, _require)
     validate_tp_overlap_args(args, _require, lambda m: print(m, flush=True))
     validate_moe_args(args, _require)
@@ -321,6 +322,19 @@ def _validate_constant_batch(args):
         _require(args.global_batch_size % (mbs * dp) == 0,
                  f"--global-batch-size ({args.global_batch_size}) must be divisible by --micro-batch-size "
                  f"({mbs}) x data-parallel size ({dp})")
+
+
+def _validate_offloading(args):
+    """--cpu-offloading-num-layers: Megatron's limits, in one line before the model is built."""
+    n = args.cpu_offloading_num_layers
+    if not n:
+        return
+    _require(0 < n < args.num_layers, f"--cpu-offloading-num-layers ({n}) must be between 1 and --num-layers - 1 "
+                                      f"({args.num_layers - 1}): the last layer's backward starts at once")
+    _require(args.pipeline_model_parallel_size == 1,
+             "--cpu-offloading-num-layers with --pipeline-model-parallel-size > 1 is not supported; drop one")
+    _require(args.recompute_granularity is None, "--cpu-offloading-num-layers with activation recompute is not "
+                                                 "supported: drop one")
 
 
 def _validate_model(args):

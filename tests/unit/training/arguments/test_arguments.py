@@ -96,6 +96,8 @@ def test_derived_values():
     ("--num-experts 4 --moe-latent-size 16 --moe-token-dispatcher-type alltoall --expert-model-parallel-size 2 "
      "--overlap-moe-expert-parallel-comm", 2, "--moe-latent-size with --overlap-moe-expert-parallel-comm"),
     ("--inference-dynamic-batching-num-cuda-graphs 0", 1, "--inference-dynamic-batching-num-cuda-graphs (0) must be"),
+    ("--cpu-offloading-num-layers 2", 1, "--cpu-offloading-num-layers (2) must be between 1 and --num-layers - 1"),
+    ("--cpu-offloading-num-layers 1 --recompute-activations", 1, "with activation recompute is not supported"),
     ("--num-distributed-optimizer-instances 2", 2, "add --use-distributed-optimizer"),
     ("--num-distributed-optimizer-instances 2 --use-distributed-optimizer --cuda-graph-impl full_iteration", 2,
      "drop --num-distributed-optimizer-instances"),
