@@ -335,6 +335,8 @@ def _validate_offloading(args):
              "--cpu-offloading-num-layers with --pipeline-model-parallel-size > 1 is not supported; drop one")
     _require(args.recompute_granularity is None, "--cpu-offloading-num-layers with activation recompute is not "
                                                  "supported: drop one")
+    _require(not args.torch_compile, "--cpu-offloading-num-layers moves the tensors autograd saves through its "
+                                     "saved-tensor hooks, which compiled layers bypass: drop --torch-compile or it")
 
 
 def _validate_model(args):
