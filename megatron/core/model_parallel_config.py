@@ -73,6 +73,12 @@ class ModelParallelConfig(ModelParallelConfigCompat):
     # backward dispatch all-to-all is in flight (transformer/moe/delayed_wgrad.py).
     overlap_moe_expert_parallel_comm: bool = False
     delay_wgrad_compute: bool = False
+    # --cpu-offloading-num-layers N: the first N layers keep the tensors saved for their backward in host memory
+    # (transformer/activation_offload.py; TransformerConfig checks N against the layers). cpu_offloading is set
+    # from N > 0, as Megatron's training does.
+    cpu_offloading: bool = False
+    cpu_offloading_num_layers: int = 0
+    cpu_offloading_activations: bool = True
 
     def __post_init__(self):
         check_compat_fields(self, ModelParallelConfigCompat)

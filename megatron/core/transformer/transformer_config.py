@@ -178,11 +178,6 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     # --init-model-with-meta-device: layers allocate their weights on the meta device; the model then materializes
     # them on its device and fills each once from (seed, global name), the values of a normal build.
     init_model_with_meta_device: bool = False
-    # --cpu-offloading-num-layers N: the first N layers keep the tensors saved for their backward in host memory
-    # (transformer/activation_offload.py); Megatron's switches, cpu_offloading set from N > 0 by its training.
-    cpu_offloading: bool = False
-    cpu_offloading_num_layers: int = 0
-    cpu_offloading_activations: bool = True
 
     # Hybrid models (megatron/core/models/hybrid, megatron/core/ssm): Mamba-2 and Gated DeltaNet shapes
     is_hybrid_model: bool = False
