@@ -131,6 +131,7 @@ def _engine(args, model, tokenizer, slots: int, max_len: int, graphs, compile_de
                            log_step_interval=args.inference_logging_step_interval,
                            num_batch_graphs=args.inference_dynamic_batching_num_cuda_graphs,
                            chunked_prefill=args.enable_chunked_prefill,
+                           graph_sizing=args.inference_dynamic_batching_cuda_graph_sizing_distribution,
                            **({} if args.inference_dynamic_batching_max_tokens is None else
                               {"max_prefill_tokens": args.inference_dynamic_batching_max_tokens}))
 

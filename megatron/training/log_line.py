@@ -119,13 +119,14 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
                                                throughput, current_device_name()))
     for key in list(total_loss_dict):
         total_loss_dict[key] = 0 if key in _COUNTERS else 0.0
-    if report_memory_flag:
-        if torch.distributed.get_rank() == 0:
-            report_theoretical_memory(args)
-        if parallel_state.get_data_parallel_rank() == 0 and torch.cuda.is_available():
-            print(f"[Rank {torch.distributed.get_rank()}] (after {iteration} iterations) "
-                  + report_memory("").strip(), flush=True)
-        report_memory_flag = False
+    interval = getattr(args, "log_memory_interval", None)
+    again = bool(interval) and iteration % interval == 0  # --log-memory-interval: the report every N iterations
+    if report_memory_flag and torch.distributed.get_rank() == 0:
+        report_theoretical_memory(args)
+    if (report_memory_flag or again) and parallel_state.get_data_parallel_rank() == 0 and torch.cuda.is_available():
+        print(f"[Rank {torch.distributed.get_rank()}] (after {iteration} iterations) "
+              + report_memory("").strip(), flush=True)
+    report_memory_flag = False
     timers.log(TIMERS_TO_LOG, normalizer=window)
     return report_memory_flag
 

@@ -17,12 +17,20 @@ def bucket(n: int, cap: int, minimum: int = 1) -> int:
     return min(b, cap)
 
 
-def batch_ladder(max_batch: int, count: int) -> List[int]:
-    """The decode graphs' batch sizes (Megatron's --inference-dynamic-batching-num-cuda-graphs, exponential):
-    ``max_batch`` halved down to 1, at most ``count`` of them, trimmed from the middle (the largest and 1 kept),
-    ascending. A step of n requests runs the smallest size >= n."""
+def batch_ladder(max_batch: int, count: int, distribution: str = "exponential") -> List[int]:
+    """The decode graphs' batch sizes (Megatron's --inference-dynamic-batching-num-cuda-graphs), ascending; a step
+    of n requests runs the smallest size >= n. ``exponential``: ``max_batch`` halved down to 1, at most ``count``
+    of them, trimmed from the middle (the largest and 1 kept). ``linear``
+    (--inference-dynamic-batching-cuda-graph-sizing-distribution): ``count`` sizes evenly spaced up to ``max_batch``
+    (step ceil(max_batch / count))."""
     if count < 1:
         raise ValueError(f"--inference-dynamic-batching-num-cuda-graphs ({count}) must be >= 1")
+    if distribution == "linear":
+        step = -(-max_batch // count)
+        return sorted(set(range(step, max_batch, step)) | {max_batch})
+    if distribution != "exponential":
+        raise ValueError(f"--inference-dynamic-batching-cuda-graph-sizing-distribution {distribution}: use "
+                         "exponential or linear")
     sizes, b = {max_batch, 1}, max_batch
     while b > 1:
         sizes.add(b)

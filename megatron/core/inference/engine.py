@@ -94,7 +94,7 @@ class InferenceEngine:
                  detokenize: Optional[Callable[[List[int]], str]] = None,
                  use_cuda_graphs: Optional[bool] = None, compile_decode: bool = False,
                  max_prefill_tokens: int = 16384, log_step_interval: int = 0, num_batch_graphs: int = 16,
-                 chunked_prefill: bool = False):
+                 chunked_prefill: bool = False, graph_sizing: str = "exponential"):
         if parallel_state.model_parallel_is_initialized() and \
                 parallel_state.get_pipeline_model_parallel_world_size() > 1:
             raise NotImplementedError("text generation runs with --pipeline-model-parallel-size 1 only; load the "
@@ -115,7 +115,7 @@ class InferenceEngine:
         if chunked_prefill:
             _refuse_chunked_prefill(self.model)
         # The decode steps' batch sizes under CUDA graphs (one graph per size and KV-length bucket).
-        self.batch_sizes = batch_ladder(max_batch_size, num_batch_graphs)
+        self.batch_sizes = batch_ladder(max_batch_size, num_batch_graphs, graph_sizing)
         self.context = StaticInferenceContext(max_batch_size, max_sequence_length)
         self.slots: List[Optional[InferenceRequest]] = [None] * max_batch_size
         self.waiting: deque = deque()

@@ -26,6 +26,10 @@ def add_inference_args(parser):
                    help="With decode CUDA graphs: at most this many batch sizes, the slot count halved down to 1 "
                         "(a step of n requests runs the smallest size >= n); fewer graphs to capture and hold, more "
                         "padded rows per step.")
+    g.add_argument("--inference-dynamic-batching-cuda-graph-sizing-distribution", type=str, default="exponential",
+                   choices=["exponential", "linear"],
+                   help="The decode graphs' batch sizes: the slot count halved down to 1 (exponential), or "
+                        "--inference-dynamic-batching-num-cuda-graphs sizes evenly spaced up to it (linear).")
     g.add_argument("--enable-chunked-prefill", action="store_true",
                    help="Prefill a prompt longer than --inference-dynamic-batching-max-tokens in chunks of at most "
                         "that many tokens (each attending to the cached ones before it): one forward's activations "

@@ -175,6 +175,9 @@ def add_logging_args(parser):
     g.add_argument("--log-params-norm", action="store_true", help="Log the parameter L2 norm.")
     g.add_argument("--log-num-zeros-in-grad", action="store_true", help="Log zero gradient entries.")
     g.add_argument("--log-throughput", action="store_true", help="Log TFLOP/s per GPU.")
+    g.add_argument("--log-memory-interval", type=int, default=None,
+                   help="Print the device memory report (allocated, max allocated, reserved, max reserved MB) every "
+                        "N iterations, not only after the first; a multiple of --log-interval.")
     g.add_argument("--log-progress", action="store_true",
                    help="Append job starts and each checkpoint's throughput, floating-point operations and tokens "
                         "to progress.txt in the --save directory (it accumulates across restarts).")

@@ -49,6 +49,7 @@ def validate_args(args, defaults={}):
     _validate_batch(args)
     _validate_model(args)
     _validate_offloading(args)
+    _validate_logging_intervals(args)
     validate_window_args(args, _require)
     validate_tp_overlap_args(args, _require, lambda m: print(m, flush=True))
     validate_moe_args(args, _require)
@@ -322,6 +323,13 @@ def _validate_constant_batch(args):
         _require(args.global_batch_size % (mbs * dp) == 0,
                  f"--global-batch-size ({args.global_batch_size}) must be divisible by --micro-batch-size "
                  f"({mbs}) x data-parallel size ({dp})")
+
+
+def _validate_logging_intervals(args):
+    n = args.log_memory_interval
+    if n is not None:
+        _require(n > 0 and n % args.log_interval == 0, f"--log-memory-interval ({n}) must be a positive multiple of "
+                                                       f"--log-interval ({args.log_interval}): it reports at log lines")
 
 
 def _validate_offloading(args):

@@ -70,3 +70,26 @@ def test_max_attention_logit_in_line_and_tensorboard(monkeypatch, capsys):
     assert scalars["max_attention_logit"] == 42.125
     log_line.training_log({"lm loss": torch.tensor(2.0)}, {}, 1e-3, 2, 1.0, False, 0, 1.0, None, None)
     assert "max attention logit" not in capsys.readouterr().out
+
+
+def test_log_memory_interval_repeats_the_memory_report(monkeypatch, capsys):
+    """--log-memory-interval 4 (log interval 2): the device memory report at iterations 4 and 8, besides the first
+    log line's; the report itself is CUDA's (faked here on CPU)."""
+    args = types.SimpleNamespace(
+        micro_batch_size=2, data_parallel_size=1, seq_length=64, log_interval=2, train_iters=10,
+        consumed_train_samples=8, log_throughput=False, world_size=1, tensorboard_log_interval=1,
+        log_timers_to_tensorboard=False, tensorboard_dir=None, log_memory_interval=4)
+    for name, value in (("get_args", lambda: args), ("get_timers", lambda: _Timers()),
+                        ("get_tensorboard_writer", lambda: None), ("get_wandb_writer", lambda: None),
+                        ("_num_microbatches", lambda: 1), ("print_rank_last", print),
+                        ("report_memory", lambda name: f"{name} memory (MB) | allocated: 1.0"),
+                        ("report_theoretical_memory", lambda a: None)):
+        monkeypatch.setattr(log_line, name, value)
+    monkeypatch.setattr(log_line.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(log_line.torch.distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(log_line.parallel_state, "get_data_parallel_rank", lambda: 0)
+    flag = True
+    for it in range(1, 9):
+        flag = log_line.training_log({"lm loss": torch.tensor(2.0)}, {}, 1e-3, it, 1.0, flag, 0, 1.0, None, None)
+    reports = [ln for ln in capsys.readouterr().out.splitlines() if "memory (MB)" in ln]
+    assert [int(r.split("(after ")[1].split()[0]) for r in reports] == [1, 4, 8]

@@ -94,6 +94,9 @@ def test_batch_ladder_halves_the_slots_and_trims_the_middle():
     assert batch_ladder(64, 3) == [1, 32, 64]
     assert batch_ladder(8, 1) == [8]
     assert [ladder_bucket(n, [1, 3, 6, 12, 24]) for n in (1, 2, 3, 7, 24)] == [1, 3, 3, 12, 24]
+    assert batch_ladder(24, 4, "linear") == [6, 12, 18, 24]
+    assert batch_ladder(10, 4, "linear") == [3, 6, 9, 10]
+    assert batch_ladder(8, 1, "linear") == [8]
     with pytest.raises(ValueError, match="must be >= 1"):
         batch_ladder(8, 0)
 

@@ -99,6 +99,7 @@ def test_derived_values():
     ("--cpu-offloading-num-layers 2", 1, "--cpu-offloading-num-layers (2) must be between 1 and --num-layers - 1"),
     ("--cpu-offloading-num-layers 1 --recompute-activations", 1, "with activation recompute is not supported"),
     ("--cpu-offloading-num-layers 1 --torch-compile", 1, "drop --torch-compile or it"),
+    ("--log-interval 10 --log-memory-interval 15", 1, "--log-memory-interval (15) must be a positive multiple"),
     ("--num-distributed-optimizer-instances 2", 2, "add --use-distributed-optimizer"),
     ("--num-distributed-optimizer-instances 2 --use-distributed-optimizer --cuda-graph-impl full_iteration", 2,
      "drop --num-distributed-optimizer-instances"),
