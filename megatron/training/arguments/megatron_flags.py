@@ -51,6 +51,17 @@ NO_EFFECT = {
     "--tp-comm-bootstrap-backend": "Transformer Engine userbuffer bootstrap; --tp-comm-overlap here uses the "
                                    "TP process group, no userbuffers",
     "--use-ring-exchange-p2p": "pipeline send/recv are torch.distributed P2P ops; results are the same",
+    "--moe-router-padding-for-quantization": "pads each expert's token count to a multiple of 16/32 for quantized "
+                                             "(FP8/FP4) grouped GEMMs; the experts here run unquantized grouped "
+                                             "GEMMs that need no padding, so the run is the same",
+    "--moe-router-padding-for-fp8": "Megatron's older name of --moe-router-padding-for-quantization: the experts "
+                                    "here run unquantized grouped GEMMs that need no padding",
+    "--use-nccl-ub": "registers the DP/FSDP communication buffers with NCCL's user buffers (fewer SMs for the "
+                     "collectives); the collectives here use NCCL's default path on the same buffers, with the same "
+                     "results",
+    "--inference-fuse-tp-communication": "selects a fused reduce-scatter + residual + norm + all-gather kernel of "
+                                         "Megatron's inference-optimized layers; generation here runs the same "
+                                         "layers' all-reduce, with the same results",
     "--no-clone-scatter-output-in-embedding": "a memory workaround of Megatron's embedding; ours has no clone",
     "--ckpt-fully-parallel-save": "deprecated in Megatron-LM too: the fully parallel save is on by default; "
                                   "--no-ckpt-fully-parallel-save turns it off",
