@@ -109,20 +109,12 @@ def test_compiled_rope_and_store_equals_eager(dtype):
 
 
 def test_chunked_prefill_on_cuda_equals_whole_prompt_prefill():
-    """--enable-chunked-prefill on CUDA (fp32, with decode graphs): a 37-token prompt in chunks of 8 gives the
-    tokens and prompt log-probs of its whole-prompt prefill."""
-    from tests.unit.core.inference.test_cuda_graphs import MAX_LEN as LONG
+    """--enable-chunked-prefill on CUDA (fp32): a 37-token prompt in chunks of 8 gives the tokens and prompt
+    log-probs of its whole-prompt prefill."""
+    from tests.unit.core.inference.test_chunked_prefill import whole_and_chunked
     from tests.unit.core.inference.test_cuda_graphs import _prompts, build_llama
-    model = build_llama(window=(12, 0)).cuda()
-    ps = _prompts([37, 5], seed=4)
     params = SamplingParams(top_k=1, num_tokens_to_generate=8, return_log_probs=True)
-
-    def run(chunked):
-        engine = InferenceEngine(model, max_batch_size=4, max_sequence_length=LONG, max_prefill_tokens=8,
-                                 chunked_prefill=chunked)
-        return engine.generate(ps, params)
-
-    whole, chunks = run(False), run(True)
+    whole, chunks = whole_and_chunked(build_llama(window=(12, 0)).cuda(), _prompts([37, 5], seed=4), params)
     for a, b in zip(whole, chunks):
         assert a.generated_tokens == b.generated_tokens
         torch.testing.assert_close(torch.tensor(b.prompt_log_probs), torch.tensor(a.prompt_log_probs),

@@ -75,14 +75,19 @@ def copy_tensor_model_parallel_attributes(destination_tensor, source_tensor) -> 
             setattr(destination_tensor, attr, getattr(source_tensor, attr))
 
 
+def param_home_device(config) -> torch.device:
+    """Where a model's weights live: the CPU with --use-cpu-initialization, else this rank's GPU (or the CPU)."""
+    return torch.device("cpu") if config.use_cpu_initialization else get_device()
+
+
 def _param_device(config):
     """Where a layer allocates its weights: the meta device with --init-model-with-meta-device (no memory, no
-    first draw; the model materializes and fills them once, layout-independently), else the CPU or the GPU.
-    Without initialization (--no-initialization: the weights come from a checkpoint) nothing would materialize
-    them, so they are allocated where they live."""
+    first draw; the model materializes them on `param_home_device` and fills them once, layout-independently),
+    else their home. Without initialization (--no-initialization: the weights come from a checkpoint) nothing
+    would materialize them, so they are allocated at home."""
     if getattr(config, "init_model_with_meta_device", False) and config.perform_initialization:
         return torch.device("meta")
-    return torch.device("cpu") if config.use_cpu_initialization else get_device()
+    return param_home_device(config)
 
 
 def _make_param(shape, config, init_fn, is_expert=False) -> torch.nn.Parameter:

@@ -12,6 +12,19 @@ from typing import Set
 import torch
 
 
+def check_offloading(num_offloaded: int, num_layers: int, pipeline_parallel: int, recompute_granularity) -> None:
+    """Megatron's limits on --cpu-offloading-num-layers (the config's and the flags' one-line errors)."""
+    if not 0 < num_offloaded < num_layers:
+        raise ValueError(f"--cpu-offloading-num-layers ({num_offloaded}) must be between 1 and --num-layers - 1 "
+                         f"({num_layers - 1}): the last layer's backward starts at once")
+    if pipeline_parallel > 1:
+        raise ValueError("--cpu-offloading-num-layers with --pipeline-model-parallel-size > 1 is not supported "
+                         "(as in Megatron); drop one")
+    if recompute_granularity is not None:
+        raise ValueError("--cpu-offloading-num-layers with activation recompute is not supported (as in Megatron): "
+                         "the recomputed layers save nothing to offload; drop one")
+
+
 class ActivationOffload:
     """A context that moves the saved tensors of the code inside it to the host; ``keep`` holds the storage
     pointers of tensors that stay (the layer's parameters). ``moved``: how many tensors went to the host (tests)."""
@@ -44,5 +57,5 @@ class ActivationOffload:
 
 
 def parameter_storages(module: torch.nn.Module) -> Set[int]:
-    """The storage pointers of ``module``'s parameters (and their main_grad buffers' views share none)."""
+    """The storage pointers of ``module``'s parameters: the tensors an offloading context leaves in place."""
     return {p.untyped_storage().data_ptr() for p in module.parameters()}

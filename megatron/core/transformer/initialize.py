@@ -14,6 +14,7 @@ from typing import Dict
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layers import param_home_device
 from megatron.core.transformer import te_key_map
 
 _LAYER_RE = re.compile(r"^(.*?\blayers\.)(\d+)(\..*)$")
@@ -111,12 +112,6 @@ def global_shape(param, pg_collection=None):
     return shape
 
 
-def _materialize_device(config) -> torch.device:
-    if config.use_cpu_initialization:
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 @torch.no_grad()
 def materialize_meta_parameters(model: torch.nn.Module, device: torch.device) -> None:
     """--init-model-with-meta-device: every parameter still on the meta device becomes an uninitialized tensor on
@@ -148,7 +143,7 @@ def initialize_parameters(model: torch.nn.Module, seed=None, pg_collection=None,
     module's path inside a larger model (``vision_model.``), so that parts sharing names draw apart."""
     config = model.config
     seed = config.seed if seed is None else seed
-    materialize_meta_parameters(model, _materialize_device(config))
+    materialize_meta_parameters(model, param_home_device(config))
     names = global_param_names(model)
     params = dict(model.named_parameters())
     for local, param in params.items():

@@ -10,11 +10,38 @@ from megatron.core.activations import squared_relu
 from megatron.core.context_parallel.utils import CP_COMM_TYPES
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer._compat_fields import TransformerConfigCompat
+from megatron.core.transformer.activation_offload import check_offloading
 from megatron.core.transformer.attention_sinks import SOFTMAX_TYPES
 from megatron.core.transformer.moe.config_checks import check_moe_config
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.transformer.window_attention import check_window_attn_skip_freq
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
+
+
+def check_attention_variant(variant: Optional[str], linear_attention_freq, num_layers: Optional[int],
+                            multi_latent_attention: bool) -> Optional[str]:
+    """--experimental-attention-variant and --linear-attention-freq as a GPT model builds them (the config's and the
+    flags' one-line errors); the variant under its 0.19.2 name ("gdn", Megatron's newer name, becomes
+    "gated_delta_net"). ``num_layers`` None: the pattern's length is checked later."""
+    if variant == "gdn":
+        variant = "gated_delta_net"
+    if variant is None:
+        if linear_attention_freq is not None:
+            raise ValueError("--linear-attention-freq places linear attention layers: add "
+                             "--experimental-attention-variant gated_delta_net")
+        return None
+    if variant != "gated_delta_net":
+        raise NotImplementedError(f"--experimental-attention-variant {variant} is not supported yet: "
+                                  "gated_delta_net is built")
+    if linear_attention_freq is None:
+        raise ValueError("--experimental-attention-variant gated_delta_net needs --linear-attention-freq (an int N: "
+                         "N - 1 linear layers per softmax-attention layer, or a 0/1 list per layer, 1 = linear)")
+    if num_layers is not None:
+        linear_attention_pattern(linear_attention_freq, num_layers)  # one line if malformed
+    if multi_latent_attention:
+        raise NotImplementedError("--experimental-attention-variant gated_delta_net with --multi-latent-attention is "
+                                  "not built: drop one")
+    return variant
 
 
 def linear_attention_pattern(linear_attention_freq, num_layers: int) -> List[int]:
@@ -228,38 +255,16 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
             self.cpu_offloading = True
         if not self.cpu_offloading:
             return
-        if not 0 < self.cpu_offloading_num_layers < self.num_layers:
-            raise ValueError(f"--cpu-offloading-num-layers ({self.cpu_offloading_num_layers}) must be between 1 and "
-                             f"--num-layers - 1 ({self.num_layers - 1}): the last layer's backward starts at once")
         if not self.cpu_offloading_activations:
             raise ValueError("cpu_offloading without cpu_offloading_activations offloads nothing here (weights stay "
                              "on the device); leave cpu_offloading_activations on")
-        if self.pipeline_model_parallel_size > 1:
-            raise ValueError("--cpu-offloading-num-layers with --pipeline-model-parallel-size > 1 is not supported "
-                             "(as in Megatron); drop one")
-        if self.recompute_granularity is not None:
-            raise ValueError("--cpu-offloading-num-layers with activation recompute is not supported (as in "
-                             "Megatron): the recomputed layers save nothing to offload; drop one")
+        check_offloading(self.cpu_offloading_num_layers, self.num_layers, self.pipeline_model_parallel_size,
+                         self.recompute_granularity)
 
     def _check_attention_variant(self):
-        variant = self.experimental_attention_variant
-        if variant == "gdn":  # Megatron's newer name of the same layer
-            self.experimental_attention_variant = variant = "gated_delta_net"
-        if variant is None:
-            if self.linear_attention_freq is not None:
-                raise ValueError("--linear-attention-freq places linear attention layers: add "
-                                 "--experimental-attention-variant gated_delta_net")
-            return
-        if variant != "gated_delta_net":
-            raise NotImplementedError(f"--experimental-attention-variant {variant} is not supported yet: "
-                                      "gated_delta_net is built")
-        if self.linear_attention_freq is None:
-            raise ValueError("--experimental-attention-variant gated_delta_net needs --linear-attention-freq (an int "
-                             "N: N - 1 linear layers per softmax-attention layer, or a 0/1 list, 1 = linear)")
-        linear_attention_pattern(self.linear_attention_freq, self.num_layers)  # one line if malformed
-        if self.multi_latent_attention:
-            raise NotImplementedError("--experimental-attention-variant gated_delta_net with "
-                                      "--multi-latent-attention is not built: drop one")
+        self.experimental_attention_variant = check_attention_variant(
+            self.experimental_attention_variant, self.linear_attention_freq, self.num_layers,
+            self.multi_latent_attention)
 
     def _check_shapes(self):
         for name in ("num_layers", "num_attention_heads"):

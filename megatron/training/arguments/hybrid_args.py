@@ -8,7 +8,7 @@ from megatron.core.models.hybrid.hybrid_layer_allocation import (
 )
 from megatron.core.ssm.gated_delta_net import check_gdn_shapes
 from megatron.core.ssm.mamba_mixer import check_mamba_shapes
-from megatron.core.transformer.transformer_config import linear_attention_pattern
+from megatron.core.transformer.transformer_config import check_attention_variant
 
 from .moe_args import moe_freq_type
 
@@ -122,26 +122,15 @@ def validate_hybrid_args(args, require):
 def _validate_linear_attention(args, require):
     """--experimental-attention-variant gated_delta_net in a GPT model: its pattern and the Gated DeltaNet shapes
     (a hybrid model places its G layers with --hybrid-layer-pattern instead)."""
-    variant = args.experimental_attention_variant
-    if variant is None:
-        require(args.linear_attention_freq is None, "--linear-attention-freq places linear attention layers: add "
-                                                    "--experimental-attention-variant gated_delta_net")
-        return
-    require(variant == "gated_delta_net", f"--experimental-attention-variant {variant} is not supported yet: "
-                                          "gated_delta_net is built")
-    require(not args.is_hybrid_model, "--experimental-attention-variant is for GPT models; a hybrid model places its "
-                                      "Gated DeltaNet layers with 'G' in --hybrid-layer-pattern")
-    require(args.linear_attention_freq is not None,
-            "--experimental-attention-variant gated_delta_net needs --linear-attention-freq (an int N: N - 1 linear "
-            "layers per softmax-attention layer, or a 0/1 list per layer, 1 = linear)")
-    require(not args.multi_latent_attention, "--experimental-attention-variant gated_delta_net with "
-                                             "--multi-latent-attention is not built: drop one")
     try:
-        if args.num_layers is not None:
-            linear_attention_pattern(args.linear_attention_freq, args.num_layers)
-        check_gdn_shapes(args.linear_num_key_heads, args.linear_num_value_heads, args.tensor_model_parallel_size,
-                         args.context_parallel_size)
-    except ValueError as e:
+        variant = check_attention_variant(args.experimental_attention_variant, args.linear_attention_freq,
+                                          args.num_layers, args.multi_latent_attention)
+        if variant is not None:
+            require(not args.is_hybrid_model, "--experimental-attention-variant is for GPT models; a hybrid model "
+                                              "places its Gated DeltaNet layers with 'G' in --hybrid-layer-pattern")
+            check_gdn_shapes(args.linear_num_key_heads, args.linear_num_value_heads, args.tensor_model_parallel_size,
+                             args.context_parallel_size)
+    except (ValueError, NotImplementedError) as e:
         require(False, str(e))
 
 

@@ -8,6 +8,7 @@ import torch
 
 from megatron.core.nccl_group_options import nccl_group_configs
 from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator
+from megatron.core.transformer.activation_offload import check_offloading
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.transformer.transformer_block import layers_per_pipeline_rank
 
@@ -337,12 +338,10 @@ def _validate_offloading(args):
     n = args.cpu_offloading_num_layers
     if not n:
         return
-    _require(0 < n < args.num_layers, f"--cpu-offloading-num-layers ({n}) must be between 1 and --num-layers - 1 "
-                                      f"({args.num_layers - 1}): the last layer's backward starts at once")
-    _require(args.pipeline_model_parallel_size == 1,
-             "--cpu-offloading-num-layers with --pipeline-model-parallel-size > 1 is not supported; drop one")
-    _require(args.recompute_granularity is None, "--cpu-offloading-num-layers with activation recompute is not "
-                                                 "supported: drop one")
+    try:
+        check_offloading(n, args.num_layers, args.pipeline_model_parallel_size, args.recompute_granularity)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
     _require(not args.torch_compile, "--cpu-offloading-num-layers moves the tensors autograd saves through its "
                                      "saved-tensor hooks, which compiled layers bypass: drop --torch-compile or it")
 

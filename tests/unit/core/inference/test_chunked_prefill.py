@@ -9,6 +9,15 @@ from megatron.core.inference import InferenceEngine, SamplingParams
 from tests.unit.core.inference.test_cuda_graphs import MAX_LEN, _prompts, build_llama
 
 
+def whole_and_chunked(model, prompts, params, chunk: int = 8):
+    """The requests generated with the whole prompts prefilled, then with prompts over ``chunk`` tokens in chunks."""
+    def run(chunked):
+        engine = InferenceEngine(model, max_batch_size=4, max_sequence_length=MAX_LEN, max_prefill_tokens=chunk,
+                                 chunked_prefill=chunked)
+        return engine.generate(prompts, params)
+    return run(False), run(True)
+
+
 @pytest.mark.parametrize("window", [None, (12, 0)])
 def test_chunked_prefill_equals_whole_prompt_prefill(window):
     model = build_llama(window=window)
@@ -17,12 +26,7 @@ def test_chunked_prefill_equals_whole_prompt_prefill(window):
               SamplingParams(top_k=1, num_tokens_to_generate=6),
               SamplingParams(temperature=1.2, top_p=0.9, random_seed=5, num_tokens_to_generate=6)]
 
-    def run(chunked):
-        engine = InferenceEngine(model, max_batch_size=4, max_sequence_length=MAX_LEN, max_prefill_tokens=8,
-                                 chunked_prefill=chunked)
-        return engine.generate(ps, params)
-
-    whole, chunks = run(False), run(True)
+    whole, chunks = whole_and_chunked(model, ps, params)
     for a, b in zip(whole, chunks):
         assert a.generated_tokens == b.generated_tokens
         torch.testing.assert_close(torch.tensor(b.generated_log_probs), torch.tensor(a.generated_log_probs),
