@@ -13,7 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _bench(tmp_path, *args):
     # On a free port: --standalone adds a rendezvous round to each launch (tests/functional/torchrun.py).
     p = torchrun(2, [os.path.join(ROOT, "tools", "bench_checkpoint.py"), "--config", "tiny", "--save-dir",
-                     str(tmp_path / "ck"), *args], cwd=ROOT, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                     str(tmp_path / "ck"), *args, "--distributed-timeout-minutes", "5"], cwd=ROOT, timeout=420,
+                 env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout
 

@@ -32,7 +32,8 @@ from megatron.training.diagnostics import errors
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                "broadcast", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "barrier",
-               "all_gather_object", "broadcast_object_list", "gather_object", "send", "recv", "batch_isend_irecv")
+               "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "send", "recv",
+               "batch_isend_irecv")
 # isend / irecv stay unwrapped: torch.distributed.P2POp accepts only those very functions as its op (the
 # pipeline schedules build P2POps from them); their batches are recorded through batch_isend_irecv.
 HISTORY = 64
@@ -132,7 +133,9 @@ def dump_prefix(args):
         if folder:  # e.g. <checkpoints>/hang_dumps/rank: the folder is made once, by whichever rank comes first
             os.makedirs(folder, exist_ok=True)
         return args.flight_recorder_dump_path
-    run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or \
+    # torchrun without --rdzv-id names every run "none": two jobs on one host would share one dump file.
+    elastic = os.environ.get("TORCHELASTIC_RUN_ID")
+    run = (elastic if elastic and elastic != "none" else None) or os.environ.get("SLURM_JOB_ID") or \
         os.environ.get("MASTER_PORT", str(os.getpid()))
     return os.path.join(tempfile.gettempdir(), f"megatron_hang_{run}_rank")
 

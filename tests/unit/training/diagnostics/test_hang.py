@@ -108,3 +108,15 @@ def test_rendezvous_text_names_the_address_and_the_flag(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29500")
     text = _rendezvous_text(types.SimpleNamespace(rank=3, world_size=8, distributed_backend="nccl"))
     assert text.startswith("rank 3 of 8 in torch.distributed's rendezvous at node7:29500 (--distributed-backend nccl)")
+
+
+def test_default_dump_prefix_tells_torchrun_jobs_apart(monkeypatch):
+    """torchrun without --rdzv-id names every run "none": the prefix then falls back to the master port, so two
+    jobs on one host (CI's parallel tests) write their own dumps."""
+    args = types.SimpleNamespace(flight_recorder_dump_path=None)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setenv("MASTER_PORT", "29611")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert hang.dump_prefix(args).endswith("megatron_hang_29611_rank")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    assert hang.dump_prefix(args).endswith("megatron_hang_job7_rank")
