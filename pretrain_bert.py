@@ -19,6 +19,7 @@ from megatron.core.models.bert.bert_layer_specs import get_bert_layer_local_spec
 from megatron.core.models.bert.bert_model import BertModel
 from megatron.training import get_args, get_timers, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.arguments.spec_args import resolve_spec
 from megatron.training.masked_lm_datasets import (
     build_masked_datasets,
     masked_dataset_config_kwargs,
@@ -54,7 +55,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
     config = core_transformer_config_from_args(args)
     return BertModel(
         config=config, num_tokentypes=2 if args.bert_binary_head else 0,
-        transformer_layer_spec=get_bert_layer_local_spec(), vocab_size=args.padded_vocab_size,
+        transformer_layer_spec=resolve_spec(args.spec) or get_bert_layer_local_spec(),
+        vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

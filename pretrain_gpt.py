@@ -24,6 +24,7 @@ from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.transformer.transformer_layer import compile_transformer_layers
 from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.arguments.spec_args import resolve_spec
 from megatron.training.datasets.sft_dataset import SFTDataset, SFTDatasetConfig
 
 
@@ -38,7 +39,9 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
     layer_spec = spec_fn(qk_layernorm=args.qk_layernorm, multi_latent_attention=args.multi_latent_attention,
                          qk_l2_norm=args.qk_l2_norm)
     # One spec per layer: MoE where --moe-layer-freq says so, Gated DeltaNet where --linear-attention-freq does.
-    if args.num_experts is not None or args.experimental_attention_variant is not None:
+    if args.spec is not None and args.spec != ["local"]:
+        layer_spec = resolve_spec(args.spec)  # as named, as Megatron builds it
+    elif args.num_experts is not None or args.experimental_attention_variant is not None:
         layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
                                                 qk_l2_norm=args.qk_l2_norm)
     model = GPTModel(

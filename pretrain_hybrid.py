@@ -2,10 +2,12 @@
 `torchrun --nproc-per-node N pretrain_hybrid.py <Megatron flags>`. Data, batches and the loss are
 pretrain_gpt.py's; only the model differs."""
 from megatron.core.enums import ModelType
+from megatron.core.models.hybrid import hybrid_layer_specs
 from megatron.core.models.hybrid.hybrid_layer_specs import get_hybrid_stack_spec
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.training import get_args, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.arguments.spec_args import resolve_spec
 from pretrain_gpt import forward_step, train_valid_test_datasets_provider
 
 
@@ -14,7 +16,12 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
     args = get_args()
     print_rank_0("building hybrid model ...")
     config = core_transformer_config_from_args(args)
-    spec = get_hybrid_stack_spec(moe_grouped_gemm=args.moe_grouped_gemm, qk_layernorm=args.qk_layernorm)
+    spec = resolve_spec(args.spec)
+    if spec is hybrid_layer_specs.hybrid_stack_spec:
+        # Megatron's launch scripts name this stack: the same layers, built with --qk-layernorm where it is set.
+        spec = get_hybrid_stack_spec(moe_grouped_gemm=True, qk_layernorm=args.qk_layernorm)
+    elif spec is None:
+        spec = get_hybrid_stack_spec(moe_grouped_gemm=args.moe_grouped_gemm, qk_layernorm=args.qk_layernorm)
     return HybridModel(
         config=config, hybrid_stack_spec=spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, hybrid_layer_pattern=args.hybrid_layer_pattern,

@@ -23,6 +23,7 @@ from megatron.core.models.vision.vit_layer_specs import get_vision_projection_su
 from megatron.core.utils import get_device
 from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.arguments.spec_args import resolve_spec
 from megatron.training.arguments.vision_args import (
     QWEN_VIT,
     QWEN_VIT_DEFAULTS,
@@ -82,12 +83,18 @@ def check_qwen_vit_args(args):
                          "token; drop --use-tiling / --disable-vision-class-token")
 
 
+def language_layer_spec(args):
+    """The language model's layer spec: --spec's when given (Megatron's multimodal examples read it there), else
+    the local GPT layer."""
+    return resolve_spec(args.spec) or get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm)
+
+
 def qwen25_vl_model(args, language, pre_process, post_process, vp_stage):
     """Qwen25VLModel from the flags (--vision-model-type qwen2.5_vit)."""
     vision = vision_config_from(language, args)
     return Qwen25VLModel(
-        language_transformer_config=language, language_transformer_layer_spec=get_gpt_layer_local_spec(
-            qk_layernorm=args.qk_layernorm), language_vocab_size=args.padded_vocab_size,
+        language_transformer_config=language, language_transformer_layer_spec=language_layer_spec(args),
+        language_vocab_size=args.padded_vocab_size,
         language_max_sequence_length=args.seq_length, vision_transformer_config=vision,
         vision_transformer_layer_spec=get_vit_layer_with_local_spec(),
         vision_projection_config=projection_config_from(language, args),
@@ -133,8 +140,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
         return model
     first = parallel_state.is_pipeline_first_stage()
     model = LLaVAModel(
-        language_transformer_config=language, language_transformer_layer_spec=get_gpt_layer_local_spec(
-            qk_layernorm=args.qk_layernorm), language_vocab_size=args.padded_vocab_size,
+        language_transformer_config=language, language_transformer_layer_spec=language_layer_spec(args),
+        language_vocab_size=args.padded_vocab_size,
         language_max_sequence_length=args.seq_length, vision_transformer_config=vision_config_from(language, args),
         vision_transformer_layer_spec=get_vit_layer_with_local_spec(),
         drop_vision_class_token=args.disable_vision_class_token,

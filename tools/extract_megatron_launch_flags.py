@@ -32,6 +32,7 @@ MEGATRON_SCRIPTS = {
                                                      "/data_text_document"],
     "examples/t5/train_t5_220m_distributed.sh": ["/ckpt", "/tensorboard", "/bert-large-cased-vocab.txt",
                                                  "/data_text_document"],
+    "examples/mamba/train.sh": ["/data_text_document", "/tokenizer.model"],
 }
 ZOO_CONFIGS = ["DeepSeek-V3", "Qwen3-30B-A3B", "Qwen3-235B-A22B"]  # the DeepSeek-V3 and Qwen rows of runtime.conf
 # runtime.conf columns, in order (the first 13 name the ${VAR}s the YAML configs read).

@@ -30,6 +30,7 @@ from .parallel_data_args import add_data_args, add_distributed_args, add_tokeniz
 from .profiling_args import add_profiling_args
 from .qk_clip_args import add_qk_clip_args
 from .sft_args import add_sft_args
+from .spec_args import add_spec_args
 from .tp_overlap_args import add_tp_overlap_args
 from .training_args import (
     add_checkpointing_args,
@@ -73,6 +74,7 @@ def build_parser(extra_args_provider=None):
                 add_profiling_args,
                 add_autoresume_args,
                 add_sft_args,
+                add_spec_args,
                 add_tp_overlap_args):
         parser = add(parser)
     if extra_args_provider is not None:

@@ -8,7 +8,6 @@ comes from here. A module that implements one of these flags deletes its line.
 # flag -> (argparse kwargs of an earlier registration, kept for reference; what to do instead)
 UNSUPPORTED_FLAGS = {
     "--fp4-format": (dict(type=str), "FP4 is not supported"),
-    "--spec": (dict(nargs="*"), "custom layer specs are not supported; the local spec is used"),
     "--heterogeneous-layers-config-path": (dict(type=str), "heterogeneous layers are not supported"),
     "--full-validation": (dict(action="store_true"), "use --eval-iters"),
     "--multiple-validation-sets": (dict(action="store_true"), "use a single validation blend"),

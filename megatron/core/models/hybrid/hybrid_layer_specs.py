@@ -82,6 +82,6 @@ def get_hybrid_stack_spec(moe_grouped_gemm: bool = False, qk_layernorm: bool = F
         mtp_block_spec=mtp))
 
 
-# Megatron's module-level spec names.
-hybrid_stack_spec = get_hybrid_stack_spec()
+# Megatron's module-level spec names; Megatron's hybrid stack builds its experts as one grouped GEMM.
+hybrid_stack_spec = get_hybrid_stack_spec(moe_grouped_gemm=True)
 mamba_stack_spec = hybrid_stack_spec

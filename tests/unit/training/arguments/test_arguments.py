@@ -124,6 +124,10 @@ def test_derived_values():
     ("--num-experts 4 --moe-layer-recompute --recompute-granularity full --recompute-method uniform "
      "--recompute-num-layers 1", 1, "drop --recompute-granularity full"),
     ("--softmax-type off-by-one --reset-attention-mask", 1, "not supported with packed sequences"),
+    ("--spec megatron.core.models.gpt.gpt_layer_specs", 1, "--spec takes a module and a name"),
+    ("--spec megatron.core.models.no_such_module layer_spec", 1, "no_such_module cannot be imported"),
+    ("--spec megatron.core.models.gpt.gpt_layer_specs no_such_spec", 1, "has no attribute no_such_spec"),
+    ("--spec megatron.core.models.gpt.gpt_layer_specs get_gpt_layer_local_spec", 1, "is a function, not a ModuleSpec"),
 ])
 def test_validation_errors(extra, world, needle):
     assert_refused_in_one_line(extra, needle, world_size=world)
