@@ -33,6 +33,7 @@ from megatron.core.optimizer.optimizer_config import (
     ParamWithNamePredicate,
     SGDOptimizerConfig,
 )
+from megatron.core.optimizer.precision_aware_adam import PrecisionAwareAdamW
 from megatron.core.utils import lazy_names
 
 # Megatron's names that this package's own code does not call (the _compat room), resolved on first use.
@@ -92,6 +93,10 @@ def _get_param_groups(model_chunks, config: OptimizerConfig, no_weight_decay_con
 def _inner_optimizer(config: OptimizerConfig, param_groups, optimizer: Optional[str] = None):
     lr = config.lr if config.lr is not None else 0.0
     on_cuda = all(p.is_cuda for g in param_groups for p in g["params"])
+    if (optimizer or config.optimizer) == "adam" and config.use_precision_aware_optimizer:
+        return PrecisionAwareAdamW(param_groups, lr=lr, weight_decay=config.weight_decay,
+                                   betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                                   exp_avg_dtype=config.exp_avg_dtype, exp_avg_sq_dtype=config.exp_avg_sq_dtype)
     if (optimizer or config.optimizer) == "adam":
         # AdamW semantics (decoupled weight decay), as Megatron's fused Adam with adam_w_mode.
         kwargs = {"fused": True} if on_cuda else {"foreach": False}
@@ -153,6 +158,10 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
     inner = _inner_optimizer(config, param_groups)
     if config.use_distributed_optimizer and not _sharding_decided_by_strategy(model_chunks):
         opt = DistributedOptimizer(inner, config, scaler, None, list(model_chunks))
+    elif config.use_precision_aware_optimizer:
+        raise ValueError("--use-precision-aware-optimizer keeps the distributed optimizer's state in 16 bits; these "
+                         "model chunks are sharded by their FSDP strategy (--data-parallel-sharding-strategy "
+                         "optim, or DDP, runs the distributed optimizer)")
     elif config.fp16 or config.bf16 or any(p.dtype != torch.float32 for g in param_groups for p in g["params"]):
         opt = Float16OptimizerWithFloat16Params(inner, config, scaler)
     else:

@@ -3,8 +3,6 @@
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
 
 @dataclass
 class OptimizerConfigCompat:
@@ -12,12 +10,7 @@ class OptimizerConfigCompat:
 
     fp8_recipe: Optional[str] = None
     reuse_grad_buf_for_mxfp8_param_ag: bool = False
-    use_precision_aware_optimizer: bool = False
     store_param_remainders: bool = True
-    main_grads_dtype: torch.dtype = torch.float32
-    main_params_dtype: torch.dtype = torch.float32
-    exp_avg_dtype: torch.dtype = torch.float32
-    exp_avg_sq_dtype: torch.dtype = torch.float32
     decoupled_weight_decay: bool = True
     lion_beta1: float = 0.95
     lion_beta2: float = 0.98

@@ -88,8 +88,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 raise ValueError("DistributedOptimizer(whole_params=True): a param is split across DP shards; "
                                  "tag the params (tag_params_for_buffer_routing) before wrapping them in DDP")
             local = local.view(param.shape)
-        # fp32 model params are updated in place (the shard view aliases the param buffer).
-        main = local if param.dtype == torch.float32 else local.clone().float()
+        # fp32 model params are updated in place (the shard view aliases the param buffer); 16-bit ones get a master
+        # copy in --main-params-dtype (fp32 unless the precision-aware optimizer asks for fp16).
+        main = local if param.dtype == torch.float32 else local.clone().to(self.config.main_params_dtype)
         copy_tensor_model_parallel_attributes(main, param)
         copy_optimizer_param_metadata(main, param)
         self.main_to_model[main] = param
@@ -108,9 +109,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 parallel_state.get_expert_data_parallel_group(partial_expert_data_parallel=True)]
 
     def _copy_model_grads_to_main_grads(self):
+        decoupled, dtype = self._decoupled_grads, self.config.main_grads_dtype
         for main, (model, lo, hi) in self.shard_ranges.items():
             grad = _model_grad(model)
-            main.grad = None if grad is None else grad.view(-1)[lo:hi].view_as(main).float()
+            grad = None if grad is None else grad.view(-1)[lo:hi].view_as(main)
+            if decoupled:  # the grad buffer's own shard when it has the dtype asked for: no copy
+                main.decoupled_grad = None if grad is None else grad.to(dtype)
+            else:
+                main.grad = None if grad is None else grad.float()
 
     def _model_param_copies(self):
         copies = {}
@@ -164,7 +170,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         out = {}
         for main, (param, lo, hi) in self.shard_ranges.items():
             keys = sorted(k for k in self.optimizer.state[main] if k != "step") + (["fp32_param"] if with_fp32 else [])
-            out[param] = (lo, hi, {k: self._local_state(main, k).detach().reshape(-1) for k in keys})
+            # fp32 in the checkpoint whatever the precision-aware optimizer keeps: it loads into any setting.
+            out[param] = (lo, hi, {k: self._local_state(main, k).detach().reshape(-1).float() for k in keys})
         return out
 
     def param_state_for_save(self, params=None):

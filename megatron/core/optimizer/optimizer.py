@@ -142,8 +142,8 @@ class MegatronOptimizer:
         return [parallel_state.get_expert_tensor_model_pipeline_parallel_group()]
 
     def _main_grads_for_stats(self, expert=None) -> List[torch.Tensor]:
-        return [p.grad for p in self.get_parameters()
-                if p.grad is not None and param_counts_for_grad_stats(self.main_to_model[p])
+        return [self._main_grad(p) for p in self.get_parameters()
+                if self._main_grad(p) is not None and param_counts_for_grad_stats(self.main_to_model[p])
                 and (expert is None or expert == (not getattr(self.main_to_model[p], "allreduce", True)))]
 
     def get_grad_norm(self, as_tensor: bool = False):
@@ -184,7 +184,8 @@ class MegatronOptimizer:
                 device = self.get_parameters()[0].device
                 self._clip_grad_scale = torch.tensor(1.0 / coeff, dtype=torch.float32, device=device)
             else:
-                clip_grad_by_total_norm_fp32(self.get_parameters(), clip_grad, grad_norm)
+                clip_grad_by_total_norm_fp32(self.get_parameters(), clip_grad, grad_norm,
+                                             use_decoupled_grad=self._decoupled_grads)
         return grad_norm
 
     def _inner_step_unscales_grads(self) -> bool:
@@ -239,7 +240,7 @@ class MegatronOptimizer:
         """Unscale main grads by 1/loss_scale; True if any rank of the stats groups saw inf/nan."""
         inv_scale = self.grad_scaler.inv_scale
         found = torch.zeros(1, dtype=torch.float32)
-        grads = [p.grad for p in self.get_parameters() if p.grad is not None]
+        grads = [self._main_grad(p) for p in self.get_parameters() if self._main_grad(p) is not None]
         for g in grads:
             g.mul_(inv_scale.to(g.device))
             if not torch.isfinite(g.to_local() if hasattr(g, "to_local") else g).all():
@@ -299,6 +300,17 @@ class MegatronOptimizer:
             param.grad = None
         for param in self.get_parameters():
             param.grad = None
+            if hasattr(param, "decoupled_grad"):
+                param.decoupled_grad = None
+
+    @property
+    def _decoupled_grads(self) -> bool:
+        """The precision-aware optimizer's main grads are ``main.decoupled_grad`` (as in Megatron): a bf16 grad of
+        an fp32 main param cannot be its ``.grad``, whose dtype torch ties to the param's."""
+        return bool(getattr(self.config, "use_precision_aware_optimizer", False))
+
+    def _main_grad(self, main):
+        return getattr(main, "decoupled_grad", None) if self._decoupled_grads else main.grad
 
     def reload_model_params(self):
         """Refresh main params from the model params (after loading a model checkpoint)."""

@@ -9,6 +9,20 @@ from megatron.core._compat_fields import check_compat_fields
 from megatron.core.optimizer._compat_fields import OptimizerConfigCompat
 from megatron.core.optimizer.muon import NS_COEFFICIENTS, SCALE_MODES, TP_MODES
 
+# Megatron's names of the optimizer dtypes (fp8 is torch.uint8 there).
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "fp8"}
+_PRECISION_AWARE_FIELDS = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+
+
+def as_optimizer_dtype(value):
+    """A torch dtype, or Megatron's name of one ('fp32', 'bf16', 'fp16', 'fp8'), as a torch dtype."""
+    if isinstance(value, str):
+        names = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+        if value not in names:
+            raise ValueError(f"optimizer dtype {value!r}: use one of {', '.join(names)}")
+        return names[value]
+    return value
+
 
 @dataclass
 class OptimizerConfig(OptimizerConfigCompat):
@@ -61,6 +75,17 @@ class OptimizerConfig(OptimizerConfigCompat):
     """Muon sharded over data-parallel ranks by whole weight matrices, AdamW params by the distributed
     optimizer (needs DDP with use_distributed_optimizer and params tagged by tag_params_for_buffer_routing)."""
 
+    use_precision_aware_optimizer: bool = False
+    """Let the dtypes below be 16-bit (Adam with the distributed optimizer only; see precision_aware_adam.py)."""
+    main_grads_dtype: torch.dtype = torch.float32
+    """Gradients the optimizer reads: fp32, or bf16 (the DDP grad buffer itself, reduced in bf16)."""
+    main_params_dtype: torch.dtype = torch.float32
+    """Master copies of 16-bit params: fp32 or fp16."""
+    exp_avg_dtype: torch.dtype = torch.float32
+    """Adam's first moment: fp32 or bf16."""
+    exp_avg_sq_dtype: torch.dtype = torch.float32
+    """Adam's second moment: fp32 or bf16."""
+
     use_distributed_optimizer: bool = False
     overlap_param_gather: bool = False
     overlap_param_gather_with_optimizer_step: bool = False
@@ -87,6 +112,9 @@ class OptimizerConfig(OptimizerConfigCompat):
                 "--overlap-param-gather-with-optimizer-step is not supported; use --overlap-param-gather")
         if self.clip_grad < 0:
             raise ValueError("--clip-grad must be >= 0 (0 disables clipping)")
+        for name in _PRECISION_AWARE_FIELDS:
+            setattr(self, name, as_optimizer_dtype(getattr(self, name)))
+        check_precision_aware(self)
 
     def _check_muon(self):
         checks = [
@@ -156,3 +184,30 @@ class ParamKey:
                 or any(getattr(param, a, False) for a in as_tuple(self.attr))
                 or any(p(param) for p in as_tuple(self.predicate))
                 or any(p(param, param_name) for p in as_tuple(self.with_name_predicate)))
+
+
+def check_precision_aware(config):
+    """Megatron's rules: 16-bit optimizer dtypes only with the precision-aware optimizer, which is Adam with the
+    distributed optimizer. ``config``: an OptimizerConfig, or the parsed flags (the same attribute names), so the
+    flags and the library refuse in the same words."""
+    dtype = lambda name: as_optimizer_dtype(getattr(config, name))  # noqa: E731
+    dtypes = {"--main-grads-dtype": (dtype("main_grads_dtype"), (torch.float32, torch.bfloat16)),
+              "--main-params-dtype": (dtype("main_params_dtype"), (torch.float32, torch.float16)),
+              "--exp-avg-dtype": (dtype("exp_avg_dtype"), (torch.float32, torch.bfloat16)),
+              "--exp-avg-sq-dtype": (dtype("exp_avg_sq_dtype"), (torch.float32, torch.bfloat16))}
+    for flag, (dtype, allowed) in dtypes.items():
+        if not config.use_precision_aware_optimizer and dtype != torch.float32:
+            raise ValueError(f"{flag} {_DTYPE_NAMES.get(dtype, dtype)} needs --use-precision-aware-optimizer "
+                             "(without it the optimizer keeps fp32)")
+        if dtype not in allowed:
+            names = ", ".join(_DTYPE_NAMES[d] for d in allowed)
+            # Transformer Engine keeps fp16 and fp8 moments with a scale per tensor; without one Adam's
+            # squared gradients underflow fp16 (measured: the update blows up within 3 steps).
+            hint = (" (fp16 and fp8 moments need a scale per tensor, not built here)"
+                    if dtype in (torch.float16, torch.uint8) and "exp-avg" in flag else "")
+            raise ValueError(f"{flag} {_DTYPE_NAMES.get(dtype, dtype)} is not supported: use {names}{hint}")
+    if config.use_precision_aware_optimizer:
+        if config.optimizer != "adam":
+            raise ValueError(f"--use-precision-aware-optimizer works with --optimizer adam, not {config.optimizer}")
+        if not config.use_distributed_optimizer:
+            raise ValueError("--use-precision-aware-optimizer needs --use-distributed-optimizer (as in Megatron)")

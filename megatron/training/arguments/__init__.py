@@ -27,6 +27,7 @@ from .model_args import (
 from .moe_args import add_moe_args
 from .optimizer_args import add_muon_args
 from .parallel_data_args import add_data_args, add_distributed_args, add_tokenizer_args
+from .precision_aware_args import add_precision_aware_args
 from .profiling_args import add_profiling_args
 from .qk_clip_args import add_qk_clip_args
 from .sft_args import add_sft_args
@@ -68,6 +69,7 @@ def build_parser(extra_args_provider=None):
                 add_mla_args,
                 add_hybrid_args,
                 add_muon_args,
+                add_precision_aware_args,
                 add_qk_clip_args,
                 add_dropin_args,
                 add_diagnostics_args,

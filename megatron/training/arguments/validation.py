@@ -26,6 +26,7 @@ from .megatron_flags import check_megatron_flags
 from .mla_args import validate_mla_args
 from .moe_args import validate_moe_args
 from .optimizer_args import validate_optimizer_args
+from .precision_aware_args import validate_precision_aware_args
 from .profiling_args import validate_profiling_args
 from .qk_clip_args import validate_qk_clip_args
 from .sft_args import validate_sft_args
@@ -47,6 +48,7 @@ def validate_args(args, defaults={}):
     validate_hybrid_args(args, _require)
     validate_dropin_args(args, _require, lambda m: print(m, flush=True) if args.rank == 0 else None)
     validate_optimizer_args(args, _require, _warn)
+    validate_precision_aware_args(args, _require)
     _validate_parallel(args)
     _validate_batch(args)
     _validate_model(args)
@@ -436,8 +438,8 @@ def _validate_precision(args):
     args.params_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
     if args.fp16 and args.loss_scale is None:
         args.check_for_nan_in_loss_and_grad = False  # the dynamic scaler skips inf/nan steps instead
-    if args.bf16 and not args.grad_reduce_in_bf16:
-        args.accumulate_allreduce_grads_in_fp32 = True
+    if args.bf16 and not args.grad_reduce_in_bf16 and args.main_grads_dtype == torch.float32:
+        args.accumulate_allreduce_grads_in_fp32 = True  # bf16 main grads (precision-aware) stay bf16
     _require(not args.fp16_lm_cross_entropy or args.fp16, "--fp16-lm-cross-entropy requires --fp16")
     _require(not args.fp32_residual_connection or args.fp16 or args.bf16,
              "--fp32-residual-connection requires --fp16 or --bf16")
