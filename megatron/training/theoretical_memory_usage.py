@@ -22,6 +22,8 @@ def compute_weight_and_optimizer_memory(args, verbose=False):
     if args.num_experts is not None:
         per_layer = _moe_average_layer_params(args, per_layer - glu * h * ffn, glu)
     mtp = args.mtp_num_layers or 0
+    if getattr(args, "mtp_use_repeated_layer", False):
+        mtp = min(mtp, 1)  # one MTP layer's weights, applied at every depth
     L = L + mtp  # MTP depths: a layer each (+ eh_proj and norms below), on the last stage
     per_layer_extra = mtp * (2 * h * h + 3 * h)
     vocab = args.padded_vocab_size or args.vocab_size or 0
@@ -32,10 +34,14 @@ def compute_weight_and_optimizer_memory(args, verbose=False):
     first_stage = (per_layer * L / pp + per_layer_extra + embedding + (untied if pp == 1 else 0)) / tp
     if verbose:
         print(f"Number of parameters in most loaded shard in billions: {first_stage / 1e9:.4f}", flush=True)
-    # 16-bit params + fp32 grads + fp32 main params + Adam m, v = 18 B; distributed optimizer shards 12 B.
+    # 16-bit params + fp32 grads + fp32 main params + Adam m, v = 18 B; distributed optimizer shards 12 B (the
+    # precision-aware optimizer's 16-bit grads, master weights or moments take 2 B each instead of 4).
     # The distributed optimizer shards over DP x CP (CP ranks hold the same weights).
+    size = lambda name: getattr(getattr(args, name, None), "itemsize", 4)  # noqa: E731  (fp32 unless set)
+    sharded = size("main_params_dtype") + size("exp_avg_dtype") + size("exp_avg_sq_dtype")
+    unsharded = 2 + size("main_grads_dtype")
     shards = args.data_parallel_size * args.context_parallel_size
-    bytes_per_param = 18 if not args.use_distributed_optimizer else 6 + 12 / shards
+    bytes_per_param = unsharded + sharded / (shards if args.use_distributed_optimizer else 1)
     return first_stage * bytes_per_param
 
 

@@ -10,7 +10,6 @@ import torch
 class TransformerConfigCompat:
     """TransformerConfig fields of Megatron Core 0.19.2 that have no counterpart here."""
 
-    mtp_use_repeated_layer: bool = False
     mtp_detach_heads: bool = False
     mtp_hybrid_override_pattern: Optional[str] = None
     flash_attention_version: Optional[Literal[2, 3, 4]] = None

@@ -197,7 +197,8 @@ class MultiTokenPredictionBlockSubmodules:
 
 
 class MultiTokenPredictionBlock(MegatronModule):
-    """The D prediction depths; forward returns [h; h_1; ...; h_D] concatenated along the sequence dim."""
+    """The D prediction depths; forward returns [h; h_1; ...; h_D] concatenated along the sequence dim. With
+    ``config.mtp_use_repeated_layer`` one layer (checkpoint keys mtp.layers.0.*) computes every depth."""
 
     def __init__(self, config, spec, vp_stage: Optional[int] = None, pg_collection=None,
                  mtp_layer_pattern: Optional[str] = None, mtp_num_depths: int = 0, hybrid_submodules=None,
@@ -222,6 +223,9 @@ class MultiTokenPredictionBlock(MegatronModule):
                              f"{config.mtp_num_layers}")
         else:
             extra = {}
+        self.mtp_use_repeated_layer = bool(getattr(config, "mtp_use_repeated_layer", False))
+        if self.mtp_use_repeated_layer:  # one layer, applied at every depth (Megatron builds the first spec)
+            specs = specs[:1]
         self.layers = torch.nn.ModuleList(
             build_module(s, config=config, layer_number=i + 1, vp_stage=vp_stage, **extra,
                          **process_group_kwargs(s, pg_collection, type(self).__name__)) for i, s in enumerate(specs))
@@ -229,7 +233,8 @@ class MultiTokenPredictionBlock(MegatronModule):
     def forward(self, input_ids, position_ids, hidden_states, attention_mask, rotary_pos_emb=None,
                 embedding=None, **kwargs):
         outputs = [hidden_states]
-        for layer in self.layers:
+        depths = [self.layers[0]] * self.config.mtp_num_layers if self.mtp_use_repeated_layer else self.layers
+        for layer in depths:
             hidden_states, input_ids, position_ids = layer(input_ids, position_ids, hidden_states, attention_mask,
                                                            rotary_pos_emb=rotary_pos_emb, embedding=embedding)
             outputs.append(hidden_states)

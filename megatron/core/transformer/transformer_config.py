@@ -187,6 +187,8 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     multi_latent_attention: bool = False
     mtp_num_layers: Optional[int] = None
     mtp_loss_scaling_factor: float = 0.1
+    mtp_use_repeated_layer: bool = False
+    """One MTP layer applied at every depth (its weights shared by the mtp_num_layers predictions)."""
 
     # FP8 linears without Transformer Engine (megatron/core/fp8): format e4m3 | hybrid, tensorwise
     # current scaling. The amax-history fields belong to the delayed recipe and must keep their defaults.

@@ -31,6 +31,9 @@ def add_mla_args(parser):
                    help="Multi-token prediction depths on the last stage (DeepSeek-V3 uses 1).")
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
                    help="Weight of the mean MTP loss added to the LM loss.")
+    g.add_argument("--mtp-use-repeated-layer", action="store_true",
+                   help="Build one MTP layer and apply it at each of the --mtp-num-layers depths (shared weights; "
+                        "checkpoints hold mtp.layers.0 only).")
     return parser
 
 
@@ -89,6 +92,8 @@ def validate_mla_args(args, require):
         require(backend not in ("flash", "fused") or args.v_head_dim <= q_dim,
                 f"--attention-backend {backend} needs --v-head-dim ({args.v_head_dim}) <= the query/key head dim "
                 f"({q_dim}); use --attention-backend auto or unfused")
+    require(not args.mtp_use_repeated_layer or args.mtp_num_layers is not None,
+            "--mtp-use-repeated-layer repeats the MTP layer over --mtp-num-layers depths: pass --mtp-num-layers")
     if args.mtp_num_layers is not None:
         require(args.mtp_num_layers >= 1, f"--mtp-num-layers ({args.mtp_num_layers}) must be >= 1")
         require(args.context_parallel_size == 1,

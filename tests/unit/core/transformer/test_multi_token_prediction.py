@@ -26,7 +26,7 @@ def _mtp_model(**kw):
                     mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec)), cfg
 
 
-def _reference_mtp_objective(model, cfg, ids, pos, labels, mask):
+def _reference_mtp_objective(model, cfg, ids, pos, labels, mask, depth_layers=None):
     """LM loss mean + scale/D * sum_k (MTP depth k mean loss), from the model's pieces called in plain
     order: depth k embeds the inputs rolled left by k and predicts the labels rolled left by k."""
     hidden = model.decoder(model.embedding(ids, pos), None)
@@ -34,7 +34,7 @@ def _reference_mtp_objective(model, cfg, ids, pos, labels, mask):
     token_loss = F.cross_entropy(logits.flatten(0, 1), labels.t().flatten(), reduction="none").view(S, B).t()
     objective = (token_loss * mask).sum() / mask.sum()
     stats = []
-    for k, layer in enumerate(model.mtp.layers, start=1):
+    for k, layer in enumerate(depth_layers or model.mtp.layers, start=1):
         shifted = torch.cat([ids[:, k:], torch.zeros_like(ids[:, :k])], dim=1)
         shifted_pos = torch.cat([pos[:, k:], torch.zeros_like(pos[:, :k])], dim=1)
         e = model.embedding(shifted, shifted_pos)
@@ -73,3 +73,28 @@ def test_mtp_loss_and_gradients_match_plain_reference():
     model.eval()
     torch.testing.assert_close(model(ids, pos, None, labels=labels), out.detach(), **TOL)
     assert model.mtp_loss_stats is None
+
+
+def test_repeated_mtp_layer_is_one_layer_applied_at_every_depth():
+    """--mtp-use-repeated-layer: one set of MTP weights (mtp.layers.0 only); the objective is the reference's with
+    that layer at both depths, and its gradients sum both depths' contributions."""
+    model, cfg = _mtp_model(mtp_use_repeated_layer=True)
+    assert len(model.mtp.layers) == 1 and not any(n.startswith("mtp.layers.1.") for n, _ in model.named_parameters())
+    g = torch.Generator().manual_seed(2)
+    ids, labels = torch.randint(0, 40, (B, S), generator=g), torch.randint(0, 40, (B, S), generator=g)
+    pos = torch.arange(S).expand(B, S)
+    mask = (torch.rand(B, S, generator=g) > 0.2).float()
+    out = model(ids, pos, None, labels=labels, loss_mask=mask)
+    (out * mask).sum().div(mask.sum()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    stats = model.mtp_loss_stats
+    assert len(stats) == 2
+    model.zero_grad()
+    objective, ref_stats = _reference_mtp_objective(model, cfg, ids, pos, labels, mask,
+                                                    depth_layers=[model.mtp.layers[0]] * 2)
+    objective.backward()
+    for (got_sum, got_n), (ref_sum, ref_n) in zip(stats, ref_stats):
+        torch.testing.assert_close(got_sum, ref_sum.detach(), **TOL)
+        assert got_n == ref_n
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=name)

@@ -126,6 +126,7 @@ def test_derived_values():
     ("--softmax-type off-by-one --reset-attention-mask", 1, "not supported with packed sequences"),
     ("--spec megatron.core.models.gpt.gpt_layer_specs", 1, "--spec takes a module and a name"),
     ("--exp-avg-dtype bf16", 1, "--exp-avg-dtype bf16 needs --use-precision-aware-optimizer"),
+    ("--mtp-use-repeated-layer", 1, "--mtp-use-repeated-layer repeats the MTP layer over --mtp-num-layers depths"),
     ("--use-precision-aware-optimizer", 1, "needs --use-distributed-optimizer"),
     ("--use-precision-aware-optimizer --use-distributed-optimizer --exp-avg-sq-dtype fp16", 1,
      "--exp-avg-sq-dtype fp16 is not supported: use fp32, bf16 (fp16 and fp8 moments need a scale per tensor"),
