@@ -50,6 +50,15 @@ def _reference_mtp_objective(model, cfg, ids, pos, labels, mask, depth_layers=No
     return objective, stats
 
 
+def _assert_matches(model, grads, stats, ref_stats):
+    """Per-depth loss sums and token counts, and every gradient (``grads``; the reference's are in ``.grad``)."""
+    for (got_sum, got_n), (ref_sum, ref_n) in zip(stats, ref_stats):
+        torch.testing.assert_close(got_sum, ref_sum.detach(), **TOL)
+        assert got_n == ref_n
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=name)
+
+
 def test_mtp_loss_and_gradients_match_plain_reference():
     model, cfg = _mtp_model()
     g = torch.Generator().manual_seed(1)
@@ -63,11 +72,7 @@ def test_mtp_loss_and_gradients_match_plain_reference():
     model.zero_grad()
     objective, ref_stats = _reference_mtp_objective(model, cfg, ids, pos, labels, mask)
     objective.backward()
-    for (got_sum, got_n), (ref_sum, ref_n) in zip(stats, ref_stats):
-        torch.testing.assert_close(got_sum, ref_sum.detach(), **TOL)
-        assert got_n == ref_n
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=name)
+    _assert_matches(model, grads, stats, ref_stats)
     assert grads["mtp.layers.1.eh_proj.weight"].abs().sum() > 0
     # Evaluation (and logits) see the main prediction only.
     model.eval()
@@ -93,8 +98,4 @@ def test_repeated_mtp_layer_is_one_layer_applied_at_every_depth():
     objective, ref_stats = _reference_mtp_objective(model, cfg, ids, pos, labels, mask,
                                                     depth_layers=[model.mtp.layers[0]] * 2)
     objective.backward()
-    for (got_sum, got_n), (ref_sum, ref_n) in zip(stats, ref_stats):
-        torch.testing.assert_close(got_sum, ref_sum.detach(), **TOL)
-        assert got_n == ref_n
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=name)
+    _assert_matches(model, grads, stats, ref_stats)
