@@ -183,6 +183,7 @@ def core_gpt_dataset_config_from_args(args):
         random_seed=args.seed, sequence_length=args.seq_length, blend=get_blend_from_list(args.data_path),
         blend_per_split=[get_blend_from_list(args.train_data_path), get_blend_from_list(args.valid_data_path),
                          get_blend_from_list(args.test_data_path)],
+        multiple_validation_sets=args.multiple_validation_sets, full_validation=args.full_validation,
         split=args.split, num_dataset_builder_threads=args.num_dataset_builder_threads,
         path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files, tokenizer=get_tokenizer(),
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,

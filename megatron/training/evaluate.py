@@ -22,9 +22,10 @@ def _eval_micro_batch(args):
         args.micro_batch_size = train
 
 
-def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose=False):
-    """Token-weighted average of each loss key over --eval-iters global batches of --eval-global-batch-size
-    samples in micro-batches of --eval-micro-batch-size (no gradients)."""
+def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose=False,
+             eval_iters=None):
+    """Token-weighted average of each loss key over ``eval_iters`` (default --eval-iters) global batches of
+    --eval-global-batch-size samples in micro-batches of --eval-micro-batch-size (no gradients)."""
     args, timers = get_args(), get_timers()
     timers("evaluate", log_level=0).start()
     for chunk in model:
@@ -34,7 +35,7 @@ def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func
     with torch.no_grad(), _eval_micro_batch(args) as micro_batch_size:
         eval_batch_size = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
         num_microbatches = eval_batch_size // (micro_batch_size * args.data_parallel_size)
-        for _ in range(args.eval_iters):
+        for _ in range(args.eval_iters if eval_iters is None else eval_iters):
             loss_dicts = forward_backward_func(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                 num_microbatches=num_microbatches, seq_length=args.seq_length,
@@ -65,25 +66,35 @@ def _accumulate_eval(totals, loss_dicts):
 
 def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration,
                                process_non_loss_data_func, config, verbose=False, write_to_tensorboard=True):
-    """Evaluate and print ' validation loss at <prefix> | lm loss value: ... | lm loss PPL: ... | '."""
+    """Evaluate and print ' validation loss at <prefix> | lm loss value: ... | lm loss PPL: ... | '. With
+    --full-validation / --multiple-validation-sets (``data_iterator`` is a ValidationSets) each set is evaluated
+    whole, one line each (' validation-<name> loss at ...', Megatron's format); returns the last set's losses."""
+    sets = data_iterator if hasattr(data_iterator, "suffixes") else [("", data_iterator, None)]
+    totals = {}
+    for suffix, iterator, steps in sets:
+        totals = evaluate(forward_step_func, iterator, model, process_non_loss_data_func, config, verbose,
+                          eval_iters=steps)
+        _print_losses(prefix, suffix, totals, iteration, write_to_tensorboard)
+    return totals
+
+
+def _print_losses(prefix, suffix, totals, iteration, write_to_tensorboard):
     args = get_args()
-    totals = evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose)
     writer = get_tensorboard_writer() if write_to_tensorboard else None
     wandb = get_wandb_writer() if write_to_tensorboard else None
-    line = f" validation loss at {prefix} | "
+    line = f" validation{suffix} loss at {prefix} | "
     for key, value in totals.items():
         loss = float(value)
         ppl = math.exp(min(20.0, loss))
         line += f"{key} value: {loss:.6E} | {key} PPL: {ppl:.6E} | "
         if writer is not None:
-            writer.add_scalar(f"{key} validation", loss, iteration)
-            writer.add_scalar(f"{key} validation vs samples", loss, args.consumed_train_samples)
+            writer.add_scalar(f"{key} validation{suffix}", loss, iteration)
+            writer.add_scalar(f"{key} validation{suffix} vs samples", loss, args.consumed_train_samples)
             if args.log_validation_ppl_to_tensorboard:
-                writer.add_scalar(f"{key} validation ppl", ppl, iteration)
+                writer.add_scalar(f"{key} validation{suffix} ppl", ppl, iteration)
         if wandb is not None:
-            wandb.log({f"{key} validation": loss}, step=iteration)
+            wandb.log({f"{key} validation{suffix}": loss}, step=iteration)
     frame = "-" * (len(line) + 1)
     print_rank_last(frame)
     print_rank_last(line)
     print_rank_last(frame)
-    return totals

@@ -16,6 +16,7 @@ def masked_dataset_config_kwargs(args) -> dict:
         random_seed=args.seed, blend=get_blend_from_list(args.data_path),
         blend_per_split=[get_blend_from_list(args.train_data_path), get_blend_from_list(args.valid_data_path),
                          get_blend_from_list(args.test_data_path)],
+        multiple_validation_sets=args.multiple_validation_sets, full_validation=args.full_validation,
         split=args.split, num_dataset_builder_threads=args.num_dataset_builder_threads,
         path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files, tokenizer=get_tokenizer(),
         mid_level_dataset_surplus=args.mid_level_dataset_surplus,

@@ -179,7 +179,7 @@ def _run(train_valid_test_dataset_provider, model_provider, model_type, forward_
         writer.flush()
     if should_exit:
         return
-    if valid_it is not None and args.eval_iters > 0:
+    if valid_it is not None and (args.eval_iters > 0 or args.full_validation):
         evaluate_and_print_results(f"iteration {iteration} on validation set", forward_step_func, valid_it,
                                    model, iteration, process_non_loss_data_func, config, write_to_tensorboard=False)
     if test_it is not None and args.eval_iters > 0:
@@ -276,7 +276,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                 params_norm, num_zeros if args.log_num_zeros_in_grad else None,
                 max_attention_logit if args.log_max_attention_logit else None)
             if args.eval_interval and iteration % args.eval_interval == 0 and valid_data_iterator is not None \
-                    and args.eval_iters > 0:
+                    and (args.eval_iters > 0 or args.full_validation):
                 timers("interval-time").stop()
                 gc_control.around_evaluation(args)
                 evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model,

@@ -56,6 +56,8 @@ class BlendedMegatronDatasetBuilder:
             assert is_built_on_rank(), "rank 0 must build the datasets (it writes the index caches)"
 
     def build(self) -> List[Optional[torch.utils.data.Dataset]]:
+        """[train, valid, test]; with ``multiple_validation_sets`` the valid entry is a list, one dataset per
+        validation prefix; with ``full_validation`` the valid size is None (one epoch of each)."""
         datasets = self._build_blended_dataset_splits()
         for dataset in datasets:
             if isinstance(dataset, BlendedDataset) and len(dataset) > 0:
@@ -86,6 +88,11 @@ class BlendedMegatronDatasetBuilder:
             split_spoof[i] = (0.0, 1.0)
             sizes_spoof: List[Optional[int]] = [0] * len(Split)
             sizes_spoof[i] = self.sizes[i]
+            if self.config.multiple_validation_sets and Split(i) == Split.valid:
+                # One dataset per validation prefix, each evaluated on its own (a list in the valid slot).
+                datasets[i] = [self._build_megatron_dataset_splits(prefix, split_spoof, sizes_spoof)[i]
+                               for prefix in blend[0]]
+                continue
             datasets[i] = self._build_blend(blend, split_spoof, sizes_spoof, single_prefix_plain=True)[i]
         return datasets
 

@@ -20,7 +20,9 @@ class BlendedMegatronDatasetConfig:
     blend: Optional[Tuple[List[str], Optional[List[float]]]] = None
     blend_per_split: Optional[List[Optional[Tuple[List[str], Optional[List[float]]]]]] = None
     multiple_validation_sets: Optional[bool] = None
+    """The valid split's prefixes (blend_per_split, no weights) become separate datasets, evaluated one by one."""
     full_validation: Optional[bool] = None
+    """Each evaluation reads one whole epoch of the validation set(s) (the caller asks for size None)."""
     split: Optional[str] = None
     split_matrix: Optional[List[Tuple[float, float]]] = field(init=False, default=None)
     num_dataset_builder_threads: int = 1
@@ -44,7 +46,14 @@ class BlendedMegatronDatasetConfig:
             for split, blend in zip(Split, self.blend_per_split):
                 if blend is not None and blend[1] is not None and len(blend[0]) != len(blend[1]):
                     raise ValueError(f"{split.name} data path: as many weights as prefixes are required")
+            valid = self.blend_per_split[Split.valid.value]
+            if self.multiple_validation_sets and valid is not None and valid[1] is not None:
+                raise ValueError("--multiple-validation-sets evaluates each --valid-data-path prefix on its own: "
+                                 "list the prefixes without weights")
         else:
+            if self.multiple_validation_sets:
+                raise ValueError("--multiple-validation-sets needs the validation sets as --valid-data-path prefixes "
+                                 "(with --train-data-path), not --data-path with --split")
             if self.blend is not None:
                 if self.blend[1] is not None and len(self.blend[0]) != len(self.blend[1]):
                     raise ValueError("--data-path: as many weights as prefixes are required")

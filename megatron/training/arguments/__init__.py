@@ -42,6 +42,7 @@ from .training_args import (
 )
 from .types import la_freq_type, moe_freq_type, no_rope_freq_type, tuple_type
 from .validation import ArgumentError, blend_prefixes, validate_args
+from .validation_set_args import add_validation_set_args
 from .window_args import add_window_args
 from .yaml_args import load_yaml_config
 
@@ -77,7 +78,8 @@ def build_parser(extra_args_provider=None):
                 add_autoresume_args,
                 add_sft_args,
                 add_spec_args,
-                add_tp_overlap_args):
+                add_tp_overlap_args,
+                add_validation_set_args):
         parser = add(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)

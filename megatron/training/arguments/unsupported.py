@@ -9,8 +9,6 @@ comes from here. A module that implements one of these flags deletes its line.
 UNSUPPORTED_FLAGS = {
     "--fp4-format": (dict(type=str), "FP4 is not supported"),
     "--heterogeneous-layers-config-path": (dict(type=str), "heterogeneous layers are not supported"),
-    "--full-validation": (dict(action="store_true"), "use --eval-iters"),
-    "--multiple-validation-sets": (dict(action="store_true"), "use a single validation blend"),
     "--pytorch-profiler-collect-chakra": (dict(action="store_true"),
                                           "Chakra execution traces are not written; --use-pytorch-profiler "
                                           "writes a Chrome trace per rank"),

@@ -32,6 +32,7 @@ from .qk_clip_args import validate_qk_clip_args
 from .sft_args import validate_sft_args
 from .spec_args import validate_spec_args
 from .tp_overlap_args import validate_tp_overlap_args
+from .validation_set_args import validate_validation_set_args
 from .window_args import validate_window_args
 
 
@@ -56,6 +57,7 @@ def validate_args(args, defaults={}):
     _validate_logging_intervals(args)
     validate_window_args(args, _require)
     validate_spec_args(args, _require)
+    validate_validation_set_args(args, _require)
     validate_tp_overlap_args(args, _require, lambda m: print(m, flush=True))
     validate_moe_args(args, _require)
     validate_fast_path_args(args, _require, lambda m: print(m, flush=True))

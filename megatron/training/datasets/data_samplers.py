@@ -16,10 +16,11 @@ def _data_parallel_rank_and_size():
     return 0, 1
 
 
-def build_pretraining_data_loader(dataset, consumed_samples, args=None, micro_batch_size=None):
+def build_pretraining_data_loader(dataset, consumed_samples, args=None, micro_batch_size=None, batch_sampler=None):
     """DataLoader over `dataset` resuming after `consumed_samples` (global count over all DP ranks).
     Megatron's API: ``args`` may be the caller's own namespace, so the loader flags have their defaults.
-    ``micro_batch_size``: another than --micro-batch-size (the evaluation loaders' --eval-micro-batch-size)."""
+    ``micro_batch_size``: another than --micro-batch-size (the evaluation loaders' --eval-micro-batch-size);
+    ``batch_sampler``: a sampler of the caller's own instead of --dataloader-type's (full validation)."""
     if dataset is None:
         return None
     if args is None:
@@ -27,18 +28,18 @@ def build_pretraining_data_loader(dataset, consumed_samples, args=None, micro_ba
     micro_batch_size = micro_batch_size or args.micro_batch_size
     dp_rank, dp_size = _data_parallel_rank_and_size()
     dataloader_type = getattr(args, "dataloader_type", None) or "single"
-    if dataloader_type == "single":
+    if batch_sampler is None and dataloader_type == "single":
         batch_sampler = MegatronPretrainingSampler(
             total_samples=len(dataset), consumed_samples=consumed_samples, micro_batch_size=micro_batch_size,
             data_parallel_rank=dp_rank, data_parallel_size=dp_size)
-    elif dataloader_type == "cyclic":
+    elif batch_sampler is None and dataloader_type == "cyclic":
         batch_sampler = MegatronPretrainingRandomSampler(
             dataset, total_samples=len(dataset), consumed_samples=consumed_samples,
             micro_batch_size=micro_batch_size, data_parallel_rank=dp_rank, data_parallel_size=dp_size,
             data_sharding=getattr(args, "data_sharding", True))
-    elif dataloader_type == "external":
+    elif batch_sampler is None and dataloader_type == "external":
         return dataset  # the user's own iterable/loader
-    else:
+    elif batch_sampler is None:
         raise ValueError(f"--dataloader-type {dataloader_type}: choose single, cyclic or external")
     num_workers = getattr(args, "num_workers", 2)
     # Its own generator: iterating a DataLoader draws a base seed, which must not advance the global torch
