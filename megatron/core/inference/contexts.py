@@ -144,10 +144,11 @@ class StaticInferenceContext:
         return self._kv[layer_number]
 
     def attention(self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  softmax_scale: float, sink: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  softmax_scale: float, sink: Optional[torch.Tensor] = None, rope: bool = True) -> torch.Tensor:
         """Store k/v in the cache and attend. q [s, b, np, hn], k/v [s, b, ng, hn] -> [s, b, np * hn].
-        ``sink`` [np]: the heads' sink logits (--softmax-type; attention_sinks.py)."""
-        if self._rope is not None:
+        ``sink`` [np]: the heads' sink logits (--softmax-type; attention_sinks.py). ``rope=False``: a layer that
+        skips the model's rotary embedding (--no-rope-freq)."""
+        if self._rope is not None and rope:
             q, k = self._apply_rope(q), self._apply_rope(k)
         kv = self._cache(layer_number, k)
         s, b, np_, hn = q.shape

@@ -1,7 +1,7 @@
 """TransformerConfig fields of Megatron Core 0.19.2 without a counterpart here, at Megatron's defaults
 (accepted there, refused elsewhere: see megatron/core/_compat_fields.py)."""
 from dataclasses import dataclass, field
-from typing import Any, List, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
 import torch
 
@@ -14,7 +14,6 @@ class TransformerConfigCompat:
     mtp_hybrid_override_pattern: Optional[str] = None
     flash_attention_version: Optional[Literal[2, 3, 4]] = None
     softmax_scale: Optional[float] = None
-    no_rope_freq: Optional[Union[int, List[int]]] = None
     experimental_attention_variant_loss_scale_func: Any = None
     dsa_indexer_n_heads: Optional[int] = None
     dsa_indexer_head_dim: Optional[int] = None

@@ -10,6 +10,7 @@ from megatron.core.process_groups_config import get_pg_size
 from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.no_rope import layer_skips_rope
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import lazy_names
 
@@ -88,7 +89,11 @@ class Attention(MegatronModule, ABC):
                 packed_seq_params=None, sequence_len_offset=None, **kwargs):
         gated = self.attention_type == "self" and self.config.attention_output_gate
         sink = getattr(self.core_attention, "softmax_offset", None)  # --softmax-type: the heads' sink logits
+        no_rope = layer_skips_rope(getattr(self.config, "no_rope_freq", None), self.layer_number)
+        if no_rope:
+            rotary_pos_emb = None  # --no-rope-freq: a NoPE layer (in generation the context rotates: told below)
         if (inference_context is not None and key_value_states is None and hasattr(self, "linear_qkv")
+                and not no_rope
                 and sink is None
                 and getattr(self, "q_layernorm", None) is None and getattr(self, "k_layernorm", None) is None
                 and not gated and hasattr(inference_context, "attention_from_qkv")):  # generation: fused layout
@@ -106,7 +111,8 @@ class Attention(MegatronModule, ABC):
             k = apply_rotary_pos_emb(k, k_emb, config=self.config)
         if inference_context is not None:  # generation: the context owns the KV cache (core/inference)
             ctx = inference_context.attention(self.layer_number, q, k, v, self.core_attention.softmax_scale,
-                                              **({} if sink is None else {"sink": sink}))
+                                              **({} if sink is None else {"sink": sink}),
+                                              **({"rope": False} if no_rope else {}))
         elif self.checkpoint_core_attention and self.training:
             ctx = checkpoint(lambda q_, k_, v_, m_: self.core_attention(
                 q_, k_, v_, m_, packed_seq_params=packed_seq_params), False, q, k, v, attention_mask)

@@ -13,6 +13,7 @@ from megatron.core.transformer._compat_fields import TransformerConfigCompat
 from megatron.core.transformer.activation_offload import check_offloading
 from megatron.core.transformer.attention_sinks import SOFTMAX_TYPES
 from megatron.core.transformer.moe.config_checks import check_moe_config
+from megatron.core.transformer.no_rope import no_rope_pattern
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.transformer.window_attention import check_window_attn_skip_freq
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
@@ -94,6 +95,8 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     window_size: Optional[Tuple[int, int]] = None
     # The layers window_size applies to: every N-th layer attends fully, or a 0/1 list (window_attention.py)
     window_attn_skip_freq: Optional[Union[int, List[int]]] = None
+    # The layers that skip RoPE (NoPE): every N-th layer, or a 0/1 list; kept as the 0/1 list (no_rope.py)
+    no_rope_freq: Optional[Union[int, List[int]]] = None
     # Attention sinks: vanilla, off-by-one (a sink logit 0 per head) or learnable (attention_sinks.py)
     softmax_type: str = "vanilla"
     rotary_interleaved: bool = False
@@ -315,6 +318,10 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
             if len(self.window_size) != 2 or min(self.window_size) < -1:
                 raise ValueError(f"--window-size {self.window_size}: expected (left, right), each >= 0 or -1")
         check_window_attn_skip_freq(self.window_size, self.window_attn_skip_freq, self.num_layers)
+        self.no_rope_freq = no_rope_pattern(self.no_rope_freq, self.num_layers)
+        if self.no_rope_freq and getattr(self, "multi_latent_attention", False):
+            raise ValueError("--no-rope-freq is not supported with multi-latent attention (its layers keep their "
+                             "own rotary embedding)")
         if self.softmax_type not in SOFTMAX_TYPES:
             raise ValueError(f"--softmax-type {self.softmax_type}: use one of {', '.join(SOFTMAX_TYPES)}")
         backend = getattr(self.attention_backend, "name", self.attention_backend)  # AttnBackend or str
