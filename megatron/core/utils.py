@@ -42,6 +42,12 @@ def get_device(local_rank: Optional[int] = None) -> torch.device:
     return torch.device(f"cuda:{local_rank}")
 
 
+def device_synchronize() -> None:
+    """Wait for the work queued on this rank's GPU (nothing to wait for on the CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def divide(numerator: int, denominator: int) -> int:
     """Exact integer division; raises if ``denominator`` does not divide ``numerator``."""
     if numerator % denominator != 0:

@@ -20,7 +20,7 @@ from megatron.core.rerun_state_machine import (
     get_rerun_state_machine,
     initialize_rerun_state_machine,
 )
-from megatron.core.utils import get_device, get_model_config
+from megatron.core.utils import device_synchronize, get_device, get_model_config
 from megatron.training import gc_control, global_vars, progress_log
 from megatron.training.async_utils import maybe_finalize_async_save
 from megatron.training.autoresume import check_adlr_autoresume_termination
@@ -253,6 +253,9 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             launches.in_iteration(iteration + 1)
             profiling.before_step(iteration)
             update_num_microbatches(args.consumed_train_samples, consistency_check=True)
+            if iteration + 1 in args.iterations_to_skip:  # read and drop its global batch; no step
+                iteration = _skip_iteration(train_data_iterator, iteration)
+                continue
             straggler.step_start()
             loss_dict, skipped_iter, grad_norm, num_zeros, max_attention_logit = train_step(
                 forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config,
@@ -263,6 +266,8 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             if interval and iteration % interval == 0:
                 _check_weight_hashes(model, iteration, args)
             profiling.after_step(iteration)
+            if args.train_sync_interval and iteration % args.train_sync_interval == 0:
+                device_synchronize()  # the host waits for the GPU's queue (--train-sync-interval)
             straggler.step_end(iteration, args.log_interval)
             gc_control.after_iteration(args, iteration)
             args.iteration = iteration
@@ -293,6 +298,25 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             if _checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration):
                 return iteration, True
     return iteration, False
+
+
+def _skip_iteration(train_data_iterator, iteration: int) -> int:
+    """--iterations-to-skip: the iteration's micro-batches are read (each model chunk's, on the ranks that read
+    data) and dropped, the counters move on as after a step; returns the new iteration."""
+    args = get_args()
+    num_microbatches = get_num_microbatches()
+    iterators = train_data_iterator if isinstance(train_data_iterator, list) else [train_data_iterator]
+    for it in iterators:
+        if it is not None:
+            for _ in range(num_microbatches):
+                next(it)
+    batch_size = args.micro_batch_size * args.data_parallel_size * num_microbatches
+    args.consumed_train_samples += batch_size
+    args.skipped_train_samples += batch_size
+    args.iteration = iteration + 1
+    print_rank_0(f" iteration {iteration + 1:8d}/{args.train_iters:8d} | skipped (--iterations-to-skip): "
+                 f"{batch_size} samples read and dropped")
+    return iteration + 1
 
 
 def _check_weight_hashes(model, iteration: int, args) -> None:

@@ -34,6 +34,13 @@ def add_training_args(parser):
     g.add_argument("--train-iters", type=int, default=None, help="Iterations to train.")
     g.add_argument("--train-samples", type=int, default=None, help="Samples to train (sample-based run).")
     g.add_argument("--exit-interval", type=int, default=None, help="Exit when iteration %% N == 0.")
+    g.add_argument("--iterations-to-skip", nargs="+", type=int, default=[],
+                   help="Iterations (1-based, as the log counts them) whose global batch is read and dropped "
+                        "without a step: no forward, backward or optimizer update (e.g. batches that made the loss "
+                        "spike); the log counts them as skipped samples.")
+    g.add_argument("--train-sync-interval", type=int, default=None,
+                   help="Every N iterations wait for the GPU to finish the queued work, so the host does not run "
+                        "too far ahead of it.")
     g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
                    help="Every N iterations (and at the start), check that every data-parallel replica holds the "
                         "same weights (a SHA-1 per parameter); stop with the differing parameters otherwise.")

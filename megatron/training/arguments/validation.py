@@ -455,6 +455,10 @@ def _validate_run_length(args):
              "--train-iters and --train-samples are mutually exclusive; pass one")
     _require(args.train_iters is not None or args.train_samples is not None,
              "pass --train-iters or --train-samples to set the run length")
+    _require(all(i >= 1 for i in args.iterations_to_skip),
+             f"--iterations-to-skip counts iterations from 1, as the log does; got {args.iterations_to_skip}")
+    _require(args.train_sync_interval is None or args.train_sync_interval >= 1,
+             f"--train-sync-interval must be >= 1, got {args.train_sync_interval}")
     if args.train_iters is not None:
         for flag, name in (("--lr-decay-samples", "lr_decay_samples"), ("--lr-wsd-decay-samples",
                                                                           "lr_wsd_decay_samples")):

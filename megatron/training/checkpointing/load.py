@@ -309,6 +309,7 @@ def _restore_training_state(ckpt, optimizer, opt_param_scheduler, args) -> None:
     if ckpt_args is not None:
         args.consumed_train_samples = getattr(ckpt_args, "consumed_train_samples", 0)
         args.consumed_valid_samples = getattr(ckpt_args, "consumed_valid_samples", 0)
+        args.skipped_train_samples = getattr(ckpt_args, "skipped_train_samples", 0)
         if mbc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:  # unset in library-style use
             update_num_microbatches(consumed_samples=args.consumed_train_samples, consistency_check=False)
     if optimizer is not None and not args.no_load_optim and "optimizer" in ckpt:

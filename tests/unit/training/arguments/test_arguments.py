@@ -131,6 +131,8 @@ def test_derived_values():
     ("--validation-set-names a b", 1, "--validation-set-names requires --multiple-validation-sets"),
     ("--no-rope-freq 3", 1, "--no-rope-freq 3: the layer count (2) must be a multiple of it"),
     ("--no-rope-freq 2 --position-embedding-type learned_absolute", 1, "it needs --position-embedding-type rope"),
+    ("--iterations-to-skip 0 3", 1, "--iterations-to-skip counts iterations from 1"),
+    ("--train-sync-interval 0", 1, "--train-sync-interval must be >= 1"),
     ("--mtp-use-repeated-layer", 1, "--mtp-use-repeated-layer repeats the MTP layer over --mtp-num-layers depths"),
     ("--use-precision-aware-optimizer", 1, "needs --use-distributed-optimizer"),
     ("--use-precision-aware-optimizer --use-distributed-optimizer --exp-avg-sq-dtype fp16", 1,
