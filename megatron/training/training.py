@@ -206,10 +206,11 @@ def _report_init_time(start):
             time.time() - _STARTUP_TIMESTAMPS["main_entry"]))
 
 
-def _save(iteration, model, optimizer, opt_param_scheduler):
+def _save(iteration, model, optimizer, opt_param_scheduler, non_persistent=False):
     args, timers = get_args(), get_timers()
     timers("save-checkpoint", log_level=0).start(barrier=True)
-    save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far)
+    save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far,
+                    non_persistent_ckpt=non_persistent)
     timers("save-checkpoint").stop(barrier=True)
     progress_log.saved_checkpoint(args, iteration, asynchronous=args.async_save)  # --log-progress
     timers.log(["save-checkpoint"])
@@ -392,6 +393,9 @@ def _checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration
         return True
     if args.save and args.save_interval and iteration % args.save_interval == 0:
         _save(iteration, model, optimizer, opt_param_scheduler)
+        saved = True
+    elif args.save and args.non_persistent_save_interval and iteration % args.non_persistent_save_interval == 0:
+        _save(iteration, model, optimizer, opt_param_scheduler, non_persistent=True)
         saved = True
     if args.exit_duration_in_mins:
         done, minutes = duration_exceeded(_TRAIN_START_TIME, args.exit_duration_in_mins)

@@ -50,6 +50,7 @@ def validate_spec_args(args, require):
 
 def refuse_spec(args, script):
     """Entry points whose models are not built from one layer spec refuse --spec with one line."""
-    if args.spec is not None and list(args.spec) != ["local"]:
+    spec = getattr(args, "spec", None)  # a caller's own namespace may lack it
+    if spec is not None and list(spec) != ["local"]:
         raise ValueError(f"{script}: --spec is not read by this model (it is built from its own layer specs); "
                          f"drop the flag")

@@ -166,6 +166,20 @@ def add_checkpointing_args(parser):
                    help="Keep only saves whose iteration is a multiple of N (plus the latest).")
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="Take the model architecture flags from the checkpoint under --load.")
+    g.add_argument("--non-persistent-save-interval", type=int, default=None,
+                   help="Iterations between non-persistent saves: only the newest is kept (written to "
+                        "--non-persistent-global-ckpt-dir, default <--save>/non_persistent), and a restart resumes "
+                        "from it when it is newer than the last --save-interval checkpoint.")
+    g.add_argument("--non-persistent-ckpt-type", type=str, default=None, choices=["global", "local", "in_memory"],
+                   help="global: a regular checkpoint on the shared file system (the one built here; local and "
+                        "in_memory need nvidia-resiliency-ext's checkpoint managers).")
+    g.add_argument("--non-persistent-global-ckpt-dir", type=str, default=None,
+                   help="Directory of the global non-persistent checkpoints (default <--save>/non_persistent).")
+    g.add_argument("--non-persistent-local-ckpt-dir", type=str, default=None,
+                   help="Node-local directory of local non-persistent checkpoints (not built here).")
+    g.add_argument("--non-persistent-local-ckpt-algo", type=str, default="fully_parallel",
+                   choices=["fully_parallel", "atomic"], help="Local non-persistent checkpoints' algorithm (not "
+                                                              "built here).")
     return parser
 
 

@@ -55,6 +55,7 @@ def validate_args(args, defaults={}):
     _validate_model(args)
     _validate_offloading(args)
     _validate_logging_intervals(args)
+    _validate_non_persistent_checkpoints(args)
     validate_window_args(args, _require)
     validate_spec_args(args, _require)
     validate_validation_set_args(args, _require)
@@ -445,6 +446,19 @@ def _validate_precision(args):
     _require(not args.fp16_lm_cross_entropy or args.fp16, "--fp16-lm-cross-entropy requires --fp16")
     _require(not args.fp32_residual_connection or args.fp16 or args.bf16,
              "--fp32-residual-connection requires --fp16 or --bf16")
+
+
+def _validate_non_persistent_checkpoints(args):
+    kind = args.non_persistent_ckpt_type
+    _require(kind in (None, "global"), f"--non-persistent-ckpt-type {kind} is not supported: local and in_memory "
+                                       "checkpoints need nvidia-resiliency-ext's managers; use global")
+    _require(args.non_persistent_local_ckpt_dir is None and args.non_persistent_local_ckpt_algo == "fully_parallel",
+             "--non-persistent-local-ckpt-dir / -algo belong to local non-persistent checkpoints, which are not built "
+             "here; use --non-persistent-ckpt-type global")
+    if args.non_persistent_save_interval is not None:
+        _require(args.non_persistent_save_interval >= 1, "--non-persistent-save-interval must be >= 1")
+        _require(kind == "global", "--non-persistent-save-interval needs --non-persistent-ckpt-type global")
+        _require(args.save is not None, "--non-persistent-save-interval needs --save (the run's checkpoints)")
 
 
 def _validate_run_length(args):

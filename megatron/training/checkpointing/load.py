@@ -40,6 +40,23 @@ def _find(load_dir: str, args) -> Optional[Tuple[int, bool]]:
     return paths.read_metadata(tracker)
 
 
+def _newer_non_persistent(load_dir, found, args):
+    """(directory, (iteration, release)) to load: the non-persistent checkpoint when it is at least as new as
+    the one under --load (Megatron's rule), else --load's. Not with --ckpt-step (it names a persistent save)."""
+    if getattr(args, "non_persistent_ckpt_type", None) != "global" or args.ckpt_step is not None:
+        return load_dir, found
+    np_dir = paths.non_persistent_dir(args, load_dir)
+    np_found = _find(np_dir, args) if np_dir else None
+    if np_found is None:
+        return load_dir, found
+    if found is not None and np_found[0] < found[0]:
+        print_rank_0(f"WARNING: the non-persistent checkpoint (iteration {np_found[0]}) is older than the one under "
+                     f"--load (iteration {found[0]}); loading the latter")
+        return load_dir, found
+    print_rank_0(f" loading the non-persistent checkpoint of iteration {np_found[0]} from {np_dir}")
+    return np_dir, np_found
+
+
 def check_checkpoint_args(ckpt_args, args, ckpt_format: str, checkpoint_dir: str) -> None:
     """Raise one line naming every architecture flag that differs from the checkpoint's. Saved args may
     predate a flag, and library-style callers (set_args with their own namespace) need not carry every
@@ -86,6 +103,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     load_dir = getattr(args, load_arg)
     finetune = args.finetune
     found = _find(load_dir, args) if load_dir else None
+    if load_arg == "load":
+        load_dir, found = _newer_non_persistent(load_dir, found, args)
     if found is None and args.pretrained_checkpoint and load_arg == "load":
         # Megatron's fine-tuning start: nothing saved under --load yet, so load the weights only
         print_rank_0(f" no checkpoint under --load {load_dir}; fine-tuning from --pretrained-checkpoint "

@@ -134,6 +134,21 @@ def apply_retention(checkpoints_path: str, latest: int, retain_interval: Optiona
             shutil.rmtree(get_checkpoint_name(checkpoints_path, it, return_base_dir=True), ignore_errors=True)
 
 
+def non_persistent_dir(args, base: Optional[str]) -> Optional[str]:
+    """Where global non-persistent checkpoints live: --non-persistent-global-ckpt-dir, else <base>/non_persistent
+    (Megatron's layout; ``base`` is --save when saving, --load when loading)."""
+    if getattr(args, "non_persistent_global_ckpt_dir", None):
+        return args.non_persistent_global_ckpt_dir
+    return os.path.join(base, "non_persistent") if base else None
+
+
+def drop_older(checkpoints_path: str, latest: int) -> None:
+    """Non-persistent checkpoints: only the newest is kept, deleted after the next one is published."""
+    for it in iteration_dirs(checkpoints_path):
+        if it < latest:
+            shutil.rmtree(get_checkpoint_name(checkpoints_path, it, return_base_dir=True), ignore_errors=True)
+
+
 def previous_complete(checkpoints_path: str, before: int):
     """Iterations of complete checkpoints older than ``before``, newest first (for --ckpt-fallback-to-previous)."""
     return [it for it in reversed(iteration_dirs(checkpoints_path)) if it < before

@@ -34,9 +34,10 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
                     checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None,
                     pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False,
                     train_data_iterator=None, preprocess_common_state_dict_fn=None):
-    """Save model, optimizer, scheduler, RNG and counters of ``iteration`` under ``args.save``.
+    """Save model, optimizer, scheduler, RNG and counters of ``iteration`` under ``args.save`` (with
+    ``non_persistent_ckpt``: in the non-persistent directory, where only the newest save is kept).
     A save that fails (rather than being killed) removes its staging directory before the error goes on."""
-    save_dir = get_args().save
+    save_dir = _save_dir(get_args(), non_persistent_ckpt)
     try:
         _save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
                          non_persistent_ckpt, preprocess_common_state_dict_fn)
@@ -56,8 +57,6 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
 def _save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
                      non_persistent_ckpt, preprocess_common_state_dict_fn):
     args = get_args()
-    if non_persistent_ckpt:
-        raise NotImplementedError("non-persistent checkpoints (--non-persistent-save-interval) are not supported")
     model = model if isinstance(model, list) else [model]
     fmt = args.ckpt_format
     if args.async_save and fmt != "torch_dist":
@@ -69,8 +68,9 @@ def _save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_float
         print_rank_0("WARNING: Starting a checkpoint save before previous has finished. "
                      "Consider increasing the checkpoint interval.")
         async_utils.maybe_finalize_async_save(blocking=True)
-    save_dir = args.save
-    print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {save_dir} in {fmt} format")
+    save_dir = _save_dir(args, non_persistent_ckpt)
+    kind = "non-persistent checkpoint" if non_persistent_ckpt else "checkpoint"
+    print_rank_0(f"saving {kind} at iteration {iteration:7d} to {save_dir} in {fmt} format")
     start = time.time()
     final_dir = paths.get_checkpoint_name(save_dir, iteration, return_base_dir=True)
     tmp_dir = paths.staging_dir(final_dir)
@@ -86,7 +86,7 @@ def _save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_float
                                    save_optim=not args.no_save_optim, save_rng=not args.no_save_rng)
     if preprocess_common_state_dict_fn is not None and fmt == "torch_dist":
         sd = preprocess_common_state_dict_fn(sd)
-    finalize = _finalize_fn(save_dir, iteration, tmp_dir, final_dir, start)
+    finalize = _finalize_fn(save_dir, iteration, tmp_dir, final_dir, start, non_persistent_ckpt)
     if fmt == "torch_dist":
         staging = async_utils.host_staging(reuse=getattr(args, "async_save_pinned_buffers", True)) \
             if args.async_save else None
@@ -219,8 +219,18 @@ def _save_legacy(sd, tmp_dir, save_dir, iteration, args) -> None:
     os.replace(name + ".tmp", name)
 
 
-def _finalize_fn(save_dir, iteration, tmp_dir, final_dir, start):
-    """Runs on every rank once all ranks wrote their part: publish, update the tracker, report."""
+def _save_dir(args, non_persistent: bool) -> str:
+    if not non_persistent:
+        return args.save
+    if getattr(args, "non_persistent_ckpt_type", None) != "global":
+        raise NotImplementedError(f"non-persistent checkpoints of type {args.non_persistent_ckpt_type} are not "
+                                  "built; pass --non-persistent-ckpt-type global")
+    return paths.non_persistent_dir(args, args.save)
+
+
+def _finalize_fn(save_dir, iteration, tmp_dir, final_dir, start, non_persistent=False):
+    """Runs on every rank once all ranks wrote their part: publish, update the tracker, report (a non-persistent
+    save then deletes the older ones)."""
     def finalize():
         _barrier()
         if _rank() == 0:
@@ -228,7 +238,10 @@ def _finalize_fn(save_dir, iteration, tmp_dir, final_dir, start):
             paths.publish_dir(tmp_dir, final_dir)
             paths.fault_point("published", iteration)
             paths.write_tracker(save_dir, iteration)
-            paths.apply_retention(save_dir, iteration, getattr(get_args(), "save_retain_interval", None))
+            if non_persistent:
+                paths.drop_older(save_dir, iteration)
+            else:
+                paths.apply_retention(save_dir, iteration, getattr(get_args(), "save_retain_interval", None))
             if getattr(get_args(), "async_save", False):
                 progress_log.async_checkpoint_recorded(get_args(), iteration)  # --log-progress
         _barrier()
