@@ -34,11 +34,10 @@ def test_loss_falls_and_timers_logged(cli, optimizer):
 
 
 @pytest.mark.parametrize("extra,needle", [
-    ("--optimizer lion", "--optimizer lion is not supported; use adam, sgd, muon, dist_muon"),
+    ("--optimizer soap", "--optimizer soap is not supported; use adam, sgd, lion, muon, dist_muon"),
     ("--optimizer muon --fp16", "--optimizer muon does not support --fp16"),
     ("--optimizer muon --use-torch-fsdp2", "--optimizer muon does not support --use-torch-fsdp2"),
     ("--optimizer dist_muon --ckpt-format torch", "saves with --ckpt-format torch_dist"),
-    ("--optimizer muon --muon-scalar-optimizer lion", "--muon-scalar-optimizer lion is not supported"),
     ("--optimizer muon --muon-fp32-matmul-prec low", "--muon-fp32-matmul-prec low is not supported"),
     ("--optimizer muon --muon-coefficient-type custom", "--muon-coefficient-type custom: use one of"),
 ])

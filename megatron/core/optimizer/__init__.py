@@ -18,6 +18,7 @@ from megatron.core.optimizer.layer_wise_optimizer import (
     is_managed_by_layer_wise_optimizer,
     tag_params_for_buffer_routing,
 )
+from megatron.core.optimizer.lion import Lion
 from megatron.core.optimizer.muon import TensorParallelMuon
 from megatron.core.optimizer.optimizer import (
     Float16OptimizerWithFloat16Params,
@@ -102,6 +103,8 @@ def _inner_optimizer(config: OptimizerConfig, param_groups, optimizer: Optional[
         kwargs = {"fused": True} if on_cuda else {"foreach": False}
         return torch.optim.AdamW(param_groups, lr=lr, weight_decay=config.weight_decay,
                                  betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, **kwargs)
+    if (optimizer or config.optimizer) == "lion":
+        return Lion(param_groups, lr=lr, betas=(config.lion_beta1, config.lion_beta2), weight_decay=config.weight_decay)
     kwargs = {"foreach": True} if on_cuda else {"foreach": False}
     return torch.optim.SGD(param_groups, lr=lr, weight_decay=config.weight_decay,
                            momentum=config.sgd_momentum, **kwargs)
@@ -151,7 +154,8 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
     scaler = _grad_scaler(config)
     if is_muon(config):
         opt = get_megatron_muon_optimizer(config, model_chunks, param_groups,
-                                          lambda groups: _inner_optimizer(config, groups, "adam"), scaler)
+                                          lambda groups: _inner_optimizer(config, groups, config.muon_scalar_optimizer),
+                                          scaler)
         for part in opt.chained_optimizers:
             part.has_expert_params = _is_moe(model_chunks)
         return opt

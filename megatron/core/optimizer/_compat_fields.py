@@ -12,8 +12,6 @@ class OptimizerConfigCompat:
     reuse_grad_buf_for_mxfp8_param_ag: bool = False
     store_param_remainders: bool = True
     decoupled_weight_decay: bool = True
-    lion_beta1: float = 0.95
-    lion_beta2: float = 0.98
     soap_shampoo_beta: float = 0.95
     soap_precondition_frequency: int = 1
     soap_use_kl_shampoo: bool = True

@@ -70,7 +70,11 @@ class OptimizerConfig(OptimizerConfigCompat):
     (whole-matrix result from the shards, Gram matrices all-reduced over TP)."""
     muon_extra_scale_factor: float = 1.0
     muon_scalar_optimizer: str = "adam"
-    """Optimizer of the params Muon does not take (embeddings, output layer, norms, biases): 'adam' only."""
+    """Optimizer of the params Muon does not take (embeddings, output layer, norms, biases): 'adam' or 'lion'."""
+    lion_beta1: float = 0.95
+    """Lion: weight of the momentum in the update's sign (the rest is the gradient's)."""
+    lion_beta2: float = 0.98
+    """Lion: decay of the momentum."""
     use_layer_wise_distributed_optimizer: bool = False
     """Muon sharded over data-parallel ranks by whole weight matrices, AdamW params by the distributed
     optimizer (needs DDP with use_distributed_optimizer and params tagged by tag_params_for_buffer_routing)."""
@@ -99,8 +103,8 @@ class OptimizerConfig(OptimizerConfigCompat):
 
     def __post_init__(self):
         check_compat_fields(self, OptimizerConfigCompat)
-        if self.optimizer not in ("adam", "sgd", "muon", "dist_muon"):
-            raise ValueError(f"--optimizer {self.optimizer} is not supported; use adam, sgd, muon or dist_muon")
+        if self.optimizer not in ("adam", "sgd", "lion", "muon", "dist_muon"):
+            raise ValueError(f"--optimizer {self.optimizer} is not supported; use adam, sgd, lion, muon or dist_muon")
         if self.optimizer in ("muon", "dist_muon"):
             self._check_muon()
         if self.fp16 and self.bf16:
@@ -119,8 +123,8 @@ class OptimizerConfig(OptimizerConfigCompat):
     def _check_muon(self):
         checks = [
             (not self.fp16, "--optimizer muon does not support --fp16 (as in Megatron); use --bf16"),
-            (self.muon_scalar_optimizer == "adam", f"--muon-scalar-optimizer {self.muon_scalar_optimizer} is not "
-                                                   "supported; use adam (Lion is not implemented)"),
+            (self.muon_scalar_optimizer in ("adam", "lion"), f"--muon-scalar-optimizer {self.muon_scalar_optimizer}"
+                                                               " is not supported; use adam or lion"),
             (self.muon_scale_mode in SCALE_MODES, f"--muon-scale-mode {self.muon_scale_mode}: use one of "
                                                   f"{', '.join(SCALE_MODES)}"),
             (self.muon_tp_mode in TP_MODES, f"--muon-tp-mode {self.muon_tp_mode}: use one of {', '.join(TP_MODES)}"),

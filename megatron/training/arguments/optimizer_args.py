@@ -1,7 +1,7 @@
 """Muon's flags (Megatron 0.19's names and defaults) and the optimizer checks: `--optimizer muon` / `dist_muon`."""
 
 OPTIMIZERS = ["adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"]  # Megatron 0.19's choices
-BUILT = ("adam", "sgd", "muon", "dist_muon")
+BUILT = ("adam", "sgd", "lion", "muon", "dist_muon")
 
 
 def add_muon_args(parser):
@@ -24,6 +24,9 @@ def add_muon_args(parser):
                         "TP (duplicated), or the whole matrix from the shards with all-reduced Gram matrices "
                         "(distributed).")
     g.add_argument("--muon-extra-scale-factor", type=float, default=1.0, help="Extra factor on Muon's update.")
+    g.add_argument("--lion-beta1", type=float, default=0.95,
+                   help="Lion (--optimizer lion): weight of the momentum in the sign of the update.")
+    g.add_argument("--lion-beta2", type=float, default=0.98, help="Lion: decay of the momentum.")
     g.add_argument("--muon-scalar-optimizer", type=str, default="adam", choices=["adam", "lion"],
                    help="Optimizer of the params Muon does not take (embeddings, output layer, norms, biases).")
     return parser
@@ -53,8 +56,6 @@ def validate_optimizer_args(args, require, warn):
     require(not args.use_torch_fsdp2 and not args.use_megatron_fsdp,
             "--optimizer muon does not support --use-torch-fsdp2 / --use-megatron-fsdp (as in Megatron); use DDP, "
             "optionally --use-distributed-optimizer")
-    require(args.muon_scalar_optimizer == "adam",
-            f"--muon-scalar-optimizer {args.muon_scalar_optimizer} is not supported; use adam (Lion is not built)")
     require(args.muon_fp32_matmul_prec != "low",
             "--muon-fp32-matmul-prec low is not supported (torch has no fp32 matmul precision below medium); "
             "use medium or high")

@@ -56,8 +56,8 @@ def add_training_args(parser):
                    help="On --exit-signal, finish the step, save (with --save) and exit 0.")
     g.add_argument("--exit-signal", type=str, default="SIGTERM", help="Signal name for --exit-signal-handler.")
     g.add_argument("--optimizer", type=str, default="adam", choices=OPTIMIZERS,
-                   help="adam (AdamW), sgd, muon (Muon on 2-D hidden weights, AdamW on the rest) or dist_muon "
-                        "(muon with --use-distributed-optimizer); lion, soap and adaptive_muon are not built.")
+                   help="adam (AdamW), sgd, lion, muon (Muon on 2-D hidden weights, AdamW on the rest) or "
+                        "dist_muon (muon with --use-distributed-optimizer); soap and adaptive_muon are not built.")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Shard optimizer state across data-parallel ranks.")
     g.add_argument("--overlap-grad-reduce", action="store_true", help="Overlap DP grad reduce with backward.")

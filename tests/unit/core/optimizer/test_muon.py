@@ -132,7 +132,7 @@ def test_param_split_and_chained_step():
     (dict(muon_scale_mode="rms"), "--muon-scale-mode rms"),
     (dict(muon_tp_mode="x"), "--muon-tp-mode x"),
     (dict(muon_fp32_matmul_prec="low"), "--muon-fp32-matmul-prec low"),
-    (dict(muon_scalar_optimizer="lion"), "--muon-scalar-optimizer lion is not supported"),
+    (dict(muon_scalar_optimizer="sgd"), "--muon-scalar-optimizer sgd is not supported; use adam or lion"),
     (dict(muon_coefficient_type="custom"), "--muon-coefficient-type custom"),
     (dict(muon_num_ns_steps=0), "--muon-num-ns-steps must be >= 1"),
 ])
