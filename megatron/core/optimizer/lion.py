@@ -8,6 +8,8 @@ learning rate 3-10x smaller than AdamW's and a weight decay as much larger.
 """
 import torch
 
+from megatron.core.optimizer.closure import closure_loss
+
 
 class Lion(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-4, betas=(0.95, 0.98), weight_decay: float = 0.0):
@@ -23,10 +25,7 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr, wd = float(group["lr"]), float(group["weight_decay"])

@@ -15,6 +15,7 @@ import math
 import torch
 
 from megatron.core.fusions.triton_loader import triton_loader
+from megatron.core.optimizer.closure import closure_loss
 
 # fp16 (and fp8) moments would need a scale per tensor: Adam's squared gradients underflow fp16.
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
@@ -59,10 +60,7 @@ class PrecisionAwareAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         if getattr(self, "grad_scale", None) is not None:
             raise RuntimeError("PrecisionAwareAdamW does not take a grad_scale (the clip is applied to the grads)")
         work = [(group, p, grad, self.state[p] if self.state[p] else self.init_state(p))
