@@ -19,6 +19,7 @@ from megatron.core.models.bert.bert_layer_specs import get_bert_layer_local_spec
 from megatron.core.models.bert.bert_model import BertModel
 from megatron.training import get_args, get_timers, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.arguments.mup_args import refuse_mup
 from megatron.training.arguments.spec_args import resolve_spec
 from megatron.training.masked_lm_datasets import (
     build_masked_datasets,
@@ -40,6 +41,7 @@ def add_bert_args(parser):
 
 def check_bert_args(args):
     """One-line errors for layouts this BERT does not support."""
+    refuse_mup(args, "pretrain_bert.py")
     if args.virtual_pipeline_model_parallel_size is not None:
         raise ValueError("pretrain_bert.py: virtual pipeline stages are not supported; drop "
                          "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank")

@@ -22,6 +22,7 @@ from megatron.core.models.T5.t5_model import encoder_config_from, t5_attention_m
 from megatron.core.models.T5.t5_spec import get_t5_decoder_with_local_block_spec, get_t5_encoder_with_local_block_spec
 from megatron.training import get_args, get_timers, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.arguments.mup_args import refuse_mup
 from megatron.training.arguments.spec_args import refuse_spec
 from megatron.training.masked_lm_datasets import (
     build_masked_datasets,
@@ -44,6 +45,7 @@ def add_t5_args(parser):
 def check_t5_args(args):
     """Fill the encoder/decoder layer counts and reject what this T5 does not support, one line each."""
     refuse_spec(args, "pretrain_t5.py")
+    refuse_mup(args, "pretrain_t5.py")
     if args.decoder_seq_length is None or args.decoder_seq_length <= 0:
         raise ValueError("pretrain_t5.py: --decoder-seq-length is required (e.g. 128 for --encoder-seq-length 512)")
     if args.max_position_embeddings < max(args.seq_length, args.decoder_seq_length):

@@ -26,6 +26,7 @@ from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local
 from megatron.core.utils import get_device
 from megatron.training import get_args, get_timers, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.arguments.mup_args import refuse_mup
 from megatron.training.arguments.spec_args import refuse_spec
 from megatron.training.arguments.vision_args import add_vision_classify_args
 from megatron.training.datasets.image_folder import ImageFolderDataset
@@ -35,6 +36,7 @@ from megatron.training.datasets.vlm_dataset import BadSample, worker_error_line
 def check_classify_args(args):
     """Refuse what this entry point does not build, one line each."""
     refuse_spec(args, "pretrain_vision_classify.py")
+    refuse_mup(args, "pretrain_vision_classify.py")
     if args.vision_backbone_type != "vit":
         raise ValueError(f"--vision-backbone-type {args.vision_backbone_type}: only vit is built here")
     if args.vision_pretraining_type != "classify":

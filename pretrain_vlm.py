@@ -23,6 +23,7 @@ from megatron.core.models.vision.vit_layer_specs import get_vision_projection_su
 from megatron.core.utils import get_device
 from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.arguments.mup_args import refuse_mup
 from megatron.training.arguments.spec_args import resolve_spec
 from megatron.training.arguments.vision_args import (
     QWEN_VIT,
@@ -53,6 +54,7 @@ def image_positions(args) -> int:
 def check_vlm_model_args(args):
     """Refuse model flags this entry point does not support, one line each (also run by the generation
     tools, which build the model without data)."""
+    refuse_mup(args, "pretrain_vlm.py")
     if args.num_channels != 3:
         raise ValueError(f"--num-channels {args.num_channels}: the image loader produces RGB (3 channels)")
     if args.virtual_pipeline_model_parallel_size is not None:

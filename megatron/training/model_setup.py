@@ -10,6 +10,7 @@ from megatron.core.distributed import TorchFullyShardedDataParallel
 from megatron.core.distributed.distributed_data_parallel import buckets_of
 from megatron.core.enums import ModelType
 from megatron.core.optimizer import get_megatron_optimizer, optimizer_state, tag_params_for_buffer_routing
+from megatron.core.optimizer.config_overrides import mup_config_overrides, standard_config_overrides
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import Float16Module
@@ -123,6 +124,15 @@ def get_optimizer_param_scheduler(optimizer):
         wsd_decay_steps=wsd_decay_steps, lr_wsd_decay_style=args.lr_wsd_decay_style)
 
 
+def _mup_overrides(args, config, model):
+    """--use-mup: Megatron's standard param groups plus MuP's per-group LR (and Adam eps) for hidden matrices, from
+    the model's width multiplier; None otherwise (the standard groups, built directly)."""
+    width_mult = getattr(get_model_config(model[0]), "mup_width_mult", 1.0)
+    if not getattr(args, "use_mup", False) or width_mult == 1.0:
+        return None
+    return {**standard_config_overrides(config), **mup_config_overrides(config, width_mult, config.optimizer)}
+
+
 def setup_model_and_optimizer(model_provider_func, model_type=ModelType.encoder_or_decoder,
                               no_wd_decay_cond=None, scale_lr_cond=None, lr_mult=1.0):
     """Model chunks, optimizer and scheduler; resumes from --load when given."""
@@ -132,7 +142,8 @@ def setup_model_and_optimizer(model_provider_func, model_type=ModelType.encoder_
     config = optimizer_config_from_args(args)
     config.timers = timers  # the optimizer's phase timers (--timing-log-level 1 and up)
     optimizer = get_megatron_optimizer(config, model, no_weight_decay_cond=no_wd_decay_cond,
-                                       scale_lr_cond=scale_lr_cond, lr_mult=lr_mult)
+                                       scale_lr_cond=scale_lr_cond, lr_mult=lr_mult,
+                                       config_overrides=_mup_overrides(args, config, model))
     # Adam's moments exist before the first step (zeros, what its first step would create): the first
     # iteration then holds its steady-state memory, so the reported peak after iteration 1 is the run's
     # peak and an out-of-memory shows in the first step, not the second.

@@ -8,6 +8,7 @@ from megatron.core.optimizer.chained_optimizer import ChainedOptimizer
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.optimizer.config_overrides import (
     check_config_overrides_consistency,
+    default_no_weight_decay,
     param_groups_from_overrides,
     trainable_named_parameters,
 )
@@ -50,14 +51,6 @@ def _is_embedding_or_output(name: str, param) -> bool:
     if getattr(param, "is_embedding_or_output_parameter", False) or getattr(param, "shared_embedding", False):
         return True
     return name.endswith("word_embeddings.weight") or name.endswith("output_layer.weight")
-
-
-def default_no_weight_decay(name: str, param, apply_wd_to_qk_layernorm: bool = False) -> bool:
-    """Megatron's standard rule: biases and 1-D params (norm weights) take no weight decay; with
-    ``apply_wd_to_qk_layernorm`` (--apply-wd-to-qk-layernorm, Qwen3-Next's rule) the q/k layernorm weights do."""
-    if not (name.endswith(".bias") or param.dim() == 1):
-        return False
-    return not (apply_wd_to_qk_layernorm and ("q_layernorm." in name or "k_layernorm." in name))
 
 
 def _get_param_groups(model_chunks, config: OptimizerConfig, no_weight_decay_cond, scale_lr_cond,

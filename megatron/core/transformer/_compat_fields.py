@@ -13,7 +13,6 @@ class TransformerConfigCompat:
     mtp_detach_heads: bool = False
     mtp_hybrid_override_pattern: Optional[str] = None
     flash_attention_version: Optional[Literal[2, 3, 4]] = None
-    softmax_scale: Optional[float] = None
     experimental_attention_variant_loss_scale_func: Any = None
     dsa_indexer_n_heads: Optional[int] = None
     dsa_indexer_head_dim: Optional[int] = None
@@ -28,13 +27,6 @@ class TransformerConfigCompat:
     dsa_indexer_scoring_relu: bool = True
     dsa_indexer_k_norm_epsilon: Optional[float] = None
     dsa_indexer_k_norm_fp32: bool = False
-    use_mup: bool = False
-    mup_width_mult: float = 1.0
-    mup_base_hidden_size: Optional[int] = None
-    mup_embedding_mult: float = 1.0
-    mup_output_mult: float = 1.0
-    mup_base_head_dim: Optional[float] = None
-    mup_attn_scale_power: float = 1.0
     disable_bf16_reduced_precision_matmul: bool = False
     fused_single_qkv_rope: bool = False
     fused_residual_rmsnorm: bool = False

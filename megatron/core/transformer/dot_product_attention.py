@@ -97,7 +97,9 @@ class DotProductAttention(MegatronModule):
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+        if softmax_scale is None:  # the config's (MuP sets 1/d), else 1/sqrt(d)
+            softmax_scale = getattr(config, "softmax_scale", None) or config.kv_channels ** -0.5
+        self.softmax_scale = softmax_scale
         self.pg_collection = pg_collection
         tp = get_pg_size(pg_collection, "tp", "DotProductAttention")
         if pg_collection is not None and config.context_parallel_size > 1:

@@ -13,6 +13,7 @@ from megatron.core.transformer._compat_fields import TransformerConfigCompat
 from megatron.core.transformer.activation_offload import check_offloading
 from megatron.core.transformer.attention_sinks import SOFTMAX_TYPES
 from megatron.core.transformer.moe.config_checks import check_moe_config
+from megatron.core.transformer.mup import apply_mup
 from megatron.core.transformer.no_rope import no_rope_pattern
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.transformer.window_attention import check_window_attn_skip_freq
@@ -122,6 +123,15 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     init_method_std: float = 0.02
     embedding_init_method: Optional[Callable] = None  # the word, position and token-type embeddings' init
     embedding_init_method_std: Optional[float] = None  # its std (default --init-method-std)
+    softmax_scale: Optional[float] = None  # the attention scores' scale (default 1/sqrt(kv_channels))
+    # Maximal Update Parameterization (mup.py): the base width, the multipliers and the attention-scale power
+    use_mup: bool = False
+    mup_width_mult: float = 1.0  # computed: hidden_size / mup_base_hidden_size
+    mup_base_hidden_size: Optional[int] = None
+    mup_embedding_mult: float = 1.0
+    mup_output_mult: float = 1.0
+    mup_base_head_dim: Optional[float] = None
+    mup_attn_scale_power: float = 1.0
 
     # Mixed precision / fusions
     apply_query_key_layer_scaling: bool = False
@@ -235,6 +245,8 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
         self._check_features()
         self._check_recompute()
         self._check_pipeline_split()
+        if self.use_mup:  # before the init methods below: MuP scales them with width
+            apply_mup(self)
         # The embeddings' init (Megatron's rule): --embedding-init-method-std when it differs from --init-method-std
         # (e.g. 1.0 against loss spikes), else the layers' init method itself.
         if self.embedding_init_method_std is None:

@@ -25,6 +25,7 @@ from .model_args import (
     add_regularization_args,
 )
 from .moe_args import add_moe_args
+from .mup_args import add_mup_args
 from .optimizer_args import add_muon_args
 from .parallel_data_args import add_data_args, add_distributed_args, add_tokenizer_args
 from .precision_aware_args import add_precision_aware_args
@@ -65,6 +66,7 @@ def build_parser(extra_args_provider=None):
                 add_learning_rate_args, add_checkpointing_args, add_mixed_precision_args, add_distributed_args,
                 add_validation_args, add_data_args, add_tokenizer_args, add_logging_args, add_window_args,
                 add_moe_args,
+                add_mup_args,
                 add_context_parallel_args,
                 add_inference_args,
                 add_mla_args,

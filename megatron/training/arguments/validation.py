@@ -25,6 +25,7 @@ from .input_checks import blend_prefixes_checked, reads_image_text_data, validat
 from .megatron_flags import check_megatron_flags
 from .mla_args import validate_mla_args
 from .moe_args import validate_moe_args
+from .mup_args import validate_mup_args
 from .optimizer_args import validate_optimizer_args
 from .precision_aware_args import validate_precision_aware_args
 from .profiling_args import validate_profiling_args
@@ -58,6 +59,7 @@ def validate_args(args, defaults={}):
     _validate_non_persistent_checkpoints(args)
     validate_window_args(args, _require)
     validate_spec_args(args, _require)
+    validate_mup_args(args, _require)
     validate_validation_set_args(args, _require)
     validate_tp_overlap_args(args, _require, lambda m: print(m, flush=True))
     validate_moe_args(args, _require)

@@ -183,13 +183,14 @@ def test_compat_config_fields():
     assert _config(cross_entropy_loss_fusion=True).cross_entropy_loss_fusion  # a real TransformerConfig field
     # moe_* fields are read by Megatron only with experts: any value gives the same dense model.
     assert _config(moe_token_dispatcher_type="alltoall").moe_token_dispatcher_type == "alltoall"
-    with pytest.raises(ValueError, match="TransformerConfig.no_rope_freq"):
-        _config(no_rope_freq=2)
+    with pytest.raises(ValueError, match="TransformerConfig.fused_residual_rmsnorm"):
+        _config(fused_residual_rmsnorm=True)
 
     @dataclasses.dataclass
     class WithFeature(TransformerConfig):  # a feature that lands redefines its field and takes it over
-        no_rope_freq: int = None
-    assert WithFeature(num_layers=1, hidden_size=8, num_attention_heads=2, no_rope_freq=2).no_rope_freq == 2
+        fused_residual_rmsnorm: bool = False
+    assert WithFeature(num_layers=1, hidden_size=8, num_attention_heads=2,
+                       fused_residual_rmsnorm=True).fused_residual_rmsnorm
 
 
 def test_small_core_names():

@@ -9,6 +9,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import Lang
 from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding, RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule, build_output_layer
 from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock, process_mtp_loss
+from megatron.core.transformer.mup import scale_logits
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.window_attention import is_layer_window_attention
@@ -106,6 +107,11 @@ class GPTModel(LanguageModule):
             position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
         return self.rotary_pos_emb(position_ids, self.config.mrope_section)
 
+    def _scaled_output_layer(self, hidden, weight=None):
+        """The output layer with MuP's logit multiplier, for the MTP depths' logits."""
+        logits, bias = self.output_layer(hidden, weight=weight)
+        return scale_logits(self.config, logits), bias
+
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
                 inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
                 runtime_gather_output: Optional[bool] = None, loss_mask=None, **kwargs):
@@ -158,10 +164,10 @@ class GPTModel(LanguageModule):
             hidden, *mtp_hidden = torch.chunk(hidden_all, 1 + self.config.mtp_num_layers, dim=0)
         logits, _ = self.output_layer(hidden, weight=self.output_weight_for_forward(),
                                       runtime_gather_output=runtime_gather_output)  # [s, b, V/tp]
-        output = self.logits_or_loss(logits, labels)
+        output = self.logits_or_loss(scale_logits(self.config, logits), labels)  # MuP's --mup-output-mult
         self.mtp_loss_stats = None
         if mtp_hidden:
             output, self.mtp_loss_stats = process_mtp_loss(
-                output, mtp_hidden, labels, loss_mask, self.output_layer, self.output_weight_for_forward(),
+                output, mtp_hidden, labels, loss_mask, self._scaled_output_layer, self.output_weight_for_forward(),
                 self.compute_language_model_loss, self.config)
         return output

@@ -133,6 +133,8 @@ def test_derived_values():
     ("--no-rope-freq 2 --position-embedding-type learned_absolute", 1, "it needs --position-embedding-type rope"),
     ("--iterations-to-skip 0 3", 1, "--iterations-to-skip counts iterations from 1"),
     ("--train-sync-interval 0", 1, "--train-sync-interval must be >= 1"),
+    ("--mup-base-hidden-size 32", 1, "--mup-base-hidden-size applies with --use-mup only"),
+    ("--use-mup --mup-width-mult 2", 1, "--mup-width-mult is computed as --hidden-size / --mup-base-hidden-size"),
     ("--mtp-use-repeated-layer", 1, "--mtp-use-repeated-layer repeats the MTP layer over --mtp-num-layers depths"),
     ("--use-precision-aware-optimizer", 1, "needs --use-distributed-optimizer"),
     ("--use-precision-aware-optimizer --use-distributed-optimizer --exp-avg-sq-dtype fp16", 1,

@@ -6,6 +6,7 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.mup import scale_embeddings
 from megatron.core.utils import get_device
 
 
@@ -57,6 +58,7 @@ class LanguageModelEmbedding(MegatronModule):
             if self.tokentype_embeddings is None:
                 raise ValueError("tokentype_ids given to an embedding built with num_tokentypes=0")
             emb = emb + self.tokentype_embeddings(tokentype_ids)  # [b, s, h]
+        emb = scale_embeddings(self.config, emb)  # MuP's --mup-embedding-mult
         if not self.reduce_scatter_embeddings:
             emb = emb.transpose(0, 1).contiguous()  # [s, b, h]
         if self.config.fp32_residual_connection:

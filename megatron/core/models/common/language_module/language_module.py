@@ -15,8 +15,11 @@ def build_output_layer(config, vocab_size: int, bias: bool, parallel_output: boo
                        tp_group=None) -> tensor_parallel.ColumnParallelLinear:
     """Column-parallel vocab projection [s, b, h] -> [s, b, V/tp]; with tied weights on the first
     stage it allocates no weight and takes the embedding's at forward time."""
+    # MuP: an untied output layer starts like the embeddings (the base std), not like the hidden weights.
+    untied_mup = getattr(config, "use_mup", False) and not share_embeddings_and_output_weights
     return tensor_parallel.ColumnParallelLinear(
-        config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=bias,
+        config.hidden_size, vocab_size, config=config,
+        init_method=config.embedding_init_method if untied_mup else config.init_method, bias=bias,
         skip_bias_add=False, gather_output=not parallel_output,
         skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights, tp_group=tp_group)
 
@@ -95,6 +98,11 @@ class LanguageModule(MegatronModule):
             self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
         if self.post_process and self.output_layer.weight is not None:
             self.output_layer.weight.is_embedding_or_output_parameter = True
+        if getattr(self.config, "use_mup", False):  # MuP's optimizer rules keep the base LR for these
+            for param in (self.embedding.parameters() if self.pre_process else ()):
+                param.is_embedding_parameter = True
+            if self.post_process and self.output_layer.weight is not None:
+                self.output_layer.weight.is_embedding_parameter = True
         if not self.share_embeddings_and_output_weights:
             return
         weight = self.shared_embedding_or_output_weight()
