@@ -33,7 +33,11 @@ MEGATRON_SCRIPTS = {
     "examples/t5/train_t5_220m_distributed.sh": ["/ckpt", "/tensorboard", "/bert-large-cased-vocab.txt",
                                                  "/data_text_document"],
     "examples/mamba/train.sh": ["/data_text_document", "/tokenizer.model"],
+    "examples/gptoss/02_train.sh": ["--checkpoint-path", "."],  # its defaults: MOCK tokenizer and data
+    "examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh": [],  # its defaults: MOCK tokenizer and data
 }
+# Environment a script reads to pick its launcher: `uv run` is not on the extracting machine.
+SCRIPT_ENV = {"examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh": {"USE_UV": "0"}}
 ZOO_CONFIGS = ["DeepSeek-V3", "Qwen3-30B-A3B", "Qwen3-235B-A22B"]  # the DeepSeek-V3 and Qwen rows of runtime.conf
 # runtime.conf columns, in order (the first 13 name the ${VAR}s the YAML configs read).
 RUNTIME_COLUMNS = ["TP", "PP", "EP", "CP", "VPP", "PP_FIRST", "GBS", "NUM_LAYERS", "MOE_TOKEN_DISPATCHER",
@@ -50,7 +54,7 @@ def _head(git_dir):
                           text=True).stdout.strip()
 
 
-def megatron_script_argv(git_dir, path, positional):
+def megatron_script_argv(git_dir, path, positional, env=None):
     """The argv after the entry point that Megatron's script hands torchrun: (entry point, flags)."""
     with tempfile.TemporaryDirectory() as tmp:
         bin_dir = os.path.join(tmp, "bin")
@@ -60,11 +64,18 @@ def megatron_script_argv(git_dir, path, positional):
         with open(shim, "w") as f:
             f.write(f'#!/bin/bash\nprintf "%s\\0" "$@" > {capture}\n')
         os.chmod(shim, 0o755)
+        # Scripts that launch with `python -m torch.distributed.run` (gpt-oss, Megatron-FSDP): the same record;
+        # any other python call runs the real interpreter.
+        python_shim = os.path.join(bin_dir, "python")
+        with open(python_shim, "w") as f:
+            f.write(f'#!/bin/bash\nif [ "$1" = "-m" ] && [ "$2" = "torch.distributed.run" ]; then shift 2; '
+                    f'printf "%s\\0" "$@" > {capture}; exit 0; fi\nexec {sys.executable} "$@"\n')
+        os.chmod(python_shim, 0o755)
         script = os.path.join(tmp, "script.sh")
         with open(script, "w") as f:
             f.write(_git_show(git_dir, path))
         open(os.path.join(tmp, "pretrain_gpt.py"), "w").close()  # the llama script checks it exists
-        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+        env = {**os.environ, **(env or {}), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
         subprocess.run(["bash", script, *positional], cwd=tmp, env=env, check=True, capture_output=True)
         with open(capture) as f:
             argv = [a.replace(tmp, "$PWD") for a in f.read().split("\0")[:-1]]
@@ -99,7 +110,7 @@ def main():
     args = p.parse_args()
     scripts = []
     for path, positional in MEGATRON_SCRIPTS.items():
-        entry, argv = megatron_script_argv(args.megatron, path, positional)
+        entry, argv = megatron_script_argv(args.megatron, path, positional, SCRIPT_ENV.get(path))
         scripts.append(dict(source="NVIDIA/Megatron-LM", commit=_head(args.megatron), path=path, entry=entry,
                             argv=argv))
     for model in ZOO_CONFIGS:

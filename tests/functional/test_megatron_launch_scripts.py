@@ -1,6 +1,7 @@
-"""Megatron-LM's own example launch scripts (gpt3, llama, mixtral, bert, t5, mamba) and the MoE ModelZoo's DeepSeek-V3
-and Qwen configs train here on CPU (gloo) with their own flags: only sizes, paths, data and the flags listed
-in data/megatron_launch_scripts.json's `cpu_substitutions` are replaced (tiny model, mock data, 1-2 ranks).
+"""Megatron-LM's own example launch scripts (gpt3, llama, mixtral, bert, t5, mamba, gptoss, megatron_fsdp) and the
+MoE ModelZoo's DeepSeek-V3 and Qwen configs train here on CPU (gloo) with their own flags: only sizes, paths, data
+and the flags listed in data/megatron_launch_scripts.json's `cpu_substitutions` are replaced (tiny model, mock
+data, 1-2 ranks).
 The flags were extracted from the named Megatron commits by tools/extract_megatron_launch_flags.py."""
 import json
 import math

@@ -27,7 +27,6 @@ class TransformerConfigCompat:
     dsa_indexer_scoring_relu: bool = True
     dsa_indexer_k_norm_epsilon: Optional[float] = None
     dsa_indexer_k_norm_fp32: bool = False
-    disable_bf16_reduced_precision_matmul: bool = False
     fused_single_qkv_rope: bool = False
     fused_residual_rmsnorm: bool = False
     use_transformer_engine_op_fuser: bool = False

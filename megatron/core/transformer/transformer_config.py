@@ -3,6 +3,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
 
+import torch
 import torch.nn.functional as F
 
 from megatron.core._compat_fields import check_compat_fields
@@ -124,6 +125,8 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
     embedding_init_method: Optional[Callable] = None  # the word, position and token-type embeddings' init
     embedding_init_method_std: Optional[float] = None  # its std (default --init-method-std)
     softmax_scale: Optional[float] = None  # the attention scores' scale (default 1/sqrt(kv_channels))
+    # bf16 GEMMs accumulate their split-K partial sums in fp32 only (torch's process-wide cuBLAS setting, as Megatron)
+    disable_bf16_reduced_precision_matmul: bool = False
     # Maximal Update Parameterization (mup.py): the base width, the multipliers and the attention-scale power
     use_mup: bool = False
     mup_width_mult: float = 1.0  # computed: hidden_size / mup_base_hidden_size
@@ -245,6 +248,8 @@ class TransformerConfig(ModelParallelConfig, TransformerConfigCompat):
         self._check_features()
         self._check_recompute()
         self._check_pipeline_split()
+        if self.bf16 and self.disable_bf16_reduced_precision_matmul:
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         if self.use_mup:  # before the init methods below: MuP scales them with width
             apply_mup(self)
         # The embeddings' init (Megatron's rule): --embedding-init-method-std when it differs from --init-method-std

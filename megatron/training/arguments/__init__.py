@@ -24,6 +24,7 @@ from .model_args import (
     add_network_size_args,
     add_regularization_args,
 )
+from .modelopt_args import add_modelopt_args
 from .moe_args import add_moe_args
 from .mup_args import add_mup_args
 from .optimizer_args import add_muon_args
@@ -70,6 +71,7 @@ def build_parser(extra_args_provider=None):
                 add_context_parallel_args,
                 add_inference_args,
                 add_mla_args,
+                add_modelopt_args,
                 add_hybrid_args,
                 add_muon_args,
                 add_precision_aware_args,

@@ -56,6 +56,11 @@ NO_EFFECT = {
                                              "GEMMs that need no padding, so the run is the same",
     "--moe-router-padding-for-fp8": "Megatron's older name of --moe-router-padding-for-quantization: the experts "
                                     "here run unquantized grouped GEMMs that need no padding",
+    "--fsdp-double-buffer": "Megatron-FSDP's two alternating parameter-gather buffers (with --use-nccl-ub); "
+                            "--use-megatron-fsdp runs here on DDP, the distributed optimizer or torch FSDP2, which "
+                            "manage their own buffers, with the same results",
+    "--fsdp-manual-registration": "registers Megatron-FSDP's buffers with NCCL by hand (with --use-nccl-ub); the "
+                                  "FSDP layouts here use NCCL's default registration, with the same results",
     "--use-nccl-ub": "registers the DP/FSDP communication buffers with NCCL's user buffers (fewer SMs for the "
                      "collectives); the collectives here use NCCL's default path on the same buffers, with the same "
                      "results",

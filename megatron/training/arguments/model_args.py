@@ -175,6 +175,9 @@ def add_mixed_precision_args(parser):
     g = parser.add_argument_group(title="mixed precision")
     g.add_argument("--fp16", action="store_true", help="fp16 params and compute, fp32 main weights.")
     g.add_argument("--bf16", action="store_true", help="bf16 params and compute, fp32 main weights.")
+    g.add_argument("--disable-bf16-reduced-precision-matmul", action="store_true",
+                   help="With --bf16: bf16 GEMMs accumulate split-K partial sums in fp32 only (torch's "
+                        "allow_bf16_reduced_precision_reduction off), for numerics closer to fp32 at some speed.")
     g.add_argument("--loss-scale", type=float, default=None, help="Static loss scale (default: dynamic).")
     g.add_argument("--initial-loss-scale", type=float, default=2 ** 32, help="Initial dynamic loss scale.")
     g.add_argument("--min-loss-scale", type=float, default=1.0, help="Minimum dynamic loss scale.")

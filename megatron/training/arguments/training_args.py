@@ -133,8 +133,9 @@ def add_checkpointing_args(parser):
     g.add_argument("--finetune", action="store_true", help="Load weights only and reset the iteration to 0.")
     g.add_argument("--pretrained-checkpoint", type=str, default=None, help="Fallback load dir for --finetune.")
     g.add_argument("--ckpt-step", type=int, default=None, help="Iteration to load instead of the latest.")
-    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch", "torch_dist"],
-                   help="Checkpoint format.")
+    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"],
+                   help="Checkpoint format: torch_dist (sharded, reshards across layouts) or torch (one file per "
+                        "model-parallel rank); Megatron's torch_dcp and fsdp_dtensor are not built.")
     g.add_argument("--ckpt-save-megatron-layout", action="store_true",
                    help="Save torch_dist checkpoints in Megatron-LM's own layout (stacked layers, its distributed "
                         "optimizer's fully_reshardable state), so Megatron-LM resumes from them; loads here too.")

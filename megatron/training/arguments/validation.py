@@ -24,6 +24,7 @@ from .inference_args import validate_inference_args
 from .input_checks import blend_prefixes_checked, reads_image_text_data, validate_inputs
 from .megatron_flags import check_megatron_flags
 from .mla_args import validate_mla_args
+from .modelopt_args import report_modelopt_args
 from .moe_args import validate_moe_args
 from .mup_args import validate_mup_args
 from .optimizer_args import validate_optimizer_args
@@ -60,6 +61,7 @@ def validate_args(args, defaults={}):
     validate_window_args(args, _require)
     validate_spec_args(args, _require)
     validate_mup_args(args, _require)
+    report_modelopt_args(args, lambda m: print(m, flush=True) if args.rank == 0 else None)
     validate_validation_set_args(args, _require)
     validate_tp_overlap_args(args, _require, lambda m: print(m, flush=True))
     validate_moe_args(args, _require)
@@ -509,6 +511,9 @@ def _validate_run_length(args):
 
 
 def _validate_checkpointing(args):
+    _require(args.ckpt_format in ("torch", "torch_dist"),
+             f"--ckpt-format {args.ckpt_format} is not supported yet: use torch_dist (sharded; it reshards across TP, "
+             f"PP, DP and FSDP layouts and loads Megatron's torch_dist checkpoints)")
     if args.save is not None:
         _require(args.save_interval is not None and args.save_interval > 0,
                  "--save requires --save-interval > 0")

@@ -147,3 +147,22 @@ def test_warmup_flush_p2p_overlap_needs_overlap_p2p_comm():
     config = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, overlap_p2p_comm=True,
                                overlap_p2p_comm_warmup_flush=True)
     assert config.overlap_p2p_comm_warmup_flush
+
+
+def test_disable_bf16_reduced_precision_matmul_sets_torchs_switch():
+    """--disable-bf16-reduced-precision-matmul with --bf16 turns off cuBLAS's reduced-precision split-K sums, as
+    Megatron does (a process-wide torch setting); without --bf16 it leaves the setting alone."""
+    import torch
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    before = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    try:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                          disable_bf16_reduced_precision_matmul=True)
+        assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, bf16=True,
+                          disable_bf16_reduced_precision_matmul=True)
+        assert not torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = before

@@ -313,3 +313,11 @@ def test_microbatch_group_size_reaches_the_schedule_config():
     args = _args("--num-layers 4 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
                  "--microbatch-group-size-per-virtual-pipeline-stage 4 --global-batch-size 16", world_size=2)
     assert core_transformer_config_from_args(args).microbatch_group_size_per_vp_stage == 4
+
+
+def test_modelopt_flags_of_the_gpt_oss_script_say_they_have_no_effect(capsys):
+    """Megatron's gpt-oss script passes two ModelOpt flags that only ModelOpt's model builder reads: accepted,
+    each with one start-up line."""
+    _args("--export-force-local-attention --enable-gpt-oss")
+    out = capsys.readouterr().out
+    assert "--export-force-local-attention has no effect here" in out and "--enable-gpt-oss has no effect here" in out
