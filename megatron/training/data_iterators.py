@@ -23,7 +23,10 @@ def train_valid_test_num_samples():
             train = num_microbatches_calculator._calculator().samples_after(args.train_iters)
     evals = args.eval_iters
     if args.eval_interval and not args.skip_train:
-        evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters
+        points = args.train_iters // args.eval_interval + 1
+        if getattr(args, "start_eval_at_iter", None) is not None:  # the evaluations before it do not happen
+            points = max(0, points - args.start_eval_at_iter // args.eval_interval)
+        evals = points * args.eval_iters
     eval_batch = _eval_global_batch_size(args)
     # --full-validation: one epoch of the validation set(s), whatever --eval-iters says.
     valid = None if getattr(args, "full_validation", False) else evals * eval_batch
@@ -61,7 +64,8 @@ def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provid
     if args.iteration > 0 and args.consumed_train_samples == 0:
         args.consumed_train_samples = args.iteration * args.global_batch_size
     if args.iteration > 0 and args.consumed_valid_samples == 0 and args.eval_interval:
-        args.consumed_valid_samples = ((args.iteration // args.eval_interval) * args.eval_iters
+        skipped = (getattr(args, "start_eval_at_iter", None) or 0) // args.eval_interval
+        args.consumed_valid_samples = (max(0, args.iteration // args.eval_interval - skipped) * args.eval_iters
                                        * _eval_global_batch_size(args))
     sizes = train_valid_test_num_samples()
     print_rank_0(" > datasets target sizes (minimum size):")

@@ -125,7 +125,7 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
         report_theoretical_memory(args)
     if (report_memory_flag or again) and parallel_state.get_data_parallel_rank() == 0 and torch.cuda.is_available():
         print(f"[Rank {torch.distributed.get_rank()}] (after {iteration} iterations) "
-              + report_memory("").strip(), flush=True)
+              + report_memory("", getattr(args, "log_device_memory_used", False)).strip(), flush=True)
     report_memory_flag = False
     timers.log(TIMERS_TO_LOG, normalizer=window)
     return report_memory_flag

@@ -282,6 +282,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                 params_norm, num_zeros if args.log_num_zeros_in_grad else None,
                 max_attention_logit if args.log_max_attention_logit else None)
             if args.eval_interval and iteration % args.eval_interval == 0 and valid_data_iterator is not None \
+                    and (args.start_eval_at_iter is None or iteration >= args.start_eval_at_iter) \
                     and (args.eval_iters > 0 or args.full_validation):
                 timers("interval-time").stop()
                 gc_control.around_evaluation(args)

@@ -45,15 +45,19 @@ def average_losses_across_data_parallel_group(losses):
     return averaged
 
 
-def report_memory(name):
-    """One-line device memory report in MB (CUDA only; a note on CPU)."""
+def report_memory(name, device_memory_used: bool = False):
+    """One-line device memory report in MB (CUDA only; a note on CPU); ``device_memory_used``
+    (--log-device-memory-used) adds the driver's count of the whole device's used memory, every process's."""
     if not torch.cuda.is_available():
         return f"{name} memory (MB) | not tracked on CPU"
     mb = 1024.0 * 1024.0
-    return (f"{name} memory (MB) | allocated: {torch.cuda.memory_allocated() / mb} | "
+    line = (f"{name} memory (MB) | allocated: {torch.cuda.memory_allocated() / mb} | "
             f"max allocated: {torch.cuda.max_memory_allocated() / mb} | "
             f"reserved: {torch.cuda.memory_reserved() / mb} | "
             f"max reserved: {torch.cuda.max_memory_reserved() / mb}")
+    if device_memory_used:
+        line += f" | total device memory used: {torch.cuda.device_memory_used() / mb:.2f}"
+    return line
 
 
 def calc_params_l2_norm(model):

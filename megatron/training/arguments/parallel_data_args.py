@@ -99,6 +99,10 @@ def add_tokenizer_args(parser):
     g.add_argument("--merge-file", type=str, default=None, help="BPE merge file.")
     g.add_argument("--tokenizer-model", type=str, default=None, help="SentencePiece/HF/TikToken model.")
     g.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size (NullTokenizer, TikToken).")
+    g.add_argument("--null-tokenizer-eod-id", type=int, default=None,
+                   help="NullTokenizer's end-of-document id (default --vocab-size - 1).")
+    g.add_argument("--null-tokenizer-pad-id", type=int, default=-1,
+                   help="NullTokenizer's padding id (default -1: none).")
     g.add_argument("--vocab-extra-ids", type=int, default=0, help="Extra sentinel tokens (T5).")
     g.add_argument("--tiktoken-pattern", type=str, default=None, choices=["v1", "v2"], help="TikToken pattern.")
     g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000, help="TikToken special tokens.")

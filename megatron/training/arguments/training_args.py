@@ -188,6 +188,9 @@ def add_validation_args(parser):
     g = parser.add_argument_group(title="validation")
     g.add_argument("--eval-iters", type=int, default=100, help="Global batches per evaluation.")
     g.add_argument("--eval-interval", type=int, default=None, help="Iterations between evaluations.")
+    g.add_argument("--start-eval-at-iter", type=int, default=None,
+                   help="No evaluation before this iteration (the --eval-interval ones before it are skipped, and "
+                        "the validation split is sized without them).")
     return parser
 
 
@@ -200,6 +203,9 @@ def add_logging_args(parser):
     g.add_argument("--log-memory-interval", type=int, default=None,
                    help="Print the device memory report (allocated, max allocated, reserved, max reserved MB) every "
                         "N iterations, not only after the first; a multiple of --log-interval.")
+    g.add_argument("--log-device-memory-used", action="store_true",
+                   help="Add the whole device's used memory (every process on the GPU, from the driver) to the "
+                        "memory report.")
     g.add_argument("--log-progress", action="store_true",
                    help="Append job starts and each checkpoint's throughput, floating-point operations and tokens "
                         "to progress.txt in the --save directory (it accumulates across restarts).")

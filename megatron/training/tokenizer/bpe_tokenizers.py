@@ -174,12 +174,17 @@ class _TikTokenizer(MegatronTokenizer):
 
 
 class _NullTokenizer(MegatronTokenizer):
-    """Ids are the whitespace-separated integers of the text; eod = vocab_size - 1 (Megatron HEAD)."""
+    """Ids are the whitespace-separated integers of the text; eod = vocab_size - 1 and no pad id (-1) unless given
+    (--null-tokenizer-eod-id / --null-tokenizer-pad-id, Megatron HEAD)."""
 
-    def __init__(self, vocab_size):
+    def __init__(self, vocab_size, eod_id=None, pad_id=-1):
         super().__init__(None, vocab_size=vocab_size)
         self._vocab_size_without_eod = int(vocab_size) - 1
-        self._eod_id = self._vocab_size_without_eod
+        self._eod_id = self._vocab_size_without_eod if eod_id is None else int(eod_id)
+        self._pad_id = int(pad_id)
+        for name, value in (("--null-tokenizer-eod-id", eod_id), ("--null-tokenizer-pad-id", pad_id)):
+            if value is not None and value != -1 and not 0 <= int(value) < int(vocab_size):
+                raise ValueError(f"{name} {value} is outside the vocabulary (0..{int(vocab_size) - 1})")
 
     def tokenize(self, text: str) -> List[int]:
         return [int(x) for x in text.split()]
@@ -213,7 +218,7 @@ class _NullTokenizer(MegatronTokenizer):
 
     @property
     def pad(self):
-        return -1
+        return self._pad_id
 
     @property
     def additional_special_tokens_ids(self):

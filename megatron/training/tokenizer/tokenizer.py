@@ -62,7 +62,9 @@ def build_tokenizer(args, **kwargs):
                                   num_special_tokens=getattr(args, "tiktoken_num_special_tokens", 1000) or 1000,
                                   special_tokens=getattr(args, "tiktoken_special_tokens", None))
     elif kind == "NullTokenizer":
-        tokenizer = _NullTokenizer(_need(args, "vocab_size", "--vocab-size", kind))
+        tokenizer = _NullTokenizer(_need(args, "vocab_size", "--vocab-size", kind),
+                                   eod_id=getattr(args, "null_tokenizer_eod_id", None),
+                                   pad_id=getattr(args, "null_tokenizer_pad_id", -1))
     else:
         raise ValueError(f"--tokenizer-type {kind!r} is not supported; choose one of GPT2BPETokenizer, "
                          "HuggingFaceTokenizer, SFTTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, "

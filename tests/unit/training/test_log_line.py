@@ -82,7 +82,7 @@ def test_log_memory_interval_repeats_the_memory_report(monkeypatch, capsys):
     for name, value in (("get_args", lambda: args), ("get_timers", lambda: _Timers()),
                         ("get_tensorboard_writer", lambda: None), ("get_wandb_writer", lambda: None),
                         ("_num_microbatches", lambda: 1), ("print_rank_last", print),
-                        ("report_memory", lambda name: f"{name} memory (MB) | allocated: 1.0"),
+                        ("report_memory", lambda name, *_: f"{name} memory (MB) | allocated: 1.0"),
                         ("report_theoretical_memory", lambda a: None)):
         monkeypatch.setattr(log_line, name, value)
     monkeypatch.setattr(log_line.torch.cuda, "is_available", lambda: True)
