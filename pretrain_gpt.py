@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_layer import compile_transformer_laye
 from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.arguments.spec_args import resolve_spec
+from megatron.training.datasets.sft_chat import read_chat_template
 from megatron.training.datasets.sft_dataset import SFTDataset, SFTDatasetConfig
 
 
@@ -196,7 +197,8 @@ def sft_dataset_config_from_args(args):
     base = core_gpt_dataset_config_from_args(args)
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
     return SFTDatasetConfig(**fields, sft_tokenizer_path=args.tokenizer_model,
-                            sft_prompt_format=args.sft_tokenizer_prompt_format, sft_bad_records=args.sft_bad_records)
+                            sft_prompt_format=args.sft_tokenizer_prompt_format, sft_bad_records=args.sft_bad_records,
+                            sft_chat_template=read_chat_template(args.chat_template))
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):

@@ -16,7 +16,12 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megatron.training.datasets.sft_chat import PROMPT_FORMATS, ChatFormat, load_hf_tokenizer  # noqa: E402
+from megatron.training.datasets.sft_chat import (  # noqa: E402
+    PROMPT_FORMATS,
+    ChatFormat,
+    load_hf_tokenizer,
+    read_chat_template,
+)
 from megatron.training.datasets.sft_conversations import BadRecordError, save_npz, tokenize_jsonl  # noqa: E402
 
 
@@ -27,6 +32,8 @@ def parse(argv=None):
     p.add_argument("--tokenizer-model", required=True, help="Local Hugging Face tokenizer directory.")
     p.add_argument("--sft-tokenizer-prompt-format", default="default", choices=sorted(PROMPT_FORMATS),
                    help="default: the tokenizer's own chat template.")
+    p.add_argument("--chat-template", default=None,
+                   help="A Jinja chat template (or a file holding one) instead of the prompt format's.")
     p.add_argument("--seq-length", type=int, default=None, help="Refuse conversations longer than this + 1 tokens.")
     p.add_argument("--sft-bad-records", default="stop", choices=["stop", "skip"],
                    help="Stop at the first bad record (write nothing) or skip each one.")
@@ -41,7 +48,7 @@ def main(argv=None) -> int:
         sys.exit(f"error: --input {args.input}: no such file")
     try:
         chat = ChatFormat(load_hf_tokenizer(args.tokenizer_model), args.sft_tokenizer_prompt_format,
-                          args.tokenizer_model)
+                          args.tokenizer_model, read_chat_template(args.chat_template))
         data = tokenize_jsonl(args.input, chat, args.seq_length, args.sft_bad_records,
                               report=lambda line: print(line, file=sys.stderr, flush=True))
     except (BadRecordError, ValueError, OSError) as e:

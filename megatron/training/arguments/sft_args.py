@@ -15,6 +15,9 @@ def add_sft_args(parser):
     g.add_argument("--sft-tokenizer-prompt-format", type=str, default="nemotron-h-aligned",
                    help="SFT prompt format: default (the tokenizer's own chat template), identity, "
                         "nemotron-h-aligned, nemotron-nano-v2.")
+    g.add_argument("--chat-template", type=str, default=None,
+                   help="A Jinja chat template (or a file holding one) that renders the --sft conversations instead "
+                        "of --sft-tokenizer-prompt-format's.")
     g.add_argument("--sft-bad-records", type=str, default="stop", choices=["stop", "skip"],
                    help="A bad conversation (no assistant turn, unknown role, longer than --seq-length, template "
                         "error): stop at the first one, or skip each (one line per record: file:line: what).")
@@ -23,6 +26,7 @@ def add_sft_args(parser):
 
 def validate_sft_args(args, require):
     """--sft reads conversations with an HF tokenizer and runs per-document attention (no dense mask)."""
+    require(args.chat_template is None or args.sft, "--chat-template renders --sft conversations: add --sft")
     if not args.sft:
         return
     require(args.sft_tokenizer_prompt_format in PROMPT_FORMATS,

@@ -6,6 +6,7 @@ assistant message adds are found by rendering the prefixes: an assistant turn sp
 `render(messages[:i], add_generation_prompt=True)` to the end of `render(messages[:i + 1])`, so its content
 and closing tokens (e.g. `<|eot_id|>`) are trained, its header and every system / user / tool token are not.
 """
+import os
 from typing import Dict, List, Optional, Tuple
 
 import numpy
@@ -32,6 +33,14 @@ PROMPT_FORMATS = {"default": None, "identity": _IDENTITY, "nemotron-h-aligned": 
                   "nemotron-nano-v2": _NEMOTRON_NANO_V2}
 
 
+def read_chat_template(value: Optional[str]) -> Optional[str]:
+    """--chat-template: the Jinja template itself, or a file holding it (read here)."""
+    if value and os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    return value
+
+
 class RecordError(ValueError):
     """One bad conversation: the message says what is wrong (the caller adds file and line)."""
 
@@ -49,13 +58,19 @@ class ChatFormat:
     """Renders conversations with one prompt format of one HF tokenizer: `tokenize(messages)` -> (ids,
     assistant mask), both int arrays of the same length."""
 
-    def __init__(self, hf_tokenizer, prompt_format: str = "default", tokenizer_path: str = ""):
+    def __init__(self, hf_tokenizer, prompt_format: str = "default", tokenizer_path: str = "",
+                 chat_template: Optional[str] = None):
+        """``chat_template`` (--chat-template): a Jinja template that replaces the prompt format's and the
+        tokenizer's own."""
         if prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"--sft-tokenizer-prompt-format {prompt_format!r} is unknown; choose one of "
                              f"{', '.join(PROMPT_FORMATS)}")
         self.tokenizer = hf_tokenizer
         self.prompt_format = prompt_format
-        self.template = PROMPT_FORMATS[prompt_format] or getattr(hf_tokenizer, "chat_template", None)
+        if chat_template:
+            self.prompt_format, self.template = "chat-template", chat_template
+        else:
+            self.template = PROMPT_FORMATS[prompt_format] or getattr(hf_tokenizer, "chat_template", None)
         if not self.template:
             named = ", ".join(f for f in PROMPT_FORMATS if f != "default")
             raise ValueError(f"--tokenizer-model {tokenizer_path}: the tokenizer has no chat template "

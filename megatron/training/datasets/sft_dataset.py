@@ -36,6 +36,7 @@ class SFTDatasetConfig(GPTDatasetConfig):
     sft_tokenizer_path: Optional[str] = None
     sft_prompt_format: str = "default"
     sft_bad_records: str = "stop"
+    sft_chat_template: Optional[str] = None  # --chat-template: replaces the prompt format's template
 
 
 def pack_greedy(lengths: numpy.ndarray, order: numpy.ndarray, capacity: int) -> numpy.ndarray:
@@ -68,7 +69,7 @@ class SFTDataset(MegatronDataset):
     @staticmethod
     def build_low_level_dataset(dataset_path: str, config: SFTDatasetConfig) -> SFTConversations:
         chat = ChatFormat(load_hf_tokenizer(config.sft_tokenizer_path), config.sft_prompt_format,
-                          config.sft_tokenizer_path)
+                          config.sft_tokenizer_path, config.sft_chat_template)
         t0 = time.time()
         data = load_conversations(dataset_path, chat, config.sequence_length, config.sft_bad_records)
         log_single_rank(logger, logging.INFO, f"> {dataset_path}: {len(data)} conversations, "
@@ -78,7 +79,7 @@ class SFTDataset(MegatronDataset):
 
     @staticmethod
     def _key_config_attributes():
-        return MegatronDataset._key_config_attributes() + ["sft_prompt_format"]
+        return MegatronDataset._key_config_attributes() + ["sft_prompt_format", "sft_chat_template"]
 
     def _build_packing(self):
         """Concatenate epochs of shuffled, packed conversations until `num_samples` samples exist."""

@@ -135,6 +135,7 @@ def test_derived_values():
     ("--train-sync-interval 0", 1, "--train-sync-interval must be >= 1"),
     ("--mup-base-hidden-size 32", 1, "--mup-base-hidden-size applies with --use-mup only"),
     ("--use-mup --mup-width-mult 2", 1, "--mup-width-mult is computed as --hidden-size / --mup-base-hidden-size"),
+    ("--chat-template x", 1, "--chat-template renders --sft conversations: add --sft"),
     ("--mtp-use-repeated-layer", 1, "--mtp-use-repeated-layer repeats the MTP layer over --mtp-num-layers depths"),
     ("--use-precision-aware-optimizer", 1, "needs --use-distributed-optimizer"),
     ("--use-precision-aware-optimizer --use-distributed-optimizer --exp-avg-sq-dtype fp16", 1,

@@ -232,3 +232,20 @@ def test_prepare_tool_writes_atomically_and_training_reads_it(env, capsys):
         load_conversations(out, env.chat, 40)  # a shorter --seq-length at training time
     with pytest.raises(ValueError, match="another chat template"):
         load_conversations(out, ChatFormat(env.hf, "identity"), SEQ)
+
+
+def test_chat_template_flag_replaces_the_prompt_format(env, tmp_path):
+    """--chat-template (the template, or a file holding it) renders the conversations instead of the prompt format;
+    the dataset's cache identity and a prepared file's template follow it."""
+    from megatron.training.datasets.sft_chat import read_chat_template
+    template = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}[assistant]{% endif %}")
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    assert read_chat_template(str(path)) == template and read_chat_template(template) == template
+    messages = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+    chat = ChatFormat(env.hf, "nemotron-h-aligned", env.tok_dir, chat_template=template)
+    ids, mask = chat.tokenize(messages)
+    assert env.hf.decode(ids.tolist()) == "[user]Q[assistant]A" and env.hf.decode(ids[mask == 1].tolist()) == "A"
+    assert chat.template == template and chat.prompt_format == "chat-template"
+    assert "sft_chat_template" in SFTDataset._key_config_attributes()
