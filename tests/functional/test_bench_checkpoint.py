@@ -20,7 +20,9 @@ def _bench(tmp_path, *args):
 
 
 def test_tp2_save_then_pp2_resharding_load(tmp_path):
-    common = ["--num-layers", "4", "--global-batch-size", "2", "--use-distributed-optimizer"]
+    # --num-workers 0: batches read in the rank itself; no loader worker forked beside gloo's threads (the PP=2 load
+    # once stalled on CI with both ranks outside any collective, and a stuck worker is one way to get there).
+    common = ["--num-layers", "4", "--global-batch-size", "2", "--use-distributed-optimizer", "--num-workers", "0"]
     # --profile-save and --sync-repeat: the profiled save's phases and functions, and a repeat whose iteration
     # leaves the async save's (2, loaded below) alone.
     out = _bench(tmp_path, "--keep", "--no-anchor", "--async-saves", "1", "--disk-gib", "0.01", "--profile-save",
