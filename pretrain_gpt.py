@@ -40,8 +40,9 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
     layer_spec = spec_fn(qk_layernorm=args.qk_layernorm, multi_latent_attention=args.multi_latent_attention,
                          qk_l2_norm=args.qk_l2_norm)
     # One spec per layer: MoE where --moe-layer-freq says so, Gated DeltaNet where --linear-attention-freq does.
-    if args.spec is not None and args.spec != ["local"]:
-        layer_spec = resolve_spec(args.spec)  # as named, as Megatron builds it
+    named = resolve_spec(args.spec)  # --spec: as named, as Megatron builds it
+    if named is not None:
+        layer_spec = named
     elif args.num_experts is not None or args.experimental_attention_variant is not None:
         layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
                                                 qk_l2_norm=args.qk_l2_norm)

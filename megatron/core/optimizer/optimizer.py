@@ -142,8 +142,8 @@ class MegatronOptimizer:
         return [parallel_state.get_expert_tensor_model_pipeline_parallel_group()]
 
     def _main_grads_for_stats(self, expert=None) -> List[torch.Tensor]:
-        return [self._main_grad(p) for p in self.get_parameters()
-                if self._main_grad(p) is not None and param_counts_for_grad_stats(self.main_to_model[p])
+        return [g for p in self.get_parameters()
+                if (g := self._main_grad(p)) is not None and param_counts_for_grad_stats(self.main_to_model[p])
                 and (expert is None or expert == (not getattr(self.main_to_model[p], "allreduce", True)))]
 
     def get_grad_norm(self, as_tensor: bool = False):
@@ -240,7 +240,7 @@ class MegatronOptimizer:
         """Unscale main grads by 1/loss_scale; True if any rank of the stats groups saw inf/nan."""
         inv_scale = self.grad_scaler.inv_scale
         found = torch.zeros(1, dtype=torch.float32)
-        grads = [self._main_grad(p) for p in self.get_parameters() if self._main_grad(p) is not None]
+        grads = [g for p in self.get_parameters() if (g := self._main_grad(p)) is not None]
         for g in grads:
             g.mul_(inv_scale.to(g.device))
             if not torch.isfinite(g.to_local() if hasattr(g, "to_local") else g).all():

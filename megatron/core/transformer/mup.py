@@ -14,18 +14,26 @@ import math
 from megatron.core.utils import init_method_normal
 
 
-def apply_mup(config) -> None:
-    """Fill the MuP-derived fields of ``config`` (a TransformerConfig with use_mup) before its init methods."""
+def check_mup(config) -> None:
+    """ValueError naming the flag for what MuP cannot take. ``config``: a TransformerConfig, or the parsed flags
+    (the same attribute names), so the flags and the library refuse in the same words."""
     if config.mup_width_mult != 1.0:
         raise ValueError("--mup-width-mult is computed as --hidden-size / --mup-base-hidden-size: pass "
                          "--mup-base-hidden-size instead")
+    if not config.use_mup:
+        return
     if getattr(config, "multi_latent_attention", False):
         raise ValueError("--use-mup is not supported with multi-latent attention (its softmax scale has its own "
                          "YaRN factor)")
+    if config.mup_base_hidden_size is not None and config.mup_base_hidden_size <= 0:
+        raise ValueError(f"--mup-base-hidden-size must be positive, got {config.mup_base_hidden_size}")
+
+
+def apply_mup(config) -> None:
+    """Fill the MuP-derived fields of ``config`` (a TransformerConfig with use_mup) before its init methods."""
+    check_mup(config)
     if config.mup_base_hidden_size is None:
         config.mup_base_hidden_size = config.hidden_size
-    if config.mup_base_hidden_size <= 0:
-        raise ValueError(f"--mup-base-hidden-size must be positive, got {config.mup_base_hidden_size}")
     config.mup_width_mult = config.hidden_size / config.mup_base_hidden_size
     if config.softmax_scale is None:
         base = 1.0 if config.mup_base_head_dim is None else math.sqrt(config.mup_base_head_dim)

@@ -1,4 +1,5 @@
 """Megatron's MuP flags (--use-mup and its multipliers; megatron/core/transformer/mup.py has the rules)."""
+from megatron.core.transformer.mup import check_mup
 
 
 def add_mup_args(parser):
@@ -29,13 +30,10 @@ def validate_mup_args(args, require):
                                     ("--mup-base-head-dim", "mup_base_head_dim", None),
                                     ("--mup-attn-scale-power", "mup_attn_scale_power", 1.0)):
             require(getattr(args, name) == default, f"{flag} applies with --use-mup only: add it or drop the flag")
-    require(args.mup_width_mult == 1.0, "--mup-width-mult is computed as --hidden-size / --mup-base-hidden-size: "
-                                        "pass --mup-base-hidden-size instead")
-    if args.use_mup:
-        require(not args.multi_latent_attention, "--use-mup is not supported with --multi-latent-attention (its "
-                                                 "softmax scale has its own YaRN factor)")
-        require(args.mup_base_hidden_size is None or args.mup_base_hidden_size > 0,
-                f"--mup-base-hidden-size must be positive, got {args.mup_base_hidden_size}")
+    try:
+        check_mup(args)
+    except ValueError as e:
+        require(False, str(e))
 
 
 def refuse_mup(args, script):
