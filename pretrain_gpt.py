@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_layer import compile_transformer_laye
 from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.arguments.spec_args import resolve_spec
+from megatron.training.datasets.fim_dataset import GPTFIMDataset, GPTFIMDatasetConfig
 from megatron.training.datasets.sft_chat import read_chat_template
 from megatron.training.datasets.sft_dataset import SFTDataset, SFTDatasetConfig
 
@@ -181,7 +182,16 @@ def is_dataset_built_on_rank(vp_stage=None):
 
 
 def core_gpt_dataset_config_from_args(args):
-    return GPTDatasetConfig(
+    """The GPT dataset config from the flags; with --fim-data the FIM one (GPTFIMDatasetConfig), as Megatron's."""
+    config_class, fim = GPTDatasetConfig, {}
+    if args.fim_data:
+        tokens = {"prefix": args.fim_prefix_token, "middle": args.fim_middle_token, "suffix": args.fim_suffix_token,
+                  "pad": args.fim_pad_token, "eod": args.fim_eod_token}
+        config_class = GPTFIMDatasetConfig
+        fim = dict(fim_rate=args.fim_rate, fim_spm_rate=args.fim_spm_rate, fim_extra_tokens=tokens,
+                   fim_split_sample=args.fim_split_sample, fim_fragment_rate=args.fim_fragment_rate,
+                   fim_no_prefix=args.fim_no_prefix)
+    return config_class(
         random_seed=args.seed, sequence_length=args.seq_length, blend=get_blend_from_list(args.data_path),
         blend_per_split=[get_blend_from_list(args.train_data_path), get_blend_from_list(args.valid_data_path),
                          get_blend_from_list(args.test_data_path)],
@@ -190,7 +200,7 @@ def core_gpt_dataset_config_from_args(args):
         path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files, tokenizer=get_tokenizer(),
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
-        mid_level_dataset_surplus=args.mid_level_dataset_surplus)
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus, **fim)
 
 
 def sft_dataset_config_from_args(args):
@@ -203,13 +213,14 @@ def sft_dataset_config_from_args(args):
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
-    """GPT train/valid/test datasets (MockGPTDataset with --mock-data, packed conversations with --sft)."""
+    """GPT train/valid/test datasets (MockGPTDataset with --mock-data, packed conversations with --sft,
+    fill-in-the-middle samples with --fim-data)."""
     args = get_args()
     if args.sft:
         config, dataset_type = sft_dataset_config_from_args(args), SFTDataset
     else:
         config = core_gpt_dataset_config_from_args(args)
-        dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+        dataset_type = MockGPTDataset if args.mock_data else GPTFIMDataset if args.fim_data else GPTDataset
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
         dataset_type, train_val_test_num_samples, partial(is_dataset_built_on_rank, vp_stage=vp_stage),

@@ -132,7 +132,16 @@ class GPTDataset(MegatronDataset):
         return sample
 
     def _query_document_sample_shuffle_indices(self, idx: int) -> Tuple[numpy.ndarray, numpy.ndarray]:
-        """Tokens of sample `idx` (after shuffling) and the ids of the documents it spans."""
+        """Tokens of sample `idx` (after shuffling), padded to the sample length, and its document ids."""
+        text, document_ids = self._sample_text(idx)
+        target = self.config.sequence_length + int(self.config.add_extra_token_to_sequence)
+        if len(text) < target:  # a partial last validation sample (drop_last_partial_validation_sequence off)
+            text = numpy.concatenate([text, numpy.full(target - len(text), self._pad_token_id, dtype=numpy.int64)])
+        return text, document_ids
+
+    def _sample_text(self, idx: int) -> Tuple[numpy.ndarray, numpy.ndarray]:
+        """The tokens sample `idx` reads from its documents (unpadded, int64) and the documents' ids: the
+        hook a subclass rewrites samples in (GPTFIMDataset permutes them into fill-in-the-middle order)."""
         idx = self.shuffle_index[idx]
         extra = int(self.config.add_extra_token_to_sequence)
         doc_beg, offset_beg = self.sample_index[idx]
@@ -148,11 +157,7 @@ class GPTDataset(MegatronDataset):
                 offset = 0 if i > doc_beg else int(offset_beg)
                 length = None if i < doc_end else int(offset_end) + extra
                 parts.append(self.dataset.get(self.document_index[i], offset=offset, length=length))
-        length = sum(map(len, parts))
-        target = self.config.sequence_length + extra
-        if length < target:
-            parts.append(numpy.full(target - length, self._pad_token_id, dtype=numpy.int64))
-        return (numpy.concatenate(parts, dtype=numpy.int64), numpy.array(document_ids, dtype=numpy.int64))
+        return numpy.concatenate(parts, dtype=numpy.int64), numpy.array(document_ids, dtype=numpy.int64)
 
     def _cache_paths(self) -> Optional[Dict[str, str]]:
         path_to_cache = self.config.path_to_cache

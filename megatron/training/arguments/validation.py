@@ -19,6 +19,7 @@ from .dropin_args import validate_dropin_args
 from .errors import ArgumentError
 from .errors import require as _require
 from .fast_path import validate_fast_path_args
+from .fim_args import validate_fim_args
 from .hybrid_args import hybrid_pipeline_placed_by_pattern, validate_hybrid_args
 from .inference_args import validate_inference_args
 from .input_checks import blend_prefixes_checked, reads_image_text_data, validate_inputs
@@ -75,6 +76,7 @@ def validate_args(args, defaults={}):
     _validate_data(args)
     _validate_tokenizer(args)
     validate_sft_args(args, _require)
+    validate_fim_args(args, _require)
     _validate_misc(args)
     validate_inference_args(args, _require)
     validate_diagnostics_args(args, _require)

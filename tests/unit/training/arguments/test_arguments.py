@@ -151,6 +151,12 @@ def test_derived_values():
     ("--spec megatron.core.models.no_such_module layer_spec", 1, "no_such_module cannot be imported"),
     ("--spec megatron.core.models.gpt.gpt_layer_specs no_such_spec", 1, "has no attribute no_such_spec"),
     ("--spec megatron.core.models.gpt.gpt_layer_specs get_gpt_layer_local_spec", 1, "is a function, not a ModuleSpec"),
+    ("--fim-data --fim-rate 1.5", 1, "--fim-rate (1.5) must be a probability in [0, 1]"),
+    ("--fim-data --fim-spm-rate -0.1", 1, "--fim-spm-rate (-0.1) must be a probability in [0, 1]"),
+    ("--fim-data --fim-split-sample <sep> --fim-fragment-rate 2", 1, "--fim-fragment-rate (2.0) must be a probability"),
+    ("--fim-data --fim-split-sample <sep>", 1, "pass --fim-fragment-rate too"),
+    ("--fim-rate 0.2", 1, "--fim-rate applies with --fim-data only"),
+    ("--fim-data", 1, "--fim-data rewrites the text of --data-path documents; --mock-data has no text"),
 ])
 def test_validation_errors(extra, world, needle):
     assert_refused_in_one_line(extra, needle, world_size=world)
