@@ -132,6 +132,9 @@ def _engine(args, model, tokenizer, slots: int, max_len: int, graphs, compile_de
                            num_batch_graphs=args.inference_dynamic_batching_num_cuda_graphs,
                            chunked_prefill=args.enable_chunked_prefill,
                            graph_sizing=args.inference_dynamic_batching_cuda_graph_sizing_distribution,
+                           prefix_caching=args.inference_dynamic_batching_enable_prefix_caching,
+                           prefix_block_size=args.inference_dynamic_batching_block_size,
+                           prefix_eviction_policy=args.inference_dynamic_batching_prefix_caching_eviction_policy,
                            **({} if args.inference_dynamic_batching_max_tokens is None else
                               {"max_prefill_tokens": args.inference_dynamic_batching_max_tokens}))
 

@@ -81,9 +81,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         engine = self.server.app.scheduler.engine
-        self._send(200, {"status": "ok", "endpoints": ["PUT /api", "POST /completions"],
-                         "active": sum(r is not None for r in engine.slots), "waiting": len(engine.waiting),
-                         "peak_active": engine.peak_active})
+        stats = {"status": "ok", "endpoints": ["PUT /api", "POST /completions"],
+                 "active": sum(r is not None for r in engine.slots), "waiting": len(engine.waiting),
+                 "peak_active": engine.peak_active}
+        if engine.prefix_cache is not None:  # prompt tokens taken from the prefix cache vs prefilled so far
+            stats.update(prompt_tokens_reused=engine.prefix_cache.reused_tokens,
+                         prompt_tokens_computed=engine.prefix_cache.computed_tokens)
+        self._send(200, stats)
 
 
 class MegatronServer:

@@ -252,6 +252,12 @@ class StaticInferenceContext:
         query = rope_and_store(x, cos, sin, kv, self.decode_positions)  # [B, ng, np/ng, hn]
         return self._attend_decode(kv, query, softmax_scale, self._layer_decode_mask(layer_number))
 
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Every attention layer's keys and values at positions [0, length) of slot ``src`` into slot ``dst``
+        (prefix caching: a prompt starting with tokens another slot holds prefills only the rest)."""
+        for kv in self._kv.values():  # [slots, ng, max_len, 2, hn]
+            kv[dst, :, :length] = kv[src, :, :length]
+
     def reset(self) -> None:
         """Drop the cache (a new run with other shapes); slots are managed by the engine."""
         self.key_value_memory_dict.clear()

@@ -13,6 +13,9 @@ is one replayed graph and the host reads back only the sampled tokens.
 A vision-language model (LLaVAModel) takes images with a prompt: the prompt holds one image token per
 image, which the request expands to the image's feature positions; its prefill runs the vision encoder
 and projector and puts their features at those positions; decode is the text model's, as above.
+
+With prefix caching (``prefix_cache.py``) a prompt that starts with whole blocks of tokens another slot holds
+gets their keys and values copied into its slot and prefills only the rest.
 """
 import dataclasses
 import itertools
@@ -27,6 +30,7 @@ from megatron.core.fusions.compile import _raise_recompile_limit
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.inference.cuda_graphs import DecodeGraphs, batch_ladder, bucket, ladder_bucket
 from megatron.core.inference.inference_request import InferenceRequest, Status
+from megatron.core.inference.prefix_cache import PrefixCache, refuse_prefix_caching
 from megatron.core.inference.sampling import sample_tokens, token_log_probs
 from megatron.core.inference.sampling_params import SamplingParams
 from megatron.core.inference.step_log import StepLog
@@ -87,20 +91,23 @@ class InferenceEngine:
     it runs those same bucketed steps eagerly, which is how the tests check what a graph replays;
     ``compile_decode`` runs the decode step through torch.compile (CUDA only; falls back to eager if
     compilation fails), fusing the element-wise work between the matmuls before graph capture;
-    ``log_step_interval`` N > 0 prints one line of step statistics every N steps (`step_log.StepLog`)."""
+    ``log_step_interval`` N > 0 prints one line of step statistics every N steps (`step_log.StepLog`);
+    ``prefix_caching`` reuses the keys and values of prompt prefixes other slots hold, in whole blocks of
+    ``prefix_block_size`` tokens, under ``prefix_eviction_policy`` (`prefix_cache.PrefixCache`)."""
 
     def __init__(self, model, max_batch_size: int = 8, max_sequence_length: int = 2560,
                  vocab_size: Optional[int] = None, termination_id: Optional[int] = None,
                  detokenize: Optional[Callable[[List[int]], str]] = None,
                  use_cuda_graphs: Optional[bool] = None, compile_decode: bool = False,
                  max_prefill_tokens: int = 16384, log_step_interval: int = 0, num_batch_graphs: int = 16,
-                 chunked_prefill: bool = False, graph_sizing: str = "exponential"):
+                 chunked_prefill: bool = False, graph_sizing: str = "exponential", prefix_caching: bool = False,
+                 prefix_block_size: int = 256, prefix_eviction_policy: str = "ref_zero"):
         if parallel_state.model_parallel_is_initialized() and \
                 parallel_state.get_pipeline_model_parallel_world_size() > 1:
             raise NotImplementedError("text generation runs with --pipeline-model-parallel-size 1 only; load the "
                                       "checkpoint at PP=1 (torch_dist checkpoints reshard on load)")
         self.model = unwrap_model(model).eval()  # Float16Module / DDP: the bare GPTModel (params already cast)
-        self.step_log = StepLog(log_step_interval)
+        self.step_log = StepLog(log_step_interval, show_reused=prefix_caching)
         self.tokens_generated = 0  # every token appended to a request, prefill's first ones included
         self.multimodal = hasattr(self.model, "expand_image_tokens")  # LLaVAModel: prompts may carry images
         param = next(self.model.parameters())
@@ -114,6 +121,10 @@ class InferenceEngine:
         self.chunked_prefill = chunked_prefill
         if chunked_prefill:
             _refuse_chunked_prefill(self.model)
+        self.prefix_cache = None
+        if prefix_caching:
+            refuse_prefix_caching(self.model)
+            self.prefix_cache = PrefixCache(max_batch_size, prefix_block_size, prefix_eviction_policy)
         # The decode steps' batch sizes under CUDA graphs (one graph per size and KV-length bucket).
         self.batch_sizes = batch_ladder(max_batch_size, num_batch_graphs, graph_sizing)
         self.context = StaticInferenceContext(max_batch_size, max_sequence_length)
@@ -208,6 +219,8 @@ class InferenceEngine:
         self.waiting.clear()
         self.slots = [None] * self.max_batch_size
         self._in_flight = None
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(r is not None for r in self.slots) or self._in_flight is not None
@@ -235,9 +248,10 @@ class InferenceEngine:
         """Admit what fits, then decode one token for every active request; returns the finished ones."""
         finished: List[InferenceRequest] = []
         admitted, generated_before = [], self.tokens_generated
+        reused_before = self.prefix_cache.reused_tokens if self.prefix_cache is not None else 0
         while self.waiting and None in self.slots:
             req = self.waiting.popleft()
-            req.slot, req.status = self.slots.index(None), Status.ACTIVE
+            req.slot, req.status = self._free_slot(req), Status.ACTIVE
             self.slots[req.slot] = req
             admitted.append(req)
         if admitted:
@@ -254,12 +268,39 @@ class InferenceEngine:
             self._collect(self._in_flight, finished)
         self._in_flight = launched
         if self.step_log.interval:
+            reused = self.prefix_cache.reused_tokens - reused_before if self.prefix_cache is not None else 0
             self.step_log.step(len(active), len(self.waiting), sum(len(r.prompt_tokens) for r in admitted),
-                               self.tokens_generated - generated_before)
+                               self.tokens_generated - generated_before, reused)
         return finished
+
+    def _free_slot(self, req: InferenceRequest) -> int:
+        free = [i for i, r in enumerate(self.slots) if r is None]
+        return free[0] if self.prefix_cache is None else self.prefix_cache.choose_slot(req.prompt_tokens, free)
 
     # ---------------------------------------------------------------- prefill
     def _prefill(self, reqs: List[InferenceRequest], finished) -> None:
+        """With prefix caching: requests whose prompt starts with whole blocks another slot holds (or will
+        hold once this step's other prompts are prefilled) wait until the others are, then prefill one by one
+        from the prefix copied into their slot. Prompt log-probs need every prompt position's logits: those
+        requests prefill whole (and give their prefix to later ones)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return self._prefill_whole(reqs, finished)
+        whole, reusing = [], []
+        for req in sorted(reqs, key=lambda r: len(r.prompt_tokens)):
+            shares = cache.match(req.prompt_tokens, req.slot)[1] or any(
+                cache.common_blocks(w.prompt_tokens, req.prompt_tokens) for w in whole)
+            (reusing if shares and not req.sampling_params.return_log_probs else whole).append(req)
+        self._prefill_whole(whole, finished)
+        cache.computed_tokens += sum(len(r.prompt_tokens) for r in whole)
+        for req in reusing:
+            donor, length = cache.reuse(req.prompt_tokens, req.slot)  # again: this step's prefills hold prompts now
+            if donor is not None and donor != req.slot:
+                self.context.copy_prefix(donor, req.slot, length)
+            chunk = self.max_prefill_tokens if self.chunked_prefill else None
+            self._prefill_batch([req], finished, all_logits=False, chunk=chunk, start=length)
+
+    def _prefill_whole(self, reqs: List[InferenceRequest], finished) -> None:
         """Batched prefill of requests that need only next-token logits; one by one for prompt log-probs (and,
         with chunked prefill, for a prompt longer than max_prefill_tokens)."""
         batch = []
@@ -279,12 +320,14 @@ class InferenceEngine:
             self._prefill_batch(batch, finished, all_logits=False)
 
     def _prefill_batch(self, reqs: List[InferenceRequest], finished, all_logits: bool,
-                       chunk: Optional[int] = None) -> None:
+                       chunk: Optional[int] = None, start: int = 0) -> None:
+        """``chunk`` / ``start`` (one request): its prompt from position ``start`` (the positions before it are
+        cached) in chunks of at most ``chunk`` tokens (None: one chunk)."""
         lengths = [len(r.prompt_tokens) for r in reqs]
         s, dev = max(lengths), self.device
         slots = torch.tensor([r.slot for r in reqs], device=dev)
-        if chunk is not None:  # one request, its prompt in chunks of at most `chunk` tokens
-            logits = self._prefill_chunks(reqs[0], slots, chunk, all_logits)
+        if chunk is not None or start:  # one request, its prompt in chunks of at most `chunk` tokens
+            logits = self._prefill_chunks(reqs[0], slots, chunk or lengths[0], all_logits, start)
         else:
             tokens = torch.tensor([r.prompt_tokens + [0] * (s - len(r.prompt_tokens)) for r in reqs], device=dev)
             positions = torch.arange(s, device=dev).expand(len(reqs), s)
@@ -295,6 +338,8 @@ class InferenceEngine:
             logits = self._forward(tokens, positions, images)  # [b, s or 1, V]
         for r in reqs:
             r.images = None  # its features are in the KV cache now
+            if self.prefix_cache is not None:
+                self.prefix_cache.hold(r.slot, r.prompt_tokens)
         if all_logits:  # one request: its prompt log-probs too
             req, n = reqs[0], lengths[0]
             req.prompt_log_probs = self._prompt_log_probs(req, logits[0, :n - 1])
@@ -318,11 +363,13 @@ class InferenceEngine:
             else:
                 self._append(req, token, lp, finished)
 
-    def _prefill_chunks(self, req: InferenceRequest, slots: torch.Tensor, chunk: int, all_logits: bool):
-        """The prompt's chunks one forward each, every one attending to the cached positions before it; the
-        logits the unchunked forward would give: every position's with ``all_logits``, else the last one's."""
+    def _prefill_chunks(self, req: InferenceRequest, slots: torch.Tensor, chunk: int, all_logits: bool,
+                        begin: int = 0):
+        """The prompt's chunks from position ``begin`` one forward each, every one attending to the cached
+        positions before it; the logits the unchunked forward would give: every position's (from ``begin``)
+        with ``all_logits``, else the last one's."""
         n, dev, parts = len(req.prompt_tokens), self.device, []
-        for start in range(0, n, chunk):
+        for start in range(begin, n, chunk):
             piece = req.prompt_tokens[start:start + chunk]
             tokens = torch.tensor([piece], device=dev)
             positions = torch.arange(start, start + len(piece), device=dev)[None]
@@ -446,6 +493,8 @@ class InferenceEngine:
     def _finish(self, req: InferenceRequest, reason: str, finished) -> None:
         req.finish_reason, req.status = reason, Status.COMPLETED
         self.slots[req.slot] = None
+        if self.prefix_cache is not None:  # the slot holds every token fed so far: the last generated one is not
+            self.prefix_cache.release(req.slot, req.prompt_tokens + req.generated_tokens[:-1])
         if self.detokenize is not None:
             ids = req.generated_tokens
             termination_id = self._termination_id(req.sampling_params)

@@ -2,6 +2,9 @@
 flags (tools/run_text_generation_server.py, tools/generate.py), with Megatron 0.19.2's names."""
 
 
+import argparse
+
+
 def add_inference_args(parser):
     g = parser.add_argument_group(title="inference")
     g.add_argument("--inference-max-requests", type=int, default=8,
@@ -34,6 +37,19 @@ def add_inference_args(parser):
                    help="Prefill a prompt longer than --inference-dynamic-batching-max-tokens in chunks of at most "
                         "that many tokens (each attending to the cached ones before it): one forward's activations "
                         "stay bounded. Not with Mamba-2 / Gated DeltaNet layers or images.")
+    g.add_argument("--inference-dynamic-batching-prefix-caching", action=argparse.BooleanOptionalAction,
+                   dest="inference_dynamic_batching_enable_prefix_caching", default=False,
+                   help="Prefix caching: a prompt starting with whole blocks of tokens whose keys and values a "
+                        "KV-cache slot holds copies them into its own slot and prefills only the rest (the last "
+                        "prompt token is always recomputed). Not with Mamba-2 / Gated DeltaNet layers or images.")
+    g.add_argument("--inference-dynamic-batching-prefix-caching-eviction-policy", type=str, default="ref_zero",
+                   choices=["ref_zero", "lru"],
+                   help="Which slots give their prefix: ref_zero, those of requests still running; lru, finished "
+                        "requests' slots too (kept until reused; a new request takes the free slot holding its "
+                        "prefix, else the least recently used one).")
+    g.add_argument("--inference-dynamic-batching-block-size", type=int, default=256,
+                   help="Tokens per KV-cache block: prefix caching matches prompts in whole blocks. Megatron's dynamic "
+                        "engine also pages its KV cache in these blocks; each slot here holds its whole length.")
     g.add_argument("--inference-logging-step-interval", type=int, default=0,
                    help="Every N engine steps, one line: requests active and waiting, prompt and generated "
                         "tokens since the last line and the generation rate (0: off).")
@@ -84,6 +100,8 @@ def validate_inference_args(args, require):
             ">= 1")
     require(args.inference_dynamic_batching_max_tokens is None or args.inference_dynamic_batching_max_tokens >= 1,
             f"--inference-dynamic-batching-max-tokens ({args.inference_dynamic_batching_max_tokens}) must be >= 1")
+    require(args.inference_dynamic_batching_block_size >= 1,
+            f"--inference-dynamic-batching-block-size ({args.inference_dynamic_batching_block_size}) must be >= 1")
     require(args.inference_logging_step_interval >= 0,
             f"--inference-logging-step-interval ({args.inference_logging_step_interval}) must be >= 0")
     if getattr(args, "top_k", None) is not None:

@@ -109,7 +109,8 @@ NO_EFFECT = {
     "--trust-remote-code": "HuggingFaceTokenizer reads tokenizer.json only and never runs a model's own code",
 }
 
-# Megatron's reasons for a few deprecated flags, and flags that only another entry point reads.
+# Megatron's reasons for a few deprecated flags, flags that only another entry point reads, and why a few flags
+# of features built here stay refused.
 REASONS = {
     "--fp8-param-gather": "FP8 parameters (Transformer Engine Float8Tensor weights all-gathered in FP8) have no "
                           "counterpart: --fp8 here keeps bf16 parameters and casts each GEMM's inputs; drop the "
@@ -119,6 +120,15 @@ REASONS = {
     "--checkpoint-activations": "use --recompute-activations or --recompute-granularity full",
     "--model-parallel-size": "use --tensor-model-parallel-size",
     "--ckpt-convert-format": "convert checkpoints with tools/checkpoint/convert.py",
+    "--inference-dynamic-batching-prefix-caching-coordinator-policy":
+        "routes requests among data-parallel inference engines through Megatron's coordinator; there is no "
+        "multi-engine coordinator here (one engine serves, replicated across TP ranks)",
+    "--inference-dynamic-batching-prefix-caching-routing-alpha":
+        "weighs prefix hits against load in Megatron's data-parallel coordinator; there is no multi-engine "
+        "coordinator here",
+    "--inference-dynamic-batching-prefix-caching-mamba-gb":
+        "Mamba state snapshots for prefix caching are not built; --inference-dynamic-batching-prefix-caching is "
+        "refused for models with Mamba-2 / Gated DeltaNet layers",
 }
 OTHER_ENTRY_POINTS = {
     "--mask-prob": "pretrain_bert.py and pretrain_t5.py", "--short-seq-prob": "pretrain_bert.py and pretrain_t5.py",

@@ -119,6 +119,13 @@ def test_derived_values():
     ("--inference-dynamic-batching-buffer-size-gb 0", 1,
      "--inference-dynamic-batching-buffer-size-gb (0.0) must be > 0"),
     ("--inference-logging-step-interval -1", 1, "--inference-logging-step-interval (-1) must be >= 0"),
+    ("--inference-dynamic-batching-prefix-caching --inference-dynamic-batching-block-size 0", 1,
+     "--inference-dynamic-batching-block-size (0) must be >= 1"),
+    ("--inference-dynamic-batching-prefix-caching --inference-dynamic-batching-prefix-caching-coordinator-policy "
+     "longest_prefix", 1, "there is no multi-engine coordinator here"),
+    ("--inference-dynamic-batching-prefix-caching-routing-alpha 0.9", 1, "there is no multi-engine coordinator"),
+    ("--inference-dynamic-batching-prefix-caching --inference-dynamic-batching-prefix-caching-mamba-gb 2", 1,
+     "Mamba state snapshots for prefix caching are not built"),
     ("--num-layers 4 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
      "--microbatch-group-size-per-virtual-pipeline-stage 1", 2, "must be at least --pipeline-model-parallel-size (2)"),
     ("--num-experts 4 --moe-layer-recompute --recompute-granularity full --recompute-method uniform "
