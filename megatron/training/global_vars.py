@@ -6,6 +6,7 @@ import os
 import sys
 
 from megatron.core import num_microbatches_calculator as mbc
+from megatron.core.energy_monitor import EnergyMonitor
 from megatron.core.errors import InputError
 from megatron.core.timers import Timers
 from megatron.core.utils import lazy_names
@@ -19,6 +20,7 @@ _GLOBAL_WANDB_WRITER = None
 _GLOBAL_TIMERS = None
 _GLOBAL_SIGNAL_HANDLER = None
 _GLOBAL_ADLR_AUTORESUME = None
+_GLOBAL_ENERGY_MONITOR = None
 
 
 def _ensure(var, name):
@@ -57,6 +59,11 @@ def get_signal_handler():
     return _GLOBAL_SIGNAL_HANDLER
 
 
+def get_energy_monitor():
+    """The EnergyMonitor under --log-energy (NVML opened when training starts), else None."""
+    return _GLOBAL_ENERGY_MONITOR
+
+
 def update_num_microbatches(consumed_samples, consistency_check=True):
     mbc.update_num_microbatches(consumed_samples, consistency_check)
 
@@ -79,6 +86,12 @@ def set_global_variables(args, build_tokenizer=True):
     if args.exit_signal_handler:
         _set_signal_handler(args.exit_signal)
     _set_adlr_autoresume(args)
+    _set_energy_monitor(args)
+
+
+def _set_energy_monitor(args):
+    global _GLOBAL_ENERGY_MONITOR
+    _GLOBAL_ENERGY_MONITOR = EnergyMonitor() if getattr(args, "log_energy", False) else None
 
 
 def _set_adlr_autoresume(args):
@@ -143,7 +156,7 @@ def _set_signal_handler(signal_name):
 def destroy_global_vars():
     """Forget every singleton (tests run several trainings in one process)."""
     global _GLOBAL_ARGS, _GLOBAL_TOKENIZER, _GLOBAL_TENSORBOARD_WRITER, _GLOBAL_WANDB_WRITER
-    global _GLOBAL_TIMERS, _GLOBAL_SIGNAL_HANDLER, _GLOBAL_ADLR_AUTORESUME
+    global _GLOBAL_TIMERS, _GLOBAL_SIGNAL_HANDLER, _GLOBAL_ADLR_AUTORESUME, _GLOBAL_ENERGY_MONITOR
     if _GLOBAL_TENSORBOARD_WRITER is not None:
         _GLOBAL_TENSORBOARD_WRITER.close()
     if _GLOBAL_WANDB_WRITER is not None:
@@ -151,7 +164,9 @@ def destroy_global_vars():
     if _GLOBAL_SIGNAL_HANDLER is not None:
         _GLOBAL_SIGNAL_HANDLER.release()
     _GLOBAL_ARGS = _GLOBAL_TOKENIZER = _GLOBAL_TENSORBOARD_WRITER = _GLOBAL_WANDB_WRITER = None
-    _GLOBAL_TIMERS = _GLOBAL_SIGNAL_HANDLER = _GLOBAL_ADLR_AUTORESUME = None
+    if _GLOBAL_ENERGY_MONITOR is not None:
+        _GLOBAL_ENERGY_MONITOR.shutdown()
+    _GLOBAL_TIMERS = _GLOBAL_SIGNAL_HANDLER = _GLOBAL_ADLR_AUTORESUME = _GLOBAL_ENERGY_MONITOR = None
     mbc.unset_num_microbatches_calculator()
 
 
@@ -170,5 +185,5 @@ def get_adlr_autoresume():
 
 # Megatron's other global_vars names (fixed answers, aliases): resolved from the compat room on first use.
 __getattr__ = lazy_names(__name__, {name: "megatron.training._compat.global_vars" for name in (
-    "get_one_logger", "get_energy_monitor", "unset_global_variables", "get_num_microbatches",
+    "get_one_logger", "unset_global_variables", "get_num_microbatches",
     "get_current_global_batch_size")})

@@ -7,6 +7,7 @@ from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.transformer.moe.moe_logging import track_moe_metrics
 from megatron.core.transformer.moe.moe_utils import moe_layer_pattern
+from megatron.training.diagnostics import energy as energy_log
 from megatron.training.flops import current_device_name, format_throughput_line, num_floating_point_operations
 from megatron.training.global_vars import get_args, get_tensorboard_writer, get_timers, get_wandb_writer
 from megatron.training.theoretical_memory_usage import report_theoretical_memory
@@ -48,10 +49,10 @@ def accumulate(total_loss_dict, loss_dict, skipped_iter):
 
 
 def format_log_line(args, iteration, elapsed_per_iter, learning_rate, batch_size, total_loss_dict, loss_scale,
-                    grad_norm, num_zeros, params_norm, throughput=None, max_attention_logit=None):
+                    grad_norm, num_zeros, params_norm, throughput=None, max_attention_logit=None, energy=None):
     """Megatron's line: fields in order, each followed by ' |'. ``max_attention_logit``
     (--log-max-attention-logit, this iteration's) follows the params norm; Megatron writes it to TensorBoard
-    and W&B only."""
+    and W&B only. ``energy``: (J per iteration per GPU, W per GPU) under --log-energy."""
     s = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}]"
     s += " iteration {:8d}/{:8d} |".format(iteration, args.train_iters)
     s += " consumed samples: {:12d} |".format(args.consumed_train_samples)
@@ -60,6 +61,9 @@ def format_log_line(args, iteration, elapsed_per_iter, learning_rate, batch_size
     s += " elapsed time per iteration (ms): {:.1f} |".format(elapsed_per_iter * 1000.0)
     if throughput is not None:
         s += f" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |"
+    if energy is not None:
+        s += f" energy per GPU (J/iter/GPU): {energy[0]:.1f} |"
+        s += f" power per GPU (W/GPU): {energy[1]:.1f} |"
     s += f" learning rate: {learning_rate:.6E} |"
     s += " global batch size: {:5d} |".format(batch_size)
     advanced = max(1, total_loss_dict.get(ADVANCED, 0))
@@ -103,17 +107,23 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
     if args.log_throughput:
         flops = num_floating_point_operations(args, batch_size)
         throughput = flops / (per_iter * 1e12 * args.world_size)
+    energy = energy_log.log_fields(window, per_iter, args.world_size)  # --log-energy; a collective
     writer = get_tensorboard_writer()
     if writer is not None:
         writer.add_scalar("iteration-time", per_iter, iteration)
         if throughput is not None:
             writer.add_scalar("throughput", throughput, iteration)
+        if energy is not None:  # Megatron's names
+            writer.add_scalar("iter-energy/gpu", energy[0], iteration)
+            writer.add_scalar("power/gpu", energy[1], iteration)
     wandb = get_wandb_writer()
     if wandb is not None:
         wandb.log({"iteration-time": per_iter}, step=iteration)
+        if energy is not None:
+            wandb.log({"iter-energy/gpu": energy[0], "power/gpu": energy[1]}, step=iteration)
     print_rank_last(format_log_line(args, iteration, per_iter, learning_rate, batch_size, total_loss_dict,
                                     loss_scale, grad_norm, num_zeros_in_grad, params_norm, throughput,
-                                    max_attention_logit))
+                                    max_attention_logit, energy))
     if throughput is not None:
         print_rank_last(format_throughput_line(batch_size * args.seq_length, per_iter, args.world_size,
                                                throughput, current_device_name()))

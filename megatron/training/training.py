@@ -27,7 +27,7 @@ from megatron.training.autoresume import check_adlr_autoresume_termination
 from megatron.training.checkpointing import reserve_async_save_buffers, save_checkpoint
 from megatron.training.config import PretrainConfigContainer
 from megatron.training.data_iterators import build_iterators_for_model_chunks
-from megatron.training.diagnostics import hang, launches, straggler
+from megatron.training.diagnostics import energy, hang, launches, straggler, test_mode
 from megatron.training.diagnostics.errors import report_errors
 from megatron.training.diagnostics.profiler import ProfilingWindow
 from megatron.training.evaluate import evaluate_and_print_results
@@ -209,8 +209,9 @@ def _report_init_time(start):
 def _save(iteration, model, optimizer, opt_param_scheduler, non_persistent=False):
     args, timers = get_args(), get_timers()
     timers("save-checkpoint", log_level=0).start(barrier=True)
-    save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far,
-                    non_persistent_ckpt=non_persistent)
+    with energy.paused():
+        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far,
+                        non_persistent_ckpt=non_persistent)
     timers("save-checkpoint").stop(barrier=True)
     progress_log.saved_checkpoint(args, iteration, asynchronous=args.async_save)  # --log-progress
     timers.log(["save-checkpoint"])
@@ -244,6 +245,8 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                                if isinstance(train_data_iterator, list) else
                                RerunDataIterator(train_data_iterator) if train_data_iterator is not None else None)
     _check_weight_hashes(model, iteration, args)  # the replicas start identical
+    test_mode.check_replicas(model, iteration, args, first=True)
+    energy.start()
     timers("interval-time", log_level=0).start(barrier=True)
     profiling = ProfilingWindow(args, torch.distributed.get_rank())
     profiling.begin_training()
@@ -266,6 +269,8 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             interval = args.check_weight_hash_across_dp_replicas_interval
             if interval and iteration % interval == 0:
                 _check_weight_hashes(model, iteration, args)
+            if iteration % args.log_interval == 0:
+                test_mode.check_replicas(model, iteration, args)
             profiling.after_step(iteration)
             if args.train_sync_interval and iteration % args.train_sync_interval == 0:
                 device_synchronize()  # the host waits for the GPU's queue (--train-sync-interval)
@@ -286,8 +291,9 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                     and (args.eval_iters > 0 or args.full_validation):
                 timers("interval-time").stop()
                 gc_control.around_evaluation(args)
-                evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model,
-                                           iteration, process_non_loss_data_func, config)
+                with energy.paused():
+                    evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator,
+                                               model, iteration, process_non_loss_data_func, config)
                 gc_control.around_evaluation(args, generation=0)
                 timers("interval-time").start()
             if args.async_save:
@@ -298,7 +304,9 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             if args.adlr_autoresume and iteration % args.adlr_autoresume_interval == 0:
                 check_adlr_autoresume_termination(iteration, model, optimizer, opt_param_scheduler)
             if _checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration):
+                energy.finish()
                 return iteration, True
+    energy.finish()
     return iteration, False
 
 

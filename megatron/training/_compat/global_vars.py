@@ -1,18 +1,13 @@
 """Megatron-LM's other ``megatron.training.global_vars`` names, for scripts written against Megatron-LM.
 
-Nothing here calls them: the optional integrations this application does not ship (one-logger, the
-energy monitor) answer None, as Megatron's do when they are off; the rest are older names of working
-functions.
+Nothing here calls them: the optional integration this application does not ship (one-logger) answers
+None, as Megatron's does when it is off; the rest are older names of working functions.
 """
 from megatron.core import num_microbatches_calculator as mbc
 from megatron.training.global_vars import destroy_global_vars
 
 
 def get_one_logger():
-    return None
-
-
-def get_energy_monitor():
     return None
 
 

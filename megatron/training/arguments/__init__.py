@@ -15,6 +15,7 @@ from .context_parallel_args import add_context_parallel_args
 from .diagnostics_args import add_diagnostics_args
 from .dropin_args import add_dropin_args
 from .fim_args import add_fim_args
+from .health_args import add_health_args
 from .hybrid_args import add_hybrid_args
 from .inference_args import add_inference_args
 from .megatron_flags import add_megatron_flags
@@ -85,7 +86,8 @@ def build_parser(extra_args_provider=None):
                 add_spec_args,
                 add_tp_overlap_args,
                 add_validation_set_args,
-                add_fim_args):
+                add_fim_args,
+                add_health_args):
         parser = add(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)

@@ -12,7 +12,6 @@ UNSUPPORTED_FLAGS = {
     "--pytorch-profiler-collect-chakra": (dict(action="store_true"),
                                           "Chakra execution traces are not written; --use-pytorch-profiler "
                                           "writes a Chrome trace per rank"),
-    "--log-energy": (dict(action="store_true"), "energy monitoring is not supported"),
     "--cuda-graph-modules": (dict(nargs="+"), "per-layer CUDA graphs are not built for training (use "
                                               "--cuda-graph-impl full_iteration); the generation tools take it "
                                               "as a request for their decode-step graph"),

@@ -20,6 +20,7 @@ from .errors import ArgumentError
 from .errors import require as _require
 from .fast_path import validate_fast_path_args
 from .fim_args import validate_fim_args
+from .health_args import validate_health_args
 from .hybrid_args import hybrid_pipeline_placed_by_pattern, validate_hybrid_args
 from .inference_args import validate_inference_args
 from .input_checks import blend_prefixes_checked, reads_image_text_data, validate_inputs
@@ -80,6 +81,7 @@ def validate_args(args, defaults={}):
     _validate_misc(args)
     validate_inference_args(args, _require)
     validate_diagnostics_args(args, _require)
+    validate_health_args(args, _require)
     validate_profiling_args(args, _require)
     validate_autoresume_args(args, _require)
     validate_inputs(args, _require)

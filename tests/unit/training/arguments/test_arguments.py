@@ -158,6 +158,9 @@ def test_derived_values():
     ("--spec megatron.core.models.no_such_module layer_spec", 1, "no_such_module cannot be imported"),
     ("--spec megatron.core.models.gpt.gpt_layer_specs no_such_spec", 1, "has no attribute no_such_spec"),
     ("--spec megatron.core.models.gpt.gpt_layer_specs get_gpt_layer_local_spec", 1, "is a function, not a ModuleSpec"),
+    ("--test-mode --use-torch-fsdp2", 2, "--test-mode compares whole parameters across data-parallel ranks, which "
+                                         "FSDP shards"),
+    ("--test-mode --use-megatron-fsdp", 2, "drop --test-mode, or FSDP"),
     ("--fim-data --fim-rate 1.5", 1, "--fim-rate (1.5) must be a probability in [0, 1]"),
     ("--fim-data --fim-spm-rate -0.1", 1, "--fim-spm-rate (-0.1) must be a probability in [0, 1]"),
     ("--fim-data --fim-split-sample <sep> --fim-fragment-rate 2", 1, "--fim-fragment-rate (2.0) must be a probability"),
