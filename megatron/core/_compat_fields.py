@@ -39,8 +39,6 @@ class ModelParallelConfigCompat:
     ep_overlap_early_attn_memory_release: bool = False
     batch_p2p_sync: bool = True
     use_ring_exchange_p2p: bool = False
-    defer_embedding_wgrad_compute: bool = False
-    wgrad_deferral_limit: int = 0
     mtp_standalone: bool = False
     _cpu_offloading_context: Any = None
     cpu_offloading_weights: bool = False

@@ -57,6 +57,13 @@ class ModelParallelConfig(ModelParallelConfigCompat):
     overlap_p2p_comm: bool = False
     overlap_p2p_comm_warmup_flush: bool = False
     microbatch_group_size_per_vp_stage: Optional[int] = None
+    # --defer-embedding-wgrad-compute: the last stage's output-layer weight-gradient GEMMs wait in buffers
+    # (GPTModel.embedding_activation_buffer / grad_output_buffer) until its last backward has sent its input
+    # gradient upstream, then run at the end of the step while the earlier stages finish their backward
+    # (tensor_parallel/deferred_wgrad.py). wgrad_deferral_limit: defer only the first N output-layer calls of
+    # a step (0: all), bounding the buffered activations' memory.
+    defer_embedding_wgrad_compute: bool = False
+    wgrad_deferral_limit: int = 0
 
     # Performance
     gradient_accumulation_fusion: bool = False
@@ -100,6 +107,18 @@ class ModelParallelConfig(ModelParallelConfigCompat):
         if self.overlap_p2p_comm_warmup_flush and not self.overlap_p2p_comm:
             raise ValueError("overlap_p2p_comm_warmup_flush (--overlap-p2p-communication-warmup-flush) extends "
                              "overlap_p2p_comm to warm-up and flush: drop --no-overlap-p2p-communication")
+        if self.defer_embedding_wgrad_compute:
+            if self.pipeline_model_parallel_size == 1:
+                raise ValueError("defer_embedding_wgrad_compute (--defer-embedding-wgrad-compute) hides the output "
+                                 "layer's weight gradient behind the pipeline flush: it needs "
+                                 "pipeline_model_parallel_size > 1")
+            if not self.gradient_accumulation_fusion:
+                raise ValueError("defer_embedding_wgrad_compute (--defer-embedding-wgrad-compute) adds the deferred "
+                                 "weight gradients straight into main_grad: it needs gradient_accumulation_fusion "
+                                 "(drop --no-gradient-accumulation-fusion)")
+        if self.wgrad_deferral_limit < 0:
+            raise ValueError(f"wgrad_deferral_limit (--wgrad-deferral-limit) must be >= 0 (0: defer every "
+                             f"output-layer call), got {self.wgrad_deferral_limit}")
         if self.tp_comm_overlap and not self.sequence_parallel:
             raise ValueError("tp_comm_overlap (--tp-comm-overlap) overlaps the sequence-parallel communication: "
                              "it needs sequence_parallel and tensor_model_parallel_size > 1")

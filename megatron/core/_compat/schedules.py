@@ -146,6 +146,7 @@ def clear_embedding_activation_buffer(config, model, is_last_stage):
     module = get_attr_wrapped_model(model[-1] if isinstance(model, list) else model, "post_process",
                                     return_model_obj=True)
     module.embedding_activation_buffer.clear()
+    module.grad_output_buffer.clear()  # the two lists pair by index (tensor_parallel.layers)
     return module
 
 

@@ -341,7 +341,9 @@ class _ParamAndGradBucketGroup:
         if not self.is_last_microbatch:
             return
         assert param in self.params, "param is not in this bucket group"
-        assert param not in self.params_with_grad, "param's grad reported ready twice in one backward"
+        if param in self.params_with_grad:
+            name = next((b.param_to_name[param] for b in self.buckets if param in b.param_to_name), "?")
+            raise AssertionError(f"param {name}'s grad reported ready twice in one backward")
         self.params_with_grad.add(param)
         if param.is_cuda:
             stream = torch.cuda.current_stream(param.device)

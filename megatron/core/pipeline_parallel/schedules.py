@@ -11,6 +11,7 @@ from typing import Iterator, List, Optional, Union
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import combined_1f1b, step
+from megatron.core.pipeline_parallel.deferred_output_wgrad import finish_deferred_output_wgrad
 from megatron.core.pipeline_parallel.interleaved import run_interleaved
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, default_communicator, get_tensor_shape
 from megatron.core.pipeline_parallel.utils import deallocate_output_tensor, make_plan
@@ -64,6 +65,8 @@ def _communicator(p2p_communicator, pg_collection, config) -> P2PCommunicator:
 # ---- shared helpers --------------------------------------------------------------------------------
 
 def _finish(config, model_chunks, state: step.RunState, timer):
+    if not state.forward_only:
+        finish_deferred_output_wgrad(config, model_chunks)  # --defer-embedding-wgrad-compute's parked GEMMs
     timer.stop()
     if not state.forward_only and getattr(config, "finalize_model_grads_func", None) is not None:
         per_token = getattr(config, "calculate_per_token_loss", False)

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.fusions.grad_accumulation import claim_first_write
 from megatron.core.tensor_parallel.mappings import (
     _gather_along_first_dim,
     _reduce_scatter_along_first_dim,
@@ -234,10 +235,65 @@ def _overlaps(config, sequence_parallel, tp, fp8_format) -> bool:
 
 
 def _check_unsupported(embedding_activation_buffer, grad_output_buffer, keep_master_weight_for_test):
-    if embedding_activation_buffer is not None or grad_output_buffer is not None:
-        raise NotImplementedError("--defer-embedding-wgrad-compute is not supported; drop the flag")
+    if (embedding_activation_buffer is None) != (grad_output_buffer is None):
+        raise ValueError("ColumnParallelLinear: pass both embedding_activation_buffer and grad_output_buffer "
+                         "(--defer-embedding-wgrad-compute), or neither")
     if keep_master_weight_for_test:
         raise NotImplementedError("keep_master_weight_for_test is not supported")
+
+
+class _LinearWithDeferredWgrad(torch.autograd.Function):
+    """Y = X W^T + b for the last stage's output layer under --defer-embedding-wgrad-compute.
+
+    The pipeline's last stage runs each micro-batch's backward, sends its input gradient upstream and, on
+    the flush, idles while the earlier stages finish theirs. The output layer's weight-gradient GEMM (a
+    vocabulary-wide one, ~1/3 of that layer's work) does not feed that input gradient: parking it
+    (`slot`, an index into the model's activation and gradient buffers) shortens every last-stage
+    backward on the pipeline's critical path, and the parked GEMMs run at the end of the step
+    (`pipeline_parallel.deferred_output_wgrad`). A call past --wgrad-deferral-limit (`slot` None)
+    adds its gradient into ``main_grad`` at once. Either way autograd gets no weight gradient and DDP's hook
+    skips the weight (``delay_wgrad``), so its bucket is not reported ready before the parked GEMMs are in:
+    the step's end reports it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, sequence_parallel, tp_group, activations, grads, slot):
+        ctx.save_for_backward(x, weight)
+        ctx.use_bias = bias is not None
+        ctx.sequence_parallel, ctx.tp_group = sequence_parallel, tp_group
+        ctx.grads, ctx.slot = grads, slot
+        total = _gather_along_first_dim(x, tp_group) if sequence_parallel else x  # [s, b, h]
+        out = torch.matmul(total, weight.t())
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight)
+        if ctx.sequence_parallel:
+            grad_input = _reduce_scatter_along_first_dim(grad_input, ctx.tp_group)  # [s/tp, b, h]
+        g2d = grad_output.reshape(-1, grad_output.shape[-1])
+        if ctx.slot is not None:
+            ctx.grads[ctx.slot] = grad_output.detach()  # its GEMM runs with the parked activation at the step's end
+        else:
+            if not hasattr(weight, "main_grad"):
+                raise RuntimeError("--defer-embedding-wgrad-compute adds the output layer's weight gradient into "
+                                   "main_grad: wrap the model in DistributedDataParallel")
+            total = _gather_along_first_dim(x, ctx.tp_group) if ctx.sequence_parallel else x
+            _accumulate_weight_grad(weight.main_grad, g2d, total.reshape(-1, total.shape[-1]),
+                                    overwrite=claim_first_write(weight))
+        grad_bias = g2d.sum(dim=0) if ctx.use_bias else None
+        return grad_input, None, grad_bias, None, None, None, None, None
+
+
+def _park_output_layer_input(activations, grads, limit: int, x):
+    """The slot of this call in the deferral buffers (its input parked), or None past `limit` (0: no limit).
+    Slots pair each activation with its own gradient whatever order the backward runs the calls in (the
+    main head and the MTP depths call the output layer once each)."""
+    if limit and len(activations) >= limit:
+        return None
+    activations.append(x)
+    grads.append(None)
+    return len(activations) - 1
 
 
 class ColumnParallelLinear(torch.nn.Module):
@@ -256,6 +312,8 @@ class ColumnParallelLinear(torch.nn.Module):
         super().__init__()
         _check_unsupported(embedding_activation_buffer, grad_output_buffer, keep_master_weight_for_test)
         self.config, self.is_expert = config, is_expert
+        # --defer-embedding-wgrad-compute (the last stage's output layer): Megatron's two buffer lists
+        self.embedding_activation_buffer, self.grad_output_buffer = embedding_activation_buffer, grad_output_buffer
         self.input_size, self.output_size = input_size, output_size
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.disable_grad_reduce = disable_grad_reduce
@@ -292,7 +350,17 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             x = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        if self.tp_comm_overlap:
+        if self.grad_output_buffer is not None and torch.is_grad_enabled() and weight.requires_grad:
+            # The deferred weight gradient (see _LinearWithDeferredWgrad); under --tp-comm-overlap this layer's
+            # sequence-parallel gather then runs unchunked.
+            # Autograd still runs the weight's post-accumulate hooks (with no gradient): DDP's skips a weight
+            # marked delay_wgrad, whose gradient the step's end reports.
+            weight.delay_wgrad = True
+            slot = _park_output_layer_input(self.embedding_activation_buffer, self.grad_output_buffer,
+                                            self.config.wgrad_deferral_limit, x.detach())
+            out = _LinearWithDeferredWgrad.apply(x, weight, bias, self.sequence_parallel, self.tp_group,
+                                                 self.embedding_activation_buffer, self.grad_output_buffer, slot)
+        elif self.tp_comm_overlap:
             # Its @torch.compiler.disable pulls in torch._dynamo: ~1.2 s of every process start (measured).
             from megatron.core.tensor_parallel.overlap import (  # lazy: torch._dynamo import, ~1.2 s
                 column_parallel_linear_with_overlap,

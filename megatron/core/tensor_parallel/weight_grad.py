@@ -1,8 +1,8 @@
 """Weight gradients of the TP linears: dL/dW = g^T x, optionally added straight into ``weight.main_grad``.
 
 The plain, overlapped (``overlap.py``) and FP8 (``fp8/fp8_linear.py``) linears all end in these helpers,
-so they live below all three. Also Megatron's deferred embedding-wgrad helpers
-(--defer-embedding-wgrad-compute), which run the buffered output-layer GEMMs after the pipeline drain.
+so they live below all three. Also the deferred output-layer GEMMs of --defer-embedding-wgrad-compute,
+run at the end of a step (pipeline_parallel/deferred_output_wgrad.py).
 """
 import torch
 
@@ -83,19 +83,29 @@ def prepare_input_tensors_for_wgrad_compute(grad_output, all_gathered_input):
 
 
 def drain_embedding_wgrad_compute(config, embedding_activation_buffer, grad_output_buffer, weight, tp_group):
-    """weight.main_grad += sum_i g_i^T x_i over the buffered micro-batches, emptying both buffers.
-    Under config.sequence_parallel each x_i is this rank's sequence chunk and is all-gathered over
-    `tp_group` first. The helpers work on any (activation, output-gradient) buffers given to them; our
-    output layer computes its weight gradient in its own backward, so the training loop does not defer it."""
+    """weight.main_grad += sum_i g_i^T x_i over the parked output-layer calls, emptying both buffers (the
+    end of a step under --defer-embedding-wgrad-compute). Under config.sequence_parallel each x_i is this
+    rank's sequence chunk and is all-gathered over `tp_group` first."""
     if len(embedding_activation_buffer) != len(grad_output_buffer):
         raise ValueError("drain_embedding_wgrad_compute: activation and gradient buffers differ in length")
     if not hasattr(weight, "main_grad"):
         raise ValueError("drain_embedding_wgrad_compute: the weight has no main_grad (wrap the model in "
                          "DistributedDataParallel with gradient_accumulation_fusion)")
-    claim_first_write(weight)  # what lands here is added to, never overwritten, for the rest of the iteration
+    first = claim_first_write(weight)  # main_grad holds zeros: the first GEMM writes, the rest add
+    with torch.no_grad():
+        _drain(config, embedding_activation_buffer, grad_output_buffer, weight, tp_group, first)
+
+
+def _drain(config, embedding_activation_buffer, grad_output_buffer, weight, tp_group, first):
     while embedding_activation_buffer:
-        x = embedding_activation_buffer.pop(0)
+        x, grad = embedding_activation_buffer.pop(0), grad_output_buffer.pop(0)
+        if grad is None:
+            embedding_activation_buffer.clear()
+            grad_output_buffer.clear()
+            raise RuntimeError("drain_embedding_wgrad_compute: a parked output-layer input has no output gradient "
+                               "(its backward did not run in this step)")
         if config.sequence_parallel:
             x = _gather_along_first_dim(x, tp_group)
-        g2d, x2d = prepare_input_tensors_for_wgrad_compute(grad_output_buffer.pop(0), x)
-        _accumulate_weight_grad(weight.main_grad, g2d, x2d)
+        g2d, x2d = prepare_input_tensors_for_wgrad_compute(grad, x)
+        _accumulate_weight_grad(weight.main_grad, g2d, x2d, overwrite=first)
+        first = False

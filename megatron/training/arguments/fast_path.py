@@ -81,6 +81,9 @@ def validate_cuda_graph_args(args, require):
         require(not (args.reset_attention_mask or getattr(args, "sft", False)),
                 f"{tp}: packed documents' offsets differ per sample, so their broadcast reads sizes on the "
                 "host; drop --reset-attention-mask / --sft or the TP size")
+    require(not getattr(args, "defer_embedding_wgrad_compute", False),
+            f"{flag} with --defer-embedding-wgrad-compute: the parked output-layer GEMMs are paired with their "
+            "gradients in Python lists the replayed graph does not run; drop one of the two")
     # CP is captured: each rank keeps its chunks by fixed index arithmetic, and the ring's sends and receives
     # (or the all-gather / all-to-all of the other --cp-comm-type values) have fixed shapes.
     require(args.context_parallel_size == 1 or not (args.reset_attention_mask or getattr(args, "sft", False)),

@@ -32,6 +32,14 @@ def add_distributed_args(parser):
                    dest="overlap_p2p_comm_warmup_flush",
                    help="Interleaved schedule: overlap pipeline send/recv in warm-up and flush too, not only "
                         "in steady 1F1B.")
+    g.add_argument("--defer-embedding-wgrad-compute", action="store_true",
+                   help="The last pipeline stage parks its output layer's weight-gradient GEMMs and runs them "
+                        "after its last backward, while the earlier stages finish theirs: each of its backwards "
+                        "sends the input gradient upstream one GEMM sooner (needs --pipeline-model-parallel-size "
+                        "> 1; the parked inputs cost [s, b, h] of memory per micro-batch).")
+    g.add_argument("--wgrad-deferral-limit", type=int, default=0,
+                   help="With --defer-embedding-wgrad-compute: park only the first N output-layer GEMMs of a step "
+                        "(the rest run in their backward), bounding the parked memory; 0: all.")
     g.add_argument("--sequence-parallel", action="store_true", help="Sequence parallelism (needs TP > 1).")
     g.add_argument("--context-parallel-size", type=int, default=1, help="Context-parallel degree.")
     g.add_argument("--expert-model-parallel-size", type=int, default=1, help="Expert-parallel degree.")

@@ -238,6 +238,14 @@ def _validate_virtual_pipeline(args):
     _require(per_stage is None or per_rank is None,
              "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank are "
              "mutually exclusive; pass one")
+    if args.defer_embedding_wgrad_compute:
+        _require(pp > 1, "--defer-embedding-wgrad-compute hides the output layer's weight gradient behind the "
+                         "pipeline flush: it needs --pipeline-model-parallel-size > 1 (as in Megatron)")
+        _require(args.gradient_accumulation_fusion,
+                 "--defer-embedding-wgrad-compute adds the parked weight gradients straight into the gradient "
+                 "buffer: drop --no-gradient-accumulation-fusion (as in Megatron)")
+    _require(args.wgrad_deferral_limit >= 0,
+             f"--wgrad-deferral-limit must be >= 0 (0: park every output-layer GEMM), got {args.wgrad_deferral_limit}")
     if args.pipeline_model_parallel_layout is not None:
         # Its PP x VP entries set the virtual stages per rank, as in Megatron.
         _require(per_stage is None and per_rank is None,

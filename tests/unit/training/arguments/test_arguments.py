@@ -167,6 +167,12 @@ def test_derived_values():
     ("--fim-data --fim-split-sample <sep>", 1, "pass --fim-fragment-rate too"),
     ("--fim-rate 0.2", 1, "--fim-rate applies with --fim-data only"),
     ("--fim-data", 1, "--fim-data rewrites the text of --data-path documents; --mock-data has no text"),
+    ("--defer-embedding-wgrad-compute", 1, "it needs --pipeline-model-parallel-size > 1"),
+    ("--defer-embedding-wgrad-compute --pipeline-model-parallel-size 2 --no-gradient-accumulation-fusion", 2,
+     "drop --no-gradient-accumulation-fusion"),
+    ("--wgrad-deferral-limit -1", 1, "--wgrad-deferral-limit must be >= 0"),
+    ("--defer-embedding-wgrad-compute --pipeline-model-parallel-size 2 --cuda-graph-impl full_iteration", 2,
+     "with --defer-embedding-wgrad-compute: the parked output-layer GEMMs"),
 ])
 def test_validation_errors(extra, world, needle):
     assert_refused_in_one_line(extra, needle, world_size=world)

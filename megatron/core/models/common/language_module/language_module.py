@@ -17,11 +17,14 @@ def build_output_layer(config, vocab_size: int, bias: bool, parallel_output: boo
     stage it allocates no weight and takes the embedding's at forward time."""
     # MuP: an untied output layer starts like the embeddings (the base std), not like the hidden weights.
     untied_mup = getattr(config, "use_mup", False) and not share_embeddings_and_output_weights
+    # --defer-embedding-wgrad-compute: the buffers its weight-gradient GEMMs wait in until the step's end
+    defer = getattr(config, "defer_embedding_wgrad_compute", False)
     return tensor_parallel.ColumnParallelLinear(
         config.hidden_size, vocab_size, config=config,
         init_method=config.embedding_init_method if untied_mup else config.init_method, bias=bias,
         skip_bias_add=False, gather_output=not parallel_output,
-        skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights, tp_group=tp_group)
+        skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights, tp_group=tp_group,
+        embedding_activation_buffer=[] if defer else None, grad_output_buffer=[] if defer else None)
 
 
 class LanguageModule(MegatronModule):
@@ -34,6 +37,16 @@ class LanguageModule(MegatronModule):
         check_collection_sizes(pg_collection, config, type(self).__name__)
         # None: the losses use parallel_state's TP group (the default model, unchanged).
         self.loss_tp_group = None if pg_collection is None else pg_collection.tp
+
+    @property
+    def embedding_activation_buffer(self):
+        """The output layer's parked inputs under --defer-embedding-wgrad-compute (Megatron's name), else None."""
+        return getattr(self.__dict__.get("_modules", {}).get("output_layer"), "embedding_activation_buffer", None)
+
+    @property
+    def grad_output_buffer(self):
+        """The output layer's parked output gradients under --defer-embedding-wgrad-compute, else None."""
+        return getattr(self.__dict__.get("_modules", {}).get("output_layer"), "grad_output_buffer", None)
 
     def finalize_parameters(self) -> None:
         """Last step of a subclass __init__: TP defaults and the DP all-reduce flag on every parameter,
