@@ -44,6 +44,9 @@
 #   mix_ep4_overlap / fine_ep4_overlap / qwen3_ep4_overlap / dsv3_ep4_overlap / mix_ep2dp2_overlap;
 #   *_fused: any row with Megatron's MoE recipe flags --moe-permute-fusion --moe-router-fusion (ours only; listed:
 #   fine_1gpu_fused, mix_1gpu_fused, qwen3_1gpu_fused, the EP=2 and EP=4 overlap rows + _fused);
+#   *_defer: any pipeline row with --defer-embedding-wgrad-compute (ours only: Megatron Core defers only with apex's
+#   fused weight-gradient kernel, which the reference runs without; listed: l8b_pp2dp2_bal_defer, l8b_pp4_vp_bal_defer,
+#   l8b_pp2_defer);
 #   *_dp: the Qwen3 and DeepSeek rows with --use-distributed-optimizer --overlap-grad-reduce (both systems):
 #   qwen3_ep4_dp / dsv3_ep4_dp / dsv3_ep2_dp, and with the MoE overlap too (ours): qwen3_ep4_dp_overlap /
 #   dsv3_ep4_dp_overlap / dsv3_ep2_dp_overlap
@@ -147,6 +150,7 @@ row() {
     dsv3_ep4_dp_overlap) echo "4 DEEPSEEK_V3_PROXY $DIST_REDUCE $OVERLAP_MOE" ;;
     dsv3_ep2_dp_overlap) echo "2 DEEPSEEK_V3_PROXY --num-layers 3 --moe-layer-freq ([0]*1+[1]*2) --expert-model-parallel-size 2 --global-batch-size 8 $DIST_REDUCE $OVERLAP_MOE" ;;
     *_fused)         local base; base=$(row "${1%_fused}") || return 1; echo "$base $FUSED_MOE" ;;
+    *_defer)         local base; base=$(row "${1%_defer}") || return 1; echo "$base --defer-embedding-wgrad-compute" ;;
     *) return 1 ;;
   esac
 }
@@ -156,7 +160,8 @@ mix_1gpu fine_1gpu qwen3_1gpu mix_1gpu_graph fine_1gpu_graph mix_ep4 fine_ep4 mi
 qwen3_ep4_overlap dsv3_ep4_overlap mix_ep2dp2_overlap qwen3_ep4_dp dsv3_ep4_dp dsv3_ep2_dp qwen3_ep4_dp_overlap
 dsv3_ep4_dp_overlap dsv3_ep2_dp_overlap
 fine_1gpu_fused mix_1gpu_fused qwen3_1gpu_fused mix_ep2_overlap_fused fine_ep2_overlap_fused qwen3_ep2_overlap_fused
-dsv3_ep2_dp_overlap_fused mix_ep4_overlap_fused fine_ep4_overlap_fused qwen3_ep4_dp_overlap_fused dsv3_ep4_dp_overlap_fused"
+dsv3_ep2_dp_overlap_fused mix_ep4_overlap_fused fine_ep4_overlap_fused qwen3_ep4_dp_overlap_fused dsv3_ep4_dp_overlap_fused
+l8b_pp2_defer l8b_pp2dp2_bal_defer l8b_pp4_vp_bal_defer"
 if [ "${1:-}" = "--list" ]; then
   for r in $ALL; do printf '%-18s %s\n' "$r" "$(row "$r")"; done; exit 0
 fi

@@ -35,3 +35,13 @@ def test_pp2_vp2_overlapped_p2p_matches_synchronous(tmp_path):
     assert overlap[0] == sync[0] and overlap_all[0] == sync[0]
     assert overlap == pytest.approx(sync, rel=1e-2, abs=2e-2)
     assert overlap_all == pytest.approx(sync, rel=1e-2, abs=2e-2)
+
+
+def test_pp2_vp2_deferred_output_wgrad_matches_the_plain_run(tmp_path):
+    """--defer-embedding-wgrad-compute on NCCL with the distributed optimizer and --overlap-grad-reduce: the parked
+    output-layer GEMMs run after the last backward and before the weight's bucket is reduced; the same curve."""
+    flags = ("--use-distributed-optimizer", "--overlap-grad-reduce")
+    plain = _run(tmp_path, "plain-dp", *flags)
+    deferred = _run(tmp_path, "deferred", *flags, "--defer-embedding-wgrad-compute")
+    assert deferred[0] == plain[0]  # the same forward
+    assert deferred == pytest.approx(plain, rel=1e-2, abs=2e-2)
