@@ -66,6 +66,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
         update_train_iters(args)
     except Exception as e:
         _fail_start(e, args)
+        raise  # library mode: the caller reports it (see _fail_start)
     if args.logging_level is not None:
         set_logging_level(args.logging_level)
     _initialize_distributed(args)
@@ -108,7 +109,12 @@ def _init_autoresume():
 
 def _fail_start(exc, args):
     """Report a start-up error on this rank, then join the default process group only to tell the other
-    ranks (see `errors.agree_on_start`), so none of them waits for this one until the timeout."""
+    ranks (see `errors.agree_on_start`), so none of them waits for this one until the timeout.
+    In library mode inside the caller's process group, tell the others and return: the caller re-raises,
+    since exiting here would end the rank before its caller hears of the error."""
+    if errors.library_mode() and torch.distributed.is_initialized():
+        errors.agree_on_start(True)
+        return
     errors.report(exc)
     # ``args`` is None when parsing itself failed: the getattrs below fall back to the flags' defaults.
     # Under torchrun the agent stops the other workers as soon as this one exits.

@@ -105,7 +105,8 @@ def validate_moe_args(args, require):
     """Derived defaults and one-line errors for the MoE flags (``require(cond, message)`` raises)."""
     ep, tp, pp = args.expert_model_parallel_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     require(ep >= 1, f"--expert-model-parallel-size ({ep}) must be >= 1")
-    if args.expert_tensor_parallel_size is None:
+    etp_defaulted = args.expert_tensor_parallel_size is None
+    if etp_defaulted:
         args.expert_tensor_parallel_size = tp
     etp = args.expert_tensor_parallel_size
     require(etp >= 1, f"--expert-tensor-parallel-size ({etp}) must be >= 1")
@@ -117,8 +118,11 @@ def validate_moe_args(args, require):
         for flag in ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute"):
             require(not getattr(args, flag), f"--{flag.replace('_', '-')} is for MoE models: it needs --num-experts")
         return
+    # The expert grid has its own tensor axis (Megatron's rule): with EP over the TP ranks (TP=2, EP=2 on 2
+    # ranks) the default ETP = TP asks for ETP x EP = 4 ranks; say so, since the user never typed that ETP.
     require(args.world_size % (etp * ep * pp) == 0,
-            f"world size ({args.world_size}) must be divisible by --expert-tensor-parallel-size ({etp}) x "
+            f"world size ({args.world_size}) must be divisible by --expert-tensor-parallel-size ({etp}"
+            f"{', its default: --tensor-model-parallel-size' if etp_defaulted else ''}) x "
             f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp})")
     require(not args.use_torch_fsdp2,
             "--use-torch-fsdp2 with --num-experts is not supported; use DDP or --use-distributed-optimizer")

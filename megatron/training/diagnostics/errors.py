@@ -67,13 +67,20 @@ def report(exc):
     print(error_line(exc), file=sys.stderr, flush=True)
 
 
+def library_mode():
+    """pretrain() called in-process by code that owns the process group and handles the exception itself
+    (the tests' run_distributed sets MEGATRON_RAISE_ERRORS=1): a failing rank must raise, never end the
+    process, or its caller only learns of it at its own timeout."""
+    return os.environ.get("MEGATRON_RAISE_ERRORS") == "1"
+
+
 def exit_now(code):
     """Exit without tearing down process groups a failed peer left half-open (that teardown can block);
-    a single process exits normally so in-process callers see SystemExit."""
+    a single process, or one in library mode, exits normally so in-process callers see SystemExit."""
     sys.stdout.flush()
     sys.stderr.flush()
     if torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:
+            and torch.distributed.get_world_size() > 1 and not library_mode():
         os._exit(code)
     sys.exit(code)
 
@@ -87,8 +94,8 @@ def report_errors():
         raise
     except BaseException as exc:
         report(exc)
-        if os.environ.get("MEGATRON_RAISE_ERRORS") == "1":
-            raise  # library mode: pretrain() called in-process by code that handles the exception itself
+        if library_mode():
+            raise
         exit_now(exit_code(exc))
 
 
