@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.distributed.replica_checks import gather_fingerprints, replicated_params
 from megatron.core.utils import get_device
 
 
@@ -19,15 +20,11 @@ def _sha1(param: torch.Tensor) -> torch.Tensor:
 
 
 def _mismatches(named, group) -> List[str]:
-    """Names of ``named`` parameters whose hash differs on some rank of ``group``."""
-    if not named or group is None or dist.get_world_size(group) == 1:
+    """Names of ``named`` parameters whose hash differs on some rank of ``group`` from this rank's."""
+    table = gather_fingerprints(named, group, _sha1)  # [group size, n, 20]
+    if table is None:
         return []
-    local = torch.stack([_sha1(p) for _, p in named]).to(get_device())  # [n, 20]
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, local, group=group)
-    differs = torch.zeros(len(named), dtype=torch.bool, device=local.device)
-    for other in gathered:
-        differs |= (other != local).any(dim=1)
+    differs = (table != table[dist.get_rank(group)]).any(dim=2).any(dim=0)
     return [name for (name, _), bad in zip(named, differs.tolist()) if bad]
 
 
@@ -35,17 +32,12 @@ def param_hashes_match_across_dp(model, dp_group=None, expert_dp_group=None) -> 
     """(every replica identical, names of the parameters that differ on this rank's replica groups).
     The verdict is agreed over all ranks, so every rank returns the same bool. ``model``: a module or a list of
     model chunks (names are prefixed with the chunk index when there are several)."""
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    dense, expert = [], []
-    for i, chunk in enumerate(chunks):
-        prefix = f"chunk{i}." if len(chunks) > 1 else ""
-        for name, p in chunk.named_parameters():
-            (dense if getattr(p, "allreduce", True) else expert).append((prefix + name, p))
+    named = replicated_params(model)
     if dp_group is None:
         dp_group = parallel_state.get_data_parallel_group()
-    if expert and expert_dp_group is None:
+    if named["edp"] and expert_dp_group is None:
         expert_dp_group = parallel_state.get_expert_data_parallel_group()
-    bad = _mismatches(dense, dp_group) + _mismatches(expert, expert_dp_group)
+    bad = _mismatches(named["dp"], dp_group) + _mismatches(named["edp"], expert_dp_group)
     ok = torch.tensor(0 if bad else 1, device=get_device())
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item()), bad

@@ -15,7 +15,7 @@ The fingerprint is exact for bit flips and runs on the parameter's device: the b
 their sum and their position-weighted sum (int64, wrapping). A single changed bit moves the weighted
 sum by ``2**k * (i + 1)``, never 0 modulo ``2**64``; swapped elements move it too. Used by --test-mode.
 """
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -71,15 +71,24 @@ def replicated_params(model) -> Dict[str, List[Tuple[str, torch.Tensor]]]:
     return out
 
 
-def _first_mismatch(label: str, named: Sequence[Tuple[str, torch.Tensor]], group) -> Optional[str]:
-    """Description of the first parameter whose fingerprint differs within ``group``, else None."""
+def gather_fingerprints(named: Sequence[Tuple[str, torch.Tensor]], group,
+                        fingerprint_fn: Callable[[torch.Tensor], torch.Tensor] = fingerprint) -> Optional[torch.Tensor]:
+    """[group size, n, k] (on the host): every rank's ``fingerprint_fn`` of each of the ``named`` parameters, in
+    the group's rank order; None when there is nothing to compare (no parameters, no group, one rank)."""
     if not named or group is None or dist.get_world_size(group) == 1:
         return None
-    local = torch.stack([fingerprint(p).to(get_device()) for _, p in named])  # [n, 2]
+    local = torch.stack([fingerprint_fn(p).to(get_device()) for _, p in named])  # [n, k]
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
+    return torch.stack(gathered).cpu()  # one device-to-host copy
+
+
+def _first_mismatch(label: str, named: Sequence[Tuple[str, torch.Tensor]], group) -> Optional[str]:
+    """Description of the first parameter whose fingerprint differs within ``group``, else None."""
+    table = gather_fingerprints(named, group)
+    if table is None:
+        return None
     ranks = dist.get_process_group_ranks(group)
-    table = torch.stack(gathered).cpu()  # [group size, n, 2]: one device-to-host copy
     for i, (name, _) in enumerate(named):
         odd = [ranks[r] for r in range(len(ranks)) if not torch.equal(table[r, i], table[0, i])]
         if odd:
