@@ -85,13 +85,7 @@ class GPTFIMDataset(GPTDataset):
     def __init__(self, indexed_dataset, dataset_path: Optional[str], indexed_indices: numpy.ndarray,
                  num_samples: Optional[int], index_split, config: GPTFIMDatasetConfig):
         super().__init__(indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config)
-        ids = config.fim_token_ids
-        self.fim_rate, self.fim_spm_rate = config.fim_rate, config.fim_spm_rate
-        self.fragment_fim_rate, self.no_fim_prefix = config.fim_fragment_rate, config.fim_no_prefix
-        self.fim_split_sample = ids.split
-        self.prefix_tok_id, self.middle_tok_id, self.suffix_tok_id = ids.prefix, ids.middle, ids.suffix
-        self.pad_tok_id, self.eod_tok_id = ids.pad, ids.eod
-        self.permuter = FIMPermuter(config.tokenizer, ids, config.fim_rate, config.fim_spm_rate,
+        self.permuter = FIMPermuter(config.tokenizer, config.fim_token_ids, config.fim_rate, config.fim_spm_rate,
                                     config.fim_fragment_rate, config.fim_no_prefix)
         # Separates the random streams of blended prefixes and of the three splits.
         self._rng_salt = zlib.crc32(f"{dataset_path}|{index_split.name}".encode("utf-8"))
