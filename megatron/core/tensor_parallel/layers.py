@@ -107,6 +107,16 @@ def _make_param(shape, config, init_fn, is_expert=False) -> torch.nn.Parameter:
     return p
 
 
+def _gathered_linear(x, weight, bias, sequence_parallel, tp_group):
+    """X W^T + b, X all-gathered along the sequence first under SP ([s/tp, b, h] -> [s, b, h])."""
+    total = _gather_along_first_dim(x, tp_group) if sequence_parallel else x  # [s, b, h]
+    if bias is not None and total.is_cuda:  # the bias added in the GEMM's epilogue, not a second pass
+        out = torch.addmm(bias, total.reshape(-1, total.shape[-1]), weight.t())
+        return out.view(*total.shape[:-1], weight.shape[0])
+    out = torch.matmul(total, weight.t())
+    return out + bias if bias is not None else out
+
+
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """Y = X W^T + b. With ``gradient_accumulation_fusion`` the weight gradient is added straight into
     ``weight.main_grad`` (the DDP buffer) instead of ``weight.grad``."""
@@ -119,12 +129,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.use_bias = bias is not None
         ctx.fusion = gradient_accumulation_fusion
         ctx.sequence_parallel, ctx.tp_group = sequence_parallel, tp_group
-        total = _gather_along_first_dim(x, tp_group) if sequence_parallel else x  # [s, b, h]
-        if bias is not None and total.is_cuda:  # the bias added in the GEMM's epilogue, not a second pass
-            out = torch.addmm(bias, total.reshape(-1, total.shape[-1]), weight.t())
-            return out.view(*total.shape[:-1], weight.shape[0])
-        out = torch.matmul(total, weight.t())
-        return out + bias if bias is not None else out
+        return _gathered_linear(x, weight, bias, sequence_parallel, tp_group)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -256,14 +261,12 @@ class _LinearWithDeferredWgrad(torch.autograd.Function):
     the step's end reports it."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, sequence_parallel, tp_group, activations, grads, slot):
+    def forward(ctx, x, weight, bias, sequence_parallel, tp_group, grads, slot):
         ctx.save_for_backward(x, weight)
         ctx.use_bias = bias is not None
         ctx.sequence_parallel, ctx.tp_group = sequence_parallel, tp_group
         ctx.grads, ctx.slot = grads, slot
-        total = _gather_along_first_dim(x, tp_group) if sequence_parallel else x  # [s, b, h]
-        out = torch.matmul(total, weight.t())
-        return out + bias if bias is not None else out
+        return _gathered_linear(x, weight, bias, sequence_parallel, tp_group)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -282,7 +285,7 @@ class _LinearWithDeferredWgrad(torch.autograd.Function):
             _accumulate_weight_grad(weight.main_grad, g2d, total.reshape(-1, total.shape[-1]),
                                     overwrite=claim_first_write(weight))
         grad_bias = g2d.sum(dim=0) if ctx.use_bias else None
-        return grad_input, None, grad_bias, None, None, None, None, None
+        return grad_input, None, grad_bias, None, None, None, None
 
 
 def _park_output_layer_input(activations, grads, limit: int, x):
@@ -359,7 +362,7 @@ class ColumnParallelLinear(torch.nn.Module):
             slot = _park_output_layer_input(self.embedding_activation_buffer, self.grad_output_buffer,
                                             self.config.wgrad_deferral_limit, x.detach())
             out = _LinearWithDeferredWgrad.apply(x, weight, bias, self.sequence_parallel, self.tp_group,
-                                                 self.embedding_activation_buffer, self.grad_output_buffer, slot)
+                                                 self.grad_output_buffer, slot)
         elif self.tp_comm_overlap:
             # Its @torch.compiler.disable pulls in torch._dynamo: ~1.2 s of every process start (measured).
             from megatron.core.tensor_parallel.overlap import (  # lazy: torch._dynamo import, ~1.2 s
