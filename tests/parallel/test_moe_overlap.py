@@ -4,8 +4,10 @@ same operations in the same order on each side (bitwise equal); the delayed weig
 same sum computed by a per-expert GEMM instead of autograd's (fp32, 1e-6 relative).
 4 micro-batches per step (gbs 8, mbs 1, DP 2), so 3 of each step's 4 forwards run beside a backward (from the
 second step on: the first runs the same plan sequentially). With random host delays before each all-to-all,
-different on each rank, both ranks still launch the two threads' collectives in one order (launch_order.py)."""
+different on each rank, both ranks still launch the two threads' collectives in one order (launch_order.py),
+and while the two sides run at once the interpreter lock changes hands within combined_1f1b.GIL_SWITCH_S."""
 import random
+import sys
 import time
 
 import pytest
@@ -41,14 +43,17 @@ def _jittered_trace(flags):
 
     real, rng = token_dispatcher._all_to_all, random.Random(dist.get_rank())
 
+    intervals = set()
+
     def delayed(*args, **kwargs):
+        intervals.add(sys.getswitchinterval())
         time.sleep(rng.random() * 3e-3)
         return real(*args, **kwargs)
 
     token_dispatcher._all_to_all, ORDER.trace = delayed, []
     try:
         run_pretrain((MODEL + " " + flags).split(), lambda *a: None)
-        return list(ORDER.trace)
+        return list(ORDER.trace), sorted(intervals), sys.getswitchinterval()
     finally:
         token_dispatcher._all_to_all, ORDER.trace = real, None
 
@@ -108,6 +113,16 @@ def test_forwards_ran_beside_backwards(runs):
 def test_ranks_launch_the_collectives_in_one_order(runs):
     """Timing on each rank differs (the delays); the launch sequence does not. Without the order the two
     threads interleave by timing, and a different order on two ranks can hang NCCL."""
-    traces = [rank["jittered_trace"] for rank in runs]
+    traces = [rank["jittered_trace"][0] for rank in runs]
     assert traces[0] and 0 in traces[0] and 1 in traces[0]
     assert traces[0] == traces[1]
+
+
+def test_the_lock_changes_hands_quickly_only_while_both_sides_run(runs):
+    """The first step runs the sides one after the other at the interpreter's interval; the later steps' windows
+    at GIL_SWITCH_S; after the run the interval is the interpreter's again."""
+    from megatron.core.pipeline_parallel.combined_1f1b import GIL_SWITCH_S
+
+    for rank in runs:
+        _, seen, after = rank["jittered_trace"]
+        assert seen == [GIL_SWITCH_S, after] and after > GIL_SWITCH_S
