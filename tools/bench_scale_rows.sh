@@ -26,7 +26,9 @@
 # Rows (LLAMA8B = the 32-layer Llama-3-8B shape; the 32-layer rows on 2 GPUs need H200s' memory):
 #   one GPU: l8b_1gpu (8 layers) / g13_1gpu / mix_1gpu / fine_1gpu / cp1_64k / qwen3_1gpu (4 layers, no EP: the
 #     shape's compute rate without expert parallelism)
-#   two GPUs (issues 38 and 39): l8_tp2 (8 layers) / l8b_tp2 / l8b_dp2 / l8b_pp2 / l8b_pp2_bal / l8b_pp2_vp / l8b_cp2_16k /
+#   two GPUs (issues 38 and 39): l8_tp2 (8 layers) / l8b_tp2 / l8b_dp2 / l8b_pp2 / l8b_pp2_bal / l8b_pp2_vp / l8b_cp2_16k
+#     (out of memory on 2 H200s for both systems: CP does not shard the 8 B weights' 16 bytes of optimizer tensors
+#     each, 128.5 GB of the 139.8 before any activation) / l16_cp2_16k (the same with 16 layers) /
 #     l8_cp2_64k / nemo_cp2 / g13_pp2 / g13_dp2 / mix_ep2 / fine_ep2 / qwen3_ep2 / dsv3_ep2 /
 #     l8b_pp2_vp_bal / g13_pp2_bal (the PP=2 rows with a --pipeline-model-parallel-layout that gives the
 #     output layer's stage fewer layers: 17 | 15 + output for Llama-3's 128k vocabulary, ~2.1 layers' work; 13 | 11
@@ -97,6 +99,7 @@ row() {
     l8b_pp2_vp)      echo "2 LLAMA8B --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 4 --global-batch-size 16" ;;
     l8b_pp2_vp_bal)  echo "2 LLAMA8B --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et*4|t*4|t*4|t*4|t*5|t*4|t*4|t*3L --global-batch-size 16" ;;
     l8b_cp2_16k)     echo "2 LLAMA8B --context-parallel-size 2 --seq-length 16384 --max-position-embeddings 16384 --global-batch-size 2" ;;
+    l16_cp2_16k)     echo "2 LLAMA8B --num-layers 16 --context-parallel-size 2 --seq-length 16384 --max-position-embeddings 16384 --global-batch-size 2" ;;
     l8_cp2_64k)      echo "2 LLAMA8B $L8 --seq-length 65536 --max-position-embeddings 65536 --global-batch-size 1 --train-iters 14 --context-parallel-size 2" ;;
     nemo_cp2)        echo "2 LLAMA8B --context-parallel-size 2 --global-batch-size 32 --train-iters 14" ;;
     nemo_cp2_a2a)    echo "2 LLAMA8B --context-parallel-size 2 --cp-comm-type a2a --global-batch-size 32 --train-iters 14" ;;
@@ -154,7 +157,7 @@ row() {
     *) return 1 ;;
   esac
 }
-ALL="l8b_1gpu g13_1gpu l8_tp2 l8_tp2_graph l8b_tp2 l8b_dp2 l8b_pp2 l8b_pp2_vp l8b_pp2_vp_bal l8b_cp2_16k l8_cp2_64k nemo_cp2 nemo_cp2_a2a nemo_cp2_ag g13_pp2 g13_pp2_bal g13_dp2
+ALL="l8b_1gpu g13_1gpu l8_tp2 l8_tp2_graph l8b_tp2 l8b_dp2 l8b_pp2 l8b_pp2_vp l8b_pp2_vp_bal l8b_cp2_16k l16_cp2_16k l8_cp2_64k nemo_cp2 nemo_cp2_a2a nemo_cp2_ag g13_pp2 g13_pp2_bal g13_dp2
 mix_ep2 fine_ep2 qwen3_ep2 dsv3_ep2 mix_ep2_overlap fine_ep2_overlap qwen3_ep2_overlap dsv3_ep2_overlap l8b_dp4 l8b_tp2dp2 l8b_tp4 l8b_pp2dp2 l8b_pp4_vp l8b_pp2_bal l8b_pp2dp2_bal l8b_pp4_vp_bal l8b_cp2dp2_16k nemo_cp2dp2 cp1_64k cp4_64k cp4_128k
 mix_1gpu fine_1gpu qwen3_1gpu mix_1gpu_graph fine_1gpu_graph mix_ep4 fine_ep4 mix_ep2dp2 mix_ep2pp2 qwen3_ep4 dsv3_ep4 mix_ep4_pad mix_ep4_overlap fine_ep4_overlap
 qwen3_ep4_overlap dsv3_ep4_overlap mix_ep2dp2_overlap qwen3_ep4_dp dsv3_ep4_dp dsv3_ep2_dp qwen3_ep4_dp_overlap
