@@ -80,6 +80,14 @@ class DistributedDataParallel(WrappedModule):
                                                                force_single_bucket_group=disable_bucketing)
         self.param_to_bucket_group = {p: group for group in self.bucket_groups + self.expert_parallel_bucket_groups
                                       for p in group.params}
+        # The all-gathers after the optimizer step queue on one NCCL stream per group and complete in launch
+        # order, while the buckets hold params in backward order (the first layers in the last bucket). Launched
+        # in the forward's order, the first layers' params arrive first and the forward starts while the rest
+        # still travel; in bucket order the first pre-hook would wait for every bucket.
+        position = {p: i for i, p in enumerate(self.module.parameters())}
+        self._param_gather_order = sorted(
+            self.bucket_groups + self.expert_parallel_bucket_groups,
+            key=lambda group: min(position.get(p, len(position)) for p in group.params))
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_hook)
                             for p in self.param_to_bucket]
         self._param_gather_hooks = {}
@@ -201,8 +209,9 @@ class DistributedDataParallel(WrappedModule):
 
     # -- parameter all-gather (distributed optimizer) -------------------------------------------
     def start_param_sync(self, *unused, force_sync: bool = False):
-        """All-gather updated param shards; async (waited on in forward pre-hooks) with overlap_param_gather."""
-        for group in self._bucket_groups():
+        """All-gather updated param shards, in the forward's order; async (waited on in forward pre-hooks) with
+        overlap_param_gather."""
+        for group in self._param_gather_order:
             group.start_param_sync(force_sync=force_sync)
 
     def finish_param_sync(self):

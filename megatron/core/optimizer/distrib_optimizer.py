@@ -144,11 +144,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 self._start_own_param_sync()
 
     def _start_own_param_sync(self, force_sync: bool = False):
-        """All-gather the updated params of this optimizer's buckets only (as a bucket group does)."""
+        """All-gather the updated params of this optimizer's buckets only (as a bucket group does), each buffer's
+        last bucket first: buckets hold params in backward order, and the forward needs the first layers first."""
         for buffers in self.per_model_buffers.values():
             for buffer in buffers:
                 async_op = buffer.ddp_config.overlap_param_gather and not force_sync
-                for bucket in buffer.buckets:
+                for bucket in reversed(buffer.buckets):
                     bucket.finish_param_sync()
                     bucket.start_param_sync(async_op=async_op)
                     if not async_op:
