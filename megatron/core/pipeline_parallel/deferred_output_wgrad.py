@@ -11,9 +11,9 @@ from megatron.core.transformer.moe.delayed_wgrad import accumulate_param_grad
 from megatron.core.utils import get_attr_wrapped_model
 
 
-def finish_deferred_output_wgrad(config, model_chunks) -> None:
-    """Run every parked output-layer weight-gradient GEMM of this step on this rank (none when the config does
-    not defer or this rank holds no output layer) and report the output weight's gradient ready."""
+def _deferring_output_layers(config, model_chunks):
+    """(module, output layer) of every chunk on this rank whose output layer parks its GEMMs (none when the
+    config does not defer)."""
     if not getattr(config, "defer_embedding_wgrad_compute", False):
         return
     for chunk in model_chunks:
@@ -22,8 +22,23 @@ def finish_deferred_output_wgrad(config, model_chunks) -> None:
         except RuntimeError:  # a model without pipeline stages' post_process holds no output layer to drain
             continue
         layer = getattr(module, "output_layer", None) if getattr(module, "post_process", False) else None
-        if layer is None or layer.grad_output_buffer is None:
-            continue
+        if layer is not None and layer.grad_output_buffer is not None:
+            yield module, layer
+
+
+def drop_parked_output_wgrad(config, model_chunks) -> None:
+    """Empty the parking buffers: at the start of every schedule call (what an earlier call left there, e.g. a
+    forward-only pass run with autograd on, or a step that raised, is no part of this step) and after a
+    forward-only call, whose parked inputs get no backward."""
+    for _, layer in _deferring_output_layers(config, model_chunks):
+        layer.embedding_activation_buffer.clear()
+        layer.grad_output_buffer.clear()
+
+
+def finish_deferred_output_wgrad(config, model_chunks) -> None:
+    """Run every parked output-layer weight-gradient GEMM of this step on this rank (none when the config does
+    not defer or this rank holds no output layer) and report the output weight's gradient ready."""
+    for module, layer in _deferring_output_layers(config, model_chunks):
         weight = (module.shared_embedding_or_output_weight() if module.share_embeddings_and_output_weights
                   else layer.weight)
         if not weight.requires_grad:

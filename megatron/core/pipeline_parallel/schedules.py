@@ -11,7 +11,10 @@ from typing import Iterator, List, Optional, Union
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import combined_1f1b, step
-from megatron.core.pipeline_parallel.deferred_output_wgrad import finish_deferred_output_wgrad
+from megatron.core.pipeline_parallel.deferred_output_wgrad import (
+    drop_parked_output_wgrad,
+    finish_deferred_output_wgrad,
+)
 from megatron.core.pipeline_parallel.interleaved import run_interleaved
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, default_communicator, get_tensor_shape
 from megatron.core.pipeline_parallel.utils import deallocate_output_tensor, make_plan
@@ -67,6 +70,8 @@ def _communicator(p2p_communicator, pg_collection, config) -> P2PCommunicator:
 def _finish(config, model_chunks, state: step.RunState, timer):
     if not state.forward_only:
         finish_deferred_output_wgrad(config, model_chunks)  # --defer-embedding-wgrad-compute's parked GEMMs
+    else:
+        drop_parked_output_wgrad(config, model_chunks)  # a forward-only pass with autograd on parks inputs too
     timer.stop()
     if not state.forward_only and getattr(config, "finalize_model_grads_func", None) is not None:
         per_token = getattr(config, "calculate_per_token_loss", False)
@@ -116,6 +121,7 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator: Union[It
     timer = step.phase_timer(config, "forward-backward", log_level=1)
     timer.start()
     state = step.RunState(config, num_microbatches, forward_only, collect_non_loss_data, pg_collection)
+    drop_parked_output_wgrad(config, models)  # nothing an earlier call parked belongs to this step
     sync = step.GradSync(config, models)
     sync.disable_all()
     if getattr(config, "overlap_moe_expert_parallel_comm", False) and not forward_only and num_microbatches > 1:
@@ -163,6 +169,7 @@ def forward_backward_pipelining_without_interleaving(
     timer = step.phase_timer(config, "forward-backward", log_level=1)
     timer.start()
     state = step.RunState(config, num_microbatches, forward_only, collect_non_loss_data, pg_collection)
+    drop_parked_output_wgrad(config, models)  # nothing an earlier call parked belongs to this step
     sync = step.GradSync(config, models)
     sync.disable_all()
     dealloc = getattr(config, "deallocate_pipeline_outputs", False)
@@ -268,6 +275,7 @@ def forward_backward_pipelining_with_interleaving(
     timer = step.phase_timer(config, "forward-backward", log_level=1)
     timer.start()
     state = step.RunState(config, num_microbatches, forward_only, collect_non_loss_data, pg_collection)
+    drop_parked_output_wgrad(config, models)  # nothing an earlier call parked belongs to this step
     plan_of = lambda r: _plan(comm.world_size, r, num_microbatches, len(models), group_size,  # noqa: E731
                               forward_only)
     run_interleaved(forward_step_func, iterators, models, comm, plan_of, state,

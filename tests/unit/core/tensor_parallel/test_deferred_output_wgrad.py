@@ -71,3 +71,31 @@ def test_finish_reports_the_weight_to_its_hook_once():
     assert seen == [False]  # autograd's call, with no gradient
     finish_deferred_output_wgrad(layer.config, [model])
     assert seen == [False, True] and layer.weight.grad is None and layer.weight.grad_added_to_main_grad
+
+
+def test_a_forward_only_pass_with_autograd_on_leaves_nothing_for_the_next_step():
+    """Megatron empties the buffers at the start of every schedule call: an evaluation run without no_grad (a
+    Core API caller's forward_only=True) parks inputs whose backward never runs; the next step must not drain
+    them (it raised 'has no output gradient')."""
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    layer = _layer()
+    layer.config.defer_embedding_wgrad_compute = True
+    model = torch.nn.Module()
+    model.output_layer, model.post_process, model.share_embeddings_and_output_weights = layer, True, False
+    model.config = layer.config
+    model.set_input_tensor = lambda tensor: None
+    x, w = torch.randn(4, 1, 8), torch.randn(4, 1, 6)
+
+    def forward_step(data_iterator, model):
+        out = model.output_layer(x.clone().requires_grad_())[0]
+        return out, lambda o: ((o * w).sum(), {"loss": (o * w).sum().detach()})
+
+    run = dict(forward_step_func=forward_step, data_iterator=None, model=[model], num_microbatches=1,
+               seq_length=4, micro_batch_size=1)
+    forward_backward_no_pipelining(**run, forward_only=True)
+    assert layer.embedding_activation_buffer == [] and layer.grad_output_buffer == []
+    layer.embedding_activation_buffer.append(x)  # and what a step that raised left behind
+    layer.grad_output_buffer.append(None)
+    forward_backward_no_pipelining(**run)
+    torch.testing.assert_close(layer.weight.main_grad, w.reshape(-1, 6).t() @ x.reshape(-1, 8), rtol=1e-6, atol=1e-6)
