@@ -14,12 +14,12 @@ MODEL = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 1
          "--hidden-dropout 0 --attention-dropout 0 --log-interval 1 --eval-iters 0 --eval-interval 1000 "
          "--num-workers 0 --global-batch-size 4 --micro-batch-size 1 --seed 1234 --clip-grad 1.0 "
          "--pipeline-model-parallel-size 2")
-LAYOUTS = {  # name -> (layout flags, parked GEMMs per step on a last-stage rank)
+LAYOUTS = {  # name -> (layout flags, deferral flags, parked GEMMs per step on a last-stage rank)
     "pp2_dp2_distopt_overlap": ("--use-distributed-optimizer --overlap-grad-reduce "
-                                "--untie-embeddings-and-output-weights", 2),
-    "pp2_tp2_sp_limit1": ("--tensor-model-parallel-size 2 --sequence-parallel --untie-embeddings-and-output-weights "
+                                "--untie-embeddings-and-output-weights", "", 2),
+    "pp2_tp2_sp_limit1": ("--tensor-model-parallel-size 2 --sequence-parallel --untie-embeddings-and-output-weights",
                           "--wgrad-deferral-limit 1", 1),
-    "pp2_vp2_dp2_tied": ("--num-layers-per-virtual-pipeline-stage 1 --overlap-grad-reduce", 2),
+    "pp2_vp2_dp2_tied": ("--num-layers-per-virtual-pipeline-stage 1 --overlap-grad-reduce", "", 2),
 }
 
 
@@ -52,8 +52,8 @@ def _train(extra):
 
 
 def _all_layouts():
-    return {name: (_train(flags), _train(flags + " --defer-embedding-wgrad-compute"))
-            for name, (flags, _) in LAYOUTS.items()}
+    return {name: (_train(flags), _train(f"{flags} --defer-embedding-wgrad-compute {defer}"))
+            for name, (flags, defer, _) in LAYOUTS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_deferred_output_wgrad_equals_the_plain_run(runs, name):
     last_stage = [r[name] for r in runs if r[name][0][0]]  # the ranks that log the loss
     assert len(last_stage) == 2
     for (plain, parked_plain), (deferred, parked) in last_stage:
-        assert parked_plain == 0 and parked == 3 * LAYOUTS[name][1], (parked_plain, parked)
+        assert parked_plain == 0 and parked == 3 * LAYOUTS[name][2], (parked_plain, parked)
         assert len(plain) == len(deferred) == 3
         for i, ((loss, norm), (d_loss, d_norm)) in enumerate(zip(plain, deferred)):
             assert abs(d_loss - loss) <= 1e-6 * abs(loss), f"iteration {i + 1}: loss {d_loss} vs {loss}"

@@ -246,6 +246,9 @@ def _validate_virtual_pipeline(args):
                  "buffer: drop --no-gradient-accumulation-fusion (as in Megatron)")
     _require(args.wgrad_deferral_limit >= 0,
              f"--wgrad-deferral-limit must be >= 0 (0: park every output-layer GEMM), got {args.wgrad_deferral_limit}")
+    _require(args.wgrad_deferral_limit == 0 or args.defer_embedding_wgrad_compute,
+             f"--wgrad-deferral-limit {args.wgrad_deferral_limit} bounds the GEMMs --defer-embedding-wgrad-compute "
+             "parks: add that flag or drop the limit")
     if args.pipeline_model_parallel_layout is not None:
         # Its PP x VP entries set the virtual stages per rank, as in Megatron.
         _require(per_stage is None and per_rank is None,

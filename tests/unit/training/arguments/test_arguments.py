@@ -171,6 +171,8 @@ def test_derived_values():
     ("--defer-embedding-wgrad-compute --pipeline-model-parallel-size 2 --no-gradient-accumulation-fusion", 2,
      "drop --no-gradient-accumulation-fusion"),
     ("--wgrad-deferral-limit -1", 1, "--wgrad-deferral-limit must be >= 0"),
+    ("--wgrad-deferral-limit 2", 1, "--wgrad-deferral-limit 2 bounds the GEMMs --defer-embedding-wgrad-compute "
+                                    "parks: add that flag"),
     ("--defer-embedding-wgrad-compute --pipeline-model-parallel-size 2 --cuda-graph-impl full_iteration", 2,
      "with --defer-embedding-wgrad-compute: the parked output-layer GEMMs"),
 ])
