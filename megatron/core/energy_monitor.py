@@ -58,7 +58,8 @@ class EnergyMonitor:
         self._owns_nvml = False
         self._total_mj = 0  # this rank's energy in closed laps
         self._lap_mj = 0  # this rank's energy in the open lap's finished spans
-        self._last_mj = None  # counter at the start of the running span; None while paused
+        self._running = False  # between resume and pause
+        self._last_mj = None  # counter at the start of the running span; None while paused or after a failed read
         self._warned = False
 
     def setup(self) -> None:
@@ -82,14 +83,14 @@ class EnergyMonitor:
     def shutdown(self) -> None:
         """Stop for good: later pause/resume/lap read nothing (a checkpoint save after training may still
         pause and resume)."""
-        self._read, self._last_mj = None, None
+        self._read, self._last_mj, self._running = None, None, False
         if self._owns_nvml:
             pynvml.nvmlShutdown()
             self._owns_nvml = False
 
-    def _counter(self) -> int:
-        """The counter; a failed read mid-run repeats the last one (the span reads as 0 J, with a warning
-        once) rather than stopping training over a statistic."""
+    def _counter(self) -> Optional[int]:
+        """The counter, or None when the read fails: a span without a reading at either end counts 0 J (with a
+        warning once) rather than stopping training over a statistic, or measuring from a made-up start."""
         try:
             return int(self._read())
         except Exception as e:  # pynvml.NVMLError (or a fake counter's error)
@@ -97,28 +98,32 @@ class EnergyMonitor:
                 self._warned = True
                 warnings.warn(f"--log-energy: reading the GPU energy counter failed ({e}); spans without a "
                               f"reading count as 0 J")
-            return self._last_mj if self._last_mj is not None else 0
+            return None
+
+    def _close_span(self) -> Optional[int]:
+        """Add the running span to the open lap; returns the reading that ends it (None: the read failed)."""
+        now = self._counter()
+        if now is not None and self._last_mj is not None:
+            self._lap_mj += now - self._last_mj
+        return now
 
     def resume(self) -> None:
         """Start (or restart after ``pause``) counting; nothing before ``setup`` or after ``shutdown``."""
         if self._read is not None:
-            self._last_mj = self._counter()
+            self._running, self._last_mj = True, self._counter()
 
     def pause(self) -> None:
         """Stop counting until ``resume``; what ran since the last resume stays in the open lap."""
-        if self._last_mj is not None:
-            self._lap_mj += self._counter() - self._last_mj
-            self._last_mj = None
+        if self._running:
+            self._close_span()
+            self._running, self._last_mj = False, None
 
     def lap(self) -> float:
         """Energy (J) since the previous lap, summed over the group's ranks; a collective. Counting goes on
         if it was running."""
-        mj = self._lap_mj
-        if self._last_mj is not None:
-            now = self._counter()
-            mj += now - self._last_mj
-            self._last_mj = now
-        self._lap_mj = 0
+        if self._running:
+            self._last_mj = self._close_span()
+        mj, self._lap_mj = self._lap_mj, 0
         self._total_mj += mj
         return self._sum_over_ranks(mj) / 1000.0
 

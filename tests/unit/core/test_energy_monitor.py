@@ -58,6 +58,26 @@ def test_failed_read_warns_once_and_counts_zero():
     assert m.get_total() == pytest.approx(2.0)
 
 
+def test_a_failed_read_when_counting_resumes_does_not_count_from_zero():
+    """The counter is a total since the driver loaded: a resume (after an evaluation) whose read fails must not
+    start the span at 0 mJ, or the next lap reports the GPU's lifetime energy."""
+    c = _Counter(mj=9_000_000_000)  # 9 MJ since the driver loaded
+    m = EnergyMonitor(read_counter=c)
+    m.resume()
+    c.mj += 2_000
+    m.pause()
+    healthy = m._read
+    m._read = lambda: (_ for _ in ()).throw(RuntimeError("NVML_ERROR_TIMEOUT"))
+    with pytest.warns(UserWarning, match="reading the GPU energy counter failed"):
+        m.resume()  # the span it opens has no start reading: it counts 0 J
+    m._read = healthy
+    c.mj += 1_000
+    assert m.lap() == pytest.approx(2.0)
+    c.mj += 500
+    assert m.lap() == pytest.approx(0.5)  # counting goes on from the lap's reading
+    assert m.get_total() == pytest.approx(2.5)
+
+
 def test_per_gpu_fields_follow_megatron():
     # 8 GPUs used 4 000 J over 5 iterations of 0.25 s: 100 J per iteration per GPU, 400 W per GPU
     assert energy_log_fields(4000.0, 5, 8, 0.25) == pytest.approx((100.0, 400.0))
