@@ -17,12 +17,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RankResult = namedtuple("RankResult", "rc out err")
 
 _SERVER = r'''
-import json, os, runpy, signal, socket, sys, tempfile, time, traceback
+import gc, json, os, runpy, signal, socket, sys, tempfile, time, traceback
 sys.path.insert(0, ROOT)
 os.chdir(ROOT)
 import torch  # noqa: F401  the expensive imports, shared by every forked run
 import pretrain_gpt  # noqa: F401
 import megatron.training.training  # noqa: F401
+# Loaded lazily by every training run: torch._dynamo by the first torch.optim optimizer (~1.3 s of imports, sympy
+# among them), the checkpoint code by the first save or load. Imported here once, not in each forked rank.
+import torch._dynamo  # noqa: F401
+import megatron.core.dist_checkpointing.serialization  # noqa: F401
+# Everything imported so far into the permanent generation: a forked run's collections (pretrain's one before its
+# loop) walk only what the run made, and do not write to, and so copy, every page of the server's heap.
+gc.freeze()
 
 def free_port():
     with socket.socket() as s:

@@ -26,9 +26,10 @@ def free_port() -> int:
 # a small multi-rank test's cost on a 2-core machine. The server never runs torch ops, so forking it is
 # safe (no OpenMP or other threads to inherit), unlike forking the test process itself.
 # The checkpoint code (torch.distributed.checkpoint) loads lazily in a run; many tests save, so preload it here.
+# Last, tests.parallel.forkserver_gc_freeze moves all of it into the collector's permanent generation.
 _PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "torch._dynamo", "numpy",
             "megatron.core", "megatron.core.parallel_state", "megatron.training",
-            "megatron.core.dist_checkpointing.serialization"]
+            "megatron.core.dist_checkpointing.serialization", "tests.parallel.forkserver_gc_freeze"]
 
 
 def _context():
