@@ -1,6 +1,8 @@
 """Multi-latent attention on CUDA (bf16, DeepSeek-V3 head dims 128 + 64 / 128): every --attention-backend runs
-(values zero-padded to the query/key head dim for the flash and cuDNN kernels) and matches the fp32 CPU module.
-bf16 keeps ~3 significant digits through two projections and the softmax: 3e-2 relative to the output scale."""
+(cuDNN at the value's own head dim under auto and fused; values zero-padded to the query/key head dim for flash)
+and matches the fp32 CPU module. bf16 keeps ~3 significant digits through two projections and the softmax: 3e-2
+relative to the output scale. The cuDNN path at the value's head dim equals the padded SDPA path, forward and
+backward."""
 import pytest
 import torch
 
@@ -32,3 +34,30 @@ def test_mla_backends_match_fp32_reference(backend):
     ref = ref_attn(x)[0]
     out = attn(x.cuda().to(torch.bfloat16))[0].float().cpu()
     assert (out - ref).abs().max() <= 3e-2 * ref.abs().max()
+
+
+def test_cudnn_at_the_value_head_dim_equals_the_padded_path():
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megatron.core.context_parallel import kernels
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuDNN attention here needs Hopper or newer")
+    torch.manual_seed(0)
+    b, n, s, dq, dv = 2, 8, 1024, 192, 128
+    q, k = (torch.randn(b, n, s, dq, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    v = torch.randn(b, n, s, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    assert kernels.cudnn_narrow_v_usable(q, v)
+    out = kernels.cudnn_narrow_v_attention(q, k, v, True, dq ** -0.5)
+    assert out is not None and kernels._CUDNN_NARROW_V["ok"], "cuDNN refused d_qk 192 / d_v 128"
+    assert out.shape == (b, n, s, dv)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        ref = F.scaled_dot_product_attention(q, k, F.pad(v, (0, dq - dv)), is_causal=True, scale=dq ** -0.5)
+    ref = ref[..., :dv]
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    assert (out - ref).abs().max() <= 2e-2 * ref.abs().max()
+    for g, r in zip(grads, ref_grads):
+        assert (g - r).abs().max() <= 2e-2 * r.abs().max()

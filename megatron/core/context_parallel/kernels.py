@@ -194,15 +194,43 @@ class _CudnnGQAAttention(torch.autograd.Function):
 def cudnn_gqa_attention(q, k, v, causal: bool, scale):
     """[b, n, s, d] attention of q [b, n, s, d] over k, v [b, g, s, d] (g divides n), or None where this cuDNN
     refuses the configuration (then never tried again)."""
+    return _cudnn_attention_or_none(_CUDNN_GQA, q, k, v, causal, scale)
+
+
+def _cudnn_attention_or_none(state, q, k, v, causal: bool, scale):
+    """`_CudnnGQAAttention` on these tensors, or None the first time this cuDNN refuses the kind of call ``state``
+    stands for (``state["ok"]`` False from then on, so the caller's fallback runs without asking again); a
+    refusal after a success is a real error and raised."""
     try:
         out = _CudnnGQAAttention.apply(q, k, v, causal, scale)
     except RuntimeError:
-        if _CUDNN_GQA["ok"]:
+        if state["ok"]:
             raise  # it ran before: a real error
-        _CUDNN_GQA["ok"] = False
+        state["ok"] = False
         return None
-    _CUDNN_GQA["ok"] = True
+    state["ok"] = True
     return out
+
+
+_CUDNN_NARROW_V = {"ok": None}  # MLA's narrower value heads through cuDNN: None not tried yet; False refused once
+
+
+def cudnn_narrow_v_usable(q, v) -> bool:
+    """Whether `cudnn_narrow_v_attention` may run: value heads narrower than query/key heads (MLA: 192 against 128),
+    both multiples of 8 and at most 256, CUDA on Hopper or newer, 16-bit, outside torch.compile. cuDNN takes the
+    two head dims as they are, where SDPA's flash kernel needs one (so the value was zero-padded to the query's
+    width: a sixth more attention FLOPs at DeepSeek-V3's dims, and a padded copy of V)."""
+    dq, dv = q.size(-1), v.size(-1)
+    return (q.is_cuda and _CUDNN_NARROW_V["ok"] is not False and q.dtype in (torch.bfloat16, torch.float16)
+            and dv < dq <= 256 and dq % 8 == 0 and dv % 8 == 0 and not torch.compiler.is_compiling()
+            and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
+            and torch.cuda.get_device_capability(q.device) >= (9, 0))
+
+
+def cudnn_narrow_v_attention(q, k, v, causal: bool, scale):
+    """[b, n, s, dv] attention of q, k [b, n (or g), s, dq] over v [b, n (or g), s, dv] with dv < dq, or None
+    where this cuDNN refuses the configuration (then never tried again; the caller pads V)."""
+    return _cudnn_attention_or_none(_CUDNN_NARROW_V, q, k, v, causal, scale)
 
 
 def _native_gqa(q, k) -> bool:

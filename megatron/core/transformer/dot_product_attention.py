@@ -7,7 +7,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron.core import parallel_state
-from megatron.core.context_parallel.kernels import _CUDNN_GQA, cudnn_gqa_usable  # noqa: F401  (tests read _CUDNN_GQA)
+from megatron.core.context_parallel.kernels import (  # noqa: F401  (tests read _CUDNN_GQA)
+    _CUDNN_GQA,
+    cudnn_gqa_usable,
+    cudnn_narrow_v_attention,
+    cudnn_narrow_v_usable,
+)
 from megatron.core.context_parallel.kernels import cudnn_gqa_attention as _cudnn_gqa_attention
 from megatron.core.context_parallel.utils import document_layout
 from megatron.core.process_groups_config import get_pg, get_pg_size
@@ -160,13 +165,20 @@ class DotProductAttention(MegatronModule):
         # [s, b, n, hn] -> [b, n, s, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
-        if (k.size(1) != q.size(1) and q.size(2) == k.size(2) and attention_mask is None and dropout_p == 0.0
-                and self.window_size is None and self.softmax_offset is None
-                and mask_type in (AttnMaskType.causal, AttnMaskType.no_mask, AttnMaskType.padding_causal)
-                and _cudnn_gqa_applies(q, v, self.sdpa_backends)):
-            ctx = _cudnn_gqa_attention(q, k, v, mask_type is not AttnMaskType.no_mask, self.softmax_scale)
+        plain = (q.size(2) == k.size(2) and attention_mask is None and dropout_p == 0.0 and self.window_size is None
+                 and self.softmax_offset is None
+                 and mask_type in (AttnMaskType.causal, AttnMaskType.no_mask, AttnMaskType.padding_causal))
+        causal = mask_type is not AttnMaskType.no_mask
+        if plain and k.size(1) != q.size(1) and _cudnn_gqa_applies(q, v, self.sdpa_backends):
+            ctx = _cudnn_gqa_attention(q, k, v, causal, self.softmax_scale)
             if ctx is not None:
                 return ctx.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+        if (plain and v.size(-1) < hn and self.sdpa_backends and self.sdpa_backends[0] == SDPBackend.CUDNN_ATTENTION
+                and cudnn_narrow_v_usable(q, v)):
+            # MLA: cuDNN at the value's own head dim, where the path below pads V to the query's for flash
+            ctx = cudnn_narrow_v_attention(q, k, v, causal, self.softmax_scale)
+            if ctx is not None:
+                return ctx.permute(2, 0, 1, 3).reshape(sq, b, np_ * v.size(-1))
         if k.size(1) != q.size(1):
             rep = q.size(1) // k.size(1)
             k = k.repeat_interleave(rep, dim=1)  # [b, np, sk, hn]

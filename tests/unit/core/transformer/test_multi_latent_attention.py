@@ -81,3 +81,31 @@ def test_mla_attention_matches_reference(q_lora_rank):
     out, bias = attn(x)
     assert bias is None
     torch.testing.assert_close(out, _reference_mla(attn, cfg, x), **TOL)
+
+
+def test_cudnn_path_takes_the_value_at_its_own_head_dim(monkeypatch):
+    """Where cuDNN attention applies (CUDA, Hopper; emulated here), MLA's values reach it at v_head_dim, unpadded,
+    and its [b, n, s, v] output becomes the layer's context: the result equals the reference; when cuDNN
+    refuses (None), the padded path gives the same."""
+    import torch.nn.functional as F
+
+    from megatron.core.transformer import dot_product_attention as dpa
+
+    cfg = _cfg(q_lora_rank=12)
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True,
+                                    normalization="RMSNorm").submodules.self_attention
+    torch.manual_seed(0)
+    attn = MLASelfAttention(cfg, spec.submodules, layer_number=1, **spec.params)
+    x = torch.randn(S, B, H)
+    seen = []
+
+    def cudnn(q, k, v, causal, scale):
+        seen.append((q.size(-1), v.size(-1), causal))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    monkeypatch.setattr(dpa, "cudnn_narrow_v_usable", lambda q, v: True)
+    monkeypatch.setattr(dpa, "cudnn_narrow_v_attention", cudnn)
+    out = attn(x)[0]
+    assert seen == [(cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.v_head_dim, True)]
+    torch.testing.assert_close(out, _reference_mla(attn, cfg, x), **TOL)
+    monkeypatch.setattr(dpa, "cudnn_narrow_v_attention", lambda *a: None)
+    torch.testing.assert_close(attn(x)[0], out, **TOL)
