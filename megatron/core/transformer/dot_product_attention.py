@@ -41,10 +41,10 @@ _NONDETERMINISTIC = ("CUDNN_ATTENTION",)
 _MASKED_DETERMINISTIC = ("EFFICIENT_ATTENTION", "MATH")  # flash takes no explicit mask
 
 
-def _cudnn_gqa_applies(q, v, backends) -> bool:
-    """GQA attention straight through cuDNN (see context_parallel.kernels.cudnn_gqa_usable), with cuDNN first
-    in the allowed backends (so never under deterministic mode)."""
-    return bool(backends) and backends[0] == SDPBackend.CUDNN_ATTENTION and cudnn_gqa_usable(q, v)
+def _cudnn_first(backends) -> bool:
+    """cuDNN heads the allowed backends (so never under deterministic mode): the direct cuDNN calls below (GQA at
+    the K/V head count, MLA at the value's head dim) may replace SDPA's dispatch."""
+    return bool(backends) and backends[0] == SDPBackend.CUDNN_ATTENTION
 
 
 def sdpa_backends(attention_backend: str, deterministic: bool = False):
@@ -165,16 +165,15 @@ class DotProductAttention(MegatronModule):
         # [s, b, n, hn] -> [b, n, s, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
-        plain = (q.size(2) == k.size(2) and attention_mask is None and dropout_p == 0.0 and self.window_size is None
-                 and self.softmax_offset is None
-                 and mask_type in (AttnMaskType.causal, AttnMaskType.no_mask, AttnMaskType.padding_causal))
+        direct_cudnn = (_cudnn_first(self.sdpa_backends) and q.size(2) == k.size(2) and attention_mask is None
+                        and dropout_p == 0.0 and self.window_size is None and self.softmax_offset is None
+                        and mask_type in (AttnMaskType.causal, AttnMaskType.no_mask, AttnMaskType.padding_causal))
         causal = mask_type is not AttnMaskType.no_mask
-        if plain and k.size(1) != q.size(1) and _cudnn_gqa_applies(q, v, self.sdpa_backends):
+        if direct_cudnn and k.size(1) != q.size(1) and cudnn_gqa_usable(q, v):
             ctx = _cudnn_gqa_attention(q, k, v, causal, self.softmax_scale)
             if ctx is not None:
                 return ctx.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
-        if (plain and v.size(-1) < hn and self.sdpa_backends and self.sdpa_backends[0] == SDPBackend.CUDNN_ATTENTION
-                and cudnn_narrow_v_usable(q, v)):
+        if direct_cudnn and v.size(-1) < hn and cudnn_narrow_v_usable(q, v):
             # MLA: cuDNN at the value's own head dim, where the path below pads V to the query's for flash
             ctx = cudnn_narrow_v_attention(q, k, v, causal, self.softmax_scale)
             if ctx is not None:
